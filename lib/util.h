@@ -1,0 +1,119 @@
+// Small helpers shared by every module: overflow-checked size arithmetic for sizes that come
+// from untrusted files, SIZE option parsing ("5GB", "512MiB"), whole-file reads of small text
+// files, paths, recursive removal, file hashing, UTF-8 validation and a string-keyed hash map.
+#ifndef LM_UTIL_H
+#define LM_UTIL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+// ---- checked arithmetic -------------------------------------------------------------------
+
+// Sets *out = a * b and returns true, or returns false (leaving *out alone) on overflow.
+static inline bool lm_mul_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    uint64_t r;
+    if (__builtin_mul_overflow(a, b, &r))
+        return false;
+    *out = r;
+    return true;
+}
+
+// Sets *out = a + b and returns true, or returns false on overflow.
+static inline bool lm_add_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    uint64_t r;
+    if (__builtin_add_overflow(a, b, &r))
+        return false;
+    *out = r;
+    return true;
+}
+
+// ---- sizes ----------------------------------------------------------------------------------
+
+// Parses a byte count with an optional suffix: K, M, G, T or KiB, MiB, GiB, TiB (powers of
+// 1024), KB, MB, GB, TB (powers of 1000, as transformers reads "5GB"), B or none (bytes).
+// Fractions are allowed before a suffix ("1.5GiB"). On failure returns LM_ERR_USAGE with a
+// message quoting the text.
+lm_status lm_parse_size(const char *text, uint64_t *out, lm_err *err);
+
+// Writes a short human form of `bytes` ("1.50 GiB", "512 B") into buf; returns buf.
+char *lm_format_bytes(char *buf, size_t cap, uint64_t bytes);
+
+// ---- files and paths ------------------------------------------------------------------------
+
+// Reads the whole file at `path` (at most max_bytes) into a new NUL-terminated buffer that the
+// caller frees with free(). Sets *len to the byte count (without the NUL).
+lm_status lm_read_file(const char *path, size_t max_bytes, char **out, size_t *len, lm_err *err);
+
+// Writes `len` bytes to `path` (created or truncated, mode 0644). The message names the path.
+lm_status lm_write_file(const char *path, const void *data, size_t len, lm_err *err);
+
+// Returns a new string "a/b" (b alone when it is absolute or a is empty); caller frees.
+// Returns NULL only when memory runs out.
+char *lm_path_join(const char *a, const char *b);
+
+// Returns the last component of `path` (a pointer into it).
+const char *lm_path_base(const char *path);
+
+bool lm_is_dir(const char *path);
+bool lm_is_file(const char *path);
+
+// Creates the directory and its missing parents (mode 0755).
+lm_status lm_mkdir_p(const char *path, lm_err *err);
+
+// Removes `path` and, when it is a directory, everything under it. Symlinks are removed, not
+// followed. A missing path is not an error.
+lm_status lm_rm_rf(const char *path, lm_err *err);
+
+// Copies the regular file `src` to `dst` (created or truncated).
+lm_status lm_copy_file(const char *src, const char *dst, lm_err *err);
+
+// xxHash64 (seed 0) of a whole file, read in streaming blocks.
+lm_status lm_xxh64_file(const char *path, uint64_t *out, lm_err *err);
+
+// xxHash64 (seed 0) of a buffer.
+uint64_t lm_xxh64(const void *data, size_t len);
+
+// ---- text -----------------------------------------------------------------------------------
+
+// True when buf[0..len) is well-formed UTF-8 (no overlongs, surrogates or values > U+10FFFF).
+bool lm_utf8_valid(const void *buf, size_t len);
+
+// strdup that returns NULL on NULL input.
+char *lm_strdup(const char *s);
+
+// A new string formatted like printf; NULL when memory runs out. Caller frees.
+char *lm_strfmt(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+// True when `s` ends with `suffix`.
+bool lm_str_ends_with(const char *s, const char *suffix);
+
+// ---- string map -----------------------------------------------------------------------------
+
+// Open-addressing hash map from NUL-terminated keys to int64 values. Keys are not copied: they
+// must outlive the map (they usually point into a parsed header).
+typedef struct lm_strmap {
+    const char **keys;  // (cap) NULL where empty
+    int64_t *vals;      // (cap)
+    size_t cap;         // power of two
+    size_t count;
+} lm_strmap;
+
+// Prepares an empty map sized for `expected` keys. Returns LM_ERR_NOMEM on failure.
+lm_status lm_strmap_init(lm_strmap *m, size_t expected);
+
+// Frees the map's arrays (not the keys). Safe on a zeroed map.
+void lm_strmap_free(lm_strmap *m);
+
+// Inserts key→val. Returns 1 when inserted, 0 when the key was already present (value left
+// unchanged), -1 when memory runs out.
+int lm_strmap_put(lm_strmap *m, const char *key, int64_t val);
+
+// Returns the value for `key`, or -1 when absent.
+int64_t lm_strmap_get(const lm_strmap *m, const char *key);
+
+#endif

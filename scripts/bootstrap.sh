@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs the Debian packages llmerge's build, tests and demo need. Idempotent: when every
+# package is already there it only checks and returns (well under a second), so `make test`
+# and `make demo` can call it every time.
+set -euo pipefail
+
+pkgs=(cmake make gcc clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev)
+
+missing=()
+for p in "${pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+echo "bootstrap: installing ${missing[*]}" >&2
+sudo=""
+if [ "$(id -u)" -ne 0 ]; then
+  command -v sudo >/dev/null || { echo "bootstrap: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+  sudo="sudo"
+fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+echo "bootstrap: done" >&2
