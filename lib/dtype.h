@@ -9,8 +9,13 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
 
 // In the order of the reference implementation's Dtype enum: its writer sorts tensors by this
 // order, descending, then by name, and llmerge's writer does the same.
@@ -61,13 +66,21 @@ bool lm_dtype_readable(lm_dtype dt);
 bool lm_dtype_writable(lm_dtype dt);
 
 // ---- scalar conversions ---------------------------------------------------------------------
+// Shared by the CPU loops and the CUDA kernels (kernels/convert.cu), so both round the same
+// way bit for bit.
 
-static inline float lm_bits_f32(uint32_t u) { float f; __builtin_memcpy(&f, &u, 4); return f; }
-static inline uint32_t lm_f32_bits(float f) { uint32_t u; __builtin_memcpy(&u, &f, 4); return u; }
+#ifdef __CUDACC__
+#define LM_HD __host__ __device__
+#else
+#define LM_HD
+#endif
 
-static inline float lm_bf16_to_f32(uint16_t h) { return lm_bits_f32((uint32_t)h << 16); }
+LM_HD static inline float lm_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+LM_HD static inline uint32_t lm_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
-static inline uint16_t lm_f32_to_bf16(float f)
+LM_HD static inline float lm_bf16_to_f32(uint16_t h) { return lm_bits_f32((uint32_t)h << 16); }
+
+LM_HD static inline uint16_t lm_f32_to_bf16(float f)
 {
     uint32_t u = lm_f32_bits(f);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
@@ -75,7 +88,7 @@ static inline uint16_t lm_f32_to_bf16(float f)
     return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
 }
 
-static inline float lm_f16_to_f32(uint16_t h)
+LM_HD static inline float lm_f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
     uint32_t em = h & 0x7FFFu;
@@ -88,7 +101,7 @@ static inline float lm_f16_to_f32(uint16_t h)
     return lm_bits_f32(bits | sign);
 }
 
-static inline uint16_t lm_f32_to_f16(float f)
+LM_HD static inline uint16_t lm_f32_to_f16(float f)
 {
     uint32_t u = lm_f32_bits(f);
     uint32_t sign = (u >> 16) & 0x8000u;
@@ -114,5 +127,9 @@ lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n,
 // Converts n float32 values to `dt` (F32, F16 or BF16) into `dst` (any alignment), rounding
 // to nearest even. Returns LM_ERR_UNSUPPORTED when dt is not writable.
 lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -20,13 +20,23 @@ lm_status lm_err_prefix(lm_err *err, const char *fmt, ...)
 {
     if (!err)
         return LM_OK;
-    char head[LM_ERR_MSG_MAX], old[LM_ERR_MSG_MAX];
+    char old[LM_ERR_MSG_MAX];
+    memcpy(old, err->msg, sizeof old);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(head, sizeof head, fmt, ap);
+    int n = vsnprintf(err->msg, sizeof err->msg, fmt, ap);
     va_end(ap);
-    memcpy(old, err->msg, sizeof old);
-    snprintf(err->msg, sizeof err->msg, "%s: %s", head, old);
+    // Append ": old" after the head, cut to the buffer (the tail of a long message is lost).
+    if (n >= 0 && (size_t)n < sizeof err->msg - 3) {
+        size_t room = sizeof err->msg - (size_t)n;
+        err->msg[n] = ':';
+        err->msg[n + 1] = ' ';
+        size_t len = strnlen(old, sizeof old - 1);
+        if (len > room - 3)
+            len = room - 3;
+        memcpy(err->msg + n + 2, old, len);
+        err->msg[n + 2 + len] = '\0';
+    }
     return err->status;
 }
 

@@ -7,6 +7,10 @@
 
 #include <stdarg.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef enum lm_status {
     LM_OK = 0,
     LM_ERR_USAGE,        // bad command line or option value
@@ -46,5 +50,9 @@ const char *lm_status_name(lm_status status);
 // The process exit status for a failure: 2 for what can be known before any work starts
 // (usage, malformed or mismatched input), 1 for failures of the work itself.
 int lm_status_exit_code(lm_status status);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

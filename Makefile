@@ -1,0 +1,53 @@
+# The front door: wraps CMake so a newcomer needs two commands, `make demo` and `make test`.
+# Both install what the build needs first (scripts/bootstrap.sh, a no-op when all is there).
+#
+#   make          build llmerge (build/), with the CUDA parts when the toolkit is found
+#   make test     the CPU build's tests, then the sanitizer build's tests and the fuzzer
+#   make demo     build, generate the fixtures and run llmerge on them
+#   make bench    run the benchmarks and print their figures
+#   make clean    remove the build trees
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
+CUDA       ?= AUTO
+FUZZ_SECONDS ?= 60
+
+.PHONY: all build bootstrap test test-cpu test-asan demo bench clean
+
+all: build
+
+bootstrap:
+	@bash scripts/bootstrap.sh
+
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -DLLMERGE_CUDA=$(CUDA)
+
+build: $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS)
+
+$(ASAN_BUILD)/CMakeCache.txt:
+	CC=clang cmake -S . -B $(ASAN_BUILD) -DLLMERGE_CUDA=OFF -DLLMERGE_SANITIZE=ON \
+	  -DLLMERGE_FUZZ=ON -DLLMERGE_FUZZ_SECONDS=$(FUZZ_SECONDS)
+
+test: bootstrap
+	@$(MAKE) --no-print-directory test-cpu
+	@$(MAKE) --no-print-directory test-asan
+
+test-cpu: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+test-asan: $(ASAN_BUILD)/CMakeCache.txt
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
+	cd $(ASAN_BUILD) && ctest --output-on-failure -j $(JOBS)
+
+demo: bootstrap
+	@$(MAKE) --no-print-directory build
+	@bash scripts/demo.sh $(BUILD)
+
+bench: bootstrap
+	@$(MAKE) --no-print-directory build
+	@bash scripts/bench.sh $(BUILD)
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

@@ -1,0 +1,13 @@
+// The subcommands of the llmerge command line. Each takes its own argv (argv[0] is the
+// subcommand's name), parses its options, prints what it has to say, and returns the process
+// exit status: 0 done, 1 the work failed, 2 bad usage or bad input (lm_status_exit_code). Error
+// messages go to stderr as "llmerge COMMAND: MESSAGE".
+#ifndef LM_CMD_H
+#define LM_CMD_H
+
+// `llmerge inspect PATH [--base DIR] [--json]`: describes a safetensors file, a model directory
+// or an adapter directory (validated against --base when given). Allocates nothing that
+// outlives the call.
+int lm_cmd_inspect(int argc, char **argv);
+
+#endif

@@ -1,0 +1,103 @@
+// The llmerge command line: dispatches the subcommand, answers --help and --version, and
+// suggests the nearest command for a typo. Each subcommand lives in its own file and parses
+// its own options (cmd.h).
+#include <stdio.h>
+#include <string.h>
+
+#include "cmd.h"
+
+typedef struct command {
+    const char *name;
+    const char *summary;
+    int (*run)(int argc, char **argv);
+} command;
+
+static const command commands[] = {
+    {"inspect", "show the tensors of a safetensors file, a model directory or an adapter", lm_cmd_inspect},
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "llmerge %s: merge fine-tuned LLM checkpoints and LoRA adapters\n"
+            "\n"
+            "Usage: llmerge COMMAND [ARGS...]\n"
+            "\n"
+            "Commands:\n",
+            LLMERGE_VERSION);
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        fprintf(out, "  %-16s %s\n", commands[i].name, commands[i].summary);
+    fprintf(out,
+            "\n"
+            "Options:\n"
+            "  -h, --help       this help; `llmerge COMMAND --help` for a command's options\n"
+            "  --version        the version and how it was built\n"
+            "\n"
+            "Exit status: 0 done, 1 the work failed, 2 bad usage or bad input.\n");
+}
+
+// Levenshtein distance, for "did you mean".
+static size_t edit_distance(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    if (la > 63 || lb > 63)
+        return 64;
+    size_t row[64];
+    for (size_t j = 0; j <= lb; j++)
+        row[j] = j;
+    for (size_t i = 1; i <= la; i++) {
+        size_t diag = row[0];
+        row[0] = i;
+        for (size_t j = 1; j <= lb; j++) {
+            size_t up = row[j];
+            size_t best = diag + (a[i - 1] != b[j - 1]);
+            if (up + 1 < best) best = up + 1;
+            if (row[j - 1] + 1 < best) best = row[j - 1] + 1;
+            row[j] = best;
+            diag = up;
+        }
+    }
+    return row[lb];
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    const char *cmd = argv[1];
+    if (strcmp(cmd, "-h") == 0 || strcmp(cmd, "--help") == 0 || strcmp(cmd, "help") == 0) {
+        usage(stdout);
+        return 0;
+    }
+    if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "version") == 0) {
+        printf("llmerge %s (CUDA %s)\n", LLMERGE_VERSION,
+#ifdef LLMERGE_HAVE_CUDA
+               "built in"
+#else
+               "not built"
+#endif
+        );
+        return 0;
+    }
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        if (strcmp(cmd, commands[i].name) == 0)
+            return commands[i].run(argc - 1, argv + 1);
+
+    const char *best = NULL;
+    size_t best_d = 3;
+    for (size_t i = 0; i < N_COMMANDS; i++) {
+        size_t d = edit_distance(cmd, commands[i].name);
+        if (d < best_d) {
+            best_d = d;
+            best = commands[i].name;
+        }
+    }
+    if (best)
+        fprintf(stderr, "llmerge: unknown command '%s'; did you mean '%s'?\n", cmd, best);
+    else
+        fprintf(stderr, "llmerge: unknown command '%s' (see llmerge --help)\n", cmd);
+    return 2;
+}

@@ -1,0 +1,181 @@
+// PEFT LoRA adapters: adapter_config.json and adapter_model.safetensors, read into modules
+// that each say which base tensor they change and how. A module is one adapted layer
+// ("model.layers.0.self_attn.v_proj"): its factors A [r, in] and B [out, r] (for an embedding
+// A [r, vocab] and B [hidden, r]), optionally a bias delta [out] (lora_bias) and a DoRA
+// magnitude [out], with its own r, alpha and scale from rank_pattern / alpha_pattern (first key
+// in file order whose regex `(.*\.)?(K)$` matches the module path) and use_rslora. Full tensors
+// saved through modules_to_save replace base tensors whole. Keys map to base names by dropping
+// "base_model.model." and the LoRA suffix (METHODS.md). Nothing is expanded: the factors stay
+// views into the mapped file, and a delta is computed only when its tensor is merged.
+//
+// This module also decides what kind of input a command-line path is (lm_input_detect).
+#ifndef LM_ADAPTER_H
+#define LM_ADAPTER_H
+
+#include <regex.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "model.h"
+#include "safetensors.h"
+#include "status.h"
+#include "util.h"
+
+// ==== adapter_config.json =====================================================================
+
+typedef enum lm_lora_targets {
+    LM_LORA_TARGETS_NONE = 0,    // target_modules absent or null
+    LM_LORA_TARGETS_LIST,        // names matched as PEFT does: equal, or a ".NAME" suffix
+    LM_LORA_TARGETS_REGEX,       // a regex string, full match
+    LM_LORA_TARGETS_ALL_LINEAR,  // "all-linear": every linear layer but the output layer
+} lm_lora_targets;
+
+// One rank_pattern or alpha_pattern entry, compiled as ^(.*\.)?(KEY)$.
+typedef struct lm_lora_pattern {
+    char *key;       // as written
+    regex_t re;
+    bool compiled;   // re holds a compiled regex (to be regfree'd)
+    int64_t r;       // rank_pattern value
+    double alpha;    // alpha_pattern value
+} lm_lora_pattern;
+
+typedef struct lm_lora_config {
+    char *path;                      // the file, for messages
+    char *peft_type;                 // always "LORA" once parsed
+    int64_t r;                       // default 8 (PEFT's)
+    double lora_alpha;               // default 8 (PEFT's)
+    lm_lora_targets targets;
+    char **target_modules;           // (n_target_modules) for LM_LORA_TARGETS_LIST
+    int64_t n_target_modules;
+    char *target_regex;              // as written, for LM_LORA_TARGETS_REGEX
+    regex_t target_re;               // ^(REGEX)$
+    bool target_re_compiled;
+    bool use_rslora, use_dora, fan_in_fan_out, lora_bias;
+    lm_lora_pattern *rank_pattern;   // (n_rank_pattern) in file order
+    int64_t n_rank_pattern;
+    lm_lora_pattern *alpha_pattern;  // (n_alpha_pattern) in file order
+    int64_t n_alpha_pattern;
+    char **modules_to_save;          // (n_modules_to_save)
+    int64_t n_modules_to_save;
+    int64_t *layers_to_transform;    // (n_layers_to_transform); none means every layer
+    int64_t n_layers_to_transform;
+    char *base_model_name_or_path;   // or NULL
+} lm_lora_config;
+
+// Reads and parses adapter_config.json at `path` into *cfg (overwritten). peft_type other
+// than "LORA" is LM_ERR_UNSUPPORTED naming it; wrong types, a bad r, or a regex that does not
+// compile are LM_ERR_FORMAT naming the key. Unknown fields are ignored. On success free with
+// lm_lora_config_free; on failure nothing needs freeing.
+lm_status lm_lora_config_load(lm_lora_config *cfg, const char *path, lm_err *err);
+
+// The same from `len` bytes of JSON text; `label` names it in messages.
+lm_status lm_lora_config_parse(lm_lora_config *cfg, const char *json, size_t len,
+                               const char *label, lm_err *err);
+
+// Frees and zeroes; safe on a zeroed or half-filled config.
+void lm_lora_config_free(lm_lora_config *cfg);
+
+// The r and alpha of module `path` (e.g. "model.layers.0.self_attn.v_proj"): the first
+// rank_pattern / alpha_pattern key in file order whose regex matches, else r / lora_alpha.
+// *r_key / *alpha_key (either may be NULL) get the matching key or NULL.
+void lm_lora_config_rank(const lm_lora_config *cfg, const char *path, int64_t *r, double *alpha,
+                         const char **r_key, const char **alpha_key);
+
+// The scale of a module with rank r and alpha: alpha / r, or alpha / sqrt(r) with use_rslora.
+double lm_lora_config_scale(const lm_lora_config *cfg, int64_t r, double alpha);
+
+// Whether target_modules (and layers_to_transform) select module `path` as PEFT decides it.
+// For "all-linear" every module but the output layer (lm_head) is selected; the caller knows
+// whether it is linear. With no target_modules nothing is selected.
+bool lm_lora_config_targets(const lm_lora_config *cfg, const char *path);
+
+// ==== the adapter =============================================================================
+
+typedef enum lm_lora_kind {
+    LM_LORA_LINEAR,     // lora_A.weight / lora_B.weight
+    LM_LORA_EMBEDDING,  // lora_embedding_A / lora_embedding_B
+} lm_lora_kind;
+
+typedef struct lm_lora_module {
+    char *path;                     // "model.layers.0.self_attn.v_proj"
+    char *base_name;                // the base weight it changes: path + ".weight"
+    char *bias_name;                // path + ".bias" when it has lora_B.bias, else NULL
+    lm_lora_kind kind;
+    int64_t r;                      // from rank_pattern or r
+    double alpha;                   // from alpha_pattern or lora_alpha
+    double scale;                   // alpha / r, or alpha / sqrt(r) with use_rslora
+    const char *r_key, *alpha_key;  // the pattern keys that gave r and alpha, or NULL
+    const lm_st_tensor *a;          // linear [r, in]; embedding [r, vocab]
+    const lm_st_tensor *b;          // linear [out, r]; embedding [hidden, r]
+    const lm_st_tensor *bias;       // [out] lora_B.bias, or NULL
+    const lm_st_tensor *magnitude;  // [out] DoRA lora_magnitude_vector, or NULL
+} lm_lora_module;
+
+// A full tensor saved through modules_to_save: it replaces the base tensor.
+typedef struct lm_lora_saved {
+    char *base_name;                // e.g. "lm_head.weight"
+    const lm_st_tensor *t;          // same shape as the base tensor
+} lm_lora_saved;
+
+typedef struct lm_adapter {
+    char *dir;                 // as given to lm_adapter_open
+    char *weights_path;        // dir/adapter_model.safetensors
+    lm_lora_config config;
+    lm_st_file *st;
+    lm_lora_module *modules;   // (n_modules) in the order their first key appears in the file
+    int64_t n_modules;
+    lm_lora_saved *saved;      // (n_saved)
+    int64_t n_saved;
+    lm_strmap by_target;       // base tensor name -> lookup code (see lm_adapter_lookup)
+} lm_adapter;
+
+// Opens the adapter directory `dir`: adapter_config.json and adapter_model.safetensors (mmapped),
+// keys grouped into modules, factor shapes checked against r. On success *out is a new adapter
+// the caller frees with lm_adapter_free; on failure *out is NULL and err names the file and key.
+// adapter_model.bin without safetensors is LM_ERR_UNSUPPORTED saying to convert it.
+lm_status lm_adapter_open(lm_adapter **out, const char *dir, lm_err *err);
+
+// Unmaps and frees everything; safe on NULL and on a half-built adapter.
+void lm_adapter_free(lm_adapter *a);
+
+// Checks the adapter against base model `base`: every base tensor it names exists and every
+// shape fits (linear A [r, in], B [out, r] against base [out, in], transposed base with
+// fan_in_fan_out; embedding A [r, vocab], B [hidden, r] against base [vocab, hidden]; magnitude
+// and bias [out], a bias needing a base bias; saved tensors the base's shape), and the factors
+// have a dtype llmerge computes with. The first problem is LM_ERR_MISMATCH naming the adapter
+// key, the base tensor and both shapes (LM_ERR_UNSUPPORTED for a dtype).
+lm_status lm_adapter_validate(const lm_adapter *a, const lm_model *base, lm_err *err);
+
+typedef enum lm_adapter_touch {
+    LM_TOUCH_NONE = 0,  // the adapter leaves the tensor alone
+    LM_TOUCH_LORA,      // the weight of modules[*index]
+    LM_TOUCH_BIAS,      // the bias of modules[*index] (lora_B.bias)
+    LM_TOUCH_SAVED,     // replaced by saved[*index]
+} lm_adapter_touch;
+
+// What the adapter does to base tensor `name`; *index (may be NULL) gets the module or saved
+// entry.
+lm_adapter_touch lm_adapter_lookup(const lm_adapter *a, const char *name, int64_t *index);
+
+// ==== what a path is ==========================================================================
+
+typedef enum lm_input_kind {
+    LM_INPUT_SAFETENSORS = 1,  // one .safetensors file
+    LM_INPUT_MODEL,            // config.json + model.safetensors or the index
+    LM_INPUT_ADAPTER,          // adapter_config.json (+ adapter_model.*)
+} lm_input_kind;
+
+// Decides what `path` is: a .safetensors file, a model directory or an adapter directory, also
+// when a directory holds exactly one subdirectory that is one of those (a common layout of
+// downloads). adapter_config.json wins over config.json (some trainers save both). A path to
+// a directory's config.json, adapter_config.json or model.safetensors.index.json stands for
+// that directory. *resolved gets a new string, the path to use (the subdirectory in the nested
+// case, the directory for a description file); caller frees. Returns LM_ERR_NOT_FOUND for a
+// missing path or a directory that is none of these, with a message saying what was expected;
+// LM_ERR_FORMAT for a file that is not .safetensors (LM_ERR_UNSUPPORTED for a torch pickle).
+lm_status lm_input_detect(const char *path, lm_input_kind *kind, char **resolved, lm_err *err);
+
+// "safetensors file", "model directory" or "adapter directory" (static).
+const char *lm_input_kind_name(lm_input_kind kind);
+
+#endif

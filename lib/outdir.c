@@ -1,0 +1,180 @@
+// Atomic output directories: see outdir.h. The temporary directory is "OUT.tmp-XXXXXX" beside
+// OUT (same parent, so the final rename never crosses filesystems, and a leftover from a
+// killed run sits next to what the user named, where they will see it). It is made with
+// mkdir under a fresh name rather than mkdtemp, because mkdtemp's mode 0700 would become the
+// output's mode: mkdir's 0777 minus the umask gives what any other directory the user creates
+// gets. Replacing with --force moves the old OUT aside to "OUT.old-XXXXXX", renames the new
+// one in, and only then removes the old one, so at every moment OUT is either the old output
+// or the new one.
+#include "outdir.h"
+
+#include <errno.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "util.h"
+
+// Returns a new path "<base><tag>XXXXXX" that does not exist yet (caller frees), or NULL when
+// memory runs out. When `make_dir` is set the directory is also created (mode 0777 & ~umask)
+// and *e is set to the errno of a failure other than a name clash.
+static char *unique_path(const char *base, const char *tag, bool make_dir, int *e)
+{
+    static const char alnum[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    static atomic_uint counter;
+    *e = 0;
+    for (int attempt = 0; attempt < 1000; attempt++) {
+        // a name that differs between processes and calls; it needs to be unique, not secret
+        uint64_t key[3] = {(uint64_t)getpid(), atomic_fetch_add(&counter, 1), (uint64_t)attempt};
+        uint64_t h = lm_xxh64(key, sizeof key) ^ lm_xxh64(base, strlen(base));
+        char suffix[7];
+        for (int i = 0; i < 6; i++) {
+            suffix[i] = alnum[h % 62];
+            h /= 62;
+        }
+        suffix[6] = '\0';
+        char *p = lm_strfmt("%s%s%s", base, tag, suffix);
+        if (!p)
+            return NULL;
+        struct stat st;
+        if (make_dir) {
+            if (mkdir(p, 0777) == 0)
+                return p;
+            if (errno != EEXIST) {
+                *e = errno;
+                free(p);
+                return NULL;
+            }
+        } else if (lstat(p, &st) != 0 && errno == ENOENT) {
+            return p;
+        }
+        free(p);
+    }
+    *e = EEXIST;
+    return NULL;
+}
+
+static void outdir_clear(lm_outdir *od)
+{
+    free(od->final);
+    free(od->tmp);
+    od->final = NULL;
+    od->tmp = NULL;
+}
+
+lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *err)
+{
+    memset(od, 0, sizeof *od);
+    lm_status s = LM_OK;
+    char *parent = NULL;
+    if (!final || !*final)
+        return lm_err_set(err, LM_ERR_USAGE, "no output directory given");
+    od->force = force;
+    od->final = lm_strdup(final);
+    if (!od->final)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    // "out/" names "out": the temporary directory goes beside it, not inside it
+    size_t len = strlen(od->final);
+    while (len > 1 && od->final[len - 1] == '/')
+        od->final[--len] = '\0';
+    if (strcmp(od->final, "/") == 0 || strcmp(lm_path_base(od->final), ".") == 0 ||
+        strcmp(lm_path_base(od->final), "..") == 0) {
+        s = lm_err_set(err, LM_ERR_USAGE, "%s: cannot be an output directory (name a new "
+                       "directory)", final);
+        goto fail;
+    }
+
+    const char *slash = strrchr(od->final, '/');
+    parent = !slash ? lm_strdup(".")
+             : slash == od->final ? lm_strdup("/")
+                                  : lm_strfmt("%.*s", (int)(slash - od->final), od->final);
+    if (!parent) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if (!lm_is_dir(parent)) {
+        s = lm_err_set(err, LM_ERR_NOT_FOUND, "%s: its parent directory %s does not exist",
+                       od->final, parent);
+        goto fail;
+    }
+    struct stat st;
+    if (lstat(od->final, &st) == 0 && !force) {
+        s = lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it)",
+                       od->final);
+        goto fail;
+    }
+
+    int e;
+    od->tmp = unique_path(od->final, ".tmp-", true, &e);
+    if (!od->tmp) {
+        s = e ? lm_err_set(err, LM_ERR_IO, "%s: cannot create a temporary directory beside it: "
+                           "%s", od->final, strerror(e))
+              : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    free(parent);
+    return LM_OK;
+
+fail:
+    free(parent);
+    outdir_clear(od);
+    return s;
+}
+
+// On failure the paths are kept, so that the caller's lm_outdir_abort removes the temporary
+// directory; on success they are freed and abort does nothing.
+lm_status lm_outdir_commit(lm_outdir *od, lm_err *err)
+{
+    if (!od->tmp || !od->final)
+        return lm_err_set(err, LM_ERR_USAGE, "output directory: nothing to commit");
+    struct stat st;
+    char *aside = NULL;
+    if (lstat(od->final, &st) == 0) {
+        if (!od->force)  // appeared while the run was working
+            return lm_err_set(err, LM_ERR_USAGE, "%s: appeared while this run was working "
+                              "(use --force to replace it)", od->final);
+        int e;
+        aside = unique_path(od->final, ".old-", false, &e);
+        if (!aside)
+            return e ? lm_err_set(err, LM_ERR_IO, "%s: no free name to move it aside", od->final)
+                     : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        if (rename(od->final, aside) != 0) {
+            lm_err_set(err, LM_ERR_IO, "%s: moving the old output aside to %s: %s", od->final,
+                       aside, strerror(errno));
+            free(aside);
+            return LM_ERR_IO;
+        }
+    }
+    if (rename(od->tmp, od->final) != 0) {
+        int e = errno;
+        // put the old output back where it was, so a failed commit replaces nothing
+        bool restored = !aside || rename(aside, od->final) == 0;
+        lm_err_set(err, LM_ERR_IO, "%s: renaming %s into place: %s%s%s", od->final, od->tmp,
+                   strerror(e), restored ? "" : "; the old output is now at ",
+                   restored ? "" : aside);
+        free(aside);
+        return LM_ERR_IO;
+    }
+    lm_status s = LM_OK;
+    if (aside) {
+        lm_err old;
+        if (lm_rm_rf(aside, &old) != LM_OK)
+            s = lm_err_set(err, LM_ERR_IO, "%s: written, but the old output moved to %s could "
+                           "not be removed: %s", od->final, aside, old.msg);
+        free(aside);
+    }
+    outdir_clear(od);
+    return s;
+}
+
+void lm_outdir_abort(lm_outdir *od)
+{
+    if (!od)
+        return;
+    if (od->tmp)
+        lm_rm_rf(od->tmp, NULL);
+    outdir_clear(od);
+}

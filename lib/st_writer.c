@@ -1,0 +1,920 @@
+// The safetensors writer: see st_writer.h. A writer plans the shards, computes every tensor's
+// place in its shard file, and writes each shard's header (and sets the file to its final
+// length) before any data arrives; after that a tensor's bytes go straight to their offset
+// with pwrite, in any order and from several threads at once. The writer keeps, per tensor,
+// the byte ranges written so far, so a part written twice or past the tensor's end is refused
+// and finish can name a tensor that is still incomplete.
+//
+// Decisions beyond the reference:
+//   - zero tensors: the reference writes no file at all; llmerge writes one
+//     model.safetensors holding only __metadata__, so the output is still a loadable model
+//     file;
+//   - __metadata__ keys are written sorted (the reference serialises a hash map, in no fixed
+//     order), with "format": "pt" added unless the caller gives a "format";
+//   - names and metadata must be valid UTF-8 (a Rust String always is) and tensor names
+//     unique and not "__metadata__", so every file written reads back with lm_st_open;
+//   - a zero-byte part is accepted and does nothing; parts of one tensor may arrive in any
+//     order, but may not overlap;
+//   - put and put_part may be called from several threads at once (the bookkeeping is under a
+//     mutex, the pwrite outside it); finish must come after every put has returned.
+#include "st_writer.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define ST_INDEX_NAME "model.safetensors.index.json"
+#define ST_NAME_MAX 64  // room for "model-00001-of-00003.safetensors"
+
+// ==== a growable text buffer ==================================================================
+
+typedef struct st_buf {
+    char *p;     // (cap) NUL-terminated when len < cap
+    size_t len;
+    size_t cap;
+    bool oom;    // an append failed: the contents are incomplete
+} st_buf;
+
+static void buf_put(st_buf *b, const char *s, size_t n)
+{
+    if (b->oom)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1) {
+            if (cap > SIZE_MAX / 2) {
+                b->oom = true;
+                return;
+            }
+            cap *= 2;
+        }
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            b->oom = true;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void buf_str(st_buf *b, const char *s) { buf_put(b, s, strlen(s)); }
+
+static void buf_fmt(st_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void buf_fmt(st_buf *b, const char *fmt, ...)
+{
+    char tmp[128];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof tmp) {
+        b->oom = true;  // only short numbers go through here
+        return;
+    }
+    buf_put(b, tmp, (size_t)n);
+}
+
+// A JSON string as serde_json writes it (the reference's header): `"` and `\` escaped, the
+// short escapes \b \f \n \r \t, other control characters as \u00xx, every other byte as is.
+static void buf_json_serde(st_buf *b, const char *s)
+{
+    static const char hex[] = "0123456789abcdef";
+    buf_put(b, "\"", 1);
+    const unsigned char *p = (const unsigned char *)s;
+    size_t run = 0;  // bytes before p[run] not yet copied
+    for (;; p++) {
+        unsigned c = *p;
+        if (c == 0)
+            break;
+        const char *esc = NULL;
+        char u[7];
+        switch (c) {
+        case '"': esc = "\\\""; break;
+        case '\\': esc = "\\\\"; break;
+        case '\b': esc = "\\b"; break;
+        case '\f': esc = "\\f"; break;
+        case '\n': esc = "\\n"; break;
+        case '\r': esc = "\\r"; break;
+        case '\t': esc = "\\t"; break;
+        default:
+            if (c < 0x20) {
+                u[0] = '\\', u[1] = 'u', u[2] = '0', u[3] = '0';
+                u[4] = hex[c >> 4], u[5] = hex[c & 15], u[6] = '\0';
+                esc = u;
+            }
+        }
+        if (esc) {
+            buf_put(b, (const char *)p - run, run);
+            buf_str(b, esc);
+            run = 0;
+        } else {
+            run++;
+        }
+    }
+    buf_put(b, (const char *)p - run, run);
+    buf_put(b, "\"", 1);
+}
+
+// A JSON string as Python's json.dumps writes it by default (ensure_ascii): as serde_json for
+// `"`, `\` and the short escapes, and every other byte outside ' '..'~' as \uxxxx of its code
+// point, with a surrogate pair above U+FFFF. `s` must be valid UTF-8.
+static void buf_json_python(st_buf *b, const char *s)
+{
+    static const char hex[] = "0123456789abcdef";
+    buf_put(b, "\"", 1);
+    const unsigned char *p = (const unsigned char *)s;
+    while (*p) {
+        unsigned c = *p;
+        const char *esc = NULL;
+        switch (c) {
+        case '"': esc = "\\\""; break;
+        case '\\': esc = "\\\\"; break;
+        case '\b': esc = "\\b"; break;
+        case '\f': esc = "\\f"; break;
+        case '\n': esc = "\\n"; break;
+        case '\r': esc = "\\r"; break;
+        case '\t': esc = "\\t"; break;
+        }
+        if (esc) {
+            buf_str(b, esc);
+            p++;
+            continue;
+        }
+        if (c >= 0x20 && c < 0x7F) {
+            buf_put(b, (const char *)p, 1);
+            p++;
+            continue;
+        }
+        uint32_t cp;
+        int extra;
+        if (c < 0x80) { cp = c; extra = 0; }
+        else if ((c & 0xE0) == 0xC0) { cp = c & 0x1F; extra = 1; }
+        else if ((c & 0xF0) == 0xE0) { cp = c & 0x0F; extra = 2; }
+        else { cp = c & 0x07; extra = 3; }
+        p++;
+        for (int k = 0; k < extra && *p; k++, p++)
+            cp = (cp << 6) | (*p & 0x3Fu);
+        uint32_t units[2];
+        int nu = 0;
+        if (cp >= 0x10000) {
+            cp -= 0x10000;
+            units[nu++] = 0xD800 | (cp >> 10);
+            units[nu++] = 0xDC00 | (cp & 0x3FF);
+        } else {
+            units[nu++] = cp;
+        }
+        for (int k = 0; k < nu; k++) {
+            char u[6] = {'\\', 'u', hex[(units[k] >> 12) & 15], hex[(units[k] >> 8) & 15],
+                         hex[(units[k] >> 4) & 15], hex[units[k] & 15]};
+            buf_put(b, u, 6);
+        }
+    }
+    buf_put(b, "\"", 1);
+}
+
+// ==== sizes and the shard plan ================================================================
+
+// Sets *out to the bytes of tensor `t` (numel * bits / 8), refusing overflow, negative or
+// too many dimensions, unknown dtypes and a bit count that is not whole bytes.
+static lm_status desc_bytes(const lm_st_desc *t, uint64_t *out, lm_err *err)
+{
+    const char *name = t->name ? t->name : "(null)";
+    if (!t->name)
+        return lm_err_set(err, LM_ERR_USAGE, "tensor with no name");
+    if ((unsigned)t->dtype >= LM_DTYPE_COUNT)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "tensor '%s': unknown dtype %d", name,
+                          (int)t->dtype);
+    if (t->ndim < 0 || t->ndim > LM_ST_MAX_DIMS)
+        return lm_err_set(err, LM_ERR_USAGE, "tensor '%s': %d dimensions (0 to %d allowed)",
+                          name, t->ndim, LM_ST_MAX_DIMS);
+    uint64_t bits = lm_dtype_bits(t->dtype);
+    for (int d = 0; d < t->ndim; d++) {
+        if (t->shape[d] < 0)
+            return lm_err_set(err, LM_ERR_USAGE, "tensor '%s': dimension %d is negative (%lld)",
+                              name, d, (long long)t->shape[d]);
+        if (!lm_mul_u64(bits, (uint64_t)t->shape[d], &bits))
+            return lm_err_set(err, LM_ERR_USAGE, "tensor '%s': size overflows 64 bits", name);
+    }
+    if (bits % 8 != 0)
+        return lm_err_set(err, LM_ERR_USAGE,
+                          "tensor '%s': %llu bits of %s is not a whole number of bytes", name,
+                          (unsigned long long)bits, lm_dtype_name(t->dtype));
+    *out = bits / 8;
+    return LM_OK;
+}
+
+lm_status lm_shard_plan_make(lm_shard_plan *plan, const lm_st_desc *tensors, int64_t n,
+                             uint64_t max_shard_size, lm_err *err)
+{
+    memset(plan, 0, sizeof *plan);
+    int64_t *pending = NULL;  // (n) tensors of the shard being filled, not yet numbered
+    lm_status s = LM_OK;
+    if (n < 0 || (n > 0 && !tensors))
+        return lm_err_set(err, LM_ERR_USAGE, "shard plan: bad tensor list (%lld tensors)",
+                          (long long)n);
+    if ((uint64_t)n >= (uint64_t)INT32_MAX)
+        return lm_err_set(err, LM_ERR_USAGE, "shard plan: %lld tensors is too many",
+                          (long long)n);
+    plan->n_tensors = n;
+    plan->shard_of = calloc((size_t)n + 1, sizeof *plan->shard_of);
+    plan->shard_bytes = calloc((size_t)n + 1, sizeof *plan->shard_bytes);
+    pending = calloc((size_t)n + 1, sizeof *pending);
+    if (!plan->shard_of || !plan->shard_bytes || !pending) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "shard plan: out of memory for %lld tensors",
+                       (long long)n);
+        goto fail;
+    }
+
+    // huggingface_hub's split_state_dict_into_shards_factory: the shard being filled joins
+    // the list only when it is closed, so a tensor too large for any shard, which joins at
+    // once, is numbered before it.
+    int64_t n_pending = 0;
+    uint64_t cur_size = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t size;
+        s = desc_bytes(&tensors[i], &size, err);
+        if (s != LM_OK)
+            goto fail;
+        if (!lm_add_u64(plan->total_size, size, &plan->total_size)) {
+            s = lm_err_set(err, LM_ERR_USAGE, "shard plan: total size overflows 64 bits");
+            goto fail;
+        }
+        if (size > max_shard_size) {
+            plan->shard_of[i] = plan->n_shards;
+            plan->shard_bytes[plan->n_shards++] = size;
+            continue;
+        }
+        uint64_t grown;
+        if (n_pending > 0 && (!lm_add_u64(cur_size, size, &grown) || grown > max_shard_size)) {
+            for (int64_t k = 0; k < n_pending; k++)
+                plan->shard_of[pending[k]] = plan->n_shards;
+            plan->shard_bytes[plan->n_shards++] = cur_size;
+            n_pending = 0;
+            cur_size = 0;
+        }
+        pending[n_pending++] = i;
+        cur_size += size;  // cannot overflow: checked above, or the shard was just emptied
+    }
+    if (n_pending > 0 || plan->n_shards == 0) {
+        // the last shard; with no tensors at all, one empty shard (see the top of the file)
+        for (int64_t k = 0; k < n_pending; k++)
+            plan->shard_of[pending[k]] = plan->n_shards;
+        plan->shard_bytes[plan->n_shards++] = cur_size;
+    }
+    free(pending);
+    return LM_OK;
+
+fail:
+    free(pending);
+    lm_shard_plan_free(plan);
+    return s;
+}
+
+void lm_shard_plan_free(lm_shard_plan *plan)
+{
+    if (!plan)
+        return;
+    free(plan->shard_of);
+    free(plan->shard_bytes);
+    memset(plan, 0, sizeof *plan);
+}
+
+char *lm_shard_name(char *buf, size_t cap, int idx, int n)
+{
+    if (n == 1)
+        snprintf(buf, cap, "model.safetensors");
+    else
+        snprintf(buf, cap, "model-%05d-of-%05d.safetensors", idx + 1, n);
+    return buf;
+}
+
+// ==== the writer ==============================================================================
+
+typedef struct st_span {
+    uint64_t begin, end;  // bytes of the tensor, end exclusive
+} st_span;
+
+typedef struct st_slot {
+    uint64_t nbytes;    // the tensor's size
+    uint64_t file_off;  // where its data starts in its shard file
+    st_span *spans;     // (n_spans) written ranges: sorted, disjoint, never touching
+    int64_t n_spans, cap_spans;
+    uint64_t written;   // sum of the spans
+} st_slot;
+
+struct lm_st_writer {
+    char *dir;
+    lm_st_desc *tensors;  // (n) a copy of the caller's array (names not copied)
+    int64_t n;
+    lm_shard_plan plan;
+    st_slot *slots;       // (n)
+    char **paths;         // (plan.n_shards) each shard file's path
+    int *fds;             // (plan.n_shards) -1 once closed
+    pthread_mutex_t lock; // guards slots, failed and finished
+    bool lock_ok;
+    bool failed;          // a write failed: the files are not to be trusted
+    int failed_shard;     // where it failed
+    bool finished;
+};
+
+typedef struct st_order {
+    const lm_st_desc *d;
+    int64_t idx;
+} st_order;
+
+// The reference's order within a file: dtype descending, then name.
+static int cmp_order(const void *pa, const void *pb)
+{
+    const st_order *a = pa, *b = pb;
+    if (a->d->dtype != b->d->dtype)
+        return a->d->dtype > b->d->dtype ? -1 : 1;
+    int c = strcmp(a->d->name, b->d->name);
+    if (c != 0)
+        return c;
+    return a->idx < b->idx ? -1 : a->idx > b->idx;
+}
+
+static int cmp_str(const void *pa, const void *pb)
+{
+    return strcmp(*(const char *const *)pa, *(const char *const *)pb);
+}
+
+// Writes all `len` bytes at `off` of `fd`, retrying short writes. Returns 0 or an errno.
+static int pwrite_all(int fd, const void *data, uint64_t len, uint64_t off)
+{
+    const char *p = data;
+    while (len > 0) {
+        size_t chunk = len > (1u << 30) ? (1u << 30) : (size_t)len;
+        ssize_t w = pwrite(fd, p, chunk, (off_t)off);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0)
+            return errno;
+        if (w == 0)
+            return EIO;
+        p += w;
+        off += (uint64_t)w;
+        len -= (uint64_t)w;
+    }
+    return 0;
+}
+
+// Checks the NULL-terminated key, value list `meta` and sets *keys_out and *vals_out to new
+// arrays (caller frees both; the strings stay the caller's) of its *count entries sorted by
+// key, with "format": "pt" added when no "format" is given.
+static lm_status meta_sorted(const char *const *meta, const char ***keys_out, const char ***vals_out,
+                             int64_t *count, lm_err *err)
+{
+    *keys_out = NULL;
+    *vals_out = NULL;
+    *count = 0;
+    int64_t n = 0;
+    bool has_format = false;
+    for (; meta && meta[2 * n]; n++) {
+        if (!meta[2 * n + 1])
+            return lm_err_set(err, LM_ERR_USAGE, "__metadata__ key '%s' has no value", meta[2 * n]);
+        if (strcmp(meta[2 * n], "format") == 0)
+            has_format = true;
+    }
+    int64_t total = n + (has_format ? 0 : 1);
+    const char **pairs = calloc((size_t)total, 2 * sizeof *pairs);  // key, value, key, ...
+    if (!pairs)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory for __metadata__");
+    for (int64_t i = 0; i < n; i++) {
+        for (int k = 0; k < 2; k++) {
+            const char *s = meta[2 * i + k];
+            if (!lm_utf8_valid(s, strlen(s))) {
+                free(pairs);
+                return lm_err_set(err, LM_ERR_USAGE, "__metadata__ %s '%s' is not valid UTF-8",
+                                  k ? "value" : "key", s);
+            }
+        }
+        pairs[2 * i] = meta[2 * i];
+        pairs[2 * i + 1] = meta[2 * i + 1];
+    }
+    if (!has_format) {
+        pairs[2 * n] = "format";
+        pairs[2 * n + 1] = "pt";
+    }
+    // sort the pairs by key: as units of two pointers, comparing the first
+    qsort(pairs, (size_t)total, 2 * sizeof *pairs, cmp_str);
+    for (int64_t i = 1; i < total; i++) {
+        if (strcmp(pairs[2 * i], pairs[2 * i - 2]) == 0) {
+            lm_err_set(err, LM_ERR_USAGE, "__metadata__ key '%s' given twice", pairs[2 * i]);
+            free(pairs);
+            return LM_ERR_USAGE;
+        }
+    }
+    const char **keys = malloc((size_t)total * sizeof *keys);
+    const char **vals = malloc((size_t)total * sizeof *vals);
+    if (!keys || !vals) {
+        free(keys);
+        free(vals);
+        free(pairs);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory for __metadata__");
+    }
+    for (int64_t i = 0; i < total; i++) {
+        keys[i] = pairs[2 * i];
+        vals[i] = pairs[2 * i + 1];
+    }
+    free(pairs);
+    *keys_out = keys;
+    *vals_out = vals;
+    *count = total;
+    return LM_OK;
+}
+
+// Builds shard `sh`'s header (padded, without the 8-byte length) into *hb, and sets each of
+// its tensors' file offsets. `order` holds the shard's tensors, already sorted.
+static lm_status build_header(lm_st_writer *w, const st_order *order, int64_t count,
+                              const char **mkeys, const char **mvals, int64_t n_meta,
+                              st_buf *hb, lm_err *err)
+{
+    buf_str(hb, "{\"__metadata__\":{");
+    for (int64_t i = 0; i < n_meta; i++) {
+        if (i)
+            buf_put(hb, ",", 1);
+        buf_json_serde(hb, mkeys[i]);
+        buf_put(hb, ":", 1);
+        buf_json_serde(hb, mvals[i]);
+    }
+    buf_put(hb, "}", 1);
+    uint64_t off = 0;
+    for (int64_t k = 0; k < count; k++) {
+        const lm_st_desc *d = order[k].d;
+        st_slot *slot = &w->slots[order[k].idx];
+        buf_put(hb, ",", 1);
+        buf_json_serde(hb, d->name);
+        buf_fmt(hb, ":{\"dtype\":\"%s\",\"shape\":[", lm_dtype_name(d->dtype));
+        for (int j = 0; j < d->ndim; j++)
+            buf_fmt(hb, j ? ",%lld" : "%lld", (long long)d->shape[j]);
+        buf_fmt(hb, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
+                (unsigned long long)(off + slot->nbytes));
+        slot->file_off = off;  // made absolute by the caller once the header length is known
+        off += slot->nbytes;
+    }
+    buf_put(hb, "}", 1);
+    while (hb->len % 8 != 0)
+        buf_put(hb, " ", 1);
+    if (hb->oom)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory building a safetensors header");
+    return LM_OK;
+}
+
+// Creates shard file `sh` at w->paths[sh] (exclusively when `excl`), sized to its final
+// length, with its header in place.
+static lm_status open_shard(lm_st_writer *w, int sh, const st_order *order, int64_t count,
+                            const char **mkeys, const char **mvals, int64_t n_meta, bool excl,
+                            lm_err *err)
+{
+    st_buf hb = {0};
+    const char *path = w->paths[sh];
+    lm_status s = build_header(w, order, count, mkeys, mvals, n_meta, &hb, err);
+    if (s != LM_OK)
+        goto fail;
+    if (hb.len > LM_ST_MAX_HEADER) {
+        s = lm_err_set(err, LM_ERR_USAGE, "%s: header of %zu bytes is over the %llu allowed",
+                       path, hb.len, LM_ST_MAX_HEADER);
+        goto fail;
+    }
+    uint64_t file_size = 8 + (uint64_t)hb.len;
+    if (!lm_add_u64(file_size, w->plan.shard_bytes[sh], &file_size) || file_size > INT64_MAX) {
+        s = lm_err_set(err, LM_ERR_USAGE, "%s: file size overflows", path);
+        goto fail;
+    }
+    for (int64_t k = 0; k < count; k++)
+        w->slots[order[k].idx].file_off += 8 + (uint64_t)hb.len;
+
+    int flags = O_WRONLY | O_CREAT | O_CLOEXEC | (excl ? O_EXCL : O_TRUNC);
+    w->fds[sh] = open(path, flags, 0644);
+    if (w->fds[sh] < 0) {
+        s = lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
+        goto fail;
+    }
+    if (ftruncate(w->fds[sh], (off_t)file_size) != 0) {
+        s = lm_err_set(err, LM_ERR_IO, "%s: setting its size to %llu bytes: %s", path,
+                       (unsigned long long)file_size, strerror(errno));
+        goto fail;
+    }
+    unsigned char len8[8];
+    for (int i = 0; i < 8; i++)
+        len8[i] = (unsigned char)((uint64_t)hb.len >> (8 * i));
+    int e = pwrite_all(w->fds[sh], len8, 8, 0);
+    if (!e)
+        e = pwrite_all(w->fds[sh], hb.p, hb.len, 8);
+    if (e) {
+        s = lm_err_set(err, LM_ERR_IO, "%s: writing the header: %s", path, strerror(e));
+        goto fail;
+    }
+    free(hb.p);
+    return LM_OK;
+
+fail:
+    if (excl && w->fds[sh] >= 0) {  // a file this call created exclusively is this call's
+        close(w->fds[sh]);
+        w->fds[sh] = -1;
+        unlink(path);
+    }
+    free(hb.p);
+    return s;
+}
+
+// The writer behind lm_st_writer_open and lm_st_write_file: with `single_path` set, everything
+// goes into that one file (created exclusively), whatever the shard size.
+static lm_status writer_open(lm_st_writer **out, const char *dir, const char *single_path,
+                             const lm_st_desc *tensors, int64_t n, uint64_t max_shard_size,
+                             const char *const *meta, lm_err *err)
+{
+    *out = NULL;
+    lm_st_writer *w = calloc(1, sizeof *w);
+    st_order *order = NULL;
+    const char **mkeys = NULL, **mvals = NULL;
+    lm_strmap names = {0};
+    lm_status s;
+    if (!w)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+
+    s = lm_shard_plan_make(&w->plan, tensors, n, single_path ? UINT64_MAX : max_shard_size, err);
+    if (s != LM_OK)
+        goto fail;
+    w->n = n;
+    w->dir = lm_strdup(single_path ? "" : dir);
+    w->tensors = calloc((size_t)n + 1, sizeof *w->tensors);
+    w->slots = calloc((size_t)n + 1, sizeof *w->slots);
+    w->paths = calloc((size_t)w->plan.n_shards, sizeof *w->paths);
+    w->fds = malloc((size_t)w->plan.n_shards * sizeof *w->fds);
+    order = calloc((size_t)n + 1, sizeof *order);
+    if (!w->dir || !w->tensors || !w->slots || !w->paths || !w->fds || !order) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory for %lld tensors", (long long)n);
+        goto fail;
+    }
+    for (int i = 0; i < w->plan.n_shards; i++)
+        w->fds[i] = -1;
+    if (pthread_mutex_init(&w->lock, NULL) != 0) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "cannot create a mutex");
+        goto fail;
+    }
+    w->lock_ok = true;
+    if (n > 0)
+        memcpy(w->tensors, tensors, (size_t)n * sizeof *tensors);
+
+    // names: unique, not the metadata key, valid UTF-8 (so the file reads back)
+    if (lm_strmap_init(&names, (size_t)n) != LM_OK) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory for %lld tensors", (long long)n);
+        goto fail;
+    }
+    for (int64_t i = 0; i < n; i++) {
+        const char *name = w->tensors[i].name;
+        if (strcmp(name, "__metadata__") == 0) {
+            s = lm_err_set(err, LM_ERR_USAGE, "a tensor may not be called __metadata__");
+            goto fail;
+        }
+        if (!lm_utf8_valid(name, strlen(name))) {
+            s = lm_err_set(err, LM_ERR_USAGE, "tensor name '%s' is not valid UTF-8", name);
+            goto fail;
+        }
+        int r = lm_strmap_put(&names, name, i);
+        if (r < 0) {
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory for %lld tensors", (long long)n);
+            goto fail;
+        }
+        if (r == 0) {
+            s = lm_err_set(err, LM_ERR_USAGE, "tensor '%s' given twice", name);
+            goto fail;
+        }
+        s = desc_bytes(&w->tensors[i], &w->slots[i].nbytes, err);  // checked by the plan
+        if (s != LM_OK)
+            goto fail;
+    }
+    int64_t n_meta;
+    s = meta_sorted(meta, &mkeys, &mvals, &n_meta, err);
+    if (s != LM_OK)
+        goto fail;
+
+    for (int sh = 0; sh < w->plan.n_shards; sh++) {
+        if (single_path) {
+            w->paths[sh] = lm_strdup(single_path);
+        } else {
+            char name[ST_NAME_MAX];
+            w->paths[sh] = lm_path_join(dir, lm_shard_name(name, sizeof name, sh, w->plan.n_shards));
+        }
+        if (!w->paths[sh]) {
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+            goto fail;
+        }
+        int64_t count = 0;
+        for (int64_t i = 0; i < n; i++) {
+            if (w->plan.shard_of[i] == sh)
+                order[count++] = (st_order){&w->tensors[i], i};
+        }
+        qsort(order, (size_t)count, sizeof *order, cmp_order);
+        s = open_shard(w, sh, order, count, mkeys, mvals, n_meta, single_path != NULL, err);
+        if (s != LM_OK)
+            goto fail;
+    }
+    free(order);
+    free(mkeys);
+    free(mvals);
+    lm_strmap_free(&names);
+    *out = w;
+    return LM_OK;
+
+fail:
+    free(order);
+    free(mkeys);
+    free(mvals);
+    lm_strmap_free(&names);
+    lm_st_writer_free(w);
+    return s;
+}
+
+lm_status lm_st_writer_open(lm_st_writer **out, const char *dir, const lm_st_desc *tensors,
+                            int64_t n, uint64_t max_shard_size, const char *const *meta,
+                            lm_err *err)
+{
+    *out = NULL;
+    if (!dir)
+        return lm_err_set(err, LM_ERR_USAGE, "safetensors writer: no directory");
+    if (!lm_is_dir(dir))
+        return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: not a directory", dir);
+    return writer_open(out, dir, NULL, tensors, n, max_shard_size, meta, err);
+}
+
+// Records bytes [begin, end) of slot as written. Returns false (changing nothing) when they
+// overlap bytes already written, or when memory runs out (*oom set).
+static bool slot_add(st_slot *slot, uint64_t begin, uint64_t end, bool *oom)
+{
+    // i: the first span that starts after `begin`
+    int64_t lo = 0, hi = slot->n_spans;
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        if (slot->spans[mid].begin <= begin)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    int64_t i = lo;
+    st_span *prev = i > 0 ? &slot->spans[i - 1] : NULL;
+    st_span *next = i < slot->n_spans ? &slot->spans[i] : NULL;
+    if ((prev && prev->end > begin) || (next && next->begin < end))
+        return false;
+    bool join_prev = prev && prev->end == begin;
+    bool join_next = next && next->begin == end;
+    if (join_prev && join_next) {
+        prev->end = next->end;
+        memmove(next, next + 1, (size_t)(slot->n_spans - i - 1) * sizeof *next);
+        slot->n_spans--;
+    } else if (join_prev) {
+        prev->end = end;
+    } else if (join_next) {
+        next->begin = begin;
+    } else {
+        if (slot->n_spans == slot->cap_spans) {
+            int64_t cap = slot->cap_spans ? slot->cap_spans * 2 : 4;
+            st_span *sp = realloc(slot->spans, (size_t)cap * sizeof *sp);
+            if (!sp) {
+                *oom = true;
+                return false;
+            }
+            slot->spans = sp;
+            slot->cap_spans = cap;
+        }
+        memmove(&slot->spans[i + 1], &slot->spans[i],
+                (size_t)(slot->n_spans - i) * sizeof *slot->spans);
+        slot->spans[i] = (st_span){begin, end};
+        slot->n_spans++;
+    }
+    slot->written += end - begin;
+    return true;
+}
+
+lm_status lm_st_writer_put_part(lm_st_writer *w, int64_t idx, uint64_t offset, const void *data,
+                                uint64_t nbytes, lm_err *err)
+{
+    if (!w)
+        return lm_err_set(err, LM_ERR_USAGE, "safetensors writer: NULL writer");
+    if (idx < 0 || idx >= w->n)
+        return lm_err_set(err, LM_ERR_USAGE, "safetensors writer: tensor index %lld of %lld",
+                          (long long)idx, (long long)w->n);
+    const char *name = w->tensors[idx].name;
+    st_slot *slot = &w->slots[idx];
+    uint64_t end;
+    if (!lm_add_u64(offset, nbytes, &end) || end > slot->nbytes)
+        return lm_err_set(err, LM_ERR_MISMATCH,
+                          "tensor '%s': bytes [%llu, +%llu) are outside its %llu bytes", name,
+                          (unsigned long long)offset, (unsigned long long)nbytes,
+                          (unsigned long long)slot->nbytes);
+    if (nbytes == 0)
+        return LM_OK;
+    if (!data)
+        return lm_err_set(err, LM_ERR_USAGE, "tensor '%s': no data", name);
+
+    // reserve the range first so that two threads cannot both write it
+    bool oom = false, ok = false, finished;
+    pthread_mutex_lock(&w->lock);
+    finished = w->finished;
+    if (!finished)
+        ok = slot_add(slot, offset, end, &oom);
+    pthread_mutex_unlock(&w->lock);
+    if (finished)
+        return lm_err_set(err, LM_ERR_USAGE, "tensor '%s': written after finish", name);
+    if (oom)
+        return lm_err_set(err, LM_ERR_NOMEM, "tensor '%s': out of memory", name);
+    if (!ok)
+        return lm_err_set(err, LM_ERR_MISMATCH,
+                          "tensor '%s': bytes [%llu, %llu) overlap bytes already written", name,
+                          (unsigned long long)offset, (unsigned long long)end);
+
+    int sh = w->plan.shard_of[idx];
+    int e = pwrite_all(w->fds[sh], data, nbytes, slot->file_off + offset);
+    if (e) {
+        pthread_mutex_lock(&w->lock);
+        w->failed = true;
+        w->failed_shard = sh;
+        pthread_mutex_unlock(&w->lock);
+        return lm_err_set(err, LM_ERR_IO, "%s: writing tensor '%s': %s", w->paths[sh], name,
+                          strerror(e));
+    }
+    return LM_OK;
+}
+
+lm_status lm_st_writer_put(lm_st_writer *w, int64_t idx, const void *data, uint64_t nbytes,
+                           lm_err *err)
+{
+    if (w && idx >= 0 && idx < w->n && nbytes != w->slots[idx].nbytes)
+        return lm_err_set(err, LM_ERR_MISMATCH, "tensor '%s': %llu bytes given, it has %llu",
+                          w->tensors[idx].name, (unsigned long long)nbytes,
+                          (unsigned long long)w->slots[idx].nbytes);
+    return lm_st_writer_put_part(w, idx, 0, data, nbytes, err);
+}
+
+// Writes model.safetensors.index.json as transformers does: json.dumps(index, indent=2,
+// sort_keys=True) + "\n".
+static lm_status write_index(lm_st_writer *w, lm_err *err)
+{
+    st_buf b = {0};
+    char *path = NULL;
+    const char **names = malloc((size_t)w->n * sizeof *names);
+    lm_strmap pos = {0};
+    lm_status s = LM_OK;
+    if (!names || lm_strmap_init(&pos, (size_t)w->n) != LM_OK) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory writing the index");
+        goto done;
+    }
+    for (int64_t i = 0; i < w->n; i++) {
+        names[i] = w->tensors[i].name;
+        if (lm_strmap_put(&pos, names[i], i) < 0) {
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory writing the index");
+            goto done;
+        }
+    }
+    qsort(names, (size_t)w->n, sizeof *names, cmp_str);  // UTF-8 byte order = code point order
+    buf_fmt(&b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
+            (unsigned long long)w->plan.total_size);
+    for (int64_t k = 0; k < w->n; k++) {
+        char shard[ST_NAME_MAX];
+        int sh = w->plan.shard_of[lm_strmap_get(&pos, names[k])];
+        buf_str(&b, k ? ",\n    " : "\n    ");
+        buf_json_python(&b, names[k]);
+        buf_str(&b, ": ");
+        buf_json_python(&b, lm_shard_name(shard, sizeof shard, sh, w->plan.n_shards));
+    }
+    buf_str(&b, w->n ? "\n  }\n}\n" : "}\n}\n");
+    path = lm_path_join(w->dir, ST_INDEX_NAME);
+    if (b.oom || !path) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory writing the index");
+        goto done;
+    }
+    s = lm_write_file(path, b.p, b.len, err);
+done:
+    free(b.p);
+    free(path);
+    free(names);
+    lm_strmap_free(&pos);
+    return s;
+}
+
+lm_status lm_st_writer_finish(lm_st_writer *w, lm_err *err)
+{
+    if (!w)
+        return lm_err_set(err, LM_ERR_USAGE, "safetensors writer: NULL writer");
+    pthread_mutex_lock(&w->lock);
+    bool again = w->finished, failed = w->failed;
+    int failed_shard = w->failed_shard;
+    w->finished = true;
+    pthread_mutex_unlock(&w->lock);
+    if (again)
+        return lm_err_set(err, LM_ERR_USAGE, "safetensors writer: finished twice");
+    if (failed)
+        return lm_err_set(err, LM_ERR_IO, "%s: incomplete: an earlier write to it failed",
+                          w->paths[failed_shard]);
+    for (int64_t i = 0; i < w->n; i++) {
+        const st_slot *slot = &w->slots[i];
+        if (slot->written != slot->nbytes)
+            return lm_err_set(err, LM_ERR_MISMATCH, "%s: tensor '%s' is incomplete: %llu of %llu "
+                              "bytes written", w->paths[w->plan.shard_of[i]], w->tensors[i].name,
+                              (unsigned long long)slot->written,
+                              (unsigned long long)slot->nbytes);
+    }
+    // data is durable before the caller renames the directory into place
+    for (int sh = 0; sh < w->plan.n_shards; sh++) {
+        int fd = w->fds[sh];
+        w->fds[sh] = -1;
+        int e = fsync(fd) != 0 ? errno : 0;
+        if (close(fd) != 0 && !e)
+            e = errno;
+        if (e)
+            return lm_err_set(err, LM_ERR_IO, "%s: %s", w->paths[sh], strerror(e));
+    }
+    if (w->plan.n_shards > 1)
+        return write_index(w, err);
+    return LM_OK;
+}
+
+const lm_shard_plan *lm_st_writer_plan(const lm_st_writer *w)
+{
+    return &w->plan;
+}
+
+void lm_st_writer_free(lm_st_writer *w)
+{
+    if (!w)
+        return;
+    for (int sh = 0; w->fds && sh < w->plan.n_shards; sh++) {
+        if (w->fds[sh] >= 0)
+            close(w->fds[sh]);
+    }
+    for (int sh = 0; w->paths && sh < w->plan.n_shards; sh++)
+        free(w->paths[sh]);
+    for (int64_t i = 0; w->slots && i < w->n; i++)
+        free(w->slots[i].spans);
+    if (w->lock_ok)
+        pthread_mutex_destroy(&w->lock);
+    free(w->fds);
+    free(w->paths);
+    free(w->slots);
+    free(w->tensors);
+    free(w->dir);
+    lm_shard_plan_free(&w->plan);
+    free(w);
+}
+
+// ==== one file at once ========================================================================
+
+lm_status lm_st_write_file(const char *path, const lm_st_desc *tensors, const void *const *data,
+                           int64_t n, const char *const *meta, lm_err *err)
+{
+    static atomic_uint counter;
+    lm_st_writer *w = NULL;
+    char *tmp = NULL;
+    lm_status s = LM_OK;
+    if (!path)
+        return lm_err_set(err, LM_ERR_USAGE, "safetensors writer: no path");
+    // a fresh name beside `path`: pid and a counter keep concurrent writers apart, O_EXCL
+    // (in writer_open) refuses anything left behind
+    for (int attempt = 0;; attempt++) {
+        free(tmp);
+        tmp = lm_strfmt("%s.tmp-%ld-%u", path, (long)getpid(), atomic_fetch_add(&counter, 1));
+        if (!tmp)
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        s = writer_open(&w, NULL, tmp, tensors, n, UINT64_MAX, meta, err);
+        if (s == LM_OK || attempt >= 100 || !lm_is_file(tmp))
+            break;
+    }
+    if (s != LM_OK)
+        goto fail;
+    for (int64_t i = 0; i < n; i++) {
+        s = lm_st_writer_put(w, i, data[i], w->slots[i].nbytes, err);
+        if (s != LM_OK)
+            goto fail;
+    }
+    s = lm_st_writer_finish(w, err);
+    if (s != LM_OK)
+        goto fail;
+    if (rename(tmp, path) != 0) {
+        s = lm_err_set(err, LM_ERR_IO, "%s: renaming %s into place: %s", path, tmp,
+                       strerror(errno));
+        goto fail;
+    }
+    lm_st_writer_free(w);
+    free(tmp);
+    return LM_OK;
+
+fail:
+    if (w)  // only a writer that opened created the file: never remove someone else's
+        unlink(tmp);
+    lm_st_writer_free(w);
+    free(tmp);
+    return s;
+}

@@ -1,0 +1,714 @@
+// Tests of the safetensors writer (lib/st_writer.c) and atomic output directories
+// (lib/outdir.c): files read back bit-exact with the reader for every dtype, the header bytes
+// of a small case against a literal, the huggingface_hub shard rule at its boundaries (sizes
+// worked out by hand here, not by the writer), the index JSON against a literal, refused and
+// incomplete writes, and output directories that refuse, commit, abort and replace. Each test
+// works in a fresh directory under /tmp and removes it.
+#include <dirent.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "outdir.h"
+#include "safetensors.h"
+#include "st_writer.h"
+#include "util.h"
+
+// ==== helpers =================================================================================
+
+static char *make_tmpdir(void)
+{
+    char tmpl[] = "/tmp/llmerge-test-writer-XXXXXX";
+    char *d = mkdtemp(tmpl);
+    if (!d) {
+        perror("mkdtemp");
+        exit(1);
+    }
+    return lm_strdup(d);
+}
+
+static void remove_tmpdir(char *dir)
+{
+    lm_err err;
+    CHECK_OK(lm_rm_rf(dir, &err), &err);
+    free(dir);
+}
+
+static uint64_t rng_next(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static void fill_bytes(void *buf, size_t n, uint64_t seed)
+{
+    unsigned char *p = buf;
+    for (size_t i = 0; i < n; i++)
+        p[i] = (unsigned char)(rng_next(&seed) >> 56);
+}
+
+// Number of entries in `dir` other than . and .., and whether one has `needle` in its name.
+static int count_entries(const char *dir, const char *needle, bool *found)
+{
+    DIR *d = opendir(dir);
+    int n = 0;
+    if (found)
+        *found = false;
+    if (!d)
+        return -1;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+            continue;
+        n++;
+        if (needle && found && strstr(e->d_name, needle))
+            *found = true;
+    }
+    closedir(d);
+    return n;
+}
+
+static char *path_in(const char *dir, const char *name)
+{
+    char *p = lm_path_join(dir, name);
+    if (!p)
+        exit(1);
+    return p;
+}
+
+static lm_st_desc desc(const char *name, lm_dtype dt, int ndim, int64_t d0, int64_t d1)
+{
+    lm_st_desc t = {.name = name, .dtype = dt, .ndim = ndim};
+    t.shape[0] = d0;
+    t.shape[1] = d1;
+    return t;
+}
+
+// ==== round trips =============================================================================
+
+typedef struct expect_order {
+    const char *name;
+    lm_dtype dt;
+} expect_order;
+
+static int cmp_expect(const void *pa, const void *pb)
+{
+    const expect_order *a = pa, *b = pb;
+    if (a->dt != b->dt)
+        return a->dt > b->dt ? -1 : 1;
+    return strcmp(a->name, b->name);
+}
+
+// Every dtype, a scalar and zero-size tensors, written by the writer and by lm_st_write_file,
+// read back with lm_st_open.
+static void test_round_trip(void)
+{
+    lm_err err;
+    char *dir = make_tmpdir();
+    enum { NT = LM_DTYPE_COUNT + 3 };
+    lm_st_desc t[NT];
+    char names[NT][32];
+    void *data[NT];
+    uint64_t sizes[NT];
+    for (int i = 0; i < LM_DTYPE_COUNT; i++) {
+        // [2, 4]: 8 elements, whole bytes for F4 (4 bytes) and F6 (6 bytes) as well
+        snprintf(names[i], sizeof names[i], "w.%s", lm_dtype_name((lm_dtype)i));
+        t[i] = desc(names[i], (lm_dtype)i, 2, 2, 4);
+        sizes[i] = lm_dtype_bits((lm_dtype)i);  // 8 elements * bits / 8
+    }
+    snprintf(names[LM_DTYPE_COUNT], 32, "scalar");
+    t[LM_DTYPE_COUNT] = desc(names[LM_DTYPE_COUNT], LM_DTYPE_F32, 0, 0, 0);
+    sizes[LM_DTYPE_COUNT] = 4;
+    snprintf(names[LM_DTYPE_COUNT + 1], 32, "empty.rows");
+    t[LM_DTYPE_COUNT + 1] = desc(names[LM_DTYPE_COUNT + 1], LM_DTYPE_BF16, 2, 0, 3);
+    sizes[LM_DTYPE_COUNT + 1] = 0;
+    snprintf(names[LM_DTYPE_COUNT + 2], 32, "empty.cols");
+    t[LM_DTYPE_COUNT + 2] = desc(names[LM_DTYPE_COUNT + 2], LM_DTYPE_F16, 2, 3, 0);
+    sizes[LM_DTYPE_COUNT + 2] = 0;
+    for (int i = 0; i < NT; i++) {
+        data[i] = malloc(sizes[i] + 1);
+        fill_bytes(data[i], sizes[i], 1000 + (uint64_t)i);
+    }
+    const char *meta[] = {"producer", "test_writer", "quote", "\"a\\b\"\n", NULL};
+
+    for (int via_file = 0; via_file < 2; via_file++) {
+        char *path = path_in(dir, via_file ? "one.safetensors" : "model.safetensors");
+        if (via_file) {
+            CHECK_OK(lm_st_write_file(path, t, (const void *const *)data, NT, meta, &err), &err);
+            CHECK(count_entries(dir, ".tmp", NULL) == 2);  // model.safetensors and this one
+        } else {
+            lm_st_writer *w = NULL;
+            CHECK_OK(lm_st_writer_open(&w, dir, t, NT, 5000000000ull, meta, &err), &err);
+            CHECK(w && lm_st_writer_plan(w)->n_shards == 1);
+            // reverse order: the writer takes tensors in any order
+            for (int i = NT - 1; w && i >= 0; i--)
+                CHECK_OK(lm_st_writer_put(w, i, data[i], sizes[i], &err), &err);
+            CHECK_OK(lm_st_writer_finish(w, &err), &err);
+            lm_st_writer_free(w);
+            char *idx = path_in(dir, "model.safetensors.index.json");
+            CHECK(!lm_is_file(idx));
+            free(idx);
+        }
+
+        lm_st_file *f = NULL;
+        CHECK_OK(lm_st_open(&f, path, &err), &err);
+        if (f) {
+            CHECK(f->n_tensors == NT);
+            for (int i = 0; i < NT; i++) {
+                const lm_st_tensor *r = lm_st_find(f, names[i]);
+                CHECK_MSG(r != NULL, "%s missing", names[i]);
+                if (!r)
+                    continue;
+                CHECK(r->dtype == t[i].dtype);
+                CHECK(r->ndim == t[i].ndim);
+                for (int d = 0; d < t[i].ndim; d++)
+                    CHECK(r->shape[d] == t[i].shape[d]);
+                CHECK_MSG(r->nbytes == sizes[i], "%s: %llu bytes", names[i],
+                          (unsigned long long)r->nbytes);
+                CHECK_MSG(sizes[i] == 0 || memcmp(r->data, data[i], sizes[i]) == 0,
+                          "%s: data differs", names[i]);
+            }
+            // data order = dtype descending, then name
+            expect_order ord[NT];
+            for (int i = 0; i < NT; i++)
+                ord[i] = (expect_order){names[i], t[i].dtype};
+            qsort(ord, NT, sizeof *ord, cmp_expect);
+            for (int i = 0; i < NT && i < f->n_tensors; i++)
+                CHECK_MSG(strcmp(f->tensors[i].name, ord[i].name) == 0, "position %d: %s, want %s",
+                          i, f->tensors[i].name, ord[i].name);
+            CHECK(f->n_meta == 3);
+            CHECK(f->n_meta == 3 && strcmp(f->meta_keys[0], "format") == 0 &&
+                  strcmp(f->meta_keys[1], "producer") == 0 && strcmp(f->meta_keys[2], "quote") == 0);
+            const char *q = lm_st_meta(f, "quote");
+            CHECK(q && strcmp(q, "\"a\\b\"\n") == 0);
+            const char *fmt = lm_st_meta(f, "format");
+            CHECK(fmt && strcmp(fmt, "pt") == 0);
+            CHECK((8 + f->header_len) % 8 == 0);
+        }
+        lm_st_close(f);
+        free(path);
+    }
+
+    // a given "format" is kept, not doubled
+    {
+        const char *m2[] = {"format", "mlx", NULL};
+        char *path = path_in(dir, "fmt.safetensors");
+        CHECK_OK(lm_st_write_file(path, t, (const void *const *)data, 1, m2, &err), &err);
+        lm_st_file *f = NULL;
+        CHECK_OK(lm_st_open(&f, path, &err), &err);
+        CHECK(f && f->n_meta == 1 && strcmp(lm_st_meta(f, "format"), "mlx") == 0);
+        lm_st_close(f);
+        free(path);
+    }
+
+    // zero tensors: one model.safetensors holding only __metadata__
+    {
+        char *sub = path_in(dir, "empty");
+        CHECK_OK(lm_mkdir_p(sub, &err), &err);
+        lm_st_writer *w = NULL;
+        CHECK_OK(lm_st_writer_open(&w, sub, NULL, 0, 100, NULL, &err), &err);
+        CHECK(w && lm_st_writer_plan(w)->n_shards == 1);
+        CHECK_OK(lm_st_writer_finish(w, &err), &err);
+        lm_st_writer_free(w);
+        char *path = path_in(sub, "model.safetensors");
+        char *buf = NULL;
+        size_t len = 0;
+        CHECK_OK(lm_read_file(path, 1 << 20, &buf, &len, &err), &err);
+        const char want[] = "\x20\0\0\0\0\0\0\0{\"__metadata__\":{\"format\":\"pt\"}}";
+        CHECK(buf && len == 40 && memcmp(buf, want, 40) == 0);
+        free(buf);
+        lm_st_file *f = NULL;
+        CHECK_OK(lm_st_open(&f, path, &err), &err);
+        CHECK(f && f->n_tensors == 0);
+        lm_st_close(f);
+        free(path);
+        free(sub);
+    }
+
+    for (int i = 0; i < NT; i++)
+        free(data[i]);
+    remove_tmpdir(dir);
+}
+
+// ==== the header, byte for byte ===============================================================
+
+static void test_header_bytes(void)
+{
+    lm_err err;
+    char *dir = make_tmpdir();
+    const char *odd = "e\"\\\n\x01\xc3\xa9";  // quote, backslash, newline, U+0001, é
+    lm_st_desc t[] = {
+        desc("b", LM_DTYPE_BF16, 2, 2, 3),  // 12 bytes
+        desc("a", LM_DTYPE_F32, 1, 2, 0),   // 8 bytes
+        desc("c", LM_DTYPE_BF16, 0, 0, 0),  // 2 bytes
+        desc(odd, LM_DTYPE_U8, 2, 0, 4),    // 0 bytes
+    };
+    unsigned char db[12], da[8], dc[2];
+    fill_bytes(db, 12, 1);
+    fill_bytes(da, 8, 2);
+    fill_bytes(dc, 2, 3);
+    const void *data[] = {db, da, dc, ""};
+    const char *meta[] = {"zz", "1", "note", "tab\there", NULL};
+    char *path = path_in(dir, "h.safetensors");
+    CHECK_OK(lm_st_write_file(path, t, data, 4, meta, &err), &err);
+
+    // 295 bytes of JSON, one space of padding
+    static const char want_json[] =
+        "{\"__metadata__\":{\"format\":\"pt\",\"note\":\"tab\\there\",\"zz\":\"1\"},"
+        "\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]},"
+        "\"b\":{\"dtype\":\"BF16\",\"shape\":[2,3],\"data_offsets\":[8,20]},"
+        "\"c\":{\"dtype\":\"BF16\",\"shape\":[],\"data_offsets\":[20,22]},"
+        "\"e\\\"\\\\\\n\\u0001\xc3\xa9\":{\"dtype\":\"U8\",\"shape\":[0,4],\"data_offsets\":[22,22]}}"
+        " ";
+    size_t hlen = sizeof want_json - 1;
+    CHECK(hlen == 296);
+    char *buf = NULL;
+    size_t len = 0;
+    CHECK_OK(lm_read_file(path, 1 << 20, &buf, &len, &err), &err);
+    CHECK_MSG(len == 8 + hlen + 22, "file is %zu bytes", len);
+    if (buf && len == 8 + hlen + 22) {
+        unsigned char n8[8] = {(unsigned char)(hlen & 0xFF), (unsigned char)(hlen >> 8)};
+        CHECK(memcmp(buf, n8, 8) == 0);
+        CHECK_MSG(memcmp(buf + 8, want_json, hlen) == 0, "header is\n%.*s\nwanted\n%s",
+                  (int)hlen, buf + 8, want_json);
+        CHECK(memcmp(buf + 8 + hlen, da, 8) == 0);
+        CHECK(memcmp(buf + 8 + hlen + 8, db, 12) == 0);
+        CHECK(memcmp(buf + 8 + hlen + 20, dc, 2) == 0);
+    }
+    free(buf);
+    lm_st_file *f = NULL;
+    CHECK_OK(lm_st_open(&f, path, &err), &err);
+    CHECK(f && lm_st_find(f, odd) != NULL);
+    lm_st_close(f);
+    free(path);
+    remove_tmpdir(dir);
+}
+
+// ==== the shard rule ==========================================================================
+
+// Plans U8 tensors of the given byte sizes and compares shard_of and shard_bytes.
+static void check_plan(const char *what, const int64_t *sizes, int n, uint64_t max,
+                       const int *want_of, int want_shards, const uint64_t *want_bytes)
+{
+    lm_err err;
+    lm_st_desc t[16];
+    char names[16][8];
+    for (int i = 0; i < n; i++) {
+        snprintf(names[i], sizeof names[i], "t%d", i);
+        t[i] = desc(names[i], LM_DTYPE_U8, 1, sizes[i], 0);
+    }
+    lm_shard_plan p;
+    CHECK_OK(lm_shard_plan_make(&p, t, n, max, &err), &err);
+    CHECK_MSG(p.n_shards == want_shards, "%s: %d shards, want %d", what, p.n_shards, want_shards);
+    uint64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        total += (uint64_t)sizes[i];
+        CHECK_MSG(p.shard_of[i] == want_of[i], "%s: tensor %d in shard %d, want %d", what, i,
+                  p.shard_of[i], want_of[i]);
+    }
+    for (int s = 0; s < want_shards && s < p.n_shards; s++)
+        CHECK_MSG(p.shard_bytes[s] == want_bytes[s], "%s: shard %d has %llu bytes, want %llu",
+                  what, s, (unsigned long long)p.shard_bytes[s], (unsigned long long)want_bytes[s]);
+    CHECK(p.total_size == total);
+    CHECK(p.n_tensors == n);
+    lm_shard_plan_free(&p);
+}
+
+static void test_shard_plan(void)
+{
+    {   // exactly filling a shard keeps it one shard
+        int64_t s[] = {4, 6};
+        int of[] = {0, 0};
+        uint64_t b[] = {10};
+        check_plan("exact fill", s, 2, 10, of, 1, b);
+    }
+    {   // one byte over starts a new one
+        int64_t s[] = {4, 7};
+        int of[] = {0, 1};
+        uint64_t b[] = {4, 7};
+        check_plan("one over", s, 2, 10, of, 2, b);
+    }
+    {   // a tensor of exactly max is not "larger": it fills a shard of its own normally
+        int64_t s[] = {10, 10, 0};
+        int of[] = {0, 1, 1};
+        uint64_t b[] = {10, 10};
+        check_plan("exact max", s, 3, 10, of, 2, b);
+    }
+    {   // larger than max: own shard, numbered before the shard being filled
+        int64_t s[] = {4, 11, 3, 5};
+        int of[] = {1, 0, 1, 2};
+        uint64_t b[] = {11, 7, 5};
+        check_plan("oversized", s, 4, 10, of, 3, b);
+    }
+    {   // huggingface_hub's own test: sizes 6, 10, 30, 2, 2 with max 10
+        int64_t s[] = {6, 10, 30, 2, 2};
+        int of[] = {0, 2, 1, 3, 3};
+        uint64_t b[] = {6, 30, 10, 4};
+        check_plan("hub test", s, 5, 10, of, 4, b);
+    }
+    {   // the first tensor oversized
+        int64_t s[] = {20, 1};
+        int of[] = {0, 1};
+        uint64_t b[] = {20, 1};
+        check_plan("oversized first", s, 2, 10, of, 2, b);
+    }
+    {   // zero tensors: one empty shard
+        uint64_t b[] = {0};
+        check_plan("none", NULL, 0, 10, NULL, 1, b);
+    }
+
+    lm_err err;
+    lm_shard_plan p;
+    lm_st_desc bad = desc("f4.odd", LM_DTYPE_F4, 1, 3, 0);  // 12 bits
+    CHECK_FAILS(lm_shard_plan_make(&p, &bad, 1, 10, &err), LM_ERR_USAGE, "f4.odd", &err);
+    lm_st_desc neg = desc("neg", LM_DTYPE_F32, 2, 3, -1);
+    CHECK_FAILS(lm_shard_plan_make(&p, &neg, 1, 10, &err), LM_ERR_USAGE, "neg", &err);
+    lm_st_desc huge = desc("huge", LM_DTYPE_F64, 2, INT64_MAX, 4);
+    CHECK_FAILS(lm_shard_plan_make(&p, &huge, 1, 10, &err), LM_ERR_USAGE, "overflow", &err);
+    lm_st_desc dims = desc("dims", LM_DTYPE_F32, LM_ST_MAX_DIMS + 1, 1, 1);
+    CHECK_FAILS(lm_shard_plan_make(&p, &dims, 1, 10, &err), LM_ERR_USAGE, "dims", &err);
+
+    char name[64];
+    CHECK(strcmp(lm_shard_name(name, sizeof name, 0, 1), "model.safetensors") == 0);
+    CHECK(strcmp(lm_shard_name(name, sizeof name, 1, 3), "model-00002-of-00003.safetensors") == 0);
+}
+
+// ==== sharded files and the index =============================================================
+
+static void test_sharded_write(void)
+{
+    lm_err err;
+    char *dir = make_tmpdir();
+    // F32, max 100 bytes: "bigé" (200) is oversized, shard 1; "layer.b" (40) + "a\"q" (60)
+    // fill shard 2 exactly; "emoji😀" (4) would pass it, so it and the empty "z.zero" make
+    // shard 3
+    lm_st_desc t[] = {
+        desc("layer.b", LM_DTYPE_F32, 1, 10, 0),
+        desc("big\xc3\xa9", LM_DTYPE_F32, 2, 5, 10),
+        desc("a\"q", LM_DTYPE_F32, 2, 3, 5),
+        desc("emoji\xf0\x9f\x98\x80", LM_DTYPE_F32, 0, 0, 0),
+        desc("z.zero", LM_DTYPE_F32, 2, 0, 7),
+    };
+    const uint64_t sizes[] = {40, 200, 60, 4, 0};
+    const int want_shard[] = {1, 0, 1, 2, 2};
+    unsigned char *data[5];
+    for (int i = 0; i < 5; i++) {
+        data[i] = malloc(sizes[i] + 1);
+        fill_bytes(data[i], sizes[i], 50 + (uint64_t)i);
+    }
+    lm_st_writer *w = NULL;
+    CHECK_OK(lm_st_writer_open(&w, dir, t, 5, 100, NULL, &err), &err);
+    if (!w) {
+        remove_tmpdir(dir);
+        return;
+    }
+    const lm_shard_plan *p = lm_st_writer_plan(w);
+    CHECK(p->n_shards == 3 && p->total_size == 304);
+    for (int i = 0; i < 5; i++)
+        CHECK(p->shard_of[i] == want_shard[i]);
+
+    // every shard file already has its final size before any data
+    static const char *files[] = {"model-00001-of-00003.safetensors",
+                                  "model-00002-of-00003.safetensors",
+                                  "model-00003-of-00003.safetensors"};
+    for (int s = 0; s < 3; s++) {
+        char *path = path_in(dir, files[s]);
+        struct stat st;
+        CHECK(stat(path, &st) == 0 && st.st_size > 8);
+        free(path);
+    }
+
+    // tensor 1 in three parts, out of order
+    CHECK_OK(lm_st_writer_put_part(w, 1, 120, data[1] + 120, 80, &err), &err);
+    CHECK_OK(lm_st_writer_put_part(w, 1, 0, data[1], 50, &err), &err);
+    CHECK_FAILS(lm_st_writer_put_part(w, 1, 40, data[1] + 40, 20, &err), LM_ERR_MISMATCH,
+                "overlap", &err);
+    CHECK_FAILS(lm_st_writer_put_part(w, 1, 190, data[1] + 190, 20, &err), LM_ERR_MISMATCH,
+                "outside", &err);
+    CHECK_OK(lm_st_writer_put_part(w, 1, 50, data[1] + 50, 70, &err), &err);
+    CHECK_FAILS(lm_st_writer_put(w, 0, data[0], 39, &err), LM_ERR_MISMATCH, "layer.b", &err);
+    for (int i = 0; i < 5; i++) {
+        if (i != 1)
+            CHECK_OK(lm_st_writer_put(w, i, data[i], sizes[i], &err), &err);
+    }
+    CHECK_FAILS(lm_st_writer_put(w, 0, data[0], 40, &err), LM_ERR_MISMATCH, "overlap", &err);
+    CHECK_FAILS(lm_st_writer_put(w, 5, data[0], 40, &err), LM_ERR_USAGE, "index", &err);
+    CHECK_OK(lm_st_writer_finish(w, &err), &err);
+    lm_st_writer_free(w);
+
+    for (int s = 0; s < 3; s++) {
+        char *path = path_in(dir, files[s]);
+        lm_st_file *f = NULL;
+        CHECK_OK(lm_st_open(&f, path, &err), &err);
+        int count = 0;
+        for (int i = 0; f && i < 5; i++) {
+            if (want_shard[i] != s)
+                continue;
+            count++;
+            const lm_st_tensor *r = lm_st_find(f, t[i].name);
+            CHECK_MSG(r && r->nbytes == sizes[i] &&
+                      (sizes[i] == 0 || memcmp(r->data, data[i], sizes[i]) == 0),
+                      "%s in %s", t[i].name, files[s]);
+        }
+        CHECK(f && f->n_tensors == count);
+        lm_st_close(f);
+        free(path);
+    }
+    char *single = path_in(dir, "model.safetensors");
+    CHECK(!lm_is_file(single));
+    free(single);
+
+    static const char want_index[] =
+        "{\n"
+        "  \"metadata\": {\n"
+        "    \"total_size\": 304\n"
+        "  },\n"
+        "  \"weight_map\": {\n"
+        "    \"a\\\"q\": \"model-00002-of-00003.safetensors\",\n"
+        "    \"big\\u00e9\": \"model-00001-of-00003.safetensors\",\n"
+        "    \"emoji\\ud83d\\ude00\": \"model-00003-of-00003.safetensors\",\n"
+        "    \"layer.b\": \"model-00002-of-00003.safetensors\",\n"
+        "    \"z.zero\": \"model-00003-of-00003.safetensors\"\n"
+        "  }\n"
+        "}\n";
+    char *ipath = path_in(dir, "model.safetensors.index.json");
+    char *buf = NULL;
+    CHECK_OK(lm_read_file(ipath, 1 << 20, &buf, NULL, &err), &err);
+    CHECK_MSG(buf && strcmp(buf, want_index) == 0, "index is\n%s\nwanted\n%s", buf ? buf : "",
+              want_index);
+    free(buf);
+    free(ipath);
+    for (int i = 0; i < 5; i++)
+        free(data[i]);
+    remove_tmpdir(dir);
+}
+
+// ==== refusals ================================================================================
+
+static void test_refusals(void)
+{
+    lm_err err;
+    char *dir = make_tmpdir();
+    lm_st_writer *w = NULL;
+    unsigned char zeros[64] = {0};
+
+    // finish names the incomplete tensor
+    lm_st_desc t[] = {desc("done", LM_DTYPE_F32, 1, 4, 0), desc("half.written", LM_DTYPE_F32, 2, 4, 4)};
+    CHECK_OK(lm_st_writer_open(&w, dir, t, 2, 1000, NULL, &err), &err);
+    CHECK_OK(lm_st_writer_put(w, 0, zeros, 16, &err), &err);
+    CHECK_OK(lm_st_writer_put_part(w, 1, 0, zeros, 32, &err), &err);
+    CHECK_OK(lm_st_writer_put_part(w, 1, 32, zeros, 0, &err), &err);  // empty part: no-op
+    CHECK_FAILS(lm_st_writer_finish(w, &err), LM_ERR_MISMATCH, "half.written", &err);
+    CHECK(strstr(err.msg, "32 of 64") != NULL);
+    CHECK_FAILS(lm_st_writer_put_part(w, 1, 32, zeros, 32, &err), LM_ERR_USAGE, "finish", &err);
+    lm_st_writer_free(w);
+    w = NULL;
+
+    // duplicate names, the reserved name, invalid UTF-8, odd metadata, a missing directory
+    lm_st_desc dup[] = {desc("x", LM_DTYPE_F32, 1, 1, 0), desc("x", LM_DTYPE_F16, 1, 1, 0)};
+    CHECK_FAILS(lm_st_writer_open(&w, dir, dup, 2, 1000, NULL, &err), LM_ERR_USAGE, "'x'", &err);
+    CHECK(w == NULL);
+    lm_st_desc meta_name = desc("__metadata__", LM_DTYPE_F32, 1, 1, 0);
+    CHECK_FAILS(lm_st_writer_open(&w, dir, &meta_name, 1, 1000, NULL, &err), LM_ERR_USAGE,
+                "__metadata__", &err);
+    lm_st_desc bad_utf8 = desc("bad\xff", LM_DTYPE_F32, 1, 1, 0);
+    CHECK_FAILS(lm_st_writer_open(&w, dir, &bad_utf8, 1, 1000, NULL, &err), LM_ERR_USAGE, "UTF-8",
+                &err);
+    const char *meta_dup[] = {"k", "1", "k", "2", NULL};
+    CHECK_FAILS(lm_st_writer_open(&w, dir, t, 1, 1000, meta_dup, &err), LM_ERR_USAGE, "'k'", &err);
+    const char *meta_odd[] = {"k", NULL};
+    CHECK_FAILS(lm_st_writer_open(&w, dir, t, 1, 1000, meta_odd, &err), LM_ERR_USAGE, "'k'", &err);
+    char *missing = path_in(dir, "no/such/dir");
+    CHECK_FAILS(lm_st_writer_open(&w, missing, t, 1, 1000, NULL, &err), LM_ERR_NOT_FOUND,
+                "no/such/dir", &err);
+    free(missing);
+
+    // a failed lm_st_write_file leaves nothing behind
+    char *path = path_in(dir, "never.safetensors");
+    const void *data[] = {zeros, zeros};
+    CHECK_FAILS(lm_st_write_file(path, dup, data, 2, NULL, &err), LM_ERR_USAGE, "'x'", &err);
+    CHECK(!lm_is_file(path));
+    bool tmp_left;
+    count_entries(dir, ".tmp", &tmp_left);
+    CHECK(!tmp_left);
+    // nor does a successful one, beyond the file itself
+    CHECK_OK(lm_st_write_file(path, t, data, 2, NULL, &err), &err);
+    CHECK(lm_is_file(path));
+    count_entries(dir, ".tmp", &tmp_left);
+    CHECK(!tmp_left);
+    free(path);
+    remove_tmpdir(dir);
+}
+
+// ==== several threads writing one file ========================================================
+
+typedef struct part_job {
+    lm_st_writer *w;
+    const unsigned char *data;
+    int first, step, parts;  // this thread writes parts first, first + step, ...
+    uint64_t part_bytes;
+    int failures;
+} part_job;
+
+static void *part_worker(void *arg)
+{
+    part_job *j = arg;
+    lm_err err;
+    for (int k = j->first; k < j->parts; k += j->step) {
+        uint64_t off = (uint64_t)k * j->part_bytes;
+        if (lm_st_writer_put_part(j->w, 0, off, j->data + off, j->part_bytes, &err) != LM_OK)
+            j->failures++;
+    }
+    return NULL;
+}
+
+static void test_threads(void)
+{
+    lm_err err;
+    char *dir = make_tmpdir();
+    enum { ROWS = 256, COLS = 64, THREADS = 4 };
+    lm_st_desc t = desc("rows", LM_DTYPE_F32, 2, ROWS, COLS);
+    uint64_t bytes = (uint64_t)ROWS * COLS * 4;
+    unsigned char *data = malloc(bytes);
+    fill_bytes(data, bytes, 7);
+    lm_st_writer *w = NULL;
+    CHECK_OK(lm_st_writer_open(&w, dir, &t, 1, bytes, NULL, &err), &err);
+    part_job jobs[THREADS];
+    pthread_t th[THREADS];
+    for (int i = 0; w && i < THREADS; i++) {
+        jobs[i] = (part_job){w, data, i, THREADS, ROWS, COLS * 4, 0};
+        pthread_create(&th[i], NULL, part_worker, &jobs[i]);
+    }
+    for (int i = 0; w && i < THREADS; i++) {
+        pthread_join(th[i], NULL);
+        CHECK(jobs[i].failures == 0);
+    }
+    CHECK_OK(lm_st_writer_finish(w, &err), &err);
+    lm_st_writer_free(w);
+    char *path = path_in(dir, "model.safetensors");
+    lm_st_file *f = NULL;
+    CHECK_OK(lm_st_open(&f, path, &err), &err);
+    const lm_st_tensor *r = f ? lm_st_find(f, "rows") : NULL;
+    CHECK(r && r->nbytes == bytes && memcmp(r->data, data, bytes) == 0);
+    lm_st_close(f);
+    free(path);
+    free(data);
+    remove_tmpdir(dir);
+}
+
+// ==== output directories ======================================================================
+
+static void put_marker(const char *dir, const char *name, const char *text)
+{
+    lm_err err;
+    char *p = path_in(dir, name);
+    CHECK_OK(lm_write_file(p, text, strlen(text), &err), &err);
+    free(p);
+}
+
+static bool has_marker(const char *dir, const char *name, const char *text)
+{
+    lm_err err;
+    char *p = path_in(dir, name), *buf = NULL;
+    bool ok = lm_read_file(p, 4096, &buf, NULL, &err) == LM_OK && strcmp(buf, text) == 0;
+    free(buf);
+    free(p);
+    return ok;
+}
+
+static void test_outdir(void)
+{
+    lm_err err;
+    char *dir = make_tmpdir();
+    char *out = path_in(dir, "out");
+    lm_outdir od;
+
+    // begin and commit: the temporary directory sits beside OUT and becomes it
+    CHECK_OK(lm_outdir_begin(&od, out, false, &err), &err);
+    CHECK(od.tmp && strncmp(od.tmp, out, strlen(out)) == 0 && strstr(od.tmp, ".tmp-"));
+    CHECK(od.tmp && lm_is_dir(od.tmp) && !lm_is_dir(out));
+    struct stat st;
+    CHECK(od.tmp && stat(od.tmp, &st) == 0 && (st.st_mode & 0777) == 0755);  // umask 022
+    if (od.tmp)
+        put_marker(od.tmp, "a.txt", "first");
+    char *tmp = lm_strdup(od.tmp);
+    CHECK_OK(lm_outdir_commit(&od, &err), &err);
+    CHECK(od.tmp == NULL && od.final == NULL);
+    CHECK(lm_is_dir(out) && has_marker(out, "a.txt", "first"));
+    CHECK(tmp && !lm_is_dir(tmp));
+    free(tmp);
+    lm_outdir_abort(&od);  // harmless after a commit
+    CHECK(lm_is_dir(out));
+
+    // an existing OUT without force: refused, nothing created
+    CHECK_FAILS(lm_outdir_begin(&od, out, false, &err), LM_ERR_USAGE, "--force", &err);
+    CHECK(strstr(err.msg, out) != NULL);
+    CHECK(od.tmp == NULL);
+    CHECK(count_entries(dir, NULL, NULL) == 1);
+    lm_outdir_abort(&od);
+
+    // a missing parent
+    char *orphan = path_in(dir, "no/parent/out");
+    CHECK_FAILS(lm_outdir_begin(&od, orphan, false, &err), LM_ERR_NOT_FOUND, "no/parent", &err);
+    free(orphan);
+
+    // abort removes the temporary directory and all in it
+    CHECK_OK(lm_outdir_begin(&od, out, true, &err), &err);
+    if (od.tmp) {
+        char *sub = path_in(od.tmp, "sub");
+        CHECK_OK(lm_mkdir_p(sub, &err), &err);
+        put_marker(sub, "b.txt", "x");
+        free(sub);
+    }
+    lm_outdir_abort(&od);
+    lm_outdir_abort(&od);  // twice is fine
+    CHECK(count_entries(dir, NULL, NULL) == 1);
+    CHECK(has_marker(out, "a.txt", "first"));
+
+    // force replaces the old OUT entirely and leaves nothing else beside it
+    char *slashed = lm_strfmt("%s//", out);  // a trailing slash names the same directory
+    CHECK_OK(lm_outdir_begin(&od, slashed, true, &err), &err);
+    if (od.tmp)
+        put_marker(od.tmp, "c.txt", "second");
+    CHECK_OK(lm_outdir_commit(&od, &err), &err);
+    CHECK(has_marker(out, "c.txt", "second"));
+    char *old = path_in(out, "a.txt");
+    CHECK(!lm_is_file(old));
+    free(old);
+    CHECK(count_entries(dir, NULL, NULL) == 1);
+    free(slashed);
+
+    // force over a plain file
+    char *file_out = path_in(dir, "was_a_file");
+    CHECK_OK(lm_write_file(file_out, "x", 1, &err), &err);
+    CHECK_OK(lm_outdir_begin(&od, file_out, true, &err), &err);
+    CHECK_OK(lm_outdir_commit(&od, &err), &err);
+    CHECK(lm_is_dir(file_out));
+    free(file_out);
+
+    // a zeroed object aborts harmlessly; "." is not an output
+    lm_outdir zero = {0};
+    lm_outdir_abort(&zero);
+    CHECK_FAILS(lm_outdir_begin(&od, ".", true, &err), LM_ERR_USAGE, ".", &err);
+    CHECK_FAILS(lm_outdir_begin(&od, "", true, &err), LM_ERR_USAGE, "output", &err);
+
+    free(out);
+    remove_tmpdir(dir);
+}
+
+int main(void)
+{
+    umask(022);
+    test_round_trip();
+    test_header_bytes();
+    test_shard_plan();
+    test_sharded_write();
+    test_refusals();
+    test_threads();
+    test_outdir();
+    return check_report("test_writer");
+}
