@@ -1,0 +1,147 @@
+// The device interface: one vtable, many devices, in the manner of ggml's backends. A device
+// reports its name and memory, allocates buffers, copies between host and device, and runs
+// the operations merging needs on float32 data (conversion, GEMM for LoRA deltas, radix
+// histograms for exact top-k selection, top-k and random masks, L1 reductions, sign election
+// with disjoint merge). Merge code calls only these functions, never OpenBLAS or cuBLAS, so
+// one code path runs on every device. Pointers passed to operations point into device
+// memory obtained from lm_dev_alloc (on the CPU backend that is host memory).
+//
+// Out of memory on a device is LM_ERR_DEVICE_OOM, distinct from every other failure and never
+// an abort: it is the status that makes a caller fall back to the CPU for that unit.
+//
+// Every operation is deterministic: the result does not depend on the thread count or on how
+// work is split (reductions sum fixed blocks in a fixed order), and the random masks are a pure
+// function of their key and element index, so devices agree bit for bit on masks.
+#ifndef LM_DEVICE_H
+#define LM_DEVICE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "dtype.h"
+#include "status.h"
+
+typedef struct lm_dev lm_dev;
+
+// Sign election rule of lm_dev_combine.
+typedef enum lm_dev_sign {
+    LM_DEV_SIGN_NONE,   // no election: Δ = Σ W_i
+    LM_DEV_SIGN_SUM,    // s = +1 where Σ W_i >= 0
+    LM_DEV_SIGN_COUNT,  // s = +1 where Σ sign(W_i) >= 0
+} lm_dev_sign;
+
+// The operations a device provides. Entries marked optional may be NULL; the dispatcher
+// supplies the default.
+typedef struct lm_dev_i {
+    const char *(*name)(lm_dev *d);
+    void (*mem_info)(lm_dev *d, size_t *free_bytes, size_t *total_bytes);
+    lm_status (*alloc)(lm_dev *d, size_t size, void **ptr, lm_err *err);
+    void (*free)(lm_dev *d, void *ptr);
+    lm_status (*upload)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
+    lm_status (*download)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
+    lm_status (*sync)(lm_dev *d, lm_err *err);  // optional: no-op
+    void (*destroy)(lm_dev *d);
+
+    lm_status (*to_f32)(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
+    lm_status (*from_f32)(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
+    lm_status (*gemm)(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                      const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                      float *c, int64_t ldc, lm_err *err);
+    lm_status (*axpby)(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
+    lm_status (*dora_rows)(lm_dev *d, float *tau, const float *base, const float *magnitude,
+                           int64_t rows, int64_t cols, lm_err *err);
+    lm_status (*hist_abs)(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
+                          uint32_t hi_bin, lm_err *err);
+    lm_status (*topk_apply)(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                            int64_t *ties_used, lm_err *err);
+    lm_status (*random_drop)(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
+                             uint64_t keep_below, lm_err *err);
+    lm_status (*l1)(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
+    lm_status (*combine)(lm_dev *d, float *out, const float *base, const float *const *w_tau,
+                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                         float lambda, lm_err *err);
+} lm_dev_i;
+
+struct lm_dev {
+    const lm_dev_i *iface;
+    void *ctx;         // the backend's own state
+    int threads;       // CPU threads the backend uses
+    bool host_memory;  // device pointers are host pointers: operations may read host memory
+                       // (an mmapped input) directly, with no upload
+};
+
+// Opens a device from a --device value: "cpu", or "auto" (the best device present: the CPU
+// until accelerators are built). `threads` is the CPU thread count (0: all cores). Unknown or
+// unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_free.
+lm_status lm_dev_open(lm_dev **out, const char *spec, int threads, lm_err *err);
+
+// The CPU backend (OpenBLAS for GEMM, a thread pool for the element-wise work).
+lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err);
+
+// Releases the device and everything it holds; safe on NULL.
+void lm_dev_free(lm_dev *d);
+
+const char *lm_dev_name(lm_dev *d);
+void lm_dev_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes);
+
+// Allocates `size` bytes of device memory into *ptr. LM_ERR_DEVICE_OOM when it does not fit
+// (the message names the size and the device), never an abort. Free with lm_dev_release.
+lm_status lm_dev_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err);
+void lm_dev_release(lm_dev *d, void *ptr);
+
+// Copies n bytes host → device (upload) or device → host (download).
+lm_status lm_dev_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
+lm_status lm_dev_download(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
+lm_status lm_dev_sync(lm_dev *d, lm_err *err);
+
+// ---- operations (all pointers are device memory) ---------------------------------------------
+
+// dst[0..n) = float32 of src (dtype dt); LM_ERR_UNSUPPORTED for a dtype llmerge cannot read.
+lm_status lm_dev_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
+// dst (dtype dt) = src rounded to nearest even.
+lm_status lm_dev_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
+
+// Row-major C[m,n] = alpha · op(A) op(B) + beta · C, op transposing when ta / tb is set
+// (op(A) is [m,k], op(B) is [k,n]); lda, ldb, ldc are row strides of A, B, C as stored.
+lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                      const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                      float *c, int64_t ldc, lm_err *err);
+
+// y = a·y + b·x over n elements.
+lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
+
+// DoRA task vector per output row (rows × cols, row-major): with ΔW in `tau` on entry,
+// W' = base + ΔW and tau = magnitude[r] / ‖W'[r,:]‖ · W'[r,:] − base[r,:].
+lm_status lm_dev_dora_rows(lm_dev *d, float *tau, const float *base, const float *magnitude,
+                           int64_t rows, int64_t cols, lm_err *err);
+
+// Adds to the host array hist[65536] a histogram of |x| by float bits: level 0 counts the top
+// 16 bits of each |x|; level 1 counts the low 16 bits of those whose top 16 bits are hi_bin.
+// Two levels find the exact k-th largest magnitude (lm_topk_* in sparsify.h).
+lm_status lm_dev_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
+                          uint32_t hi_bin, lm_err *err);
+
+// Zeroes every x[j] not kept: kept are |x| bits > thr_bits, and those == thr_bits among the
+// first ties_allowed of them in index order. *ties_used gets how many ties were kept.
+lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                            int64_t *ties_used, lm_err *err);
+
+// Zeroes x[j] unless lm_rng_keep(key, first + j, keep_below) (sparsify.h): a random mask that
+// is a pure function of the key and the element's index in its whole tensor.
+lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
+                             uint64_t keep_below, lm_err *err);
+
+// *out = Σ |x[j]| in double, summed in fixed blocks in a fixed order.
+lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
+
+// The combination of METHODS.md for k task vectors w_tau[i] (each already sparsified and
+// rescaled, not yet weighted) with weights[i]: W_i = weights[i]·w_tau[i]; with an election,
+// Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,
+// Δ = Σ_i W_i and the divisor Σ_i weights[i]; with normalize Δ /= divisor where it is not 0.
+// out = base + lambda·Δ. out may equal base.
+lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
+                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                         float lambda, lm_err *err);
+
+#endif

@@ -1,0 +1,458 @@
+// The CPU backend of the device interface: host memory, OpenBLAS for GEMM, and a thread pool
+// for the element-wise operations. Work is split into fixed blocks of BLOCK elements, each
+// written by one task, and reductions add per-block partial sums in block order, so every
+// result is independent of the thread count. Device pointers are host pointers, so callers may
+// hand mmapped inputs straight to the operations.
+#include "device.h"
+
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "parallel.h"
+#include "sparsify.h"
+#include "util.h"
+
+#define BLOCK 65536  // elements per task
+
+typedef struct cpu_ctx {
+    lm_pool *pool;
+} cpu_ctx;
+
+static lm_pool *pool_of(lm_dev *d)
+{
+    return ((cpu_ctx *)d->ctx)->pool;
+}
+
+static int64_t n_blocks(int64_t n)
+{
+    return (n + BLOCK - 1) / BLOCK;
+}
+
+// ==== memory ==================================================================================
+
+static const char *cpu_name(lm_dev *d)
+{
+    (void)d;
+    return "cpu";
+}
+
+static void cpu_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes)
+{
+    (void)d;
+    long pages = sysconf(_SC_PHYS_PAGES), avail = sysconf(_SC_AVPHYS_PAGES), size = sysconf(_SC_PAGE_SIZE);
+    *total_bytes = pages > 0 && size > 0 ? (size_t)pages * (size_t)size : 0;
+    *free_bytes = avail > 0 && size > 0 ? (size_t)avail * (size_t)size : 0;
+}
+
+static lm_status cpu_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
+{
+    (void)d;
+    // 64-byte alignment for vector loads; the size is rounded up as aligned_alloc wants.
+    size_t rounded = (size + 63) & ~(size_t)63;
+    *ptr = rounded >= size ? aligned_alloc(64, rounded) : NULL;
+    if (!*ptr) {
+        char b[32];
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory allocating %s", lm_format_bytes(b, sizeof b, size));
+    }
+    return LM_OK;
+}
+
+static void cpu_free(lm_dev *d, void *ptr)
+{
+    (void)d;
+    free(ptr);
+}
+
+static lm_status cpu_copy(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
+{
+    (void)d;
+    (void)err;
+    memcpy(dst, src, n);
+    return LM_OK;
+}
+
+static void cpu_destroy(lm_dev *d)
+{
+    cpu_ctx *c = d->ctx;
+    if (c)
+        lm_pool_free(c->pool);
+    free(c);
+    free(d);
+}
+
+// ==== conversion ==============================================================================
+
+typedef struct conv_job {
+    void *dst;
+    const void *src;
+    lm_dtype dt;
+    int64_t n;
+    bool to_f32;
+} conv_job;
+
+static void conv_task(void *ctx, int64_t b)
+{
+    conv_job *j = ctx;
+    int64_t lo = b * BLOCK, cnt = j->n - lo < BLOCK ? j->n - lo : BLOCK;
+    size_t esz = lm_dtype_bits(j->dt) / 8;
+    if (j->to_f32)
+        lm_convert_to_f32((float *)j->dst + lo, (const char *)j->src + (size_t)lo * esz, j->dt, cnt, NULL);
+    else
+        lm_convert_from_f32((char *)j->dst + (size_t)lo * esz, j->dt, (const float *)j->src + lo, cnt, NULL);
+}
+
+static lm_status cpu_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err)
+{
+    if (!lm_dtype_readable(dt))
+        return lm_convert_to_f32(dst, src, dt, 0, err);
+    conv_job j = {dst, src, dt, n, true};
+    lm_pool_run(pool_of(d), n_blocks(n), conv_task, &j);
+    return LM_OK;
+}
+
+static lm_status cpu_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err)
+{
+    if (!lm_dtype_writable(dt))
+        return lm_convert_from_f32(dst, dt, src, 0, err);
+    conv_job j = {dst, src, dt, n, false};
+    lm_pool_run(pool_of(d), n_blocks(n), conv_task, &j);
+    return LM_OK;
+}
+
+// ==== GEMM and element-wise arithmetic ========================================================
+
+static lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                          const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                          float *c, int64_t ldc, lm_err *err)
+{
+    (void)d;
+    if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX || ldc > INT32_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cpu: GEMM of %lld x %lld x %lld is too large for BLAS",
+                          (long long)m, (long long)n, (long long)k);
+    if (m == 0 || n == 0)
+        return LM_OK;
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n,
+                (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+    return LM_OK;
+}
+
+typedef struct axpby_job {
+    float *y;
+    const float *x;
+    float a, b;
+    int64_t n;
+} axpby_job;
+
+static void axpby_task(void *ctx, int64_t blk)
+{
+    axpby_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t i = lo; i < hi; i++)
+        j->y[i] = j->a * j->y[i] + j->b * j->x[i];
+}
+
+static lm_status cpu_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
+{
+    (void)err;
+    axpby_job j = {y, x, a, b, n};
+    lm_pool_run(pool_of(d), n_blocks(n), axpby_task, &j);
+    return LM_OK;
+}
+
+typedef struct dora_job {
+    float *tau;
+    const float *base, *mag;
+    int64_t cols;
+} dora_job;
+
+static void dora_task(void *ctx, int64_t r)
+{
+    dora_job *j = ctx;
+    float *t = j->tau + r * j->cols;
+    const float *b = j->base + r * j->cols;
+    double ss = 0;
+    for (int64_t c = 0; c < j->cols; c++) {
+        float w = b[c] + t[c];
+        ss += (double)w * w;
+    }
+    // A row whose adapted weight is all zeros has no direction to scale: it stays zero.
+    float f = ss > 0 ? (float)(j->mag[r] / sqrt(ss)) : 0.0f;
+    for (int64_t c = 0; c < j->cols; c++)
+        t[c] = f * (b[c] + t[c]) - b[c];
+}
+
+static lm_status cpu_dora_rows(lm_dev *d, float *tau, const float *base, const float *magnitude,
+                               int64_t rows, int64_t cols, lm_err *err)
+{
+    (void)err;
+    dora_job j = {tau, base, magnitude, cols};
+    lm_pool_run(pool_of(d), rows, dora_task, &j);
+    return LM_OK;
+}
+
+// ==== selection ===============================================================================
+
+typedef struct hist_job {
+    uint64_t *local;  // (tasks × LM_HIST_BINS)
+    const float *x;
+    int64_t n, per_task;
+    int level;
+    uint32_t hi_bin;
+} hist_job;
+
+static void hist_task(void *ctx, int64_t t)
+{
+    hist_job *j = ctx;
+    uint64_t *h = j->local + t * LM_HIST_BINS;
+    int64_t lo = t * j->per_task, hi = lo + j->per_task < j->n ? lo + j->per_task : j->n;
+    if (j->level == 0) {
+        for (int64_t i = lo; i < hi; i++)
+            h[lm_abs_bits(j->x[i]) >> 16]++;
+    } else {
+        for (int64_t i = lo; i < hi; i++) {
+            uint32_t bits = lm_abs_bits(j->x[i]);
+            if ((bits >> 16) == j->hi_bin)
+                h[bits & 0xFFFFu]++;
+        }
+    }
+}
+
+static lm_status cpu_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
+                              uint32_t hi_bin, lm_err *err)
+{
+    int64_t tasks = lm_pool_threads(pool_of(d));
+    if (tasks > n_blocks(n))
+        tasks = n_blocks(n);
+    if (tasks < 1)
+        return LM_OK;
+    hist_job j = {calloc((size_t)tasks * LM_HIST_BINS, sizeof(uint64_t)), x, n, (n + tasks - 1) / tasks, level, hi_bin};
+    if (!j.local)
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for a histogram");
+    lm_pool_run(pool_of(d), tasks, hist_task, &j);
+    for (int64_t t = 0; t < tasks; t++)
+        for (int64_t b = 0; b < LM_HIST_BINS; b++)
+            hist[b] += j.local[t * LM_HIST_BINS + b];
+    free(j.local);
+    return LM_OK;
+}
+
+typedef struct topk_job {
+    float *x;
+    int64_t n;
+    uint32_t thr;
+    int64_t *ties;    // (blocks) ties per block, then the ties allowed within each block
+} topk_job;
+
+static void topk_count_task(void *ctx, int64_t blk)
+{
+    topk_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n, c = 0;
+    for (int64_t i = lo; i < hi; i++)
+        c += lm_abs_bits(j->x[i]) == j->thr;
+    j->ties[blk] = c;
+}
+
+static void topk_apply_task(void *ctx, int64_t blk)
+{
+    topk_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n, allowed = j->ties[blk];
+    for (int64_t i = lo; i < hi; i++) {
+        uint32_t bits = lm_abs_bits(j->x[i]);
+        bool keep = bits > j->thr;
+        if (bits == j->thr && allowed > 0) {
+            keep = true;
+            allowed--;
+        }
+        if (!keep)
+            j->x[i] = 0.0f;
+    }
+}
+
+static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                                int64_t *ties_used, lm_err *err)
+{
+    int64_t nb = n_blocks(n);
+    topk_job j = {x, n, thr_bits, calloc((size_t)(nb ? nb : 1), sizeof(int64_t))};
+    if (!j.ties)
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+    lm_pool_run(pool_of(d), nb, topk_count_task, &j);
+    // The ties each block may keep: the budget goes to the lowest indices first.
+    int64_t left = ties_allowed, used = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t take = j.ties[b] < left ? j.ties[b] : left;
+        j.ties[b] = take;
+        left -= take;
+        used += take;
+    }
+    lm_pool_run(pool_of(d), nb, topk_apply_task, &j);
+    free(j.ties);
+    *ties_used = used;
+    return LM_OK;
+}
+
+typedef struct drop_job {
+    float *x;
+    int64_t n, first;
+    uint64_t key, below;
+} drop_job;
+
+static void drop_task(void *ctx, int64_t blk)
+{
+    drop_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t i = lo; i < hi; i++)
+        if (!lm_rng_keep(j->key, j->first + i, j->below))
+            j->x[i] = 0.0f;
+}
+
+static lm_status cpu_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
+                                 uint64_t keep_below, lm_err *err)
+{
+    (void)err;
+    drop_job j = {x, n, first, key, keep_below};
+    lm_pool_run(pool_of(d), n_blocks(n), drop_task, &j);
+    return LM_OK;
+}
+
+typedef struct l1_job {
+    const float *x;
+    int64_t n;
+    double *partial;  // (blocks)
+} l1_job;
+
+static void l1_task(void *ctx, int64_t blk)
+{
+    l1_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    double s = 0;
+    for (int64_t i = lo; i < hi; i++)
+        s += fabs((double)j->x[i]);
+    j->partial[blk] = s;
+}
+
+static lm_status cpu_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err)
+{
+    int64_t nb = n_blocks(n);
+    l1_job j = {x, n, calloc((size_t)(nb ? nb : 1), sizeof(double))};
+    if (!j.partial)
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+    lm_pool_run(pool_of(d), nb, l1_task, &j);
+    double s = 0;
+    for (int64_t b = 0; b < nb; b++)
+        s += j.partial[b];
+    free(j.partial);
+    *out = s;
+    return LM_OK;
+}
+
+// ==== combination =============================================================================
+
+typedef struct combine_job {
+    float *out;
+    const float *base;
+    const float *const *tau;
+    const float *w;
+    int k;
+    int64_t n;
+    lm_dev_sign sign;
+    bool normalize;
+    float lambda;
+} combine_job;
+
+static inline int sgn(float v)
+{
+    return (v > 0) - (v < 0);
+}
+
+static void combine_task(void *ctx, int64_t blk)
+{
+    combine_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t e = lo; e < hi; e++) {
+        double delta = 0, div = 0;
+        if (j->sign == LM_DEV_SIGN_NONE) {
+            for (int i = 0; i < j->k; i++) {
+                delta += j->w[i] * j->tau[i][e];
+                div += j->w[i];
+            }
+        } else {
+            double vote = 0;
+            for (int i = 0; i < j->k; i++) {
+                float wt = j->w[i] * j->tau[i][e];
+                vote += j->sign == LM_DEV_SIGN_SUM ? (double)wt : (double)sgn(wt);
+            }
+            int s = vote >= 0 ? 1 : -1;
+            for (int i = 0; i < j->k; i++) {
+                float wt = j->w[i] * j->tau[i][e];
+                if (sgn(wt) == s) {
+                    delta += wt;
+                    div += j->w[i];
+                }
+            }
+        }
+        if (j->normalize && div != 0)
+            delta /= div;
+        j->out[e] = j->base[e] + j->lambda * (float)delta;
+    }
+}
+
+static lm_status cpu_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
+                             const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                             float lambda, lm_err *err)
+{
+    (void)err;
+    combine_job j = {out, base, w_tau, weights, k, n, sign, normalize, lambda};
+    lm_pool_run(pool_of(d), n_blocks(n), combine_task, &j);
+    return LM_OK;
+}
+
+// ==== the backend =============================================================================
+
+static const lm_dev_i cpu_iface = {
+    .name = cpu_name,
+    .mem_info = cpu_mem_info,
+    .alloc = cpu_alloc,
+    .free = cpu_free,
+    .upload = cpu_copy,
+    .download = cpu_copy,
+    .destroy = cpu_destroy,
+    .to_f32 = cpu_to_f32,
+    .from_f32 = cpu_from_f32,
+    .gemm = cpu_gemm,
+    .axpby = cpu_axpby,
+    .dora_rows = cpu_dora_rows,
+    .hist_abs = cpu_hist_abs,
+    .topk_apply = cpu_topk_apply,
+    .random_drop = cpu_random_drop,
+    .l1 = cpu_l1,
+    .combine = cpu_combine,
+};
+
+extern void openblas_set_num_threads(int num_threads);
+
+lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err)
+{
+    *out = NULL;
+    lm_dev *d = calloc(1, sizeof *d);
+    cpu_ctx *c = calloc(1, sizeof *c);
+    if (!d || !c) {
+        free(d);
+        free(c);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    d->iface = &cpu_iface;
+    d->ctx = c;
+    d->host_memory = true;
+    lm_status s = lm_pool_create(&c->pool, threads, err);
+    if (s != LM_OK) {
+        cpu_destroy(d);
+        return s;
+    }
+    d->threads = lm_pool_threads(c->pool);
+    openblas_set_num_threads(d->threads);
+    *out = d;
+    return LM_OK;
+}

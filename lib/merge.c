@@ -1,0 +1,778 @@
+// The merge engine: see merge.h for what it does; METHODS.md for the exact semantics.
+//
+// Per output tensor the engine finds the FTs that touch it (its "parts"), then works in slabs
+// of whole rows (one slab for all but the largest tensors) through up to four phases:
+//   select  - magnitude trimming: two radix-histogram passes give each part's exact k-th
+//             largest |τ| and how many ties at it to keep (skipped for --topk global, whose
+//             thresholds come from the same passes over whole models before the first tensor);
+//   l1      - DARE with --rescale l1: ‖τ‖₁ and ‖τ ⊙ m‖₁ per part;
+//   merge   - τ per part, trimmed or dropped, rescaled, combined with the base, converted to
+//             the output dtype, hashed and written at its offset.
+// With one slab τ is computed once and kept across the phases; with several it is computed
+// again for each pass, which costs reads but keeps memory at a few slabs per FT.
+#include "merge.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "sparsify.h"
+#include "util.h"
+
+#define DEFAULT_SLAB_ELEMS (16ll << 20)  // 64 MiB of float32 per buffer
+
+// ==== names and options =======================================================================
+
+const char *lm_merge_method_name(lm_merge_method m)
+{
+    switch (m) {
+    case LM_MERGE_TIES: return "ties";
+    case LM_MERGE_DARE: return "dare";
+    case LM_MERGE_DARE_TIES: return "dare-ties";
+    case LM_MERGE_TASK_ARITHMETIC: return "task-arithmetic";
+    }
+    return "?";
+}
+
+bool lm_merge_default_normalize(lm_merge_method m)
+{
+    return m == LM_MERGE_TIES;
+}
+
+static bool uses_density(lm_merge_method m)
+{
+    return m != LM_MERGE_TASK_ARITHMETIC;
+}
+
+static bool uses_magnitude(lm_merge_method m)
+{
+    return m == LM_MERGE_TIES;
+}
+
+static bool uses_random(lm_merge_method m)
+{
+    return m == LM_MERGE_DARE || m == LM_MERGE_DARE_TIES;
+}
+
+static bool uses_election(lm_merge_method m)
+{
+    return m == LM_MERGE_TIES || m == LM_MERGE_DARE_TIES;
+}
+
+lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
+{
+    if (o->n_ft < 1)
+        return lm_err_set(err, LM_ERR_USAGE, "at least one fine-tuned model or adapter is needed");
+    for (int i = 0; i < o->n_ft; i++) {
+        if (!isfinite(o->weights[i]))
+            return lm_err_set(err, LM_ERR_USAGE, "--weights: weight %d is %g, not a finite number", i + 1,
+                              o->weights[i]);
+        if (uses_density(o->method) && !(o->densities[i] > 0 && o->densities[i] <= 1))
+            return lm_err_set(err, LM_ERR_USAGE, "--density: density %d is %g, not in (0, 1]", i + 1,
+                              o->densities[i]);
+    }
+    if (!isfinite(o->lambda))
+        return lm_err_set(err, LM_ERR_USAGE, "--lambda %g is not a finite number", o->lambda);
+    if (!lm_dtype_writable(o->out_dtype))
+        return lm_err_set(err, LM_ERR_USAGE, "--dtype %s: llmerge writes f32, f16 or bf16",
+                          lm_dtype_name(o->out_dtype));
+    if (o->slab_elems < 0 || o->threads < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "negative slab size or thread count");
+    return LM_OK;
+}
+
+lm_status lm_merge_outputs(const lm_merge_opts *o, const lm_model *base, lm_st_desc **out,
+                           int64_t *n, lm_err *err)
+{
+    lm_st_desc *d = calloc((size_t)(base->n_tensors ? base->n_tensors : 1), sizeof *d);
+    if (!d)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    for (int64_t i = 0; i < base->n_tensors; i++) {
+        const lm_st_tensor *t = base->tensors[i];
+        d[i].name = t->name;
+        d[i].dtype = lm_dtype_readable(t->dtype) ? o->out_dtype : t->dtype;
+        d[i].ndim = t->ndim;
+        memcpy(d[i].shape, t->shape, sizeof d[i].shape);
+    }
+    *out = d;
+    *n = base->n_tensors;
+    return LM_OK;
+}
+
+void lm_merge_result_free(lm_merge_result *res)
+{
+    if (res) {
+        free(res->tensor_xxh64);
+        memset(res, 0, sizeof *res);
+    }
+}
+
+// ==== fine-tuned inputs =======================================================================
+
+void lm_ft_free(lm_ft *ft)
+{
+    if (!ft)
+        return;
+    lm_model_free(ft->model);
+    lm_adapter_free(ft->adapter);
+    free(ft->path);
+    free(ft);
+}
+
+lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err *err)
+{
+    *out = NULL;
+    lm_ft *ft = calloc(1, sizeof *ft);
+    if (!ft)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = lm_input_detect(path, &ft->kind, &ft->path, err);
+    if (s != LM_OK)
+        goto fail;
+    if (ft->kind == LM_INPUT_MODEL) {
+        if ((s = lm_model_open(&ft->model, ft->path, err)) != LM_OK)
+            goto fail;
+        if ((s = lm_model_compare(ft->model, base, NULL, err)) != LM_OK)
+            goto fail;
+    } else if (ft->kind == LM_INPUT_ADAPTER) {
+        if ((s = lm_adapter_open(&ft->adapter, ft->path, err)) != LM_OK)
+            goto fail;
+        if ((s = lm_adapter_validate(ft->adapter, base, err)) != LM_OK)
+            goto fail;
+        for (int64_t m = 0; m < ft->adapter->n_modules; m++) {
+            const lm_lora_module *mod = &ft->adapter->modules[m];
+            if (mod->magnitude && (mod->kind == LM_LORA_EMBEDDING || ft->adapter->config.fan_in_fan_out)) {
+                s = lm_err_set(err, LM_ERR_UNSUPPORTED,
+                               "%s: DoRA on %s module '%s' is not supported (only on linear layers stored "
+                               "[out, in])", ft->path, mod->kind == LM_LORA_EMBEDDING ? "the embedding" : "a fan_in_fan_out",
+                               mod->path);
+                goto fail;
+            }
+        }
+    } else {
+        s = lm_err_set(err, LM_ERR_USAGE, "%s: a fine-tuned input must be a model directory or a LoRA adapter "
+                       "directory, not a single safetensors file", path);
+        goto fail;
+    }
+    *out = ft;
+    return LM_OK;
+fail:
+    lm_ft_free(ft);
+    return s;
+}
+
+// ==== the engine's state ======================================================================
+
+typedef enum src_kind { SRC_FULL, SRC_LORA, SRC_LORA_BIAS } src_kind;
+
+// One FT's share of one tensor.
+typedef struct part {
+    int ft;                       // index among the FTs (and weights, densities)
+    src_kind src;
+    const lm_st_tensor *full;     // SRC_FULL: the FT's tensor (a full model's, or a saved one)
+    const lm_lora_module *mod;    // SRC_LORA, SRC_LORA_BIAS
+    int64_t mod_index;
+    float *tau;                   // device slab buffer
+    lm_topk topk;                 // per-tensor threshold (magnitude, --topk tensor)
+    double rescale;               // factor applied to kept entries
+    bool dropped;                 // tau (kept whole) already has its random mask applied
+} part;
+
+// An adapter's factors placed on the device once, as float32.
+typedef struct resident {
+    float *data;          // device buffer holding every module's A then B
+    int64_t *a_off;       // (n_modules) element offsets of A in data
+    int64_t *b_off;       // (n_modules) of B
+} resident;
+
+typedef struct engine {
+    const lm_merge_opts *o;
+    lm_dev *dev;
+    const lm_model *base;
+    lm_ft *const *fts;
+    lm_st_writer *w;
+    lm_err *err;
+    int64_t slab_elems;
+    // device buffers, each slab_max elements
+    float *base_buf;
+    float **tau_buf;      // (n_ft)
+    void *stage_dev;      // raw input staging when the device cannot read host memory
+    void *out_dev;        // output dtype staging on the device
+    unsigned char *out_host;
+    int64_t slab_max;
+    float *mag_buf;       // DoRA magnitude of the current tensor, [rows]
+    int64_t mag_cap;
+    resident *res;        // (n_ft)
+    // --topk global: per FT thresholds and the ties budget left
+    lm_topk *global;      // (n_ft) or NULL
+    uint64_t bytes_in, bytes_out;
+    long page;
+} engine;
+
+// Tells the kernel the pages of `t` may leave this process's memory: they stay in the page
+// cache, and a later read faults them back in. Keeps RSS at the working set while whole models
+// stream through.
+static void release_pages(const engine *e, const lm_st_tensor *t)
+{
+    if (!t || !t->nbytes)
+        return;
+    uintptr_t lo = (uintptr_t)t->data & ~(uintptr_t)(e->page - 1);
+    uintptr_t hi = ((uintptr_t)t->data + t->nbytes + (uintptr_t)e->page - 1) & ~(uintptr_t)(e->page - 1);
+    madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+static size_t esize(lm_dtype dt)
+{
+    return lm_dtype_bits(dt) / 8;
+}
+
+// dst[0..n) = float32 of host data src (dtype dt): directly on a host-memory device, else
+// through the staging buffer.
+static lm_status load_f32(engine *e, float *dst, const void *src, lm_dtype dt, int64_t n)
+{
+    e->bytes_in += (uint64_t)n * esize(dt);
+    if (e->dev->host_memory)
+        return lm_dev_to_f32(e->dev, dst, src, dt, n, e->err);
+    lm_status s = lm_dev_upload(e->dev, e->stage_dev, src, (size_t)n * esize(dt), e->err);
+    return s != LM_OK ? s : lm_dev_to_f32(e->dev, dst, e->stage_dev, dt, n, e->err);
+}
+
+// ==== task vectors ============================================================================
+
+static int64_t tensor_rows(const lm_st_tensor *t)
+{
+    return t->ndim >= 1 ? t->shape[0] : 1;
+}
+
+// Computes τ of part p for rows [r0, r0 + rows) of base tensor bt into p->tau; base_slab holds
+// the base's float32 values of those rows.
+static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows,
+                             const float *base_slab)
+{
+    int64_t cols = bt->numel / tensor_rows(bt), cnt = rows * cols;
+    lm_status s;
+    if (p->src == SRC_FULL) {
+        const lm_st_tensor *t = p->full;
+        s = load_f32(e, p->tau, (const char *)t->data + (size_t)(r0 * cols) * esize(t->dtype), t->dtype, cnt);
+        return s != LM_OK ? s : lm_dev_axpby(e->dev, p->tau, 1.0f, base_slab, -1.0f, cnt, e->err);
+    }
+    const lm_lora_module *m = p->mod;
+    float scale = (float)m->scale;
+    if (p->src == SRC_LORA_BIAS) {
+        s = load_f32(e, p->tau, (const char *)m->bias->data + (size_t)r0 * esize(m->bias->dtype), m->bias->dtype, cnt);
+        return s != LM_OK ? s : lm_dev_axpby(e->dev, p->tau, scale, p->tau, 0.0f, cnt, e->err);
+    }
+    const resident *rs = &e->res[p->ft];
+    const float *a = rs->data + rs->a_off[p->mod_index];  // [r, in] or [r, vocab]
+    const float *b = rs->data + rs->b_off[p->mod_index];  // [out, r] or [hidden, r]
+    int64_t r = m->r;
+    bool transposed = m->kind == LM_LORA_EMBEDDING || e->fts[p->ft]->adapter->config.fan_in_fan_out;
+    if (!transposed) {
+        // base [out, in]: τ[r0:, :] = s · B[r0:, :] @ A
+        s = lm_dev_gemm(e->dev, false, false, rows, cols, r, scale, b + r0 * r, r, a, cols, 0.0f, p->tau, cols,
+                        e->err);
+    } else {
+        // base [in, out] (or [vocab, hidden]): τ = s · (B @ A)ᵀ = s · Aᵀ Bᵀ, rows r0: of Aᵀ being
+        // columns r0: of A.
+        int64_t a_cols = tensor_rows(bt);
+        s = lm_dev_gemm(e->dev, true, true, rows, cols, r, scale, a + r0, a_cols, b, r, 0.0f, p->tau, cols, e->err);
+    }
+    if (s != LM_OK || !m->magnitude)
+        return s;
+    return lm_dev_dora_rows(e->dev, p->tau, base_slab, e->mag_buf + r0, rows, cols, e->err);
+}
+
+// Places every adapter's factors on the device as float32, once for the whole merge.
+static lm_status place_residents(engine *e)
+{
+    for (int i = 0; i < e->o->n_ft; i++) {
+        const lm_adapter *a = e->fts[i]->adapter;
+        if (!a)
+            continue;
+        resident *rs = &e->res[i];
+        rs->a_off = calloc((size_t)(a->n_modules ? a->n_modules : 1), sizeof *rs->a_off);
+        rs->b_off = calloc((size_t)(a->n_modules ? a->n_modules : 1), sizeof *rs->b_off);
+        if (!rs->a_off || !rs->b_off)
+            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        int64_t total = 0;
+        for (int64_t m = 0; m < a->n_modules; m++) {
+            rs->a_off[m] = total;
+            total += a->modules[m].a ? a->modules[m].a->numel : 0;
+            rs->b_off[m] = total;
+            total += a->modules[m].b ? a->modules[m].b->numel : 0;
+        }
+        lm_status s = lm_dev_alloc(e->dev, (size_t)total * sizeof(float), (void **)&rs->data, e->err);
+        if (s != LM_OK)
+            return lm_err_prefix(e->err, "%s: placing the LoRA factors", e->fts[i]->path);
+        for (int64_t m = 0; m < a->n_modules; m++) {
+            const lm_lora_module *mod = &a->modules[m];
+            if (mod->a && (s = load_f32(e, rs->data + rs->a_off[m], mod->a->data, mod->a->dtype, mod->a->numel)) != LM_OK)
+                return lm_err_prefix(e->err, "%s", mod->a->name);
+            if (mod->b && (s = load_f32(e, rs->data + rs->b_off[m], mod->b->data, mod->b->dtype, mod->b->numel)) != LM_OK)
+                return lm_err_prefix(e->err, "%s", mod->b->name);
+        }
+    }
+    return LM_OK;
+}
+
+// The parts of tensor `name`: every FT that changes it, in FT order.
+static int find_parts(engine *e, const char *name, part *parts)
+{
+    int k = 0;
+    for (int i = 0; i < e->o->n_ft; i++) {
+        const lm_ft *ft = e->fts[i];
+        part p = {.ft = i, .rescale = 1.0, .tau = e->tau_buf[i]};
+        if (ft->model) {
+            p.src = SRC_FULL;
+            p.full = lm_model_find(ft->model, name);
+            if (!p.full || !lm_dtype_readable(p.full->dtype))
+                continue;
+        } else {
+            int64_t idx;
+            switch (lm_adapter_lookup(ft->adapter, name, &idx)) {
+            case LM_TOUCH_NONE: continue;
+            case LM_TOUCH_LORA:
+                p.src = SRC_LORA;
+                p.mod = &ft->adapter->modules[idx];
+                p.mod_index = idx;
+                break;
+            case LM_TOUCH_BIAS:
+                p.src = SRC_LORA_BIAS;
+                p.mod = &ft->adapter->modules[idx];
+                p.mod_index = idx;
+                break;
+            case LM_TOUCH_SAVED:
+                p.src = SRC_FULL;
+                p.full = ft->adapter->saved[idx].t;
+                break;
+            }
+        }
+        parts[k++] = p;
+    }
+    return k;
+}
+
+// Loads the DoRA magnitudes any part of this tensor needs into mag_buf (one adapter at a time
+// is enough: parts are computed one after another, so each loads its own before use).
+static lm_status load_magnitude(engine *e, const part *p)
+{
+    if (p->src != SRC_LORA || !p->mod->magnitude)
+        return LM_OK;
+    const lm_st_tensor *mt = p->mod->magnitude;
+    if (mt->numel > e->mag_cap) {
+        lm_dev_release(e->dev, e->mag_buf);
+        e->mag_buf = NULL;
+        e->mag_cap = 0;
+        lm_status s = lm_dev_alloc(e->dev, (size_t)mt->numel * sizeof(float), (void **)&e->mag_buf, e->err);
+        if (s != LM_OK)
+            return s;
+        e->mag_cap = mt->numel;
+    }
+    return load_f32(e, e->mag_buf, mt->data, mt->dtype, mt->numel);
+}
+
+static lm_status tau_for(engine *e, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, const float *base_slab)
+{
+    lm_status s = load_magnitude(e, p);
+    return s != LM_OK ? s : compute_tau(e, p, bt, r0, rows, base_slab);
+}
+
+// ==== selection passes ========================================================================
+
+// Adds the level-`level` histograms of τ over every slab of tensor bt to hists[i], one
+// 65536-bin array per part. `have_tau` says the parts' buffers already hold τ of the tensor's
+// only slab (from the level-0 pass), so it is not computed again.
+static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
+                             const lm_topk *const *sel, int level, bool have_tau)
+{
+    int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
+    int64_t slab_rows = cols ? (e->slab_elems / cols > 0 ? e->slab_elems / cols : 1) : rows;
+    for (int64_t r0 = 0; r0 < rows; r0 += slab_rows) {
+        int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
+        lm_status s = LM_OK;
+        if (!have_tau)
+            s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),
+                         bt->dtype, cnt);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            if (!have_tau && (s = tau_for(e, &parts[i], bt, r0, nr, e->base_buf)) != LM_OK)
+                break;
+            if (!sel[i]->none)
+                s = lm_dev_hist_abs(e->dev, hists[i], parts[i].tau, cnt, level, sel[i]->hi_bin, e->err);
+        }
+        if (s != LM_OK)
+            return s;
+    }
+    return LM_OK;
+}
+
+// ==== one tensor ==============================================================================
+
+static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
+                            uint64_t offset, XXH64_state_t *hash)
+{
+    size_t nbytes = (size_t)cnt * esize(out_dt);
+    lm_status s;
+    if (e->dev->host_memory) {
+        s = lm_dev_from_f32(e->dev, e->out_host, out_dt, out_f32, cnt, e->err);
+    } else {
+        s = lm_dev_from_f32(e->dev, e->out_dev, out_dt, out_f32, cnt, e->err);
+        if (s == LM_OK)
+            s = lm_dev_download(e->dev, e->out_host, e->out_dev, nbytes, e->err);
+    }
+    if (s != LM_OK)
+        return s;
+    XXH64_update(hash, e->out_host, nbytes);
+    e->bytes_out += nbytes;
+    return lm_st_writer_put_part(e->w, idx, offset, e->out_host, nbytes, e->err);
+}
+
+// A tensor no FT changes: the base's values in the output dtype.
+static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_dtype out_dt, XXH64_state_t *hash)
+{
+    if (bt->dtype == out_dt || !lm_dtype_readable(bt->dtype)) {
+        XXH64_update(hash, bt->data, bt->nbytes);
+        e->bytes_in += bt->nbytes;
+        e->bytes_out += bt->nbytes;
+        return bt->nbytes ? lm_st_writer_put(e->w, idx, bt->data, bt->nbytes, e->err) : LM_OK;
+    }
+    for (int64_t off = 0; off < bt->numel; off += e->slab_max) {
+        int64_t cnt = bt->numel - off < e->slab_max ? bt->numel - off : e->slab_max;
+        lm_status s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)off * esize(bt->dtype), bt->dtype, cnt);
+        if (s == LM_OK)
+            s = write_slab(e, idx, out_dt, e->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
+        if (s != LM_OK)
+            return s;
+    }
+    return LM_OK;
+}
+
+static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, bool *merged)
+{
+    const lm_merge_opts *o = e->o;
+    const lm_st_tensor *bt = e->base->tensors[idx];
+    part parts[o->n_ft > 0 ? o->n_ft : 1];
+    int k = lm_dtype_readable(bt->dtype) ? find_parts(e, bt->name, parts) : 0;
+    *merged = k > 0;
+    if (k == 0 || bt->numel == 0)
+        return copy_tensor(e, idx, bt, desc->dtype, hash);
+
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
+    int64_t slab_rows = e->slab_elems / cols > 0 ? e->slab_elems / cols : 1;
+    bool one_slab = slab_rows >= rows;
+    lm_status s = LM_OK;
+
+    // select: exact top-k per part over the whole tensor.
+    if (uses_magnitude(o->method) && !o->topk_global) {
+        uint64_t *hists[k];
+        const lm_topk *sel[k];
+        uint64_t *block = calloc((size_t)k * LM_HIST_BINS, sizeof(uint64_t));
+        if (!block)
+            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        for (int i = 0; i < k; i++) {
+            lm_topk_init(&parts[i].topk, (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel), bt->numel);
+            hists[i] = block + (size_t)i * LM_HIST_BINS;
+            sel[i] = &parts[i].topk;
+        }
+        for (int level = 0; level < 2 && s == LM_OK; level++) {
+            memset(block, 0, (size_t)k * LM_HIST_BINS * sizeof(uint64_t));
+            s = hist_tensor(e, bt, parts, k, hists, sel, level, one_slab && level == 1);
+            for (int i = 0; s == LM_OK && i < k; i++) {
+                if (level == 0)
+                    lm_topk_level0(&parts[i].topk, hists[i]);
+                else
+                    lm_topk_level1(&parts[i].topk, hists[i]);
+            }
+        }
+        free(block);
+        if (s != LM_OK)
+            return s;
+    }
+
+    // The ties budget each part may still spend in this tensor.
+    int64_t ties_left[k];
+    for (int i = 0; i < k; i++)
+        ties_left[i] = o->topk_global ? e->global[parts[i].ft].ties_allowed : parts[i].topk.ties_allowed;
+
+    // l1: DARE's L1-matching rescale needs both norms over the whole tensor first.
+    bool random = uses_random(o->method);
+    if (random && o->rescale == LM_RESCALE_L1) {
+        double l1_all[k], l1_kept[k];
+        memset(l1_all, 0, sizeof l1_all);
+        memset(l1_kept, 0, sizeof l1_kept);
+        uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
+        for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+            int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
+            s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
+            for (int i = 0; s == LM_OK && i < k; i++) {
+                double a, b;
+                part *p = &parts[i];
+                if ((s = tau_for(e, p, bt, r0, nr, e->base_buf)) != LM_OK ||
+                    (s = lm_dev_l1(e->dev, p->tau, cnt, &a, e->err)) != LM_OK)
+                    break;
+                uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
+                if ((s = lm_dev_random_drop(e->dev, p->tau, cnt, key, r0 * cols,
+                                            lm_rng_threshold(o->densities[p->ft]), e->err)) != LM_OK ||
+                    (s = lm_dev_l1(e->dev, p->tau, cnt, &b, e->err)) != LM_OK)
+                    break;
+                l1_all[i] += a;
+                l1_kept[i] += b;
+                p->dropped = one_slab;
+            }
+        }
+        if (s != LM_OK)
+            return s;
+        for (int i = 0; i < k; i++)
+            parts[i].rescale = l1_all[i] >= 1e-7 && l1_kept[i] >= 1e-7 ? l1_all[i] / l1_kept[i] : 1.0;
+    } else if (random) {
+        for (int i = 0; i < k; i++)
+            parts[i].rescale = 1.0 / o->densities[parts[i].ft];
+    }
+
+    // merge: τ, sparsify, rescale, combine, convert, write.
+    const float *taus[k];
+    float weights[k];
+    for (int i = 0; i < k; i++) {
+        taus[i] = parts[i].tau;
+        weights[i] = (float)o->weights[parts[i].ft];
+    }
+    // τ is still in the buffers after the passes above only when they ran over a single slab
+    // and the last thing each did to it is what the merge needs next.
+    bool have_tau = one_slab && ((uses_magnitude(o->method) && !o->topk_global) ||
+                                 (random && o->rescale == LM_RESCALE_L1));
+    uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
+    lm_dev_sign sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
+                       : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM;
+    for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+        int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
+        s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            part *p = &parts[i];
+            if (!have_tau && (s = tau_for(e, p, bt, r0, nr, e->base_buf)) != LM_OK)
+                break;
+            if (uses_magnitude(o->method)) {
+                const lm_topk *t = o->topk_global ? &e->global[p->ft] : &p->topk;
+                int64_t used = 0;
+                if ((s = lm_dev_topk_apply(e->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err)) != LM_OK)
+                    break;
+                ties_left[i] -= used;
+                if (o->topk_global)
+                    e->global[p->ft].ties_allowed -= used;
+            } else if (random && !p->dropped) {
+                uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
+                if ((s = lm_dev_random_drop(e->dev, p->tau, cnt, key, r0 * cols, lm_rng_threshold(o->densities[p->ft]),
+                                            e->err)) != LM_OK)
+                    break;
+            }
+            if (p->rescale != 1.0 &&
+                (s = lm_dev_axpby(e->dev, p->tau, (float)p->rescale, p->tau, 0.0f, cnt, e->err)) != LM_OK)
+                break;
+        }
+        if (s == LM_OK)
+            s = lm_dev_combine(e->dev, e->base_buf, e->base_buf, taus, weights, k, cnt, sign, o->normalize,
+                               (float)o->lambda, e->err);
+        if (s == LM_OK)
+            s = write_slab(e, idx, desc->dtype, e->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
+    }
+    return s;
+}
+
+// ==== --topk global ===========================================================================
+
+// Finds each FT's threshold over all the tensors it changes (two histogram passes over the
+// model), with k = floor(d · the number of those elements). Ties at the threshold are kept in
+// output order, then by index within a tensor.
+static lm_status select_global(engine *e, int64_t n_out)
+{
+    const lm_merge_opts *o = e->o;
+    uint64_t *block = calloc((size_t)o->n_ft * LM_HIST_BINS, sizeof(uint64_t));
+    int64_t *count = calloc((size_t)o->n_ft, sizeof(int64_t));
+    lm_status s = LM_OK;
+    if (!block || !count) {
+        s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    for (int64_t t = 0; t < n_out; t++) {
+        const lm_st_tensor *bt = e->base->tensors[t];
+        if (!lm_dtype_readable(bt->dtype))
+            continue;
+        part parts[o->n_ft];
+        int k = find_parts(e, bt->name, parts);
+        for (int i = 0; i < k; i++)
+            count[parts[i].ft] += bt->numel;
+    }
+    for (int i = 0; i < o->n_ft; i++)
+        lm_topk_init(&e->global[i], (int64_t)floor(o->densities[i] * (double)count[i]), count[i]);
+    for (int level = 0; level < 2 && s == LM_OK; level++) {
+        memset(block, 0, (size_t)o->n_ft * LM_HIST_BINS * sizeof(uint64_t));
+        for (int64_t t = 0; t < n_out && s == LM_OK; t++) {
+            const lm_st_tensor *bt = e->base->tensors[t];
+            if (!lm_dtype_readable(bt->dtype) || bt->numel == 0)
+                continue;
+            part parts[o->n_ft];
+            int k = find_parts(e, bt->name, parts);
+            uint64_t *hists[o->n_ft];
+            const lm_topk *sel[o->n_ft];
+            for (int i = 0; i < k; i++) {
+                hists[i] = block + (size_t)parts[i].ft * LM_HIST_BINS;
+                sel[i] = &e->global[parts[i].ft];
+            }
+            s = hist_tensor(e, bt, parts, k, hists, sel, level, false);
+            if (s != LM_OK)
+                lm_err_prefix(e->err, "tensor '%s'", bt->name);
+            release_pages(e, bt);
+            for (int i = 0; i < k; i++)
+                release_pages(e, parts[i].full);
+        }
+        for (int i = 0; s == LM_OK && i < o->n_ft; i++) {
+            if (level == 0)
+                lm_topk_level0(&e->global[i], block + (size_t)i * LM_HIST_BINS);
+            else
+                lm_topk_level1(&e->global[i], block + (size_t)i * LM_HIST_BINS);
+        }
+    }
+done:
+    free(block);
+    free(count);
+    return s;
+}
+
+// ==== the run =================================================================================
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void engine_free(engine *e)
+{
+    if (e->base_buf)
+        lm_dev_release(e->dev, e->base_buf);
+    for (int i = 0; e->tau_buf && i < e->o->n_ft; i++)
+        lm_dev_release(e->dev, e->tau_buf[i]);
+    free(e->tau_buf);
+    lm_dev_release(e->dev, e->stage_dev);
+    lm_dev_release(e->dev, e->out_dev);
+    lm_dev_release(e->dev, e->mag_buf);
+    free(e->out_host);
+    for (int i = 0; e->res && i < e->o->n_ft; i++) {
+        lm_dev_release(e->dev, e->res[i].data);
+        free(e->res[i].a_off);
+        free(e->res[i].b_off);
+    }
+    free(e->res);
+    free(e->global);
+}
+
+// The largest slab any tensor needs: a slab is whole rows, at most slab_elems elements unless
+// one row is longer.
+static int64_t largest_slab(const lm_model *base, int64_t slab_elems)
+{
+    int64_t best = 1;
+    for (int64_t i = 0; i < base->n_tensors; i++) {
+        const lm_st_tensor *t = base->tensors[i];
+        int64_t rows = tensor_rows(t), cols = rows ? t->numel / rows : 0;
+        if (cols == 0)
+            continue;
+        int64_t slab_rows = slab_elems / cols > 0 ? slab_elems / cols : 1;
+        int64_t cnt = (slab_rows < rows ? slab_rows : rows) * cols;
+        if (cnt > best)
+            best = cnt;
+    }
+    return best;
+}
+
+lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base,
+                       lm_ft *const *fts, lm_st_writer *w, lm_merge_progress_fn progress,
+                       void *progress_ctx, lm_merge_result *res, lm_err *err)
+{
+    memset(res, 0, sizeof *res);
+    lm_status s = lm_merge_check_opts(o, err);
+    if (s != LM_OK)
+        return s;
+    double t0 = now();
+    engine e = {.o = o, .dev = dev, .base = base, .fts = fts, .w = w, .err = err};
+    e.page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
+    e.slab_elems = o->slab_elems > 0 ? o->slab_elems : DEFAULT_SLAB_ELEMS;
+    e.slab_max = largest_slab(base, e.slab_elems);
+    size_t slab_bytes = (size_t)e.slab_max * sizeof(float);
+
+    res->n_tensors = base->n_tensors;
+    res->tensor_xxh64 = calloc((size_t)(base->n_tensors ? base->n_tensors : 1), sizeof *res->tensor_xxh64);
+    e.tau_buf = calloc((size_t)o->n_ft, sizeof *e.tau_buf);
+    e.res = calloc((size_t)o->n_ft, sizeof *e.res);
+    e.out_host = malloc(slab_bytes);
+    if (o->topk_global && uses_magnitude(o->method))
+        e.global = calloc((size_t)o->n_ft, sizeof *e.global);
+    XXH64_state_t *hash = XXH64_createState();
+    if (!res->tensor_xxh64 || !e.tau_buf || !e.res || !e.out_host || !hash ||
+        (o->topk_global && uses_magnitude(o->method) && !e.global)) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if ((s = lm_dev_alloc(dev, slab_bytes, (void **)&e.base_buf, err)) != LM_OK)
+        goto fail;
+    for (int i = 0; i < o->n_ft; i++)
+        if ((s = lm_dev_alloc(dev, slab_bytes, (void **)&e.tau_buf[i], err)) != LM_OK)
+            goto fail;
+    if (!dev->host_memory) {
+        // Raw inputs are at most 8 bytes an element (F64), outputs at most 4.
+        if ((s = lm_dev_alloc(dev, (size_t)e.slab_max * 8, &e.stage_dev, err)) != LM_OK ||
+            (s = lm_dev_alloc(dev, slab_bytes, &e.out_dev, err)) != LM_OK)
+            goto fail;
+    }
+    if ((s = place_residents(&e)) != LM_OK)
+        goto fail;
+    if (e.global && (s = select_global(&e, base->n_tensors)) != LM_OK)
+        goto fail;
+
+    lm_st_desc *descs = NULL;
+    int64_t n_out = 0;
+    if ((s = lm_merge_outputs(o, base, &descs, &n_out, err)) != LM_OK)
+        goto fail;
+    uint64_t bytes_total = 0;
+    for (int64_t i = 0; i < n_out; i++)
+        bytes_total += (uint64_t)base->tensors[i]->numel * esize(descs[i].dtype);
+    for (int64_t i = 0; i < n_out; i++) {
+        const lm_st_tensor *bt = base->tensors[i];
+        bool merged = false;
+        XXH64_reset(hash, 0);
+        s = merge_tensor(&e, i, &descs[i], hash, &merged);
+        if (s != LM_OK) {
+            lm_err_prefix(err, "tensor '%s'", bt->name);
+            break;
+        }
+        res->tensor_xxh64[i] = XXH64_digest(hash);
+        if (merged)
+            res->n_merged++;
+        else
+            res->n_copied++;
+        // Done with this tensor's input pages: let them go from our memory.
+        release_pages(&e, bt);
+        for (int f = 0; f < o->n_ft; f++)
+            if (fts[f]->model)
+                release_pages(&e, lm_model_find(fts[f]->model, bt->name));
+        if (progress)
+            progress(progress_ctx, i + 1, n_out, bt->name, e.bytes_out, bytes_total);
+    }
+    free(descs);
+    if (s != LM_OK)
+        goto fail;
+    res->bytes_in = e.bytes_in;
+    res->bytes_out = e.bytes_out;
+    res->seconds = now() - t0;
+    XXH64_freeState(hash);
+    engine_free(&e);
+    return LM_OK;
+fail:
+    if (hash)
+        XXH64_freeState(hash);
+    engine_free(&e);
+    lm_merge_result_free(res);
+    return s;
+}

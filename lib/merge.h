@@ -1,0 +1,115 @@
+// Merging: task vectors of several fine-tuned inputs (full models or LoRA adapters) against one
+// base, sparsified and combined per METHODS.md, streamed tensor by tensor into a safetensors
+// writer. The engine never holds a whole model: each base tensor is processed on its own, and a
+// tensor larger than the slab limit is processed in slabs of whole rows (magnitude thresholds
+// then come from exact histogram selection over all slabs, so the result is the same as for
+// one slab). LoRA adapters are never expanded into models: a tensor's delta is s·B@A computed
+// when that tensor (or slab) is merged. Every random draw is a pure function of (seed, model
+// index, xxh64(tensor name), element index), so outputs are identical for any thread count,
+// slab size or tensor order. All arithmetic runs through the device interface (device.h).
+#ifndef LM_MERGE_H
+#define LM_MERGE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "adapter.h"
+#include "device.h"
+#include "model.h"
+#include "st_writer.h"
+
+typedef enum lm_merge_method {
+    LM_MERGE_TIES,             // magnitude trim, sign election, disjoint mean
+    LM_MERGE_DARE,             // random drop and rescale, summed
+    LM_MERGE_DARE_TIES,        // DARE masks with TIES sign election
+    LM_MERGE_TASK_ARITHMETIC,  // weighted sum of task vectors
+} lm_merge_method;
+
+typedef enum lm_sign_rule {
+    LM_SIGN_SUM,    // s = sign of Σ W_i
+    LM_SIGN_COUNT,  // s = sign of Σ sign(W_i)
+} lm_sign_rule;
+
+typedef enum lm_rescale {
+    LM_RESCALE_INV,  // kept entries times 1/d (DARE paper, PEFT)
+    LM_RESCALE_L1,   // kept entries times ‖τ‖₁ / ‖τ ⊙ m‖₁ (mergekit)
+} lm_rescale;
+
+// The method's name on the command line ("ties", "dare", "dare-ties", "task-arithmetic").
+const char *lm_merge_method_name(lm_merge_method m);
+
+// Whether the method divides by the sum of weights unless told otherwise (METHODS.md): on for
+// ties, off for dare, dare-ties and task-arithmetic.
+bool lm_merge_default_normalize(lm_merge_method m);
+
+typedef struct lm_merge_opts {
+    lm_merge_method method;
+    int n_ft;
+    const double *weights;    // (n_ft) w_i
+    const double *densities;  // (n_ft) d_i in (0, 1]; unused by task-arithmetic
+    double lambda;            // scale of the merged task vector
+    bool normalize;           // resolved: the caller applies lm_merge_default_normalize
+    lm_sign_rule sign;
+    bool topk_global;         // magnitude threshold per model over all its tensors
+    lm_rescale rescale;
+    uint64_t seed;
+    lm_dtype out_dtype;       // F32, F16 or BF16 for floating tensors
+    int threads;              // CPU threads; 0 = all cores
+    int64_t slab_elems;       // most elements of one tensor processed at once; 0 = default
+} lm_merge_opts;
+
+// ==== fine-tuned inputs =======================================================================
+
+typedef struct lm_ft {
+    char *path;           // the resolved directory
+    lm_input_kind kind;   // LM_INPUT_MODEL or LM_INPUT_ADAPTER
+    lm_model *model;      // a full fine-tuned model, or NULL
+    lm_adapter *adapter;  // a LoRA adapter, or NULL
+} lm_ft;
+
+// Opens FT `path` (a full model directory or an adapter directory, nested layout included) and
+// checks it against `base`: a full model must hold every base tensor with the base's shape; an
+// adapter must fit (lm_adapter_validate). On failure *out is NULL and err names the file, key
+// and both shapes (LM_ERR_MISMATCH, exit status 2). Free with lm_ft_free.
+lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err *err);
+
+// Frees the FT and what it opened; safe on NULL.
+void lm_ft_free(lm_ft *ft);
+
+// ==== the merge ===============================================================================
+
+// Checks the options against each other and against n_ft (weights and densities counts,
+// densities in (0, 1], finite weights and lambda, a writable dtype). LM_ERR_USAGE naming the
+// option.
+lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err);
+
+// The output tensors, in the base's order: every base tensor, floating ones in o->out_dtype and
+// others unchanged. *out is a new array (names point into the base) the caller frees.
+lm_status lm_merge_outputs(const lm_merge_opts *o, const lm_model *base, lm_st_desc **out,
+                           int64_t *n, lm_err *err);
+
+// Called after each tensor is written, from the merging thread.
+typedef void (*lm_merge_progress_fn)(void *ctx, int64_t done, int64_t total, const char *name,
+                                     uint64_t bytes_done, uint64_t bytes_total);
+
+typedef struct lm_merge_result {
+    int64_t n_tensors;
+    uint64_t *tensor_xxh64;   // (n_tensors) xxh64 of each output tensor's data, output order
+    uint64_t bytes_in;        // input tensor bytes read (base and every FT's data used)
+    uint64_t bytes_out;       // output tensor bytes written
+    double seconds;           // wall time of the merge
+    int64_t n_merged;         // tensors some FT changed
+    int64_t n_copied;         // tensors no FT touched (the base's values, converted)
+} lm_merge_result;
+
+// Merges `fts` into `base` and writes every output tensor (lm_merge_outputs' order and indices)
+// to `w`, which the caller opened over those descriptors. On success fills *res (free its array
+// with lm_merge_result_free). On failure the writer holds a partial output that the caller
+// removes; err names the tensor.
+lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base,
+                       lm_ft *const *fts, lm_st_writer *w, lm_merge_progress_fn progress,
+                       void *progress_ctx, lm_merge_result *res, lm_err *err);
+
+void lm_merge_result_free(lm_merge_result *res);
+
+#endif

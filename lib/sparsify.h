@@ -1,0 +1,83 @@
+// The pieces of sparsification that are the same on every device: the counter-based random
+// generator behind DARE masks, and the exact top-k threshold found from two radix histograms
+// of magnitudes (device.h's lm_dev_hist_abs). Both are pure functions, shared by the CPU code
+// and the CUDA kernels, so masks agree bit for bit between devices.
+#ifndef LM_SPARSIFY_H
+#define LM_SPARSIFY_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "dtype.h"  // LM_HD
+
+// ---- random masks -----------------------------------------------------------------------------
+
+// SplitMix64's finaliser: a bijective mix of 64 bits.
+LM_HD static inline uint64_t lm_mix64(uint64_t z)
+{
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+// The key of the random stream for one model and one tensor: a mix of the seed, the model's
+// index among the FT arguments and xxh64 of the tensor's name.
+static inline uint64_t lm_rng_key(uint64_t seed, int model, uint64_t name_hash)
+{
+    uint64_t k = lm_mix64(seed ^ 0x6C6D6D65726765ull);  // "lmmerge"
+    k = lm_mix64(k ^ ((uint64_t)(model + 1) * 0xD1B54A32D192ED03ull));
+    return lm_mix64(k ^ name_hash);
+}
+
+// The threshold for keeping an entry with probability d: floor(d · 2^32), so d = 1 keeps all.
+static inline uint64_t lm_rng_threshold(double d)
+{
+    if (!(d > 0))
+        return 0;
+    if (d >= 1)
+        return 1ull << 32;
+    return (uint64_t)(d * 4294967296.0);
+}
+
+// Whether element j (its index in the whole tensor) is kept: the j-th SplitMix64 output of the
+// stream starting at `key`, top 32 bits below the threshold. A pure function of (key, j).
+LM_HD static inline bool lm_rng_keep(uint64_t key, int64_t j, uint64_t keep_below)
+{
+    uint64_t x = lm_mix64(key + (uint64_t)(j + 1) * 0x9E3779B97F4A7C15ull);
+    return (x >> 32) < keep_below;
+}
+
+// ---- exact top-k by magnitude -----------------------------------------------------------------
+
+// The magnitude bits of a float: its bits without the sign. For finite values and infinities
+// their order is the order of |x|; NaNs sort above infinity.
+LM_HD static inline uint32_t lm_abs_bits(float x)
+{
+    return lm_f32_bits(x) & 0x7FFFFFFFu;
+}
+
+#define LM_HIST_BINS 65536
+
+// Finding the k-th largest magnitude of a set of values in two histogram passes.
+typedef struct lm_topk {
+    int64_t k;              // how many to keep
+    int64_t n;              // how many there are
+    bool none;              // k == 0: keep nothing
+    uint32_t hi_bin;        // after level 0: the top 16 bits of the threshold
+    int64_t above;          // after level 0: values in bins above hi_bin
+    uint32_t thr_bits;      // after level 1: the threshold's magnitude bits
+    int64_t ties_allowed;   // after level 1: how many values equal to the threshold are kept
+} lm_topk;
+
+// Starts a selection of k of n values.
+void lm_topk_init(lm_topk *t, int64_t k, int64_t n);
+
+// Reads the level-0 histogram (top 16 bits of every magnitude) and picks hi_bin.
+void lm_topk_level0(lm_topk *t, const uint64_t *hist);
+
+// Reads the level-1 histogram (low 16 bits of the magnitudes in hi_bin) and sets thr_bits and
+// ties_allowed: exactly k values are then kept, those above the threshold and the first
+// ties_allowed equal to it in index order.
+void lm_topk_level1(lm_topk *t, const uint64_t *hist);
+
+#endif

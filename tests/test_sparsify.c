@@ -1,0 +1,132 @@
+// Tests of the device-independent sparsification pieces: the exact top-k threshold from two
+// radix histograms (against a sort of the magnitudes, with many ties and with k at the edges)
+// and the counter-based random generator (a pure function of key and index, keeping a fraction
+// within a binomial bound of d, different streams for different seeds, models and names).
+#include "check.h"
+#include "sparsify.h"
+#include "util.h"
+
+#include <math.h>
+#include <stdint.h>
+
+static uint64_t state = 42;
+static uint64_t next(void)
+{
+    return lm_mix64(state += 0x9E3779B97F4A7C15ull);
+}
+
+static int cmp_desc_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+// Selects k of x with the histogram method, then checks against a sort: the threshold is the
+// k-th largest magnitude, and exactly k entries are kept when ties go to the lowest indices.
+static void check_topk(const float *x, int64_t n, int64_t k)
+{
+    static uint64_t hist[LM_HIST_BINS];
+    lm_topk t;
+    lm_topk_init(&t, k, n);
+    memset(hist, 0, sizeof hist);
+    for (int64_t i = 0; i < n; i++)
+        hist[lm_abs_bits(x[i]) >> 16]++;
+    lm_topk_level0(&t, hist);
+    memset(hist, 0, sizeof hist);
+    for (int64_t i = 0; i < n; i++)
+        if ((lm_abs_bits(x[i]) >> 16) == t.hi_bin)
+            hist[lm_abs_bits(x[i]) & 0xFFFF]++;
+    lm_topk_level1(&t, hist);
+
+    uint32_t *sorted = malloc((size_t)n * sizeof *sorted);
+    for (int64_t i = 0; i < n; i++)
+        sorted[i] = lm_abs_bits(x[i]);
+    qsort(sorted, (size_t)n, sizeof *sorted, cmp_desc_u32);
+    int64_t kept = 0, ties = t.ties_allowed;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t b = lm_abs_bits(x[i]);
+        if (b > t.thr_bits || (b == t.thr_bits && ties-- > 0))
+            kept++;
+    }
+    if (k == 0) {
+        CHECK(t.none && kept == 0);
+    } else {
+        CHECK_MSG(t.thr_bits == sorted[k - 1], "k=%lld: threshold %08x, sorted %08x", (long long)k, t.thr_bits,
+                  sorted[k - 1]);
+        int64_t above = 0;
+        for (int64_t i = 0; i < n; i++)
+            above += sorted[i] > sorted[k - 1];
+        CHECK(t.ties_allowed == k - above);
+        CHECK_MSG(kept == k, "kept %lld of k=%lld", (long long)kept, (long long)k);
+    }
+    free(sorted);
+}
+
+static void test_topk(void)
+{
+    enum { N = 20000 };
+    float *x = malloc(N * sizeof *x);
+    for (int i = 0; i < N; i++)
+        x[i] = (float)((double)(int64_t)next() / 9.2e18);
+    int64_t ks[] = {0, 1, 2, 17, N / 5, N / 2, N - 1, N};
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++)
+        check_topk(x, N, ks[i]);
+    // Heavy ties: few distinct magnitudes, both signs, zeros.
+    for (int i = 0; i < N; i++)
+        x[i] = (float)((int)(next() % 7) - 3) * 0.25f;
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++)
+        check_topk(x, N, ks[i]);
+    // Values that share the top 16 bits and differ only below, and infinities.
+    for (int i = 0; i < N; i++)
+        x[i] = lm_bits_f32(0x3F800000u | (uint32_t)(next() & 0xFFFF));
+    x[5] = INFINITY;
+    x[6] = -INFINITY;
+    for (size_t i = 0; i < sizeof ks / sizeof ks[0]; i++)
+        check_topk(x, N, ks[i]);
+    free(x);
+}
+
+static void test_rng(void)
+{
+    uint64_t key = lm_rng_key(0, 0, lm_xxh64("w", 1));
+    // A pure function of (key, index).
+    bool same = true;
+    for (int64_t j = 0; j < 1000; j++)
+        same &= lm_rng_keep(key, j, lm_rng_threshold(0.3)) == lm_rng_keep(key, j, lm_rng_threshold(0.3));
+    CHECK(same);
+    // Kept fraction within 5 sigma of d for several d.
+    const double ds[] = {0.01, 0.1, 0.5, 0.9};
+    const int64_t n = 200000;
+    for (size_t i = 0; i < 4; i++) {
+        int64_t kept = 0;
+        uint64_t thr = lm_rng_threshold(ds[i]);
+        for (int64_t j = 0; j < n; j++)
+            kept += lm_rng_keep(key, j, thr);
+        double sigma = sqrt(n * ds[i] * (1 - ds[i]));
+        CHECK_MSG(fabs((double)kept - n * ds[i]) < 5 * sigma, "d=%g kept %lld of %lld", ds[i], (long long)kept,
+                  (long long)n);
+    }
+    // d = 1 keeps everything; a tiny d keeps nearly nothing.
+    int64_t all = 0;
+    for (int64_t j = 0; j < 10000; j++)
+        all += lm_rng_keep(key, j, lm_rng_threshold(1.0));
+    CHECK(all == 10000);
+    CHECK(lm_rng_threshold(0) == 0 && lm_rng_threshold(1) == (1ull << 32) && lm_rng_threshold(0.5) == (1ull << 31));
+    // Different seeds, models and tensor names give different streams (about half the
+    // decisions differ at d = 0.5).
+    uint64_t keys[4] = {key, lm_rng_key(1, 0, lm_xxh64("w", 1)), lm_rng_key(0, 1, lm_xxh64("w", 1)),
+                        lm_rng_key(0, 0, lm_xxh64("v", 1))};
+    for (int a = 1; a < 4; a++) {
+        int64_t diff = 0;
+        for (int64_t j = 0; j < 10000; j++)
+            diff += lm_rng_keep(keys[0], j, 1ull << 31) != lm_rng_keep(keys[a], j, 1ull << 31);
+        CHECK_MSG(diff > 4500 && diff < 5500, "stream %d differs from stream 0 at %lld of 10000", a, (long long)diff);
+    }
+}
+
+int main(void)
+{
+    test_topk();
+    test_rng();
+    return check_report("test_sparsify");
+}
