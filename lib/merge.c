@@ -68,6 +68,11 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
 {
     if (o->n_ft < 1)
         return lm_err_set(err, LM_ERR_USAGE, "at least one fine-tuned model or adapter is needed");
+    if (!o->weights)
+        return lm_err_set(err, LM_ERR_USAGE, "--weights: %d weights are needed, one per fine-tuned input", o->n_ft);
+    if (!o->densities && uses_density(o->method))
+        return lm_err_set(err, LM_ERR_USAGE, "--density: %d densities are needed, one per fine-tuned input",
+                          o->n_ft);
     for (int i = 0; i < o->n_ft; i++) {
         if (!isfinite(o->weights[i]))
             return lm_err_set(err, LM_ERR_USAGE, "--weights: weight %d is %g, not a finite number", i + 1,
@@ -216,12 +221,20 @@ typedef struct engine {
 // Tells the kernel the pages of `t` may leave this process's memory: they stay in the page
 // cache, and a later read faults them back in. Keeps RSS at the working set while whole models
 // stream through.
+static void release_bytes(const engine *e, const void *data, uint64_t nbytes);
+
 static void release_pages(const engine *e, const lm_st_tensor *t)
 {
-    if (!t || !t->nbytes)
+    if (t)
+        release_bytes(e, t->data, t->nbytes);
+}
+
+static void release_bytes(const engine *e, const void *data, uint64_t nbytes)
+{
+    if (!nbytes)
         return;
-    uintptr_t lo = (uintptr_t)t->data & ~(uintptr_t)(e->page - 1);
-    uintptr_t hi = ((uintptr_t)t->data + t->nbytes + (uintptr_t)e->page - 1) & ~(uintptr_t)(e->page - 1);
+    uintptr_t lo = (uintptr_t)data & ~(uintptr_t)(e->page - 1);
+    uintptr_t hi = ((uintptr_t)data + nbytes + (uintptr_t)e->page - 1) & ~(uintptr_t)(e->page - 1);
     madvise((void *)lo, hi - lo, MADV_DONTNEED);
 }
 
@@ -381,6 +394,21 @@ static lm_status tau_for(engine *e, part *p, const lm_st_tensor *bt, int64_t r0,
     return s != LM_OK ? s : compute_tau(e, p, bt, r0, rows, base_slab);
 }
 
+// After a pass over one slab of a tensor that has several, lets the slab's input pages go, so
+// memory holds a slab per input rather than the whole tensor (a later pass reads them again
+// from the page cache).
+static void release_slab(const engine *e, const lm_st_tensor *bt, const part *parts, int k, int64_t r0,
+                         int64_t rows)
+{
+    int64_t cols = bt->numel / tensor_rows(bt);
+    release_bytes(e, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),
+                  (uint64_t)(rows * cols) * esize(bt->dtype));
+    for (int i = 0; i < k; i++)
+        if (parts[i].src == SRC_FULL)
+            release_bytes(e, (const char *)parts[i].full->data + (size_t)(r0 * cols) * esize(parts[i].full->dtype),
+                          (uint64_t)(rows * cols) * esize(parts[i].full->dtype));
+}
+
 // ==== selection passes ========================================================================
 
 // Adds the level-`level` histograms of τ over every slab of tensor bt to hists[i], one
@@ -405,6 +433,8 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
         }
         if (s != LM_OK)
             return s;
+        if (nr < rows)
+            release_slab(e, bt, parts, k, r0, nr);
     }
     return LM_OK;
 }
@@ -433,19 +463,31 @@ static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float
 // A tensor no FT changes: the base's values in the output dtype.
 static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_dtype out_dt, XXH64_state_t *hash)
 {
+    // In pieces of a slab's bytes, each let go once written, so memory stays bounded.
     if (bt->dtype == out_dt || !lm_dtype_readable(bt->dtype)) {
-        XXH64_update(hash, bt->data, bt->nbytes);
+        uint64_t piece = (uint64_t)e->slab_max * sizeof(float);
+        for (uint64_t off = 0; off < bt->nbytes; off += piece) {
+            uint64_t len = bt->nbytes - off < piece ? bt->nbytes - off : piece;
+            const char *src = (const char *)bt->data + off;
+            XXH64_update(hash, src, len);
+            lm_status s = lm_st_writer_put_part(e->w, idx, off, src, len, e->err);
+            if (s != LM_OK)
+                return s;
+            release_bytes(e, src, len);
+        }
         e->bytes_in += bt->nbytes;
         e->bytes_out += bt->nbytes;
-        return bt->nbytes ? lm_st_writer_put(e->w, idx, bt->data, bt->nbytes, e->err) : LM_OK;
+        return LM_OK;
     }
     for (int64_t off = 0; off < bt->numel; off += e->slab_max) {
         int64_t cnt = bt->numel - off < e->slab_max ? bt->numel - off : e->slab_max;
-        lm_status s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)off * esize(bt->dtype), bt->dtype, cnt);
+        const char *src = (const char *)bt->data + (size_t)off * esize(bt->dtype);
+        lm_status s = load_f32(e, e->base_buf, src, bt->dtype, cnt);
         if (s == LM_OK)
             s = write_slab(e, idx, out_dt, e->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
         if (s != LM_OK)
             return s;
+        release_bytes(e, src, (uint64_t)cnt * esize(bt->dtype));
     }
     return LM_OK;
 }
@@ -522,6 +564,8 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
                 l1_kept[i] += b;
                 p->dropped = one_slab;
             }
+            if (!one_slab)
+                release_slab(e, bt, parts, k, r0, nr);
         }
         if (s != LM_OK)
             return s;
@@ -576,6 +620,8 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
                                (float)o->lambda, e->err);
         if (s == LM_OK)
             s = write_slab(e, idx, desc->dtype, e->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
+        if (!one_slab)
+            release_slab(e, bt, parts, k, r0, nr);
     }
     return s;
 }
