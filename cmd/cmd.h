@@ -5,9 +5,21 @@
 #ifndef LM_CMD_H
 #define LM_CMD_H
 
+#include <stddef.h>
+
 // `llmerge inspect PATH [--base DIR] [--json]`: describes a safetensors file, a model directory
 // or an adapter directory (validated against --base when given). Allocates nothing that
 // outlives the call.
 int lm_cmd_inspect(int argc, char **argv);
+
+// `llmerge ties|dare|dare-ties|task-arithmetic BASE FT [FT...] -o OUT [options]`: merges the
+// fine-tuned inputs into BASE by the method named in argv[0] and writes the model directory
+// OUT atomically (nothing is left there when it fails). Allocates nothing that outlives the
+// call.
+int lm_cmd_merge(int argc, char **argv);
+
+// The Levenshtein distance between a and b (64 or more for strings over 63 bytes), for "did
+// you mean" suggestions.
+size_t lm_cmd_edit_distance(const char *a, const char *b);
 
 #endif

@@ -13,6 +13,10 @@ typedef struct command {
 } command;
 
 static const command commands[] = {
+    {"ties", "TIES merge: trim each task vector to its largest entries, elect signs, average", lm_cmd_merge},
+    {"dare", "DARE merge: drop task-vector entries at random, rescale the rest, sum", lm_cmd_merge},
+    {"dare-ties", "DARE's random drop with TIES's sign election", lm_cmd_merge},
+    {"task-arithmetic", "add the weighted sum of the task vectors to the base", lm_cmd_merge},
     {"inspect", "show the tensors of a safetensors file, a model directory or an adapter", lm_cmd_inspect},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
@@ -37,8 +41,8 @@ static void usage(FILE *out)
             "Exit status: 0 done, 1 the work failed, 2 bad usage or bad input.\n");
 }
 
-// Levenshtein distance, for "did you mean".
-static size_t edit_distance(const char *a, const char *b)
+// Levenshtein distance, for "did you mean" (cmd.h).
+size_t lm_cmd_edit_distance(const char *a, const char *b)
 {
     size_t la = strlen(a), lb = strlen(b);
     if (la > 63 || lb > 63)
@@ -89,7 +93,7 @@ int main(int argc, char **argv)
     const char *best = NULL;
     size_t best_d = 3;
     for (size_t i = 0; i < N_COMMANDS; i++) {
-        size_t d = edit_distance(cmd, commands[i].name);
+        size_t d = lm_cmd_edit_distance(cmd, commands[i].name);
         if (d < best_d) {
             best_d = d;
             best = commands[i].name;

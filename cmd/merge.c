@@ -1,0 +1,1031 @@
+// `llmerge ties | dare | dare-ties | task-arithmetic BASE FT [FT...] -o OUT [options]`: the merge
+// commands. One file serves the four methods; argv[0] says which. The command line is the
+// contract of DESIGN.md ("Options every merge takes"): every option there is parsed, also in
+// the --name=value form, and an unknown one gets a "did you mean".
+//
+// Everything that can be checked is checked before any work starts, and a problem found then
+// is exit status 2 with a message naming it: option values and counts, OUT (missing, existing
+// without --force, or holding an input), BASE (a model directory), each FT (opened and checked
+// against BASE: an adapter made for another base names the key and both shapes), the merge
+// options against each other, the device. Only then does the work start: the output goes into
+// a temporary directory beside OUT (outdir.h), is filled with the shards (the merge engine
+// streams tensor by tensor into the writer), config.json with the dtype updated, the base's
+// tokenizer and generation files and llmerge.json (manifest.h), and is renamed into place.
+// A failure from then on removes the temporary directory and is exit status 1.
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "adapter.h"
+#include "cmd.h"
+#include "device.h"
+#include "manifest.h"
+#include "merge.h"
+#include "model.h"
+#include "outdir.h"
+#include "progress.h"
+#include "st_writer.h"
+#include "status.h"
+#include "util.h"
+
+// ==== the methods =============================================================================
+
+typedef struct method_info {
+    const char *name;
+    lm_merge_method method;
+    const char *summary;     // the first line of --help
+    const char *formula;     // how Δ is formed, for --help
+    bool density, sign, topk, rescale, seed;  // which options it uses
+} method_info;
+
+static const method_info methods[] = {
+    {"ties", LM_MERGE_TIES,
+     "TIES merging: trim each task vector to its largest entries, elect a sign per entry, and\n"
+     "average the entries that agree with it.",
+     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter), trimmed to the k = floor(d_i * numel)\n"
+     "  entries of largest |tau_i| (ties at the threshold go to the lower index);\n"
+     "  W_i = w_i * tau_i; s = sign(sum_i W_i) per entry (--sign count: of sum_i sign(W_i));\n"
+     "  delta = sum of the W_i whose sign is s, divided by the sum of their w_i (normalize);\n"
+     "  result = BASE + lambda * delta.\n",
+     true, true, true, false, false},
+    {"dare", LM_MERGE_DARE,
+     "DARE merging: drop each task-vector entry at random, rescale the kept ones, and sum.",
+     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter); each entry kept with probability d_i\n"
+     "  (a pure function of the seed, the input, the tensor name and the index) and the kept\n"
+     "  ones multiplied by 1/d_i (--rescale l1: by |tau_i|_1 / |kept|_1);\n"
+     "  delta = sum_i w_i * tau_i (divided by sum_i w_i with --normalize);\n"
+     "  result = BASE + lambda * delta.\n",
+     true, false, false, true, true},
+    {"dare-ties", LM_MERGE_DARE_TIES,
+     "DARE-TIES merging: DARE's random drop and rescale, then TIES's sign election.",
+     "  tau_i dropped and rescaled as in dare; W_i = w_i * tau_i; s = sign(sum_i W_i) per entry\n"
+     "  (--sign count: of sum_i sign(W_i)); delta = sum of the W_i whose sign is s (divided by\n"
+     "  the sum of their w_i with --normalize); result = BASE + lambda * delta.\n",
+     true, true, false, true, true},
+    {"task-arithmetic", LM_MERGE_TASK_ARITHMETIC,
+     "Task arithmetic: add the weighted sum of the task vectors to the base.",
+     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter), whole (no density);\n"
+     "  delta = sum_i w_i * tau_i (divided by sum_i w_i with --normalize);\n"
+     "  result = BASE + lambda * delta.\n",
+     false, false, false, false, false},
+};
+#define N_METHODS (sizeof methods / sizeof methods[0])
+
+// ==== options =================================================================================
+
+typedef enum opt_id {
+    OPT_OUTPUT, OPT_WEIGHTS, OPT_DENSITY, OPT_DENSITIES, OPT_LAMBDA, OPT_NORMALIZE,
+    OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
+    OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
+    OPT_FORCE, OPT_HELP,
+} opt_id;
+
+typedef struct opt_def {
+    const char *name;  // without the leading "--"
+    char short_name;   // or 0
+    bool value;        // takes a value
+    opt_id id;
+} opt_def;
+
+static const opt_def opt_defs[] = {
+    {"output", 'o', true, OPT_OUTPUT},
+    {"weights", 0, true, OPT_WEIGHTS},
+    {"density", 0, true, OPT_DENSITY},
+    {"densities", 0, true, OPT_DENSITIES},
+    {"lambda", 0, true, OPT_LAMBDA},
+    {"normalize", 0, false, OPT_NORMALIZE},
+    {"no-normalize", 0, false, OPT_NO_NORMALIZE},
+    {"sign", 0, true, OPT_SIGN},
+    {"topk", 0, true, OPT_TOPK},
+    {"rescale", 0, true, OPT_RESCALE},
+    {"seed", 0, true, OPT_SEED},
+    {"dtype", 0, true, OPT_DTYPE},
+    {"shard-size", 0, true, OPT_SHARD_SIZE},
+    {"device", 0, true, OPT_DEVICE},
+    {"gpu-mem", 0, true, OPT_GPU_MEM},
+    {"threads", 0, true, OPT_THREADS},
+    {"cache-dir", 0, true, OPT_CACHE_DIR},
+    {"log-json", 0, true, OPT_LOG_JSON},
+    {"quiet", 'q', false, OPT_QUIET},
+    {"verbose", 'v', false, OPT_VERBOSE},
+    {"force", 0, false, OPT_FORCE},
+    {"help", 'h', false, OPT_HELP},
+};
+#define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
+
+#define DEFAULT_DENSITY 0.2
+#define DEFAULT_SHARD_SIZE 5000000000ull  // "5GB", as transformers
+#define MAX_THREADS 4096
+
+// What the command line says, parsed but not yet checked against the inputs.
+typedef struct merge_args {
+    const method_info *m;
+    const char *base;
+    const char **fts;          // (n_ft) pointers into argv
+    int n_ft;
+    const char *out;
+    double *weights;           // (n_weights) or NULL: 1 each
+    int n_weights;
+    double *densities;         // (n_densities) or NULL: DEFAULT_DENSITY each
+    int n_densities;
+    const char *density_opt;   // "--density" or "--densities", whichever came last
+    double lambda;
+    int normalize;             // -1: the method's default
+    lm_sign_rule sign;
+    bool topk_global;
+    lm_rescale rescale;
+    uint64_t seed;
+    bool have_dtype;
+    lm_dtype dtype;
+    uint64_t shard_size;
+    const char *device;
+    uint64_t gpu_mem;          // 0: not given
+    int threads;               // 0: all cores
+    const char *cache_dir;
+    const char *log_json;
+    bool quiet, force, help;
+    int verbose;
+    bool given[OPT_HELP + 1];  // which options appeared
+} merge_args;
+
+static void usage(FILE *out, const method_info *m)
+{
+    fprintf(out,
+            "Usage: llmerge %s BASE FT [FT...] -o OUT [options]\n"
+            "\n"
+            "%s\n"
+            "\n"
+            "%s"
+            "\n"
+            "BASE is a Hugging Face model directory (config.json with model.safetensors, or shards\n"
+            "and model.safetensors.index.json). Each FT is a PEFT LoRA adapter directory\n"
+            "(adapter_config.json + adapter_model.safetensors) or a full fine-tuned model directory\n"
+            "of BASE, also when the directory holds exactly one such subdirectory. Task vectors are\n"
+            "computed in float32 whatever the input dtype; adapters are never expanded into models.\n"
+            "\n"
+            "Options (also as --name=value):\n"
+            "  -o, --output DIR       the output model directory (required); an existing one is\n"
+            "                         refused unless --force is given\n"
+            "  --weights W1,W2,...    one weight per FT (default: 1 each)\n"
+            "  --density D            fraction of each task vector kept, in (0, 1], for every FT\n"
+            "                         (default 0.2)%s\n"
+            "  --densities D1,D2,...  one density per FT (a single value applies to all)\n"
+            "  --lambda L             scale of the merged task vector (default 1)\n"
+            "  --normalize            divide by the sum of the weights (of the FTs that agree,\n"
+            "                         with a sign election); default for %s: %s\n"
+            "                         (on for ties; off for dare, dare-ties, task-arithmetic)\n"
+            "  --no-normalize         do not divide\n"
+            "  --sign sum|count       sign election by the sign of the weighted sum, or by the\n"
+            "                         count of signs (default sum)%s\n"
+            "  --topk tensor|global   keep the top D of each tensor, or of each model as a whole\n"
+            "                         as in the TIES paper (default tensor)%s\n"
+            "  --rescale inv|l1       multiply the kept entries by 1/D (DARE paper, PEFT), or match\n"
+            "                         the L1 norm of the task vector (mergekit) (default inv)%s\n"
+            "  --seed N               seed of the random masks: the same seed gives the same\n"
+            "                         output on any device and thread count (default 0)%s\n"
+            "  --dtype f32|f16|bf16   output dtype (default: the base's, from config.json or\n"
+            "                         else its tensors)\n"
+            "  --shard-size SIZE      most tensor bytes per output shard (default 5GB); SIZE is\n"
+            "                         bytes with K, M, G, KiB, MiB, GiB (powers of 1024) or KB,\n"
+            "                         MB, GB (powers of 1000, as transformers)\n"
+            "  --device DEV           where the work runs: auto or cpu (default auto; cuda[:N] and\n"
+            "                         sim:SIZE are not available in this build yet)\n"
+            "  --gpu-mem SIZE         most device memory to use (default: all free; no effect on\n"
+            "                         the CPU)\n"
+            "  --threads N            CPU threads (default: all cores)\n"
+            "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
+            "                         $XDG_CACHE_HOME/llmerge; this method keeps nothing there)\n"
+            "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
+            "                         start, each tensor, end or error (default: none)\n"
+            "  -q, --quiet            nothing on stderr but errors\n"
+            "  -v, --verbose          also the resolved settings and each input\n"
+            "  --force                replace OUT if it exists (it is replaced only at the end)\n"
+            "  -h, --help             this help\n"
+            "\n"
+            "OUT gets the merged weights (model.safetensors, or shards and\n"
+            "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
+            "tokenizer and generation files, and llmerge.json: inputs with xxHash64 of their files,\n"
+            "options, per-tensor xxHash64 of the output, timings.\n"
+            "\n"
+            "Exit status: 0 done; 1 the merge failed (nothing is left at OUT); 2 bad usage or bad\n"
+            "input, found before any work started.\n",
+            m->name, m->summary, m->formula, m->density ? "" : "; no effect on this method",
+            m->name, lm_merge_default_normalize(m->method) ? "on" : "off",
+            m->sign ? "" : ";\n                         no effect on this method",
+            m->topk ? "" : ";\n                         no effect on this method",
+            m->rescale ? "" : ";\n                         no effect on this method",
+            m->seed ? "" : ";\n                         no effect on this method");
+}
+
+// ---- value parsers --------------------------------------------------------------------------
+
+// A finite number written entirely as one.
+static bool parse_number(const char *text, double *out)
+{
+    if (!*text)
+        return false;
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (*end || errno == ERANGE || !isfinite(v))
+        return false;
+    *out = v;
+    return true;
+}
+
+// "1,0.5,2" into a new array (*out, caller frees) of *n numbers.
+static lm_status parse_list(const char *opt, const char *text, double **out, int *n, lm_err *err)
+{
+    size_t cap = 1;
+    for (const char *c = text; *c; c++)
+        cap += *c == ',';
+    double *v = malloc(cap * sizeof *v);
+    char *copy = lm_strdup(text);
+    if (!v || !copy) {
+        free(v);
+        free(copy);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    int k = 0;
+    char *item = copy;
+    for (;;) {
+        char *comma = strchr(item, ',');
+        if (comma)
+            *comma = '\0';
+        if (!parse_number(item, &v[k])) {
+            lm_err_set(err, LM_ERR_USAGE, "%s %s: '%s' is not a number%s", opt, text, item,
+                       *item ? "" : " (an empty item)");
+            free(v);
+            free(copy);
+            return LM_ERR_USAGE;
+        }
+        k++;
+        if (!comma)
+            break;
+        item = comma + 1;
+    }
+    free(copy);
+    free(*out);
+    *out = v;
+    *n = k;
+    return LM_OK;
+}
+
+// A whole decimal number in [lo, hi].
+static bool parse_u64(const char *text, uint64_t lo, uint64_t hi, uint64_t *out)
+{
+    if (*text < '0' || *text > '9')
+        return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 10);
+    if (*end || errno == ERANGE || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+// The closest option name to `name` (without dashes), or NULL when none is close.
+static const char *suggest(const char *name)
+{
+    const char *best = NULL;
+    size_t best_d = SIZE_MAX, len = strlen(name);
+    for (size_t i = 0; i < N_OPTS; i++) {
+        size_t d = lm_cmd_edit_distance(name, opt_defs[i].name);
+        // a typed prefix of a name ("--dens") counts as close
+        if (len >= 3 && strncmp(opt_defs[i].name, name, len) == 0)
+            d = 1;
+        if (d < best_d) {
+            best_d = d;
+            best = opt_defs[i].name;
+        }
+    }
+    size_t limit = len <= 4 ? 1 : len <= 8 ? 2 : 3;
+    return best_d <= limit ? best : NULL;
+}
+
+static lm_status unknown_option(const char *arg, const char *name, lm_err *err)
+{
+    const char *s = suggest(name);
+    if (s)
+        return lm_err_set(err, LM_ERR_USAGE, "unknown option '%s'; did you mean '--%s'?", arg, s);
+    return lm_err_set(err, LM_ERR_USAGE, "unknown option '%s'", arg);
+}
+
+// Applies option `d` with value `v` (NULL for a flag). `shown` is how the user wrote it.
+static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown, const char *v,
+                              lm_err *err)
+{
+    a->given[d->id] = true;
+    uint64_t u;
+    lm_status s;
+    switch (d->id) {
+    case OPT_OUTPUT:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a directory", shown);
+        a->out = v;
+        return LM_OK;
+    case OPT_WEIGHTS:
+        return parse_list(shown, v, &a->weights, &a->n_weights, err);
+    case OPT_DENSITY:
+    case OPT_DENSITIES:
+        a->density_opt = d->id == OPT_DENSITY ? "--density" : "--densities";
+        if ((s = parse_list(shown, v, &a->densities, &a->n_densities, err)) != LM_OK)
+            return s;
+        for (int i = 0; i < a->n_densities; i++)
+            if (!(a->densities[i] > 0.0 && a->densities[i] <= 1.0)) {
+                char which[48] = "";
+                if (a->n_densities > 1)
+                    snprintf(which, sizeof which, " (item %d is %g)", i + 1, a->densities[i]);
+                return lm_err_set(err, LM_ERR_USAGE, "%s %s: a density must be in (0, 1], the "
+                                  "fraction of each task vector kept%s", shown, v, which);
+            }
+        return LM_OK;
+    case OPT_LAMBDA:
+        if (!parse_number(v, &a->lambda))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a number", shown, v);
+        return LM_OK;
+    case OPT_NORMALIZE:
+        a->normalize = 1;
+        return LM_OK;
+    case OPT_NO_NORMALIZE:
+        a->normalize = 0;
+        return LM_OK;
+    case OPT_SIGN:
+        if (strcmp(v, "sum") == 0)
+            a->sign = LM_SIGN_SUM;
+        else if (strcmp(v, "count") == 0)
+            a->sign = LM_SIGN_COUNT;
+        else
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': use sum or count", shown, v);
+        return LM_OK;
+    case OPT_TOPK:
+        if (strcmp(v, "tensor") == 0 || strcmp(v, "global") == 0)
+            a->topk_global = v[0] == 'g';
+        else
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': use tensor or global", shown, v);
+        return LM_OK;
+    case OPT_RESCALE:
+        if (strcmp(v, "inv") == 0)
+            a->rescale = LM_RESCALE_INV;
+        else if (strcmp(v, "l1") == 0)
+            a->rescale = LM_RESCALE_L1;
+        else
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': use inv or l1", shown, v);
+        return LM_OK;
+    case OPT_SEED:
+        if (!parse_u64(v, 0, UINT64_MAX, &a->seed))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number from 0 to %" PRIu64
+                              " is needed", shown, v, UINT64_MAX);
+        return LM_OK;
+    case OPT_DTYPE:
+        if (!lm_dtype_from_user(v, &a->dtype) || !lm_dtype_writable(a->dtype))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': not an output dtype (use f32, f16 or "
+                              "bf16)", shown, v);
+        a->have_dtype = true;
+        return LM_OK;
+    case OPT_SHARD_SIZE:
+        if ((s = lm_parse_size(v, &a->shard_size, err)) != LM_OK)
+            return lm_err_prefix(err, "%s", shown);
+        if (a->shard_size == 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s %s: must be more than 0 bytes", shown, v);
+        return LM_OK;
+    case OPT_DEVICE:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a device (auto or cpu)", shown);
+        a->device = v;
+        return LM_OK;
+    case OPT_GPU_MEM:
+        if ((s = lm_parse_size(v, &a->gpu_mem, err)) != LM_OK)
+            return lm_err_prefix(err, "%s", shown);
+        if (a->gpu_mem == 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s %s: must be more than 0 bytes", shown, v);
+        return LM_OK;
+    case OPT_THREADS:
+        if (!parse_u64(v, 0, MAX_THREADS, &u))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of threads from 1 to %d "
+                              "is needed (0: all cores)", shown, v, MAX_THREADS);
+        a->threads = (int)u;
+        return LM_OK;
+    case OPT_CACHE_DIR:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a directory", shown);
+        a->cache_dir = v;
+        return LM_OK;
+    case OPT_LOG_JSON:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a file", shown);
+        a->log_json = v;
+        return LM_OK;
+    case OPT_QUIET:
+        a->quiet = true;
+        return LM_OK;
+    case OPT_VERBOSE:
+        a->verbose++;
+        return LM_OK;
+    case OPT_FORCE:
+        a->force = true;
+        return LM_OK;
+    case OPT_HELP:
+        a->help = true;
+        return LM_OK;
+    }
+    return LM_OK;
+}
+
+// Parses argv into *a (zeroed by the caller, m set). Positional arguments are BASE then the FTs,
+// anywhere among the options; "--" ends the options.
+static lm_status parse_args(merge_args *a, int argc, char **argv, lm_err *err)
+{
+    a->lambda = 1.0;
+    a->normalize = -1;
+    a->shard_size = DEFAULT_SHARD_SIZE;
+    a->device = "auto";
+    a->fts = calloc((size_t)argc, sizeof *a->fts);
+    if (!a->fts)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    bool options_done = false;
+    lm_status s;
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (options_done || arg[0] != '-' || arg[1] == '\0') {
+            if (!a->base)
+                a->base = arg;
+            else
+                a->fts[a->n_ft++] = arg;
+            continue;
+        }
+        if (strcmp(arg, "--") == 0) {
+            options_done = true;
+            continue;
+        }
+        if (arg[1] == '-') {
+            // --name or --name=value
+            const char *name = arg + 2, *eq = strchr(name, '=');
+            size_t len = eq ? (size_t)(eq - name) : strlen(name);
+            const opt_def *d = NULL;
+            for (size_t k = 0; k < N_OPTS && !d; k++)
+                if (strlen(opt_defs[k].name) == len && strncmp(opt_defs[k].name, name, len) == 0)
+                    d = &opt_defs[k];
+            if (!d) {
+                char typed[64];
+                snprintf(typed, sizeof typed, "%.*s", (int)(len < 63 ? len : 63), name);
+                return unknown_option(arg, typed, err);
+            }
+            char shown[64];
+            snprintf(shown, sizeof shown, "--%s", d->name);
+            const char *v = NULL;
+            if (d->value) {
+                if (eq)
+                    v = eq + 1;
+                else if (i + 1 < argc)
+                    v = argv[++i];
+                else
+                    return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
+            } else if (eq) {
+                return lm_err_set(err, LM_ERR_USAGE, "%s takes no value ('%s')", shown, arg);
+            }
+            if ((s = apply_option(a, d, shown, v, err)) != LM_OK)
+                return s;
+            continue;
+        }
+        // short options: -o OUT, -oOUT, and bundled flags such as -qv
+        for (const char *c = arg + 1; *c; c++) {
+            const opt_def *d = NULL;
+            for (size_t k = 0; k < N_OPTS && !d; k++)
+                if (opt_defs[k].short_name == *c)
+                    d = &opt_defs[k];
+            if (!d)
+                return c == arg + 1 ? unknown_option(arg, arg + 1, err)
+                                    : lm_err_set(err, LM_ERR_USAGE, "unknown option '-%c' in '%s'",
+                                                 *c, arg);
+            char shown[4] = {'-', *c, '\0', '\0'};
+            if (d->value) {
+                const char *v = c[1] ? c + 1 : i + 1 < argc ? argv[++i] : NULL;
+                if (!v)
+                    return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
+                if ((s = apply_option(a, d, shown, v, err)) != LM_OK)
+                    return s;
+                break;
+            }
+            if ((s = apply_option(a, d, shown, NULL, err)) != LM_OK)
+                return s;
+        }
+    }
+    return LM_OK;
+}
+
+// The last --log-json value in argv (before "--"), or NULL; parse_args checks it properly.
+static const char *find_log_json(int argc, char **argv)
+{
+    const char *found = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--") == 0)
+            break;
+        if (strcmp(argv[i], "--log-json") == 0 && i + 1 < argc)
+            found = argv[++i];
+        else if (strncmp(argv[i], "--log-json=", 11) == 0)
+            found = argv[i] + 11;
+    }
+    return found;
+}
+
+// ==== the run =================================================================================
+
+typedef struct merge_run {
+    merge_args args;
+    char prefix[64];           // "llmerge ties"
+    lm_progress progress;
+    double t0;                 // when the command started
+    lm_model *base;
+    lm_ft **fts;               // (args.n_ft)
+    lm_dev *dev;
+    double *weights;           // (n_ft) resolved
+    double *densities;         // (n_ft) resolved
+    lm_merge_opts opts;
+    lm_st_desc *descs;         // (n_descs) the output tensors
+    int64_t n_descs;
+    lm_outdir od;
+    lm_st_writer *writer;
+    lm_merge_result res;
+    lm_manifest manifest;
+} merge_run;
+
+static void run_free(merge_run *r)
+{
+    lm_manifest_free(&r->manifest);
+    lm_st_writer_free(r->writer);
+    lm_outdir_abort(&r->od);
+    lm_merge_result_free(&r->res);
+    free(r->descs);
+    for (int i = 0; r->fts && i < r->args.n_ft; i++)
+        lm_ft_free(r->fts[i]);
+    free(r->fts);
+    lm_model_free(r->base);
+    lm_dev_free(r->dev);
+    free(r->weights);
+    free(r->densities);
+    free(r->args.weights);
+    free(r->args.densities);
+    free(r->args.fts);
+    lm_progress_free(&r->progress);
+}
+
+// The default output dtype: config.json's when it is one a model is saved in, else the dtype
+// most floating tensors of the base have (F64 read as F32), else F32.
+static lm_dtype base_dtype(const lm_model *base)
+{
+    const lm_config *c = &base->config;
+    if (c->has_dtype && lm_dtype_writable(c->dtype))
+        return c->dtype;
+    int64_t counts[LM_DTYPE_COUNT];
+    lm_model_dtype_counts(base, counts);
+    static const lm_dtype order[] = {LM_DTYPE_BF16, LM_DTYPE_F16, LM_DTYPE_F32};
+    lm_dtype best = LM_DTYPE_F32;
+    int64_t best_n = counts[LM_DTYPE_F64];
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++)
+        if (counts[order[i]] > best_n) {
+            best_n = counts[order[i]];
+            best = order[i];
+        }
+    return best;
+}
+
+static const char *dtype_flag(lm_dtype dt)
+{
+    return dt == LM_DTYPE_BF16 ? "bf16" : dt == LM_DTYPE_F16 ? "f16" : "f32";
+}
+
+// Whether the existing path `out` is `in` or a directory holding it (realpaths compared).
+static bool holds(const char *out_real, const char *in)
+{
+    char in_real[PATH_MAX];
+    if (!realpath(in, in_real))
+        return false;
+    size_t n = strlen(out_real);
+    return strncmp(in_real, out_real, n) == 0 &&
+           (in_real[n] == '\0' || in_real[n] == '/' || (n == 1 && out_real[0] == '/'));
+}
+
+// Checks that the directory OUT goes into exists (lm_outdir_begin checks again at the start of
+// the work; this says it before the inputs are read).
+static lm_status check_parent(const char *out, lm_err *err)
+{
+    size_t len = strlen(out);
+    while (len > 1 && out[len - 1] == '/')  // "a/b/" names "a/b"
+        len--;
+    size_t cut = len;
+    while (cut > 0 && out[cut - 1] != '/')
+        cut--;
+    if (cut <= 1)  // "b" or "/b": the parent is "." or "/"
+        return LM_OK;
+    char *parent = lm_strfmt("%.*s", (int)(cut - 1), out);
+    if (!parent)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = LM_OK;
+    if (!lm_is_dir(parent))
+        s = lm_err_set(err, LM_ERR_NOT_FOUND, "%s: its parent directory %s does not exist", out,
+                       parent);
+    free(parent);
+    return s;
+}
+
+// Says which given options the method does not use, so a sweep notices a typo in its plan.
+static void note_unused(merge_run *r)
+{
+    const merge_args *a = &r->args;
+    const method_info *m = a->m;
+    struct { bool unused; const char *opt; const char *why; } u[] = {
+        {!m->density && (a->given[OPT_DENSITY] || a->given[OPT_DENSITIES]), a->density_opt,
+         "task vectors are used whole"},
+        {!m->sign && a->given[OPT_SIGN], "--sign", "it elects no signs"},
+        {!m->topk && a->given[OPT_TOPK], "--topk", "it has no magnitude trim"},
+        {!m->rescale && a->given[OPT_RESCALE], "--rescale", "it drops nothing at random"},
+        {!m->seed && a->given[OPT_SEED], "--seed", "it draws nothing at random"},
+        {a->given[OPT_CACHE_DIR], "--cache-dir", "it keeps nothing between runs"},
+    };
+    for (size_t i = 0; i < sizeof u / sizeof u[0]; i++)
+        if (u[i].unused)
+            lm_progress_note(&r->progress, "note: %s has no effect on %s (%s)", u[i].opt, m->name,
+                             u[i].why);
+}
+
+// Everything before the work: inputs opened and checked, options resolved, the device opened.
+// Returns the status; err says what is wrong.
+static lm_status prepare(merge_run *r, lm_err *err)
+{
+    merge_args *a = &r->args;
+    lm_status s;
+    if (!a->base || a->n_ft == 0)
+        return lm_err_set(err, LM_ERR_USAGE, "needs BASE and at least one FT (usage: llmerge %s "
+                          "BASE FT [FT...] -o OUT)", a->m->name);
+    if (!a->out)
+        return lm_err_set(err, LM_ERR_USAGE, "no output directory: give -o OUT");
+    if (a->weights && a->n_weights != a->n_ft)
+        return lm_err_set(err, LM_ERR_USAGE, "--weights gives %d weight%s for %d FT%s (one per FT)",
+                          a->n_weights, a->n_weights == 1 ? "" : "s", a->n_ft,
+                          a->n_ft == 1 ? "" : "s");
+    if (a->densities && a->n_densities != 1 && a->n_densities != a->n_ft)
+        return lm_err_set(err, LM_ERR_USAGE, "%s gives %d densities for %d FT%s (one per FT, or "
+                          "one for all)", a->density_opt, a->n_densities, a->n_ft,
+                          a->n_ft == 1 ? "" : "s");
+
+    // OUT: refused now, before the inputs are read, rather than after the work
+    struct stat st;
+    bool out_exists = lstat(a->out, &st) == 0;
+    if (out_exists && !a->force)
+        return lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it)",
+                          a->out);
+    if ((s = check_parent(a->out, err)) != LM_OK)
+        return s;
+
+    // BASE
+    lm_input_kind kind;
+    char *resolved = NULL;
+    if ((s = lm_input_detect(a->base, &kind, &resolved, err)) != LM_OK)
+        return lm_err_prefix(err, "BASE");
+    if (kind != LM_INPUT_MODEL) {
+        s = lm_err_set(err, LM_ERR_USAGE, "BASE %s is not a model directory (it is %s %s); "
+                       "BASE must hold config.json and model.safetensors or shards", a->base,
+                       kind == LM_INPUT_ADAPTER ? "an" : "a", lm_input_kind_name(kind));
+        free(resolved);
+        return s;
+    }
+    s = lm_model_open(&r->base, resolved, err);
+    free(resolved);
+    if (s != LM_OK)
+        return s;
+
+    // each FT, checked against BASE
+    r->fts = calloc((size_t)a->n_ft, sizeof *r->fts);
+    if (!r->fts)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < a->n_ft; i++)
+        if ((s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
+            return lm_err_prefix(err, "FT %d", i + 1);
+
+    // OUT must not be (or hold) an input: --force would delete it
+    char out_real[PATH_MAX];
+    if (out_exists && realpath(a->out, out_real)) {
+        if (holds(out_real, r->base->dir))
+            return lm_err_set(err, LM_ERR_USAGE, "-o %s: that is (or holds) BASE %s; refusing to "
+                              "replace it", a->out, a->base);
+        for (int i = 0; i < a->n_ft; i++)
+            if (holds(out_real, r->fts[i]->path))
+                return lm_err_set(err, LM_ERR_USAGE, "-o %s: that is (or holds) FT %s; refusing "
+                                  "to replace it", a->out, a->fts[i]);
+    }
+
+    // options, resolved
+    r->weights = malloc((size_t)a->n_ft * sizeof *r->weights);
+    r->densities = malloc((size_t)a->n_ft * sizeof *r->densities);
+    if (!r->weights || !r->densities)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < a->n_ft; i++) {
+        r->weights[i] = a->weights ? a->weights[i] : 1.0;
+        r->densities[i] = !a->densities ? DEFAULT_DENSITY
+                          : a->n_densities == 1 ? a->densities[0] : a->densities[i];
+    }
+    lm_merge_opts *o = &r->opts;
+    o->method = a->m->method;
+    o->n_ft = a->n_ft;
+    o->weights = r->weights;
+    o->densities = r->densities;
+    o->lambda = a->lambda;
+    o->normalize = a->normalize < 0 ? lm_merge_default_normalize(a->m->method) : a->normalize;
+    o->sign = a->sign;
+    o->topk_global = a->topk_global;
+    o->rescale = a->rescale;
+    o->seed = a->seed;
+    o->out_dtype = a->have_dtype ? a->dtype : base_dtype(r->base);
+    o->threads = a->threads;
+    if ((s = lm_merge_check_opts(o, err)) != LM_OK)
+        return s;
+
+    // the device
+    s = lm_dev_open(&r->dev, a->device, a->threads, err);
+    if (s != LM_OK) {
+        if (strncmp(a->device, "cuda", 4) == 0 || strncmp(a->device, "sim:", 4) == 0)
+            return lm_err_set(err, LM_ERR_USAGE, "--device %s: not available in this build yet "
+                              "(use auto or cpu)", a->device);
+        return s;  // the message names the device
+    }
+    if (r->dev->threads > 0)
+        o->threads = r->dev->threads;
+
+    return lm_merge_outputs(o, r->base, &r->descs, &r->n_descs, err);
+}
+
+// ---- reporting ------------------------------------------------------------------------------
+
+static void on_tensor(void *ctx, int64_t done, int64_t total, const char *name,
+                      uint64_t bytes_done, uint64_t bytes_total)
+{
+    lm_progress *p = ctx;
+    if (total != p->n_total || bytes_total != p->bytes_total)
+        lm_progress_set_total(p, total, bytes_total);
+    lm_progress_update(p, done, bytes_done, name);
+}
+
+static const char *ft_kind(const lm_ft *ft) { return ft->adapter ? "adapter" : "model"; }
+
+static void describe_run(merge_run *r)
+{
+    const merge_args *a = &r->args;
+    const lm_merge_opts *o = &r->opts;
+    char shard[32];
+    lm_format_bytes(shard, sizeof shard, a->shard_size);
+    lm_progress_note(&r->progress, "merging %d input%s into %s -> %s (%s, %s, %d thread%s)",
+                     a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, dtype_flag(o->out_dtype),
+                     lm_dev_name(r->dev), o->threads, o->threads == 1 ? "" : "s");
+    if (!a->verbose)
+        return;
+    lm_progress_note(&r->progress, "  base %s: %s, %" PRId64 " tensors in %d shard%s",
+                     r->base->dir, r->base->config.architecture ? r->base->config.architecture
+                                                                : "unknown architecture",
+                     r->base->n_tensors, r->base->n_shards, r->base->n_shards == 1 ? "" : "s");
+    for (int i = 0; i < a->n_ft; i++) {
+        const lm_ft *ft = r->fts[i];
+        char what[64];
+        if (ft->adapter)
+            snprintf(what, sizeof what, "%" PRId64 " LoRA modules, %" PRId64 " saved tensors",
+                     ft->adapter->n_modules, ft->adapter->n_saved);
+        else
+            snprintf(what, sizeof what, "%" PRId64 " tensors", ft->model->n_tensors);
+        char density[32] = "";
+        if (a->m->density)
+            snprintf(density, sizeof density, ", density %g", o->densities[i]);
+        lm_progress_note(&r->progress, "  FT %d %s: %s (%s), weight %g%s", i + 1, ft->path,
+                         ft_kind(ft), what, o->weights[i], density);
+    }
+    lm_progress_note(&r->progress, "  lambda %g, normalize %s, sign %s, topk %s, rescale %s, "
+                     "seed %" PRIu64 ", shard size %s (%" PRIu64 " bytes)", o->lambda,
+                     o->normalize ? "on" : "off", o->sign == LM_SIGN_COUNT ? "count" : "sum",
+                     o->topk_global ? "global" : "tensor",
+                     o->rescale == LM_RESCALE_L1 ? "l1" : "inv", o->seed, shard, a->shard_size);
+    lm_progress_note(&r->progress, "  %" PRId64 " output tensors", r->n_descs);
+}
+
+static cJSON *start_event(const merge_run *r)
+{
+    const merge_args *a = &r->args;
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "method", a->m->name);
+    cJSON_AddStringToObject(f, "base", r->base->dir);
+    cJSON *in = cJSON_AddArrayToObject(f, "inputs");
+    for (int i = 0; in && i < a->n_ft; i++) {
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddStringToObject(e, "path", r->fts[i]->path);
+        cJSON_AddStringToObject(e, "kind", ft_kind(r->fts[i]));
+        cJSON_AddItemToArray(in, e);
+    }
+    cJSON_AddStringToObject(f, "output", a->out);
+    cJSON_AddStringToObject(f, "dtype", dtype_flag(r->opts.out_dtype));
+    cJSON_AddStringToObject(f, "device", lm_dev_name(r->dev));
+    cJSON_AddNumberToObject(f, "threads", r->opts.threads);
+    cJSON_AddNumberToObject(f, "n_tensors", (double)r->n_descs);
+    return f;
+}
+
+// ---- the work -------------------------------------------------------------------------------
+
+// Records what llmerge.json holds beyond the options; hashes every input file.
+static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
+{
+    const merge_args *a = &r->args;
+    lm_manifest *m = &r->manifest;
+    lm_status s = lm_manifest_init(m, a->m->name, err);
+    if (s != LM_OK || (s = lm_manifest_merge_options(m, &r->opts, err)) != LM_OK)
+        return s;
+    cJSON *opt = m->options;
+    bool ok = cJSON_AddNumberToObject(opt, "shard_size", (double)a->shard_size) &&
+              cJSON_AddStringToObject(opt, "device", lm_dev_name(r->dev)) &&
+              (a->gpu_mem ? cJSON_AddNumberToObject(opt, "gpu_mem", (double)a->gpu_mem)
+                          : cJSON_AddNullToObject(opt, "gpu_mem")) &&
+              (a->cache_dir ? cJSON_AddStringToObject(opt, "cache_dir", a->cache_dir)
+                            : cJSON_AddNullToObject(opt, "cache_dir"));
+    if (!ok)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+
+    double t = lm_progress_now();
+    if ((s = lm_manifest_set_base(m, r->base, err)) != LM_OK)
+        return s;
+    for (int i = 0; i < a->n_ft; i++)
+        if ((s = lm_manifest_add_input(m, r->fts[i]->model, r->fts[i]->adapter, err)) != LM_OK)
+            return s;
+    *hash_s = lm_progress_now() - t;
+
+    const lm_shard_plan *plan = lm_st_writer_plan(r->writer);
+    if ((s = lm_manifest_set_outputs(m, r->od.tmp, plan, r->descs, r->n_descs,
+                                     r->res.tensor_xxh64, err)) != LM_OK)
+        return s;
+    // Every unit runs on the CPU until accelerators are built.
+    if ((s = lm_manifest_add_device_units(m, "cpu", r->res.n_tensors, err)) != LM_OK)
+        return s;
+    return lm_manifest_set_stats(m, r->res.bytes_in, r->res.bytes_out, r->res.n_merged,
+                                 r->res.n_copied, err);
+}
+
+// Does the merge into a temporary directory and renames it to OUT. Returns the exit status.
+static int work(merge_run *r, double t_loaded)
+{
+    merge_args *a = &r->args;
+    lm_progress *p = &r->progress;
+    lm_err err = {0};
+    lm_status s = lm_outdir_begin(&r->od, a->out, a->force, &err);
+    if (s != LM_OK) {
+        int code = lm_status_exit_code(s);
+        lm_progress_error(p, code, "%s", err.msg);
+        return code;
+    }
+    lm_progress_event(p, "start", start_event(r));
+    describe_run(r);
+
+    char *path = NULL;
+    int n_side = 0;
+    double t_merge = lm_progress_now(), t_written = 0, hash_s = 0;
+    s = lm_st_writer_open(&r->writer, r->od.tmp, r->descs, r->n_descs, a->shard_size, NULL, &err);
+    if (s != LM_OK)
+        goto fail;
+    uint64_t out_bytes = 0;
+    for (int64_t i = 0; i < r->n_descs; i++) {
+        uint64_t numel = 1;
+        for (int d = 0; d < r->descs[i].ndim; d++)
+            numel *= (uint64_t)r->descs[i].shape[d];
+        out_bytes += numel * lm_dtype_bits(r->descs[i].dtype) / 8;
+    }
+    lm_progress_start(p, "tensor", r->n_descs, out_bytes);
+    s = lm_merge_run(&r->opts, r->dev, r->base, r->fts, r->writer, on_tensor, p, &r->res, &err);
+    lm_progress_end(p);
+    if (s != LM_OK)
+        goto fail;
+    double t_merged = lm_progress_now();
+    if ((s = lm_st_writer_finish(r->writer, &err)) != LM_OK)
+        goto fail;
+
+    // config.json with the new dtype, then the side files
+    if (!(path = lm_path_join(r->od.tmp, "config.json"))) {
+        s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if ((s = lm_manifest_write_config(r->base->config.path, path, r->opts.out_dtype, &err)) != LM_OK)
+        goto fail;
+    free(path);
+    path = NULL;
+    if ((s = lm_manifest_copy_side_files(r->base->dir, r->od.tmp, &n_side, &err)) != LM_OK)
+        goto fail;
+    t_written = lm_progress_now();
+
+    if ((s = build_manifest(r, &hash_s, &err)) != LM_OK)
+        goto fail;
+    lm_manifest_timings tm = {
+        .load_s = t_loaded - r->t0,
+        .merge_s = t_merged - t_merge,
+        .write_s = t_written - t_merged,
+        .hash_s = hash_s,
+        .total_s = lm_progress_now() - r->t0,
+    };
+    if ((s = lm_manifest_set_timings(&r->manifest, &tm, &err)) != LM_OK)
+        goto fail;
+    if (!(path = lm_path_join(r->od.tmp, LM_MANIFEST_NAME))) {
+        s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    if ((s = lm_manifest_write(&r->manifest, path, &err)) != LM_OK)
+        goto fail;
+    free(path);
+    path = NULL;
+    int n_shards = lm_st_writer_plan(r->writer)->n_shards;
+    lm_st_writer_free(r->writer);
+    r->writer = NULL;
+    if ((s = lm_outdir_commit(&r->od, &err)) != LM_OK)
+        goto fail;
+
+    lm_progress_summary(p, "merged");
+    lm_progress_note(p, "wrote %s: %d shard%s%s, config.json, %d tokenizer/generation file%s, %s",
+                     a->out, n_shards, n_shards == 1 ? "" : "s",
+                     n_shards > 1 ? " + model.safetensors.index.json" : "", n_side,
+                     n_side == 1 ? "" : "s", LM_MANIFEST_NAME);
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "status", "ok");
+    cJSON_AddStringToObject(f, "output", a->out);
+    cJSON_AddNumberToObject(f, "exit_status", 0);
+    cJSON_AddNumberToObject(f, "total_s", lm_progress_now() - r->t0);
+    cJSON_AddNumberToObject(f, "tensors_merged", (double)r->res.n_merged);
+    cJSON_AddNumberToObject(f, "tensors_copied", (double)r->res.n_copied);
+    cJSON_AddNumberToObject(f, "bytes_in", (double)r->res.bytes_in);
+    cJSON_AddNumberToObject(f, "bytes_out", (double)r->res.bytes_out);
+    cJSON_AddNumberToObject(f, "shards", n_shards);
+    cJSON_AddNumberToObject(f, "peak_rss_bytes", (double)lm_peak_rss_bytes());
+    lm_progress_event(p, "end", f);
+    return 0;
+
+fail:
+    free(path);
+    lm_st_writer_free(r->writer);
+    r->writer = NULL;
+    lm_outdir_abort(&r->od);
+    lm_progress_error(p, 1, "%s", err.msg[0] ? err.msg : lm_status_name(s));
+    return 1;
+}
+
+int lm_cmd_merge(int argc, char **argv)
+{
+    merge_run r;
+    memset(&r, 0, sizeof r);
+    r.t0 = lm_progress_now();
+    for (size_t i = 0; i < N_METHODS && !r.args.m; i++)
+        if (strcmp(argv[0], methods[i].name) == 0)
+            r.args.m = &methods[i];
+    if (!r.args.m) {
+        fprintf(stderr, "llmerge: %s is not a merge method\n", argv[0]);
+        return 2;
+    }
+    snprintf(r.prefix, sizeof r.prefix, "llmerge %s", r.args.m->name);
+    lm_progress_init(&r.progress, r.prefix, false);
+
+    lm_err err = {0};
+    int rc;
+    if (argc < 2) {
+        usage(stderr, r.args.m);
+        rc = 2;
+        goto done;
+    }
+    // The log opens before the rest is parsed, so that a usage error is logged too.
+    const char *log_json = find_log_json(argc, argv);
+    if (log_json && *log_json &&
+        lm_progress_log_open(&r.progress, log_json, &err) != LM_OK) {
+        lm_progress_error(&r.progress, 2, "%s", err.msg);
+        rc = 2;
+        goto done;
+    }
+    lm_status s = parse_args(&r.args, argc, argv, &err);
+    if (s != LM_OK) {
+        lm_progress_error(&r.progress, 2, "%s (see llmerge %s --help)", err.msg, r.args.m->name);
+        rc = 2;
+        goto done;
+    }
+    if (r.args.help) {
+        usage(stdout, r.args.m);
+        rc = 0;
+        goto done;
+    }
+    r.progress.quiet = r.args.quiet;
+    if ((s = prepare(&r, &err)) != LM_OK) {
+        rc = lm_status_exit_code(s);
+        lm_progress_error(&r.progress, rc, "%s", err.msg);
+        goto done;
+    }
+    note_unused(&r);
+    if (r.args.gpu_mem && strcmp(lm_dev_name(r.dev), "cpu") == 0)
+        lm_progress_note(&r.progress, "note: --gpu-mem has no effect on the cpu device");
+    rc = work(&r, lm_progress_now());
+done:
+    run_free(&r);
+    return rc;
+}

@@ -1,0 +1,334 @@
+#!/usr/bin/env bash
+# End-to-end tests of the merge commands (ties, dare, dare-ties, task-arithmetic) through the
+# binary, on the fixtures: each method runs and its output loads (`llmerge inspect`: check ok);
+# the output directory carries what FORMATS.md lists (shards and index, config.json with the
+# dtype updated, the base's tokenizer and generation files, llmerge.json); llmerge.json's
+# per-tensor and input-file hashes equal xxHash64 of the data, computed here by st_hash; the
+# same seed gives byte-identical shards on 1 and 2 threads and another seed changes dare's
+# output; --log-json writes valid JSON Lines; every bad input is exit status 2 with a message
+# naming it and leaves no output; a run that fails while writing is exit status 1 and leaves
+# nothing behind.
+# Usage: e2e_merge.sh LLMERGE FIXTURES JSONQ ST_HASH
+set -u
+llmerge=$1 fx=$2 jsonq=$3 st_hash=$4
+work=$(mktemp -d /tmp/lm_e2e_merge_XXXXXX)
+trap 'rm -rf "$work"' EXIT
+passed=0 failed=0
+
+ok() { passed=$((passed + 1)); }
+bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
+check() { if eval "$1"; then ok; else bad "$2"; fi; }
+
+# expect STATUS NEEDLE ARGS...: runs llmerge ARGS, wants that exit status and NEEDLE in its
+# stdout+stderr.
+expect() {
+  local want=$1 needle=$2
+  shift 2
+  "$llmerge" "$@" >"$work/out" 2>&1
+  local rc=$?
+  if [ "$rc" -ne "$want" ]; then
+    bad "llmerge $* exited $rc, wanted $want: $(head -c 600 "$work/out")"
+  elif ! grep -qF -- "$needle" "$work/out"; then
+    bad "llmerge $* output lacks '$needle': $(head -c 600 "$work/out")"
+  else
+    ok
+  fi
+}
+
+# merge ARGS...: a merge that must succeed.
+merge() {
+  if "$llmerge" "$@" >"$work/out" 2>&1; then ok; else bad "llmerge $* failed: $(head -c 600 "$work/out")"; fi
+}
+
+# json FILE PATH WANT: the value at PATH of a JSON file.
+json() {
+  local got
+  got=$("$jsonq" "$1" "$2" 2>&1)
+  if [ "$got" = "$3" ]; then ok; else bad "$1: $2 = '$got', wanted '$3'"; fi
+}
+
+# loads DIR: llmerge reads DIR back as a model and its check against the architecture passes.
+loads() {
+  if "$llmerge" inspect "$1" >"$work/inspect" 2>&1 && grep -q "^check: ok" "$work/inspect"; then ok; else
+    bad "inspect $1: $(head -c 600 "$work/inspect")"
+  fi
+}
+
+# no_output DIR: neither DIR nor a temporary directory beside it is left.
+no_output() {
+  local left
+  left=$(find "$(dirname "$1")" -maxdepth 1 -name "$(basename "$1")*" | head -3)
+  if [ -z "$left" ]; then ok; else bad "left behind: $left"; fi
+}
+
+# hashes_match DIR: every tensor of llmerge.json has the xxh64 of its data in its shard, and every
+# tensor of the shards is listed.
+hashes_match() {
+  local dir=$1 n i name shard want got
+  "$st_hash" "$dir"/model*.safetensors >"$work/hashes" 2>&1 || { bad "st_hash $dir: $(cat "$work/hashes")"; return; }
+  n=$("$jsonq" "$dir/llmerge.json" outputs.tensors.#)
+  [ "$n" -eq "$(wc -l <"$work/hashes")" ] && ok || bad "$dir: llmerge.json lists $n tensors, the shards hold $(wc -l <"$work/hashes")"
+  local mismatches=0
+  for ((i = 0; i < n; i++)); do
+    name=$("$jsonq" "$dir/llmerge.json" outputs.tensors.$i.name)
+    shard=$("$jsonq" "$dir/llmerge.json" outputs.tensors.$i.shard)
+    want=$("$jsonq" "$dir/llmerge.json" outputs.tensors.$i.xxh64)
+    got=$("$st_hash" "$dir/$shard" | awk -v n="$name" '$1 == n { print $2 }')
+    if [ "$got" != "$want" ]; then
+      mismatches=$((mismatches + 1))
+      echo "  $dir: $name in $shard: data xxh64 $got, llmerge.json says $want" >&2
+    fi
+  done
+  [ $mismatches -eq 0 ] && ok || bad "$dir: $mismatches tensor hashes differ from the data"
+}
+
+# inputs_match DIR: every input file hash in llmerge.json (base and inputs) equals the file's.
+inputs_match() {
+  local dir=$1 m="$1/llmerge.json" nin nf i j path name want got mismatches=0 files=0
+  local sections=(base)
+  nin=$("$jsonq" "$m" inputs.#)
+  for ((i = 0; i < nin; i++)); do sections+=("inputs.$i"); done
+  for sec in "${sections[@]}"; do
+    path=$("$jsonq" "$m" "$sec.path")
+    nf=$("$jsonq" "$m" "$sec.files.#")
+    for ((j = 0; j < nf; j++)); do
+      name=$("$jsonq" "$m" "$sec.files.$j.name")
+      want=$("$jsonq" "$m" "$sec.files.$j.xxh64")
+      got=$("$st_hash" --file "$path/$name" | awk '{ print $1 }')
+      files=$((files + 1))
+      if [ "$got" != "$want" ] || [ "$("$jsonq" "$m" "$sec.files.$j.bytes")" != "$(stat -c %s "$path/$name")" ]; then
+        mismatches=$((mismatches + 1))
+        echo "  $m: $sec $name: file xxh64 $got, llmerge.json says $want" >&2
+      fi
+    done
+  done
+  [ $mismatches -eq 0 ] && [ $files -gt 0 ] && ok || bad "$m: $mismatches of $files input file hashes differ"
+}
+
+# same_shards A B: the weight files and configs of two outputs are byte-identical.
+same_shards() {
+  local f diff=0
+  for f in "$1"/model*.safetensors "$1"/model.safetensors.index.json "$1"/config.json; do
+    [ -e "$f" ] || continue
+    cmp -s "$f" "$2/$(basename "$f")" || { diff=1; echo "  $f differs from $2/$(basename "$f")" >&2; }
+  done
+  [ "$(ls "$1" | grep -c '^model')" = "$(ls "$2" | grep -c '^model')" ] || diff=1
+  [ $diff -eq 0 ] && ok || bad "$1 and $2 differ"
+}
+
+B=$fx/base
+lp=$fx/lora_plain lr=$fx/lora_rslora ff=$fx/ft_full
+
+# ---- ties of two adapters and a full fine-tune -----------------------------------------------
+o=$work/ties
+merge ties "$B" "$lp" "$lr" "$ff" -o "$o"
+loads "$o"
+"$llmerge" inspect --json "$o" >"$work/json" 2>/dev/null
+json "$work/json" n_tensors 21
+json "$work/json" dtypes.BF16 21
+json "$work/json" shards.# 1
+check '[ -f "$o/model.safetensors" ] && [ ! -e "$o/model.safetensors.index.json" ]' "ties: one model.safetensors, no index"
+json "$o/config.json" torch_dtype bfloat16
+# config.json is the base's, unchanged when the dtype stays
+check 'cmp -s "$B/config.json" "$o/config.json"' "ties: config.json differs from the base's"
+for f in tokenizer_config.json special_tokens_map.json generation_config.json; do
+  check 'cmp -s "$B/$f" "$o/$f"' "ties: $f not copied from the base"
+done
+check '[ ! -e "$o/model-00001-of-00002.safetensors" ]' "ties: a base shard was copied"
+m=$o/llmerge.json
+json "$m" method ties
+json "$m" options.normalize true
+json "$m" options.densities '[0.2,0.2,0.2]'
+json "$m" options.weights '[1,1,1]'
+json "$m" options.dtype bf16
+json "$m" options.shard_size 5000000000
+json "$m" inputs.# 3
+json "$m" inputs.0.kind adapter
+json "$m" inputs.2.kind model
+json "$m" inputs.0.files.1.name adapter_model.safetensors
+json "$m" base.files.# 4
+json "$m" devices.cpu 21
+json "$m" stats.tensors_merged 21
+json "$m" outputs.shards.0.name model.safetensors
+for k in load_s merge_s write_s total_s; do
+  check '"$jsonq" "$m" timings.$k >/dev/null' "llmerge.json: no timings.$k"
+done
+hashes_match "$o"
+inputs_match "$o"
+# a summary line on stderr (not a terminal: the final progress line and the summary)
+check 'grep -q "tensor 21/21" "$work/out" && grep -q "merged 21 tensors" "$work/out" && grep -q "peak memory" "$work/out"' \
+  "ties: no progress or summary on stderr: $(cat "$work/out")"
+
+# The same merge on 1 and 2 threads: byte-identical.
+merge ties "$B" "$lp" "$lr" "$ff" -o "$work/ties_t1" --threads 1 -q
+merge ties "$B" "$lp" "$lr" "$ff" -o "$work/ties_t2" --threads=2 -q
+same_shards "$work/ties_t1" "$work/ties_t2"
+same_shards "$o" "$work/ties_t1"
+check '[ ! -s "$work/out" ]' "-q: stderr not empty: $(cat "$work/out")"
+
+# ---- dare: seeds -----------------------------------------------------------------------------
+merge dare "$B" "$lp" "$ff" -o "$work/dare1" --seed 7 --density 0.5 --threads 1
+merge dare "$B" "$lp" "$ff" -o "$work/dare2" --seed=7 --densities=0.5 --threads 2
+merge dare "$B" "$lp" "$ff" -o "$work/dare3" --seed 8 --density 0.5
+loads "$work/dare1"
+same_shards "$work/dare1" "$work/dare2"
+check '! cmp -s "$work/dare1/model.safetensors" "$work/dare3/model.safetensors"' "dare: seeds 7 and 8 gave the same output"
+json "$work/dare1/llmerge.json" options.seed 7
+json "$work/dare1/llmerge.json" options.normalize false
+json "$work/dare1/llmerge.json" options.densities '[0.5,0.5]'
+hashes_match "$work/dare1"
+
+# ---- task-arithmetic in f32, sharded ---------------------------------------------------------
+o=$work/ta
+merge task-arithmetic "$B" "$lp" "$fx/ft_full2" -o "$o" --weights 0.5,0.5 --dtype f32 --shard-size 100KB
+loads "$o"
+"$llmerge" inspect --json "$o" >"$work/json" 2>/dev/null
+json "$work/json" dtypes.F32 21
+check '[ "$("$jsonq" "$work/json" shards.#)" -gt 1 ]' "task-arithmetic --shard-size 100KB: one shard"
+check '[ -f "$o/model.safetensors.index.json" ] && [ -f "$o/model-00001-of-00005.safetensors" ]' \
+  "task-arithmetic: no index or shard files: $(ls "$o")"
+json "$o/model.safetensors.index.json" metadata.total_size 427264
+json "$o/config.json" torch_dtype float32
+json "$o/llmerge.json" outputs.index model.safetensors.index.json
+json "$o/llmerge.json" options.weights '[0.5,0.5]'
+# the rest of config.json is kept as the base wrote it
+check 'diff <(grep -v torch_dtype "$B/config.json") <(grep -v torch_dtype "$o/config.json") >/dev/null' \
+  "task-arithmetic: config.json changed beyond the dtype"
+hashes_match "$o"
+inputs_match "$o"
+
+# ties in f32 updates the dtype too; f16 likewise
+merge ties "$B" "$lp" -o "$work/ties_f16" --dtype f16
+json "$work/ties_f16/config.json" torch_dtype float16
+loads "$work/ties_f16"
+
+# ---- dare-ties, and the other adapter kinds --------------------------------------------------
+o=$work/dt
+merge dare-ties "$B" "$lp" "$fx/lora_dora" "$fx/lora_mts" -o "$o" --seed 3 --density 0.5 --lambda 0.8 --sign count
+loads "$o"
+json "$o/llmerge.json" method dare-ties
+json "$o/llmerge.json" options.sign count
+json "$o/llmerge.json" options.lambda 0.80000000000000004
+hashes_match "$o"
+
+# The nested layout gives the same result as the adapter itself.
+merge task-arithmetic "$B" "$lp" -o "$work/nest_a" -q
+merge task-arithmetic "$B" "$fx/lora_nested" -o "$work/nest_b" -q
+same_shards "$work/nest_a" "$work/nest_b"
+
+# Qwen2 with a LoRA-bias adapter (made for it); F32 from its config.
+o=$work/qwen
+merge ties "$fx/qwen" "$fx/lora_bias" -o "$o" --density 0.3
+loads "$o"
+json "$o/config.json" torch_dtype float32
+json "$o/llmerge.json" options.dtype f32
+
+# ---- --log-json ------------------------------------------------------------------------------
+log=$work/log.jsonl
+merge ties "$B" "$lp" "$ff" -o "$work/logged" --log-json "$log"
+n=$(wc -l <"$log")
+bad_lines=0
+while IFS= read -r line; do
+  printf '%s' "$line" | "$jsonq" - event >/dev/null 2>&1 || bad_lines=$((bad_lines + 1))
+  printf '%s' "$line" | "$jsonq" - time >/dev/null 2>&1 || bad_lines=$((bad_lines + 1))
+done <"$log"
+check '[ $bad_lines -eq 0 ] && [ $n -eq 23 ]' "--log-json: $n lines (want 23), $bad_lines without event/time"
+check '[ "$(head -1 "$log" | "$jsonq" - event)" = start ]' "--log-json: first event is not start"
+check '[ "$(tail -1 "$log" | "$jsonq" - event)" = end ]' "--log-json: last event is not end"
+check '[ "$(grep -c "\"event\":\"tensor\"" "$log")" -eq 21 ]' "--log-json: not 21 tensor events"
+check '[ "$(sed -n 2p "$log" | "$jsonq" - index)" = 1 ]' "--log-json: tensor events not numbered from 1"
+# a usage error is logged too
+"$llmerge" ties "$B" "$lp" -o "$work/x" --density 2 --log-json "$log" 2>/dev/null
+check '[ "$(tail -1 "$log" | "$jsonq" - event)" = error ] && [ "$(tail -1 "$log" | "$jsonq" - exit_status)" = 2 ]' \
+  "--log-json: no error event for a usage error: $(cat "$log")"
+
+# ---- OUT exists ------------------------------------------------------------------------------
+mkdir "$work/exists" && echo keep >"$work/exists/marker"
+expect 2 "already exists (use --force" ties "$B" "$lp" -o "$work/exists"
+check '[ -f "$work/exists/marker" ] && [ ! -e "$work/exists/model.safetensors" ]' "OUT without --force was touched"
+merge ties "$B" "$lp" -o "$work/exists" --force
+check '[ ! -e "$work/exists/marker" ] && [ -f "$work/exists/model.safetensors" ]' "--force did not replace OUT"
+check '[ -z "$(ls "$work" | grep -e "\.tmp-" -e "\.old-")" ]' "--force left $(ls "$work" | grep -e "\.tmp-" -e "\.old-")"
+# never over an input, even with --force
+expect 2 "refusing" ties "$B" "$lp" -o "$B" --force
+loads "$B"
+
+# ---- bad input: exit 2, a message naming it, nothing written ---------------------------------
+x=$work/bad
+expect 2 "--weights gives 2 weights for 3 FTs" ties "$B" "$lp" "$lr" "$ff" -o "$x" --weights 1,2
+no_output "$x"
+expect 2 "--densities gives 2 densities for 3 FTs" ties "$B" "$lp" "$lr" "$ff" -o "$x" --densities 0.1,0.2
+no_output "$x"
+expect 2 "(0, 1]" ties "$B" "$lp" -o "$x" --density 0
+no_output "$x"
+expect 2 "(0, 1]" dare "$B" "$lp" -o "$x" --density 1.5
+no_output "$x"
+expect 2 "item 2 is -0.1" dare "$B" "$lp" "$ff" -o "$x" --densities 0.5,-0.1
+expect 2 "'abc' is not a number" ties "$B" "$lp" -o "$x" --lambda abc
+expect 2 "'x' is not a number" ties "$B" "$lp" -o "$x" --weights 1,x
+expect 2 "give -o OUT" ties "$B" "$lp"
+expect 2 "at least one FT" ties "$B" -o "$x"
+expect 2 "Usage" ties
+no_output "$x"
+# adapters made for another base: the key and both shapes (or the missing tensor) are named
+expect 2 "k_proj.lora_B.bias" ties "$B" "$fx/lora_bias" -o "$x"
+expect 2 "[8, 48]" ties "$B" "$fx/broken/lora_bad_shape" -o "$x"
+expect 2 "[64, 64]" ties "$B" "$fx/broken/lora_bad_shape" -o "$x"
+# a full model of another architecture: the missing tensor is named
+expect 2 "k_proj.bias" task-arithmetic "$fx/qwen" "$ff" -o "$x"
+expect 2 "lm_head.weight" ties "$B" "$fx/qwen" -o "$x"
+expect 2 "no such file or directory" ties "$B" "$work/no-such-ft" -o "$x"
+expect 2 "adapter_model.bin" ties "$B" "$fx/broken/adapter_bin" -o "$x"
+expect 2 "IA3" ties "$B" "$fx/broken/peft_ia3" -o "$x"
+expect 2 "not a model directory" ties "$lp" "$lr" -o "$x"
+expect 2 "model-00002-of-00002.safetensors" ties "$fx/broken/missing_shard" "$lp" -o "$x"
+no_output "$x"
+expect 2 "did you mean '--density'" ties "$B" "$lp" -o "$x" --desnity 0.5
+expect 2 "did you mean '--no-normalize'" ties "$B" "$lp" -o "$x" --no-normalise
+expect 2 "did you mean '--force'" ties "$B" "$lp" -o "$x" -force
+expect 2 "not an output dtype" ties "$B" "$lp" -o "$x" --dtype int8
+expect 2 "use sum or count" ties "$B" "$lp" -o "$x" --sign max
+expect 2 "use tensor or global" ties "$B" "$lp" -o "$x" --topk=layer
+expect 2 "use inv or l1" dare "$B" "$lp" -o "$x" --rescale l2
+expect 2 "--seed" dare "$B" "$lp" -o "$x" --seed -1
+expect 2 "--threads" ties "$B" "$lp" -o "$x" --threads many
+expect 2 "unknown suffix" ties "$B" "$lp" -o "$x" --shard-size 5XB
+expect 2 "--gpu-mem" ties "$B" "$lp" -o "$x" --gpu-mem lots
+expect 2 "not available in this build yet" ties "$B" "$lp" -o "$x" --device cuda:0
+expect 2 "not available in this build yet" ties "$B" "$lp" -o "$x" --device sim:1GiB
+expect 2 "tpu" ties "$B" "$lp" -o "$x" --device tpu
+expect 2 "takes no value" ties "$B" "$lp" -o "$x" --force=yes
+expect 2 "needs a value" ties "$B" "$lp" -o "$x" --weights
+expect 2 "parent directory" ties "$B" "$lp" -o "$work/no-such-dir/out"
+no_output "$x"
+
+# options that do not apply are accepted with a note
+expect 0 "--sign has no effect on dare" dare "$B" "$lp" -o "$work/noted" --sign count --gpu-mem 1GiB --cache-dir "$work"
+check 'grep -q "gpu-mem has no effect" "$work/out"' "no note for --gpu-mem on the cpu"
+
+# ---- a failure during the work: exit 1, nothing left -----------------------------------------
+# A file size limit (RLIMIT_FSIZE, SIGXFSZ ignored so writes fail with EFBIG) below the size of
+# the output shard makes writing it fail once the work has started.
+x=$work/fsize
+(trap '' XFSZ; ulimit -f 64; exec "$llmerge" ties "$B" "$lp" -o "$x") >"$work/out" 2>&1
+rc=$?
+check '[ $rc -eq 1 ] && grep -q "llmerge ties: error: " "$work/out"' "file size limit: exit $rc (want 1): $(cat "$work/out")"
+no_output "$x"
+
+# ---- help ------------------------------------------------------------------------------------
+"$llmerge" ties --help >"$work/help" 2>&1
+check '[ $? -eq 0 ]' "ties --help failed"
+for opt in -o, --output --weights --density --densities --lambda --normalize --no-normalize --sign \
+  --topk --rescale --seed --dtype --shard-size --device --gpu-mem --threads --cache-dir --log-json \
+  -q, --quiet -v --force -h, --help; do
+  check 'grep -qF -- "$opt" "$work/help"' "ties --help does not explain $opt"
+done
+expect 0 "default for ties: on" ties --help
+expect 0 "default for dare: off" dare --help
+expect 0 "default for task-arithmetic: off" task-arithmetic -h
+expect 0 "default for dare-ties: off" dare-ties --help
+expect 0 "task-arithmetic" --help
+expect 2 "did you mean 'dare'" daer "$B" "$lp" -o "$x"
+
+echo "e2e_merge: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
