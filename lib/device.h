@@ -123,7 +123,8 @@ lm_status lm_dev_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, 
                           uint32_t hi_bin, lm_err *err);
 
 // Zeroes every x[j] not kept: kept are |x| bits > thr_bits, and those == thr_bits among the
-// first ties_allowed of them in index order. *ties_used gets how many ties were kept.
+// first ties_allowed of them in index order. *ties_used gets how many ties were kept; with
+// ties_allowed == LM_TIES_ALL (sparsify.h) every tie is kept without counting, *ties_used 0.
 lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err);
 

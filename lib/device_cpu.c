@@ -278,6 +278,15 @@ static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bit
     topk_job j = {x, n, thr_bits, calloc((size_t)(nb ? nb : 1), sizeof(int64_t))};
     if (!j.ties)
         return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+    if (ties_allowed == LM_TIES_ALL) {
+        // Every tie is kept: one pass, no counting.
+        for (int64_t b = 0; b < nb; b++)
+            j.ties[b] = BLOCK;
+        lm_pool_run(pool_of(d), nb, topk_apply_task, &j);
+        free(j.ties);
+        *ties_used = 0;
+        return LM_OK;
+    }
     lm_pool_run(pool_of(d), nb, topk_count_task, &j);
     // The ties each block may keep: the budget goes to the lowest indices first.
     int64_t left = ties_allowed, used = 0;

@@ -261,6 +261,23 @@ static int64_t tensor_rows(const lm_st_tensor *t)
     return t->ndim >= 1 ? t->shape[0] : 1;
 }
 
+// dst = alpha · (B @ A) + beta · dst for rows [r0, r0 + rows) of base tensor bt, from the
+// resident factors of LoRA part p (transposed for embeddings and fan_in_fan_out).
+static lm_status lora_gemm(engine *e, const part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, float alpha,
+                           float beta, float *dst)
+{
+    const lm_lora_module *m = p->mod;
+    const resident *rs = &e->res[p->ft];
+    const float *a = rs->data + rs->a_off[p->mod_index];  // [r, in] or [r, vocab]
+    const float *b = rs->data + rs->b_off[p->mod_index];  // [out, r] or [hidden, r]
+    int64_t r = m->r, cols = bt->numel / tensor_rows(bt);
+    if (!(m->kind == LM_LORA_EMBEDDING || e->fts[p->ft]->adapter->config.fan_in_fan_out))
+        // base [out, in]: rows r0: of B @ A are B[r0:, :] @ A
+        return lm_dev_gemm(e->dev, false, false, rows, cols, r, alpha, b + r0 * r, r, a, cols, beta, dst, cols, e->err);
+    // base [in, out] (or [vocab, hidden]): (B @ A)ᵀ = Aᵀ Bᵀ, rows r0: of Aᵀ being columns r0: of A
+    return lm_dev_gemm(e->dev, true, true, rows, cols, r, alpha, a + r0, tensor_rows(bt), b, r, beta, dst, cols, e->err);
+}
+
 // Computes τ of part p for rows [r0, r0 + rows) of base tensor bt into p->tau; base_slab holds
 // the base's float32 values of those rows.
 static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows,
@@ -279,21 +296,7 @@ static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t
         s = load_f32(e, p->tau, (const char *)m->bias->data + (size_t)r0 * esize(m->bias->dtype), m->bias->dtype, cnt);
         return s != LM_OK ? s : lm_dev_axpby(e->dev, p->tau, scale, p->tau, 0.0f, cnt, e->err);
     }
-    const resident *rs = &e->res[p->ft];
-    const float *a = rs->data + rs->a_off[p->mod_index];  // [r, in] or [r, vocab]
-    const float *b = rs->data + rs->b_off[p->mod_index];  // [out, r] or [hidden, r]
-    int64_t r = m->r;
-    bool transposed = m->kind == LM_LORA_EMBEDDING || e->fts[p->ft]->adapter->config.fan_in_fan_out;
-    if (!transposed) {
-        // base [out, in]: τ[r0:, :] = s · B[r0:, :] @ A
-        s = lm_dev_gemm(e->dev, false, false, rows, cols, r, scale, b + r0 * r, r, a, cols, 0.0f, p->tau, cols,
-                        e->err);
-    } else {
-        // base [in, out] (or [vocab, hidden]): τ = s · (B @ A)ᵀ = s · Aᵀ Bᵀ, rows r0: of Aᵀ being
-        // columns r0: of A.
-        int64_t a_cols = tensor_rows(bt);
-        s = lm_dev_gemm(e->dev, true, true, rows, cols, r, scale, a + r0, a_cols, b, r, 0.0f, p->tau, cols, e->err);
-    }
+    s = lora_gemm(e, p, bt, r0, rows, scale, 0.0f, p->tau);
     if (s != LM_OK || !m->magnitude)
         return s;
     return lm_dev_dora_rows(e->dev, p->tau, base_slab, e->mag_buf + r0, rows, cols, e->err);
@@ -492,6 +495,44 @@ static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_
     return LM_OK;
 }
 
+// Task arithmetic is linear: θ = θ_b + Σ_i c_i τ_i with c_i = λ w_i / (Σ w_i when normalizing),
+// so each τ is added into the result as soon as it exists, and a plain LoRA τ is never
+// materialised at all: one GEMM adds c_i s B@A to the result in place.
+static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
+                              int k, int64_t slab_rows, XXH64_state_t *hash)
+{
+    const lm_merge_opts *o = e->o;
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
+    double div = 0;
+    for (int i = 0; i < k; i++)
+        div += o->weights[parts[i].ft];
+    if (!o->normalize || div == 0)
+        div = 1;
+    lm_status s = LM_OK;
+    for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+        int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
+        s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
+        // Task vectors that need the base's values (full models, DoRA, biases) first, while
+        // base_buf still holds them; then everything is added in.
+        for (int i = 0; s == LM_OK && i < k; i++)
+            if (parts[i].src != SRC_LORA || parts[i].mod->magnitude)
+                s = tau_for(e, &parts[i], bt, r0, nr, e->base_buf);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            part *p = &parts[i];
+            float c = (float)(o->lambda * o->weights[p->ft] / div);
+            if (p->src == SRC_LORA && !p->mod->magnitude)
+                s = lora_gemm(e, p, bt, r0, nr, c * (float)p->mod->scale, 1.0f, e->base_buf);
+            else
+                s = lm_dev_axpby(e->dev, e->base_buf, 1.0f, p->tau, c, cnt, e->err);
+        }
+        if (s == LM_OK)
+            s = write_slab(e, idx, desc->dtype, e->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
+        if (rows > slab_rows)
+            release_slab(e, bt, parts, k, r0, nr);
+    }
+    return s;
+}
+
 static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, bool *merged)
 {
     const lm_merge_opts *o = e->o;
@@ -590,6 +631,8 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
     lm_dev_sign sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
                        : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM;
+    if (o->method == LM_MERGE_TASK_ARITHMETIC)
+        return merge_linear(e, idx, desc, bt, parts, k, slab_rows, hash);
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);

@@ -42,6 +42,10 @@ void lm_topk_level1(lm_topk *t, const uint64_t *hist)
         if (cum + (int64_t)hist[l] >= need) {
             t->thr_bits = (t->hi_bin << 16) | (uint32_t)l;
             t->ties_allowed = need - cum;
+            // Every value equal to the threshold is kept (the usual case): say so, and the
+            // masks need no count of ties in index order.
+            if (t->ties_allowed == (int64_t)hist[l])
+                t->ties_allowed = LM_TIES_ALL;
             return;
         }
         cum += (int64_t)hist[l];

@@ -57,6 +57,7 @@ LM_HD static inline uint32_t lm_abs_bits(float x)
 }
 
 #define LM_HIST_BINS 65536
+#define LM_TIES_ALL INT64_MAX  // ties_allowed when every value equal to the threshold is kept
 
 // Finding the k-th largest magnitude of a set of values in two histogram passes.
 typedef struct lm_topk {
@@ -67,6 +68,7 @@ typedef struct lm_topk {
     int64_t above;          // after level 0: values in bins above hi_bin
     uint32_t thr_bits;      // after level 1: the threshold's magnitude bits
     int64_t ties_allowed;   // after level 1: how many values equal to the threshold are kept
+                            // (LM_TIES_ALL: all of them)
 } lm_topk;
 
 // Starts a selection of k of n values.
@@ -77,7 +79,7 @@ void lm_topk_level0(lm_topk *t, const uint64_t *hist);
 
 // Reads the level-1 histogram (low 16 bits of the magnitudes in hi_bin) and sets thr_bits and
 // ties_allowed: exactly k values are then kept, those above the threshold and the first
-// ties_allowed equal to it in index order.
+// ties_allowed equal to it in index order (LM_TIES_ALL when that is every one of them).
 void lm_topk_level1(lm_topk *t, const uint64_t *hist);
 
 #endif
