@@ -124,18 +124,44 @@ static lm_status cpu_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *sr
 
 // ==== GEMM and element-wise arithmetic ========================================================
 
+typedef struct gemm_job {
+    bool ta, tb;
+    int64_t m, n, k, rows_per_task;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+    int64_t lda, ldb, ldc;
+} gemm_job;
+
+// One task computes a block of rows of C with single-threaded BLAS. Every element of C is the
+// same dot product whichever block holds it, so the result does not depend on the split.
+static void gemm_task(void *ctx, int64_t t)
+{
+    gemm_job *j = ctx;
+    int64_t r0 = t * j->rows_per_task, rows = j->m - r0 < j->rows_per_task ? j->m - r0 : j->rows_per_task;
+    // Row r of op(A) starts at a + r·lda, or (transposed) at column r: a + r.
+    const float *a = j->a + (j->ta ? r0 : r0 * j->lda);
+    cblas_sgemm(CblasRowMajor, j->ta ? CblasTrans : CblasNoTrans, j->tb ? CblasTrans : CblasNoTrans, (int)rows,
+                (int)j->n, (int)j->k, j->alpha, a, (int)j->lda, j->b, (int)j->ldb, j->beta, j->c + r0 * j->ldc,
+                (int)j->ldc);
+}
+
 static lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                           const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                           float *c, int64_t ldc, lm_err *err)
 {
-    (void)d;
     if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX || ldc > INT32_MAX)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "cpu: GEMM of %lld x %lld x %lld is too large for BLAS",
                           (long long)m, (long long)n, (long long)k);
     if (m == 0 || n == 0)
         return LM_OK;
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, (int)m, (int)n,
-                (int)k, alpha, a, (int)lda, b, (int)ldb, beta, c, (int)ldc);
+    // OpenBLAS runs single-threaded (its spinning workers would compete with the pool); the
+    // pool splits C into blocks of rows, a few per thread for balance.
+    int64_t tasks = (int64_t)lm_pool_threads(pool_of(d)) * 4, per = (m + tasks - 1) / tasks;
+    if (per < 16)
+        per = 16;
+    gemm_job j = {ta, tb, m, n, k, per, alpha, beta, a, b, c, lda, ldb, ldc};
+    lm_pool_run(pool_of(d), (m + per - 1) / per, gemm_task, &j);
     return LM_OK;
 }
 
@@ -255,6 +281,14 @@ static void topk_count_task(void *ctx, int64_t blk)
     j->ties[blk] = c;
 }
 
+static void topk_all_task(void *ctx, int64_t blk)
+{
+    topk_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t i = lo; i < hi; i++)
+        j->x[i] = lm_abs_bits(j->x[i]) >= j->thr ? j->x[i] : 0.0f;
+}
+
 static void topk_apply_task(void *ctx, int64_t blk)
 {
     topk_job *j = ctx;
@@ -275,18 +309,16 @@ static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bit
                                 int64_t *ties_used, lm_err *err)
 {
     int64_t nb = n_blocks(n);
-    topk_job j = {x, n, thr_bits, calloc((size_t)(nb ? nb : 1), sizeof(int64_t))};
-    if (!j.ties)
-        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
     if (ties_allowed == LM_TIES_ALL) {
         // Every tie is kept: one pass, no counting.
-        for (int64_t b = 0; b < nb; b++)
-            j.ties[b] = BLOCK;
-        lm_pool_run(pool_of(d), nb, topk_apply_task, &j);
-        free(j.ties);
+        topk_job all = {x, n, thr_bits, NULL};
+        lm_pool_run(pool_of(d), nb, topk_all_task, &all);
         *ties_used = 0;
         return LM_OK;
     }
+    topk_job j = {x, n, thr_bits, calloc((size_t)(nb ? nb : 1), sizeof(int64_t))};
+    if (!j.ties)
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
     lm_pool_run(pool_of(d), nb, topk_count_task, &j);
     // The ties each block may keep: the budget goes to the lowest indices first.
     int64_t left = ties_allowed, used = 0;
@@ -371,41 +403,64 @@ typedef struct combine_job {
     float lambda;
 } combine_job;
 
-static inline int sgn(float v)
+// Elements per inner chunk of the combination: the per-element sums live in small arrays so
+// the loops over models run over contiguous elements and vectorise.
+#define CHUNK 512
+
+static void combine_chunk(const combine_job *j, int64_t lo, int64_t cnt)
 {
-    return (v > 0) - (v < 0);
+    float vote[CHUNK], delta[CHUNK], div[CHUNK];
+    for (int64_t e = 0; e < cnt; e++)
+        vote[e] = delta[e] = div[e] = 0.0f;
+    if (j->sign == LM_DEV_SIGN_NONE) {
+        for (int i = 0; i < j->k; i++) {
+            const float *t = j->tau[i] + lo;
+            float w = j->w[i];
+            for (int64_t e = 0; e < cnt; e++) {
+                delta[e] += w * t[e];
+                div[e] += w;
+            }
+        }
+    } else {
+        for (int i = 0; i < j->k; i++) {
+            const float *t = j->tau[i] + lo;
+            float w = j->w[i];
+            if (j->sign == LM_DEV_SIGN_SUM) {
+                for (int64_t e = 0; e < cnt; e++)
+                    vote[e] += w * t[e];
+            } else {
+                for (int64_t e = 0; e < cnt; e++) {
+                    float wt = w * t[e];
+                    vote[e] += (float)((wt > 0) - (wt < 0));
+                }
+            }
+        }
+        // Entries agree with the elected sign when they have that sign; zeros never agree.
+        for (int i = 0; i < j->k; i++) {
+            const float *t = j->tau[i] + lo;
+            float w = j->w[i];
+            for (int64_t e = 0; e < cnt; e++) {
+                float wt = w * t[e], s = vote[e] >= 0.0f ? 1.0f : -1.0f;
+                bool agree = wt * s > 0.0f;
+                delta[e] += agree ? wt : 0.0f;
+                div[e] += agree ? w : 0.0f;
+            }
+        }
+    }
+    const float *b = j->base + lo;
+    float *o = j->out + lo;
+    for (int64_t e = 0; e < cnt; e++) {
+        float d = j->normalize && div[e] != 0.0f ? delta[e] / div[e] : delta[e];
+        o[e] = b[e] + j->lambda * d;
+    }
 }
 
 static void combine_task(void *ctx, int64_t blk)
 {
     combine_job *j = ctx;
     int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
-    for (int64_t e = lo; e < hi; e++) {
-        double delta = 0, div = 0;
-        if (j->sign == LM_DEV_SIGN_NONE) {
-            for (int i = 0; i < j->k; i++) {
-                delta += j->w[i] * j->tau[i][e];
-                div += j->w[i];
-            }
-        } else {
-            double vote = 0;
-            for (int i = 0; i < j->k; i++) {
-                float wt = j->w[i] * j->tau[i][e];
-                vote += j->sign == LM_DEV_SIGN_SUM ? (double)wt : (double)sgn(wt);
-            }
-            int s = vote >= 0 ? 1 : -1;
-            for (int i = 0; i < j->k; i++) {
-                float wt = j->w[i] * j->tau[i][e];
-                if (sgn(wt) == s) {
-                    delta += wt;
-                    div += j->w[i];
-                }
-            }
-        }
-        if (j->normalize && div != 0)
-            delta /= div;
-        j->out[e] = j->base[e] + j->lambda * (float)delta;
-    }
+    for (int64_t c = lo; c < hi; c += CHUNK)
+        combine_chunk(j, c, hi - c < CHUNK ? hi - c : CHUNK);
 }
 
 static lm_status cpu_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
@@ -461,7 +516,7 @@ lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err)
         return s;
     }
     d->threads = lm_pool_threads(c->pool);
-    openblas_set_num_threads(d->threads);
+    openblas_set_num_threads(1);
     *out = d;
     return LM_OK;
 }

@@ -414,6 +414,16 @@ static void release_slab(const engine *e, const lm_st_tensor *bt, const part *pa
 
 // ==== selection passes ========================================================================
 
+// Whether computing any part's τ reads the base's values (full models and saved tensors
+// subtract them, DoRA normalises with them; a plain LoRA delta does not).
+static bool needs_base(const part *parts, int k)
+{
+    for (int i = 0; i < k; i++)
+        if (parts[i].src == SRC_FULL || (parts[i].src == SRC_LORA && parts[i].mod->magnitude))
+            return true;
+    return false;
+}
+
 // Adds the level-`level` histograms of τ over every slab of tensor bt to hists[i], one
 // 65536-bin array per part. `have_tau` says the parts' buffers already hold τ of the tensor's
 // only slab (from the level-0 pass), so it is not computed again.
@@ -425,7 +435,7 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
     for (int64_t r0 = 0; r0 < rows; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         lm_status s = LM_OK;
-        if (!have_tau)
+        if (!have_tau && needs_base(parts, k))
             s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),
                          bt->dtype, cnt);
         for (int i = 0; s == LM_OK && i < k; i++) {
