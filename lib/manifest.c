@@ -284,55 +284,25 @@ lm_status lm_manifest_set_stats(lm_manifest *m, uint64_t bytes_in, uint64_t byte
 
 // ==== printing ================================================================================
 
-typedef struct pbuf {
-    char *p;     // (cap) NUL-terminated
-    size_t len;
-    size_t cap;
-    bool oom;
-} pbuf;
-
-static void pb_put(pbuf *b, const char *s, size_t n)
-{
-    if (b->oom)
-        return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 1024;
-        while (cap < b->len + n + 1)
-            cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void pb_str(pbuf *b, const char *s) { pb_put(b, s, strlen(s)); }
-
-static void pb_indent(pbuf *b, int depth)
+static void pb_indent(lm_buf *b, int depth)
 {
     for (int i = 0; i < depth; i++)
-        pb_put(b, "  ", 2);
+        lm_buf_put(b, "  ", 2);
 }
 
 // A scalar or a string key as JSON text (cJSON does the number formatting and escaping).
-static void pb_leaf(pbuf *b, const cJSON *x)
+static void pb_leaf(lm_buf *b, const cJSON *x)
 {
     char *s = cJSON_PrintUnformatted(x);
     if (!s) {
         b->oom = true;
         return;
     }
-    pb_str(b, s);
+    lm_buf_str(b, s);
     free(s);
 }
 
-static void pb_key(pbuf *b, const char *key)
+static void pb_key(lm_buf *b, const char *key)
 {
     cJSON *k = cJSON_CreateString(key);
     if (!k) {
@@ -341,7 +311,7 @@ static void pb_key(pbuf *b, const char *key)
     }
     pb_leaf(b, k);
     cJSON_Delete(k);
-    pb_put(b, ": ", 2);
+    lm_buf_put(b, ": ", 2);
 }
 
 static bool is_container(const cJSON *x) { return cJSON_IsObject(x) || cJSON_IsArray(x); }
@@ -360,27 +330,27 @@ static bool is_flat(const cJSON *x)
     return true;
 }
 
-static void print_inline(pbuf *b, const cJSON *x)
+static void print_inline(lm_buf *b, const cJSON *x)
 {
     if (!is_container(x)) {
         pb_leaf(b, x);
         return;
     }
     bool obj = cJSON_IsObject(x);
-    pb_put(b, obj ? "{" : "[", 1);
+    lm_buf_put(b, obj ? "{" : "[", 1);
     for (const cJSON *c = x->child; c; c = c->next) {
         if (obj)
             pb_key(b, c->string);
         print_inline(b, c);
         if (c->next)
-            pb_put(b, ", ", 2);
+            lm_buf_put(b, ", ", 2);
     }
-    pb_put(b, obj ? "}" : "]", 1);
+    lm_buf_put(b, obj ? "}" : "]", 1);
 }
 
 #define LINE_MAX_CHARS 200
 
-static void print_item(pbuf *b, const cJSON *x, int depth)
+static void print_item(lm_buf *b, const cJSON *x, int depth)
 {
     if (!is_container(x) || !x->child) {
         print_inline(b, x);
@@ -395,23 +365,23 @@ static void print_item(pbuf *b, const cJSON *x, int depth)
         b->p[start] = '\0';
     }
     bool obj = cJSON_IsObject(x);
-    pb_put(b, obj ? "{\n" : "[\n", 2);
+    lm_buf_put(b, obj ? "{\n" : "[\n", 2);
     for (const cJSON *c = x->child; c; c = c->next) {
         pb_indent(b, depth + 1);
         if (obj)
             pb_key(b, c->string);
         print_item(b, c, depth + 1);
-        pb_put(b, c->next ? ",\n" : "\n", c->next ? 2 : 1);
+        lm_buf_put(b, c->next ? ",\n" : "\n", c->next ? 2 : 1);
     }
     pb_indent(b, depth);
-    pb_put(b, obj ? "}" : "]", 1);
+    lm_buf_put(b, obj ? "}" : "]", 1);
 }
 
 char *lm_manifest_print_json(const cJSON *item)
 {
-    pbuf b = {0};
+    lm_buf b = {0};
     print_item(&b, item, 0);
-    pb_put(&b, "\n", 1);
+    lm_buf_put(&b, "\n", 1);
     if (b.oom) {
         free(b.p);
         return NULL;
@@ -526,7 +496,7 @@ lm_status lm_manifest_write_config(const char *base_path, const char *out_path, 
         return s;
     json_member *mem = NULL;
     size_t n_mem = 0, cap = 0;
-    pbuf out = {0};
+    lm_buf out = {0};
     char value[32];
     snprintf(value, sizeof value, "\"%s\"", dname);
 
@@ -583,8 +553,8 @@ lm_status lm_manifest_write_config(const char *base_path, const char *out_path, 
     size_t copied = 0;
     for (size_t k = 0; k < n_mem; k++) {
         if (key_is(text, &mem[k], "torch_dtype") || key_is(text, &mem[k], "dtype")) {
-            pb_put(&out, text + copied, mem[k].val - copied);
-            pb_str(&out, value);
+            lm_buf_put(&out, text + copied, mem[k].val - copied);
+            lm_buf_str(&out, value);
             copied = mem[k].val_end;
             replaced = true;
         }
@@ -596,26 +566,26 @@ lm_status lm_manifest_write_config(const char *base_path, const char *out_path, 
         while (k < n_mem && key_cmp(text, &mem[k], "torch_dtype") < 0)
             k++;
         if (n_mem == 0) {
-            pb_put(&out, text, open + 1);
-            pb_str(&out, member);
+            lm_buf_put(&out, text, open + 1);
+            lm_buf_str(&out, member);
             copied = open + 1;
         } else if (k < n_mem) {
             // before member k, with the same whitespace in front of it
-            pb_put(&out, text, mem[k].key);
-            pb_str(&out, member);
-            pb_put(&out, ",", 1);
-            pb_put(&out, text + mem[k].lead, mem[k].key - mem[k].lead);
+            lm_buf_put(&out, text, mem[k].key);
+            lm_buf_str(&out, member);
+            lm_buf_put(&out, ",", 1);
+            lm_buf_put(&out, text + mem[k].lead, mem[k].key - mem[k].lead);
             copied = mem[k].key;
         } else {
             const json_member *last = &mem[n_mem - 1];
-            pb_put(&out, text, last->val_end);
-            pb_put(&out, ",", 1);
-            pb_put(&out, text + last->lead, last->key - last->lead);
-            pb_str(&out, member);
+            lm_buf_put(&out, text, last->val_end);
+            lm_buf_put(&out, ",", 1);
+            lm_buf_put(&out, text + last->lead, last->key - last->lead);
+            lm_buf_str(&out, member);
             copied = last->val_end;
         }
     }
-    pb_put(&out, text + copied, n - copied);
+    lm_buf_put(&out, text + copied, n - copied);
     if (out.oom) {
         s = nomem(err);
         goto done;

@@ -33,64 +33,14 @@
 #define ST_INDEX_NAME "model.safetensors.index.json"
 #define ST_NAME_MAX 64  // room for "model-00001-of-00003.safetensors"
 
-// ==== a growable text buffer ==================================================================
-
-typedef struct st_buf {
-    char *p;     // (cap) NUL-terminated when len < cap
-    size_t len;
-    size_t cap;
-    bool oom;    // an append failed: the contents are incomplete
-} st_buf;
-
-static void buf_put(st_buf *b, const char *s, size_t n)
-{
-    if (b->oom)
-        return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n + 1) {
-            if (cap > SIZE_MAX / 2) {
-                b->oom = true;
-                return;
-            }
-            cap *= 2;
-        }
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = true;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-static void buf_str(st_buf *b, const char *s) { buf_put(b, s, strlen(s)); }
-
-static void buf_fmt(st_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void buf_fmt(st_buf *b, const char *fmt, ...)
-{
-    char tmp[128];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0 || (size_t)n >= sizeof tmp) {
-        b->oom = true;  // only short numbers go through here
-        return;
-    }
-    buf_put(b, tmp, (size_t)n);
-}
+// ==== JSON strings ===========================================================================
 
 // A JSON string as serde_json writes it (the reference's header): `"` and `\` escaped, the
 // short escapes \b \f \n \r \t, other control characters as \u00xx, every other byte as is.
-static void buf_json_serde(st_buf *b, const char *s)
+static void buf_json_serde(lm_buf *b, const char *s)
 {
     static const char hex[] = "0123456789abcdef";
-    buf_put(b, "\"", 1);
+    lm_buf_put(b, "\"", 1);
     const unsigned char *p = (const unsigned char *)s;
     size_t run = 0;  // bytes before p[run] not yet copied
     for (;; p++) {
@@ -115,24 +65,24 @@ static void buf_json_serde(st_buf *b, const char *s)
             }
         }
         if (esc) {
-            buf_put(b, (const char *)p - run, run);
-            buf_str(b, esc);
+            lm_buf_put(b, (const char *)p - run, run);
+            lm_buf_str(b, esc);
             run = 0;
         } else {
             run++;
         }
     }
-    buf_put(b, (const char *)p - run, run);
-    buf_put(b, "\"", 1);
+    lm_buf_put(b, (const char *)p - run, run);
+    lm_buf_put(b, "\"", 1);
 }
 
 // A JSON string as Python's json.dumps writes it by default (ensure_ascii): as serde_json for
 // `"`, `\` and the short escapes, and every other byte outside ' '..'~' as \uxxxx of its code
 // point, with a surrogate pair above U+FFFF. `s` must be valid UTF-8.
-static void buf_json_python(st_buf *b, const char *s)
+static void buf_json_python(lm_buf *b, const char *s)
 {
     static const char hex[] = "0123456789abcdef";
-    buf_put(b, "\"", 1);
+    lm_buf_put(b, "\"", 1);
     const unsigned char *p = (const unsigned char *)s;
     while (*p) {
         unsigned c = *p;
@@ -147,12 +97,12 @@ static void buf_json_python(st_buf *b, const char *s)
         case '\t': esc = "\\t"; break;
         }
         if (esc) {
-            buf_str(b, esc);
+            lm_buf_str(b, esc);
             p++;
             continue;
         }
         if (c >= 0x20 && c < 0x7F) {
-            buf_put(b, (const char *)p, 1);
+            lm_buf_put(b, (const char *)p, 1);
             p++;
             continue;
         }
@@ -177,10 +127,10 @@ static void buf_json_python(st_buf *b, const char *s)
         for (int k = 0; k < nu; k++) {
             char u[6] = {'\\', 'u', hex[(units[k] >> 12) & 15], hex[(units[k] >> 8) & 15],
                          hex[(units[k] >> 4) & 15], hex[units[k] & 15]};
-            buf_put(b, u, 6);
+            lm_buf_put(b, u, 6);
         }
     }
-    buf_put(b, "\"", 1);
+    lm_buf_put(b, "\"", 1);
 }
 
 // ==== sizes and the shard plan ================================================================
@@ -439,34 +389,34 @@ static lm_status meta_sorted(const char *const *meta, const char ***keys_out, co
 // its tensors' file offsets. `order` holds the shard's tensors, already sorted.
 static lm_status build_header(lm_st_writer *w, const st_order *order, int64_t count,
                               const char **mkeys, const char **mvals, int64_t n_meta,
-                              st_buf *hb, lm_err *err)
+                              lm_buf *hb, lm_err *err)
 {
-    buf_str(hb, "{\"__metadata__\":{");
+    lm_buf_str(hb, "{\"__metadata__\":{");
     for (int64_t i = 0; i < n_meta; i++) {
         if (i)
-            buf_put(hb, ",", 1);
+            lm_buf_put(hb, ",", 1);
         buf_json_serde(hb, mkeys[i]);
-        buf_put(hb, ":", 1);
+        lm_buf_put(hb, ":", 1);
         buf_json_serde(hb, mvals[i]);
     }
-    buf_put(hb, "}", 1);
+    lm_buf_put(hb, "}", 1);
     uint64_t off = 0;
     for (int64_t k = 0; k < count; k++) {
         const lm_st_desc *d = order[k].d;
         st_slot *slot = &w->slots[order[k].idx];
-        buf_put(hb, ",", 1);
+        lm_buf_put(hb, ",", 1);
         buf_json_serde(hb, d->name);
-        buf_fmt(hb, ":{\"dtype\":\"%s\",\"shape\":[", lm_dtype_name(d->dtype));
+        lm_buf_fmt(hb, ":{\"dtype\":\"%s\",\"shape\":[", lm_dtype_name(d->dtype));
         for (int j = 0; j < d->ndim; j++)
-            buf_fmt(hb, j ? ",%lld" : "%lld", (long long)d->shape[j]);
-        buf_fmt(hb, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
+            lm_buf_fmt(hb, j ? ",%lld" : "%lld", (long long)d->shape[j]);
+        lm_buf_fmt(hb, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)off,
                 (unsigned long long)(off + slot->nbytes));
         slot->file_off = off;  // made absolute by the caller once the header length is known
         off += slot->nbytes;
     }
-    buf_put(hb, "}", 1);
+    lm_buf_put(hb, "}", 1);
     while (hb->len % 8 != 0)
-        buf_put(hb, " ", 1);
+        lm_buf_put(hb, " ", 1);
     if (hb->oom)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory building a safetensors header");
     return LM_OK;
@@ -478,7 +428,7 @@ static lm_status open_shard(lm_st_writer *w, int sh, const st_order *order, int6
                             const char **mkeys, const char **mvals, int64_t n_meta, bool excl,
                             lm_err *err)
 {
-    st_buf hb = {0};
+    lm_buf hb = {0};
     const char *path = w->paths[sh];
     lm_status s = build_header(w, order, count, mkeys, mvals, n_meta, &hb, err);
     if (s != LM_OK)
@@ -763,7 +713,7 @@ lm_status lm_st_writer_put(lm_st_writer *w, int64_t idx, const void *data, uint6
 // sort_keys=True) + "\n".
 static lm_status write_index(lm_st_writer *w, lm_err *err)
 {
-    st_buf b = {0};
+    lm_buf b = {0};
     char *path = NULL;
     const char **names = malloc((size_t)w->n * sizeof *names);
     lm_strmap pos = {0};
@@ -780,17 +730,17 @@ static lm_status write_index(lm_st_writer *w, lm_err *err)
         }
     }
     qsort(names, (size_t)w->n, sizeof *names, cmp_str);  // UTF-8 byte order = code point order
-    buf_fmt(&b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
+    lm_buf_fmt(&b, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {",
             (unsigned long long)w->plan.total_size);
     for (int64_t k = 0; k < w->n; k++) {
         char shard[ST_NAME_MAX];
         int sh = w->plan.shard_of[lm_strmap_get(&pos, names[k])];
-        buf_str(&b, k ? ",\n    " : "\n    ");
+        lm_buf_str(&b, k ? ",\n    " : "\n    ");
         buf_json_python(&b, names[k]);
-        buf_str(&b, ": ");
+        lm_buf_str(&b, ": ");
         buf_json_python(&b, lm_shard_name(shard, sizeof shard, sh, w->plan.n_shards));
     }
-    buf_str(&b, w->n ? "\n  }\n}\n" : "}\n}\n");
+    lm_buf_str(&b, w->n ? "\n  }\n}\n" : "}\n}\n");
     path = lm_path_join(w->dir, ST_INDEX_NAME);
     if (b.oom || !path) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory writing the index");

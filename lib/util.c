@@ -389,6 +389,53 @@ bool lm_str_ends_with(const char *s, const char *suffix)
     return a >= b && memcmp(s + a - b, suffix, b) == 0;
 }
 
+// ==== growable text buffer ====================================================================
+
+void lm_buf_put(lm_buf *b, const char *s, size_t n)
+{
+    if (b->oom)
+        return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->len + n + 1) {
+            if (cap > SIZE_MAX / 2) {
+                b->oom = true;
+                return;
+            }
+            cap *= 2;
+        }
+        char *p = realloc(b->p, cap);
+        if (!p) {
+            b->oom = true;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+void lm_buf_str(lm_buf *b, const char *s)
+{
+    lm_buf_put(b, s, strlen(s));
+}
+
+void lm_buf_fmt(lm_buf *b, const char *fmt, ...)
+{
+    char tmp[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof tmp) {
+        b->oom = true;
+        return;
+    }
+    lm_buf_put(b, tmp, (size_t)n);
+}
+
 // ==== string map =============================================================================
 
 lm_status lm_strmap_init(lm_strmap *m, size_t expected)

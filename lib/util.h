@@ -92,6 +92,23 @@ char *lm_strfmt(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 // True when `s` ends with `suffix`.
 bool lm_str_ends_with(const char *s, const char *suffix);
 
+// ---- growable text buffer -------------------------------------------------------------------
+
+// Text built piece by piece (JSON headers, indexes, manifests). A failed append sets oom and
+// makes every later append a no-op, so a caller checks once at the end. Zero-initialise; free
+// with free(b->p).
+typedef struct lm_buf {
+    char *p;     // (cap) NUL-terminated once anything was appended
+    size_t len;
+    size_t cap;
+    bool oom;    // an append failed: the contents are incomplete
+} lm_buf;
+
+void lm_buf_put(lm_buf *b, const char *s, size_t n);
+void lm_buf_str(lm_buf *b, const char *s);
+// Appends printf-style text (short: numbers and names; longer text sets oom).
+void lm_buf_fmt(lm_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 // ---- string map -----------------------------------------------------------------------------
 
 // Open-addressing hash map from NUL-terminated keys to int64 values. Keys are not copied: they
