@@ -638,6 +638,9 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     // and the last thing each did to it is what the merge needs next.
     bool have_tau = one_slab && ((uses_magnitude(o->method) && !o->topk_global) ||
                                  (random && o->rescale == LM_RESCALE_L1));
+    // The base slab is still in base_buf too when those passes loaded it (the l1 pass always
+    // does; the histogram pass when some τ needed it).
+    bool have_base = have_tau && (random || needs_base(parts, k));
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
     lm_dev_sign sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
                        : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM;
@@ -645,7 +648,9 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         return merge_linear(e, idx, desc, bt, parts, k, slab_rows, hash);
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
-        s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
+        if (!have_base)
+            s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype,
+                         cnt);
         for (int i = 0; s == LM_OK && i < k; i++) {
             part *p = &parts[i];
             if (!have_tau && (s = tau_for(e, p, bt, r0, nr, e->base_buf)) != LM_OK)

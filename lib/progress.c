@@ -276,6 +276,16 @@ void lm_progress_summary(lm_progress *p, const char *verb)
 
 // ==== messages ================================================================================
 
+// Ends a refreshing progress line so a message starts on a line of its own. Call locked.
+static void end_line_locked(lm_progress *p)
+{
+    if (p->line_open) {
+        fputc('\n', stderr);
+        p->line_open = false;
+        p->line_len = 0;
+    }
+}
+
 void lm_progress_note(lm_progress *p, const char *fmt, ...)
 {
     if (p->quiet)
@@ -286,11 +296,7 @@ void lm_progress_note(lm_progress *p, const char *fmt, ...)
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     lock(p);
-    if (p->line_open) {
-        fputc('\n', stderr);
-        p->line_open = false;
-        p->line_len = 0;
-    }
+    end_line_locked(p);
     fprintf(stderr, "%s: %s\n", p->prefix, msg);
     fflush(stderr);
     unlock(p);
@@ -304,11 +310,7 @@ void lm_progress_error(lm_progress *p, int exit_status, const char *fmt, ...)
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     lock(p);
-    if (p->line_open) {
-        fputc('\n', stderr);
-        p->line_open = false;
-        p->line_len = 0;
-    }
+    end_line_locked(p);
     fprintf(stderr, "%s: error: %s\n", p->prefix, msg);
     fflush(stderr);
     if (p->log) {

@@ -13,44 +13,11 @@
 
 #include "adapter.h"
 #include "check.h"
+#include "testfs.h"
 #include "model.h"
 #include "util.h"
 
 // ==== helpers =================================================================================
-
-static char *make_tmpdir(void)
-{
-    char tmpl[] = "/tmp/llmerge-test-adapter-XXXXXX";
-    char *d = mkdtemp(tmpl);
-    if (!d) {
-        perror("mkdtemp");
-        exit(1);
-    }
-    return lm_strdup(d);
-}
-
-static void remove_tmpdir(char *dir)
-{
-    lm_err err;
-    CHECK_OK(lm_rm_rf(dir, &err), &err);
-    free(dir);
-}
-
-static char *subdir(const char *dir, const char *name)
-{
-    char *p = lm_path_join(dir, name);
-    lm_err err;
-    CHECK_OK(lm_mkdir_p(p, &err), &err);
-    return p;
-}
-
-static void write_text(const char *dir, const char *name, const char *text)
-{
-    char *p = lm_path_join(dir, name);
-    lm_err err;
-    CHECK_OK(lm_write_file(p, text, strlen(text), &err), &err);
-    free(p);
-}
 
 static void remove_file(const char *dir, const char *name)
 {

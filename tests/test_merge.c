@@ -19,6 +19,7 @@
 
 #include "adapter.h"
 #include "check.h"
+#include "testfs.h"
 #include "device.h"
 #include "dtype.h"
 #include "merge.h"
@@ -32,40 +33,6 @@
 #define REL 1e-5   // relative tolerance of float32 results against the double reference
 
 // ==== files and directories ===================================================================
-
-static char *make_tmpdir(void)
-{
-    char tmpl[] = "/tmp/llmerge-test-merge-XXXXXX";
-    char *d = mkdtemp(tmpl);
-    if (!d) {
-        perror("mkdtemp");
-        exit(1);
-    }
-    return lm_strdup(d);
-}
-
-static void remove_tmpdir(char *dir)
-{
-    lm_err err;
-    CHECK_OK(lm_rm_rf(dir, &err), &err);
-    free(dir);
-}
-
-static char *subdir(const char *dir, const char *name)
-{
-    char *p = lm_path_join(dir, name);
-    lm_err err;
-    CHECK_OK(lm_mkdir_p(p, &err), &err);
-    return p;
-}
-
-static void write_text(const char *dir, const char *name, const char *text)
-{
-    char *p = lm_path_join(dir, name);
-    lm_err err;
-    CHECK_OK(lm_write_file(p, text, strlen(text), &err), &err);
-    free(p);
-}
 
 // ==== deterministic values ====================================================================
 // Values are multiples of powers of two in small ranges, so that they are exact in float32,

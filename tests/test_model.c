@@ -12,37 +12,12 @@
 
 #include "arch.h"
 #include "check.h"
+#include "testfs.h"
 #include "config.h"
 #include "model.h"
 #include "util.h"
 
 // ==== helpers =================================================================================
-
-static char *make_tmpdir(void)
-{
-    char tmpl[] = "/tmp/llmerge-test-model-XXXXXX";
-    char *d = mkdtemp(tmpl);
-    if (!d) {
-        perror("mkdtemp");
-        exit(1);
-    }
-    return lm_strdup(d);
-}
-
-static void remove_tmpdir(char *dir)
-{
-    lm_err err;
-    CHECK_OK(lm_rm_rf(dir, &err), &err);
-    free(dir);
-}
-
-static void write_text(const char *dir, const char *name, const char *text)
-{
-    char *p = lm_path_join(dir, name);
-    lm_err err;
-    CHECK_OK(lm_write_file(p, text, strlen(text), &err), &err);
-    free(p);
-}
 
 // One tensor for write_st: F32, F16 or BF16, data filled with a pattern from its index.
 typedef struct tt {

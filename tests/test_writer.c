@@ -11,30 +11,13 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "testfs.h"
 #include "outdir.h"
 #include "safetensors.h"
 #include "st_writer.h"
 #include "util.h"
 
 // ==== helpers =================================================================================
-
-static char *make_tmpdir(void)
-{
-    char tmpl[] = "/tmp/llmerge-test-writer-XXXXXX";
-    char *d = mkdtemp(tmpl);
-    if (!d) {
-        perror("mkdtemp");
-        exit(1);
-    }
-    return lm_strdup(d);
-}
-
-static void remove_tmpdir(char *dir)
-{
-    lm_err err;
-    CHECK_OK(lm_rm_rf(dir, &err), &err);
-    free(dir);
-}
 
 static uint64_t rng_next(uint64_t *s)
 {
