@@ -545,6 +545,7 @@ typedef struct merge_run {
     lm_model *base;
     lm_ft **fts;               // (args.n_ft)
     lm_dev *dev;
+    char dev_why[512];         // what --device opened and, for auto, why
     double *weights;           // (n_ft) resolved
     double *densities;         // (n_ft) resolved
     lm_merge_opts opts;
@@ -748,13 +749,9 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return s;
 
     // the device
-    s = lm_dev_open(&r->dev, a->device, a->threads, err);
-    if (s != LM_OK) {
-        if (strncmp(a->device, "cuda", 4) == 0 || strncmp(a->device, "sim:", 4) == 0)
-            return lm_err_set(err, LM_ERR_USAGE, "--device %s: not available in this build yet "
-                              "(use auto or cpu)", a->device);
+    lm_dev_opts dev_opts = {.threads = a->threads, .mem_cap = a->gpu_mem, .sim_fail = getenv("LLMERGE_SIM_FAIL")};
+    if ((s = lm_dev_open(&r->dev, a->device, &dev_opts, r->dev_why, sizeof r->dev_why, err)) != LM_OK)
         return s;  // the message names the device
-    }
     if (r->dev->threads > 0)
         o->threads = r->dev->threads;
 

@@ -6,27 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cuda_check.h"
 #include "kernels.h"
-
-// Records the failing statement into err and jumps to fail: never aborts. An allocation that
-// fails for lack of memory becomes LM_ERR_DEVICE_OOM, the one status that falls back.
-#define CUDA_TRY(stmt)                                                                        \
-    do {                                                                                      \
-        cudaError_t e_ = (stmt);                                                              \
-        if (e_ != cudaSuccess) {                                                              \
-            status = lm_err_set(err, e_ == cudaErrorMemoryAllocation ? LM_ERR_DEVICE_OOM      \
-                                                                    : LM_ERR_DEVICE,          \
-                                "cuda: %s: %s (%s, %s:%d)", #stmt, cudaGetErrorString(e_),    \
-                                __func__, __FILE__, __LINE__);                                \
-            cudaGetLastError(); /* clear a sticky-free error so the next call is clean */     \
-            goto fail;                                                                        \
-        }                                                                                     \
-    } while (0)
 
 static unsigned grid_for(int64_t n)
 {
-    int64_t blocks = (n + 255) / 256;
-    return (unsigned)(blocks > 65535 ? 65535 : (blocks < 1 ? 1 : blocks));
+    return lm_cuda_grid(n, 256);
 }
 
 __global__ void k_bf16_to_f32(float *dst, const uint16_t *src, int64_t n)

@@ -5,6 +5,7 @@
 #ifndef LM_KERNELS_H
 #define LM_KERNELS_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "dtype.h"
@@ -31,6 +32,71 @@ lm_status lm_cuda_convert_from_f32(void *d_dst, lm_dtype dt, const float *d_src,
 // of edge-case values (NaN, Inf, subnormals, ties) to BF16 and F16 and back on the device,
 // copies the results home and compares them bit for bit with the CPU conversions.
 lm_status lm_cuda_selftest(int device, lm_err *err);
+
+// ---- merge operations (merge_ops.cu) --------------------------------------------------------
+// The arithmetic of device_cpu.c per element, in the same order, so results match the CPU
+// backend bit for bit wherever it can (everything but the GEMM). Each function only enqueues
+// work on `stream` (a cudaStream_t): results are ready once the stream has reached them, and
+// faults during a kernel surface at the next synchronising call. n == 0 launches nothing.
+
+// Elements per partial sum of lm_cuda_l1_blocks: device_cpu.c's BLOCK, which the CPU's L1 sum
+// is split by. The two must stay equal for the sums to agree bit for bit.
+#define LM_CUDA_L1_BLOCK 65536
+// Elements per count of lm_cuda_tie_counts.
+#define LM_CUDA_TIE_CHUNK 16384
+// The most task vectors lm_cuda_combine takes in one call (they travel as kernel arguments).
+#define LM_CUDA_COMBINE_MAX 256
+
+// Row-major d_c[m,n] = alpha * op(A) op(B) + beta * d_c with cuBLAS (`blas`, a cublasHandle_t
+// bound to the stream the caller wants): lm_dev_gemm's contract. LM_ERR_UNSUPPORTED when a
+// dimension or stride does not fit in an int, as on the CPU.
+lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                        const float *d_a, int64_t lda, const float *d_b, int64_t ldb, float beta, float *d_c,
+                        int64_t ldc, void *stream, lm_err *err);
+
+// d_y = a * d_y + b * d_x over n elements (d_x may equal d_y).
+lm_status lm_cuda_axpby(float *d_y, float a, const float *d_x, float b, int64_t n, void *stream, lm_err *err);
+
+// lm_dev_dora_rows on rows x cols row-major d_tau and d_base, d_mag (rows).
+lm_status lm_cuda_dora_rows(float *d_tau, const float *d_base, const float *d_mag, int64_t rows, int64_t cols,
+                            void *stream, lm_err *err);
+
+// Adds to the device histogram d_hist[65536] (which the caller zeroes) the level-0 or level-1
+// histogram of lm_dev_hist_abs.
+lm_status lm_cuda_hist_abs(uint64_t *d_hist, const float *d_x, int64_t n, int level, uint32_t hi_bin,
+                           void *stream, lm_err *err);
+
+// d_counts[c] = how many of d_x[c * LM_CUDA_TIE_CHUNK, ...) (the last chunk ragged) have
+// magnitude bits == thr_bits, for every chunk c of the n elements.
+lm_status lm_cuda_tie_counts(uint32_t *d_counts, const float *d_x, int64_t n, uint32_t thr_bits, void *stream,
+                             lm_err *err);
+
+// *d_index = the index of the tie (magnitude bits == thr_bits) of rank `rank` (0 is the first)
+// among d_x[lo, hi), which the caller knows to hold more than `rank` ties.
+lm_status lm_cuda_tie_find(int64_t *d_index, const float *d_x, int64_t lo, int64_t hi, uint32_t thr_bits,
+                           int64_t rank, void *stream, lm_err *err);
+
+// Zeroes every d_x[i] except those with magnitude bits > thr_bits and the ties (bits ==
+// thr_bits) at indices below tie_end, read from *d_tie_end when that is not NULL.
+lm_status lm_cuda_topk_mask(float *d_x, int64_t n, uint32_t thr_bits, int64_t tie_end, const int64_t *d_tie_end,
+                            void *stream, lm_err *err);
+
+// lm_dev_random_drop.
+lm_status lm_cuda_random_drop(float *d_x, int64_t n, uint64_t key, int64_t first, uint64_t keep_below,
+                              void *stream, lm_err *err);
+
+// d_partial[b] = sum of |d_x[i]| in double over block b of LM_CUDA_L1_BLOCK elements, added in
+// index order, for each of the ceil(n / LM_CUDA_L1_BLOCK) blocks: the CPU's partial sums.
+lm_status lm_cuda_l1_blocks(double *d_partial, const float *d_x, int64_t n, void *stream, lm_err *err);
+
+// lm_dev_combine for k <= LM_CUDA_COMBINE_MAX task vectors: d_tau is a HOST array of k device
+// pointers and weights a host array of k floats (both copied into the kernel's arguments).
+// elect: with sign election; count_signs: the elected sign is that of the sum of signs
+// (LM_DEV_SIGN_COUNT) rather than of the weighted sum (LM_DEV_SIGN_SUM). d_out may equal d_base.
+// LM_ERR_UNSUPPORTED above LM_CUDA_COMBINE_MAX.
+lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau, const float *weights, int k,
+                          int64_t n, bool elect, bool count_signs, bool normalize, float lambda, void *stream,
+                          lm_err *err);
 
 #ifdef __cplusplus
 }

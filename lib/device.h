@@ -49,6 +49,8 @@ typedef struct lm_dev_i {
                       const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                       float *c, int64_t ldc, lm_err *err);
     lm_status (*axpby)(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
+    lm_status (*delta)(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
+                       lm_err *err);  // optional: to_f32, then axpby
     lm_status (*dora_rows)(lm_dev *d, float *tau, const float *base, const float *magnitude,
                            int64_t rows, int64_t cols, lm_err *err);
     lm_status (*hist_abs)(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
@@ -71,13 +73,38 @@ struct lm_dev {
                        // (an mmapped input) directly, with no upload
 };
 
-// Opens a device from a --device value: "cpu", or "auto" (the best device present: the CPU
-// until accelerators are built). `threads` is the CPU thread count (0: all cores). Unknown or
+// How lm_dev_open opens a device.
+typedef struct lm_dev_opts {
+    int threads;           // CPU threads the device uses for host-side work (0: all cores)
+    uint64_t mem_cap;      // the most bytes llmerge takes on an accelerator (--gpu-mem; 0: no cap)
+    const char *sim_fail;  // the sim device's fault switch ("alloc:N" or "launch:N"; NULL or ""
+                           // for none): the command line takes it from LLMERGE_SIM_FAIL
+} lm_dev_opts;
+
+// Opens a device from a --device value: "cpu"; "cuda" or "cuda:N" (CUDA device N, default 0);
+// "sim:SIZE", the simulated accelerator with a budget of SIZE bytes (lm_parse_size's syntax,
+// further capped by mem_cap); or "auto": CUDA device 0 when this build has CUDA, the device
+// exists and passes lm_cuda_selftest, else the CPU. When `why` is not NULL it receives one
+// line saying what was chosen and why (for auto) or what was opened. Unknown, malformed or
 // unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_free.
-lm_status lm_dev_open(lm_dev **out, const char *spec, int threads, lm_err *err);
+lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char *why, size_t why_size,
+                      lm_err *err);
 
 // The CPU backend (OpenBLAS for GEMM, a thread pool for the element-wise work).
 lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err);
+
+// The simulated accelerator (device_sim.c): buffers of its own in host memory, reachable only
+// through upload and download (host_memory is false), a hard budget of `budget` bytes of live
+// allocations beyond which lm_dev_alloc is LM_ERR_DEVICE_OOM, and the operations of the CPU
+// backend run on its buffers. `fail` is the fault switch: "alloc:N" makes the Nth allocation
+// and "launch:N" the Nth operation (copies included) fail with LM_ERR_DEVICE, to test the
+// paths that must not fall back; NULL or "" for none, anything else LM_ERR_USAGE.
+lm_status lm_dev_sim_create(lm_dev **out, uint64_t budget, const char *fail, int threads, lm_err *err);
+
+// The CUDA backend (kernels/device_cuda.cu), in builds with CUDA only (LLMERGE_HAVE_CUDA):
+// device `ordinal`, taking at most mem_cap bytes of its memory (0: no cap). A missing device
+// or driver is LM_ERR_USAGE naming it.
+lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err);
 
 // Releases the device and everything it holds; safe on NULL.
 void lm_dev_free(lm_dev *d);
@@ -110,6 +137,11 @@ lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t
 
 // y = a·y + b·x over n elements.
 lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
+
+// tau = float32 of src (dtype dt) − base: a dense task vector in one pass. The same values as
+// lm_dev_to_f32 followed by lm_dev_axpby(tau, 1, base, −1).
+lm_status lm_dev_delta(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
+                       lm_err *err);
 
 // DoRA task vector per output row (rows × cols, row-major): with ΔW in `tau` on entry,
 // W' = base + ΔW and tau = magnitude[r] / ‖W'[r,:]‖ · W'[r,:] − base[r,:].

@@ -188,6 +188,37 @@ static lm_status cpu_axpby(lm_dev *d, float *y, float a, const float *x, float b
     return LM_OK;
 }
 
+typedef struct delta_job {
+    float *tau;
+    const void *src;
+    lm_dtype dt;
+    const float *base;
+    int64_t n;
+} delta_job;
+
+// Converts a block, then subtracts while it is still in cache. y + (−1)·x is y − x exactly,
+// so the values are axpby's.
+static void delta_task(void *ctx, int64_t blk)
+{
+    delta_job *j = ctx;
+    int64_t lo = blk * BLOCK, cnt = j->n - lo < BLOCK ? j->n - lo : BLOCK;
+    float *t = j->tau + lo;
+    const float *b = j->base + lo;
+    lm_convert_to_f32(t, (const char *)j->src + (size_t)lo * (lm_dtype_bits(j->dt) / 8), j->dt, cnt, NULL);
+    for (int64_t i = 0; i < cnt; i++)
+        t[i] = t[i] - b[i];
+}
+
+static lm_status cpu_delta(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
+                           lm_err *err)
+{
+    if (!lm_dtype_readable(dt))
+        return lm_convert_to_f32(tau, src, dt, 0, err);
+    delta_job j = {tau, src, dt, base, n};
+    lm_pool_run(pool_of(d), n_blocks(n), delta_task, &j);
+    return LM_OK;
+}
+
 typedef struct dora_job {
     float *tau;
     const float *base, *mag;
@@ -222,24 +253,34 @@ static lm_status cpu_dora_rows(lm_dev *d, float *tau, const float *base, const f
 // ==== selection ===============================================================================
 
 typedef struct hist_job {
-    uint64_t *local;  // (tasks × LM_HIST_BINS)
+    uint32_t *local;  // (tasks × HIST_WAYS × LM_HIST_BINS)
     const float *x;
     int64_t n, per_task;
     int level;
     uint32_t hi_bin;
 } hist_job;
 
+// Each task counts into HIST_WAYS interleaved histograms, element i into way i % HIST_WAYS:
+// runs of equal values (common in task vectors of 16-bit models) then increment different
+// counters instead of waiting on one. 32-bit counts suffice: a task sees at most per_task
+// elements, and cpu_hist_abs keeps that below 2^32.
+#define HIST_WAYS 4
+
 static void hist_task(void *ctx, int64_t t)
 {
     hist_job *j = ctx;
-    uint64_t *h = j->local + t * LM_HIST_BINS;
-    int64_t lo = t * j->per_task, hi = lo + j->per_task < j->n ? lo + j->per_task : j->n;
+    uint32_t *h = j->local + t * HIST_WAYS * LM_HIST_BINS;
+    int64_t lo = t * j->per_task, hi = lo + j->per_task < j->n ? lo + j->per_task : j->n, i = lo;
+    const float *x = j->x;
     if (j->level == 0) {
-        for (int64_t i = lo; i < hi; i++)
-            h[lm_abs_bits(j->x[i]) >> 16]++;
+        for (; i + HIST_WAYS <= hi; i += HIST_WAYS)
+            for (int w = 0; w < HIST_WAYS; w++)
+                h[w * LM_HIST_BINS + (lm_abs_bits(x[i + w]) >> 16)]++;
+        for (; i < hi; i++)
+            h[lm_abs_bits(x[i]) >> 16]++;
     } else {
-        for (int64_t i = lo; i < hi; i++) {
-            uint32_t bits = lm_abs_bits(j->x[i]);
+        for (; i < hi; i++) {
+            uint32_t bits = lm_abs_bits(x[i]);
             if ((bits >> 16) == j->hi_bin)
                 h[bits & 0xFFFFu]++;
         }
@@ -254,13 +295,15 @@ static lm_status cpu_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t
         tasks = n_blocks(n);
     if (tasks < 1)
         return LM_OK;
-    hist_job j = {calloc((size_t)tasks * LM_HIST_BINS, sizeof(uint64_t)), x, n, (n + tasks - 1) / tasks, level, hi_bin};
+    while ((n + tasks - 1) / tasks > (int64_t)UINT32_MAX)
+        tasks++;
+    size_t cells = (size_t)tasks * HIST_WAYS * LM_HIST_BINS;
+    hist_job j = {calloc(cells, sizeof(uint32_t)), x, n, (n + tasks - 1) / tasks, level, hi_bin};
     if (!j.local)
         return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for a histogram");
     lm_pool_run(pool_of(d), tasks, hist_task, &j);
-    for (int64_t t = 0; t < tasks; t++)
-        for (int64_t b = 0; b < LM_HIST_BINS; b++)
-            hist[b] += j.local[t * LM_HIST_BINS + b];
+    for (size_t c = 0; c < cells; c++)
+        hist[c % LM_HIST_BINS] += j.local[c];
     free(j.local);
     return LM_OK;
 }
@@ -269,40 +312,52 @@ typedef struct topk_job {
     float *x;
     int64_t n;
     uint32_t thr;
-    int64_t *ties;    // (blocks) ties per block, then the ties allowed within each block
+    int64_t *ties;    // (2 nb) ties in each block, then the ties each block may keep
+    int64_t nb;       // blocks
 } topk_job;
 
 static void topk_count_task(void *ctx, int64_t blk)
 {
     topk_job *j = ctx;
     int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n, c = 0;
+    const float *x = j->x;
+    uint32_t thr = j->thr;
     for (int64_t i = lo; i < hi; i++)
-        c += lm_abs_bits(j->x[i]) == j->thr;
+        c += lm_abs_bits(x[i]) == thr;
     j->ties[blk] = c;
+}
+
+// Keeps x[i] for i in [lo, hi) when its magnitude bits exceed thr, or equal it and keep_ties.
+static void topk_keep(float *x, int64_t lo, int64_t hi, uint32_t thr, bool keep_ties)
+{
+    uint32_t floor = keep_ties ? thr : thr + 1;  // thr < 0x7FFFFFFF+1, so no overflow
+    for (int64_t i = lo; i < hi; i++)
+        x[i] = lm_abs_bits(x[i]) >= floor ? x[i] : 0.0f;
 }
 
 static void topk_all_task(void *ctx, int64_t blk)
 {
     topk_job *j = ctx;
     int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
-    for (int64_t i = lo; i < hi; i++)
-        j->x[i] = lm_abs_bits(j->x[i]) >= j->thr ? j->x[i] : 0.0f;
+    topk_keep(j->x, lo, hi, j->thr, true);
 }
 
+// j->ties holds each block's count of ties, then (from nb on) its share of the ties budget:
+// all of them, none, or (in one block at most) some, kept up to the tie where the share runs
+// out.
 static void topk_apply_task(void *ctx, int64_t blk)
 {
     topk_job *j = ctx;
-    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n, allowed = j->ties[blk];
-    for (int64_t i = lo; i < hi; i++) {
-        uint32_t bits = lm_abs_bits(j->x[i]);
-        bool keep = bits > j->thr;
-        if (bits == j->thr && allowed > 0) {
-            keep = true;
-            allowed--;
-        }
-        if (!keep)
-            j->x[i] = 0.0f;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n, cut = lo;
+    int64_t count = j->ties[blk], allowed = j->ties[j->nb + blk];
+    if (allowed == count) {
+        cut = hi;
+    } else {
+        for (; allowed > 0; cut++)
+            allowed -= lm_abs_bits(j->x[cut]) == j->thr;
     }
+    topk_keep(j->x, lo, cut, j->thr, true);
+    topk_keep(j->x, cut, hi, j->thr, false);
 }
 
 static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
@@ -311,12 +366,12 @@ static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bit
     int64_t nb = n_blocks(n);
     if (ties_allowed == LM_TIES_ALL) {
         // Every tie is kept: one pass, no counting.
-        topk_job all = {x, n, thr_bits, NULL};
+        topk_job all = {x, n, thr_bits, NULL, nb};
         lm_pool_run(pool_of(d), nb, topk_all_task, &all);
         *ties_used = 0;
         return LM_OK;
     }
-    topk_job j = {x, n, thr_bits, calloc((size_t)(nb ? nb : 1), sizeof(int64_t))};
+    topk_job j = {x, n, thr_bits, calloc((size_t)(nb ? 2 * nb : 1), sizeof(int64_t)), nb};
     if (!j.ties)
         return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
     lm_pool_run(pool_of(d), nb, topk_count_task, &j);
@@ -324,7 +379,7 @@ static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bit
     int64_t left = ties_allowed, used = 0;
     for (int64_t b = 0; b < nb; b++) {
         int64_t take = j.ties[b] < left ? j.ties[b] : left;
-        j.ties[b] = take;
+        j.ties[nb + b] = take;
         left -= take;
         used += take;
     }
@@ -403,9 +458,68 @@ typedef struct combine_job {
     float lambda;
 } combine_job;
 
-// Elements per inner chunk of the combination: the per-element sums live in small arrays so
-// the loops over models run over contiguous elements and vectorise.
+// Elements per inner chunk of the combination: the per-element sums live in small arrays, and
+// each model's contribution is one loop over contiguous elements (restrict, branch-free) that
+// the compiler vectorises. The loops are kept out of line: inlined into the loop over models,
+// GCC's unroll-and-jam fuses two models into one scalar loop with branches, several times
+// slower than the vector loop.
 #define CHUNK 512
+#define VECTOR_LOOP __attribute__((noinline))
+
+VECTOR_LOOP static void add_weighted(float *restrict delta, float *restrict div, const float *restrict t, float w,
+                         int64_t cnt)
+{
+    for (int64_t e = 0; e < cnt; e++) {
+        delta[e] += w * t[e];
+        div[e] += w;
+    }
+}
+
+VECTOR_LOOP static void add_vote_sum(float *restrict vote, const float *restrict t, float w, int64_t cnt)
+{
+    for (int64_t e = 0; e < cnt; e++)
+        vote[e] += w * t[e];
+}
+
+VECTOR_LOOP static void add_vote_count(float *restrict vote, const float *restrict t, float w, int64_t cnt)
+{
+    for (int64_t e = 0; e < cnt; e++) {
+        float wt = w * t[e];
+        vote[e] += (wt > 0.0f ? 1.0f : 0.0f) - (wt < 0.0f ? 1.0f : 0.0f);
+    }
+}
+
+// Entries agree with the elected sign when they have that sign; zeros never agree.
+VECTOR_LOOP static void add_agreeing(float *restrict delta, float *restrict div, const float *restrict vote,
+                         const float *restrict t, float w, int64_t cnt)
+{
+    for (int64_t e = 0; e < cnt; e++) {
+        float wt = w * t[e], s = vote[e] >= 0.0f ? 1.0f : -1.0f;
+        bool agree = wt * s > 0.0f;
+        delta[e] += agree ? wt : 0.0f;
+        div[e] += agree ? w : 0.0f;
+    }
+}
+
+// o = b + lambda·Δ (Δ divided where asked); o may be b, so there are two loops, each with its
+// pointers distinct.
+VECTOR_LOOP static void finish_into(float *restrict o, const float *restrict b, const float *restrict delta,
+                        const float *restrict div, bool normalize, float lambda, int64_t cnt)
+{
+    for (int64_t e = 0; e < cnt; e++) {
+        float d = normalize && div[e] != 0.0f ? delta[e] / div[e] : delta[e];
+        o[e] = b[e] + lambda * d;
+    }
+}
+
+VECTOR_LOOP static void finish_in_place(float *restrict o, const float *restrict delta, const float *restrict div,
+                            bool normalize, float lambda, int64_t cnt)
+{
+    for (int64_t e = 0; e < cnt; e++) {
+        float d = normalize && div[e] != 0.0f ? delta[e] / div[e] : delta[e];
+        o[e] = o[e] + lambda * d;
+    }
+}
 
 static void combine_chunk(const combine_job *j, int64_t lo, int64_t cnt)
 {
@@ -413,46 +527,22 @@ static void combine_chunk(const combine_job *j, int64_t lo, int64_t cnt)
     for (int64_t e = 0; e < cnt; e++)
         vote[e] = delta[e] = div[e] = 0.0f;
     if (j->sign == LM_DEV_SIGN_NONE) {
-        for (int i = 0; i < j->k; i++) {
-            const float *t = j->tau[i] + lo;
-            float w = j->w[i];
-            for (int64_t e = 0; e < cnt; e++) {
-                delta[e] += w * t[e];
-                div[e] += w;
-            }
-        }
+        for (int i = 0; i < j->k; i++)
+            add_weighted(delta, div, j->tau[i] + lo, j->w[i], cnt);
     } else {
         for (int i = 0; i < j->k; i++) {
-            const float *t = j->tau[i] + lo;
-            float w = j->w[i];
-            if (j->sign == LM_DEV_SIGN_SUM) {
-                for (int64_t e = 0; e < cnt; e++)
-                    vote[e] += w * t[e];
-            } else {
-                for (int64_t e = 0; e < cnt; e++) {
-                    float wt = w * t[e];
-                    vote[e] += (float)((wt > 0) - (wt < 0));
-                }
-            }
+            if (j->sign == LM_DEV_SIGN_SUM)
+                add_vote_sum(vote, j->tau[i] + lo, j->w[i], cnt);
+            else
+                add_vote_count(vote, j->tau[i] + lo, j->w[i], cnt);
         }
-        // Entries agree with the elected sign when they have that sign; zeros never agree.
-        for (int i = 0; i < j->k; i++) {
-            const float *t = j->tau[i] + lo;
-            float w = j->w[i];
-            for (int64_t e = 0; e < cnt; e++) {
-                float wt = w * t[e], s = vote[e] >= 0.0f ? 1.0f : -1.0f;
-                bool agree = wt * s > 0.0f;
-                delta[e] += agree ? wt : 0.0f;
-                div[e] += agree ? w : 0.0f;
-            }
-        }
+        for (int i = 0; i < j->k; i++)
+            add_agreeing(delta, div, vote, j->tau[i] + lo, j->w[i], cnt);
     }
-    const float *b = j->base + lo;
-    float *o = j->out + lo;
-    for (int64_t e = 0; e < cnt; e++) {
-        float d = j->normalize && div[e] != 0.0f ? delta[e] / div[e] : delta[e];
-        o[e] = b[e] + j->lambda * d;
-    }
+    if (j->out == j->base)
+        finish_in_place(j->out + lo, delta, div, j->normalize, j->lambda, cnt);
+    else
+        finish_into(j->out + lo, j->base + lo, delta, div, j->normalize, j->lambda, cnt);
 }
 
 static void combine_task(void *ctx, int64_t blk)
@@ -487,6 +577,7 @@ static const lm_dev_i cpu_iface = {
     .from_f32 = cpu_from_f32,
     .gemm = cpu_gemm,
     .axpby = cpu_axpby,
+    .delta = cpu_delta,
     .dora_rows = cpu_dora_rows,
     .hist_abs = cpu_hist_abs,
     .topk_apply = cpu_topk_apply,

@@ -25,6 +25,7 @@
 #include "util.h"
 
 #define DEFAULT_SLAB_ELEMS (16ll << 20)  // 64 MiB of float32 per buffer
+#define OUT_PIECE (1u << 20)              // bytes of output converted, hashed and written at once
 
 // ==== names and options =======================================================================
 
@@ -207,7 +208,7 @@ typedef struct engine {
     float **tau_buf;      // (n_ft)
     void *stage_dev;      // raw input staging when the device cannot read host memory
     void *out_dev;        // output dtype staging on the device
-    unsigned char *out_host;
+    unsigned char *out_host;  // OUT_PIECE bytes
     int64_t slab_max;
     float *mag_buf;       // DoRA magnitude of the current tensor, [rows]
     int64_t mag_cap;
@@ -243,15 +244,25 @@ static size_t esize(lm_dtype dt)
     return lm_dtype_bits(dt) / 8;
 }
 
-// dst[0..n) = float32 of host data src (dtype dt): directly on a host-memory device, else
-// through the staging buffer.
-static lm_status load_f32(engine *e, float *dst, const void *src, lm_dtype dt, int64_t n)
+// Makes n elements of host input src (dtype dt) readable by the device: src itself on a
+// host-memory device, else a copy in the staging buffer.
+static lm_status stage(engine *e, const void *src, lm_dtype dt, int64_t n, const void **on_dev)
 {
     e->bytes_in += (uint64_t)n * esize(dt);
-    if (e->dev->host_memory)
-        return lm_dev_to_f32(e->dev, dst, src, dt, n, e->err);
-    lm_status s = lm_dev_upload(e->dev, e->stage_dev, src, (size_t)n * esize(dt), e->err);
-    return s != LM_OK ? s : lm_dev_to_f32(e->dev, dst, e->stage_dev, dt, n, e->err);
+    if (e->dev->host_memory) {
+        *on_dev = src;
+        return LM_OK;
+    }
+    *on_dev = e->stage_dev;
+    return lm_dev_upload(e->dev, e->stage_dev, src, (size_t)n * esize(dt), e->err);
+}
+
+// dst[0..n) = float32 of host data src (dtype dt).
+static lm_status load_f32(engine *e, float *dst, const void *src, lm_dtype dt, int64_t n)
+{
+    const void *in;
+    lm_status s = stage(e, src, dt, n, &in);
+    return s != LM_OK ? s : lm_dev_to_f32(e->dev, dst, in, dt, n, e->err);
 }
 
 // ==== task vectors ============================================================================
@@ -287,8 +298,9 @@ static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t
     lm_status s;
     if (p->src == SRC_FULL) {
         const lm_st_tensor *t = p->full;
-        s = load_f32(e, p->tau, (const char *)t->data + (size_t)(r0 * cols) * esize(t->dtype), t->dtype, cnt);
-        return s != LM_OK ? s : lm_dev_axpby(e->dev, p->tau, 1.0f, base_slab, -1.0f, cnt, e->err);
+        const void *in;
+        s = stage(e, (const char *)t->data + (size_t)(r0 * cols) * esize(t->dtype), t->dtype, cnt, &in);
+        return s != LM_OK ? s : lm_dev_delta(e->dev, p->tau, in, t->dtype, base_slab, cnt, e->err);
     }
     const lm_lora_module *m = p->mod;
     float scale = (float)m->scale;
@@ -454,23 +466,32 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
 
 // ==== one tensor ==============================================================================
 
+// Converts a slab of float32 results to the output dtype, hashes it and writes it at its offset,
+// in pieces of OUT_PIECE bytes: the converted piece is still in cache when the hash and the
+// write's copy into the page cache read it (one large write from a buffer that no longer fits
+// in cache copies several times slower).
 static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
                             uint64_t offset, XXH64_state_t *hash)
 {
-    size_t nbytes = (size_t)cnt * esize(out_dt);
-    lm_status s;
-    if (e->dev->host_memory) {
-        s = lm_dev_from_f32(e->dev, e->out_host, out_dt, out_f32, cnt, e->err);
-    } else {
+    size_t es = esize(out_dt);
+    int64_t per_piece = (int64_t)(OUT_PIECE / es);
+    lm_status s = LM_OK;
+    if (!e->dev->host_memory)
         s = lm_dev_from_f32(e->dev, e->out_dev, out_dt, out_f32, cnt, e->err);
-        if (s == LM_OK)
-            s = lm_dev_download(e->dev, e->out_host, e->out_dev, nbytes, e->err);
+    for (int64_t off = 0; s == LM_OK && off < cnt; off += per_piece) {
+        int64_t n = cnt - off < per_piece ? cnt - off : per_piece;
+        size_t nbytes = (size_t)n * es;
+        if (e->dev->host_memory)
+            s = lm_dev_from_f32(e->dev, e->out_host, out_dt, out_f32 + off, n, e->err);
+        else
+            s = lm_dev_download(e->dev, e->out_host, (const char *)e->out_dev + (size_t)off * es, nbytes, e->err);
+        if (s != LM_OK)
+            break;
+        XXH64_update(hash, e->out_host, nbytes);
+        e->bytes_out += nbytes;
+        s = lm_st_writer_put_part(e->w, idx, offset + (uint64_t)off * es, e->out_host, nbytes, e->err);
     }
-    if (s != LM_OK)
-        return s;
-    XXH64_update(hash, e->out_host, nbytes);
-    e->bytes_out += nbytes;
-    return lm_st_writer_put_part(e->w, idx, offset, e->out_host, nbytes, e->err);
+    return s;
 }
 
 // A tensor no FT changes: the base's values in the output dtype.
@@ -478,7 +499,7 @@ static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_
 {
     // In pieces of a slab's bytes, each let go once written, so memory stays bounded.
     if (bt->dtype == out_dt || !lm_dtype_readable(bt->dtype)) {
-        uint64_t piece = (uint64_t)e->slab_max * sizeof(float);
+        uint64_t piece = OUT_PIECE;
         for (uint64_t off = 0; off < bt->nbytes; off += piece) {
             uint64_t len = bt->nbytes - off < piece ? bt->nbytes - off : piece;
             const char *src = (const char *)bt->data + off;
@@ -810,7 +831,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     res->tensor_xxh64 = calloc((size_t)(base->n_tensors ? base->n_tensors : 1), sizeof *res->tensor_xxh64);
     e.tau_buf = calloc((size_t)o->n_ft, sizeof *e.tau_buf);
     e.res = calloc((size_t)o->n_ft, sizeof *e.res);
-    e.out_host = malloc(slab_bytes);
+    e.out_host = malloc(OUT_PIECE);
     if (o->topk_global && uses_magnitude(o->method))
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();

@@ -80,8 +80,9 @@ lm_status lm_pool_create(lm_pool **out, int threads, lm_err *err)
         }
         for (int i = 0; i < p->threads - 1; i++) {
             if (pthread_create(&p->workers[i], NULL, worker, p) != 0) {
+                int want = p->threads;
                 lm_pool_free(p);
-                return lm_err_set(err, LM_ERR_NOMEM, "cannot start thread %d of %d", i + 2, p->threads);
+                return lm_err_set(err, LM_ERR_NOMEM, "cannot start thread %d of %d", i + 2, want);
             }
             p->n_workers++;
         }

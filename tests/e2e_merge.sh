@@ -294,8 +294,9 @@ expect 2 "--seed" dare "$B" "$lp" -o "$x" --seed -1
 expect 2 "--threads" ties "$B" "$lp" -o "$x" --threads many
 expect 2 "unknown suffix" ties "$B" "$lp" -o "$x" --shard-size 5XB
 expect 2 "--gpu-mem" ties "$B" "$lp" -o "$x" --gpu-mem lots
-expect 2 "not available in this build yet" ties "$B" "$lp" -o "$x" --device cuda:0
-expect 2 "not available in this build yet" ties "$B" "$lp" -o "$x" --device sim:1GiB
+expect 2 "cuda:99" ties "$B" "$lp" -o "$x" --device cuda:99
+expect 2 "size above 0" ties "$B" "$lp" -o "$x" --device sim:0
+expect 2 "sim:12parsecs" ties "$B" "$lp" -o "$x" --device sim:12parsecs
 expect 2 "tpu" ties "$B" "$lp" -o "$x" --device tpu
 expect 2 "takes no value" ties "$B" "$lp" -o "$x" --force=yes
 expect 2 "needs a value" ties "$B" "$lp" -o "$x" --weights

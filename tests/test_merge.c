@@ -336,7 +336,7 @@ static lm_st_file *run_merge(const char *root, const lm_merge_opts *o, const cha
         CHECK_MSG(same, "output %lld is %s, base tensor %s", (long long)i, desc[i].name, bt->name);
     }
     TRY(lm_st_writer_open(&w, out, desc, n, 5000000000ull, NULL, &err));
-    TRY(lm_dev_open(&dev, "cpu", o->threads, &err));
+    TRY(lm_dev_cpu_create(&dev, o->threads, &err));
     TRY(lm_merge_run(o, dev, base, fts, w, on_progress, &prog, &res, &err));
     have_res = true;
     CHECK_MSG(prog.calls == n && prog.bad == 0, "%lld progress calls for %lld tensors, %lld bad",

@@ -1,0 +1,683 @@
+// The CUDA backend of the device interface (device.h): buffers in GPU memory, copies through
+// pinned staging buffers, the merge operations as kernels (merge_ops.cu, convert.cu) and
+// cuBLAS, all on one stream of the backend's own.
+//
+// Ordering. Every copy and kernel goes on the one stream, so each operation sees the results
+// of the ones before it without any host-side waiting. Uploads return once the data has been
+// copied out of the caller's memory (which may be released then) while the last DMAs may still
+// run; kernels run while the host stages the next input. The host waits only where a result
+// must reach it: downloads, the reductions whose result is a host value (hist_abs, l1,
+// topk_apply's tie counts), lm_dev_sync, and before freeing memory the stream may still use.
+//
+// Errors. A failed allocation is LM_ERR_DEVICE_OOM and leaves the device usable; any other
+// CUDA failure is LM_ERR_DEVICE naming the call. A fault inside a kernel is reported by the
+// next call that waits on the stream. Freeing cannot return a status: a failure there is kept
+// and returned by the next call that can (as the sim device does).
+//
+// One caller at a time: like the other backends, a device is not shared between threads
+// without a lock. Every entry point makes the device current for the calling thread.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dtype.h"
+#include "status.h"
+
+extern "C" {
+#include "device.h"
+#include "parallel.h"
+#include "sparsify.h"
+#include "util.h"
+}
+
+#include "cuda_check.h"
+#include "kernels.h"
+
+#define STAGE_BYTES ((size_t)8 << 20)   // each of the two pinned staging buffers
+#define SCRATCH_MIN ((size_t)1 << 20)   // device scratch for reductions: enough for any slab
+#define TIE_COUNTS_OFF 256              // topk_apply's scratch: the tie end at 0, counts here
+
+typedef struct cuda_buf {
+    void *p;
+    size_t size;  // bytes asked for
+} cuda_buf;
+
+typedef struct cuda_ctx {
+    int ordinal;
+    char name[24];            // "cuda:N"
+    uint64_t mem_cap;         // the most bytes llmerge may hold on the device (0: no cap)
+    uint64_t used;            // bytes it holds: buffers and scratch
+    cuda_buf *bufs;           // (n_bufs) live buffers from alloc, in no order
+    size_t n_bufs, cap_bufs;
+    cudaStream_t stream;      // everything runs on it (non-blocking: no implicit sync with stream 0)
+    cublasHandle_t blas;      // bound to stream
+    void *pinned[2];          // (STAGE_BYTES each) staging buffers; both NULL when pinned memory
+                              // could not be had, and copies go straight from pageable memory
+    cudaEvent_t staged[2];    // recorded after the last copy into or out of pinned[i]
+    int next_stage;           // the staging buffer the next copy starts with
+    void *scratch;            // (scratch_size bytes) device scratch of the reductions
+    size_t scratch_size;
+    void *host_scratch;       // (host_scratch_size bytes) their results, fetched home
+    size_t host_scratch_size;
+    lm_status deferred;       // a failure of a call that could not report it (free), for the next
+    char deferred_msg[LM_ERR_MSG_MAX];
+} cuda_ctx;
+
+static cuda_ctx *ctx_of(lm_dev *d)
+{
+    return (cuda_ctx *)d->ctx;
+}
+
+// Keeps the first failure of a call that returns nothing, for the next call that can report it.
+static void defer(cuda_ctx *c, const char *what, cudaError_t e)
+{
+    if (c->deferred == LM_OK) {
+        c->deferred = LM_ERR_DEVICE;
+        snprintf(c->deferred_msg, sizeof c->deferred_msg, "%s: %s: %s", c->name, what, cudaGetErrorString(e));
+    }
+}
+
+// Starts every entry point that returns a status: reports a deferred failure, and makes this
+// device current for the calling thread (the runtime's current device is per thread).
+static lm_status begin(lm_dev *d, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    if (c->deferred != LM_OK) {
+        lm_status s = c->deferred;
+        c->deferred = LM_OK;
+        return lm_err_set(err, s, "%s", c->deferred_msg);
+    }
+    cudaError_t e = cudaSetDevice(c->ordinal);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: cudaSetDevice: %s", c->name, cudaGetErrorString(e));
+    }
+    return LM_OK;
+}
+
+// ==== memory ==================================================================================
+
+static const char *cuda_name(lm_dev *d)
+{
+    return ctx_of(d)->name;
+}
+
+// Free: what the driver reports, but no more than the cap leaves; total: the device's, or the
+// cap when that is smaller.
+static void cuda_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes)
+{
+    cuda_ctx *c = ctx_of(d);
+    size_t fr = 0, tot = 0;
+    if (cudaSetDevice(c->ordinal) != cudaSuccess || cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+        cudaGetLastError();
+        fr = tot = 0;
+    }
+    if (c->mem_cap) {
+        uint64_t room = c->mem_cap - c->used;
+        if (fr > room)
+            fr = (size_t)room;
+        if (tot == 0 || tot > c->mem_cap)
+            tot = (size_t)c->mem_cap;
+    }
+    *free_bytes = fr;
+    *total_bytes = tot;
+}
+
+static lm_status out_of_memory(lm_dev *d, size_t size, lm_err *err)
+{
+    size_t fr, tot;
+    char need[32], have[32];
+    cuda_mem_info(d, &fr, &tot);
+    return lm_err_set(err, LM_ERR_DEVICE_OOM, "%s out of memory: needed %s, %s free", ctx_of(d)->name,
+                      lm_format_bytes(need, sizeof need, size), lm_format_bytes(have, sizeof have, fr));
+}
+
+// cudaMalloc within the cap, counted in c->used. Out of memory, from the cap or the driver,
+// is LM_ERR_DEVICE_OOM, and the failure is cleared so the device stays usable.
+static lm_status dev_malloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    *ptr = NULL;
+    if (c->mem_cap && size > c->mem_cap - c->used)
+        return out_of_memory(d, size, err);
+    cudaError_t e = cudaMalloc(ptr, size);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        *ptr = NULL;
+        if (e == cudaErrorMemoryAllocation)
+            return out_of_memory(d, size, err);
+        char b[32];
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: cudaMalloc of %s: %s", c->name, lm_format_bytes(b, sizeof b, size),
+                          cudaGetErrorString(e));
+    }
+    c->used += size;
+    return LM_OK;
+}
+
+// cudaFree of `size` bytes from dev_malloc. cudaFree is not documented to wait for work still
+// queued that uses the memory, so the stream is drained first. Failures are deferred.
+static void dev_free(cuda_ctx *c, void *p, size_t size)
+{
+    cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        defer(c, "an operation failed on the device", e);
+    }
+    e = cudaFree(p);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        defer(c, "cudaFree", e);
+    }
+    c->used -= size;
+}
+
+static lm_status cuda_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    *ptr = NULL;
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    // Room in the table first, so that nothing can fail once the memory is taken.
+    if (c->n_bufs == c->cap_bufs) {
+        size_t cap = c->cap_bufs ? 2 * c->cap_bufs : 16;
+        cuda_buf *b = (cuda_buf *)realloc(c->bufs, cap * sizeof *b);
+        if (!b)
+            return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory for its buffer table", c->name);
+        c->bufs = b;
+        c->cap_bufs = cap;
+    }
+    if ((s = dev_malloc(d, size, ptr, err)) != LM_OK)
+        return s;
+    c->bufs[c->n_bufs].p = *ptr;
+    c->bufs[c->n_bufs].size = size;
+    c->n_bufs++;
+    return LM_OK;
+}
+
+static void cuda_free(lm_dev *d, void *ptr)
+{
+    cuda_ctx *c = ctx_of(d);
+    if (cudaSetDevice(c->ordinal) != cudaSuccess)
+        cudaGetLastError();  // dev_free's calls then fail and say so
+    for (size_t i = 0; i < c->n_bufs; i++) {
+        if (c->bufs[i].p == ptr) {
+            size_t size = c->bufs[i].size;
+            c->bufs[i] = c->bufs[--c->n_bufs];
+            dev_free(c, ptr, size);
+            return;
+        }
+    }
+    // Not a live buffer of this device (a host pointer, or freed twice): never handed to
+    // cudaFree; the next call reports it.
+    if (c->deferred == LM_OK) {
+        c->deferred = LM_ERR_DEVICE;
+        snprintf(c->deferred_msg, sizeof c->deferred_msg, "%s: a release was given %p, which is not a live %s buffer",
+                 c->name, ptr, c->name);
+    }
+}
+
+// Makes the device scratch at least `bytes` long. The old one is freed only once the stream is
+// done with it (dev_free drains the stream).
+static lm_status scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    if (bytes <= c->scratch_size)
+        return LM_OK;
+    size_t want = bytes < SCRATCH_MIN ? SCRATCH_MIN : bytes;
+    if (c->scratch) {
+        dev_free(c, c->scratch, c->scratch_size);
+        c->scratch = NULL;
+        c->scratch_size = 0;
+    }
+    lm_status s = dev_malloc(d, want, &c->scratch, err);
+    if (s == LM_OK)
+        c->scratch_size = want;
+    return s;
+}
+
+static lm_status host_reserve(cuda_ctx *c, size_t bytes, lm_err *err)
+{
+    if (bytes <= c->host_scratch_size)
+        return LM_OK;
+    void *p = realloc(c->host_scratch, bytes);
+    if (!p)
+        return lm_err_set(err, LM_ERR_NOMEM, "%s: out of host memory for a reduction's result", c->name);
+    c->host_scratch = p;
+    c->host_scratch_size = bytes;
+    return LM_OK;
+}
+
+// ==== copies ==================================================================================
+
+// Records staging buffer b's event after the copy just enqueued. Should the record fail, the
+// event does not cover that copy, so the stream is drained before the buffer can be reused.
+static cudaError_t record_staged(cuda_ctx *c, int b)
+{
+    cudaError_t e = cudaEventRecord(c->staged[b], c->stream);
+    if (e != cudaSuccess)
+        cudaStreamSynchronize(c->stream);
+    return e;
+}
+
+// Host → device through the two pinned buffers in turn: chunk i is copied into one while the
+// DMA of chunk i - 1 runs from the other. A buffer is refilled only after its event says the
+// DMA that read it is done. Returns when every chunk is in pinned memory and its DMA enqueued:
+// src is no longer needed, and the DMAs still in flight are ordered before every later
+// operation by the stream.
+static lm_status cuda_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status status = begin(d, err);
+    if (status != LM_OK)
+        return status;
+    if (!c->pinned[0]) {
+        // No pinned memory: the driver stages pageable memory itself; waiting for the copy
+        // keeps src free to be released on return whatever the driver does.
+        CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream));
+        CUDA_TRY(cudaStreamSynchronize(c->stream));
+        return LM_OK;
+    }
+    for (size_t off = 0; off < n;) {
+        size_t len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
+        int b = c->next_stage;
+        CUDA_TRY(cudaEventSynchronize(c->staged[b]));
+        memcpy(c->pinned[b], (const char *)src + off, len);
+        CUDA_TRY(cudaMemcpyAsync((char *)dst + off, c->pinned[b], len, cudaMemcpyHostToDevice, c->stream));
+        CUDA_TRY(record_staged(c, b));
+        c->next_stage = b ^ 1;
+        off += len;
+    }
+    return LM_OK;
+fail:
+    return status;
+}
+
+// Enqueues the DMA of chunk i of the n bytes at src into staging buffer b.
+static cudaError_t stage_home(cuda_ctx *c, const void *src, size_t n, size_t i, int b)
+{
+    size_t off = i * STAGE_BYTES, len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
+    cudaError_t e = cudaMemcpyAsync(c->pinned[b], (const char *)src + off, len, cudaMemcpyDeviceToHost, c->stream);
+    return e != cudaSuccess ? e : record_staged(c, b);
+}
+
+// Device → host through the pinned buffers: the DMA of chunk i + 1 is enqueued before chunk i
+// is copied out, so the two overlap. Returns when dst holds all n bytes. A fault of an earlier
+// kernel on the stream surfaces here.
+static lm_status copy_home(cuda_ctx *c, void *dst, const void *src, size_t n, lm_err *err)
+{
+    lm_status status = LM_OK;
+    size_t chunks = (n + STAGE_BYTES - 1) / STAGE_BYTES;
+    int first = c->next_stage;
+    if (n == 0)
+        return LM_OK;
+    if (!c->pinned[0]) {
+        CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream));
+        CUDA_TRY(cudaStreamSynchronize(c->stream));
+        return LM_OK;
+    }
+    // Chunk i uses buffer (first + i) % 2. The DMA into a buffer is ordered by the stream after
+    // any earlier DMA out of it, and the host has finished reading it (chunk i - 2) before.
+    CUDA_TRY(stage_home(c, src, n, 0, first));
+    for (size_t i = 0; i < chunks; i++) {
+        int b = (first + (int)(i & 1)) & 1;
+        size_t off = i * STAGE_BYTES, len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
+        if (i + 1 < chunks)
+            CUDA_TRY(stage_home(c, src, n, i + 1, b ^ 1));
+        CUDA_TRY(cudaEventSynchronize(c->staged[b]));
+        memcpy((char *)dst + off, c->pinned[b], len);
+    }
+    c->next_stage = (first + (int)(chunks & 1)) & 1;
+    return LM_OK;
+fail:
+    return status;
+}
+
+static lm_status cuda_download(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : copy_home(ctx_of(d), dst, src, n, err);
+}
+
+// Waits for everything enqueued; a fault of any earlier operation is LM_ERR_DEVICE here.
+static lm_status cuda_sync(lm_dev *d, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: an operation failed on the device: %s", c->name,
+                          cudaGetErrorString(e));
+    }
+    return LM_OK;
+}
+
+// Releases everything, also after a device error (each call's failure is ignored: there is
+// nobody left to report it to) and on a half-built device from lm_dev_cuda_create.
+static void cuda_destroy(lm_dev *d)
+{
+    cuda_ctx *c = ctx_of(d);
+    if (c) {
+        cudaSetDevice(c->ordinal);
+        if (c->stream)
+            cudaStreamSynchronize(c->stream);
+        for (size_t i = 0; i < c->n_bufs; i++)
+            cudaFree(c->bufs[i].p);
+        if (c->scratch)
+            cudaFree(c->scratch);
+        for (int b = 0; b < 2; b++) {
+            if (c->pinned[b])
+                cudaFreeHost(c->pinned[b]);
+            if (c->staged[b])
+                cudaEventDestroy(c->staged[b]);
+        }
+        if (c->blas)
+            cublasDestroy(c->blas);
+        if (c->stream)
+            cudaStreamDestroy(c->stream);
+        cudaGetLastError();
+        free(c->bufs);
+        free(c->host_scratch);
+        free(c);
+    }
+    free(d);
+}
+
+// ==== operations ==============================================================================
+
+static lm_status cuda_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    if (!lm_dtype_readable(dt))
+        return lm_convert_to_f32(dst, src, dt, 0, err);  // the CPU's message, touching nothing
+    return lm_cuda_convert_to_f32(dst, src, dt, n, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    if (!lm_dtype_writable(dt))
+        return lm_convert_from_f32(dst, dt, src, 0, err);
+    return lm_cuda_convert_from_f32(dst, dt, src, n, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                           const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
+                           float *c, int64_t ldc, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    return lm_cuda_sgemm(ctx_of(d)->blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, ctx_of(d)->stream,
+                         err);
+}
+
+static lm_status cuda_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_axpby(y, a, x, b, n, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_dora_rows(lm_dev *d, float *tau, const float *base, const float *magnitude,
+                                int64_t rows, int64_t cols, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_dora_rows(tau, base, magnitude, rows, cols, ctx_of(d)->stream, err);
+}
+
+// The histogram is built in device scratch, fetched home and added to the host's.
+static lm_status cuda_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
+                               uint32_t hi_bin, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    const size_t bytes = (size_t)LM_HIST_BINS * sizeof(uint64_t);
+    lm_status status = begin(d, err);
+    const uint64_t *h;
+    if (status != LM_OK || n <= 0)
+        return status;
+    if ((status = scratch_reserve(d, bytes, err)) != LM_OK || (status = host_reserve(c, bytes, err)) != LM_OK)
+        return status;
+    CUDA_TRY(cudaMemsetAsync(c->scratch, 0, bytes, c->stream));
+    if ((status = lm_cuda_hist_abs((uint64_t *)c->scratch, x, n, level, hi_bin, c->stream, err)) != LM_OK ||
+        (status = copy_home(c, c->host_scratch, c->scratch, bytes, err)) != LM_OK)
+        return status;
+    h = (const uint64_t *)c->host_scratch;
+    for (size_t b = 0; b < LM_HIST_BINS; b++)
+        hist[b] += h[b];
+    return LM_OK;
+fail:
+    return status;
+}
+
+// Ties (magnitude bits == thr_bits) are kept in index order up to ties_allowed. With every tie
+// kept, or none, one pass decides. Otherwise the ties of each chunk are counted and fetched
+// home; when there are no more than allowed all are kept, else the host finds the chunk where
+// the allowance runs out, a one-block kernel finds the index of the first tie beyond it there
+// (into scratch), and the mask keeps the ties below that index, all without another wait.
+static lm_status cuda_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                                 int64_t *ties_used, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    if (n <= 0) {
+        *ties_used = 0;
+        return LM_OK;
+    }
+    if (ties_allowed == LM_TIES_ALL || ties_allowed <= 0) {
+        if ((s = lm_cuda_topk_mask(x, n, thr_bits, ties_allowed == LM_TIES_ALL ? n : 0, NULL, c->stream, err)) != LM_OK)
+            return s;
+        // LM_TIES_ALL is not counted; a negative allowance keeps no tie and is reported back
+        // as the CPU backend reports it.
+        *ties_used = ties_allowed == LM_TIES_ALL ? 0 : ties_allowed;
+        return LM_OK;
+    }
+    int64_t chunks = (n + LM_CUDA_TIE_CHUNK - 1) / LM_CUDA_TIE_CHUNK;
+    size_t count_bytes = (size_t)chunks * sizeof(uint32_t);
+    if ((s = scratch_reserve(d, TIE_COUNTS_OFF + count_bytes, err)) != LM_OK ||
+        (s = host_reserve(c, count_bytes, err)) != LM_OK)
+        return s;
+    int64_t *d_tie_end = (int64_t *)c->scratch;
+    uint32_t *d_counts = (uint32_t *)((char *)c->scratch + TIE_COUNTS_OFF);
+    const uint32_t *counts = (const uint32_t *)c->host_scratch;
+    if ((s = lm_cuda_tie_counts(d_counts, x, n, thr_bits, c->stream, err)) != LM_OK ||
+        (s = copy_home(c, c->host_scratch, d_counts, count_bytes, err)) != LM_OK)
+        return s;
+    int64_t total = 0, cut_chunk = -1, before = 0;
+    for (int64_t i = 0; i < chunks; i++) {
+        if (cut_chunk < 0 && total + counts[i] > ties_allowed) {
+            cut_chunk = i;
+            before = total;
+        }
+        total += counts[i];
+    }
+    if (cut_chunk < 0) {
+        if ((s = lm_cuda_topk_mask(x, n, thr_bits, n, NULL, c->stream, err)) != LM_OK)
+            return s;
+        *ties_used = total;
+        return LM_OK;
+    }
+    // The tie of rank ties_allowed - before in cut_chunk is the first not kept.
+    int64_t lo = cut_chunk * LM_CUDA_TIE_CHUNK, hi = n - lo < LM_CUDA_TIE_CHUNK ? n : lo + LM_CUDA_TIE_CHUNK;
+    if ((s = lm_cuda_tie_find(d_tie_end, x, lo, hi, thr_bits, ties_allowed - before, c->stream, err)) != LM_OK ||
+        (s = lm_cuda_topk_mask(x, n, thr_bits, 0, d_tie_end, c->stream, err)) != LM_OK)
+        return s;
+    *ties_used = ties_allowed;
+    return LM_OK;
+}
+
+static lm_status cuda_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
+                                  uint64_t keep_below, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_random_drop(x, n, key, first, keep_below, ctx_of(d)->stream, err);
+}
+
+// Per-block partial sums on the device, added on the host in block order: device_cpu.c's
+// blocks and order, so the sum is the CPU's to the bit.
+static lm_status cuda_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    if (n <= 0) {
+        *out = 0.0;
+        return LM_OK;
+    }
+    int64_t nb = (n + LM_CUDA_L1_BLOCK - 1) / LM_CUDA_L1_BLOCK;
+    size_t bytes = (size_t)nb * sizeof(double);
+    if ((s = scratch_reserve(d, bytes, err)) != LM_OK || (s = host_reserve(c, bytes, err)) != LM_OK ||
+        (s = lm_cuda_l1_blocks((double *)c->scratch, x, n, c->stream, err)) != LM_OK ||
+        (s = copy_home(c, c->host_scratch, c->scratch, bytes, err)) != LM_OK)
+        return s;
+    const double *partial = (const double *)c->host_scratch;
+    double sum = 0;
+    for (int64_t b = 0; b < nb; b++)
+        sum += partial[b];
+    *out = sum;
+    return LM_OK;
+}
+
+static lm_status cuda_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
+                              const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                              float lambda, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    return lm_cuda_combine(out, base, w_tau, weights, k, n, sign != LM_DEV_SIGN_NONE, sign == LM_DEV_SIGN_COUNT,
+                           normalize, lambda, ctx_of(d)->stream, err);
+}
+
+// ==== the backend =============================================================================
+
+// Filled by name (C++ before C++20 has no designated initialisers), once, before main.
+static lm_dev_i make_iface(void)
+{
+    lm_dev_i i;
+    memset(&i, 0, sizeof i);
+    i.name = cuda_name;
+    i.mem_info = cuda_mem_info;
+    i.alloc = cuda_alloc;
+    i.free = cuda_free;
+    i.upload = cuda_upload;
+    i.download = cuda_download;
+    i.sync = cuda_sync;
+    i.destroy = cuda_destroy;
+    i.to_f32 = cuda_to_f32;
+    i.from_f32 = cuda_from_f32;
+    i.gemm = cuda_gemm;
+    i.axpby = cuda_axpby;
+    i.dora_rows = cuda_dora_rows;
+    i.hist_abs = cuda_hist_abs;
+    i.topk_apply = cuda_topk_apply;
+    i.random_drop = cuda_random_drop;
+    i.l1 = cuda_l1;
+    i.combine = cuda_combine;
+    return i;
+}
+
+static const lm_dev_i cuda_iface = make_iface();
+
+// Opens CUDA device `ordinal`: checks that it exists, then creates the stream, the staging
+// buffers and their events, the cuBLAS handle and a first scratch buffer. The caller frees the
+// device with lm_dev_free; on failure nothing is left allocated and *out stays NULL.
+extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err)
+{
+    lm_status status = LM_OK;
+    lm_dev *d = NULL;
+    cuda_ctx *c = NULL;
+    cublasStatus_t bs;
+    int count = 0;
+    cudaError_t e;
+
+    *out = NULL;
+    e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return lm_err_set(err, LM_ERR_USAGE, "cuda:%d: no usable CUDA driver or device (%s)", ordinal,
+                          cudaGetErrorString(e));
+    }
+    if (ordinal < 0 || ordinal >= count)
+        return lm_err_set(err, LM_ERR_USAGE, "cuda:%d: no such device (%d CUDA device%s found)", ordinal, count,
+                          count == 1 ? "" : "s");
+
+    d = (lm_dev *)calloc(1, sizeof *d);
+    c = (cuda_ctx *)calloc(1, sizeof *c);
+    if (!d || !c) {
+        free(d);
+        free(c);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    d->iface = &cuda_iface;
+    d->ctx = c;
+    d->host_memory = false;
+    d->threads = threads > 0 ? threads : lm_cpu_count();
+    c->ordinal = ordinal;
+    c->mem_cap = mem_cap;
+    snprintf(c->name, sizeof c->name, "cuda:%d", ordinal);
+
+    CUDA_TRY(cudaSetDevice(ordinal));
+    CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
+    for (int b = 0; b < 2; b++)
+        CUDA_TRY(cudaEventCreateWithFlags(&c->staged[b], cudaEventDisableTiming));
+    if ((bs = cublasCreate(&c->blas)) != CUBLAS_STATUS_SUCCESS) {
+        c->blas = NULL;
+        status = lm_err_set(err, bs == CUBLAS_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
+                            "%s: cublasCreate: %s", c->name, cublasGetStatusString(bs));
+        cudaGetLastError();
+        goto fail;
+    }
+    // Plain FP32 arithmetic: CUBLAS_DEFAULT_MATH never uses TF32 (only CUBLAS_TF32_TENSOR_OP_MATH
+    // or a TF32 compute type would), so the GEMM agrees with the CPU's to float32 rounding.
+    if ((bs = cublasSetStream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
+        (bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
+        status = lm_err_set(err, LM_ERR_DEVICE, "%s: setting up cuBLAS: %s", c->name, cublasGetStatusString(bs));
+        cudaGetLastError();
+        goto fail;
+    }
+    // Pinned staging buffers. Without them (pinned memory is a limited resource of the host)
+    // copies go straight from pageable memory and wait for themselves: slower, still correct.
+    for (int b = 0; b < 2; b++) {
+        if (cudaHostAlloc(&c->pinned[b], STAGE_BYTES, cudaHostAllocDefault) != cudaSuccess) {
+            cudaGetLastError();
+            for (int j = 0; j < 2; j++) {
+                if (c->pinned[j])
+                    cudaFreeHost(c->pinned[j]);
+                c->pinned[j] = NULL;
+            }
+            break;
+        }
+    }
+    // A first scratch buffer now, while memory is free, so the reductions need not allocate
+    // later. When the cap leaves no room for it they try again when they need it; any other
+    // failure means the device is not usable.
+    {
+        lm_err scratch_err;
+        lm_status s = scratch_reserve(d, SCRATCH_MIN, &scratch_err);
+        if (s != LM_OK && s != LM_ERR_DEVICE_OOM) {
+            status = lm_err_set(err, s, "%s", scratch_err.msg);
+            goto fail;
+        }
+    }
+    *out = d;
+    return LM_OK;
+fail:
+    cuda_destroy(d);
+    return status;
+}

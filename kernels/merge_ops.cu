@@ -1,0 +1,486 @@
+// Kernels and host launchers for the merge operations of the CUDA backend (device_cuda.cu):
+// GEMM through cuBLAS, element-wise arithmetic, DoRA row norms, magnitude histograms, top-k
+// and random masks, L1 partial sums and the sign-elected combination.
+//
+// Every per-element computation is device_cpu.c's, written out in the same order, so that the
+// results agree with the CPU backend bit for bit: this file is compiled with --fmad=false (no
+// a*b+c contracted into an FMA, as GCC does not contract in ISO C mode), without fast-math, and
+// double sums the CPU computes sequentially are computed sequentially here too (one warp per
+// sum, lane 0's value added first). Only the GEMM differs: cuBLAS and OpenBLAS block their dot
+// products differently, so C agrees to float32 rounding.
+//
+// The launchers only enqueue work on the stream they are given; nothing here synchronises,
+// allocates or copies to the host (device_cuda.cu does that). Index arithmetic is int64_t
+// throughout, loops are grid-stride with grids within every architecture's limits, and every
+// launch is checked.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cuda_check.h"
+#include "kernels.h"
+
+extern "C" {
+#include "sparsify.h"
+}
+
+#define FULL_MASK 0xFFFFFFFFu
+#define THREADS 256   // threads per block of the element-wise kernels
+#define SEQ_TILES 4   // tiles of 32 a warp loads ahead in the sequential sums
+
+static_assert(sizeof(unsigned long long) == sizeof(uint64_t), "atomicAdd on the histogram's uint64_t");
+
+// ==== element-wise ============================================================================
+
+__global__ void k_axpby(float *y, float a, const float *x, float b, int64_t n)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = a * y[i] + b * x[i];
+}
+
+__global__ void k_random_drop(float *x, int64_t n, uint64_t key, int64_t first, uint64_t keep_below)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        if (!lm_rng_keep(key, first + i, keep_below))
+            x[i] = 0.0f;
+}
+
+// C = beta * C for an m x n row-major C with row stride ldc: a GEMM with k == 0, by BLAS's rule
+// (beta == 0 stores zeros rather than multiplying whatever C held).
+__global__ void k_scale_rows(float *c, int64_t m, int64_t n, int64_t ldc, float beta)
+{
+    int64_t total = m * n;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t r = i / n, j = i - r * n;
+        float *p = c + r * ldc + j;
+        *p = beta == 0.0f ? 0.0f : beta * *p;
+    }
+}
+
+// ==== sequential double sums ==================================================================
+
+// Adds lane l's v to s for l = 0, 1, ..., cnt - 1, in that order: the sum a sequential CPU loop
+// computes. Every lane of the warp calls it with the same s and cnt (so the branch is uniform)
+// and every lane gets the same result.
+__device__ __forceinline__ double add_lanes_in_order(double s, double v, int cnt)
+{
+    if (cnt == 32) {
+#pragma unroll
+        for (int l = 0; l < 32; l++)
+            s += __shfl_sync(FULL_MASK, v, l);
+    } else {
+        for (int l = 0; l < cnt; l++)
+            s += __shfl_sync(FULL_MASK, v, l);
+    }
+    return s;
+}
+
+// Loads SEQ_TILES tiles of 32 floats starting at lo (0 past hi), one per lane per tile. The
+// loads are issued a group ahead of the additions that use them, to hide memory latency behind
+// the chain of dependent additions.
+__device__ __forceinline__ void load_tiles(float *v, const float *x, int64_t lo, int64_t hi, int lane)
+{
+#pragma unroll
+    for (int j = 0; j < SEQ_TILES; j++) {
+        int64_t i = lo + 32 * j + lane;
+        v[j] = i < hi ? x[i] : 0.0f;
+    }
+}
+
+// partial[b] = Σ |x[i]| over block b of LM_CUDA_L1_BLOCK elements, in double, in index order:
+// device_cpu.c's l1_task. One warp per block.
+__global__ void k_l1_blocks(double *partial, const float *x, int64_t n, int64_t nb)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+    const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t b = warp; b < nb; b += warps) {  // uniform across the warp
+        int64_t lo = b * LM_CUDA_L1_BLOCK, hi = n - lo < LM_CUDA_L1_BLOCK ? n : lo + LM_CUDA_L1_BLOCK;
+        float next[SEQ_TILES];
+        load_tiles(next, x, lo, hi, lane);
+        double s = 0.0;
+        for (int64_t g = lo; g < hi; g += 32 * SEQ_TILES) {
+            float cur[SEQ_TILES];
+#pragma unroll
+            for (int j = 0; j < SEQ_TILES; j++)
+                cur[j] = next[j];
+            load_tiles(next, x, g + 32 * SEQ_TILES, hi, lane);
+#pragma unroll
+            for (int j = 0; j < SEQ_TILES; j++) {
+                int64_t t0 = g + 32 * j;
+                if (t0 < hi)
+                    s = add_lanes_in_order(s, fabs((double)cur[j]), hi - t0 < 32 ? (int)(hi - t0) : 32);
+            }
+        }
+        if (lane == 0)
+            partial[b] = s;
+    }
+}
+
+// device_cpu.c's dora_task, one warp per row: the squared norm of W' = base + ΔW summed in
+// double in column order, then tau = f · W' − base with f = magnitude / ‖W'‖ rounded to float
+// (0 for a row that is all zeros).
+__global__ void k_dora_rows(float *tau, const float *base, const float *mag, int64_t rows, int64_t cols)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+    const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = warp; r < rows; r += warps) {  // uniform across the warp
+        float *t = tau + r * cols;
+        const float *b = base + r * cols;
+        float nb[SEQ_TILES], nt[SEQ_TILES];
+        load_tiles(nb, b, 0, cols, lane);
+        load_tiles(nt, t, 0, cols, lane);
+        double ss = 0.0;
+        for (int64_t g = 0; g < cols; g += 32 * SEQ_TILES) {
+            float cb[SEQ_TILES], ct[SEQ_TILES];
+#pragma unroll
+            for (int j = 0; j < SEQ_TILES; j++) {
+                cb[j] = nb[j];
+                ct[j] = nt[j];
+            }
+            load_tiles(nb, b, g + 32 * SEQ_TILES, cols, lane);
+            load_tiles(nt, t, g + 32 * SEQ_TILES, cols, lane);
+#pragma unroll
+            for (int j = 0; j < SEQ_TILES; j++) {
+                int64_t t0 = g + 32 * j;
+                if (t0 < cols) {
+                    float w = cb[j] + ct[j];
+                    ss = add_lanes_in_order(ss, (double)w * w, cols - t0 < 32 ? (int)(cols - t0) : 32);
+                }
+            }
+        }
+        // Every lane read its own columns above and writes only those below.
+        float f = ss > 0 ? (float)(mag[r] / sqrt(ss)) : 0.0f;
+        for (int64_t c = lane; c < cols; c += 32)
+            t[c] = f * (b[c] + t[c]) - b[c];
+    }
+}
+
+// ==== selection ===============================================================================
+
+#define NO_BIN 0xFFFFFFFFu
+
+// Adds the level-0 (top 16 magnitude bits) or level-1 (low 16 bits of the magnitudes whose top
+// 16 bits are hi_bin) histogram of x to hist. The lanes of a warp that fall into the same bin
+// add their count with one atomic. The loop runs whole warps (base is the warp's first
+// element), so every lane reaches __match_any_sync.
+__global__ void k_hist_abs(unsigned long long *hist, const float *x, int64_t n, int level, uint32_t hi_bin)
+{
+    const int lane = threadIdx.x & 31;
+    for (int64_t base = blockIdx.x * (int64_t)blockDim.x + (threadIdx.x & ~31u); base < n;
+         base += (int64_t)gridDim.x * blockDim.x) {
+        int64_t i = base + lane;
+        uint32_t bin = NO_BIN;
+        if (i < n) {
+            uint32_t bits = lm_abs_bits(x[i]);
+            if (level == 0)
+                bin = bits >> 16;
+            else if ((bits >> 16) == hi_bin)
+                bin = bits & 0xFFFFu;
+        }
+        unsigned peers = __match_any_sync(FULL_MASK, bin);
+        if (bin != NO_BIN && lane == __ffs(peers) - 1)
+            atomicAdd(&hist[bin], (unsigned long long)__popc(peers));
+    }
+}
+
+// counts[c] = the ties (magnitude bits == thr) in chunk c of LM_CUDA_TIE_CHUNK elements; one
+// block per chunk at a time.
+__global__ void k_tie_counts(uint32_t *counts, const float *x, int64_t n, uint32_t thr, int64_t chunks)
+{
+    __shared__ uint32_t warp_sum[32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    for (int64_t ch = blockIdx.x; ch < chunks; ch += gridDim.x) {  // uniform across the block
+        int64_t lo = ch * LM_CUDA_TIE_CHUNK, hi = n - lo < LM_CUDA_TIE_CHUNK ? n : lo + LM_CUDA_TIE_CHUNK;
+        uint32_t c = 0;
+        for (int64_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+            c += lm_abs_bits(x[i]) == thr;
+        for (int o = 16; o > 0; o >>= 1)
+            c += __shfl_down_sync(FULL_MASK, c, o);
+        if (lane == 0)
+            warp_sum[wid] = c;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint32_t total = 0;
+            for (int w = 0; w < nwarps; w++)
+                total += warp_sum[w];
+            counts[ch] = total;
+        }
+        __syncthreads();  // warp_sum is written again for the next chunk
+    }
+}
+
+// *index = the index of the tie of rank `rank` in x[lo, hi) (hi when there are not that many,
+// which the caller rules out). One block; tiles of blockDim elements in order, each tie's rank
+// from the warps' ballots.
+__global__ void k_tie_find(int64_t *index, const float *x, int64_t lo, int64_t hi, uint32_t thr, int64_t rank)
+{
+    __shared__ uint32_t warp_cnt[32];
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+    if (threadIdx.x == 0)
+        *index = hi;  // ordered before the finder's store by the __syncthreads below
+    int64_t seen = 0;  // ties before this tile: the same in every thread
+    for (int64_t base = lo; base < hi; base += blockDim.x) {  // uniform across the block
+        int64_t i = base + threadIdx.x;
+        bool tie = i < hi && lm_abs_bits(x[i]) == thr;
+        uint32_t ballot = __ballot_sync(FULL_MASK, tie);
+        if (lane == 0)
+            warp_cnt[wid] = (uint32_t)__popc(ballot);
+        __syncthreads();
+        int64_t before = seen, total = seen;
+        for (int w = 0; w < nwarps; w++) {
+            before += w < wid ? warp_cnt[w] : 0;
+            total += warp_cnt[w];
+        }
+        if (tie && before + __popc(ballot & ((1u << lane) - 1u)) == rank)
+            *index = i;
+        seen = total;
+        __syncthreads();  // warp_cnt is written again for the next tile
+        if (seen > rank)
+            return;
+    }
+}
+
+// Zeroes x[i] unless its magnitude bits are > thr, or == thr with i below the tie end.
+__global__ void k_topk_mask(float *x, int64_t n, uint32_t thr, int64_t tie_end, const int64_t *d_tie_end)
+{
+    const int64_t end = d_tie_end ? *d_tie_end : tie_end;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        uint32_t bits = lm_abs_bits(x[i]);
+        bool keep = bits > thr || (bits == thr && i < end);
+        if (!keep)
+            x[i] = 0.0f;
+    }
+}
+
+// ==== combination =============================================================================
+
+// The task vectors of one combination, passed by value as kernel arguments (3 KiB, within the
+// 4 KiB every architecture and toolkit allows).
+typedef struct combine_args {
+    const float *tau[LM_CUDA_COMBINE_MAX];  // (k) device pointers, n elements each
+    float w[LM_CUDA_COMBINE_MAX];           // (k) weights
+    int k;
+} combine_args;
+
+// device_cpu.c's combine_chunk for one element per iteration: the same sums over i in the same
+// order, the same agreement test and the same final expression.
+__global__ void k_combine(float *out, const float *base, const combine_args a, int64_t n, bool elect,
+                          bool count_signs, bool normalize, float lambda)
+{
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
+        float vote = 0.0f, delta = 0.0f, div = 0.0f;
+        if (!elect) {
+            for (int i = 0; i < a.k; i++) {
+                float w = a.w[i];
+                delta += w * a.tau[i][e];
+                div += w;
+            }
+        } else {
+            for (int i = 0; i < a.k; i++) {
+                float w = a.w[i];
+                if (!count_signs) {
+                    vote += w * a.tau[i][e];
+                } else {
+                    float wt = w * a.tau[i][e];
+                    vote += (float)((wt > 0) - (wt < 0));
+                }
+            }
+            // Entries agree with the elected sign when they have that sign; zeros never agree.
+            // A disagreeing entry adds +0.0f, as on the CPU (which turns a -0.0f sum into +0.0f).
+            for (int i = 0; i < a.k; i++) {
+                float w = a.w[i];
+                float wt = w * a.tau[i][e], s = vote >= 0.0f ? 1.0f : -1.0f;
+                bool agree = wt * s > 0.0f;
+                delta += agree ? wt : 0.0f;
+                div += agree ? w : 0.0f;
+            }
+        }
+        float d = normalize && div != 0.0f ? delta / div : delta;
+        out[e] = base[e] + lambda * d;
+    }
+}
+
+// ==== launchers ===============================================================================
+
+// Warps (one per sum) of 128-thread blocks for `items` sums.
+static unsigned grid_warps(int64_t items)
+{
+    return lm_cuda_grid(items, 128 / 32);
+}
+
+// GEMM, row-major to cuBLAS's column-major. A row-major matrix X stored [R, C] with row stride
+// ld is, read column-major with leading dimension ld, the matrix Xᵀ [C, R]. So cuBLAS sees
+//   C (row-major [m, n], ldc)   as  Cᵀ [n, m], ldc;
+//   a: when !ta it stores op(A) [m, k], seen as op(A)ᵀ [k, m]: op N gives op(A)ᵀ;
+//      when  ta it stores A = op(A)ᵀ [k, m], seen as op(A) [m, k]: op T gives op(A)ᵀ;
+//   b: likewise, op N (!tb) or T (tb) gives op(B)ᵀ [n, k].
+// Row-major C = α op(A) op(B) + β C is column-major Cᵀ = α op(B)ᵀ op(A)ᵀ + β Cᵀ, that is
+//   cublasSgemm(opB, opA, n, m, k, α, b, ldb, a, lda, β, c, ldc)
+// with opB = tb ? T : N and opA = ta ? T : N. cuBLAS's leading-dimension rules then read
+//   ldb >= n when !tb (b is [k, n]) or >= k when tb (b is [n, k]),
+//   lda >= k when !ta (a is [m, k]) or >= m when ta (a is [k, m]),  ldc >= n,
+// which are exactly "each stride at least its stored row's length". Checked on all four
+// (ta, tb) cases: e.g. ta = tb = 1: cuBLAS's first operand is b read as [k, n] (ld ldb) with op
+// T, i.e. [n, k] = op(B)ᵀ since op(B) = bᵀ; its second is a read as [m, k] with op T, i.e.
+// [k, m] = op(A)ᵀ since op(A) = aᵀ; their product [n, m] is (op(A) op(B))ᵀ.
+extern "C" lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                                   const float *d_a, int64_t lda, const float *d_b, int64_t ldb, float beta,
+                                   float *d_c, int64_t ldc, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    cublasStatus_t bs;
+    if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX || ldc > INT32_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cuda: GEMM of %lld x %lld x %lld is too large for cuBLAS",
+                          (long long)m, (long long)n, (long long)k);
+    if (m < 0 || n < 0 || k < 0)
+        return lm_err_set(err, LM_ERR_DEVICE, "cuda: GEMM of invalid shape %lld x %lld x %lld", (long long)m,
+                          (long long)n, (long long)k);
+    if (m == 0 || n == 0)
+        return LM_OK;
+    if (k == 0) {
+        // An empty sum: cuBLAS's handling of k == 0 is not documented, BLAS's is C = β·C.
+        if (beta != 1.0f) {
+            k_scale_rows<<<lm_cuda_grid(m * n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_c, m, n, ldc, beta);
+            CUDA_LAUNCHED("k_scale_rows");
+        }
+        return LM_OK;
+    }
+    bs = cublasSgemm((cublasHandle_t)blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n,
+                     (int)m, (int)k, &alpha, d_b, (int)ldb, d_a, (int)lda, &beta, d_c, (int)ldc);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        // A workspace cuBLAS could not allocate is the device being full, like any allocation.
+        status = lm_err_set(err, bs == CUBLAS_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
+                            "cuda: cublasSgemm (ta %d, tb %d, m %lld, n %lld, k %lld, lda %lld, ldb %lld, "
+                            "ldc %lld): %s",
+                            (int)ta, (int)tb, (long long)m, (long long)n, (long long)k, (long long)lda,
+                            (long long)ldb, (long long)ldc, cublasGetStatusString(bs));
+        cudaGetLastError();  // whatever CUDA error lay behind it must not fail the next launch check
+    }
+    return status;
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_axpby(float *d_y, float a, const float *d_x, float b, int64_t n, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (n <= 0)
+        return LM_OK;
+    k_axpby<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_y, a, d_x, b, n);
+    CUDA_LAUNCHED("k_axpby");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_dora_rows(float *d_tau, const float *d_base, const float *d_mag, int64_t rows,
+                                       int64_t cols, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    k_dora_rows<<<grid_warps(rows), 128, 0, (cudaStream_t)stream>>>(d_tau, d_base, d_mag, rows, cols);
+    CUDA_LAUNCHED("k_dora_rows");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_hist_abs(uint64_t *d_hist, const float *d_x, int64_t n, int level, uint32_t hi_bin,
+                                      void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (n <= 0)
+        return LM_OK;
+    k_hist_abs<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>((unsigned long long *)d_hist, d_x, n,
+                                                                              level, hi_bin);
+    CUDA_LAUNCHED("k_hist_abs");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_tie_counts(uint32_t *d_counts, const float *d_x, int64_t n, uint32_t thr_bits,
+                                        void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    int64_t chunks = (n + LM_CUDA_TIE_CHUNK - 1) / LM_CUDA_TIE_CHUNK;
+    if (n <= 0)
+        return LM_OK;
+    k_tie_counts<<<lm_cuda_grid(chunks, 1), THREADS, 0, (cudaStream_t)stream>>>(d_counts, d_x, n, thr_bits, chunks);
+    CUDA_LAUNCHED("k_tie_counts");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_tie_find(int64_t *d_index, const float *d_x, int64_t lo, int64_t hi, uint32_t thr_bits,
+                                      int64_t rank, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    k_tie_find<<<1, 1024, 0, (cudaStream_t)stream>>>(d_index, d_x, lo, hi, thr_bits, rank);
+    CUDA_LAUNCHED("k_tie_find");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_topk_mask(float *d_x, int64_t n, uint32_t thr_bits, int64_t tie_end,
+                                       const int64_t *d_tie_end, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (n <= 0)
+        return LM_OK;
+    k_topk_mask<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, n, thr_bits, tie_end, d_tie_end);
+    CUDA_LAUNCHED("k_topk_mask");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_random_drop(float *d_x, int64_t n, uint64_t key, int64_t first, uint64_t keep_below,
+                                         void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (n <= 0)
+        return LM_OK;
+    k_random_drop<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, n, key, first, keep_below);
+    CUDA_LAUNCHED("k_random_drop");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_l1_blocks(double *d_partial, const float *d_x, int64_t n, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    int64_t nb = (n + LM_CUDA_L1_BLOCK - 1) / LM_CUDA_L1_BLOCK;
+    if (n <= 0)
+        return LM_OK;
+    k_l1_blocks<<<grid_warps(nb), 128, 0, (cudaStream_t)stream>>>(d_partial, d_x, n, nb);
+    CUDA_LAUNCHED("k_l1_blocks");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau,
+                                     const float *weights, int k, int64_t n, bool elect, bool count_signs,
+                                     bool normalize, float lambda, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    combine_args a;
+    if (k > LM_CUDA_COMBINE_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cuda: combining %d task vectors at once is not supported "
+                          "(at most %d)", k, LM_CUDA_COMBINE_MAX);
+    if (n <= 0)
+        return LM_OK;
+    memset(&a, 0, sizeof a);
+    a.k = k > 0 ? k : 0;
+    for (int i = 0; i < a.k; i++) {
+        a.tau[i] = d_tau[i];
+        a.w[i] = weights[i];
+    }
+    k_combine<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_out, d_base, a, n, elect, count_signs,
+                                                                             normalize, lambda);
+    CUDA_LAUNCHED("k_combine");
+fail:
+    return status;
+}
