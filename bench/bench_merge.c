@@ -10,7 +10,14 @@
 // it asserts nothing, and exits non-zero only when something fails to run (a merge exiting
 // non-zero, an input that cannot be made).
 //
-//   bench_merge [--work DIR] [--llmerge PATH] [--only full|lora] [--keep]
+// With --device cuda[:N] (a GPU machine) the merges run there: each line also gives the bytes
+// copied between host and device per second of merging (from llmerge.json) against cudaMemcpy's
+// bandwidth between pinned memory and the device measured in the same run, and with
+// --fallback-mem SIZE a TIES merge of each kind runs once more with --gpu-mem SIZE, small
+// enough that tensors fall back to the CPU, giving its time and how many fell back.
+//
+//   bench_merge [--work DIR] [--llmerge PATH] [--only full|lora] [--keep] [--device DEV]
+//               [--fallback-mem SIZE]
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -29,9 +36,14 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "dtype.h"
 #include "st_writer.h"
 #include "util.h"
+#ifdef LLMERGE_HAVE_CUDA
+#include "kernels.h"
+#endif
 
 // ==== the synthetic model =====================================================================
 
@@ -573,6 +585,12 @@ typedef struct bm_run {
     uint64_t peak_file;   // bytes, the most RssFile seen
     uint64_t in_bytes;    // input safetensors bytes
     double floor;         // seconds: the floor of this kind
+    const char *gpu_mem;  // --gpu-mem given to this run, or NULL
+    // from the output's llmerge.json
+    double merge_s;       // timings.merge_s
+    double xfer_bytes;    // transfers: bytes to and from the device
+    int64_t fallbacks;    // fallbacks.merge
+    int64_t on_device;    // tensors merged on the device
 } bm_run;
 
 // Prints the last `max` bytes of `path` to stderr.
@@ -642,7 +660,54 @@ typedef struct bm_opts {
     const char *llmerge;
     bool full, lora;  // which kinds of fine-tuned inputs to merge
     bool keep;
+    const char *device;        // --device for the merges (default cpu)
+    const char *fallback_mem;  // --gpu-mem of the extra TIES run, or NULL
 } bm_opts;
+
+// Reads what the bench reports from an output's llmerge.json; fields stay 0 when absent.
+static void read_manifest(const char *out, bm_run *r)
+{
+    char *path = lm_path_join(out, "llmerge.json");
+    FILE *f = path ? fopen(path, "rb") : NULL;
+    free(path);
+    if (!f)
+        return;
+    char *text = NULL;
+    size_t cap = 0, len = 0, n;
+    char chunk[65536];
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) {
+        if (len + n + 1 > cap) {
+            cap = (len + n + 1) * 2;
+            char *t = realloc(text, cap);
+            if (!t)
+                break;
+            text = t;
+        }
+        memcpy(text + len, chunk, n);
+        len += n;
+        text[len] = 0;
+    }
+    fclose(f);
+    cJSON *root = text ? cJSON_Parse(text) : NULL;
+    free(text);
+    if (!root)
+        return;
+    cJSON *t = cJSON_GetObjectItem(root, "timings"), *x = cJSON_GetObjectItem(root, "transfers"),
+          *fb = cJSON_GetObjectItem(root, "fallbacks"), *dv = cJSON_GetObjectItem(root, "devices");
+    cJSON *v;
+    if ((v = cJSON_GetObjectItem(t, "merge_s")) && cJSON_IsNumber(v))
+        r->merge_s = v->valuedouble;
+    if ((v = cJSON_GetObjectItem(x, "bytes_to_device")) && cJSON_IsNumber(v))
+        r->xfer_bytes += v->valuedouble;
+    if ((v = cJSON_GetObjectItem(x, "bytes_from_device")) && cJSON_IsNumber(v))
+        r->xfer_bytes += v->valuedouble;
+    if ((v = cJSON_GetObjectItem(fb, "merge")) && cJSON_IsNumber(v))
+        r->fallbacks = (int64_t)v->valuedouble;
+    for (cJSON *d = dv ? dv->child : NULL; d; d = d->next)
+        if (strcmp(d->string, "cpu") != 0 && cJSON_IsNumber(d))
+            r->on_device += (int64_t)d->valuedouble;
+    cJSON_Delete(root);
+}
 
 // Everything under the work directory (new strings, freed by paths_free).
 typedef struct bm_paths {
@@ -792,13 +857,17 @@ static int bench_kind(const bm_opts *o, const bm_paths *p, int kind, const char 
            t_write[0], t_write[1], floor);
     fflush(stdout);
 
-    for (int m = 0; m < 3; m++) {
+    int n_merges = o->fallback_mem ? 4 : 3;  // the 4th: ties again, with --gpu-mem
+    for (int m = 0; m < n_merges; m++) {
         bm_run *r = &runs[(*nr)++];
-        *r = (bm_run){.method = methods[m], .kind = kname, .in_bytes = in_total, .floor = floor};
+        const char *method = methods[m < 3 ? m : 0];
+        *r = (bm_run){.method = method, .kind = kname, .in_bytes = in_total, .floor = floor,
+                      .gpu_mem = m == 3 ? o->fallback_mem : NULL};
         lm_err err = {0};
-        char *out = lm_strfmt("%s/out-%s-%s", o->work, methods[m], kname);
-        char *args[] = {(char *)llmerge, (char *)methods[m], p->base, fts[0], fts[1], fts[2],
-                        "-o", out, "--density", DENSITY, "--seed", SEED, "-q", "--force", NULL};
+        char *out = lm_strfmt("%s/out-%s-%s", o->work, method, kname);
+        char *args[] = {(char *)llmerge, (char *)method, p->base, fts[0], fts[1], fts[2],
+                        "-o", out, "--density", DENSITY, "--seed", SEED, "-q", "--force",
+                        "--device", (char *)o->device, m == 3 ? "--gpu-mem" : NULL, (char *)o->fallback_mem, NULL};
         if (!out || lm_rm_rf(out, &err) != LM_OK) {
             fprintf(stderr, "bench_merge: %s\n", out ? err.msg : "out of memory");
             free(out);
@@ -812,17 +881,19 @@ static int bench_kind(const bm_opts *o, const bm_paths *p, int kind, const char 
         if (r->status != 0) {
             (*failures)++;
             fprintf(stderr, "bench_merge: `llmerge %s` (%s) exited with status %d; its output "
-                    "ends:\n", methods[m], kname, r->status);
+                    "ends:\n", method, kname, r->status);
             print_tail(p->log, 2000);
         } else if (!lm_is_dir(out)) {
             (*failures)++;
             r->status = -1;
             fprintf(stderr, "bench_merge: `llmerge %s` (%s) exited 0 but wrote no %s\n",
-                    methods[m], kname, out);
+                    method, kname, out);
         }
+        read_manifest(out, r);
         if (!o->keep)
             lm_rm_rf(out, &err);
-        printf("  %-16s %6.2f s, peak RSS %.2f GB\n", methods[m], r->wall, gb(r->peak_rss));
+        printf("  %-16s %6.2f s, peak RSS %.2f GB%s%s\n", method, r->wall, gb(r->peak_rss),
+               r->gpu_mem ? ", --gpu-mem " : "", r->gpu_mem ? r->gpu_mem : "");
         fflush(stdout);
         free(out);
     }
@@ -833,14 +904,15 @@ done:
     return rc;
 }
 
-static void print_results(const bm_run *runs, int nr)
+static void print_results(const bm_run *runs, int nr, bool device_run, const char *device, double h2d_bw,
+                          double d2h_bw)
 {
     printf("\n%-22s %9s %8s %8s %10s %10s %9s %9s %9s\n", "merge (3 inputs)", "input GB", "wall s",
            "floor s", "wall/floor", "in GB/s", "peak RSS", "anon*", "file*");
     for (int i = 0; i < nr; i++) {
         const bm_run *r = &runs[i];
         char name[40];
-        snprintf(name, sizeof name, "%s %s", r->method, r->kind);
+        snprintf(name, sizeof name, "%s %s%s", r->method, r->kind, r->gpu_mem ? " (gpu-mem)" : "");
         if (r->status != 0) {
             printf("%-22s %9.2f   FAILED (exit status %d)\n", name, gb(r->in_bytes), r->status);
             continue;
@@ -849,6 +921,25 @@ static void print_results(const bm_run *runs, int nr)
                r->wall, r->floor, r->wall / r->floor, gb(r->in_bytes) / r->wall, gb(r->peak_rss),
                gb(r->peak_anon), gb(r->peak_file));
     }
+    if (device_run) {
+        printf("\non %s: host<->device copies (llmerge.json's transfers over timings.merge_s) against "
+               "cudaMemcpy from pinned memory (%.2f GB/s to the device, %.2f GB/s back)\n", device, gb(h2d_bw),
+               gb(d2h_bw));
+        printf("%-22s %10s %8s %10s %10s %9s %10s\n", "merge (3 inputs)", "--gpu-mem", "merge s", "copied GB",
+               "copy GB/s", "of memcpy", "fell back");
+        for (int i = 0; i < nr; i++) {
+            const bm_run *r = &runs[i];
+            if (r->status != 0)
+                continue;
+            char name[40];
+            snprintf(name, sizeof name, "%s %s", r->method, r->kind);
+            double rate = r->merge_s > 0 ? r->xfer_bytes / r->merge_s : 0;
+            double ref = h2d_bw > 0 && d2h_bw > 0 ? (h2d_bw + d2h_bw) / 2 : 0;
+            printf("%-22s %10s %8.2f %10.2f %10.2f %8.0f%% %4lld of %lld\n", name, r->gpu_mem ? r->gpu_mem : "-",
+                   r->merge_s, gb((uint64_t)r->xfer_bytes), gb((uint64_t)rate), ref > 0 ? 100 * rate / ref : 0.0,
+                   (long long)r->fallbacks, (long long)(r->fallbacks + r->on_device));
+        }
+    }
     printf("(GB = 10^9 bytes; peak RSS from wait4's ru_maxrss; * the most RssAnon / RssFile seen "
            "sampling /proc every 5 ms:\n mmapped input pages count as file RSS; default threads, "
            "density " DENSITY ", seed " SEED "; the merges ran after their floor's reads)\n");
@@ -856,7 +947,7 @@ static void print_results(const bm_run *runs, int nr)
     printf("\ntargets (%ld cores):\n", sysconf(_SC_NPROCESSORS_ONLN));
     for (int i = 0; i < nr; i++) {
         const bm_run *r = &runs[i];
-        if (r->status != 0)
+        if (r->status != 0 || r->gpu_mem)
             continue;
         bool ties = strcmp(r->method, "ties") == 0, ta = strcmp(r->method, "task-arithmetic") == 0;
         if (ties && strcmp(r->kind, "full") == 0)
@@ -876,11 +967,14 @@ static void usage(FILE *out)
 {
     fprintf(out,
             "usage: bench_merge [--work DIR] [--llmerge PATH] [--only full|lora] [--keep]\n"
+            "                   [--device DEV] [--fallback-mem SIZE]\n"
             "  --work DIR      where inputs are generated (and reused) and merges write\n"
             "                  (default /tmp/llmerge-bench-merge)\n"
             "  --llmerge PATH  the binary to run (default: llmerge beside bench_merge)\n"
             "  --only KIND     only the merges of full fine-tunes, or only of LoRA adapters\n"
-            "  --keep          keep the merge outputs (by default each is removed after its run)\n");
+            "  --keep          keep the merge outputs (by default each is removed after its run)\n"
+            "  --device DEV    where the merges run (default cpu): with cuda[:N] the transfer table too\n"
+            "  --fallback-mem SIZE  also run ties of each kind with --gpu-mem SIZE (fallbacks)\n");
 }
 
 // llmerge in the directory of this program (both live in the build directory).
@@ -899,7 +993,7 @@ static char *default_llmerge(void)
 
 int main(int argc, char **argv)
 {
-    bm_opts o = {.work = "/tmp/llmerge-bench-merge", .full = true, .lora = true};
+    bm_opts o = {.work = "/tmp/llmerge-bench-merge", .full = true, .lora = true, .device = "cpu"};
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         bool has = i + 1 < argc;
@@ -917,6 +1011,10 @@ int main(int argc, char **argv)
             }
         } else if (strcmp(a, "--keep") == 0) {
             o.keep = true;
+        } else if (strcmp(a, "--device") == 0 && has) {
+            o.device = argv[++i];
+        } else if (strcmp(a, "--fallback-mem") == 0 && has) {
+            o.fallback_mem = argv[++i];
         } else if (strcmp(a, "-h") == 0 || strcmp(a, "--help") == 0) {
             usage(stdout);
             return 0;
@@ -975,13 +1073,30 @@ int main(int argc, char **argv)
     // ---- inputs, floors, merges ----------------------------------------------------------
     if (make_inputs(&p, o.work, have_base, have_full, have_lora) != 0)
         goto done;
-    bm_run runs[6];
+    // the reference bandwidth of a CUDA device, measured before the merges
+    double h2d_bw = 0, d2h_bw = 0;
+    bool cuda = strncmp(o.device, "cuda", 4) == 0;
+    if (cuda) {
+#ifdef LLMERGE_HAVE_CUDA
+        int ordinal = o.device[4] == ':' ? atoi(o.device + 5) : 0;
+        if (lm_cuda_memcpy_bandwidth(ordinal, 256u << 20, 8, &h2d_bw, &d2h_bw, &err) != LM_OK) {
+            fprintf(stderr, "bench_merge: measuring cudaMemcpy: %s\n", err.msg);
+            goto done;
+        }
+        printf("cudaMemcpy, pinned, 256 MiB x 8: %.2f GB/s to %s, %.2f GB/s back\n", gb(h2d_bw), o.device,
+               gb(d2h_bw));
+#else
+        fprintf(stderr, "bench_merge: --device %s needs a build with CUDA\n", o.device);
+        goto done;
+#endif
+    }
+    bm_run runs[8];
     int nr = 0, failures = 0;
     if (o.full && bench_kind(&o, &p, 0, llmerge, buf, runs, &nr, &failures) != 0)
         goto done;
     if (o.lora && bench_kind(&o, &p, 1, llmerge, buf, runs, &nr, &failures) != 0)
         goto done;
-    print_results(runs, nr);
+    print_results(runs, nr, cuda, o.device, h2d_bw, d2h_bw);
 
     // keep the inputs for the next run unless that leaves the disk short
     uint64_t left = disk_free(o.work);

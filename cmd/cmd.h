@@ -18,6 +18,11 @@ int lm_cmd_inspect(int argc, char **argv);
 // call.
 int lm_cmd_merge(int argc, char **argv);
 
+// `llmerge eval MODEL [--adapter DIR] --data FILE [options]`: prints the perplexity of MODEL
+// (with the adapter applied, not merged) on the token data FILE. Allocates nothing that
+// outlives the call.
+int lm_cmd_eval(int argc, char **argv);
+
 // The Levenshtein distance between a and b (64 or more for strings over 63 bytes), for "did
 // you mean" suggestions.
 size_t lm_cmd_edit_distance(const char *a, const char *b);

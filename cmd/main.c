@@ -1,6 +1,7 @@
 // The llmerge command line: dispatches the subcommand, answers --help and --version, and
 // suggests the nearest command for a typo. Each subcommand lives in its own file and parses
 // its own options (cmd.h).
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -17,6 +18,7 @@ static const command commands[] = {
     {"dare", "DARE merge: drop task-vector entries at random, rescale the rest, sum", lm_cmd_merge},
     {"dare-ties", "DARE's random drop with TIES's sign election", lm_cmd_merge},
     {"task-arithmetic", "add the weighted sum of the task vectors to the base", lm_cmd_merge},
+    {"eval", "perplexity of a model (with a LoRA adapter applied) on token data", lm_cmd_eval},
     {"inspect", "show the tensors of a safetensors file, a model directory or an adapter", lm_cmd_inspect},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
@@ -67,6 +69,10 @@ size_t lm_cmd_edit_distance(const char *a, const char *b)
 
 int main(int argc, char **argv)
 {
+    // A reader of our stderr that goes away (`llmerge ... 2>&1 | head`) must not kill a merge
+    // half-way and leave its temporary output behind: writes to it fail instead, and the work
+    // goes on.
+    signal(SIGPIPE, SIG_IGN);
     if (argc < 2) {
         usage(stderr);
         return 2;

@@ -193,8 +193,11 @@ static void usage(FILE *out, const method_info *m)
             "  --shard-size SIZE      most tensor bytes per output shard (default 5GB); SIZE is\n"
             "                         bytes with K, M, G, KiB, MiB, GiB (powers of 1024) or KB,\n"
             "                         MB, GB (powers of 1000, as transformers)\n"
-            "  --device DEV           where the work runs: auto or cpu (default auto; cuda[:N] and\n"
-            "                         sim:SIZE are not available in this build yet)\n"
+            "  --device DEV           where the work runs (default auto): cpu; cuda or cuda:N, GPU\n"
+            "                         N; sim:SIZE, a simulated GPU of SIZE bytes (for tests); auto,\n"
+            "                         GPU 0 when it passes a self-test, else the CPU. A unit of work\n"
+            "                         that does not fit on the GPU runs on the CPU (a 'fallback:'\n"
+            "                         line says which); the output is the same\n"
             "  --gpu-mem SIZE         most device memory to use (default: all free; no effect on\n"
             "                         the CPU)\n"
             "  --threads N            CPU threads (default: all cores)\n"
@@ -397,7 +400,7 @@ static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown
         return LM_OK;
     case OPT_DEVICE:
         if (!*v)
-            return lm_err_set(err, LM_ERR_USAGE, "%s needs a device (auto or cpu)", shown);
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a device (auto, cpu, cuda[:N] or sim:SIZE)", shown);
         a->device = v;
         return LM_OK;
     case OPT_GPU_MEM:
@@ -546,6 +549,7 @@ typedef struct merge_run {
     lm_ft **fts;               // (args.n_ft)
     lm_dev *dev;
     char dev_why[512];         // what --device opened and, for auto, why
+    cJSON *fallbacks;          // the units that went to the CPU, for llmerge.json (or NULL)
     double *weights;           // (n_ft) resolved
     double *densities;         // (n_ft) resolved
     lm_merge_opts opts;
@@ -563,6 +567,7 @@ static void run_free(merge_run *r)
     lm_st_writer_free(r->writer);
     lm_outdir_abort(&r->od);
     lm_merge_result_free(&r->res);
+    cJSON_Delete(r->fallbacks);
     free(r->descs);
     for (int i = 0; r->fts && i < r->args.n_ft; i++)
         lm_ft_free(r->fts[i]);
@@ -763,10 +768,44 @@ static lm_status prepare(merge_run *r, lm_err *err)
 static void on_tensor(void *ctx, int64_t done, int64_t total, const char *name,
                       uint64_t bytes_done, uint64_t bytes_total)
 {
-    lm_progress *p = ctx;
+    merge_run *r = ctx;
+    lm_progress *p = &r->progress;
     if (total != p->n_total || bytes_total != p->bytes_total)
         lm_progress_set_total(p, total, bytes_total);
     lm_progress_update(p, done, bytes_done, name);
+}
+
+// A unit went to the CPU: said on stderr and in the log, and kept for llmerge.json.
+static void on_fallback(void *ctx, const char *phase, const char *unit, const char *from, const char *to,
+                        const char *reason)
+{
+    merge_run *r = ctx;
+    lm_progress_fallback(&r->progress, phase, unit, from, to, reason);
+    if (!r->fallbacks)
+        r->fallbacks = cJSON_CreateArray();
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "phase", phase);
+    cJSON_AddStringToObject(f, "unit", unit);
+    cJSON_AddStringToObject(f, "from", from);
+    cJSON_AddStringToObject(f, "to", to);
+    cJSON_AddStringToObject(f, "reason", reason);
+    cJSON_AddItemToArray(r->fallbacks, f);
+}
+
+// Where the units ran, when there was an accelerator: units per device, fallbacks per phase
+// and the time they cost.
+static void device_summary(merge_run *r)
+{
+    const lm_merge_result *res = &r->res;
+    if (r->dev->host_memory)
+        return;
+    lm_progress_note(&r->progress,
+                     "devices: %" PRId64 " tensor%s merged on %s, %" PRId64 " on cpu (%" PRId64
+                     " copied on cpu); fallbacks: place %" PRId64 ", select %" PRId64 ", merge %" PRId64
+                     " (%.2f s)",
+                     res->tensors_on_device, res->tensors_on_device == 1 ? "" : "s", lm_dev_name(r->dev),
+                     res->tensors_on_cpu, res->n_copied, res->fallback_place, res->fallback_select,
+                     res->fallback_merge, res->fallback_s);
 }
 
 static const char *ft_kind(const lm_ft *ft) { return ft->adapter ? "adapter" : "model"; }
@@ -780,6 +819,8 @@ static void describe_run(merge_run *r)
     lm_progress_note(&r->progress, "merging %d input%s into %s -> %s (%s, %s, %d thread%s)",
                      a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, dtype_flag(o->out_dtype),
                      lm_dev_name(r->dev), o->threads, o->threads == 1 ? "" : "s");
+    if (strncmp(r->dev_why, "auto:", 5) == 0 || a->verbose)
+        lm_progress_note(&r->progress, "device %s", r->dev_why);
     if (!a->verbose)
         return;
     lm_progress_note(&r->progress, "  base %s: %s, %" PRId64 " tensors in %d shard%s",
@@ -861,9 +902,25 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
     if ((s = lm_manifest_set_outputs(m, r->od.tmp, plan, r->descs, r->n_descs,
                                      r->res.tensor_xxh64, err)) != LM_OK)
         return s;
-    // Every unit runs on the CPU until accelerators are built.
-    if ((s = lm_manifest_add_device_units(m, "cpu", r->res.n_tensors, err)) != LM_OK)
+    // Tensors per device: merged ones where they ran, copied ones on the CPU.
+    const lm_merge_result *res = &r->res;
+    if (res->tensors_on_device &&
+        (s = lm_manifest_add_device_units(m, lm_dev_name(r->dev), res->tensors_on_device, err)) != LM_OK)
         return s;
+    if ((s = lm_manifest_add_device_units(m, "cpu", res->n_tensors - res->tensors_on_device, err)) != LM_OK)
+        return s;
+    cJSON *fb = cJSON_AddObjectToObject(m->root, "fallbacks");
+    if (!fb || !cJSON_AddNumberToObject(fb, "place", (double)res->fallback_place) ||
+        !cJSON_AddNumberToObject(fb, "select", (double)res->fallback_select) ||
+        !cJSON_AddNumberToObject(fb, "merge", (double)res->fallback_merge) ||
+        !cJSON_AddNumberToObject(fb, "seconds", res->fallback_s))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    cJSON_AddItemToObject(fb, "units", r->fallbacks ? r->fallbacks : cJSON_CreateArray());
+    r->fallbacks = NULL;  // the manifest owns it now
+    cJSON *xfer = cJSON_AddObjectToObject(m->root, "transfers");
+    if (!xfer || !cJSON_AddNumberToObject(xfer, "bytes_to_device", (double)res->bytes_to_device) ||
+        !cJSON_AddNumberToObject(xfer, "bytes_from_device", (double)res->bytes_from_device))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     return lm_manifest_set_stats(m, r->res.bytes_in, r->res.bytes_out, r->res.n_merged,
                                  r->res.n_copied, err);
 }
@@ -897,7 +954,8 @@ static int work(merge_run *r, double t_loaded)
         out_bytes += numel * lm_dtype_bits(r->descs[i].dtype) / 8;
     }
     lm_progress_start(p, "tensor", r->n_descs, out_bytes);
-    s = lm_merge_run(&r->opts, r->dev, r->base, r->fts, r->writer, on_tensor, p, &r->res, &err);
+    lm_merge_hooks hooks = {.progress = on_tensor, .fallback = on_fallback, .ctx = r};
+    s = lm_merge_run(&r->opts, r->dev, r->base, r->fts, r->writer, &hooks, &r->res, &err);
     lm_progress_end(p);
     if (s != LM_OK)
         goto fail;
@@ -944,6 +1002,7 @@ static int work(merge_run *r, double t_loaded)
         goto fail;
 
     lm_progress_summary(p, "merged");
+    device_summary(r);
     lm_progress_note(p, "wrote %s: %d shard%s%s, config.json, %d tokenizer/generation file%s, %s",
                      a->out, n_shards, n_shards == 1 ? "" : "s",
                      n_shards > 1 ? " + model.safetensors.index.json" : "", n_side,

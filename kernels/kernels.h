@@ -98,6 +98,10 @@ lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const 
                           int64_t n, bool elect, bool count_signs, bool normalize, float lambda, void *stream,
                           lm_err *err);
 
+// Measures cudaMemcpy between `bytes` of pinned host memory and device memory on `device`,
+// reps times each way after a warm-up, in bytes per second (bench_merge's reference).
+lm_status lm_cuda_memcpy_bandwidth(int device, size_t bytes, int reps, double *h2d, double *d2h, lm_err *err);
+
 #ifdef __cplusplus
 }
 #endif

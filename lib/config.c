@@ -351,8 +351,12 @@ static lm_status parse_root(lm_config *cfg, const cJSON *root, cfg_ctx *c)
         return s;
     if ((s = get_bool(c, root, "tie_word_embeddings", &cfg->tie_word_embeddings)) != LM_OK ||
         (s = get_bool(c, root, "attention_bias", &cfg->attention_bias)) != LM_OK ||
-        (s = get_bool(c, root, "mlp_bias", &cfg->mlp_bias)) != LM_OK)
+        (s = get_bool(c, root, "mlp_bias", &cfg->mlp_bias)) != LM_OK ||
+        (s = get_bool(c, root, "use_sliding_window", &cfg->use_sliding_window)) != LM_OK ||
+        (s = get_int(c, root, "", "sliding_window", &cfg->sliding_window, &present)) != LM_OK)
         return s;
+    if (cfg->sliding_window < 0)
+        cfg->sliding_window = 0;
 
     // "dtype" is the newer name; either may be null.
     if ((s = get_str(c, root, "", "dtype", &cfg->dtype_name)) != LM_OK)

@@ -73,6 +73,12 @@ typedef struct lm_config {
     char *dtype_name;          // "dtype" or else "torch_dtype" as written, or NULL
     bool has_dtype;            // dtype_name is one llmerge computes with (lm_dtype_from_user)
     lm_dtype dtype;            // valid when has_dtype
+
+    // Sliding-window attention: a token sees itself and the sliding_window − 1 tokens before
+    // it. 0 when absent or null. Mistral applies it whenever it is set; Qwen2 only with
+    // use_sliding_window (and then from layer max_window_layers on, which llmerge does not model).
+    int64_t sliding_window;
+    bool use_sliding_window;   // default false
 } lm_config;
 
 // Reads and parses the config.json at `path` into *cfg (which is overwritten; it need not be

@@ -199,6 +199,19 @@ lm_status lm_dev_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, 
     return d->iface->hist_abs(d, hist, x, n, level, hi_bin, err);
 }
 
+lm_status lm_dev_hist_window(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
+                             int64_t n, lm_err *err)
+{
+    if (n_win < 0 || n_win > LM_HIST_WINDOW)
+        return lm_err_set(err, LM_ERR_USAGE, "hist_window: %d bins in the window, at most %d", n_win, LM_HIST_WINDOW);
+    if (d->iface->hist_window)
+        return d->iface->hist_window(d, hist, win, n_win, lo_bin, x, n, err);
+    lm_status s = d->iface->hist_abs(d, hist, x, n, 0, 0, err);
+    for (int w = 0; s == LM_OK && w < n_win; w++)
+        s = d->iface->hist_abs(d, win + (size_t)w * 65536, x, n, 1, lo_bin + (uint32_t)w, err);
+    return s;
+}
+
 lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err)
 {
@@ -221,4 +234,68 @@ lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *
                          float lambda, lm_err *err)
 {
     return d->iface->combine(d, out, base, w_tau, weights, k, n, sign, normalize, lambda, err);
+}
+
+// ==== forward-pass operations =================================================================
+// Optional entries: a device without one says which operation it lacks.
+
+static lm_status lacks(lm_dev *d, const char *op, lm_err *err)
+{
+    return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: the operation %s is not implemented on this device",
+                      lm_dev_name(d), op);
+}
+
+lm_status lm_dev_gather_rows(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
+                             const int32_t *ids, int64_t n, lm_err *err)
+{
+    if (!d->iface->gather_rows)
+        return lacks(d, "gather_rows", err);
+    return d->iface->gather_rows(d, out, table, table_rows, cols, ids, n, err);
+}
+
+lm_status lm_dev_add_rows(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err)
+{
+    if (!d->iface->add_rows)
+        return lacks(d, "add_rows", err);
+    return d->iface->add_rows(d, y, b, rows, cols, err);
+}
+
+lm_status lm_dev_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
+                         float eps, lm_err *err)
+{
+    if (!d->iface->rmsnorm)
+        return lacks(d, "rmsnorm", err);
+    return d->iface->rmsnorm(d, out, x, w, rows, cols, eps, err);
+}
+
+lm_status lm_dev_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
+                      const float *inv_freq, lm_err *err)
+{
+    if (!d->iface->rope)
+        return lacks(d, "rope", err);
+    return d->iface->rope(d, x, rows, heads, head_dim, pos, inv_freq, err);
+}
+
+lm_status lm_dev_attention(lm_dev *d, float *out, const float *q, const float *k, const float *v,
+                           const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, float scale, lm_err *err)
+{
+    if (!d->iface->attention)
+        return lacks(d, "attention", err);
+    return d->iface->attention(d, out, q, k, v, start, rows, heads, kv_heads, head_dim, scale, err);
+}
+
+lm_status lm_dev_silu_mul(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err)
+{
+    if (!d->iface->silu_mul)
+        return lacks(d, "silu_mul", err);
+    return d->iface->silu_mul(d, gate, up, n, err);
+}
+
+lm_status lm_dev_nll_rows(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
+                          int64_t cols, lm_err *err)
+{
+    if (!d->iface->nll_rows)
+        return lacks(d, "nll_rows", err);
+    return d->iface->nll_rows(d, nll, logits, targets, rows, cols, err);
 }

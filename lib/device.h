@@ -55,6 +55,8 @@ typedef struct lm_dev_i {
                            int64_t rows, int64_t cols, lm_err *err);
     lm_status (*hist_abs)(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
                           uint32_t hi_bin, lm_err *err);
+    lm_status (*hist_window)(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin,
+                             const float *x, int64_t n, lm_err *err);  // optional: n_win + 1 hist_abs
     lm_status (*topk_apply)(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err);
     lm_status (*random_drop)(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
@@ -63,6 +65,22 @@ typedef struct lm_dev_i {
     lm_status (*combine)(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                          const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
                          float lambda, lm_err *err);
+
+    // The forward pass (forward.h). Optional: a device without them (CUDA so far) answers
+    // LM_ERR_UNSUPPORTED naming the operation, and lm_fwd_device_ok tells beforehand.
+    lm_status (*gather_rows)(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
+                             const int32_t *ids, int64_t n, lm_err *err);
+    lm_status (*add_rows)(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err);
+    lm_status (*rmsnorm)(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
+                         float eps, lm_err *err);
+    lm_status (*rope)(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
+                      const float *inv_freq, lm_err *err);
+    lm_status (*attention)(lm_dev *d, float *out, const float *q, const float *k, const float *v,
+                           const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, float scale, lm_err *err);
+    lm_status (*silu_mul)(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err);
+    lm_status (*nll_rows)(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
+                          int64_t cols, lm_err *err);
 } lm_dev_i;
 
 struct lm_dev {
@@ -154,6 +172,14 @@ lm_status lm_dev_dora_rows(lm_dev *d, float *tau, const float *base, const float
 lm_status lm_dev_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
                           uint32_t hi_bin, lm_err *err);
 
+// Level 0 and a window of level 1 in one pass: adds to hist[65536] what lm_dev_hist_abs level 0
+// adds, and to win[w·65536 .. (w+1)·65536) what level 1 with hi_bin = lo_bin + w adds, for
+// w < n_win (LM_HIST_WINDOW at most). When the threshold's top bits fall in the window, the
+// second pass over the data is not needed.
+lm_status lm_dev_hist_window(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
+                             int64_t n, lm_err *err);
+#define LM_HIST_WINDOW 4
+
 // Zeroes every x[j] not kept: kept are |x| bits > thr_bits, and those == thr_bits among the
 // first ties_allowed of them in index order. *ties_used gets how many ties were kept; with
 // ties_allowed == LM_TIES_ALL (sparsify.h) every tie is kept without counting, *ties_used 0.
@@ -176,5 +202,57 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                          const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
                          float lambda, lm_err *err);
+
+// ---- forward-pass operations (forward.h) -----------------------------------------------------
+// Activations are row-major float32 matrices in device memory, one row per token of a packed
+// batch; int32 arrays (ids, positions, targets) are device memory too. Each output element is
+// computed by one fixed sequence of float operations, so results do not depend on the thread
+// count or on which other rows share the batch. A device that lacks one of these answers
+// LM_ERR_UNSUPPORTED naming the operation (lm_fwd_device_ok checks them all beforehand).
+
+// out[i, :] = table[ids[i], :] for i < n (table is [table_rows, cols]): embedding lookup. An id
+// outside [0, table_rows) is the caller's error; the row written for it is zeros, and nothing
+// outside the table is read.
+lm_status lm_dev_gather_rows(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
+                             const int32_t *ids, int64_t n, lm_err *err);
+
+// y[r, c] += b[c] for every row r of the rows × cols matrix y: a bias added to each token.
+lm_status lm_dev_add_rows(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err);
+
+// RMSNorm of each row: out[r, :] = w ⊙ (x[r, :] · g) with g = 1/sqrt(mean(x[r, :]²) + eps), the
+// mean and g computed in double and g rounded to float32, the products in float32 (Hugging
+// Face's LlamaRMSNorm on float32 input, its reduction more precise). out may equal x.
+lm_status lm_dev_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
+                         float eps, lm_err *err);
+
+// Rotary embedding in place, half-split (not interleaved): x is rows × (heads·head_dim), each
+// head's vector x_h of head_dim (even) values rotated by position pos[r]: with
+// a_i = float32(float32(pos[r]) · inv_freq[i]) for i < head_dim/2 (inv_freq a device array of
+// head_dim/2 floats), c_i = cos a_i, s_i = sin a_i (rounded to float32),
+// x_h[i] ← x_h[i]·c_i − x_h[i + half]·s_i and x_h[i + half] ← x_h[i + half]·c_i + x_h[i]·s_i
+// (q·cos + rotate_half(q)·sin of FORMATS.md).
+lm_status lm_dev_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
+                      const float *inv_freq, lm_err *err);
+
+// Causal self-attention over a packed batch. q and out are rows × (heads·head_dim), k and v
+// rows × (kv_heads·head_dim); heads is a multiple of kv_heads and query head h reads kv head
+// h / (heads / kv_heads) (GQA). Row r attends to the rows j with start[r] <= j <= r (start[r]:
+// the first row of r's sequence, so sequences packed back to back never see each other):
+// out_h[r] = Σ_j softmax_j(scale · q_h[r]·k_g[j]) v_g[j], the softmax in float32 with its
+// running maximum subtracted. A start[r] outside [0, r] is the caller's error; it is clamped.
+lm_status lm_dev_attention(lm_dev *d, float *out, const float *q, const float *k, const float *v,
+                           const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
+                           int64_t head_dim, float scale, lm_err *err);
+
+// gate[i] = silu(gate[i]) · up[i] over n elements, silu(x) = x / (1 + e^−x): the SiLU-gated
+// MLP's product, in place.
+lm_status lm_dev_silu_mul(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err);
+
+// Negative log-likelihood per row of the rows × cols logits: with m the row's maximum,
+// nll[r] = m + log Σ_c e^(logits[r, c] − m) − logits[r, targets[r]] (a stable log-softmax; the
+// exponentials in float32, their sum and the logarithm in double, the result rounded to
+// float32). Rows whose target is outside [0, cols) (−1: no next token) get nll 0.
+lm_status lm_dev_nll_rows(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
+                          int64_t cols, lm_err *err);
 
 #endif

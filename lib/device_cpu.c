@@ -7,6 +7,7 @@
 
 #include <cblas.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -16,9 +17,13 @@
 #include "util.h"
 
 #define BLOCK 65536  // elements per task
+#define GEMM_BLOCK (1 << 18)  // elements of C per GEMM task
 
 typedef struct cpu_ctx {
     lm_pool *pool;
+    uint32_t *hist_local;     // histogram tables of cpu_hist_abs, zero between calls
+    size_t hist_cells;
+    pthread_mutex_t hist_mu;  // guards the caller's histogram while tasks add to it
 } cpu_ctx;
 
 static lm_pool *pool_of(lm_dev *d)
@@ -77,8 +82,11 @@ static lm_status cpu_copy(lm_dev *d, void *dst, const void *src, size_t n, lm_er
 static void cpu_destroy(lm_dev *d)
 {
     cpu_ctx *c = d->ctx;
-    if (c)
+    if (c) {
         lm_pool_free(c->pool);
+        free(c->hist_local);
+        pthread_mutex_destroy(&c->hist_mu);
+    }
     free(c);
     free(d);
 }
@@ -156,8 +164,10 @@ static lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int
     if (m == 0 || n == 0)
         return LM_OK;
     // OpenBLAS runs single-threaded (its spinning workers would compete with the pool); the
-    // pool splits C into blocks of rows, a few per thread for balance.
-    int64_t tasks = (int64_t)lm_pool_threads(pool_of(d)) * 4, per = (m + tasks - 1) / tasks;
+    // pool splits C into blocks of rows of about GEMM_BLOCK elements. The split depends on the
+    // shape alone, never on the thread count: OpenBLAS picks its kernel by the shape it is
+    // given, and at small shapes a row's result can depend on how many rows are beside it.
+    int64_t per = GEMM_BLOCK / n;
     if (per < 16)
         per = 16;
     gemm_job j = {ta, tb, m, n, k, per, alpha, beta, a, b, c, lda, ldb, ldc};
@@ -196,6 +206,12 @@ typedef struct delta_job {
     int64_t n;
 } delta_job;
 
+LM_VECTOR_CLONES static void subtract(float *restrict t, const float *restrict b, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++)
+        t[i] = t[i] - b[i];
+}
+
 // Converts a block, then subtracts while it is still in cache. y + (−1)·x is y − x exactly,
 // so the values are axpby's.
 static void delta_task(void *ctx, int64_t blk)
@@ -205,8 +221,7 @@ static void delta_task(void *ctx, int64_t blk)
     float *t = j->tau + lo;
     const float *b = j->base + lo;
     lm_convert_to_f32(t, (const char *)j->src + (size_t)lo * (lm_dtype_bits(j->dt) / 8), j->dt, cnt, NULL);
-    for (int64_t i = 0; i < cnt; i++)
-        t[i] = t[i] - b[i];
+    subtract(t, b, cnt);
 }
 
 static lm_status cpu_delta(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
@@ -253,23 +268,68 @@ static lm_status cpu_dora_rows(lm_dev *d, float *tau, const float *base, const f
 // ==== selection ===============================================================================
 
 typedef struct hist_job {
-    uint32_t *local;  // (tasks × HIST_WAYS × LM_HIST_BINS)
+    uint32_t *local;  // (tasks × TABLES × LM_HIST_BINS), zero on entry and on return
     const float *x;
     int64_t n, per_task;
-    int level;
-    uint32_t hi_bin;
+    int level;        // 0, 1, or 2 for level 0 with a window of level 1
+    uint32_t hi_bin;  // level 1: the bin; level 2: the window's first bin
+    uint64_t *hist;   // the caller's histogram
+    uint64_t *win;    // level 2: the caller's window histograms
+    int n_win;
+    pthread_mutex_t *mu;
 } hist_job;
 
-// Each task counts into HIST_WAYS interleaved histograms, element i into way i % HIST_WAYS:
-// runs of equal values (common in task vectors of 16-bit models) then increment different
-// counters instead of waiting on one. 32-bit counts suffice: a task sees at most per_task
-// elements, and cpu_hist_abs keeps that below 2^32.
-#define HIST_WAYS 4
+// Level 0 counts element i into way i % HIST_WAYS of the task's tables: runs of equal values
+// (common in task vectors of 16-bit models) then increment different counters instead of
+// waiting on one. 32-bit counts suffice: a task sees at most per_task elements, and
+// cpu_hist_abs keeps that below 2^32.
+#define HIST_WAYS 2
+#define TABLES (HIST_WAYS + LM_HIST_WINDOW)  // a task's tables: level 0's ways, then the window
+#define LOW_GROUP 256  // level 1: elements whose bin is tested before the matches are counted
+
+// Level 1: the low 16 bits of the magnitudes whose top 16 bits are hi_bin, a few percent of
+// them where the threshold lies. A group's matches are first gathered without a branch, then
+// counted, since a branch per element or per group mispredicts at that rate.
+LM_VECTOR_CLONES static void hist_low(uint32_t *h, const float *x, int64_t n, uint32_t hi_bin)
+{
+    uint32_t found[LOW_GROUP];
+    for (int64_t g = 0; g < n; g += LOW_GROUP) {
+        int64_t cnt = n - g < LOW_GROUP ? n - g : LOW_GROUP, m = 0;
+        for (int64_t e = 0; e < cnt; e++) {
+            uint32_t bits = lm_abs_bits(x[g + e]);
+            found[m] = bits;
+            m += (bits >> 16) == hi_bin;
+        }
+        for (int64_t f = 0; f < m; f++)
+            h[found[f] & 0xFFFFu]++;
+    }
+}
+
+// Level 0 and the window at once: every element counts in level 0 (two ways, alternating),
+// and those whose top bits are lo_bin + w (w < n_win) also in window table w, gathered without
+// a branch as for hist_low. The gathered value (w << 16 | low bits) is the index in the window
+// tables.
+LM_VECTOR_CLONES static void hist_win(uint32_t *h0, uint32_t *hw, const float *x, int64_t n, uint32_t lo_bin,
+                                      uint32_t n_win)
+{
+    uint32_t found[LOW_GROUP];
+    for (int64_t g = 0; g < n; g += LOW_GROUP) {
+        int64_t cnt = n - g < LOW_GROUP ? n - g : LOW_GROUP, m = 0;
+        for (int64_t e = 0; e < cnt; e++) {
+            uint32_t bits = lm_abs_bits(x[g + e]), top = bits >> 16, w = top - lo_bin;
+            h0[(e & 1) * LM_HIST_BINS + top]++;
+            found[m] = (w << 16) | (bits & 0xFFFFu);
+            m += w < n_win;
+        }
+        for (int64_t f = 0; f < m; f++)
+            hw[found[f]]++;
+    }
+}
 
 static void hist_task(void *ctx, int64_t t)
 {
     hist_job *j = ctx;
-    uint32_t *h = j->local + t * HIST_WAYS * LM_HIST_BINS;
+    uint32_t *h = j->local + t * TABLES * LM_HIST_BINS;
     int64_t lo = t * j->per_task, hi = lo + j->per_task < j->n ? lo + j->per_task : j->n, i = lo;
     const float *x = j->x;
     if (j->level == 0) {
@@ -278,34 +338,64 @@ static void hist_task(void *ctx, int64_t t)
                 h[w * LM_HIST_BINS + (lm_abs_bits(x[i + w]) >> 16)]++;
         for (; i < hi; i++)
             h[lm_abs_bits(x[i]) >> 16]++;
+    } else if (j->level == 1) {
+        hist_low(h, x + lo, hi - lo, j->hi_bin);
     } else {
-        for (; i < hi; i++) {
-            uint32_t bits = lm_abs_bits(x[i]);
-            if ((bits >> 16) == j->hi_bin)
-                h[bits & 0xFFFFu]++;
-        }
+        hist_win(h, h + HIST_WAYS * LM_HIST_BINS, x + lo, hi - lo, j->hi_bin, (uint32_t)j->n_win);
     }
+    // Add the task's counts to the caller's histograms (integer sums: the order does not
+    // matter) and leave the tables zero for the next call.
+    int ways = j->level == 1 ? 1 : HIST_WAYS, used = ways + (j->level == 2 ? j->n_win : 0);
+    pthread_mutex_lock(j->mu);
+    for (int w = 0; w < ways; w++)
+        for (int64_t b = 0; b < LM_HIST_BINS; b++)
+            j->hist[b] += h[w * LM_HIST_BINS + b];
+    for (int w = 0; j->level == 2 && w < j->n_win; w++)
+        for (int64_t b = 0; b < LM_HIST_BINS; b++)
+            j->win[w * LM_HIST_BINS + b] += h[(HIST_WAYS + w) * LM_HIST_BINS + b];
+    pthread_mutex_unlock(j->mu);
+    memset(h, 0, (size_t)used * LM_HIST_BINS * sizeof *h);
+}
+
+static lm_status run_hist(lm_dev *d, hist_job *j, lm_err *err)
+{
+    cpu_ctx *c = d->ctx;
+    int64_t tasks = lm_pool_threads(c->pool);
+    if (tasks > n_blocks(j->n))
+        tasks = n_blocks(j->n);
+    if (tasks < 1)
+        return LM_OK;
+    while ((j->n + tasks - 1) / tasks > (int64_t)UINT32_MAX)
+        tasks++;
+    // The tables stay allocated (and zero) between calls: a histogram of a small slab costs
+    // its elements, not a fresh megabyte.
+    size_t cells = (size_t)tasks * TABLES * LM_HIST_BINS;
+    if (cells > c->hist_cells) {
+        free(c->hist_local);
+        c->hist_cells = 0;
+        if (!(c->hist_local = calloc(cells, sizeof(uint32_t))))
+            return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for a histogram");
+        c->hist_cells = cells;
+    }
+    j->local = c->hist_local;
+    j->per_task = (j->n + tasks - 1) / tasks;
+    j->mu = &c->hist_mu;
+    lm_pool_run(c->pool, tasks, hist_task, j);
+    return LM_OK;
+}
+
+static lm_status cpu_hist_window(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin,
+                                 const float *x, int64_t n, lm_err *err)
+{
+    hist_job j = {.x = x, .n = n, .level = 2, .hi_bin = lo_bin, .hist = hist, .win = win, .n_win = n_win};
+    return run_hist(d, &j, err);
 }
 
 static lm_status cpu_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
                               uint32_t hi_bin, lm_err *err)
 {
-    int64_t tasks = lm_pool_threads(pool_of(d));
-    if (tasks > n_blocks(n))
-        tasks = n_blocks(n);
-    if (tasks < 1)
-        return LM_OK;
-    while ((n + tasks - 1) / tasks > (int64_t)UINT32_MAX)
-        tasks++;
-    size_t cells = (size_t)tasks * HIST_WAYS * LM_HIST_BINS;
-    hist_job j = {calloc(cells, sizeof(uint32_t)), x, n, (n + tasks - 1) / tasks, level, hi_bin};
-    if (!j.local)
-        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for a histogram");
-    lm_pool_run(pool_of(d), tasks, hist_task, &j);
-    for (size_t c = 0; c < cells; c++)
-        hist[c % LM_HIST_BINS] += j.local[c];
-    free(j.local);
-    return LM_OK;
+    hist_job j = {.x = x, .n = n, .level = level, .hi_bin = hi_bin, .hist = hist};
+    return run_hist(d, &j, err);
 }
 
 typedef struct topk_job {
@@ -316,19 +406,23 @@ typedef struct topk_job {
     int64_t nb;       // blocks
 } topk_job;
 
+LM_VECTOR_CLONES static int64_t count_ties(const float *x, int64_t lo, int64_t hi, uint32_t thr)
+{
+    int64_t c = 0;
+    for (int64_t i = lo; i < hi; i++)
+        c += lm_abs_bits(x[i]) == thr;
+    return c;
+}
+
 static void topk_count_task(void *ctx, int64_t blk)
 {
     topk_job *j = ctx;
-    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n, c = 0;
-    const float *x = j->x;
-    uint32_t thr = j->thr;
-    for (int64_t i = lo; i < hi; i++)
-        c += lm_abs_bits(x[i]) == thr;
-    j->ties[blk] = c;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    j->ties[blk] = count_ties(j->x, lo, hi, j->thr);
 }
 
 // Keeps x[i] for i in [lo, hi) when its magnitude bits exceed thr, or equal it and keep_ties.
-static void topk_keep(float *x, int64_t lo, int64_t hi, uint32_t thr, bool keep_ties)
+LM_VECTOR_CLONES static void topk_keep(float *x, int64_t lo, int64_t hi, uint32_t thr, bool keep_ties)
 {
     uint32_t floor = keep_ties ? thr : thr + 1;  // thr < 0x7FFFFFFF+1, so no overflow
     for (int64_t i = lo; i < hi; i++)
@@ -464,7 +558,7 @@ typedef struct combine_job {
 // GCC's unroll-and-jam fuses two models into one scalar loop with branches, several times
 // slower than the vector loop.
 #define CHUNK 512
-#define VECTOR_LOOP __attribute__((noinline))
+#define VECTOR_LOOP LM_VECTOR_CLONES __attribute__((noinline))
 
 VECTOR_LOOP static void add_weighted(float *restrict delta, float *restrict div, const float *restrict t, float w,
                          int64_t cnt)
@@ -565,6 +659,21 @@ static lm_status cpu_combine(lm_dev *d, float *out, const float *base, const flo
 
 // ==== the backend =============================================================================
 
+// The forward-pass operations, defined at the end of the file.
+static lm_status cpu_gather_rows(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
+                                 const int32_t *ids, int64_t n, lm_err *err);
+static lm_status cpu_add_rows(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err);
+static lm_status cpu_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
+                             float eps, lm_err *err);
+static lm_status cpu_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
+                          const float *inv_freq, lm_err *err);
+static lm_status cpu_attention(lm_dev *d, float *out, const float *q, const float *k, const float *v,
+                               const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
+                               int64_t head_dim, float scale, lm_err *err);
+static lm_status cpu_silu_mul(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err);
+static lm_status cpu_nll_rows(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
+                              int64_t cols, lm_err *err);
+
 static const lm_dev_i cpu_iface = {
     .name = cpu_name,
     .mem_info = cpu_mem_info,
@@ -580,10 +689,18 @@ static const lm_dev_i cpu_iface = {
     .delta = cpu_delta,
     .dora_rows = cpu_dora_rows,
     .hist_abs = cpu_hist_abs,
+    .hist_window = cpu_hist_window,
     .topk_apply = cpu_topk_apply,
     .random_drop = cpu_random_drop,
     .l1 = cpu_l1,
     .combine = cpu_combine,
+    .gather_rows = cpu_gather_rows,
+    .add_rows = cpu_add_rows,
+    .rmsnorm = cpu_rmsnorm,
+    .rope = cpu_rope,
+    .attention = cpu_attention,
+    .silu_mul = cpu_silu_mul,
+    .nll_rows = cpu_nll_rows,
 };
 
 extern void openblas_set_num_threads(int num_threads);
@@ -598,6 +715,7 @@ lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err)
         free(c);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     }
+    pthread_mutex_init(&c->hist_mu, NULL);
     d->iface = &cpu_iface;
     d->ctx = c;
     d->host_memory = true;
@@ -609,5 +727,277 @@ lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err)
     d->threads = lm_pool_threads(c->pool);
     openblas_set_num_threads(1);
     *out = d;
+    return LM_OK;
+}
+
+// ==== the forward pass ========================================================================
+// Row-wise operations: each row (or (row, head) pair for attention) is one task's, computed
+// by the same fixed sequence of float operations wherever it lies in a batch, so a packed
+// batch gives every sequence the values it gets alone, on any thread count.
+
+// Rows per task for row-wise work on rows of `cols` elements: about BLOCK elements a task.
+static int64_t rows_per_task(int64_t cols)
+{
+    return cols >= BLOCK ? 1 : BLOCK / (cols > 0 ? cols : 1);
+}
+
+typedef struct rows_job {
+    float *out;
+    const float *x, *w;
+    const int32_t *ids;
+    int64_t rows, cols, table_rows, per;
+    float eps;
+} rows_job;
+
+static void gather_task(void *ctx, int64_t t)
+{
+    rows_job *j = ctx;
+    int64_t r0 = t * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
+    for (int64_t r = r0; r < r1; r++) {
+        float *o = j->out + r * j->cols;
+        int64_t id = j->ids[r];
+        if (id >= 0 && id < j->table_rows)
+            memcpy(o, j->x + id * j->cols, (size_t)j->cols * sizeof *o);
+        else
+            memset(o, 0, (size_t)j->cols * sizeof *o);
+    }
+}
+
+static lm_status cpu_gather_rows(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
+                                 const int32_t *ids, int64_t n, lm_err *err)
+{
+    (void)err;
+    rows_job j = {.out = out, .x = table, .ids = ids, .rows = n, .cols = cols, .table_rows = table_rows,
+                  .per = rows_per_task(cols)};
+    lm_pool_run(pool_of(d), (n + j.per - 1) / j.per, gather_task, &j);
+    return LM_OK;
+}
+
+static void add_rows_task(void *ctx, int64_t t)
+{
+    rows_job *j = ctx;
+    int64_t r0 = t * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
+    for (int64_t r = r0; r < r1; r++) {
+        float *restrict y = j->out + r * j->cols;
+        const float *restrict b = j->w;
+        for (int64_t c = 0; c < j->cols; c++)
+            y[c] += b[c];
+    }
+}
+
+static lm_status cpu_add_rows(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err)
+{
+    (void)err;
+    rows_job j = {.out = y, .w = b, .rows = rows, .cols = cols, .per = rows_per_task(cols)};
+    lm_pool_run(pool_of(d), (rows + j.per - 1) / j.per, add_rows_task, &j);
+    return LM_OK;
+}
+
+static void rmsnorm_task(void *ctx, int64_t t)
+{
+    rows_job *j = ctx;
+    int64_t r0 = t * j->per, r1 = r0 + j->per < j->rows ? r0 + j->per : j->rows;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = j->x + r * j->cols;
+        float *o = j->out + r * j->cols;
+        double ss = 0;
+        for (int64_t c = 0; c < j->cols; c++)
+            ss += (double)x[c] * x[c];
+        float g = (float)(1.0 / sqrt(ss / (double)j->cols + (double)j->eps));
+        for (int64_t c = 0; c < j->cols; c++)
+            o[c] = j->w[c] * (x[c] * g);
+    }
+}
+
+static lm_status cpu_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
+                             float eps, lm_err *err)
+{
+    (void)err;
+    if (cols <= 0)
+        return LM_OK;
+    rows_job j = {.out = out, .x = x, .w = w, .rows = rows, .cols = cols, .per = rows_per_task(cols), .eps = eps};
+    lm_pool_run(pool_of(d), (rows + j.per - 1) / j.per, rmsnorm_task, &j);
+    return LM_OK;
+}
+
+typedef struct rope_job {
+    float *x;
+    const int32_t *pos;
+    const float *inv_freq;
+    int64_t heads, head_dim;
+} rope_job;
+
+#define ROPE_CHUNK 256  // cos and sin of this many frequencies are computed once per row
+
+static void rope_task(void *ctx, int64_t r)
+{
+    rope_job *j = ctx;
+    int64_t half = j->head_dim / 2, width = j->heads * j->head_dim;
+    float *row = j->x + r * width, fpos = (float)j->pos[r];
+    float cs[ROPE_CHUNK], sn[ROPE_CHUNK];
+    for (int64_t i0 = 0; i0 < half; i0 += ROPE_CHUNK) {
+        int64_t cnt = half - i0 < ROPE_CHUNK ? half - i0 : ROPE_CHUNK;
+        for (int64_t i = 0; i < cnt; i++) {
+            float a = fpos * j->inv_freq[i0 + i];  // rounded to float32, as Hugging Face's
+            cs[i] = (float)cos((double)a);
+            sn[i] = (float)sin((double)a);
+        }
+        for (int64_t h = 0; h < j->heads; h++) {
+            float *lo = row + h * j->head_dim + i0, *hi = lo + half;
+            for (int64_t i = 0; i < cnt; i++) {
+                float a = lo[i], b = hi[i];
+                lo[i] = a * cs[i] - b * sn[i];
+                hi[i] = b * cs[i] + a * sn[i];
+            }
+        }
+    }
+}
+
+static lm_status cpu_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
+                          const float *inv_freq, lm_err *err)
+{
+    (void)err;
+    rope_job j = {x, pos, inv_freq, heads, head_dim};
+    lm_pool_run(pool_of(d), rows, rope_task, &j);
+    return LM_OK;
+}
+
+typedef struct attn_job {
+    float *out;
+    const float *q, *k, *v;
+    const int32_t *start;
+    int64_t heads, group, head_dim;  // group: query heads per kv head
+    float scale;
+    int failed;                      // a task could not get its scratch memory
+} attn_job;
+
+// The dot product in eight interleaved partial sums, added in a fixed order: the compiler
+// can vectorise it, and the result is the same wherever it runs.
+static float dot8(const float *restrict a, const float *restrict b, int64_t n)
+{
+    float s[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++)
+            s[l] += a[i + l] * b[i + l];
+    float tail = 0;
+    for (; i < n; i++)
+        tail += a[i] * b[i];
+    return (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + tail;
+}
+
+#define ATTN_STACK 512  // head_dim up to this keeps its accumulator on the stack
+
+// One query row and head: an online softmax over the keys of its sequence up to itself (the
+// running maximum m and sum l rescale the accumulator whenever m grows).
+static void attn_task(void *ctx, int64_t t)
+{
+    attn_job *j = ctx;
+    int64_t r = t / j->heads, h = t % j->heads, g = h / j->group, hd = j->head_dim;
+    int64_t qw = j->heads * hd, kw = (j->heads / j->group) * hd;
+    const float *q = j->q + r * qw + h * hd;
+    float stack[ATTN_STACK], *acc = hd <= ATTN_STACK ? stack : malloc((size_t)hd * sizeof *acc);
+    if (!acc) {
+        __atomic_store_n(&j->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    int64_t s0 = j->start[r];
+    if (s0 < 0 || s0 > r)
+        s0 = s0 < 0 ? 0 : r;
+    float m = -INFINITY, l = 0.0f;
+    for (int64_t i = 0; i < hd; i++)
+        acc[i] = 0.0f;
+    for (int64_t c = s0; c <= r; c++) {
+        const float *kc = j->k + c * kw + g * hd, *vc = j->v + c * kw + g * hd;
+        float s = dot8(q, kc, hd) * j->scale;
+        if (s > m) {
+            float f = expf(m - s);  // 0 for the first key (m = -inf)
+            l *= f;
+            for (int64_t i = 0; i < hd; i++)
+                acc[i] *= f;
+            m = s;
+        }
+        float p = expf(s - m);
+        l += p;
+        for (int64_t i = 0; i < hd; i++)
+            acc[i] += p * vc[i];
+    }
+    float *o = j->out + r * qw + h * hd;
+    for (int64_t i = 0; i < hd; i++)
+        o[i] = acc[i] / l;
+    if (acc != stack)
+        free(acc);
+}
+
+static lm_status cpu_attention(lm_dev *d, float *out, const float *q, const float *k, const float *v,
+                               const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
+                               int64_t head_dim, float scale, lm_err *err)
+{
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)
+        return lm_err_set(err, LM_ERR_USAGE, "cpu: attention with %lld heads and %lld kv heads (heads must be a "
+                          "multiple of kv heads)", (long long)heads, (long long)kv_heads);
+    attn_job j = {out, q, k, v, start, heads, heads / kv_heads, head_dim, scale, 0};
+    lm_pool_run(pool_of(d), rows * heads, attn_task, &j);
+    if (j.failed)
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for attention scratch (head_dim %lld)",
+                          (long long)head_dim);
+    return LM_OK;
+}
+
+typedef struct silu_job {
+    float *g;
+    const float *u;
+    int64_t n;
+} silu_job;
+
+static void silu_task(void *ctx, int64_t blk)
+{
+    silu_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t i = lo; i < hi; i++) {
+        float x = j->g[i];
+        j->g[i] = x / (1.0f + expf(-x)) * j->u[i];
+    }
+}
+
+static lm_status cpu_silu_mul(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err)
+{
+    (void)err;
+    silu_job j = {gate, up, n};
+    lm_pool_run(pool_of(d), n_blocks(n), silu_task, &j);
+    return LM_OK;
+}
+
+typedef struct nll_job {
+    float *nll;
+    const float *logits;
+    const int32_t *targets;
+    int64_t cols;
+} nll_job;
+
+static void nll_task(void *ctx, int64_t r)
+{
+    nll_job *j = ctx;
+    const float *x = j->logits + r * j->cols;
+    int64_t t = j->targets[r];
+    if (t < 0 || t >= j->cols) {
+        j->nll[r] = 0.0f;
+        return;
+    }
+    float m = x[0];
+    for (int64_t c = 1; c < j->cols; c++)
+        m = x[c] > m ? x[c] : m;
+    double sum = 0;
+    for (int64_t c = 0; c < j->cols; c++)
+        sum += (double)expf(x[c] - m);
+    j->nll[r] = (float)((double)m + log(sum) - (double)x[t]);
+}
+
+static lm_status cpu_nll_rows(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
+                              int64_t cols, lm_err *err)
+{
+    (void)err;
+    nll_job j = {nll, logits, targets, cols};
+    lm_pool_run(pool_of(d), rows, nll_task, &j);
     return LM_OK;
 }

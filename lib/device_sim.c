@@ -307,6 +307,16 @@ static lm_status sim_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t
     return cpu_of(d)->iface->hist_abs(cpu_of(d), hist, x, n, level, hi_bin, err);
 }
 
+static lm_status sim_hist_window(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin,
+                                 const float *x, int64_t n, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "hist_window", err)) || (s = need_n(d, "x", x, n, 32, err)) || (s = host(d, "hist", hist, err)) ||
+        (s = host(d, "win", win, err)))
+        return s;
+    return cpu_of(d)->iface->hist_window(cpu_of(d), hist, win, n_win, lo_bin, x, n, err);
+}
+
 static lm_status sim_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                                 int64_t *ties_used, lm_err *err)
 {
@@ -355,6 +365,21 @@ static lm_status sim_combine(lm_dev *d, float *out, const float *base, const flo
 
 // ==== the backend =============================================================================
 
+// The forward-pass operations, defined at the end of the file.
+static lm_status sim_gather_rows(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
+                                 const int32_t *ids, int64_t n, lm_err *err);
+static lm_status sim_add_rows(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err);
+static lm_status sim_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
+                             float eps, lm_err *err);
+static lm_status sim_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
+                          const float *inv_freq, lm_err *err);
+static lm_status sim_attention(lm_dev *d, float *out, const float *q, const float *k, const float *v,
+                               const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
+                               int64_t head_dim, float scale, lm_err *err);
+static lm_status sim_silu_mul(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err);
+static lm_status sim_nll_rows(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
+                              int64_t cols, lm_err *err);
+
 static const lm_dev_i sim_iface = {
     .name = sim_name,
     .mem_info = sim_mem_info,
@@ -371,10 +396,18 @@ static const lm_dev_i sim_iface = {
     .delta = sim_delta,
     .dora_rows = sim_dora_rows,
     .hist_abs = sim_hist_abs,
+    .hist_window = sim_hist_window,
     .topk_apply = sim_topk_apply,
     .random_drop = sim_random_drop,
     .l1 = sim_l1,
     .combine = sim_combine,
+    .gather_rows = sim_gather_rows,
+    .add_rows = sim_add_rows,
+    .rmsnorm = sim_rmsnorm,
+    .rope = sim_rope,
+    .attention = sim_attention,
+    .silu_mul = sim_silu_mul,
+    .nll_rows = sim_nll_rows,
 };
 
 // Reads the fault switch into c; false when it is malformed.
@@ -440,4 +473,90 @@ lm_status lm_dev_sim_create(lm_dev **out, uint64_t budget, const char *fail, int
     d->threads = c->cpu->threads;
     *out = d;
     return LM_OK;
+}
+
+// ==== the forward pass ========================================================================
+
+// a · b, or -1 when either is negative or the product overflows (need_n then refuses it).
+static int64_t elems(int64_t a, int64_t b)
+{
+    int64_t e;
+    if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &e))
+        return -1;
+    return e;
+}
+
+static lm_status sim_gather_rows(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
+                                 const int32_t *ids, int64_t n, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "gather_rows", err)) || (s = need_n(d, "out", out, elems(n, cols), 32, err)) ||
+        (s = need_n(d, "table", table, elems(table_rows, cols), 32, err)) ||
+        (s = need_n(d, "ids", ids, n, 32, err)))
+        return s;
+    return cpu_of(d)->iface->gather_rows(cpu_of(d), out, table, table_rows, cols, ids, n, err);
+}
+
+static lm_status sim_add_rows(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "add_rows", err)) || (s = need_n(d, "y", y, elems(rows, cols), 32, err)) ||
+        (s = need_n(d, "b", b, cols, 32, err)))
+        return s;
+    return cpu_of(d)->iface->add_rows(cpu_of(d), y, b, rows, cols, err);
+}
+
+static lm_status sim_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
+                             float eps, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "rmsnorm", err)) || (s = need_n(d, "out", out, elems(rows, cols), 32, err)) ||
+        (s = need_n(d, "x", x, elems(rows, cols), 32, err)) || (s = need_n(d, "w", w, cols, 32, err)))
+        return s;
+    return cpu_of(d)->iface->rmsnorm(cpu_of(d), out, x, w, rows, cols, eps, err);
+}
+
+static lm_status sim_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
+                          const float *inv_freq, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "rope", err)) || (s = need_n(d, "x", x, elems(rows, elems(heads, head_dim)), 32, err)) ||
+        (s = need_n(d, "pos", pos, rows, 32, err)) ||
+        (s = need_n(d, "inv_freq", inv_freq, head_dim < 0 ? -1 : head_dim / 2, 32, err)))
+        return s;
+    return cpu_of(d)->iface->rope(cpu_of(d), x, rows, heads, head_dim, pos, inv_freq, err);
+}
+
+static lm_status sim_attention(lm_dev *d, float *out, const float *q, const float *k, const float *v,
+                               const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
+                               int64_t head_dim, float scale, lm_err *err)
+{
+    lm_status s;
+    int64_t nq = elems(rows, elems(heads, head_dim)), nkv = elems(rows, elems(kv_heads, head_dim));
+    if ((s = begin(d, "attention", err)) || (s = need_n(d, "out", out, nq, 32, err)) ||
+        (s = need_n(d, "q", q, nq, 32, err)) || (s = need_n(d, "k", k, nkv, 32, err)) ||
+        (s = need_n(d, "v", v, nkv, 32, err)) || (s = need_n(d, "start", start, rows, 32, err)))
+        return s;
+    return cpu_of(d)->iface->attention(cpu_of(d), out, q, k, v, start, rows, heads, kv_heads, head_dim, scale,
+                                       err);
+}
+
+static lm_status sim_silu_mul(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "silu_mul", err)) || (s = need_n(d, "gate", gate, n, 32, err)) ||
+        (s = need_n(d, "up", up, n, 32, err)))
+        return s;
+    return cpu_of(d)->iface->silu_mul(cpu_of(d), gate, up, n, err);
+}
+
+static lm_status sim_nll_rows(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
+                              int64_t cols, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "nll_rows", err)) || (s = need_n(d, "nll", nll, rows, 32, err)) ||
+        (s = need_n(d, "logits", logits, elems(rows, cols), 32, err)) ||
+        (s = need_n(d, "targets", targets, rows, 32, err)))
+        return s;
+    return cpu_of(d)->iface->nll_rows(cpu_of(d), nll, logits, targets, rows, cols, err);
 }

@@ -1,6 +1,8 @@
 // Element types and float32 conversions: see dtype.h.
 #include "dtype.h"
 
+#include "util.h"
+
 #include <string.h>
 
 static const struct { const char *name; unsigned bits; } dtype_info[LM_DTYPE_COUNT] = {
@@ -90,7 +92,7 @@ static inline void store16(unsigned char *p, int64_t i, uint16_t v)
     memcpy(p + 2 * i, &v, 2);
 }
 
-lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err)
+LM_VECTOR_CLONES lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err)
 {
     const unsigned char *s = src;
     switch (dt) {
@@ -119,7 +121,7 @@ lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n,
     }
 }
 
-lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err)
+LM_VECTOR_CLONES lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err)
 {
     unsigned char *d = dst;
     switch (dt) {

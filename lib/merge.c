@@ -24,8 +24,22 @@
 #include "sparsify.h"
 #include "util.h"
 
-#define DEFAULT_SLAB_ELEMS (16ll << 20)  // 64 MiB of float32 per buffer
+// Slabs. Large ones hold the whole of all but the largest tensors, so τ is computed once and
+// kept across the passes; that suits LoRA parts (a GEMM each time) and accelerators (few
+// transfers and launches). On the CPU a tensor of dense parts only goes in smaller slabs whose
+// buffers stay in the processor's cache from one operation to the next: each pass computes τ
+// again from the 16-bit inputs, which moves fewer bytes than keeping float32 τ in memory.
+#define LARGE_SLAB_ELEMS (16ll << 20)   // 64 MiB of float32 per buffer
+#define DENSE_SLAB_ELEMS (4ll << 20)    // 16 MiB
+#define KEEP_MAPPED_BYTES (256ull << 20)  // inputs of one tensor kept mapped across its passes
 #define OUT_PIECE (1u << 20)              // bytes of output converted, hashed and written at once
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
 
 // ==== names and options =======================================================================
 
@@ -188,34 +202,49 @@ typedef struct part {
     bool dropped;                 // tau (kept whole) already has its random mask applied
 } part;
 
-// An adapter's factors placed on the device once, as float32.
+// An adapter's factors placed on a device once, as float32.
 typedef struct resident {
-    float *data;          // device buffer holding every module's A then B
+    float *data;          // device buffer holding every module's A then B; NULL when not placed
     int64_t *a_off;       // (n_modules) element offsets of A in data
     int64_t *b_off;       // (n_modules) of B
 } resident;
 
+// One device's buffers for the tensor being merged, each `cap` elements of float32.
+typedef struct wset {
+    lm_dev *dev;
+    int64_t cap;
+    float *base_buf;
+    float **tau_buf;      // (n_ft), NULL for FTs the tensor does not use (on an accelerator)
+    void *stage_dev;      // raw input staging when the device cannot read host memory
+    size_t stage_bytes;
+    void *out_dev;        // output dtype staging on the device
+    float *mag_buf;       // DoRA magnitude of the current tensor, [rows]
+    int64_t mag_cap;
+} wset;
+
 typedef struct engine {
     const lm_merge_opts *o;
-    lm_dev *dev;
+    lm_dev *dev;          // where units go first
+    lm_dev *cpu;          // where they go when the device is out of memory (dev itself if the CPU)
     const lm_model *base;
     lm_ft *const *fts;
     lm_st_writer *w;
+    const lm_merge_hooks *hooks;
     lm_err *err;
-    int64_t slab_elems;
-    // device buffers, each slab_max elements
-    float *base_buf;
-    float **tau_buf;      // (n_ft)
-    void *stage_dev;      // raw input staging when the device cannot read host memory
-    void *out_dev;        // output dtype staging on the device
-    unsigned char *out_host;  // OUT_PIECE bytes
+    int64_t slab_elems;   // elements per slab (LARGE_SLAB_ELEMS unless the options say)
+    int64_t slab_dense;   // on the CPU, for tensors of dense parts only
     int64_t slab_max;
-    float *mag_buf;       // DoRA magnitude of the current tensor, [rows]
-    int64_t mag_cap;
-    resident *res;        // (n_ft)
+    wset cpu_ws;          // the CPU's buffers, kept for the whole run (slab_max elements)
+    wset dev_ws;          // an accelerator's, allocated per tensor (that tensor's slab)
+    wset *ws;             // the buffers of the unit now running
+    unsigned char *out_host;  // OUT_PIECE bytes
+    unsigned char *out_slab;  // a slab's output from an accelerator (slab_max float32), or NULL
+    resident *res_cpu;    // (n_ft) every adapter's factors in host memory
+    resident *res_dev;    // (n_ft) on an accelerator, data NULL where they did not fit
     // --topk global: per FT thresholds and the ties budget left
     lm_topk *global;      // (n_ft) or NULL
     uint64_t bytes_in, bytes_out;
+    lm_merge_result *res;
     long page;
 } engine;
 
@@ -249,12 +278,13 @@ static size_t esize(lm_dtype dt)
 static lm_status stage(engine *e, const void *src, lm_dtype dt, int64_t n, const void **on_dev)
 {
     e->bytes_in += (uint64_t)n * esize(dt);
-    if (e->dev->host_memory) {
+    if (e->ws->dev->host_memory) {
         *on_dev = src;
         return LM_OK;
     }
-    *on_dev = e->stage_dev;
-    return lm_dev_upload(e->dev, e->stage_dev, src, (size_t)n * esize(dt), e->err);
+    *on_dev = e->ws->stage_dev;
+    e->res->bytes_to_device += (uint64_t)n * esize(dt);
+    return lm_dev_upload(e->ws->dev, e->ws->stage_dev, src, (size_t)n * esize(dt), e->err);
 }
 
 // dst[0..n) = float32 of host data src (dtype dt).
@@ -262,7 +292,7 @@ static lm_status load_f32(engine *e, float *dst, const void *src, lm_dtype dt, i
 {
     const void *in;
     lm_status s = stage(e, src, dt, n, &in);
-    return s != LM_OK ? s : lm_dev_to_f32(e->dev, dst, in, dt, n, e->err);
+    return s != LM_OK ? s : lm_dev_to_f32(e->ws->dev, dst, in, dt, n, e->err);
 }
 
 // ==== task vectors ============================================================================
@@ -272,21 +302,54 @@ static int64_t tensor_rows(const lm_st_tensor *t)
     return t->ndim >= 1 ? t->shape[0] : 1;
 }
 
-// dst = alpha · (B @ A) + beta · dst for rows [r0, r0 + rows) of base tensor bt, from the
-// resident factors of LoRA part p (transposed for embeddings and fan_in_fan_out).
-static lm_status lora_gemm(engine *e, const part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, float alpha,
-                           float beta, float *dst)
+static lm_status cpu_ready(engine *e);
+
+// The factors of FT ft where the current unit runs: the CPU's copy on the CPU, the device's
+// on the device, NULL when they did not fit there.
+static const resident *resident_for(const engine *e, int ft)
+{
+    if (e->ws->dev == e->cpu)
+        return &e->res_cpu[ft];
+    return e->res_dev[ft].data ? &e->res_dev[ft] : NULL;
+}
+
+static lm_status gemm_factors(engine *e, lm_dev *dev, const resident *rs, const part *p, const lm_st_tensor *bt,
+                              int64_t r0, int64_t rows, float alpha, float beta, float *dst)
 {
     const lm_lora_module *m = p->mod;
-    const resident *rs = &e->res[p->ft];
     const float *a = rs->data + rs->a_off[p->mod_index];  // [r, in] or [r, vocab]
     const float *b = rs->data + rs->b_off[p->mod_index];  // [out, r] or [hidden, r]
     int64_t r = m->r, cols = bt->numel / tensor_rows(bt);
     if (!(m->kind == LM_LORA_EMBEDDING || e->fts[p->ft]->adapter->config.fan_in_fan_out))
         // base [out, in]: rows r0: of B @ A are B[r0:, :] @ A
-        return lm_dev_gemm(e->dev, false, false, rows, cols, r, alpha, b + r0 * r, r, a, cols, beta, dst, cols, e->err);
+        return lm_dev_gemm(dev, false, false, rows, cols, r, alpha, b + r0 * r, r, a, cols, beta, dst, cols, e->err);
     // base [in, out] (or [vocab, hidden]): (B @ A)ᵀ = Aᵀ Bᵀ, rows r0: of Aᵀ being columns r0: of A
-    return lm_dev_gemm(e->dev, true, true, rows, cols, r, alpha, a + r0, tensor_rows(bt), b, r, beta, dst, cols, e->err);
+    return lm_dev_gemm(dev, true, true, rows, cols, r, alpha, a + r0, tensor_rows(bt), b, r, beta, dst, cols, e->err);
+}
+
+// dst = alpha · (B @ A) + beta · dst for rows [r0, r0 + rows) of base tensor bt, from the
+// factors of LoRA part p (transposed for embeddings and fan_in_fan_out). When they stayed on
+// the CPU (they did not fit on the device), the product is made there, from the same values
+// with the same GEMM as a CPU run, and the result copied to the device.
+static lm_status lora_gemm(engine *e, const part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, float alpha,
+                           float beta, float *dst)
+{
+    const resident *rs = resident_for(e, p->ft);
+    if (rs)
+        return gemm_factors(e, e->ws->dev, rs, p, bt, r0, rows, alpha, beta, dst);
+    size_t bytes = (size_t)(rows * (bt->numel / tensor_rows(bt))) * sizeof(float);
+    lm_status s = cpu_ready(e);
+    if (s != LM_OK)
+        return s;
+    float *host = e->cpu_ws.tau_buf[p->ft];
+    if (beta != 0.0f) {
+        s = lm_dev_download(e->ws->dev, host, dst, bytes, e->err);
+        e->res->bytes_from_device += bytes;
+    }
+    if (s == LM_OK)
+        s = gemm_factors(e, e->cpu, &e->res_cpu[p->ft], p, bt, r0, rows, alpha, beta, host);
+    e->res->bytes_to_device += bytes;
+    return s != LM_OK ? s : lm_dev_upload(e->ws->dev, dst, host, bytes, e->err);
 }
 
 // Computes τ of part p for rows [r0, r0 + rows) of base tensor bt into p->tau; base_slab holds
@@ -300,28 +363,39 @@ static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t
         const lm_st_tensor *t = p->full;
         const void *in;
         s = stage(e, (const char *)t->data + (size_t)(r0 * cols) * esize(t->dtype), t->dtype, cnt, &in);
-        return s != LM_OK ? s : lm_dev_delta(e->dev, p->tau, in, t->dtype, base_slab, cnt, e->err);
+        return s != LM_OK ? s : lm_dev_delta(e->ws->dev, p->tau, in, t->dtype, base_slab, cnt, e->err);
     }
     const lm_lora_module *m = p->mod;
     float scale = (float)m->scale;
     if (p->src == SRC_LORA_BIAS) {
         s = load_f32(e, p->tau, (const char *)m->bias->data + (size_t)r0 * esize(m->bias->dtype), m->bias->dtype, cnt);
-        return s != LM_OK ? s : lm_dev_axpby(e->dev, p->tau, scale, p->tau, 0.0f, cnt, e->err);
+        return s != LM_OK ? s : lm_dev_axpby(e->ws->dev, p->tau, scale, p->tau, 0.0f, cnt, e->err);
     }
     s = lora_gemm(e, p, bt, r0, rows, scale, 0.0f, p->tau);
     if (s != LM_OK || !m->magnitude)
         return s;
-    return lm_dev_dora_rows(e->dev, p->tau, base_slab, e->mag_buf + r0, rows, cols, e->err);
+    return lm_dev_dora_rows(e->ws->dev, p->tau, base_slab, e->ws->mag_buf + r0, rows, cols, e->err);
 }
 
-// Places every adapter's factors on the device as float32, once for the whole merge.
+// Tells the caller a unit went to the CPU because the device was out of memory.
+static void fell_back(engine *e, const char *phase, const char *unit, double seconds)
+{
+    if (e->hooks && e->hooks->fallback)
+        e->hooks->fallback(e->hooks->ctx, phase, unit, lm_dev_name(e->dev), lm_dev_name(e->cpu), e->err->msg);
+    e->res->fallback_s += seconds;
+    lm_err_clear(e->err);
+}
+
+// Converts every adapter's factors to float32 in host memory, once for the whole merge, and
+// copies them to an accelerator: an FT whose factors do not fit there keeps them on the CPU
+// alone (its deltas are made there), the others still try the device.
 static lm_status place_residents(engine *e)
 {
     for (int i = 0; i < e->o->n_ft; i++) {
         const lm_adapter *a = e->fts[i]->adapter;
         if (!a)
             continue;
-        resident *rs = &e->res[i];
+        resident *rs = &e->res_cpu[i];
         rs->a_off = calloc((size_t)(a->n_modules ? a->n_modules : 1), sizeof *rs->a_off);
         rs->b_off = calloc((size_t)(a->n_modules ? a->n_modules : 1), sizeof *rs->b_off);
         if (!rs->a_off || !rs->b_off)
@@ -333,9 +407,10 @@ static lm_status place_residents(engine *e)
             rs->b_off[m] = total;
             total += a->modules[m].b ? a->modules[m].b->numel : 0;
         }
-        lm_status s = lm_dev_alloc(e->dev, (size_t)total * sizeof(float), (void **)&rs->data, e->err);
+        e->ws = &e->cpu_ws;
+        lm_status s = lm_dev_alloc(e->cpu, (size_t)total * sizeof(float), (void **)&rs->data, e->err);
         if (s != LM_OK)
-            return lm_err_prefix(e->err, "%s: placing the LoRA factors", e->fts[i]->path);
+            return lm_err_prefix(e->err, "%s: the LoRA factors", e->fts[i]->path);
         for (int64_t m = 0; m < a->n_modules; m++) {
             const lm_lora_module *mod = &a->modules[m];
             if (mod->a && (s = load_f32(e, rs->data + rs->a_off[m], mod->a->data, mod->a->dtype, mod->a->numel)) != LM_OK)
@@ -343,6 +418,28 @@ static lm_status place_residents(engine *e)
             if (mod->b && (s = load_f32(e, rs->data + rs->b_off[m], mod->b->data, mod->b->dtype, mod->b->numel)) != LM_OK)
                 return lm_err_prefix(e->err, "%s", mod->b->name);
         }
+        if (e->dev == e->cpu)
+            continue;
+        double t0 = now();
+        resident *rd = &e->res_dev[i];
+        size_t bytes = (size_t)total * sizeof(float);
+        s = lm_dev_alloc(e->dev, bytes, (void **)&rd->data, e->err);
+        if (s == LM_OK) {
+            s = lm_dev_upload(e->dev, rd->data, rs->data, bytes, e->err);
+            e->res->bytes_to_device += bytes;
+        }
+        if (s == LM_OK) {
+            e->res->ft_on_device++;
+            rd->a_off = rs->a_off;  // the same layout; owned by res_cpu
+            rd->b_off = rs->b_off;
+            continue;
+        }
+        lm_dev_release(e->dev, rd->data);
+        rd->data = NULL;
+        if (s != LM_ERR_DEVICE_OOM)
+            return lm_err_prefix(e->err, "%s: placing the LoRA factors on %s", e->fts[i]->path, lm_dev_name(e->dev));
+        e->res->fallback_place++;
+        fell_back(e, "place", e->fts[i]->path, now() - t0);
     }
     return LM_OK;
 }
@@ -353,7 +450,7 @@ static int find_parts(engine *e, const char *name, part *parts)
     int k = 0;
     for (int i = 0; i < e->o->n_ft; i++) {
         const lm_ft *ft = e->fts[i];
-        part p = {.ft = i, .rescale = 1.0, .tau = e->tau_buf[i]};
+        part p = {.ft = i, .rescale = 1.0, .tau = e->ws->tau_buf[i]};
         if (ft->model) {
             p.src = SRC_FULL;
             p.full = lm_model_find(ft->model, name);
@@ -391,16 +488,16 @@ static lm_status load_magnitude(engine *e, const part *p)
     if (p->src != SRC_LORA || !p->mod->magnitude)
         return LM_OK;
     const lm_st_tensor *mt = p->mod->magnitude;
-    if (mt->numel > e->mag_cap) {
-        lm_dev_release(e->dev, e->mag_buf);
-        e->mag_buf = NULL;
-        e->mag_cap = 0;
-        lm_status s = lm_dev_alloc(e->dev, (size_t)mt->numel * sizeof(float), (void **)&e->mag_buf, e->err);
+    if (mt->numel > e->ws->mag_cap) {
+        lm_dev_release(e->ws->dev, e->ws->mag_buf);
+        e->ws->mag_buf = NULL;
+        e->ws->mag_cap = 0;
+        lm_status s = lm_dev_alloc(e->ws->dev, (size_t)mt->numel * sizeof(float), (void **)&e->ws->mag_buf, e->err);
         if (s != LM_OK)
             return s;
-        e->mag_cap = mt->numel;
+        e->ws->mag_cap = mt->numel;
     }
-    return load_f32(e, e->mag_buf, mt->data, mt->dtype, mt->numel);
+    return load_f32(e, e->ws->mag_buf, mt->data, mt->dtype, mt->numel);
 }
 
 static lm_status tau_for(engine *e, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, const float *base_slab)
@@ -415,6 +512,13 @@ static lm_status tau_for(engine *e, part *p, const lm_st_tensor *bt, int64_t r0,
 static void release_slab(const engine *e, const lm_st_tensor *bt, const part *parts, int k, int64_t r0,
                          int64_t rows)
 {
+    // A tensor whose inputs are small stays mapped until it is done (the loop in lm_merge_run
+    // releases it): each pass over it would otherwise fault every page in again.
+    uint64_t mapped = bt->nbytes;
+    for (int i = 0; i < k; i++)
+        mapped += parts[i].src == SRC_FULL ? parts[i].full->nbytes : 0;
+    if (mapped <= KEEP_MAPPED_BYTES)
+        return;
     int64_t cols = bt->numel / tensor_rows(bt);
     release_bytes(e, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),
                   (uint64_t)(rows * cols) * esize(bt->dtype));
@@ -436,25 +540,72 @@ static bool needs_base(const part *parts, int k)
     return false;
 }
 
+// Rows per slab of tensor bt (whole rows, at least one) when its parts run on dev.
+static int64_t slab_rows_of(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
+{
+    int64_t elems = e->slab_elems;
+    bool dense = true;
+    for (int i = 0; i < k; i++)
+        dense = dense && parts[i].src == SRC_FULL;
+    if (dense && dev->host_memory)
+        elems = e->slab_dense;
+    int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
+    if (cols == 0)
+        return rows > 0 ? rows : 1;
+    return elems / cols > 0 ? elems / cols : 1;
+}
+
+// The window of level-1 bins a pass at level 0 also counts (hist_tensor's level 2): guessed
+// from a sample of the first slab, LM_HIST_WINDOW bins around the bin where the sample's share
+// of k falls. When the guess holds, the second pass over the tensor is not needed.
+#define SAMPLE_ELEMS (1 << 18)
+
+typedef struct window {
+    uint64_t *win;   // (LM_HIST_WINDOW × LM_HIST_BINS) per part
+    uint32_t lo;     // the window's first bin
+} window;
+
+static lm_status guess_window(engine *e, const part *p, int64_t cnt, int64_t numel, const lm_topk *t, window *w)
+{
+    int64_t ns = cnt < SAMPLE_ELEMS ? cnt : SAMPLE_ELEMS;
+    uint64_t *h = calloc(LM_HIST_BINS, sizeof *h);
+    if (!h)
+        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = lm_dev_hist_abs(e->ws->dev, h, p->tau, ns, 0, 0, e->err);
+    lm_topk g;
+    lm_topk_init(&g, (int64_t)((double)t->k * (double)ns / (double)numel + 0.5), ns);
+    lm_topk_level0(&g, h);
+    free(h);
+    uint32_t centre = g.none ? 0 : g.hi_bin;
+    w->lo = centre > LM_HIST_WINDOW / 2 - 1 ? centre - (LM_HIST_WINDOW / 2 - 1) : 0;
+    return s;
+}
+
 // Adds the level-`level` histograms of τ over every slab of tensor bt to hists[i], one
-// 65536-bin array per part. `have_tau` says the parts' buffers already hold τ of the tensor's
+// 65536-bin array per part (level 2: level 0, and level 1 over wins[i]'s window, placed from a
+// sample of the first slab). `have_tau` says the parts' buffers already hold τ of the tensor's
 // only slab (from the level-0 pass), so it is not computed again.
 static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
-                             const lm_topk *const *sel, int level, bool have_tau)
+                             const lm_topk *const *sel, int level, bool have_tau, window *wins)
 {
     int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
-    int64_t slab_rows = cols ? (e->slab_elems / cols > 0 ? e->slab_elems / cols : 1) : rows;
+    int64_t slab_rows = slab_rows_of(e, e->ws->dev, bt, parts, k);
     for (int64_t r0 = 0; r0 < rows; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         lm_status s = LM_OK;
         if (!have_tau && needs_base(parts, k))
-            s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),
+            s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),
                          bt->dtype, cnt);
         for (int i = 0; s == LM_OK && i < k; i++) {
-            if (!have_tau && (s = tau_for(e, &parts[i], bt, r0, nr, e->base_buf)) != LM_OK)
+            if (!have_tau && (s = tau_for(e, &parts[i], bt, r0, nr, e->ws->base_buf)) != LM_OK)
                 break;
-            if (!sel[i]->none)
-                s = lm_dev_hist_abs(e->dev, hists[i], parts[i].tau, cnt, level, sel[i]->hi_bin, e->err);
+            if (sel[i]->none)
+                continue;
+            if (level < 2)
+                s = lm_dev_hist_abs(e->ws->dev, hists[i], parts[i].tau, cnt, level, sel[i]->hi_bin, e->err);
+            else if (r0 > 0 || (s = guess_window(e, &parts[i], cnt, bt->numel, sel[i], &wins[i])) == LM_OK)
+                s = lm_dev_hist_window(e->ws->dev, hists[i], wins[i].win, LM_HIST_WINDOW, wins[i].lo, parts[i].tau,
+                                       cnt, e->err);
         }
         if (s != LM_OK)
             return s;
@@ -464,32 +615,89 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
     return LM_OK;
 }
 
+// Exact top-k of each part over the whole tensor: one pass counting level 0 with a guessed
+// window of level 1, then, for the parts whose threshold fell outside their window, a second
+// pass at level 1.
+static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
+{
+    const lm_merge_opts *o = e->o;
+    uint64_t *hists[k];
+    const lm_topk *sel[k];
+    window wins[k];
+    lm_topk missed[k];  // the parts for the second pass; the others marked none
+    uint64_t *block = calloc((size_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS, sizeof(uint64_t));
+    if (!block)
+        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    memset(hists, 0, sizeof hists);
+    memset(sel, 0, sizeof sel);
+    memset(wins, 0, sizeof wins);
+    for (int i = 0; i < k; i++) {
+        lm_topk_init(&parts[i].topk, (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel), bt->numel);
+        hists[i] = block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
+        wins[i] = (window){hists[i] + LM_HIST_BINS, 0};
+        sel[i] = &parts[i].topk;
+    }
+    lm_status s = hist_tensor(e, bt, parts, k, hists, sel, 2, false, wins);
+    bool again = false;
+    for (int i = 0; s == LM_OK && i < k; i++) {
+        lm_topk *t = &parts[i].topk;
+        lm_topk_level0(t, hists[i]);
+        missed[i] = *t;
+        missed[i].none = true;
+        if (t->none)
+            continue;
+        if (t->hi_bin >= wins[i].lo && t->hi_bin < wins[i].lo + LM_HIST_WINDOW) {
+            lm_topk_level1(t, wins[i].win + (size_t)(t->hi_bin - wins[i].lo) * LM_HIST_BINS);
+        } else {
+            missed[i].none = false;
+            again = true;
+        }
+    }
+    if (s == LM_OK && again) {
+        for (int i = 0; i < k; i++) {
+            memset(hists[i], 0, LM_HIST_BINS * sizeof(uint64_t));
+            sel[i] = &missed[i];
+        }
+        s = hist_tensor(e, bt, parts, k, hists, sel, 1, one_slab, NULL);
+        for (int i = 0; s == LM_OK && i < k; i++)
+            if (!missed[i].none)
+                lm_topk_level1(&parts[i].topk, hists[i]);
+    }
+    free(block);
+    return s;
+}
+
 // ==== one tensor ==============================================================================
 
-// Converts a slab of float32 results to the output dtype, hashes it and writes it at its offset,
-// in pieces of OUT_PIECE bytes: the converted piece is still in cache when the hash and the
-// write's copy into the page cache read it (one large write from a buffer that no longer fits
-// in cache copies several times slower).
+// Converts a slab of float32 results to the output dtype, hashes it and writes it at its offset.
+// On the CPU this goes in pieces of OUT_PIECE bytes: the converted piece is still in cache when
+// the hash and the write's copy into the page cache read it (one large write from a buffer
+// that no longer fits in cache copies several times slower). From an accelerator the slab
+// comes home in one download (whose copies overlap) and is then hashed and written by pieces.
 static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
                             uint64_t offset, XXH64_state_t *hash)
 {
-    size_t es = esize(out_dt);
+    size_t es = esize(out_dt), total = (size_t)cnt * es;
     int64_t per_piece = (int64_t)(OUT_PIECE / es);
+    bool host = e->ws->dev->host_memory;
     lm_status s = LM_OK;
-    if (!e->dev->host_memory)
-        s = lm_dev_from_f32(e->dev, e->out_dev, out_dt, out_f32, cnt, e->err);
+    if (!host) {
+        if (!e->out_slab && !(e->out_slab = malloc((size_t)e->slab_max * sizeof(float))))
+            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        s = lm_dev_from_f32(e->ws->dev, e->ws->out_dev, out_dt, out_f32, cnt, e->err);
+        if (s == LM_OK)
+            s = lm_dev_download(e->ws->dev, e->out_slab, e->ws->out_dev, total, e->err);
+        e->res->bytes_from_device += total;
+    }
     for (int64_t off = 0; s == LM_OK && off < cnt; off += per_piece) {
         int64_t n = cnt - off < per_piece ? cnt - off : per_piece;
         size_t nbytes = (size_t)n * es;
-        if (e->dev->host_memory)
-            s = lm_dev_from_f32(e->dev, e->out_host, out_dt, out_f32 + off, n, e->err);
-        else
-            s = lm_dev_download(e->dev, e->out_host, (const char *)e->out_dev + (size_t)off * es, nbytes, e->err);
-        if (s != LM_OK)
+        const unsigned char *piece = host ? e->out_host : e->out_slab + (size_t)off * es;
+        if (host && (s = lm_dev_from_f32(e->ws->dev, e->out_host, out_dt, out_f32 + off, n, e->err)) != LM_OK)
             break;
-        XXH64_update(hash, e->out_host, nbytes);
+        XXH64_update(hash, piece, nbytes);
         e->bytes_out += nbytes;
-        s = lm_st_writer_put_part(e->w, idx, offset + (uint64_t)off * es, e->out_host, nbytes, e->err);
+        s = lm_st_writer_put_part(e->w, idx, offset + (uint64_t)off * es, piece, nbytes, e->err);
     }
     return s;
 }
@@ -516,9 +724,9 @@ static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_
     for (int64_t off = 0; off < bt->numel; off += e->slab_max) {
         int64_t cnt = bt->numel - off < e->slab_max ? bt->numel - off : e->slab_max;
         const char *src = (const char *)bt->data + (size_t)off * esize(bt->dtype);
-        lm_status s = load_f32(e, e->base_buf, src, bt->dtype, cnt);
+        lm_status s = load_f32(e, e->ws->base_buf, src, bt->dtype, cnt);
         if (s == LM_OK)
-            s = write_slab(e, idx, out_dt, e->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
+            s = write_slab(e, idx, out_dt, e->ws->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
         if (s != LM_OK)
             return s;
         release_bytes(e, src, (uint64_t)cnt * esize(bt->dtype));
@@ -542,74 +750,47 @@ static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, co
     lm_status s = LM_OK;
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
-        s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
+        s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
         // Task vectors that need the base's values (full models, DoRA, biases) first, while
         // base_buf still holds them; then everything is added in.
         for (int i = 0; s == LM_OK && i < k; i++)
             if (parts[i].src != SRC_LORA || parts[i].mod->magnitude)
-                s = tau_for(e, &parts[i], bt, r0, nr, e->base_buf);
+                s = tau_for(e, &parts[i], bt, r0, nr, e->ws->base_buf);
         for (int i = 0; s == LM_OK && i < k; i++) {
             part *p = &parts[i];
             float c = (float)(o->lambda * o->weights[p->ft] / div);
             if (p->src == SRC_LORA && !p->mod->magnitude)
-                s = lora_gemm(e, p, bt, r0, nr, c * (float)p->mod->scale, 1.0f, e->base_buf);
+                s = lora_gemm(e, p, bt, r0, nr, c * (float)p->mod->scale, 1.0f, e->ws->base_buf);
             else
-                s = lm_dev_axpby(e->dev, e->base_buf, 1.0f, p->tau, c, cnt, e->err);
+                s = lm_dev_axpby(e->ws->dev, e->ws->base_buf, 1.0f, p->tau, c, cnt, e->err);
         }
         if (s == LM_OK)
-            s = write_slab(e, idx, desc->dtype, e->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
+            s = write_slab(e, idx, desc->dtype, e->ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
         if (rows > slab_rows)
             release_slab(e, bt, parts, k, r0, nr);
     }
     return s;
 }
 
-static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, bool *merged)
+// Merges tensor idx from its k parts (their tau buffers those of e->ws) and writes it.
+static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, part *parts,
+                              int k)
 {
     const lm_merge_opts *o = e->o;
     const lm_st_tensor *bt = e->base->tensors[idx];
-    part parts[o->n_ft > 0 ? o->n_ft : 1];
-    int k = lm_dtype_readable(bt->dtype) ? find_parts(e, bt->name, parts) : 0;
-    *merged = k > 0;
-    if (k == 0 || bt->numel == 0)
-        return copy_tensor(e, idx, bt, desc->dtype, hash);
-
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
-    int64_t slab_rows = e->slab_elems / cols > 0 ? e->slab_elems / cols : 1;
+    int64_t slab_rows = slab_rows_of(e, e->ws->dev, bt, parts, k);
     bool one_slab = slab_rows >= rows;
     lm_status s = LM_OK;
 
     // select: exact top-k per part over the whole tensor.
-    if (uses_magnitude(o->method) && !o->topk_global) {
-        uint64_t *hists[k];
-        const lm_topk *sel[k];
-        uint64_t *block = calloc((size_t)k * LM_HIST_BINS, sizeof(uint64_t));
-        if (!block)
-            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
-        for (int i = 0; i < k; i++) {
-            lm_topk_init(&parts[i].topk, (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel), bt->numel);
-            hists[i] = block + (size_t)i * LM_HIST_BINS;
-            sel[i] = &parts[i].topk;
-        }
-        for (int level = 0; level < 2 && s == LM_OK; level++) {
-            memset(block, 0, (size_t)k * LM_HIST_BINS * sizeof(uint64_t));
-            s = hist_tensor(e, bt, parts, k, hists, sel, level, one_slab && level == 1);
-            for (int i = 0; s == LM_OK && i < k; i++) {
-                if (level == 0)
-                    lm_topk_level0(&parts[i].topk, hists[i]);
-                else
-                    lm_topk_level1(&parts[i].topk, hists[i]);
-            }
-        }
-        free(block);
-        if (s != LM_OK)
-            return s;
-    }
+    if (uses_magnitude(o->method) && !o->topk_global && (s = select_tensor(e, bt, parts, k, one_slab)) != LM_OK)
+        return s;
 
     // The ties budget each part may still spend in this tensor.
     int64_t ties_left[k];
     for (int i = 0; i < k; i++)
-        ties_left[i] = o->topk_global ? e->global[parts[i].ft].ties_allowed : parts[i].topk.ties_allowed;
+        ties_left[i] = e->global ? e->global[parts[i].ft].ties_allowed : parts[i].topk.ties_allowed;
 
     // l1: DARE's L1-matching rescale needs both norms over the whole tensor first.
     bool random = uses_random(o->method);
@@ -620,17 +801,17 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
         for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
             int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
-            s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
+            s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
             for (int i = 0; s == LM_OK && i < k; i++) {
                 double a, b;
                 part *p = &parts[i];
-                if ((s = tau_for(e, p, bt, r0, nr, e->base_buf)) != LM_OK ||
-                    (s = lm_dev_l1(e->dev, p->tau, cnt, &a, e->err)) != LM_OK)
+                if ((s = tau_for(e, p, bt, r0, nr, e->ws->base_buf)) != LM_OK ||
+                    (s = lm_dev_l1(e->ws->dev, p->tau, cnt, &a, e->err)) != LM_OK)
                     break;
                 uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
-                if ((s = lm_dev_random_drop(e->dev, p->tau, cnt, key, r0 * cols,
+                if ((s = lm_dev_random_drop(e->ws->dev, p->tau, cnt, key, r0 * cols,
                                             lm_rng_threshold(o->densities[p->ft]), e->err)) != LM_OK ||
-                    (s = lm_dev_l1(e->dev, p->tau, cnt, &b, e->err)) != LM_OK)
+                    (s = lm_dev_l1(e->ws->dev, p->tau, cnt, &b, e->err)) != LM_OK)
                     break;
                 l1_all[i] += a;
                 l1_kept[i] += b;
@@ -670,56 +851,295 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         if (!have_base)
-            s = load_f32(e, e->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype,
+            s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype,
                          cnt);
         for (int i = 0; s == LM_OK && i < k; i++) {
             part *p = &parts[i];
-            if (!have_tau && (s = tau_for(e, p, bt, r0, nr, e->base_buf)) != LM_OK)
+            if (!have_tau && (s = tau_for(e, p, bt, r0, nr, e->ws->base_buf)) != LM_OK)
                 break;
             if (uses_magnitude(o->method)) {
                 const lm_topk *t = o->topk_global ? &e->global[p->ft] : &p->topk;
                 int64_t used = 0;
-                if ((s = lm_dev_topk_apply(e->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err)) != LM_OK)
+                if ((s = lm_dev_topk_apply(e->ws->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err)) != LM_OK)
                     break;
                 ties_left[i] -= used;
                 if (o->topk_global)
                     e->global[p->ft].ties_allowed -= used;
             } else if (random && !p->dropped) {
                 uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
-                if ((s = lm_dev_random_drop(e->dev, p->tau, cnt, key, r0 * cols, lm_rng_threshold(o->densities[p->ft]),
+                if ((s = lm_dev_random_drop(e->ws->dev, p->tau, cnt, key, r0 * cols, lm_rng_threshold(o->densities[p->ft]),
                                             e->err)) != LM_OK)
                     break;
             }
             if (p->rescale != 1.0 &&
-                (s = lm_dev_axpby(e->dev, p->tau, (float)p->rescale, p->tau, 0.0f, cnt, e->err)) != LM_OK)
+                (s = lm_dev_axpby(e->ws->dev, p->tau, (float)p->rescale, p->tau, 0.0f, cnt, e->err)) != LM_OK)
                 break;
         }
         if (s == LM_OK)
-            s = lm_dev_combine(e->dev, e->base_buf, e->base_buf, taus, weights, k, cnt, sign, o->normalize,
+            s = lm_dev_combine(e->ws->dev, e->ws->base_buf, e->ws->base_buf, taus, weights, k, cnt, sign, o->normalize,
                                (float)o->lambda, e->err);
         if (s == LM_OK)
-            s = write_slab(e, idx, desc->dtype, e->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
+            s = write_slab(e, idx, desc->dtype, e->ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
         if (!one_slab)
             release_slab(e, bt, parts, k, r0, nr);
     }
     return s;
 }
 
+// ==== where each unit runs ====================================================================
+
+// Frees a working set's buffers (it stays tied to its device).
+static void ws_release(engine *e, wset *w)
+{
+    if (!w->dev)
+        return;
+    lm_dev_release(w->dev, w->base_buf);
+    for (int i = 0; w->tau_buf && i < e->o->n_ft; i++)
+        lm_dev_release(w->dev, w->tau_buf[i]);
+    lm_dev_release(w->dev, w->stage_dev);
+    lm_dev_release(w->dev, w->out_dev);
+    lm_dev_release(w->dev, w->mag_buf);
+    float **keep = w->tau_buf;
+    lm_dev *dev = w->dev;
+    if (keep)
+        memset(keep, 0, (size_t)e->o->n_ft * sizeof *keep);
+    memset(w, 0, sizeof *w);
+    w->tau_buf = keep;
+    w->dev = dev;
+}
+
+// Allocates w's buffers on dev for `cap` elements and the FTs among `parts` (every FT when
+// parts is NULL). Device memory running out is LM_ERR_DEVICE_OOM, with what is already taken
+// still in w for ws_release.
+static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, int64_t cap, const part *parts, int k, size_t stage_bytes,
+                          size_t out_bytes)
+{
+    w->dev = dev;
+    w->cap = cap;
+    size_t bytes = (size_t)cap * sizeof(float);
+    lm_status s = lm_dev_alloc(dev, bytes, (void **)&w->base_buf, e->err);
+    for (int i = 0; s == LM_OK && i < (parts ? k : e->o->n_ft); i++)
+        s = lm_dev_alloc(dev, bytes, (void **)&w->tau_buf[parts ? parts[i].ft : i], e->err);
+    if (s == LM_OK && !dev->host_memory)
+        s = lm_dev_alloc(dev, stage_bytes, &w->stage_dev, e->err);
+    if (s == LM_OK && !dev->host_memory)
+        s = lm_dev_alloc(dev, out_bytes, &w->out_dev, e->err);
+    w->stage_bytes = stage_bytes;
+    return s;
+}
+
+// The CPU's buffers, made when first needed: at the start on the CPU, at the first fallback
+// (or LoRA product made on the CPU) on an accelerator.
+static lm_status cpu_ready(engine *e)
+{
+    if (e->cpu_ws.base_buf)
+        return LM_OK;
+    lm_status s = ws_alloc(e, &e->cpu_ws, e->cpu, e->slab_max, NULL, 0, 0, 0);
+    if (s != LM_OK)
+        ws_release(e, &e->cpu_ws);
+    return s;
+}
+
+// The bytes the staging buffer needs for a tensor's slab of cnt elements: its largest input
+// element (the base, full FTs' tensors, LoRA biases and DoRA magnitudes, which have a row's
+// worth) times the larger of cnt and the rows.
+static size_t stage_need(const lm_st_tensor *bt, const part *parts, int k, int64_t cnt)
+{
+    size_t es = esize(bt->dtype);
+    for (int i = 0; i < k; i++) {
+        const lm_st_tensor *t = parts[i].src == SRC_FULL ? parts[i].full
+                                : parts[i].src == SRC_LORA_BIAS ? parts[i].mod->bias : parts[i].mod->magnitude;
+        if (t && esize(t->dtype) > es)
+            es = esize(t->dtype);
+    }
+    int64_t rows = tensor_rows(bt);
+    return (size_t)(cnt > rows ? cnt : rows) * es;
+}
+
+// What a unit changes in the engine, kept so that a unit redone on the CPU starts over.
+typedef struct unit_mark {
+    uint64_t bytes_in, bytes_out;
+    int64_t ties[];  // (n_ft) --topk global ties budgets
+} unit_mark;
+
+static void mark(const engine *e, unit_mark *m)
+{
+    m->bytes_in = e->bytes_in;
+    m->bytes_out = e->bytes_out;
+    for (int i = 0; e->global && i < e->o->n_ft; i++)
+        m->ties[i] = e->global[i].ties_allowed;
+}
+
+static void rewind_to(engine *e, const unit_mark *m)
+{
+    e->bytes_in = m->bytes_in;
+    e->bytes_out = m->bytes_out;
+    for (int i = 0; e->global && i < e->o->n_ft; i++)
+        e->global[i].ties_allowed = m->ties[i];
+}
+
+// Points the parts' tau at the current working set's buffers.
+static void bind(engine *e, part *parts, int k)
+{
+    for (int i = 0; i < k; i++)
+        parts[i].tau = e->ws->tau_buf[parts[i].ft];
+}
+
+// The elements of one slab of tensor bt on dev.
+static int64_t slab_cnt(const engine *e, lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
+{
+    int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
+    if (cols == 0)
+        return 1;
+    int64_t slab_rows = slab_rows_of(e, dev, bt, parts, k);
+    return (slab_rows < rows ? slab_rows : rows) * cols;
+}
+
+// Unit work: `fn` over tensor bt with its parts, on the device first and, when the device runs
+// out of memory, again from the start on the CPU (after `restart`, which undoes what the failed
+// try left in ctx). Any other failure stops.
+typedef lm_status (*unit_fn)(engine *e, int64_t idx, part *parts, int k, void *ctx);
+
+static lm_status run_unit(engine *e, const char *phase, int64_t idx, part *parts, int k, unit_fn fn,
+                          void (*restart)(void *ctx), void *ctx, bool *on_device)
+{
+    const lm_st_tensor *bt = e->base->tensors[idx];
+    *on_device = false;
+    lm_status s;
+    double t0 = now();
+    if (e->dev != e->cpu) {
+        unit_mark *m = malloc(sizeof *m + (size_t)e->o->n_ft * sizeof(int64_t));
+        if (!m)
+            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        mark(e, m);
+        int64_t cnt = slab_cnt(e, e->dev, bt, parts, k);
+        s = ws_alloc(e, &e->dev_ws, e->dev, cnt, parts, k, stage_need(bt, parts, k, cnt),
+                     (size_t)cnt * sizeof(float));
+        if (s == LM_OK) {
+            e->ws = &e->dev_ws;
+            bind(e, parts, k);
+            s = fn(e, idx, parts, k, ctx);
+        }
+        ws_release(e, &e->dev_ws);
+        if (s != LM_ERR_DEVICE_OOM) {
+            free(m);
+            *on_device = s == LM_OK;
+            return s;
+        }
+        rewind_to(e, m);
+        free(m);
+        if (restart)
+            restart(ctx);
+        if (strcmp(phase, "merge") == 0)
+            e->res->fallback_merge++;
+        else
+            e->res->fallback_select++;
+        fell_back(e, phase, bt->name, 0);
+    }
+    if ((s = cpu_ready(e)) != LM_OK)
+        return s;
+    e->ws = &e->cpu_ws;
+    bind(e, parts, k);
+    s = fn(e, idx, parts, k, ctx);
+    if (e->dev != e->cpu)
+        e->res->fallback_s += now() - t0;
+    return s;
+}
+
+typedef struct merge_ctx {
+    const lm_st_desc *desc;
+    XXH64_state_t *hash;
+} merge_ctx;
+
+static lm_status merge_fn(engine *e, int64_t idx, part *parts, int k, void *ctx)
+{
+    merge_ctx *c = ctx;
+    return merge_tensor(e, idx, c->desc, c->hash, parts, k);
+}
+
+static void merge_restart(void *ctx)
+{
+    XXH64_reset(((merge_ctx *)ctx)->hash, 0);
+}
+
+// One output tensor: merged where its FTs change it, else the base's values converted (on the
+// CPU: a copy gains nothing from an accelerator).
+static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, bool *merged)
+{
+    const lm_st_tensor *bt = e->base->tensors[idx];
+    part parts[e->o->n_ft > 0 ? e->o->n_ft : 1];
+    e->ws = &e->cpu_ws;
+    int k = lm_dtype_readable(bt->dtype) ? find_parts(e, bt->name, parts) : 0;
+    *merged = k > 0;
+    lm_status s;
+    if (k == 0 || bt->numel == 0) {
+        if ((s = cpu_ready(e)) != LM_OK)
+            return s;
+        return copy_tensor(e, idx, bt, desc->dtype, hash);
+    }
+    merge_ctx c = {desc, hash};
+    bool on_device;
+    s = run_unit(e, "merge", idx, parts, k, merge_fn, merge_restart, &c, &on_device);
+    if (s == LM_OK && on_device)
+        e->res->tensors_on_device++;
+    else if (s == LM_OK)
+        e->res->tensors_on_cpu++;
+    return s;
+}
+
 // ==== --topk global ===========================================================================
+
+typedef struct select_ctx {
+    uint64_t *block;     // (n_ft × LM_HIST_BINS) the model-wide histograms
+    uint64_t *tensor;    // (n_ft × LM_HIST_BINS) this tensor's, added to block when it is done
+    size_t cells;
+    int level;
+} select_ctx;
+
+static lm_status select_fn(engine *e, int64_t idx, part *parts, int k, void *ctx)
+{
+    select_ctx *c = ctx;
+    const lm_st_tensor *bt = e->base->tensors[idx];
+    uint64_t *hists[k > 0 ? k : 1];
+    const lm_topk *sel[k > 0 ? k : 1];
+    memset(hists, 0, sizeof hists);
+    memset(sel, 0, sizeof sel);
+    for (int i = 0; i < k; i++) {
+        hists[i] = c->tensor + (size_t)parts[i].ft * LM_HIST_BINS;
+        sel[i] = &e->global[parts[i].ft];
+    }
+    lm_status s = hist_tensor(e, bt, parts, k, hists, sel, c->level, false, NULL);
+    if (s != LM_OK)
+        return s;
+    for (int i = 0; i < k; i++)
+        for (size_t b = 0; b < LM_HIST_BINS; b++)
+            c->block[(size_t)parts[i].ft * LM_HIST_BINS + b] += hists[i][b];
+    return LM_OK;
+}
+
+// The model's histograms only change once a tensor is done: a redo starts from zero counts.
+static void select_restart(void *ctx)
+{
+    select_ctx *c = ctx;
+    memset(c->tensor, 0, c->cells * sizeof(uint64_t));
+}
 
 // Finds each FT's threshold over all the tensors it changes (two histogram passes over the
 // model), with k = floor(d · the number of those elements). Ties at the threshold are kept in
-// output order, then by index within a tensor.
+// output order, then by index within a tensor. Each tensor's histograms are a unit: on the
+// device, or on the CPU when the device is out of memory.
 static lm_status select_global(engine *e, int64_t n_out)
 {
     const lm_merge_opts *o = e->o;
-    uint64_t *block = calloc((size_t)o->n_ft * LM_HIST_BINS, sizeof(uint64_t));
+    size_t cells = (size_t)o->n_ft * LM_HIST_BINS;
+    select_ctx c = {calloc(cells, sizeof(uint64_t)), calloc(cells, sizeof(uint64_t)), cells, 0};
     int64_t *count = calloc((size_t)o->n_ft, sizeof(int64_t));
     lm_status s = LM_OK;
-    if (!block || !count) {
+    if (!c.block || !c.tensor || !count) {
         s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
         goto done;
     }
+    e->ws = &e->cpu_ws;
     for (int64_t t = 0; t < n_out; t++) {
         const lm_st_tensor *bt = e->base->tensors[t];
         if (!lm_dtype_readable(bt->dtype))
@@ -731,67 +1151,62 @@ static lm_status select_global(engine *e, int64_t n_out)
     }
     for (int i = 0; i < o->n_ft; i++)
         lm_topk_init(&e->global[i], (int64_t)floor(o->densities[i] * (double)count[i]), count[i]);
-    for (int level = 0; level < 2 && s == LM_OK; level++) {
-        memset(block, 0, (size_t)o->n_ft * LM_HIST_BINS * sizeof(uint64_t));
+    for (c.level = 0; c.level < 2 && s == LM_OK; c.level++) {
+        memset(c.block, 0, cells * sizeof(uint64_t));
         for (int64_t t = 0; t < n_out && s == LM_OK; t++) {
             const lm_st_tensor *bt = e->base->tensors[t];
             if (!lm_dtype_readable(bt->dtype) || bt->numel == 0)
                 continue;
             part parts[o->n_ft];
+            e->ws = &e->cpu_ws;
             int k = find_parts(e, bt->name, parts);
-            uint64_t *hists[o->n_ft];
-            const lm_topk *sel[o->n_ft];
-            for (int i = 0; i < k; i++) {
-                hists[i] = block + (size_t)parts[i].ft * LM_HIST_BINS;
-                sel[i] = &e->global[parts[i].ft];
-            }
-            s = hist_tensor(e, bt, parts, k, hists, sel, level, false);
+            if (k == 0)
+                continue;
+            memset(c.tensor, 0, cells * sizeof(uint64_t));
+            bool on_device;
+            s = run_unit(e, "select", t, parts, k, select_fn, select_restart, &c, &on_device);
             if (s != LM_OK)
-                lm_err_prefix(e->err, "tensor '%s'", bt->name);
+                lm_err_prefix(e->err, "selecting the --topk global thresholds, tensor '%s'", bt->name);
             release_pages(e, bt);
             for (int i = 0; i < k; i++)
                 release_pages(e, parts[i].full);
         }
         for (int i = 0; s == LM_OK && i < o->n_ft; i++) {
-            if (level == 0)
-                lm_topk_level0(&e->global[i], block + (size_t)i * LM_HIST_BINS);
+            if (c.level == 0)
+                lm_topk_level0(&e->global[i], c.block + (size_t)i * LM_HIST_BINS);
             else
-                lm_topk_level1(&e->global[i], block + (size_t)i * LM_HIST_BINS);
+                lm_topk_level1(&e->global[i], c.block + (size_t)i * LM_HIST_BINS);
         }
     }
 done:
-    free(block);
+    free(c.block);
+    free(c.tensor);
     free(count);
     return s;
 }
 
 // ==== the run =================================================================================
 
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void engine_free(engine *e)
 {
-    if (e->base_buf)
-        lm_dev_release(e->dev, e->base_buf);
-    for (int i = 0; e->tau_buf && i < e->o->n_ft; i++)
-        lm_dev_release(e->dev, e->tau_buf[i]);
-    free(e->tau_buf);
-    lm_dev_release(e->dev, e->stage_dev);
-    lm_dev_release(e->dev, e->out_dev);
-    lm_dev_release(e->dev, e->mag_buf);
+    ws_release(e, &e->dev_ws);
+    ws_release(e, &e->cpu_ws);
+    free(e->dev_ws.tau_buf);
+    free(e->cpu_ws.tau_buf);
     free(e->out_host);
-    for (int i = 0; e->res && i < e->o->n_ft; i++) {
-        lm_dev_release(e->dev, e->res[i].data);
-        free(e->res[i].a_off);
-        free(e->res[i].b_off);
+    free(e->out_slab);
+    for (int i = 0; e->res_dev && i < e->o->n_ft; i++)
+        lm_dev_release(e->dev, e->res_dev[i].data);
+    for (int i = 0; e->res_cpu && i < e->o->n_ft; i++) {
+        lm_dev_release(e->cpu, e->res_cpu[i].data);
+        free(e->res_cpu[i].a_off);
+        free(e->res_cpu[i].b_off);
     }
-    free(e->res);
+    free(e->res_dev);
+    free(e->res_cpu);
     free(e->global);
+    if (e->cpu != e->dev)
+        lm_dev_free(e->cpu);
 }
 
 // The largest slab any tensor needs: a slab is whole rows, at most slab_elems elements unless
@@ -813,44 +1228,46 @@ static int64_t largest_slab(const lm_model *base, int64_t slab_elems)
 }
 
 lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base,
-                       lm_ft *const *fts, lm_st_writer *w, lm_merge_progress_fn progress,
-                       void *progress_ctx, lm_merge_result *res, lm_err *err)
+                       lm_ft *const *fts, lm_st_writer *w, const lm_merge_hooks *hooks,
+                       lm_merge_result *res, lm_err *err)
 {
     memset(res, 0, sizeof *res);
     lm_status s = lm_merge_check_opts(o, err);
     if (s != LM_OK)
         return s;
     double t0 = now();
-    engine e = {.o = o, .dev = dev, .base = base, .fts = fts, .w = w, .err = err};
+    engine e = {.o = o, .dev = dev, .cpu = dev, .base = base, .fts = fts, .w = w, .hooks = hooks, .err = err,
+                .res = res};
     e.page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
-    e.slab_elems = o->slab_elems > 0 ? o->slab_elems : DEFAULT_SLAB_ELEMS;
+    e.slab_elems = o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS;
+    e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
     e.slab_max = largest_slab(base, e.slab_elems);
-    size_t slab_bytes = (size_t)e.slab_max * sizeof(float);
+    e.ws = &e.cpu_ws;
+    // An accelerator gets a CPU beside it for the units that do not fit.
+    if (!dev->host_memory && (s = lm_dev_cpu_create(&e.cpu, o->threads, err)) != LM_OK) {
+        e.cpu = dev;
+        return s;
+    }
+    e.cpu_ws.dev = e.cpu;
+    e.dev_ws.dev = e.dev;
 
     res->n_tensors = base->n_tensors;
     res->tensor_xxh64 = calloc((size_t)(base->n_tensors ? base->n_tensors : 1), sizeof *res->tensor_xxh64);
-    e.tau_buf = calloc((size_t)o->n_ft, sizeof *e.tau_buf);
-    e.res = calloc((size_t)o->n_ft, sizeof *e.res);
+    e.cpu_ws.tau_buf = calloc((size_t)o->n_ft, sizeof(float *));
+    e.dev_ws.tau_buf = calloc((size_t)o->n_ft, sizeof(float *));
+    e.res_cpu = calloc((size_t)o->n_ft, sizeof *e.res_cpu);
+    e.res_dev = calloc((size_t)o->n_ft, sizeof *e.res_dev);
     e.out_host = malloc(OUT_PIECE);
     if (o->topk_global && uses_magnitude(o->method))
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();
-    if (!res->tensor_xxh64 || !e.tau_buf || !e.res || !e.out_host || !hash ||
-        (o->topk_global && uses_magnitude(o->method) && !e.global)) {
+    if (!res->tensor_xxh64 || !e.cpu_ws.tau_buf || !e.dev_ws.tau_buf || !e.res_cpu || !e.res_dev || !e.out_host ||
+        !hash || (o->topk_global && uses_magnitude(o->method) && !e.global)) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto fail;
     }
-    if ((s = lm_dev_alloc(dev, slab_bytes, (void **)&e.base_buf, err)) != LM_OK)
+    if (dev->host_memory && (s = cpu_ready(&e)) != LM_OK)
         goto fail;
-    for (int i = 0; i < o->n_ft; i++)
-        if ((s = lm_dev_alloc(dev, slab_bytes, (void **)&e.tau_buf[i], err)) != LM_OK)
-            goto fail;
-    if (!dev->host_memory) {
-        // Raw inputs are at most 8 bytes an element (F64), outputs at most 4.
-        if ((s = lm_dev_alloc(dev, (size_t)e.slab_max * 8, &e.stage_dev, err)) != LM_OK ||
-            (s = lm_dev_alloc(dev, slab_bytes, &e.out_dev, err)) != LM_OK)
-            goto fail;
-    }
     if ((s = place_residents(&e)) != LM_OK)
         goto fail;
     if (e.global && (s = select_global(&e, base->n_tensors)) != LM_OK)
@@ -867,9 +1284,9 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
         const lm_st_tensor *bt = base->tensors[i];
         bool merged = false;
         XXH64_reset(hash, 0);
-        s = merge_tensor(&e, i, &descs[i], hash, &merged);
+        s = merge_unit(&e, i, &descs[i], hash, &merged);
         if (s != LM_OK) {
-            lm_err_prefix(err, "tensor '%s'", bt->name);
+            lm_err_prefix(err, "merging tensor '%s'", bt->name);
             break;
         }
         res->tensor_xxh64[i] = XXH64_digest(hash);
@@ -882,8 +1299,8 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
         for (int f = 0; f < o->n_ft; f++)
             if (fts[f]->model)
                 release_pages(&e, lm_model_find(fts[f]->model, bt->name));
-        if (progress)
-            progress(progress_ctx, i + 1, n_out, bt->name, e.bytes_out, bytes_total);
+        if (hooks && hooks->progress)
+            hooks->progress(hooks->ctx, i + 1, n_out, bt->name, e.bytes_out, bytes_total);
     }
     free(descs);
     if (s != LM_OK)

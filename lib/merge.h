@@ -88,9 +88,19 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err);
 lm_status lm_merge_outputs(const lm_merge_opts *o, const lm_model *base, lm_st_desc **out,
                            int64_t *n, lm_err *err);
 
-// Called after each tensor is written, from the merging thread.
-typedef void (*lm_merge_progress_fn)(void *ctx, int64_t done, int64_t total, const char *name,
-                                     uint64_t bytes_done, uint64_t bytes_total);
+// What the engine tells its caller while it works, from the merging thread.
+typedef struct lm_merge_hooks {
+    // After each output tensor is written.
+    void (*progress)(void *ctx, int64_t done, int64_t total, const char *name, uint64_t bytes_done,
+                     uint64_t bytes_total);
+    // A unit went from the device to the CPU because the device was out of memory. phase is
+    // "place" (an FT's LoRA factors; unit is the FT's path), "select" (a tensor's histograms
+    // for --topk global) or "merge" (a tensor); from and to are device names, reason the
+    // device's message.
+    void (*fallback)(void *ctx, const char *phase, const char *unit, const char *from, const char *to,
+                     const char *reason);
+    void *ctx;
+} lm_merge_hooks;
 
 typedef struct lm_merge_result {
     int64_t n_tensors;
@@ -99,16 +109,29 @@ typedef struct lm_merge_result {
     uint64_t bytes_out;       // output tensor bytes written
     double seconds;           // wall time of the merge
     int64_t n_merged;         // tensors some FT changed
-    int64_t n_copied;         // tensors no FT touched (the base's values, converted)
+    int64_t n_copied;         // tensors no FT touched (the base's values, converted on the CPU)
+    int64_t tensors_on_device;  // merged tensors that ran on an accelerator
+    int64_t tensors_on_cpu;     // merged tensors that ran on the CPU (all of them on the CPU device)
+    int64_t ft_on_device;       // adapters whose factors were placed on an accelerator
+    int64_t fallback_place;     // adapters whose factors did not fit there
+    int64_t fallback_select;    // tensors whose --topk global histograms were redone on the CPU
+    int64_t fallback_merge;     // tensors redone on the CPU
+    double fallback_s;          // time spent on units that fell back: the failed try and the redo
+    uint64_t bytes_to_device;   // bytes copied host → accelerator (inputs, factors, products)
+    uint64_t bytes_from_device; // bytes copied back (results)
 } lm_merge_result;
 
-// Merges `fts` into `base` and writes every output tensor (lm_merge_outputs' order and indices)
-// to `w`, which the caller opened over those descriptors. On success fills *res (free its array
-// with lm_merge_result_free). On failure the writer holds a partial output that the caller
-// removes; err names the tensor.
+// Merges `fts` into `base` on `dev` and writes every output tensor (lm_merge_outputs' order
+// and indices) to `w`, which the caller opened over those descriptors. On an accelerator each
+// unit (an FT's LoRA factors, a tensor) tries the device first: when the device is out of
+// memory the unit is freed there and done on the CPU instead (reported through hooks), the
+// next unit trying the device again; any other device error stops the merge. The output is
+// the same wherever units run. On success fills *res (free its array with
+// lm_merge_result_free). On failure the writer holds a partial output that the caller
+// removes; err names the tensor. hooks may be NULL.
 lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base,
-                       lm_ft *const *fts, lm_st_writer *w, lm_merge_progress_fn progress,
-                       void *progress_ctx, lm_merge_result *res, lm_err *err);
+                       lm_ft *const *fts, lm_st_writer *w, const lm_merge_hooks *hooks,
+                       lm_merge_result *res, lm_err *err);
 
 void lm_merge_result_free(lm_merge_result *res);
 

@@ -161,22 +161,33 @@ static void draw_locked(lm_progress *p)
     char line[256], done[32], total[32], eta[32];
     double rate = el > 0 ? (double)p->bytes_done / el / 1e6 : 0.0;  // MB/s
     bool finished = p->n_done >= p->n_total;
+    bool units_only = p->bytes_total == 0;  // work counted in units alone (an evaluation's sequences)
     if (finished)
         format_duration(eta, sizeof eta, el);
     else if (rate > 0 && p->bytes_done > 0 && p->bytes_done <= p->bytes_total)
         format_duration(eta, sizeof eta,
                         (double)(p->bytes_total - p->bytes_done) / (rate * 1e6));
+    else if (units_only && p->n_done > 0 && el > 0)
+        format_duration(eta, sizeof eta, el * (double)(p->n_total - p->n_done) / (double)p->n_done);
     else
         snprintf(eta, sizeof eta, "?");
-    int n = snprintf(line, sizeof line, "%s: %s %" PRId64 "/%" PRId64 ", %s/%s, %.1f MB/s, %s %s",
-                     p->prefix, p->unit ? p->unit : "unit", p->n_done, p->n_total,
-                     lm_format_bytes(done, sizeof done, p->bytes_done),
-                     lm_format_bytes(total, sizeof total, p->bytes_total), rate,
-                     finished ? "took" : "ETA", eta);
+    int n = units_only
+                ? snprintf(line, sizeof line, "%s: %s %" PRId64 "/%" PRId64 ", %s %s", p->prefix,
+                           p->unit ? p->unit : "unit", p->n_done, p->n_total, finished ? "took" : "ETA", eta)
+                : snprintf(line, sizeof line, "%s: %s %" PRId64 "/%" PRId64 ", %s/%s, %.1f MB/s, %s %s",
+                           p->prefix, p->unit ? p->unit : "unit", p->n_done, p->n_total,
+                           lm_format_bytes(done, sizeof done, p->bytes_done),
+                           lm_format_bytes(total, sizeof total, p->bytes_total), rate,
+                           finished ? "took" : "ETA", eta);
     if (n < 0)
         return;
     if (n >= (int)sizeof line)
         n = (int)sizeof line - 1;
+    if (p->fallbacks > 0 && n < (int)sizeof line - 1) {
+        int m = snprintf(line + n, sizeof line - (size_t)n, ", %" PRId64 " fallback%s to cpu", p->fallbacks,
+                         p->fallbacks == 1 ? "" : "s");
+        n = m < 0 || n + m >= (int)sizeof line ? (int)sizeof line - 1 : n + m;
+    }
     if (p->tty) {
         int pad = p->line_len > n ? p->line_len - n : 0;
         fprintf(stderr, "\r%s%*s", line, pad, "");
@@ -284,6 +295,22 @@ static void end_line_locked(lm_progress *p)
         p->line_open = false;
         p->line_len = 0;
     }
+}
+
+void lm_progress_fallback(lm_progress *p, const char *phase, const char *unit, const char *from, const char *to,
+                          const char *reason)
+{
+    lock(p);
+    p->fallbacks++;
+    unlock(p);
+    lm_progress_note(p, "fallback: %s %s on %s (%s)", phase, unit, to, reason);
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "phase", phase);
+    cJSON_AddStringToObject(f, "unit", unit);
+    cJSON_AddStringToObject(f, "from", from);
+    cJSON_AddStringToObject(f, "to", to);
+    cJSON_AddStringToObject(f, "reason", reason);
+    lm_progress_event(p, "fallback", f);
 }
 
 void lm_progress_note(lm_progress *p, const char *fmt, ...)

@@ -45,6 +45,7 @@ typedef struct lm_progress {
     int line_len;          // length of the line on screen (tty), to blank what is left of it
     bool line_open;        // a \r line is on screen without its newline
     bool printed_final;    // the line for n_done == n_total has been written
+    int64_t fallbacks;     // units that went from the device to the CPU (lm_progress_fallback)
 } lm_progress;
 
 // Monotonic seconds (CLOCK_MONOTONIC), for measuring phases.
@@ -87,6 +88,12 @@ void lm_progress_summary(lm_progress *p, const char *verb);
 // Prints "PREFIX: MESSAGE" on stderr unless quiet, first ending a progress line that is on
 // screen so the two do not run together. For notes and warnings while work goes on.
 void lm_progress_note(lm_progress *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+// A unit went from a device to another (the CPU) because the first was out of memory: prints
+// "PREFIX: fallback: PHASE UNIT on TO (REASON)" unless quiet, logs {"event": "fallback",
+// "phase", "unit", "from", "to", "reason"}, and counts it in the progress line.
+void lm_progress_fallback(lm_progress *p, const char *phase, const char *unit, const char *from, const char *to,
+                          const char *reason);
 
 // Prints "PREFIX: error: MESSAGE" on stderr, quiet or not (ending a progress line first), and
 // logs {"event": "error", "message", "exit_status"}.

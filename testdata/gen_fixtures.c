@@ -283,10 +283,25 @@ typedef struct fx_arch {
     int hidden, inter, layers, heads, kv, head_dim, vocab;
     bool qkv_bias;           // Qwen2: q, k and v have a bias
     bool tied;               // no lm_head.weight
+    bool attention_bias;     // Llama attention_bias: q, k, v and o have a bias
+    bool mlp_bias;           // Llama mlp_bias: gate, up and down have a bias
+    const char *rope_theta;  // as written in config.json; NULL for the default of the layout
+    const char *rope_scaling;  // the rope_scaling object as JSON; NULL for null
 } fx_arch;
 
-static const fx_arch LLAMA = {"LlamaForCausalLM", "llama", 64, 128, 2, 4, 2, 16, 256, false, false};
-static const fx_arch QWEN = {"Qwen2ForCausalLM", "qwen2", 64, 128, 2, 4, 2, 16, 256, true, true};
+static const fx_arch LLAMA = {"LlamaForCausalLM", "llama", 64, 128, 2, 4, 2, 16, 256, false, false,
+                              false, false, NULL, NULL};
+static const fx_arch QWEN = {"Qwen2ForCausalLM", "qwen2", 64, 128, 2, 4, 2, 16, 256, true, true,
+                             false, false, NULL, NULL};
+// Llama 3 style: rope_scaling "llama3" (with orig 256, low 1, high 8 the frequencies of head_dim
+// 24 and theta 5e5 fall in all three bands), head_dim 24 that is not hidden / heads, one KV head
+// for four query heads, biases on every projection (attention_bias and mlp_bias).
+static const fx_arch LLAMA3 = {"LlamaForCausalLM", "llama", 64, 96, 2, 4, 1, 24, 256, false, false, true, true,
+                               "500000.0",
+                               "{\n    \"factor\": 8.0,\n    \"high_freq_factor\": 8.0,\n"
+                               "    \"low_freq_factor\": 1.0,\n"
+                               "    \"original_max_position_embeddings\": 256,\n"
+                               "    \"rope_type\": \"llama3\"\n  }"};
 
 static const char *const LINEARS[] = {"q_proj", "k_proj", "v_proj", "o_proj",
                                       "gate_proj", "up_proj", "down_proj"};
@@ -329,7 +344,7 @@ static lm_status make_model(fx_set *m, const fx_arch *a, uint64_t seed, lm_err *
             linear_path(path, sizeof path, l, LINEARS[k]);
             linear_dims(a, LINEARS[k], &out, &in);
             ADD(out, in, 0, 0.02, "%s.weight", path);
-            if (a->qkv_bias && k < 3)
+            if ((a->qkv_bias && k < 3) || (a->attention_bias && k < 4) || (a->mlp_bias && k >= 4))
                 ADD(out, -1, 0, 0.02, "%s.bias", path);
         }
         ADD(a->hidden, -1, 1, 0.05, "model.layers.%d.input_layernorm.weight", l);
@@ -364,7 +379,7 @@ static lm_status save_config(const char *dir, const fx_arch *a, const char *torc
     fx_text t = {0};
     text_add(&t, "{\n  \"architectures\": [\n    \"%s\"\n  ],\n", a->arch);
     if (!a->qkv_bias)
-        text_add(&t, "  \"attention_bias\": false,\n");
+        text_add(&t, "  \"attention_bias\": %s,\n", a->attention_bias ? "true" : "false");
     text_add(&t, "  \"attention_dropout\": 0.0,\n  \"bos_token_id\": 1,\n  \"eos_token_id\": 2,\n");
     if (!a->qkv_bias)  // Qwen2 configs carry no head_dim
         text_add(&t, "  \"head_dim\": %d,\n", a->head_dim);
@@ -374,14 +389,15 @@ static lm_status save_config(const char *dir, const fx_arch *a, const char *torc
     if (a->qkv_bias)
         text_add(&t, "  \"max_window_layers\": %d,\n", a->layers);
     else
-        text_add(&t, "  \"mlp_bias\": false,\n");
+        text_add(&t, "  \"mlp_bias\": %s,\n", a->mlp_bias ? "true" : "false");
     text_add(&t, "  \"model_type\": \"%s\",\n  \"num_attention_heads\": %d,\n"
              "  \"num_hidden_layers\": %d,\n  \"num_key_value_heads\": %d,\n", a->model_type,
              a->heads, a->layers, a->kv);
     if (!a->qkv_bias)
         text_add(&t, "  \"pretraining_tp\": 1,\n");
-    text_add(&t, "  \"rms_norm_eps\": %s,\n  \"rope_scaling\": null,\n  \"rope_theta\": %s,\n",
-             a->qkv_bias ? "1e-06" : "1e-05", a->qkv_bias ? "1000000.0" : "10000.0");
+    text_add(&t, "  \"rms_norm_eps\": %s,\n  \"rope_scaling\": %s,\n  \"rope_theta\": %s,\n",
+             a->qkv_bias ? "1e-06" : "1e-05", a->rope_scaling ? a->rope_scaling : "null",
+             a->rope_theta ? a->rope_theta : a->qkv_bias ? "1000000.0" : "10000.0");
     if (a->qkv_bias)
         text_add(&t, "  \"sliding_window\": null,\n");
     text_add(&t, "  \"tie_word_embeddings\": %s,\n  \"torch_dtype\": \"%s\",\n"
@@ -805,6 +821,22 @@ fail:
     return s;
 }
 
+// llama3/: a Llama 3 style model (LLAMA3 above), F16, one shard, no adapters.
+static lm_status gen_llama3(const char *root, lm_err *err)
+{
+    lm_status s = LM_OK;
+    fx_set m = {0};
+    char *dir = NULL;
+    TRY(make_model(&m, &LLAMA3, 40, err));
+    TRY(fresh_dir(root, "llama3", &dir, err));
+    TRY(save_config(dir, &LLAMA3, "float16", err));
+    TRY(set_save(&m, LM_DTYPE_F16, dir, NULL, 5000000000ull, 1, err));
+fail:
+    free(dir);
+    set_free(&m);
+    return s;
+}
+
 // calib/: the same 8 sequences (lengths 8 to 32, ids below 256, each starting with BOS = 1)
 // as JSON Lines and as text.
 static lm_status gen_calib(const char *root, lm_err *err)
@@ -849,6 +881,8 @@ int main(int argc, char **argv)
         s = gen_qwen(root, &err);
     if (s == LM_OK)
         s = gen_calib(root, &err);
+    if (s == LM_OK)
+        s = gen_llama3(root, &err);
     if (s != LM_OK) {
         fprintf(stderr, "gen_fixtures: %s\n", err.msg);
         return 1;

@@ -316,6 +316,53 @@ rc=$?
 check '[ $rc -eq 1 ] && grep -q "llmerge ties: error: " "$work/out"' "file size limit: exit $rc (want 1): $(cat "$work/out")"
 no_output "$x"
 
+# ---- devices: the simulated accelerator and its fallbacks ------------------------------------
+# An ample budget: every merged tensor on the device, the same output as the CPU's.
+merge ties "$B" "$lp" "$ff" -o "$work/dev-cpu" --device cpu
+merge ties "$B" "$lp" "$ff" -o "$work/dev-sim" --device sim:1GiB
+same_shards "$work/dev-cpu" "$work/dev-sim"
+check 'grep -q "devices: 21 tensors merged on sim:1GiB, 0 on cpu" "$work/out"' "sim:1GiB: no device summary: $(cat "$work/out")"
+json "$work/dev-sim/llmerge.json" devices.sim:1GiB 21
+json "$work/dev-sim/llmerge.json" fallbacks.merge 0
+# A budget the largest tensors do not fit: each falls back to the CPU with a line, a log event
+# and a count; the output is still the CPU's.
+log=$work/fallback.jsonl
+merge ties "$B" "$lp" "$ff" -o "$work/dev-small" --device sim:96KiB --log-json "$log"
+same_shards "$work/dev-cpu" "$work/dev-small"
+check 'grep -q "fallback: merge model.embed_tokens.weight on cpu (sim:96KiB: out of memory allocating" "$work/out"' \
+  "sim:96KiB: no fallback line for the embeddings: $(head -c 600 "$work/out")"
+n_lines=$(grep -c "fallback: merge " "$work/out")
+n_events=$(grep -c '"event":"fallback"' "$log")
+n_manifest=$("$jsonq" "$work/dev-small/llmerge.json" fallbacks.merge)
+check '[ "$n_lines" -ge 1 ] && [ "$n_lines" = "$n_events" ] && [ "$n_lines" = "$n_manifest" ]' \
+  "fallbacks: $n_lines lines, $n_events log events, $n_manifest in llmerge.json"
+ev=$(grep -m1 '"event":"fallback"' "$log")
+check '[ "$(echo "$ev" | "$jsonq" - phase)" = merge ] && [ "$(echo "$ev" | "$jsonq" - from)" = sim:96KiB ] &&
+  [ "$(echo "$ev" | "$jsonq" - to)" = cpu ] && echo "$ev" | "$jsonq" - reason | grep -q "out of memory"' \
+  "fallback event lacks phase/from/to/reason: $ev"
+json "$work/dev-small/llmerge.json" fallbacks.units.0.unit model.embed_tokens.weight
+check 'grep -q "fallbacks: place 0, select 0, merge $n_lines" "$work/out"' "no fallback summary: $(tail -3 "$work/out")"
+# A budget nothing fits: the adapter's factors stay on the CPU too.
+merge ties "$B" "$lp" "$ff" -o "$work/dev-none" --device sim:1KiB
+same_shards "$work/dev-cpu" "$work/dev-none"
+check 'grep -q "fallback: place .*lora_plain on cpu" "$work/out"' "sim:1KiB: no place fallback: $(head -c 600 "$work/out")"
+# --gpu-mem caps the device's budget.
+merge ties "$B" "$lp" "$ff" -o "$work/dev-capped" --device sim:1GiB --gpu-mem 1KiB
+check 'grep -q "fallback: place" "$work/out"' "--gpu-mem 1KiB did not cap sim:1GiB"
+# Any other device error stops the run: exit 1, the phase and tensor named, nothing left.
+x=$work/dev-fail
+LLMERGE_SIM_FAIL=launch:40 expect 1 "merging tensor 'model." ties "$B" "$lp" "$ff" -o "$x" --device sim:1GiB
+check 'grep -q "injected failure of operation 40" "$work/out"' "launch:40: $(cat "$work/out")"
+no_output "$x"
+LLMERGE_SIM_FAIL=alloc:1 expect 1 "placing the LoRA factors on sim:1GiB" ties "$B" "$lp" -o "$x" --device sim:1GiB
+no_output "$x"
+LLMERGE_SIM_FAIL=alloc:3 expect 1 "merging tensor" ties "$B" "$ff" -o "$x" --device sim:1GiB
+no_output "$x"
+LLMERGE_SIM_FAIL=boom expect 2 "LLMERGE_SIM_FAIL" ties "$B" "$lp" -o "$x" --device sim:1GiB
+no_output "$x"
+# auto says what it chose and why
+expect 0 "device auto: " ties "$B" "$lp" -o "$work/dev-auto" --device auto
+
 # ---- help ------------------------------------------------------------------------------------
 "$llmerge" ties --help >"$work/help" 2>&1
 check '[ $? -eq 0 ]' "ties --help failed"

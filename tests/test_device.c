@@ -550,6 +550,33 @@ static void h_hist(harness *h, const float *x, const float *dx, int64_t n)
     free(hg);
 }
 
+// hist_window against its contract: level 0 plus level 1 for each bin of the window, on the
+// CPU's hist_abs; added to what the arrays held.
+static void h_hist_window(harness *h, const float *x, const float *dx, int64_t n)
+{
+    enum { W = LM_HIST_WINDOW };
+    uint64_t *want = hmalloc((W + 1) * LM_HIST_BINS * 8), *got = hmalloc((W + 1) * LM_HIST_BINS * 8);
+    uint32_t centre = n > 0 ? lm_abs_bits(x[n / 2]) >> 16 : 0;
+    const uint32_t los[] = {centre > 1 ? centre - 1 : 0, lm_abs_bits(1.5f) >> 16, 0, 0xFFFEu};
+    const int wins[] = {W, 2, W, W};
+    for (int i = 0; i < 4; i++) {
+        for (size_t b = 0; b < (size_t)(W + 1) * LM_HIST_BINS; b++)
+            want[b] = got[b] = (uint64_t)(b % 5);
+        CHECK_OK(lm_dev_hist_abs(h->cpu, want, x, n, 0, 0, &h->err), &h->err);
+        for (int w = 0; w < wins[i]; w++)
+            CHECK_OK(lm_dev_hist_abs(h->cpu, want + (size_t)(w + 1) * LM_HIST_BINS, x, n, 1, los[i] + (uint32_t)w,
+                                     &h->err), &h->err);
+        if (DEV_OK(h, lm_dev_hist_window(h->dev, got, got + LM_HIST_BINS, wins[i], los[i], dx, n, &h->err)))
+            CHECK_MSG(memcmp(got, want, (size_t)(W + 1) * LM_HIST_BINS * 8) == 0,
+                      "hist_window from bin %u, %d bins, n=%lld differs on %s", los[i], wins[i], (long long)n,
+                      lm_dev_name(h->dev));
+    }
+    CHECK_FAILS(lm_dev_hist_window(h->dev, got, got + LM_HIST_BINS, W + 1, 0, dx, n, &h->err), LM_ERR_USAGE,
+                "window", &h->err);
+    free(want);
+    free(got);
+}
+
 // Top-k with the ties at the threshold kept all, none, some (the lowest indices first) and
 // more than there are. dx is overwritten.
 static void h_topk(harness *h, const float *x, float *dx, int64_t n)
@@ -605,6 +632,7 @@ static void h_select(harness *h, int64_t n)
     float *dx = put(h, x, (size_t)n * 4);
     if (dx) {
         h_hist(h, x, dx, n);
+        h_hist_window(h, x, dx, n);
         h_topk(h, x, dx, n);
         h_drop_l1(h, x, dx, n);
     }

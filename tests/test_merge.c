@@ -337,7 +337,8 @@ static lm_st_file *run_merge(const char *root, const lm_merge_opts *o, const cha
     }
     TRY(lm_st_writer_open(&w, out, desc, n, 5000000000ull, NULL, &err));
     TRY(lm_dev_cpu_create(&dev, o->threads, &err));
-    TRY(lm_merge_run(o, dev, base, fts, w, on_progress, &prog, &res, &err));
+    lm_merge_hooks hooks = {.progress = on_progress, .ctx = &prog};
+    TRY(lm_merge_run(o, dev, base, fts, w, &hooks, &res, &err));
     have_res = true;
     CHECK_MSG(prog.calls == n && prog.bad == 0, "%lld progress calls for %lld tensors, %lld bad",
               (long long)prog.calls, (long long)n, (long long)prog.bad);

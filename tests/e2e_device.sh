@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# End-to-end tests of a device against the CPU through the binary, on the fixtures: every
+# method and kind of input merged on DEVICE gives the CPU's output (identical bits, or within
+# ULPS units in the last place where the device's arithmetic may round differently, as cuBLAS
+# may), with an ample budget and with a small one that makes units fall back to the CPU (each
+# fallback announced). ctest runs it on the simulated device; scripts/gpu-check.sh on CUDA.
+# Usage: e2e_device.sh LLMERGE FIXTURES ST_DIFF ULPS DEVICE-ARGS -- SMALL-DEVICE-ARGS
+#   e.g. e2e_device.sh build/llmerge build/fixtures build/st_diff 0 --device sim:1GiB -- --device sim:96KiB
+set -u
+llmerge=$1 fx=$2 st_diff=$3 ulps=$4
+shift 4
+ample=() small=()
+while [ $# -gt 0 ] && [ "$1" != "--" ]; do ample+=("$1"); shift; done
+[ $# -gt 0 ] && shift
+small=("$@")
+work=$(mktemp -d /tmp/lm_e2e_device_XXXXXX)
+trap 'rm -rf "$work"' EXIT
+passed=0 failed=0
+ok() { passed=$((passed + 1)); }
+bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
+
+B=$fx/base
+# same_as_cpu NAME ARGS...: the merge on the CPU and with each set of device arguments agree.
+same_as_cpu() {
+  local name=$1
+  shift
+  if ! "$llmerge" "$@" -o "$work/$name-cpu" --device cpu -q >"$work/out" 2>&1; then
+    bad "$name on cpu failed: $(head -c 400 "$work/out")"
+    return
+  fi
+  local label args
+  for label in ample small; do
+    if [ $label = ample ]; then args=("${ample[@]}"); else args=("${small[@]}"); fi
+    if ! "$llmerge" "$@" -o "$work/$name-$label" "${args[@]}" >"$work/out" 2>&1; then
+      bad "$name with ${args[*]} failed: $(head -c 600 "$work/out")"
+      continue
+    fi
+    if [ $label = small ] && ! grep -q "fallback: " "$work/out"; then
+      bad "$name with ${args[*]}: nothing fell back: $(head -c 400 "$work/out")"
+    fi
+    if "$st_diff" --ulps "$ulps" "$work/$name-cpu/model.safetensors" "$work/$name-$label/model.safetensors" \
+      >"$work/diff" 2>&1; then
+      ok
+    else
+      bad "$name with ${args[*]} differs from the cpu: $(tail -5 "$work/diff")"
+    fi
+    rm -rf "$work/$name-$label"
+  done
+  rm -rf "$work/$name-cpu"
+}
+
+lp=$fx/lora_plain lr=$fx/lora_rslora ld=$fx/lora_dora lm=$fx/lora_mts ln=$fx/lora_nested
+ff=$fx/ft_full ff2=$fx/ft_full2
+same_as_cpu ties ties "$B" "$lp" "$lr" "$ff"
+same_as_cpu ties-count ties "$B" "$ld" "$ff2" --sign count --lambda 0.8 --densities 0.3,0.6
+same_as_cpu ties-global ties "$B" "$lp" "$lm" "$ff" --topk global --dtype f32
+same_as_cpu dare dare "$B" "$lp" "$ff" "$ln" --seed 5
+same_as_cpu dare-l1 dare "$B" "$ld" "$ff2" --rescale l1 --dtype f16
+same_as_cpu dare-ties dare-ties "$B" "$lr" "$ff" --weights 0.6,1.2 --seed 3
+same_as_cpu task-arithmetic task-arithmetic "$B" "$lp" "$ld" "$ff" --lambda 0.5
+same_as_cpu task-arithmetic-norm task-arithmetic "$B" "$lm" "$ff2" --normalize
+same_as_cpu lora-bias ties "$fx/qwen" "$fx/lora_bias"
+
+echo "e2e_device: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

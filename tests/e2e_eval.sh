@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# End-to-end tests of `llmerge eval` through the binary, on the fixtures: the output line
+# `perplexity P tokens N` with N counted here from the data file; .jsonl and .txt agree;
+# --json carries the same numbers (perplexity = exp(nll_mean)); --samples and --seq-len change
+# the count as they should; an adapter changes the perplexity, and the model merged from it
+# (task-arithmetic, f32) evaluates to the same perplexity as the adapter applied at run time;
+# on sim devices too small for the weights or for a batch the fallbacks are printed and the
+# result is the CPU's; a device failure that is not out-of-memory is exit status 1; bad usage
+# and bad data are exit status 2 with a message naming the option, or the file and line.
+# Usage: e2e_eval.sh LLMERGE FIXTURES JSONQ
+set -u
+llmerge=$1 fx=$2 jsonq=$3
+work=$(mktemp -d /tmp/lm_e2e_eval_XXXXXX)
+trap 'rm -rf "$work"' EXIT
+passed=0 failed=0
+
+ok() { passed=$((passed + 1)); }
+bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
+
+# expect STATUS NEEDLE ARGS...: runs llmerge ARGS, wants that exit status and NEEDLE in its
+# stdout+stderr.
+expect() {
+  local want=$1 needle=$2
+  shift 2
+  "$llmerge" "$@" >"$work/out" 2>&1
+  local rc=$?
+  if [ "$rc" -ne "$want" ]; then
+    bad "llmerge $* exited $rc, wanted $want: $(head -c 600 "$work/out")"
+  elif ! grep -qF -- "$needle" "$work/out"; then
+    bad "llmerge $* output lacks '$needle': $(head -c 600 "$work/out")"
+  else
+    ok
+  fi
+}
+
+# run NAME ARGS...: llmerge ARGS must succeed; stdout goes to $work/NAME.out, stderr to NAME.err.
+run() {
+  local name=$1
+  shift
+  if "$llmerge" "$@" >"$work/$name.out" 2>"$work/$name.err"; then ok; else
+    bad "llmerge $* failed: $(head -c 600 "$work/$name.err")"
+  fi
+}
+
+same() { if cmp -s "$work/$1.out" "$work/$2.out"; then ok; else bad "$1 and $2 differ: $(cat "$work/$1.out") / $(cat "$work/$2.out")"; fi; }
+differ() { if ! cmp -s "$work/$1.out" "$work/$2.out"; then ok; else bad "$1 and $2 are the same: $(cat "$work/$1.out")"; fi; }
+has() { if grep -qF -- "$2" "$work/$1"; then ok; else bad "$1 lacks '$2': $(head -c 600 "$work/$1")"; fi; }
+lacks() { if ! grep -qF -- "$2" "$work/$1"; then ok; else bad "$1 has '$2'"; fi; }
+
+# json FILE PATH WANT
+json() {
+  local got
+  got=$("$jsonq" "$1" "$2" 2>&1)
+  if [ "$got" = "$3" ]; then ok; else bad "$1: $2 = '$got', wanted '$3'"; fi
+}
+
+# close A B REL: the numbers A and B agree to REL relative.
+close() {
+  if awk -v a="$1" -v b="$2" -v r="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d <= r * (b < 0 ? -b : b)) }'; then
+    ok
+  else
+    bad "$1 and $2 differ by more than $3 (relative) ${4:-}"
+  fi
+}
+
+# far A B REL: A and B differ by more than REL relative.
+far() {
+  if awk -v a="$1" -v b="$2" -v r="$3" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(d > r * (b < 0 ? -b : b)) }'; then
+    ok
+  else
+    bad "$1 and $2 agree to $3 (relative) ${4:-}"
+  fi
+}
+
+data=$fx/calib/calib.jsonl txt=$fx/calib/calib.txt
+# predictions counted here: sum over sequences of (length - 1), with the options' cuts
+preds() { awk -v n="${1:-0}" -v L="${2:-0}" 'n == 0 || NR <= n { l = NF; if (L > 0 && l > L) l = L; s += l - 1 } END { print s }' "$txt"; }
+want_all=$(preds) want_3=$(preds 3) want_cut=$(preds 0 10)
+
+# ---- the result -------------------------------------------------------------------------------
+run base eval "$fx/base" --data "$data"
+if grep -qE "^perplexity [0-9]+\.[0-9]{3} tokens $want_all\$" "$work/base.out" && [ "$(wc -l <"$work/base.out")" -eq 1 ]; then ok; else
+  bad "base: stdout is '$(cat "$work/base.out")', wanted 'perplexity P tokens $want_all'"
+fi
+has base.err "llmerge eval: evaluating $fx/base on $data: 8 sequences"
+lacks base.err fallback
+run base_txt eval "$fx/base" --data "$txt" --threads 1
+same base base_txt
+run base_q eval "$fx/base" --data "$data" -q
+same base base_q
+if [ ! -s "$work/base_q.err" ]; then ok; else bad "-q still wrote to stderr: $(cat "$work/base_q.err")"; fi
+
+run base_json eval "$fx/base" --data "$data" --json
+json "$work/base_json.out" tokens "$want_all"
+json "$work/base_json.out" sequences 8
+json "$work/base_json.out" adapter null
+json "$work/base_json.out" device cpu
+json "$work/base_json.out" fallbacks.weights_on_cpu false
+ppl=$("$jsonq" "$work/base_json.out" perplexity) nll=$("$jsonq" "$work/base_json.out" nll_mean)
+close "$ppl" "$(awk -v x="$nll" 'BEGIN { printf "%.17g", exp(x) }')" 1e-12 "(perplexity vs exp(nll_mean))"
+close "$ppl" "$(awk '{ print $2 }' "$work/base.out")" 2e-6 "(--json vs text)"
+
+run samples eval "$fx/base" --data "$data" --samples 3
+has samples.out "tokens $want_3"
+run cut eval "$fx/base" --data "$data" --seq-len 10 --json
+json "$work/cut.out" tokens "$want_cut"
+json "$work/cut.out" seq_len 10
+has cut.err "cut to 10 tokens (--seq-len)"
+
+# the other fixtures and adapters
+run qwen eval "$fx/qwen" --data "$data"
+run qwen_bias eval "$fx/qwen" --adapter "$fx/lora_bias" --data "$data"
+differ qwen qwen_bias
+run llama3 eval "$fx/llama3" --data "$txt"
+has llama3.out "tokens $want_all"
+run plain eval "$fx/base" --adapter "$fx/lora_plain" --data "$data"
+differ base plain
+run nested eval "$fx/base" --adapter "$fx/lora_nested" --data "$data"
+same plain nested
+run mts eval "$fx/base" --adapter "$fx/lora_mts" --data "$data"
+differ base mts
+
+# ---- the merged model evaluates as the adapter applied at run time ----------------------------
+if "$llmerge" task-arithmetic "$fx/base" "$fx/lora_plain" -o "$work/merged" --dtype f32 -q >"$work/merge.log" 2>&1; then
+  ok
+  run merged eval "$work/merged" --data "$data" --json
+  run plain_json eval "$fx/base" --adapter "$fx/lora_plain" --data "$data" --json
+  close "$("$jsonq" "$work/merged.out" perplexity)" "$("$jsonq" "$work/plain_json.out" perplexity)" 1e-5 \
+    "(merged model vs adapter at run time)"
+  far "$("$jsonq" "$work/merged.out" perplexity)" "$ppl" 1e-4 "(the merged model vs the base)"
+else
+  bad "task-arithmetic merge failed: $(head -c 600 "$work/merge.log")"
+fi
+
+# ---- fallbacks on the simulated device ------------------------------------------------------
+run sim_big eval "$fx/base" --data "$data" --device sim:64MiB
+same base sim_big
+lacks sim_big.err fallback
+run sim_weights eval "$fx/base" --data "$data" --device sim:100KiB
+same base sim_weights
+has sim_weights.err "fallback: eval weights of $fx/base on cpu (sim:100KiB: out of memory"
+run gpu_mem eval "$fx/base" --data "$data" --device sim:1GiB --gpu-mem 100KiB --json
+json "$work/gpu_mem.out" fallbacks.weights_on_cpu true
+# 500 KiB holds the weights (about 420 KiB) and the activations of a few short sequences only
+run sim_small eval "$fx/base" --data "$data" --device sim:500KiB
+same base sim_small
+has sim_small.err "fallback: eval sequences 1-8 (155 tokens) halved on sim:500KiB (activations of a batch of 155 tokens"
+has sim_small.err "on cpu (activations of a batch of"
+run sim_small_json eval "$fx/base" --data "$data" --device sim:500KiB --json
+close "$("$jsonq" "$work/sim_small_json.out" perplexity)" "$ppl" 1e-6 "(fallbacks vs cpu)"
+# a device failure that is not out of memory stops the run
+LLMERGE_SIM_FAIL=launch:30 expect 1 "eval sequences 1-8 on sim:64MiB: layer 0: sim: injected failure of operation 30" eval "$fx/base" --data "$data" --device sim:64MiB
+
+# ---- usage and bad input: exit status 2 ------------------------------------------------------
+expect 0 "--seq-len L" eval --help
+for opt in --adapter --data --seq-len --samples --device --gpu-mem --threads --json --quiet --help; do
+  has out " $opt "
+done
+expect 0 "eval" --help
+expect 2 "no data: give --data FILE" eval "$fx/base"
+expect 2 "needs MODEL" eval --data "$data"
+expect 2 "did you mean '--samples'?" eval "$fx/base" --data "$data" --sample 3
+expect 2 "--seq-len '1'" eval "$fx/base" --data "$data" --seq-len 1
+expect 2 "--threads 'x'" eval "$fx/base" --data "$data" --threads x
+expect 2 "--device tpu: unknown device" eval "$fx/base" --data "$data" --device tpu
+expect 2 "--json takes no value" eval "$fx/base" --data "$data" --json=1
+expect 2 "one MODEL only" eval "$fx/base" "$fx/qwen" --data "$data"
+expect 2 "is an adapter directory: give its base model as MODEL" eval "$fx/lora_plain" --data "$data"
+expect 2 "--adapter $fx/lora_bias does not fit MODEL $fx/base" eval "$fx/base" --adapter "$fx/lora_bias" --data "$data"
+expect 2 "DoRA" eval "$fx/base" --adapter "$fx/lora_dora" --data "$data"
+expect 2 "missing_shard" eval "$fx/broken/missing_shard" --data "$data"
+expect 2 "$work/none.jsonl" eval "$fx/base" --data "$work/none.jsonl"
+
+printf '{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 256]}\n' >"$work/vocab.jsonl"
+expect 2 "$work/vocab.jsonl:2: input_ids[1]: token id 256 is outside the vocabulary (vocab_size 256)" \
+  eval "$fx/base" --data "$work/vocab.jsonl"
+printf '{"input_ids": [1, 2, 3]}\n{"input_ids": [1, 2}\n' >"$work/json.jsonl"
+expect 2 "$work/json.jsonl:2: invalid JSON" eval "$fx/base" --data "$work/json.jsonl"
+printf '1 2 3\n\n4 5\n' >"$work/blank.txt"
+expect 2 "$work/blank.txt:2: empty line" eval "$fx/base" --data "$work/blank.txt"
+printf '1 2 3\n4 five\n' >"$work/word.txt"
+expect 2 "$work/word.txt:2: column 3: 'five' is not a token id" eval "$fx/base" --data "$work/word.txt"
+printf '{"input_ids": []}\n' >"$work/empty.jsonl"
+expect 2 "$work/empty.jsonl:1: empty sequence" eval "$fx/base" --data "$work/empty.jsonl"
+printf '5\n7\n' >"$work/single.txt"
+expect 2 "no next-token predictions" eval "$fx/base" --data "$work/single.txt"
+printf '1 2\n' >"$work/data.csv"
+expect 2 "unknown data format" eval "$fx/base" --data "$work/data.csv"
+# a bad line after --samples is not read
+printf '1 2 3\nnot ids\n' >"$work/late.txt"
+run late eval "$fx/base" --data "$work/late.txt" --samples 1
+has late.out "tokens 2"
+
+echo "e2e_eval: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
