@@ -4,6 +4,7 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "util.h"
@@ -199,14 +200,20 @@ lm_status lm_dev_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, 
     return d->iface->hist_abs(d, hist, x, n, level, hi_bin, err);
 }
 
-lm_status lm_dev_hist_window(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
+lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
                              int64_t n, lm_err *err)
 {
     if (n_win < 0 || n_win > LM_HIST_WINDOW)
         return lm_err_set(err, LM_ERR_USAGE, "hist_window: %d bins in the window, at most %d", n_win, LM_HIST_WINDOW);
     if (d->iface->hist_window)
-        return d->iface->hist_window(d, hist, win, n_win, lo_bin, x, n, err);
-    lm_status s = d->iface->hist_abs(d, hist, x, n, 0, 0, err);
+        return d->iface->hist_window(d, above, win, n_win, lo_bin, x, n, err);
+    uint64_t *h = calloc(65536, sizeof *h);
+    if (!h)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory for a histogram");
+    lm_status s = d->iface->hist_abs(d, h, x, n, 0, 0, err);
+    for (uint64_t b = (uint64_t)lo_bin + (uint64_t)n_win; s == LM_OK && b < 65536; b++)
+        *above += h[b];
+    free(h);
     for (int w = 0; s == LM_OK && w < n_win; w++)
         s = d->iface->hist_abs(d, win + (size_t)w * 65536, x, n, 1, lo_bin + (uint32_t)w, err);
     return s;

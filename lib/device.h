@@ -20,6 +20,7 @@
 #include <stdint.h>
 
 #include "dtype.h"
+#include "sparsify.h"  // LM_HIST_BINS, LM_HIST_WINDOW
 #include "status.h"
 
 typedef struct lm_dev lm_dev;
@@ -55,7 +56,7 @@ typedef struct lm_dev_i {
                            int64_t rows, int64_t cols, lm_err *err);
     lm_status (*hist_abs)(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
                           uint32_t hi_bin, lm_err *err);
-    lm_status (*hist_window)(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin,
+    lm_status (*hist_window)(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin,
                              const float *x, int64_t n, lm_err *err);  // optional: n_win + 1 hist_abs
     lm_status (*topk_apply)(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err);
@@ -172,13 +173,13 @@ lm_status lm_dev_dora_rows(lm_dev *d, float *tau, const float *base, const float
 lm_status lm_dev_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
                           uint32_t hi_bin, lm_err *err);
 
-// Level 0 and a window of level 1 in one pass: adds to hist[65536] what lm_dev_hist_abs level 0
-// adds, and to win[w·65536 .. (w+1)·65536) what level 1 with hi_bin = lo_bin + w adds, for
-// w < n_win (LM_HIST_WINDOW at most). When the threshold's top bits fall in the window, the
-// second pass over the data is not needed.
-lm_status lm_dev_hist_window(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
+// The counts near an expected threshold, in one pass: adds to *above how many |x| have their
+// top 16 bits at or beyond lo_bin + n_win, and to win[w·65536 .. (w+1)·65536) what
+// lm_dev_hist_abs level 1 with hi_bin = lo_bin + w adds, for w < n_win (LM_HIST_WINDOW at
+// most). When the k-th largest magnitude lies in the window, these counts find it exactly
+// (lm_topk_window in sparsify.h) without the full histograms' two passes.
+lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
                              int64_t n, lm_err *err);
-#define LM_HIST_WINDOW 4
 
 // Zeroes every x[j] not kept: kept are |x| bits > thr_bits, and those == thr_bits among the
 // first ties_allowed of them in index order. *ties_used gets how many ties were kept; with

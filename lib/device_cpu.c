@@ -6,6 +6,9 @@
 #include "device.h"
 
 #include <cblas.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -273,7 +276,7 @@ typedef struct hist_job {
     int64_t n, per_task;
     int level;        // 0, 1, or 2 for level 0 with a window of level 1
     uint32_t hi_bin;  // level 1: the bin; level 2: the window's first bin
-    uint64_t *hist;   // the caller's histogram
+    uint64_t *hist;   // the caller's histogram (level 2: its count above the window)
     uint64_t *win;    // level 2: the caller's window histograms
     int n_win;
     pthread_mutex_t *mu;
@@ -284,7 +287,7 @@ typedef struct hist_job {
 // waiting on one. 32-bit counts suffice: a task sees at most per_task elements, and
 // cpu_hist_abs keeps that below 2^32.
 #define HIST_WAYS 2
-#define TABLES (HIST_WAYS + LM_HIST_WINDOW)  // a task's tables: level 0's ways, then the window
+#define TABLES (HIST_WAYS > LM_HIST_WINDOW ? HIST_WAYS : LM_HIST_WINDOW)  // tables per task
 #define LOW_GROUP 256  // level 1: elements whose bin is tested before the matches are counted
 
 // Level 1: the low 16 bits of the magnitudes whose top 16 bits are hi_bin, a few percent of
@@ -305,25 +308,71 @@ LM_VECTOR_CLONES static void hist_low(uint32_t *h, const float *x, int64_t n, ui
     }
 }
 
-// Level 0 and the window at once: every element counts in level 0 (two ways, alternating),
-// and those whose top bits are lo_bin + w (w < n_win) also in window table w, gathered without
-// a branch as for hist_low. The gathered value (w << 16 | low bits) is the index in the window
-// tables.
-LM_VECTOR_CLONES static void hist_win(uint32_t *h0, uint32_t *hw, const float *x, int64_t n, uint32_t lo_bin,
-                                      uint32_t n_win)
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_AVX512_PATH 1
+// hist_win with AVX-512: sixteen magnitudes at a time are compared with the window, those
+// beyond it counted and those in it compressed into the list of indices to increment. The
+// same integer counts as the plain loop's.
+__attribute__((target("avx512f"))) static uint64_t hist_win_avx512(uint32_t *hw, const float *x, int64_t n,
+                                                                  uint32_t lo_bin, uint32_t n_win)
 {
-    uint32_t found[LOW_GROUP];
-    for (int64_t g = 0; g < n; g += LOW_GROUP) {
-        int64_t cnt = n - g < LOW_GROUP ? n - g : LOW_GROUP, m = 0;
-        for (int64_t e = 0; e < cnt; e++) {
-            uint32_t bits = lm_abs_bits(x[g + e]), top = bits >> 16, w = top - lo_bin;
-            h0[(e & 1) * LM_HIST_BINS + top]++;
-            found[m] = (w << 16) | (bits & 0xFFFFu);
-            m += w < n_win;
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), low_mask = _mm512_set1_epi32(0xFFFF);
+    const __m512i lo = _mm512_set1_epi32((int)lo_bin), width = _mm512_set1_epi32((int)n_win);
+    const __m512i limit = _mm512_set1_epi32((int)(lo_bin + n_win));
+    uint32_t found[LOW_GROUP + 16];
+    uint64_t above = 0;
+    int64_t i = 0;
+    while (i + 16 <= n) {
+        int64_t end = i + LOW_GROUP <= n ? i + LOW_GROUP : i + (n - i) / 16 * 16, m = 0;
+        for (; i < end; i += 16) {
+            __m512i bits = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i)), abs_mask);
+            __m512i top = _mm512_srli_epi32(bits, 16), w = _mm512_sub_epi32(top, lo);
+            __mmask16 in = _mm512_cmplt_epu32_mask(w, width), up = _mm512_cmpge_epu32_mask(top, limit);
+            __m512i key = _mm512_or_si512(_mm512_slli_epi32(w, 16), _mm512_and_si512(bits, low_mask));
+            // compressed in a register and stored whole (the slack after found takes the rest):
+            // a compressing store to memory is microcoded and slow on some processors
+            _mm512_storeu_si512((void *)(found + m), _mm512_maskz_compress_epi32(in, key));
+            m += __builtin_popcount(in);
+            above += (uint64_t)__builtin_popcount(up);
         }
         for (int64_t f = 0; f < m; f++)
             hw[found[f]]++;
     }
+    for (; i < n; i++) {
+        uint32_t bits = lm_abs_bits(x[i]), top = bits >> 16, w = top - lo_bin;
+        above += top >= lo_bin + n_win;
+        if (w < n_win)
+            hw[(w << 16) | (bits & 0xFFFFu)]++;
+    }
+    return above;
+}
+#endif
+
+// The window's counts: values at or beyond the window are counted, those in it gathered
+// without a branch (as for hist_low) as (w << 16 | low bits), their index in the window tables.
+LM_VECTOR_CLONES static uint64_t hist_win(uint32_t *hw, const float *x, int64_t n, uint32_t lo_bin, uint32_t n_win)
+{
+#ifdef HAVE_AVX512_PATH
+    if (__builtin_cpu_supports("avx512f"))
+        return hist_win_avx512(hw, x, n, lo_bin, n_win);
+#endif
+    uint32_t found[LOW_GROUP];
+    uint64_t above = 0;
+    uint32_t limit = lo_bin + n_win;
+    for (int64_t g = 0; g < n; g += LOW_GROUP) {
+        int64_t cnt = n - g < LOW_GROUP ? n - g : LOW_GROUP, m = 0;
+        uint32_t up = 0;
+        for (int64_t e = 0; e < cnt; e++) {
+            uint32_t bits = lm_abs_bits(x[g + e]), top = bits >> 16, w = top - lo_bin;
+            up += top >= limit;
+            found[m] = (w << 16) | (bits & 0xFFFFu);
+            m += w < n_win;
+        }
+        above += up;
+        for (int64_t f = 0; f < m; f++)
+            hw[found[f]]++;
+    }
+    return above;
 }
 
 static void hist_task(void *ctx, int64_t t)
@@ -332,6 +381,7 @@ static void hist_task(void *ctx, int64_t t)
     uint32_t *h = j->local + t * TABLES * LM_HIST_BINS;
     int64_t lo = t * j->per_task, hi = lo + j->per_task < j->n ? lo + j->per_task : j->n, i = lo;
     const float *x = j->x;
+    uint64_t above = 0;
     if (j->level == 0) {
         for (; i + HIST_WAYS <= hi; i += HIST_WAYS)
             for (int w = 0; w < HIST_WAYS; w++)
@@ -341,18 +391,20 @@ static void hist_task(void *ctx, int64_t t)
     } else if (j->level == 1) {
         hist_low(h, x + lo, hi - lo, j->hi_bin);
     } else {
-        hist_win(h, h + HIST_WAYS * LM_HIST_BINS, x + lo, hi - lo, j->hi_bin, (uint32_t)j->n_win);
+        above = hist_win(h, x + lo, hi - lo, j->hi_bin, (uint32_t)j->n_win);
     }
     // Add the task's counts to the caller's histograms (integer sums: the order does not
     // matter) and leave the tables zero for the next call.
-    int ways = j->level == 1 ? 1 : HIST_WAYS, used = ways + (j->level == 2 ? j->n_win : 0);
+    int used = j->level == 0 ? HIST_WAYS : j->level == 1 ? 1 : j->n_win;
+    uint64_t *dst = j->level == 2 ? j->win : j->hist;
     pthread_mutex_lock(j->mu);
-    for (int w = 0; w < ways; w++)
+    if (j->level == 2)
+        *j->hist += above;
+    for (int w = 0; w < used; w++) {
+        uint64_t *out = dst + (j->level == 2 ? (size_t)w * LM_HIST_BINS : 0);
         for (int64_t b = 0; b < LM_HIST_BINS; b++)
-            j->hist[b] += h[w * LM_HIST_BINS + b];
-    for (int w = 0; j->level == 2 && w < j->n_win; w++)
-        for (int64_t b = 0; b < LM_HIST_BINS; b++)
-            j->win[w * LM_HIST_BINS + b] += h[(HIST_WAYS + w) * LM_HIST_BINS + b];
+            out[b] += h[w * LM_HIST_BINS + b];
+    }
     pthread_mutex_unlock(j->mu);
     memset(h, 0, (size_t)used * LM_HIST_BINS * sizeof *h);
 }
@@ -384,10 +436,10 @@ static lm_status run_hist(lm_dev *d, hist_job *j, lm_err *err)
     return LM_OK;
 }
 
-static lm_status cpu_hist_window(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin,
+static lm_status cpu_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin,
                                  const float *x, int64_t n, lm_err *err)
 {
-    hist_job j = {.x = x, .n = n, .level = 2, .hi_bin = lo_bin, .hist = hist, .win = win, .n_win = n_win};
+    hist_job j = {.x = x, .n = n, .level = 2, .hi_bin = lo_bin, .hist = above, .win = win, .n_win = n_win};
     return run_hist(d, &j, err);
 }
 

@@ -307,14 +307,14 @@ static lm_status sim_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t
     return cpu_of(d)->iface->hist_abs(cpu_of(d), hist, x, n, level, hi_bin, err);
 }
 
-static lm_status sim_hist_window(lm_dev *d, uint64_t *hist, uint64_t *win, int n_win, uint32_t lo_bin,
+static lm_status sim_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin,
                                  const float *x, int64_t n, lm_err *err)
 {
     lm_status s;
-    if ((s = begin(d, "hist_window", err)) || (s = need_n(d, "x", x, n, 32, err)) || (s = host(d, "hist", hist, err)) ||
-        (s = host(d, "win", win, err)))
+    if ((s = begin(d, "hist_window", err)) || (s = need_n(d, "x", x, n, 32, err)) ||
+        (s = host(d, "above", above, err)) || (s = host(d, "win", win, err)))
         return s;
-    return cpu_of(d)->iface->hist_window(cpu_of(d), hist, win, n_win, lo_bin, x, n, err);
+    return cpu_of(d)->iface->hist_window(cpu_of(d), above, win, n_win, lo_bin, x, n, err);
 }
 
 static lm_status sim_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,

@@ -243,6 +243,8 @@ typedef struct engine {
     resident *res_dev;    // (n_ft) on an accelerator, data NULL where they did not fit
     // --topk global: per FT thresholds and the ties budget left
     lm_topk *global;      // (n_ft) or NULL
+    uint64_t *sel_block;  // select_tensor's histograms, reused from tensor to tensor
+    size_t sel_cells;
     uint64_t bytes_in, bytes_out;
     lm_merge_result *res;
     long page;
@@ -555,35 +557,48 @@ static int64_t slab_rows_of(const engine *e, const lm_dev *dev, const lm_st_tens
     return elems / cols > 0 ? elems / cols : 1;
 }
 
-// The window of level-1 bins a pass at level 0 also counts (hist_tensor's level 2): guessed
-// from a sample of the first slab, LM_HIST_WINDOW bins around the bin where the sample's share
-// of k falls. When the guess holds, the second pass over the tensor is not needed.
+// The window of level-1 bins the selection pass counts (hist_tensor's level 2): guessed from a
+// sample of the first slab, n bins around the bin where the sample's share of k falls. When
+// the guess holds, no second pass over the tensor is needed. A dense task vector's values are
+// alike from row to row and 4 bins suffice; a LoRA product's rows scale with B's, the sample
+// of rows is small next to them, and its window is LM_HIST_WINDOW wide.
+#define DENSE_WINDOW 4
 #define SAMPLE_ELEMS (1 << 18)
+#define SAMPLE_PIECES 32
 
 typedef struct window {
     uint64_t *win;   // (LM_HIST_WINDOW × LM_HIST_BINS) per part
     uint32_t lo;     // the window's first bin
+    int n;           // its bins
 } window;
 
 static lm_status guess_window(engine *e, const part *p, int64_t cnt, int64_t numel, const lm_topk *t, window *w)
 {
-    int64_t ns = cnt < SAMPLE_ELEMS ? cnt : SAMPLE_ELEMS;
+    // SAMPLE_PIECES runs spread evenly over the slab: rows differ (a LoRA product's rows scale
+    // with B's), so one run from the start would not do.
+    int64_t ns = cnt < SAMPLE_ELEMS ? cnt : SAMPLE_ELEMS, run = ns / SAMPLE_PIECES;
     uint64_t *h = calloc(LM_HIST_BINS, sizeof *h);
     if (!h)
         return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
-    lm_status s = lm_dev_hist_abs(e->ws->dev, h, p->tau, ns, 0, 0, e->err);
+    lm_status s = LM_OK;
+    if (ns == cnt || run == 0)
+        s = lm_dev_hist_abs(e->ws->dev, h, p->tau, ns, 0, 0, e->err);
+    else
+        for (int64_t r = 0; s == LM_OK && r < SAMPLE_PIECES; r++)
+            s = lm_dev_hist_abs(e->ws->dev, h, p->tau + r * (cnt / SAMPLE_PIECES), run, 0, 0, e->err);
+    ns = ns == cnt || run == 0 ? ns : run * SAMPLE_PIECES;
     lm_topk g;
     lm_topk_init(&g, (int64_t)((double)t->k * (double)ns / (double)numel + 0.5), ns);
     lm_topk_level0(&g, h);
     free(h);
-    uint32_t centre = g.none ? 0 : g.hi_bin;
-    w->lo = centre > LM_HIST_WINDOW / 2 - 1 ? centre - (LM_HIST_WINDOW / 2 - 1) : 0;
+    uint32_t centre = g.none ? 0 : g.hi_bin, below = (uint32_t)(w->n / 2 - 1);
+    w->lo = centre > below ? centre - below : 0;
     return s;
 }
 
 // Adds the level-`level` histograms of τ over every slab of tensor bt to hists[i], one
-// 65536-bin array per part (level 2: level 0, and level 1 over wins[i]'s window, placed from a
-// sample of the first slab). `have_tau` says the parts' buffers already hold τ of the tensor's
+// 65536-bin array per part (level 2: the count beyond wins[i]'s window into hists[i][0], and
+// the window's level-1 histograms, the window placed from a sample of the first slab). `have_tau` says the parts' buffers already hold τ of the tensor's
 // only slab (from the level-0 pass), so it is not computed again.
 static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
                              const lm_topk *const *sel, int level, bool have_tau, window *wins)
@@ -604,7 +619,7 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
             if (level < 2)
                 s = lm_dev_hist_abs(e->ws->dev, hists[i], parts[i].tau, cnt, level, sel[i]->hi_bin, e->err);
             else if (r0 > 0 || (s = guess_window(e, &parts[i], cnt, bt->numel, sel[i], &wins[i])) == LM_OK)
-                s = lm_dev_hist_window(e->ws->dev, hists[i], wins[i].win, LM_HIST_WINDOW, wins[i].lo, parts[i].tau,
+                s = lm_dev_hist_window(e->ws->dev, hists[i], wins[i].win, wins[i].n, wins[i].lo, parts[i].tau,
                                        cnt, e->err);
         }
         if (s != LM_OK)
@@ -615,55 +630,65 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
     return LM_OK;
 }
 
-// Exact top-k of each part over the whole tensor: one pass counting level 0 with a guessed
-// window of level 1, then, for the parts whose threshold fell outside their window, a second
-// pass at level 1.
+// Exact top-k of each part over the whole tensor: one pass counting the values beyond a window
+// of bins guessed from a sample, and the window's level-1 histograms; for the
+// parts whose threshold fell outside their window (rare), the two full histogram passes.
 static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
 {
     const lm_merge_opts *o = e->o;
     uint64_t *hists[k];
     const lm_topk *sel[k];
     window wins[k];
-    lm_topk missed[k];  // the parts for the second pass; the others marked none
-    uint64_t *block = calloc((size_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS, sizeof(uint64_t));
-    if (!block)
-        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    lm_topk missed[k];  // the parts for the two passes; the others marked none
+    uint64_t above[k];
+    // The histograms live in one block kept by the engine from tensor to tensor (a fresh one
+    // each time would cost page faults and zeroing of tens of megabytes per tensor).
+    size_t cells = (size_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
+    if (cells > e->sel_cells) {
+        free(e->sel_block);
+        e->sel_cells = 0;
+        if (!(e->sel_block = malloc(cells * sizeof(uint64_t))))
+            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        e->sel_cells = cells;
+    }
+    uint64_t *block = e->sel_block;
     memset(hists, 0, sizeof hists);
     memset(sel, 0, sizeof sel);
     memset(wins, 0, sizeof wins);
+    memset(above, 0, sizeof above);
     for (int i = 0; i < k; i++) {
         lm_topk_init(&parts[i].topk, (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel), bt->numel);
-        hists[i] = block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
-        wins[i] = (window){hists[i] + LM_HIST_BINS, 0};
+        hists[i] = &above[i];
+        wins[i] = (window){block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS, 0,
+                           parts[i].src == SRC_FULL ? DENSE_WINDOW : LM_HIST_WINDOW};
+        memset(wins[i].win, 0, (size_t)wins[i].n * LM_HIST_BINS * sizeof(uint64_t));
         sel[i] = &parts[i].topk;
     }
     lm_status s = hist_tensor(e, bt, parts, k, hists, sel, 2, false, wins);
     bool again = false;
     for (int i = 0; s == LM_OK && i < k; i++) {
-        lm_topk *t = &parts[i].topk;
-        lm_topk_level0(t, hists[i]);
-        missed[i] = *t;
-        missed[i].none = true;
-        if (t->none)
-            continue;
-        if (t->hi_bin >= wins[i].lo && t->hi_bin < wins[i].lo + LM_HIST_WINDOW) {
-            lm_topk_level1(t, wins[i].win + (size_t)(t->hi_bin - wins[i].lo) * LM_HIST_BINS);
-        } else {
-            missed[i].none = false;
-            again = true;
-        }
+        missed[i] = parts[i].topk;
+        missed[i].none = lm_topk_window(&parts[i].topk, above[i], wins[i].win, wins[i].n, wins[i].lo);
+        again = again || !missed[i].none;
     }
-    if (s == LM_OK && again) {
+    for (int level = 0; s == LM_OK && again && level < 2; level++) {
         for (int i = 0; i < k; i++) {
+            hists[i] = block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
             memset(hists[i], 0, LM_HIST_BINS * sizeof(uint64_t));
             sel[i] = &missed[i];
         }
-        s = hist_tensor(e, bt, parts, k, hists, sel, 1, one_slab, NULL);
-        for (int i = 0; s == LM_OK && i < k; i++)
-            if (!missed[i].none)
-                lm_topk_level1(&parts[i].topk, hists[i]);
+        s = hist_tensor(e, bt, parts, k, hists, sel, level, one_slab, NULL);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            if (missed[i].none)
+                continue;
+            if (level == 0) {
+                lm_topk_level0(&missed[i], hists[i]);
+            } else {
+                lm_topk_level1(&missed[i], hists[i]);
+                parts[i].topk = missed[i];
+            }
+        }
     }
-    free(block);
     return s;
 }
 
@@ -1205,6 +1230,7 @@ static void engine_free(engine *e)
     free(e->res_dev);
     free(e->res_cpu);
     free(e->global);
+    free(e->sel_block);
     if (e->cpu != e->dev)
         lm_dev_free(e->cpu);
 }

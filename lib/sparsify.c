@@ -53,3 +53,26 @@ void lm_topk_level1(lm_topk *t, const uint64_t *hist)
     t->thr_bits = t->hi_bin << 16;
     t->ties_allowed = need - cum;
 }
+
+bool lm_topk_window(lm_topk *t, uint64_t above, const uint64_t *win, int n_win, uint32_t lo_bin)
+{
+    if (t->none)
+        return true;
+    int64_t cum = (int64_t)above;
+    if (cum >= t->k)
+        return false;
+    for (int w = n_win - 1; w >= 0; w--) {
+        const uint64_t *h = win + (size_t)w * LM_HIST_BINS;
+        int64_t c = 0;
+        for (int64_t b = 0; b < LM_HIST_BINS; b++)
+            c += (int64_t)h[b];
+        if (cum + c >= t->k) {
+            t->hi_bin = lo_bin + (uint32_t)w;
+            t->above = cum;
+            lm_topk_level1(t, h);
+            return true;
+        }
+        cum += c;
+    }
+    return false;
+}

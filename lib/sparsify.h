@@ -57,6 +57,7 @@ LM_HD static inline uint32_t lm_abs_bits(float x)
 }
 
 #define LM_HIST_BINS 65536
+#define LM_HIST_WINDOW 16  // most bins of level 1 counted in one pass by lm_dev_hist_window
 #define LM_TIES_ALL INT64_MAX  // ties_allowed when every value equal to the threshold is kept
 
 // Finding the k-th largest magnitude of a set of values in two histogram passes.
@@ -81,5 +82,11 @@ void lm_topk_level0(lm_topk *t, const uint64_t *hist);
 // ties_allowed: exactly k values are then kept, those above the threshold and the first
 // ties_allowed equal to it in index order (LM_TIES_ALL when that is every one of them).
 void lm_topk_level1(lm_topk *t, const uint64_t *hist);
+
+// Both levels at once from lm_dev_hist_window's counts: `above` values beyond the window and
+// the level-1 histograms of its n_win bins from lo_bin. True when the k-th largest lies in the
+// window (t is then as after lm_topk_level1); false when it does not, and the two-pass way is
+// needed.
+bool lm_topk_window(lm_topk *t, uint64_t above, const uint64_t *win, int n_win, uint32_t lo_bin);
 
 #endif

@@ -550,31 +550,53 @@ static void h_hist(harness *h, const float *x, const float *dx, int64_t n)
     free(hg);
 }
 
-// hist_window against its contract: level 0 plus level 1 for each bin of the window, on the
-// CPU's hist_abs; added to what the arrays held.
+// hist_window against its contract, from the CPU's hist_abs: the count of magnitudes whose top
+// bits are at or beyond the window and level 1 for each bin of the window, added to what the
+// arrays held. Also the dispatcher's own version, for devices without the operation.
 static void h_hist_window(harness *h, const float *x, const float *dx, int64_t n)
 {
     enum { W = LM_HIST_WINDOW };
-    uint64_t *want = hmalloc((W + 1) * LM_HIST_BINS * 8), *got = hmalloc((W + 1) * LM_HIST_BINS * 8);
+    uint64_t *want = hmalloc(W * LM_HIST_BINS * 8), *got = hmalloc(W * LM_HIST_BINS * 8),
+             *h0 = hmalloc(LM_HIST_BINS * 8);
     uint32_t centre = n > 0 ? lm_abs_bits(x[n / 2]) >> 16 : 0;
     const uint32_t los[] = {centre > 1 ? centre - 1 : 0, lm_abs_bits(1.5f) >> 16, 0, 0xFFFEu};
     const int wins[] = {W, 2, W, W};
+    // the CPU without its hist_window: the dispatcher composes it from hist_abs
+    lm_dev_i plain_i = *h->cpu->iface;
+    plain_i.hist_window = NULL;
+    lm_dev plain = *h->cpu;
+    plain.iface = &plain_i;
     for (int i = 0; i < 4; i++) {
-        for (size_t b = 0; b < (size_t)(W + 1) * LM_HIST_BINS; b++)
-            want[b] = got[b] = (uint64_t)(b % 5);
-        CHECK_OK(lm_dev_hist_abs(h->cpu, want, x, n, 0, 0, &h->err), &h->err);
+        uint64_t above_want = 7;
+        memset(h0, 0, LM_HIST_BINS * 8);
+        CHECK_OK(lm_dev_hist_abs(h->cpu, h0, x, n, 0, 0, &h->err), &h->err);
+        for (uint64_t b = (uint64_t)los[i] + (uint64_t)wins[i]; b < LM_HIST_BINS; b++)
+            above_want += h0[b];
+        for (size_t b = 0; b < (size_t)W * LM_HIST_BINS; b++)
+            want[b] = (uint64_t)(b % 5);
         for (int w = 0; w < wins[i]; w++)
-            CHECK_OK(lm_dev_hist_abs(h->cpu, want + (size_t)(w + 1) * LM_HIST_BINS, x, n, 1, los[i] + (uint32_t)w,
-                                     &h->err), &h->err);
-        if (DEV_OK(h, lm_dev_hist_window(h->dev, got, got + LM_HIST_BINS, wins[i], los[i], dx, n, &h->err)))
-            CHECK_MSG(memcmp(got, want, (size_t)(W + 1) * LM_HIST_BINS * 8) == 0,
-                      "hist_window from bin %u, %d bins, n=%lld differs on %s", los[i], wins[i], (long long)n,
-                      lm_dev_name(h->dev));
+            CHECK_OK(lm_dev_hist_abs(h->cpu, want + (size_t)w * LM_HIST_BINS, x, n, 1, los[i] + (uint32_t)w, &h->err),
+                     &h->err);
+        for (int way = 0; way < 2; way++) {
+            uint64_t above = 7;
+            for (size_t b = 0; b < (size_t)W * LM_HIST_BINS; b++)
+                got[b] = (uint64_t)(b % 5);
+            lm_status st = way == 0 ? lm_dev_hist_window(h->dev, &above, got, wins[i], los[i], dx, n, &h->err)
+                                    : lm_dev_hist_window(&plain, &above, got, wins[i], los[i], x, n, &h->err);
+            if (way == 1)
+                CHECK_OK(st, &h->err);
+            if ((way == 1 && st == LM_OK) || (way == 0 && DEV_OK(h, st)))
+                CHECK_MSG(above == above_want && memcmp(got, want, (size_t)W * LM_HIST_BINS * 8) == 0,
+                          "hist_window from bin %u, %d bins, n=%lld differs on %s (above %llu, want %llu)", los[i],
+                          wins[i], (long long)n, way ? "the dispatcher's version" : lm_dev_name(h->dev),
+                          (unsigned long long)above, (unsigned long long)above_want);
+        }
     }
-    CHECK_FAILS(lm_dev_hist_window(h->dev, got, got + LM_HIST_BINS, W + 1, 0, dx, n, &h->err), LM_ERR_USAGE,
-                "window", &h->err);
+    uint64_t above = 0;
+    CHECK_FAILS(lm_dev_hist_window(h->dev, &above, got, W + 1, 0, dx, n, &h->err), LM_ERR_USAGE, "window", &h->err);
     free(want);
     free(got);
+    free(h0);
 }
 
 // Top-k with the ties at the threshold kept all, none, some (the lowest indices first) and

@@ -38,6 +38,34 @@ static void check_topk(const float *x, int64_t n, int64_t k)
             hist[lm_abs_bits(x[i]) & 0xFFFF]++;
     lm_topk_level1(&t, hist);
 
+    // The window way gives the same selection whenever the threshold's bin is in the window,
+    // and says so exactly then.
+    for (int shift = -5; shift <= 1 && !t.none; shift++) {
+        int64_t lo = (int64_t)t.hi_bin + shift;
+        if (lo < 0 || lo + LM_HIST_WINDOW > LM_HIST_BINS)
+            continue;
+        static uint64_t win[LM_HIST_WINDOW * LM_HIST_BINS];
+        memset(win, 0, sizeof win);
+        uint64_t above = 0;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t b = lm_abs_bits(x[i]), top = b >> 16;
+            if (top >= (uint64_t)lo + LM_HIST_WINDOW)
+                above++;
+            else if (top >= (uint64_t)lo)
+                win[(size_t)(top - lo) * LM_HIST_BINS + (b & 0xFFFF)]++;
+        }
+        lm_topk w;
+        lm_topk_init(&w, k, n);
+        bool inside = t.hi_bin >= lo && t.hi_bin < lo + LM_HIST_WINDOW;
+        bool found = lm_topk_window(&w, above, win, LM_HIST_WINDOW, (uint32_t)lo);
+        CHECK_MSG(found == inside, "k=%lld window from %lld: found %d, threshold bin %u", (long long)k, (long long)lo,
+                  found, t.hi_bin);
+        if (found)
+            CHECK_MSG(w.thr_bits == t.thr_bits && w.ties_allowed == t.ties_allowed && w.hi_bin == t.hi_bin,
+                      "k=%lld window from %lld: threshold %08x ties %lld, two passes %08x ties %lld", (long long)k,
+                      (long long)lo, w.thr_bits, (long long)w.ties_allowed, t.thr_bits, (long long)t.ties_allowed);
+    }
+
     uint32_t *sorted = malloc((size_t)n * sizeof *sorted);
     for (int64_t i = 0; i < n; i++)
         sorted[i] = lm_abs_bits(x[i]);
