@@ -1,15 +1,21 @@
 // The merge engine: see merge.h for what it does; METHODS.md for the exact semantics.
 //
 // Per output tensor the engine finds the FTs that touch it (its "parts"), then works in slabs
-// of whole rows (one slab for all but the largest tensors) through up to four phases:
-//   select  - magnitude trimming: two radix-histogram passes give each part's exact k-th
-//             largest |τ| and how many ties at it to keep (skipped for --topk global, whose
-//             thresholds come from the same passes over whole models before the first tensor);
+// of whole rows through up to three phases:
+//   select  - magnitude trimming: each part's exact k-th largest |τ| and how many ties at it
+//             to keep, in one pass that counts the values beyond a window of histogram bins
+//             guessed from a sample and the window's fine histogram (two full radix-histogram
+//             passes when the guess misses; for --topk global, those two passes over whole
+//             models before the first tensor);
 //   l1      - DARE with --rescale l1: ‖τ‖₁ and ‖τ ⊙ m‖₁ per part;
 //   merge   - τ per part, trimmed or dropped, rescaled, combined with the base, converted to
 //             the output dtype, hashed and written at its offset.
 // With one slab τ is computed once and kept across the phases; with several it is computed
 // again for each pass, which costs reads but keeps memory at a few slabs per FT.
+//
+// Where a unit runs: on an accelerator each tensor (and each adapter's factors) tries the
+// device with buffers of its own and, when the device is out of memory, is redone on the CPU
+// (run_unit); the CPU's buffers are the engine's for the whole run.
 #include "merge.h"
 
 #include <math.h>
