@@ -23,6 +23,12 @@ int lm_cmd_merge(int argc, char **argv);
 // outlives the call.
 int lm_cmd_eval(int argc, char **argv);
 
+// `llmerge hessian MODEL [--adapter DIR] --calib FILE -o H.safetensors [options]`: writes the
+// input Hessians of MODEL's linear layers (with the adapter applied, not merged) over the
+// calibration tokens as one safetensors file, atomically. Allocates nothing that outlives the
+// call.
+int lm_cmd_hessian(int argc, char **argv);
+
 // The Levenshtein distance between a and b (64 or more for strings over 63 bytes), for "did
 // you mean" suggestions.
 size_t lm_cmd_edit_distance(const char *a, const char *b);

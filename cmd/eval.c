@@ -13,6 +13,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,6 +25,7 @@
 #include "forward.h"
 #include "model.h"
 #include "progress.h"
+#include "signals.h"
 #include "status.h"
 #include "util.h"
 
@@ -353,6 +355,15 @@ static void on_note(void *ctx, const char *line)
 static void on_progress(void *ctx, int64_t done)
 {
     lm_progress_update(ctx, done, 0, NULL);
+    lm_test_delay();  // LLMERGE_TEST_DELAY_MS, for the tests that interrupt a run
+}
+
+// Called between the layers of every batch: stops the forward pass after SIGINT or SIGTERM.
+static lm_status check_interrupt(void *ctx, lm_dev *dev, int layer, lm_fwd_point point, const float *x,
+                                 int64_t rows, int64_t cols, lm_err *err)
+{
+    (void)ctx, (void)dev, (void)layer, (void)x, (void)rows, (void)cols;
+    return point == LM_FWD_ATTN_IN && lm_interrupted() ? lm_interrupted_err(err) : LM_OK;
 }
 
 static int print_json(const eval_run *r, double nll_mean, double ppl, double secs)
@@ -407,6 +418,7 @@ static int work(eval_run *r)
         lm_progress_note(p, "note: --gpu-mem has no effect on the cpu device");
 
     double t0 = lm_progress_now();
+    lm_signals_install();  // Ctrl-C stops at the next layer: exit 128 + the signal, no result
     lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "eval", a->model, 0, on_note, p, &err);
     if (s != LM_OK) {
         int code = lm_status_exit_code(s);
@@ -416,9 +428,20 @@ static int work(eval_run *r)
     r->runner.progress = on_progress;
     r->runner.progress_ctx = p;
     lm_progress_start(p, "sequence", r->data.n_seqs, 0);
-    lm_fwd_req req = {.nll = r->nll};
+    lm_fwd_req req = {.nll = r->nll, .hook = check_interrupt};
     s = lm_fwd_runner_run(&r->runner, r->seqs, r->data.n_seqs, &req, &err);
     lm_progress_end(p);
+    if (s == LM_ERR_INTERRUPTED || (s == LM_OK && lm_interrupted())) {
+        int sig = lm_interrupted() ? lm_interrupted() : SIGINT;
+        int code = lm_signal_exit_code(sig);
+        cJSON *f = cJSON_CreateObject();
+        cJSON_AddStringToObject(f, "signal", lm_signal_name(sig));
+        cJSON_AddNumberToObject(f, "exit_status", code);
+        lm_progress_event(p, "interrupted", f);
+        lm_progress_error(p, code, "interrupted by %s: no result", lm_signal_name(sig));
+        return code;
+    }
+    lm_signals_restore();
     if (s != LM_OK) {
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;

@@ -19,6 +19,7 @@ static const command commands[] = {
     {"dare-ties", "DARE's random drop with TIES's sign election", lm_cmd_merge},
     {"task-arithmetic", "add the weighted sum of the task vectors to the base", lm_cmd_merge},
     {"eval", "perplexity of a model (with a LoRA adapter applied) on token data", lm_cmd_eval},
+    {"hessian", "input Hessians of a model's linear layers from calibration data", lm_cmd_hessian},
     {"inspect", "show the tensors of a safetensors file, a model directory or an adapter", lm_cmd_inspect},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])

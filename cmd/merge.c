@@ -11,11 +11,15 @@
 // a temporary directory beside OUT (outdir.h), is filled with the shards (the merge engine
 // streams tensor by tensor into the writer), config.json with the dtype updated, the base's
 // tokenizer and generation files and llmerge.json (manifest.h), and is renamed into place.
-// A failure from then on removes the temporary directory and is exit status 1.
+// A failure from then on removes the temporary directory and is exit status 1. From the start
+// of the work until OUT is in place, SIGINT and SIGTERM stop the run at the next tensor (or
+// slab of a large one), remove the temporary directory, and exit with 128 + the signal
+// (130, 143); another run writing the same OUT is refused with exit status 2 (outdir.h).
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,6 +33,7 @@
 #include "model.h"
 #include "outdir.h"
 #include "progress.h"
+#include "signals.h"
 #include "st_writer.h"
 #include "status.h"
 #include "util.h"
@@ -204,7 +209,8 @@ static void usage(FILE *out, const method_info *m)
             "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
             "                         $XDG_CACHE_HOME/llmerge; this method keeps nothing there)\n"
             "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
-            "                         start, each tensor, end or error (default: none)\n"
+            "                         start, each tensor, end, error or interrupted (default:\n"
+            "                         none)\n"
             "  -q, --quiet            nothing on stderr but errors\n"
             "  -v, --verbose          also the resolved settings and each input\n"
             "  --force                replace OUT if it exists (it is replaced only at the end)\n"
@@ -213,16 +219,23 @@ static void usage(FILE *out, const method_info *m)
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
             "tokenizer and generation files, and llmerge.json: inputs with xxHash64 of their files,\n"
-            "options, per-tensor xxHash64 of the output, timings.\n"
-            "\n"
-            "Exit status: 0 done; 1 the merge failed (nothing is left at OUT); 2 bad usage or bad\n"
-            "input, found before any work started.\n",
+            "options, per-tensor xxHash64 of the output, timings.\n",
             m->name, m->summary, m->formula, m->density ? "" : "; no effect on this method",
             m->name, lm_merge_default_normalize(m->method) ? "on" : "off",
             m->sign ? "" : ";\n                         no effect on this method",
             m->topk ? "" : ";\n                         no effect on this method",
             m->rescale ? "" : ";\n                         no effect on this method",
             m->seed ? "" : ";\n                         no effect on this method");
+    fprintf(out,
+            "\n"
+            "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
+            "keeps a second llmerge from writing the same OUT (it exits with status 2 naming the\n"
+            "first one's pid). Ctrl-C (SIGINT) or SIGTERM stops the merge at the next tensor and\n"
+            "removes the partial output; a second Ctrl-C ends it at once.\n"
+            "\n"
+            "Exit status: 0 done; 1 the merge failed (nothing is left at OUT); 2 bad usage or bad\n"
+            "input, found before any work started, or OUT being written by another run; 130 or 143\n"
+            "stopped by SIGINT or SIGTERM (nothing is left at OUT).\n");
 }
 
 // ---- value parsers --------------------------------------------------------------------------
@@ -773,6 +786,7 @@ static void on_tensor(void *ctx, int64_t done, int64_t total, const char *name,
     if (total != p->n_total || bytes_total != p->bytes_total)
         lm_progress_set_total(p, total, bytes_total);
     lm_progress_update(p, done, bytes_done, name);
+    lm_test_delay();  // LLMERGE_TEST_DELAY_MS, for the tests that interrupt a run
 }
 
 // A unit went to the CPU: said on stderr and in the log, and kept for llmerge.json.
@@ -925,12 +939,37 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
                                  r->res.n_copied, err);
 }
 
+// The run was stopped by SIGINT or SIGTERM: removes the temporary directory, says so on stderr
+// and in the log ({"event": "interrupted", "signal", "removed", "exit_status"}, then the error
+// event), and returns 128 + the signal.
+static int interrupted(merge_run *r)
+{
+    int sig = lm_interrupted() ? lm_interrupted() : SIGINT;
+    const char *name = lm_signal_name(sig);
+    int code = lm_signal_exit_code(sig);
+    char *tmp = r->od.tmp ? lm_strdup(r->od.tmp) : NULL;
+    lm_outdir_abort(&r->od);
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "signal", name);
+    if (tmp)
+        cJSON_AddStringToObject(f, "removed", tmp);
+    cJSON_AddNumberToObject(f, "exit_status", code);
+    lm_progress_event(&r->progress, "interrupted", f);
+    lm_progress_error(&r->progress, code, "interrupted by %s: removed the partial output %s", name,
+                      tmp ? tmp : r->args.out);
+    free(tmp);
+    return code;
+}
+
 // Does the merge into a temporary directory and renames it to OUT. Returns the exit status.
 static int work(merge_run *r, double t_loaded)
 {
     merge_args *a = &r->args;
     lm_progress *p = &r->progress;
     lm_err err = {0};
+    // From here until OUT is in place, a signal stops the work instead of the process, so the
+    // temporary directory is removed.
+    lm_signals_install();
     lm_status s = lm_outdir_begin(&r->od, a->out, a->force, &err);
     if (s != LM_OK) {
         int code = lm_status_exit_code(s);
@@ -998,8 +1037,15 @@ static int work(merge_run *r, double t_loaded)
     int n_shards = lm_st_writer_plan(r->writer)->n_shards;
     lm_st_writer_free(r->writer);
     r->writer = NULL;
+    // writing the side files and hashing the inputs may have taken a while
+    if (lm_interrupted()) {
+        s = lm_interrupted_err(&err);
+        goto fail;
+    }
     if ((s = lm_outdir_commit(&r->od, &err)) != LM_OK)
         goto fail;
+    // OUT is complete and in place: a signal from now on is not undone by us
+    lm_signals_restore();
 
     lm_progress_summary(p, "merged");
     device_summary(r);
@@ -1025,6 +1071,8 @@ fail:
     free(path);
     lm_st_writer_free(r->writer);
     r->writer = NULL;
+    if (s == LM_ERR_INTERRUPTED)
+        return interrupted(r);
     lm_outdir_abort(&r->od);
     lm_progress_error(p, 1, "%s", err.msg[0] ? err.msg : lm_status_name(s));
     return 1;

@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "signals.h"
 #include "sparsify.h"
 #include "util.h"
 
@@ -781,6 +782,8 @@ static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, co
     lm_status s = LM_OK;
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
+        if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
+            return lm_interrupted_err(e->err);
         s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
         // Task vectors that need the base's values (full models, DoRA, biases) first, while
         // base_buf still holds them; then everything is added in.
@@ -881,6 +884,8 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         return merge_linear(e, idx, desc, bt, parts, k, slab_rows, hash);
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
+        if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
+            return lm_interrupted_err(e->err);
         if (!have_base)
             s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype,
                          cnt);
@@ -1315,6 +1320,11 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     for (int64_t i = 0; i < n_out; i++) {
         const lm_st_tensor *bt = base->tensors[i];
         bool merged = false;
+        // SIGINT/SIGTERM (signals.h): stop between tensors; the caller removes the output.
+        if (lm_interrupted()) {
+            s = lm_interrupted_err(err);
+            break;
+        }
         XXH64_reset(hash, 0);
         s = merge_unit(&e, i, &descs[i], hash, &merged);
         if (s != LM_OK) {

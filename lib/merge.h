@@ -128,7 +128,8 @@ typedef struct lm_merge_result {
 // next unit trying the device again; any other device error stops the merge. The output is
 // the same wherever units run. On success fills *res (free its array with
 // lm_merge_result_free). On failure the writer holds a partial output that the caller
-// removes; err names the tensor. hooks may be NULL.
+// removes; err names the tensor. After SIGINT or SIGTERM (lm_interrupted, signals.h) it stops
+// before the next tensor or slab with LM_ERR_INTERRUPTED. hooks may be NULL.
 lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base,
                        lm_ft *const *fts, lm_st_writer *w, const lm_merge_hooks *hooks,
                        lm_merge_result *res, lm_err *err);

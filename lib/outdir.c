@@ -5,14 +5,18 @@
 // output's mode: mkdir's 0777 minus the umask gives what any other directory the user creates
 // gets. Replacing with --force moves the old OUT aside to "OUT.old-XXXXXX", renames the new
 // one in, and only then removes the old one, so at every moment OUT is either the old output
-// or the new one.
+// or the new one. The lock protocol (outdir.h) is the classic one for lock files that are
+// removed: unlink only while holding the lock, and after locking check that the path still
+// names the file locked.
 #include "outdir.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -57,8 +61,82 @@ static char *unique_path(const char *base, const char *tag, bool make_dir, int *
     return NULL;
 }
 
+// Takes the lock "<final>.lock" for od (od->lock and od->lock_fd set on success). LM_ERR_BUSY
+// when another process holds it, naming its pid when the file says it.
+static lm_status lock_take(lm_outdir *od, lm_err *err)
+{
+    char *path = lm_strfmt("%s.lock", od->final);
+    if (!path)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = LM_OK;
+    for (int attempt = 0; attempt < 100; attempt++) {
+        int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+        if (fd < 0) {
+            s = lm_err_set(err, LM_ERR_IO, "%s: cannot create the lock file %s: %s", od->final, path,
+                           strerror(errno));
+            break;
+        }
+        if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+            int e = errno;
+            if (e == EWOULDBLOCK) {
+                char buf[32];
+                ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+                buf[n > 0 ? n : 0] = '\0';
+                long pid = strtol(buf, NULL, 10);
+                char who[48] = "";
+                if (pid > 0)
+                    snprintf(who, sizeof who, " (pid %ld)", pid);
+                s = lm_err_set(err, LM_ERR_BUSY, "%s: another llmerge%s is writing it (it holds %s); "
+                               "wait for it to end or choose another output", od->final, who, path);
+            } else if (e == ENOLCK || e == EOPNOTSUPP || e == EINVAL) {
+                // A filesystem without locks: the run goes on unprotected, as it did before
+                // locking existed, rather than failing.
+                unlink(path);
+                s = LM_OK;
+            } else {
+                s = lm_err_set(err, LM_ERR_IO, "%s: locking %s: %s", od->final, path, strerror(e));
+            }
+            close(fd);
+            break;
+        }
+        struct stat held, now;
+        if (fstat(fd, &held) == 0 && stat(path, &now) == 0 && held.st_dev == now.st_dev &&
+            held.st_ino == now.st_ino) {
+            // ours: the pid is for the message of a run that finds it locked
+            char pid[32];
+            int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
+            if (ftruncate(fd, 0) != 0 || pwrite(fd, pid, (size_t)len, 0) != len) {
+                // the pid is a courtesy; the lock is what matters
+            }
+            od->lock = path;
+            od->lock_fd = fd;
+            return LM_OK;
+        }
+        // The run that held it removed it between our open and our flock: what we locked is
+        // no longer anyone's lock file. Start over with whatever is at the path now.
+        close(fd);
+        if (attempt == 99)
+            s = lm_err_set(err, LM_ERR_BUSY, "%s: the lock file %s keeps changing", od->final, path);
+    }
+    free(path);
+    return s;
+}
+
+// Removes the lock file, then lets the lock go (in that order: see outdir.h).
+static void lock_drop(lm_outdir *od)
+{
+    if (!od->lock)
+        return;
+    unlink(od->lock);
+    close(od->lock_fd);
+    free(od->lock);
+    od->lock = NULL;
+    od->lock_fd = -1;
+}
+
 static void outdir_clear(lm_outdir *od)
 {
+    lock_drop(od);
     free(od->final);
     free(od->tmp);
     od->final = NULL;
@@ -101,6 +179,14 @@ lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *
         goto fail;
     }
     struct stat st;
+    if (lstat(od->final, &st) == 0 && !force) {
+        s = lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it)",
+                       od->final);
+        goto fail;
+    }
+    if ((s = lock_take(od, err)) != LM_OK)
+        goto fail;
+    // again, now that no other run can be writing it: one may have finished since
     if (lstat(od->final, &st) == 0 && !force) {
         s = lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it)",
                        od->final);

@@ -2,6 +2,15 @@
 // ("OUT.tmp-XXXXXX" in the same parent, so the final rename stays on one filesystem) and
 // renames it into place at the very end; on any failure the temporary directory is removed,
 // so a failed or interrupted run leaves nothing behind and never half-replaces an old output.
+//
+// Two runs naming the same OUT at once are kept apart by an advisory lock: lm_outdir_begin
+// takes flock(LOCK_EX) on "OUT.lock" beside OUT, writes its pid there, and holds it until
+// commit or abort, which unlink the file while still holding the lock. The second run fails at
+// once (LM_ERR_BUSY, exit status 2, naming the pid). Unlinking a lock file races with a run
+// that has opened it but not yet locked it; that run therefore checks, once it holds the lock,
+// that the file it locked is still the one at the path, and starts over when it is not. A run
+// killed outright leaves OUT.lock (unlocked: the kernel drops flock locks with the process) and
+// its temporary directory; the next run takes the stale lock file over and removes it.
 #ifndef LM_OUTDIR_H
 #define LM_OUTDIR_H
 
@@ -13,19 +22,24 @@ typedef struct lm_outdir {
     char *final;   // the path the user named
     char *tmp;     // the temporary directory being filled; NULL once committed or aborted
     bool force;    // replace an existing `final`
+    char *lock;    // "final.lock", held while `tmp` is being filled; NULL when not held
+    int lock_fd;   // the open, flock'ed lock file (meaningful only while `lock` is set)
 } lm_outdir;
 
 // Checks `final` (exists without force: LM_ERR_USAGE naming it and --force; its parent missing:
-// LM_ERR_NOT_FOUND) and creates the temporary directory. On failure nothing is created and the
-// caller need not call lm_outdir_abort (it is harmless).
+// LM_ERR_NOT_FOUND), takes the lock (another run holds it: LM_ERR_BUSY naming `final` and that
+// run's pid) and creates the temporary directory. On failure nothing is created or held and
+// the caller need not call lm_outdir_abort (it is harmless).
 lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *err);
 
 // Renames the temporary directory to `final`; with force an existing `final` is moved aside
-// first and removed after the rename. Frees the paths.
+// first and removed after the rename (without force an existing `final` is LM_ERR_USAGE: the
+// rename never replaces an output silently). Then removes the lock file and lets the lock go.
+// Frees the paths. On failure everything is kept for lm_outdir_abort.
 lm_status lm_outdir_commit(lm_outdir *od, lm_err *err);
 
-// Removes the temporary directory and everything in it, and frees the paths. Safe to call
-// after a commit, twice, or on a zeroed object.
+// Removes the temporary directory and everything in it, removes the lock file and lets the
+// lock go, and frees the paths. Safe to call after a commit, twice, or on a zeroed object.
 void lm_outdir_abort(lm_outdir *od);
 
 #endif

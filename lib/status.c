@@ -62,6 +62,7 @@ const char *lm_status_name(lm_status status)
     case LM_ERR_DEVICE: return "DEVICE";
     case LM_ERR_DEVICE_OOM: return "DEVICE_OOM";
     case LM_ERR_INTERRUPTED: return "INTERRUPTED";
+    case LM_ERR_BUSY: return "BUSY";
     }
     return "UNKNOWN";
 }
@@ -75,6 +76,7 @@ int lm_status_exit_code(lm_status status)
     case LM_ERR_UNSUPPORTED:
     case LM_ERR_NOT_FOUND:
     case LM_ERR_MISMATCH:
+    case LM_ERR_BUSY:
         return 2;
     case LM_ERR_INTERRUPTED: return 130;
     default: return 1;

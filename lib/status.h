@@ -23,6 +23,7 @@ typedef enum lm_status {
     LM_ERR_DEVICE,       // any device failure other than out-of-memory
     LM_ERR_DEVICE_OOM,   // device out of memory: the one error that falls back
     LM_ERR_INTERRUPTED,  // stopped by a signal
+    LM_ERR_BUSY,         // another process is using it (an output directory being written)
 } lm_status;
 
 #define LM_ERR_MSG_MAX 1024
@@ -48,7 +49,9 @@ void lm_err_clear(lm_err *err);
 const char *lm_status_name(lm_status status);
 
 // The process exit status for a failure: 2 for what can be known before any work starts
-// (usage, malformed or mismatched input), 1 for failures of the work itself.
+// (usage, malformed or mismatched input, an output another run is writing), 1 for failures of
+// the work itself, 130 (128 + SIGINT) for a run stopped by a signal (a command that knows the
+// signal exits 128 + its number instead: signals.h).
 int lm_status_exit_code(lm_status status);
 
 #ifdef __cplusplus

@@ -314,7 +314,10 @@ x=$work/fsize
 (trap '' XFSZ; ulimit -f 64; exec "$llmerge" ties "$B" "$lp" -o "$x") >"$work/out" 2>&1
 rc=$?
 check '[ $rc -eq 1 ] && grep -q "llmerge ties: error: " "$work/out"' "file size limit: exit $rc (want 1): $(cat "$work/out")"
-no_output "$x"
+# the message names the shard file being written and the system's reason
+check 'grep -q "error: $x\.tmp-[A-Za-z0-9]*/model\.safetensors: .*File too large" "$work/out"' \
+  "file size limit: the message does not name the file and the reason: $(cat "$work/out")"
+no_output "$x"  # nor OUT.lock
 
 # ---- devices: the simulated accelerator and its fallbacks ------------------------------------
 # An ample budget: every merged tensor on the device, the same output as the CPU's.

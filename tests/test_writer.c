@@ -683,6 +683,62 @@ static void test_outdir(void)
     remove_tmpdir(dir);
 }
 
+// Two writers of one OUT: the second is refused while the first holds OUT.lock (flock locks
+// conflict between two open files of one process too), and no lock file outlives either.
+static void test_outdir_lock(void)
+{
+    lm_err err;
+    char *dir = make_tmpdir();
+    char *out = path_in(dir, "out");
+    char *lock = lm_strfmt("%s.lock", out);
+    lm_outdir a, b;
+
+    CHECK_OK(lm_outdir_begin(&a, out, false, &err), &err);
+    char *text = NULL;
+    CHECK(lm_read_file(lock, 64, &text, NULL, &err) == LM_OK && text && atol(text) == (long)getpid());
+    free(text);
+    char want[96];
+    snprintf(want, sizeof want, "another llmerge (pid %ld) is writing it", (long)getpid());
+    CHECK_FAILS(lm_outdir_begin(&b, out, false, &err), LM_ERR_BUSY, want, &err);
+    CHECK(strstr(err.msg, out) != NULL);
+    CHECK(lm_status_exit_code(LM_ERR_BUSY) == 2);
+    CHECK_FAILS(lm_outdir_begin(&b, out, true, &err), LM_ERR_BUSY, want, &err);  // --force too
+    CHECK(b.tmp == NULL && b.lock == NULL);
+    CHECK(count_entries(dir, NULL, NULL) == 2);  // a's temporary directory and its lock
+    lm_outdir_abort(&b);
+    CHECK(lm_is_file(lock));  // b's abort does not touch a's lock
+    CHECK_OK(lm_outdir_commit(&a, &err), &err);
+    CHECK(!lm_is_file(lock) && lm_is_dir(out));
+    CHECK(count_entries(dir, NULL, NULL) == 1);
+
+    // once a is done the lock is free: b may replace OUT with force, and its abort removes
+    // the lock file as well as the temporary directory
+    CHECK_OK(lm_outdir_begin(&b, out, true, &err), &err);
+    CHECK(lm_is_file(lock));
+    lm_outdir_abort(&b);
+    CHECK(!lm_is_file(lock));
+    CHECK(count_entries(dir, NULL, NULL) == 1);
+
+    // a lock file nobody holds (its run was killed) is taken over and removed at the end
+    char *other = path_in(dir, "other");
+    char *other_lock = lm_strfmt("%s.lock", other);
+    CHECK_OK(lm_write_file(other_lock, "12345\n", 6, &err), &err);
+    CHECK_OK(lm_outdir_begin(&a, other, false, &err), &err);
+    CHECK_OK(lm_outdir_commit(&a, &err), &err);
+    CHECK(lm_is_dir(other) && !lm_is_file(other_lock));
+    CHECK(count_entries(dir, NULL, NULL) == 2);
+
+    // a failed begin (OUT exists, no force) leaves no lock file behind
+    CHECK_FAILS(lm_outdir_begin(&a, other, false, &err), LM_ERR_USAGE, "--force", &err);
+    CHECK(!lm_is_file(other_lock) && count_entries(dir, NULL, NULL) == 2);
+
+    free(other);
+    free(other_lock);
+    free(lock);
+    free(out);
+    remove_tmpdir(dir);
+}
+
 int main(void)
 {
     umask(022);
@@ -693,5 +749,6 @@ int main(void)
     test_refusals();
     test_threads();
     test_outdir();
+    test_outdir_lock();
     return check_report("test_writer");
 }

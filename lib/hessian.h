@@ -1,0 +1,92 @@
+// Hessians of the linear layers' inputs, from activation capture (METHODS.md "Hessians
+// (activation capture)"). For every distinct linear input of a model (per layer the input of
+// self_attn.q_proj, shared with k/v; of self_attn.o_proj; of mlp.gate_proj, shared with up; of
+// mlp.down_proj) H = (2 / n_tokens) Σ x xᵀ over every real token of the calibration data (the
+// forward pass packs sequences without padding, so no padding token ever enters a sum).
+//
+// An lm_hess holds one accumulator Σ x xᵀ per (layer, point) and fills it from the hook of the
+// forward pass (forward.h): each batch adds Xᵀ X with one GEMM on the device the batch ran on,
+// so the same code accumulates on the CPU, the simulated device and any accelerator. The
+// accumulators live on the device where they fit (leaving room for the forward pass's
+// activations) and in host memory where they do not; a batch that fell back to the CPU adds
+// into a host-side accumulator of its own, and the two are summed in double when the result is
+// read. Accumulation is float32 (the GEMM's), the final sum, scaling and symmetrisation double.
+//
+// The second half is the importance of METHODS.md "Sparsification" (hessian): from H, damped,
+// the upper Cholesky factor U of H⁻¹, and τ_jc² / U_cc² per weight entry (LAPACKE, CPU).
+#ifndef LM_HESSIAN_H
+#define LM_HESSIAN_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "device.h"
+#include "forward.h"
+#include "model.h"
+#include "status.h"
+
+typedef struct lm_hess {
+    int64_t n_layers;
+    int64_t dim[LM_FWD_N_POINTS];  // the input width of each point: hidden, heads·head_dim, hidden, intermediate
+    lm_dev *dev;                   // the device holding on_dev accumulators (not owned; NULL: none)
+    lm_dev *cpu;                   // the CPU device for host-side GEMMs (owned)
+    float **on_dev;                // (n_layers · N_POINTS) device [dim, dim] Σ x xᵀ, NULL where not on dev
+    float **on_host;               // (n_layers · N_POINTS) host [dim, dim] Σ x xᵀ, NULL until a batch needs it
+    float *stage;                  // host copy of a device batch for a host accumulator (rows, dim)
+    int64_t stage_len;             // floats stage holds
+    int64_t n_tokens;              // tokens seen (counted at layer 0's first point)
+    int64_t n_host;                // accumulators that did not fit dev and live in host memory
+    size_t dev_bytes;              // device bytes the accumulators take
+} lm_hess;
+
+// The index of (layer, point) in on_dev / on_host.
+static inline int64_t lm_hess_index(int64_t layer, lm_fwd_point p)
+{
+    return layer * LM_FWD_N_POINTS + (int64_t)p;
+}
+
+// Prepares *h (overwritten) for model m (its config gives the shapes). When dev is not NULL,
+// each accumulator, in layer order, is allocated on dev and zeroed while dev's free memory
+// stays at least `reserve` bytes afterwards (room for the forward pass's activations); the
+// rest, and all of them when dev is NULL, are allocated zeroed in host memory. dev must outlive
+// h. A host allocation failure is LM_ERR_NOMEM, a device failure other than out-of-memory
+// LM_ERR_DEVICE; nothing is left allocated then. Free with lm_hess_free.
+lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserve, int threads, lm_err *err);
+
+// Releases every accumulator and the CPU device; safe on a zeroed lm_hess and twice.
+void lm_hess_free(lm_hess *h);
+
+// The forward-pass hook (lm_fwd_hook) that adds Xᵀ X of the batch to the (layer, point)
+// accumulator; ctx is the lm_hess. It never fails with LM_ERR_DEVICE_OOM (which would make a
+// runner redo a batch already partly added): a device failure is LM_ERR_DEVICE, a host one
+// LM_ERR_NOMEM, naming the layer and the point.
+lm_status lm_hess_hook(void *ctx, lm_dev *dev, int layer, lm_fwd_point point, const float *x, int64_t rows,
+                       int64_t cols, lm_err *err);
+
+// Runs the n_seqs sequences through runner r with the hook above (r's progress and notes as set
+// by the caller). Returns r's status.
+lm_status lm_hess_capture(lm_hess *h, lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n_seqs, lm_err *err);
+
+// Writes into the host array out[dim · dim] (dim = h->dim[p]) the Hessian of (layer, point):
+// (2 / n_tokens) times the sum of its accumulators, symmetrised ((a + aᵀ) / 2), computed in
+// double and rounded to float32. LM_ERR_USAGE when no token was captured, LM_ERR_DEVICE for a
+// failed copy. The accumulators are unchanged.
+lm_status lm_hess_get(const lm_hess *h, int64_t layer, lm_fwd_point p, float *out, lm_err *err);
+
+// The tensor name of (layer, point): "model.layers.L." followed by the first module the point
+// feeds (lm_fwd_point_module). Writes into buf; returns buf.
+char *lm_hess_name(char *buf, size_t cap, int64_t layer, lm_fwd_point p);
+
+// ==== importance (METHODS.md "Sparsification", hessian) =======================================
+
+// For a linear weight's task vector tau (rows × cols, row-major; cols = the input width) and
+// its input Hessian H (cols × cols, symmetric): a copy of H has its zero diagonal entries set
+// to 1 and damp · mean(diag H) added to its diagonal (METHODS.md: damp = 0.01); U is the upper
+// Cholesky factor of its inverse (H⁻¹ = Uᵀ U), and imp[j, c] = tau[j, c]² / U[c, c]², in float32
+// (computed in double). Allocates only scratch. LM_ERR_FORMAT when the damped H is not positive
+// definite (its Cholesky factorisation fails), LM_ERR_NOMEM when scratch cannot be allocated.
+lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t cols, const float *H, double damp,
+                             lm_err *err);
+
+#endif

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# End-to-end tests of how long runs end when they do not end well, through the binary, on the
+# fixtures: SIGINT and SIGTERM in the middle of a merge stop it with exit status 130 / 143, a
+# message naming the partial output removed, an "interrupted" event in --log-json, and nothing
+# left beside OUT (no OUT, no OUT.tmp-*, no OUT.lock); `llmerge eval` stops the same way; two
+# runs writing one OUT at once: the second is refused with exit status 2 naming the first's
+# pid, also with --force, and the first's output is whole; a lock file left by a killed run
+# does not block the next one, and no run that ends leaves OUT.lock.
+#
+# The fixtures merge in a fraction of a second, so the runs that must be caught in the middle
+# set LLMERGE_TEST_DELAY_MS (a testing aid of lib/signals.h: a pause after each tensor or
+# batch). Background jobs of a script ignore SIGINT unless job control is on, and llmerge keeps
+# an ignored SIGINT ignored: hence `set -m`.
+# Usage: e2e_robust.sh LLMERGE FIXTURES JSONQ
+set -u
+llmerge=$1 fx=$2 jsonq=$3
+work=$(mktemp -d /tmp/lm_e2e_robust_XXXXXX)
+trap 'rm -rf "$work"' EXIT
+passed=0 failed=0
+set -m
+
+ok() { passed=$((passed + 1)); }
+bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
+check() { if eval "$1"; then ok; else bad "$2"; fi; }
+
+B=$fx/base lp=$fx/lora_plain
+
+# no_output DIR: neither DIR nor anything named DIR* (DIR.tmp-*, DIR.lock) is left beside it.
+no_output() {
+  local left
+  left=$(find "$(dirname "$1")" -maxdepth 1 -name "$(basename "$1")*" | head -3)
+  if [ -z "$left" ]; then ok; else bad "left behind: $left"; fi
+}
+
+# wait_for CMD: polls CMD (up to 20 s); false when it never held.
+wait_for() {
+  local i
+  for ((i = 0; i < 200; i++)); do
+    eval "$1" && return 0
+    sleep 0.1
+  done
+  return 1
+}
+
+# loads DIR: llmerge reads DIR back as a model and its check passes.
+loads() {
+  if "$llmerge" inspect "$1" >"$work/inspect" 2>&1 && grep -q "^check: ok" "$work/inspect"; then ok; else
+    bad "inspect $1: $(head -c 600 "$work/inspect")"
+  fi
+}
+
+# ---- a signal in the middle of a merge ----------------------------------------------------------
+# interrupt SIG WANT: a slowed merge is sent SIG once it has written a tensor; it must exit WANT,
+# say which partial output it removed (and that must be gone), log the event, leave nothing.
+interrupt() {
+  local sig=$1 want=$2 x=$work/int-$1 log=$work/log-$1.jsonl pid rc tmp
+  LLMERGE_TEST_DELAY_MS=150 "$llmerge" ties "$B" "$lp" -o "$x" --log-json "$log" >"$work/out" 2>&1 &
+  pid=$!
+  # the work has started: its temporary directory exists and a tensor is done
+  if ! wait_for '[ -n "$(ls -d "$x".tmp-* 2>/dev/null)" ] && grep -q "\"event\":\"tensor\"" "$log" 2>/dev/null'; then
+    bad "$sig: the merge never started: $(head -c 600 "$work/out")"
+  fi
+  tmp=$(ls -d "$x".tmp-* 2>/dev/null | head -1)
+  check '[ -f "$x.lock" ] && [ "$(cat "$x.lock")" = "$pid" ]' "$sig: OUT.lock does not hold the pid $pid: $(cat "$x.lock" 2>&1)"
+  kill -s "$sig" "$pid"
+  wait "$pid"
+  rc=$?
+  check '[ $rc -eq $want ]' "$sig: exit $rc (want $want): $(head -c 600 "$work/out")"
+  check 'grep -qF "error: interrupted by SIG$sig: removed the partial output $tmp" "$work/out"' \
+    "$sig: no message naming $tmp: $(head -c 600 "$work/out")"
+  check '[ -n "$tmp" ] && [ ! -e "$tmp" ]' "$sig: the partial output $tmp is still there"
+  check '! grep -q "wrote " "$work/out"' "$sig: the merge went on to the end: $(head -c 600 "$work/out")"
+  # it stopped at the next tensor rather than merging them all first
+  local n_done n_total
+  n_done=$(grep -c '"event":"tensor"' "$log")
+  n_total=$(grep -m1 '"event":"start"' "$log" | "$jsonq" - n_tensors)
+  check '[ "$n_done" -lt "$n_total" ]' "$sig: $n_done of $n_total tensors merged before it stopped"
+  no_output "$x"
+  local ev
+  ev=$(grep -m1 '"event":"interrupted"' "$log")
+  check '[ "$(echo "$ev" | "$jsonq" - signal)" = "SIG$sig" ] && [ "$(echo "$ev" | "$jsonq" - exit_status)" = "$want" ] &&
+    [ "$(echo "$ev" | "$jsonq" - removed)" = "$tmp" ]' "$sig: interrupted event: '$ev'"
+  check 'grep -q "\"event\":\"error\".*\"exit_status\":$want" "$log" && ! grep -q "\"event\":\"end\"" "$log"' \
+    "$sig: the log's last events: $(tail -2 "$log")"
+}
+interrupt INT 130
+interrupt TERM 143
+
+# A merge that is not interrupted leaves its output and no lock file (the slowed one too).
+x=$work/whole
+if LLMERGE_TEST_DELAY_MS=10 "$llmerge" ties "$B" "$lp" -o "$x" >"$work/out" 2>&1; then ok; else
+  bad "a slowed merge failed: $(head -c 600 "$work/out")"
+fi
+loads "$x"
+check '[ ! -e "$x.lock" ] && [ -z "$(ls -d "$x".tmp-* 2>/dev/null)" ]' "a finished merge left: $(ls -d "$x".* 2>&1)"
+
+# ---- two runs, one OUT ------------------------------------------------------------------------
+x=$work/shared
+LLMERGE_TEST_DELAY_MS=100 "$llmerge" ties "$B" "$lp" -o "$x" >"$work/first" 2>&1 &
+first=$!
+wait_for '[ -s "$x.lock" ]' || bad "the first run never took the lock: $(head -c 600 "$work/first")"
+for force in "" --force; do
+  "$llmerge" dare "$B" "$lp" -o "$x" $force >"$work/second" 2>&1
+  rc=$?
+  check '[ $rc -eq 2 ] && grep -qF "error: $x: another llmerge (pid $first) is writing it" "$work/second"' \
+    "second run ${force:-without --force}: exit $rc (want 2, naming pid $first): $(head -c 600 "$work/second")"
+  check '[ "$(ls -d "$x".tmp-* 2>/dev/null | wc -l)" -eq 1 ]' "second run ${force}: temporary directories: $(ls -d "$x".tmp-* 2>&1)"
+done
+wait "$first"
+rc=$?
+check '[ $rc -eq 0 ]' "the first run: exit $rc: $(head -c 600 "$work/first")"
+loads "$x"
+check '[ "$("$jsonq" "$x/llmerge.json" method)" = ties ]' "OUT is not the first run's: $("$jsonq" "$x/llmerge.json" method 2>&1)"
+check '[ ! -e "$x.lock" ] && [ -z "$(ls -d "$x".tmp-* 2>/dev/null)" ]' "two runs left: $(ls -d "$x".* 2>&1)"
+# once it is done, the ordinary rules: exists without --force is 2, with --force replaced
+"$llmerge" dare "$B" "$lp" -o "$x" >"$work/out" 2>&1
+rc=$?
+check '[ $rc -eq 2 ] && grep -q "already exists (use --force" "$work/out"' "after the first: exit $rc: $(head -c 600 "$work/out")"
+"$llmerge" dare "$B" "$lp" -o "$x" --force >"$work/out" 2>&1
+rc=$?
+check '[ $rc -eq 0 ] && [ "$("$jsonq" "$x/llmerge.json" method)" = dare ] && [ ! -e "$x.lock" ]' \
+  "--force after the first: exit $rc: $(head -c 600 "$work/out")"
+
+# A lock file nobody holds (left by a run killed with SIGKILL) is taken over and removed.
+x=$work/stale
+echo 999999 >"$x.lock"
+if "$llmerge" ties "$B" "$lp" -o "$x" >"$work/out" 2>&1; then ok; else bad "a stale OUT.lock blocked the run: $(head -c 600 "$work/out")"; fi
+loads "$x"
+check '[ ! -e "$x.lock" ]' "the stale OUT.lock is still there"
+
+# SIGKILL cannot be caught: what it leaves (the temporary directory, an unlocked OUT.lock) does
+# not stop the next run, which removes the lock file.
+x=$work/killed
+LLMERGE_TEST_DELAY_MS=150 "$llmerge" ties "$B" "$lp" -o "$x" >"$work/out" 2>&1 &
+pid=$!
+wait_for '[ -s "$x.lock" ]' || bad "the run to be killed never took the lock"
+kill -KILL "$pid"
+wait "$pid" 2>/dev/null
+check '[ -e "$x.lock" ] && [ -n "$(ls -d "$x".tmp-* 2>/dev/null)" ]' "SIGKILL left no lock file or temporary directory to recover from"
+if "$llmerge" ties "$B" "$lp" -o "$x" >"$work/out" 2>&1; then ok; else bad "after a SIGKILL: $(head -c 600 "$work/out")"; fi
+loads "$x"
+check '[ ! -e "$x.lock" ]' "after a SIGKILL: OUT.lock is still there"
+
+# ---- eval -------------------------------------------------------------------------------------
+# Stopped after its batch (the fixtures' data is one batch): 130, no result on stdout.
+LLMERGE_TEST_DELAY_MS=5000 "$llmerge" eval "$B" --data "$fx/calib/calib.jsonl" >"$work/eval.out" 2>"$work/eval.err" &
+pid=$!
+wait_for 'grep -q "sequence " "$work/eval.err"' || bad "eval never reported progress: $(cat "$work/eval.err")"
+kill -INT "$pid"
+wait "$pid"
+rc=$?
+check '[ $rc -eq 130 ] && grep -q "error: interrupted by SIGINT" "$work/eval.err" && ! grep -q perplexity "$work/eval.out"' \
+  "eval: exit $rc (want 130, no result): $(cat "$work/eval.out" "$work/eval.err")"
+
+echo "e2e_robust: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]

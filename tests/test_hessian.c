@@ -1,0 +1,808 @@
+// Tests of the Hessians from activation capture (lib/hessian.c). The reference is a naive
+// forward pass in double (the helpers of tests/test_forward.c, copied here: test code) that keeps
+// each layer's linear inputs; from them H = (2 / n) Σ x xᵀ in double. Against it, on the Llama
+// fixture and the Qwen2 fixture, each alone and with an adapter: every Hessian within 1e-4
+// relative (max |diff| / max |ref|), exactly symmetric and positive semi-definite (a Cholesky
+// factorisation of H + εI succeeds), and the adapter changes the Hessians by far more than the
+// tolerance. Packed batches give what one sequence at a time gives, to float32 rounding. On the
+// simulated device the CPU's Hessians come out, also on small budgets that force each fallback
+// (weights on the CPU, accumulators in host memory, a batch halved, a sequence on the CPU), with
+// nothing left allocated on the device. A device failure that is not out-of-memory stops the
+// capture. The importance τ²/U_cc² matches one computed here by an explicit inverse and Cholesky.
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adapter.h"
+#include "calib.h"
+#include "check.h"
+#include "device.h"
+#include "forward.h"
+#include "hessian.h"
+#include "model.h"
+#include "safetensors.h"
+#include "testfs.h"
+#include "util.h"
+
+#define REL 1e-4       // against the double reference (max |diff| / max |ref|)
+#define ROUNDING 1e-5  // the same sums in another order, in float32
+
+static const char *fixtures;
+
+static char *fx(const char *name)
+{
+    return lm_path_join(fixtures, name);
+}
+
+// ==== the reference forward pass ==============================================================
+
+typedef struct ref_ctx {
+    const lm_model *m;
+    const lm_adapter *a;
+    bool no_rope_scaling;  // compute rope without the config's scaling (to see that it matters)
+} ref_ctx;
+
+// A tensor as doubles (new memory), the adapter's saved replacement first; NULL when absent.
+static double *tensor_d(const ref_ctx *c, const char *name, int64_t *numel)
+{
+    const lm_st_tensor *t = NULL;
+    for (int64_t i = 0; c->a && i < c->a->n_saved && !t; i++)
+        if (strcmp(c->a->saved[i].base_name, name) == 0)
+            t = c->a->saved[i].t;
+    if (!t)
+        t = lm_model_find(c->m, name);
+    if (!t)
+        return NULL;
+    float *f = malloc((size_t)t->numel * sizeof *f);
+    double *d = malloc((size_t)t->numel * sizeof *d);
+    lm_err err;
+    CHECK_OK(lm_st_read_f32(t, f, &err), &err);
+    for (int64_t i = 0; i < t->numel; i++)
+        d[i] = f[i];
+    free(f);
+    if (numel)
+        *numel = t->numel;
+    return d;
+}
+
+static double *st_d(const lm_st_tensor *t)
+{
+    float *f = malloc((size_t)t->numel * sizeof *f);
+    double *d = malloc((size_t)t->numel * sizeof *d);
+    lm_err err;
+    CHECK_OK(lm_st_read_f32(t, f, &err), &err);
+    for (int64_t i = 0; i < t->numel; i++)
+        d[i] = f[i];
+    free(f);
+    return d;
+}
+
+// y (T, out) = x (T, in) · Wᵀ + b + s·((x Aᵀ) Bᵀ + lora_B.bias) for the module `path`.
+static void ref_linear(const ref_ctx *c, const char *path, const double *x, int64_t T, int64_t in, int64_t out,
+                       double *y)
+{
+    char name[256];
+    snprintf(name, sizeof name, "%s.weight", path);
+    double *W = tensor_d(c, name, NULL);
+    snprintf(name, sizeof name, "%s.bias", path);
+    double *b = tensor_d(c, name, NULL);
+    CHECK_MSG(W != NULL, "%s.weight missing", path);
+    const lm_lora_module *mod = NULL, *bmod = NULL;
+    for (int64_t i = 0; c->a && i < c->a->n_modules; i++) {
+        const lm_lora_module *q = &c->a->modules[i];
+        snprintf(name, sizeof name, "%s.weight", path);
+        if (strcmp(q->base_name, name) == 0 && q->kind == LM_LORA_LINEAR)
+            mod = q;
+        snprintf(name, sizeof name, "%s.bias", path);
+        if (q->bias_name && strcmp(q->bias_name, name) == 0)
+            bmod = q;
+    }
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t o = 0; o < out; o++) {
+            double s = b ? b[o] : 0.0;
+            for (int64_t i = 0; i < in; i++)
+                s += x[t * in + i] * W[o * in + i];
+            y[t * out + o] = s;
+        }
+    if (mod) {
+        double *A = st_d(mod->a), *B = st_d(mod->b);
+        int64_t r = mod->r;
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t o = 0; o < out; o++) {
+                double s = 0;
+                for (int64_t j = 0; j < r; j++) {
+                    double xa = 0;
+                    for (int64_t i = 0; i < in; i++)
+                        xa += x[t * in + i] * A[j * in + i];
+                    s += xa * B[o * r + j];
+                }
+                y[t * out + o] += mod->scale * s;
+            }
+        free(A);
+        free(B);
+    }
+    if (bmod) {
+        double *bb = st_d(bmod->bias);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t o = 0; o < out; o++)
+                y[t * out + o] += bmod->scale * bb[o];
+        free(bb);
+    }
+    free(W);
+    free(b);
+}
+
+static void ref_rmsnorm(const double *x, const double *w, int64_t T, int64_t H, double eps, double *y)
+{
+    for (int64_t t = 0; t < T; t++) {
+        double ss = 0;
+        for (int64_t i = 0; i < H; i++)
+            ss += x[t * H + i] * x[t * H + i];
+        double g = 1.0 / sqrt(ss / (double)H + eps);
+        for (int64_t i = 0; i < H; i++)
+            y[t * H + i] = w[i] * (x[t * H + i] * g);
+    }
+}
+
+// inv_freq[i] = theta^(−2i/d), then the Llama 3 rule: with λ = 2π / inv_freq, keep when
+// λ < orig/high, divide by factor when λ > orig/low, else blend with s = (orig/λ − low)/(high − low).
+static void ref_inv_freq(const lm_config *cfg, bool no_scaling, double *out)
+{
+    int64_t d = cfg->head_dim;
+    const lm_rope_scaling *rs = &cfg->rope_scaling;
+    for (int64_t i = 0; i < d / 2; i++) {
+        double f = pow(cfg->rope_theta, -2.0 * (double)i / (double)d);
+        if (!no_scaling && rs->kind == LM_ROPE_LINEAR) {
+            f /= rs->factor;
+        } else if (!no_scaling && rs->kind == LM_ROPE_LLAMA3) {
+            double orig = (double)rs->original_max_position_embeddings, lam = 2 * M_PI / f;
+            if (lam > orig / rs->low_freq_factor) {
+                f /= rs->factor;
+            } else if (lam >= orig / rs->high_freq_factor) {
+                double s = (orig / lam - rs->low_freq_factor) / (rs->high_freq_factor - rs->low_freq_factor);
+                f = (1 - s) * f / rs->factor + s * f;
+            }
+        }
+        out[i] = f;
+    }
+}
+
+// Rotates x (T, heads·hd) in place: x·cos + rotate_half(x)·sin, rotate_half(x) = (−x2, x1).
+static void ref_rope(double *x, int64_t T, int64_t heads, int64_t hd, const double *inv_freq)
+{
+    int64_t half = hd / 2;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            double *v = x + (t * heads + h) * hd, tmp[1024];
+            for (int64_t i = 0; i < hd; i++) {
+                double ang = (double)t * inv_freq[i % half];
+                double rot = i < half ? -v[i + half] : v[i - half];
+                tmp[i] = v[i] * cos(ang) + rot * sin(ang);
+            }
+            memcpy(v, tmp, (size_t)hd * sizeof *v);
+        }
+}
+
+// What the reference keeps of one sequence: logits and each layer's linear inputs.
+typedef struct ref_out {
+    double *logits;                    // (T, V)
+    double *points[8][LM_FWD_N_POINTS];  // per layer (< 8), (T, cols of the point)
+} ref_out;
+
+static void ref_free(ref_out *o)
+{
+    free(o->logits);
+    for (int l = 0; l < 8; l++)
+        for (int p = 0; p < LM_FWD_N_POINTS; p++)
+            free(o->points[l][p]);
+    memset(o, 0, sizeof *o);
+}
+
+static double *dup_d(const double *x, int64_t n)
+{
+    double *y = malloc((size_t)n * sizeof *y);
+    memcpy(y, x, (size_t)n * sizeof *y);
+    return y;
+}
+
+// The forward pass of one sequence of T tokens, in double.
+static void ref_forward(const ref_ctx *c, const int32_t *ids, int64_t T, ref_out *o)
+{
+    const lm_config *cfg = &c->m->config;
+    int64_t H = cfg->hidden_size, I = cfg->intermediate_size, nh = cfg->num_attention_heads;
+    int64_t nkv = cfg->num_key_value_heads, hd = cfg->head_dim, V = cfg->vocab_size, L = cfg->num_hidden_layers;
+    double eps = cfg->rms_norm_eps;
+    memset(o, 0, sizeof *o);
+    double *h = calloc((size_t)(T * H), sizeof *h), *xn = calloc((size_t)(T * H), sizeof *xn);
+    double *q = calloc((size_t)(T * nh * hd), sizeof *q), *k = calloc((size_t)(T * nkv * hd), sizeof *k);
+    double *v = calloc((size_t)(T * nkv * hd), sizeof *v), *att = calloc((size_t)(T * nh * hd), sizeof *att);
+    double *tmp = calloc((size_t)(T * H), sizeof *tmp), *g = calloc((size_t)(T * I), sizeof *g);
+    double *u = calloc((size_t)(T * I), sizeof *u), inv_freq[512];
+    ref_inv_freq(cfg, c->no_rope_scaling, inv_freq);
+
+    // embeddings (+ s · B A[:, id] for an embedding LoRA)
+    double *E = tensor_d(c, "model.embed_tokens.weight", NULL);
+    for (int64_t t = 0; t < T; t++)
+        memcpy(h + t * H, E + ids[t] * H, (size_t)H * sizeof *h);
+    for (int64_t i = 0; c->a && i < c->a->n_modules; i++) {
+        const lm_lora_module *mod = &c->a->modules[i];
+        if (mod->kind != LM_LORA_EMBEDDING)
+            continue;
+        double *A = st_d(mod->a), *B = st_d(mod->b);  // A (r, V), B (H, r)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t e = 0; e < H; e++) {
+                double s = 0;
+                for (int64_t j = 0; j < mod->r; j++)
+                    s += B[e * mod->r + j] * A[j * V + ids[t]];
+                h[t * H + e] += mod->scale * s;
+            }
+        free(A);
+        free(B);
+    }
+
+    char path[128], name[160];
+    for (int64_t l = 0; l < L; l++) {
+        snprintf(name, sizeof name, "model.layers.%lld.input_layernorm.weight", (long long)l);
+        double *w = tensor_d(c, name, NULL);
+        ref_rmsnorm(h, w, T, H, eps, xn);
+        free(w);
+        o->points[l][LM_FWD_ATTN_IN] = dup_d(xn, T * H);
+        snprintf(path, sizeof path, "model.layers.%lld.self_attn.q_proj", (long long)l);
+        ref_linear(c, path, xn, T, H, nh * hd, q);
+        snprintf(path, sizeof path, "model.layers.%lld.self_attn.k_proj", (long long)l);
+        ref_linear(c, path, xn, T, H, nkv * hd, k);
+        snprintf(path, sizeof path, "model.layers.%lld.self_attn.v_proj", (long long)l);
+        ref_linear(c, path, xn, T, H, nkv * hd, v);
+        ref_rope(q, T, nh, hd, inv_freq);
+        ref_rope(k, T, nkv, hd, inv_freq);
+        // causal attention, query head hh reading kv head hh / (nh / nkv)
+        // Mistral's sliding window: keys j with t − j < sliding_window
+        int64_t win = cfg->arch == LM_ARCH_MISTRAL && cfg->sliding_window > 0 ? cfg->sliding_window : T;
+        double *p = calloc((size_t)T, sizeof *p);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t hh = 0; hh < nh; hh++) {
+                int64_t kh = hh / (nh / nkv), j0 = t - win + 1 > 0 ? t - win + 1 : 0;
+                double mx = -INFINITY, sum = 0;
+                for (int64_t j = j0; j <= t; j++) {
+                    double s = 0;
+                    for (int64_t i = 0; i < hd; i++)
+                        s += q[(t * nh + hh) * hd + i] * k[(j * nkv + kh) * hd + i];
+                    p[j] = s / sqrt((double)hd);
+                    mx = p[j] > mx ? p[j] : mx;
+                }
+                for (int64_t j = j0; j <= t; j++)
+                    sum += (p[j] = exp(p[j] - mx));
+                for (int64_t i = 0; i < hd; i++) {
+                    double s = 0;
+                    for (int64_t j = j0; j <= t; j++)
+                        s += p[j] / sum * v[(j * nkv + kh) * hd + i];
+                    att[(t * nh + hh) * hd + i] = s;
+                }
+            }
+        free(p);
+        o->points[l][LM_FWD_O_IN] = dup_d(att, T * nh * hd);
+        snprintf(path, sizeof path, "model.layers.%lld.self_attn.o_proj", (long long)l);
+        ref_linear(c, path, att, T, nh * hd, H, tmp);
+        for (int64_t i = 0; i < T * H; i++)
+            h[i] += tmp[i];
+        snprintf(name, sizeof name, "model.layers.%lld.post_attention_layernorm.weight", (long long)l);
+        w = tensor_d(c, name, NULL);
+        ref_rmsnorm(h, w, T, H, eps, xn);
+        free(w);
+        o->points[l][LM_FWD_MLP_IN] = dup_d(xn, T * H);
+        snprintf(path, sizeof path, "model.layers.%lld.mlp.gate_proj", (long long)l);
+        ref_linear(c, path, xn, T, H, I, g);
+        snprintf(path, sizeof path, "model.layers.%lld.mlp.up_proj", (long long)l);
+        ref_linear(c, path, xn, T, H, I, u);
+        for (int64_t i = 0; i < T * I; i++)
+            g[i] = g[i] / (1 + exp(-g[i])) * u[i];
+        o->points[l][LM_FWD_DOWN_IN] = dup_d(g, T * I);
+        snprintf(path, sizeof path, "model.layers.%lld.mlp.down_proj", (long long)l);
+        ref_linear(c, path, g, T, I, H, tmp);
+        for (int64_t i = 0; i < T * H; i++)
+            h[i] += tmp[i];
+    }
+    double *w = tensor_d(c, "model.norm.weight", NULL);
+    ref_rmsnorm(h, w, T, H, eps, xn);
+    free(w);
+    o->logits = malloc((size_t)(T * V) * sizeof *o->logits);
+    if (lm_model_find(c->m, "lm_head.weight")) {
+        ref_linear(c, "lm_head", xn, T, H, V, o->logits);
+    } else {  // tied: the embedding matrix of the base
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t r = 0; r < V; r++) {
+                double s = 0;
+                for (int64_t i = 0; i < H; i++)
+                    s += xn[t * H + i] * E[r * H + i];
+                o->logits[t * V + r] = s;
+            }
+    }
+    free(E);
+    free(h);
+    free(xn);
+    free(q);
+    free(k);
+    free(v);
+    free(att);
+    free(tmp);
+    free(g);
+    free(u);
+}
+
+
+// ==== fixtures ================================================================================
+
+typedef struct seqs {
+    lm_calib c;
+    lm_fwd_seq *s;  // (c.n_seqs)
+    int64_t n, T;
+} seqs;
+
+static void load_seqs(seqs *q, int64_t vocab)
+{
+    memset(q, 0, sizeof *q);
+    char *p = fx("calib/calib.jsonl");
+    lm_err err;
+    lm_calib_opts o = {.vocab_size = vocab};
+    CHECK_OK(lm_calib_load(&q->c, p, &o, &err), &err);
+    free(p);
+    q->n = q->c.n_seqs;
+    q->T = q->c.n_tokens;
+    q->s = calloc((size_t)q->n + 1, sizeof *q->s);
+    for (int64_t i = 0; i < q->n; i++) {
+        q->s[i].ids = q->c.ids + q->c.offsets[i];
+        q->s[i].len = q->c.offsets[i + 1] - q->c.offsets[i];
+    }
+}
+
+static void free_seqs(seqs *q)
+{
+    lm_calib_free(&q->c);
+    free(q->s);
+}
+
+static lm_model *open_model(const char *name)
+{
+    char *p = fx(name);
+    lm_model *m = NULL;
+    lm_err err;
+    CHECK_OK(lm_model_open(&m, p, &err), &err);
+    free(p);
+    return m;
+}
+
+static lm_adapter *open_adapter(const char *name)
+{
+    char *p = fx(name);
+    lm_adapter *a = NULL;
+    lm_err err;
+    CHECK_OK(lm_adapter_open(&a, p, &err), &err);
+    free(p);
+    return a;
+}
+
+// ==== Hessians as the library computes them ===================================================
+
+// Every Hessian of a model, host float arrays indexed as lm_hess_index.
+typedef struct hset {
+    int64_t n;                     // n_layers · N_POINTS
+    int64_t dim[LM_FWD_N_POINTS];
+    float **h;
+    int64_t n_tokens;
+} hset;
+
+static void hset_free(hset *s)
+{
+    for (int64_t i = 0; s->h && i < s->n; i++)
+        free(s->h[i]);
+    free(s->h);
+    memset(s, 0, sizeof *s);
+}
+
+static void on_note(void *ctx, const char *line)
+{
+    (void)ctx;
+    printf("  note: %s\n", line);
+}
+
+// Runs the sequences through a runner on `dev` (max_tokens per batch; 0: the default) with
+// accumulators placed on the runner's device keeping `reserve` free, and reads the Hessians.
+// The runner's counters go to *r_out when not NULL. Returns the capture's status.
+static lm_status capture(const lm_model *m, const lm_adapter *a, lm_dev *dev, const seqs *q, int64_t max_tokens,
+                         size_t reserve, hset *out, lm_fwd_runner *r_out, int64_t *n_host, lm_err *err)
+{
+    memset(out, 0, sizeof *out);
+    lm_fwd_runner r;
+    lm_hess h;
+    memset(&h, 0, sizeof h);
+    lm_status s = lm_fwd_runner_init(&r, m, a, dev, "test", "MODEL", max_tokens, on_note, NULL, err);
+    if (s != LM_OK)
+        return s;
+    if ((s = lm_hess_init(&h, m, r.on_dev ? dev : NULL, reserve, 2, err)) != LM_OK)
+        goto out;
+    if (n_host)
+        *n_host = h.n_host;
+    if ((s = lm_hess_capture(&h, &r, q->s, q->n, err)) != LM_OK)
+        goto out;
+    out->n = h.n_layers * LM_FWD_N_POINTS;
+    memcpy(out->dim, h.dim, sizeof h.dim);
+    out->n_tokens = h.n_tokens;
+    out->h = calloc((size_t)out->n, sizeof *out->h);
+    for (int64_t i = 0; i < out->n && s == LM_OK; i++) {
+        int64_t d = h.dim[i % LM_FWD_N_POINTS];
+        out->h[i] = malloc((size_t)(d * d) * sizeof(float));
+        s = lm_hess_get(&h, i / LM_FWD_N_POINTS, (lm_fwd_point)(i % LM_FWD_N_POINTS), out->h[i], err);
+    }
+out:
+    if (r_out)
+        *r_out = r;
+    lm_hess_free(&h);
+    lm_hess_free(&h);  // twice is safe
+    lm_fwd_runner_free(&r);
+    return s;
+}
+
+// max |a − b| / max |b| over all Hessians.
+static double hset_rel(const hset *a, const hset *b)
+{
+    double md = 0, mr = 0;
+    for (int64_t i = 0; i < a->n && i < b->n; i++) {
+        int64_t d = a->dim[i % LM_FWD_N_POINTS];
+        for (int64_t k = 0; k < d * d; k++) {
+            double x = fabs((double)a->h[i][k] - b->h[i][k]);
+            md = x > md || isnan(x) ? x : md;
+            mr = fabs((double)b->h[i][k]) > mr ? fabs((double)b->h[i][k]) : mr;
+        }
+    }
+    return mr > 0 ? md / mr : md;
+}
+
+// A Cholesky factorisation in double of H + eps·I (n × n): true when every pivot is positive.
+static bool cholesky_ok(const float *H, int64_t n, double eps)
+{
+    double *L = calloc((size_t)(n * n), sizeof *L);
+    bool ok = true;
+    for (int64_t j = 0; j < n && ok; j++) {
+        for (int64_t i = j; i < n; i++) {
+            double s = H[i * n + j] + (i == j ? eps : 0);
+            for (int64_t k = 0; k < j; k++)
+                s -= L[i * n + k] * L[j * n + k];
+            if (i == j) {
+                if (!(s > 0)) {
+                    ok = false;
+                    break;
+                }
+                L[j * n + j] = sqrt(s);
+            } else {
+                L[i * n + j] = s / L[j * n + j];
+            }
+        }
+    }
+    free(L);
+    return ok;
+}
+
+// ==== against the reference ===================================================================
+
+static void check_reference(lm_dev *cpu, const char *label, lm_model *m, lm_adapter *a, hset *keep)
+{
+    lm_err err = {0};
+    const lm_config *cfg = &m->config;
+    seqs q;
+    load_seqs(&q, cfg->vocab_size);
+    hset got;
+    CHECK_OK(capture(m, a, cpu, &q, 0, 0, &got, NULL, NULL, &err), &err);
+    CHECK(got.n_tokens == q.T);
+    int64_t L = cfg->num_hidden_layers;
+    CHECK(got.n == L * LM_FWD_N_POINTS && L <= 8);
+    double *ref[8 * LM_FWD_N_POINTS] = {0};
+    for (int64_t i = 0; i < got.n; i++)
+        ref[i] = calloc((size_t)(got.dim[i % 4] * got.dim[i % 4]), sizeof(double));
+    ref_ctx c = {m, a, false};
+    for (int64_t sq = 0; sq < q.n; sq++) {
+        ref_out o;
+        ref_forward(&c, q.s[sq].ids, q.s[sq].len, &o);
+        for (int64_t i = 0; i < got.n; i++) {
+            int64_t d = got.dim[i % 4];
+            const double *x = o.points[i / 4][i % 4];
+            for (int64_t t = 0; t < q.s[sq].len; t++)
+                for (int64_t r = 0; r < d; r++)
+                    for (int64_t k = 0; k < d; k++)
+                        ref[i][r * d + k] += x[t * d + r] * x[t * d + k];
+        }
+        ref_free(&o);
+    }
+    double worst = 0;
+    for (int64_t i = 0; i < got.n && got.h; i++) {
+        int64_t d = got.dim[i % 4];
+        double md = 0, mr = 0;
+        bool sym = true;
+        for (int64_t k = 0; k < d * d; k++) {
+            double want = ref[i][k] * 2.0 / (double)q.T;
+            md = fabs(got.h[i][k] - want) > md || isnan(got.h[i][k]) ? fabs(got.h[i][k] - want) : md;
+            mr = fabs(want) > mr ? fabs(want) : mr;
+            int64_t r = k / d, cc = k % d;
+            sym = sym && got.h[i][k] == got.h[i][cc * d + r];
+        }
+        double e = md / mr;
+        worst = e > worst ? e : worst;
+        char name[128];
+        lm_hess_name(name, sizeof name, i / 4, (lm_fwd_point)(i % 4));
+        CHECK_MSG(e < REL, "%s %s: differs from the reference by %g", label, name, e);
+        CHECK_MSG(sym, "%s %s: not symmetric", label, name);
+        double diag = 0;
+        for (int64_t r = 0; r < d; r++)
+            diag = got.h[i][r * d + r] > diag ? got.h[i][r * d + r] : diag;
+        CHECK_MSG(cholesky_ok(got.h[i], d, 1e-5 * diag), "%s %s: not positive semi-definite", label, name);
+        // xᵀ H x ≥ 0 for a few random x, to float32 rounding
+        uint64_t st = 12345 + (uint64_t)i;
+        for (int trial = 0; trial < 4; trial++) {
+            double *x = malloc((size_t)d * sizeof *x), quad = 0, scale = 0;
+            for (int64_t r = 0; r < d; r++) {
+                st = st * 6364136223846793005ull + 1442695040888963407ull;
+                x[r] = (double)(st >> 11) / 9007199254740992.0 - 0.5;
+            }
+            for (int64_t r = 0; r < d; r++)
+                for (int64_t k = 0; k < d; k++) {
+                    quad += x[r] * got.h[i][r * d + k] * x[k];
+                    scale += fabs(x[r] * got.h[i][r * d + k] * x[k]);
+                }
+            CHECK_MSG(quad >= -1e-6 * scale, "%s %s: x^T H x = %g", label, name, quad);
+            free(x);
+        }
+    }
+    printf("%-22s %lld Hessians, max relative error %.2e\n", label, (long long)got.n, worst);
+    for (int64_t i = 0; i < got.n; i++)
+        free(ref[i]);
+    if (keep)
+        *keep = got;
+    else
+        hset_free(&got);
+    free_seqs(&q);
+}
+
+static void test_reference(lm_dev *cpu)
+{
+    static const char *const cases[][2] = {{"base", NULL}, {"base", "lora_plain"}, {"qwen", NULL}, {"qwen", "lora_bias"}};
+    hset without = {0};
+    for (int i = 0; i < 4; i++) {
+        lm_model *m = open_model(cases[i][0]);
+        lm_adapter *a = cases[i][1] ? open_adapter(cases[i][1]) : NULL;
+        if (m && (a || !cases[i][1])) {
+            char label[64];
+            snprintf(label, sizeof label, "%s%s%s", cases[i][0], a ? " + " : "", a ? cases[i][1] : "");
+            hset h = {0};
+            check_reference(cpu, label, m, a, &h);
+            if (!a) {
+                hset_free(&without);
+                without = h;
+            } else {
+                // the adapter must change the Hessians by far more than the tolerance
+                double d = hset_rel(&h, &without);
+                CHECK_MSG(d > 20 * REL, "%s changes the Hessians by only %g", label, d);
+                printf("%-22s changes the Hessians by %.2e\n", label, d);
+                hset_free(&h);
+            }
+        }
+        lm_adapter_free(a);
+        lm_model_free(m);
+    }
+    hset_free(&without);
+}
+
+// ==== batching and devices ====================================================================
+
+static void test_batches_and_devices(lm_dev *cpu)
+{
+    lm_err err = {0};
+    lm_model *m = open_model("base");
+    lm_adapter *a = open_adapter("lora_plain");
+    if (!m || !a)
+        goto out;
+    seqs q;
+    load_seqs(&q, m->config.vocab_size);
+    hset packed, single;
+    CHECK_OK(capture(m, a, cpu, &q, 0, 0, &packed, NULL, NULL, &err), &err);
+    // max_tokens 1: every sequence is a batch of its own
+    CHECK_OK(capture(m, a, cpu, &q, 1, 0, &single, NULL, NULL, &err), &err);
+    double d = hset_rel(&single, &packed);
+    CHECK_MSG(d < ROUNDING, "one sequence at a time differs from packed batches by %g", d);
+    printf("%-22s one sequence at a time vs packed: %.2e\n", "base + lora_plain", d);
+    hset_free(&single);
+
+    // the sizes on a device
+    lm_dev *big = NULL;
+    lm_fwd *f = NULL;
+    CHECK_OK(lm_dev_sim_create(&big, 1ull << 30, NULL, 2, &err), &err);
+    CHECK_OK(lm_fwd_create(&f, m, a, big, &err), &err);
+    int64_t longest = 0;
+    for (int64_t i = 0; i < q.n; i++)
+        longest = q.s[i].len > longest ? q.s[i].len : longest;
+    uint64_t W = f ? lm_fwd_weight_bytes(f) : 0, A_all = f ? lm_fwd_arena_bytes(f, q.T) : 0;
+    uint64_t A_long = f ? lm_fwd_arena_bytes(f, longest) : 0, A_short = f ? lm_fwd_arena_bytes(f, longest - 1) : 0;
+    lm_fwd_free(f);
+    lm_dev_free(big);
+    const lm_config *cfg = &m->config;
+    uint64_t per_layer = 4 * (uint64_t)(2 * cfg->hidden_size * cfg->hidden_size +
+                                        (cfg->num_attention_heads * cfg->head_dim) * (cfg->num_attention_heads * cfg->head_dim) +
+                                        cfg->intermediate_size * cfg->intermediate_size);
+    uint64_t ACC = per_layer * (uint64_t)cfg->num_hidden_layers;
+
+    struct {
+        const char *what;
+        uint64_t budget;
+        size_t reserve;
+        bool weights_cpu;
+        bool some_host;   // some accumulators in host memory
+        bool seq_cpu;     // a sequence ran on the CPU
+        bool halved;
+    } cases[] = {
+        {"everything fits", W + ACC + A_all, A_all, false, false, false, false},
+        {"weights do not fit", W - 1, 0, true, true, false, false},
+        {"half the accumulators on the host", W + ACC / 2 + A_all, A_all, false, true, false, false},
+        {"a batch halved", W + ACC + A_long, A_long, false, false, false, true},
+        {"a sequence on the cpu", W + ACC + A_short, A_short, false, false, true, true},
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        lm_dev *sim = NULL;
+        CHECK_OK(lm_dev_sim_create(&sim, cases[k].budget, NULL, 2, &err), &err);
+        if (!sim)
+            continue;
+        hset got;
+        lm_fwd_runner r;
+        int64_t n_host = -1;
+        CHECK_OK(capture(m, a, sim, &q, 0, cases[k].reserve, &got, &r, &n_host, &err), &err);
+        double e = got.h ? hset_rel(&got, &packed) : 1;
+        CHECK_MSG(e < ROUNDING, "sim, %s: differs from the cpu by %g", cases[k].what, e);
+        CHECK_MSG(r.weights_fell_back == cases[k].weights_cpu, "sim, %s: weights_fell_back %d", cases[k].what,
+                  r.weights_fell_back);
+        CHECK_MSG((n_host > 0) == cases[k].some_host, "sim, %s: %lld accumulators on the host", cases[k].what,
+                  (long long)n_host);
+        CHECK_MSG((r.n_seq_cpu > 0) == cases[k].seq_cpu && (r.n_halved > 0) == cases[k].halved,
+                  "sim, %s: %lld halved, %lld sequences on cpu", cases[k].what, (long long)r.n_halved,
+                  (long long)r.n_seq_cpu);
+        printf("sim, %-34s %lld accumulators on host, %lld halved, %lld seq on cpu: %.2e\n", cases[k].what,
+               (long long)n_host, (long long)r.n_halved, (long long)r.n_seq_cpu, e);
+        hset_free(&got);
+        size_t fr = 0, tot = 0;
+        lm_dev_mem_info(sim, &fr, &tot);
+        CHECK_MSG(fr == tot, "sim, %s: %llu bytes left allocated", cases[k].what, (unsigned long long)(tot - fr));
+        lm_dev_free(sim);
+    }
+
+    // a device failure that is not out of memory stops the capture, naming what failed
+    for (int n = 1; n <= 81; n += 20) {  // a run has a little over 81 operations
+        char fail[32];
+        snprintf(fail, sizeof fail, "launch:%d", n);
+        lm_dev *sim = NULL;
+        CHECK_OK(lm_dev_sim_create(&sim, 1ull << 30, fail, 2, &err), &err);
+        if (!sim)
+            continue;
+        hset got;
+        lm_status s = capture(m, a, sim, &q, 0, 0, &got, NULL, NULL, &err);
+        CHECK_MSG(s == LM_ERR_DEVICE, "%s: %s (%s)", fail, lm_status_name(s), err.msg);
+        hset_free(&got);
+        size_t fr = 0, tot = 0;
+        lm_dev_mem_info(sim, &fr, &tot);
+        CHECK_MSG(fr == tot, "%s: %llu bytes left allocated", fail, (unsigned long long)(tot - fr));
+        lm_dev_free(sim);
+    }
+    hset_free(&packed);
+    free_seqs(&q);
+out:
+    lm_adapter_free(a);
+    lm_model_free(m);
+}
+
+// ==== importance ==============================================================================
+
+// The inverse of the n × n matrix A (Gauss-Jordan with partial pivoting), in double.
+static void invert(const double *A, int n, double *inv)
+{
+    double M[8][16];
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < 2 * n; c++)
+            M[r][c] = c < n ? A[r * n + c] : (c - n == r);
+    for (int c = 0; c < n; c++) {
+        int p = c;
+        for (int r = c + 1; r < n; r++)
+            if (fabs(M[r][c]) > fabs(M[p][c]))
+                p = r;
+        for (int k = 0; k < 2 * n; k++) {
+            double t = M[c][k];
+            M[c][k] = M[p][k];
+            M[p][k] = t;
+        }
+        double piv = M[c][c];
+        for (int k = 0; k < 2 * n; k++)
+            M[c][k] /= piv;
+        for (int r = 0; r < n; r++)
+            if (r != c) {
+                double f = M[r][c];
+                for (int k = 0; k < 2 * n; k++)
+                    M[r][k] -= f * M[c][k];
+            }
+    }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < n; c++)
+            inv[r * n + c] = M[r][c + n];
+}
+
+static void test_importance(void)
+{
+    lm_err err = {0};
+    enum { N = 5, ROWS = 3 };
+    // H = Xᵀ X / k for a fixed X, with input 3 dead (a zero row and column)
+    float H[N * N] = {0}, tau[ROWS * N], imp[ROWS * N];
+    uint64_t st = 7;
+    double X[12][N];
+    for (int t = 0; t < 12; t++)
+        for (int c = 0; c < N; c++) {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            X[t][c] = c == 3 ? 0 : (double)(st >> 11) / 9007199254740992.0 - 0.5;
+        }
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < N; c++) {
+            double s = 0;
+            for (int t = 0; t < 12; t++)
+                s += X[t][r] * X[t][c];
+            H[r * N + c] = (float)(s / 6);
+        }
+    for (int i = 0; i < ROWS * N; i++)
+        tau[i] = (float)(i % 7) - 3.0f;
+    CHECK_OK(lm_hess_importance(imp, tau, ROWS, N, H, 0.01, &err), &err);
+
+    // the reference: zero diagonal → 1, + 0.01·mean(diag), inverse, U upper with Uᵀ U = H⁻¹
+    double A[N * N], inv[N * N], U[N * N] = {0}, mean = 0;
+    for (int i = 0; i < N * N; i++)
+        A[i] = H[i];
+    for (int c = 0; c < N; c++) {
+        if (A[c * N + c] == 0)
+            A[c * N + c] = 1;
+        mean += A[c * N + c] / N;
+    }
+    for (int c = 0; c < N; c++)
+        A[c * N + c] += 0.01 * mean;
+    invert(A, N, inv);
+    for (int i = 0; i < N; i++)  // Uᵀ U = inv, row by row
+        for (int j = i; j < N; j++) {
+            double s = inv[i * N + j];
+            for (int k = 0; k < i; k++)
+                s -= U[k * N + i] * U[k * N + j];
+            U[i * N + j] = i == j ? sqrt(s) : s / U[i * N + i];
+        }
+    double worst = 0;
+    for (int j = 0; j < ROWS; j++)
+        for (int c = 0; c < N; c++) {
+            double want = (double)tau[j * N + c] * tau[j * N + c] / (U[c * N + c] * U[c * N + c]);
+            double e = fabs(imp[j * N + c] - want) / (fabs(want) > 1e-30 ? fabs(want) : 1);
+            worst = e > worst ? e : worst;
+        }
+    CHECK_MSG(worst < 1e-5, "importance differs from the reference by %g", worst);
+    printf("importance (5 x 5, one dead input) max relative error %.2e\n", worst);
+
+    // not positive definite even damped
+    float bad[4] = {1, 2, 2, 1}, t2[2] = {1, 1}, i2[2];
+    CHECK_FAILS(lm_hess_importance(i2, t2, 1, 2, bad, 0.01, &err), LM_ERR_FORMAT, "not positive definite", &err);
+}
+
+int main(void)
+{
+    fixtures = getenv("LLMERGE_FIXTURES");
+    if (!fixtures || !*fixtures) {
+        fprintf(stderr, "test_hessian: LLMERGE_FIXTURES is not set (ctest sets it)\n");
+        return 1;
+    }
+    lm_err err;
+    lm_dev *cpu = NULL;
+    CHECK_OK(lm_dev_cpu_create(&cpu, 2, &err), &err);
+    if (cpu) {
+        test_reference(cpu);
+        test_batches_and_devices(cpu);
+        test_importance();
+    }
+    lm_dev_free(cpu);
+    return check_report("test_hessian");
+}
