@@ -6,14 +6,18 @@
 #   make demo     build, generate the fixtures and run llmerge on them
 #   make bench    run the benchmarks and print their figures
 #   make clean    remove the build trees
+#   make install  copy build/llmerge to $(PREFIX)/bin and its man page to $(PREFIX)/share/man/man1
+#                 (PREFIX=/usr/local; DESTDIR is put in front of both, for packaging); run `make`
+#                 first: install builds nothing, so that `sudo make install` leaves no root-owned files
 
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
 JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CUDA       ?= AUTO
 FUZZ_SECONDS ?= 60
+PREFIX     ?= /usr/local
 
-.PHONY: all build bootstrap test test-cpu test-asan demo bench clean
+.PHONY: all build bootstrap test test-cpu test-asan demo bench clean install
 
 all: build
 
@@ -51,3 +55,9 @@ bench: bootstrap
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD)
+
+install:
+	@test -x $(BUILD)/llmerge || { echo "install: no $(BUILD)/llmerge: run make first" >&2; exit 1; }
+	install -d $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/share/man/man1
+	install -m 755 $(BUILD)/llmerge $(DESTDIR)$(PREFIX)/bin/llmerge
+	install -m 644 docs/llmerge.1 $(DESTDIR)$(PREFIX)/share/man/man1/llmerge.1

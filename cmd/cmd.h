@@ -5,7 +5,9 @@
 #ifndef LM_CMD_H
 #define LM_CMD_H
 
+#include <stdbool.h>
 #include <stddef.h>
+#include <stdint.h>
 
 // `llmerge inspect PATH [--base DIR] [--json]`: describes a safetensors file, a model directory
 // or an adapter directory (validated against --base when given). Allocates nothing that
@@ -32,5 +34,35 @@ int lm_cmd_hessian(int argc, char **argv);
 // The Levenshtein distance between a and b (64 or more for strings over 63 bytes), for "did
 // you mean" suggestions.
 size_t lm_cmd_edit_distance(const char *a, const char *b);
+
+
+// `llmerge plan METHOD BASE FT [FT...] -o OUT [merge options] [--json]`: what a merge with
+// these arguments will need in memory on each device and on disk, from the inputs' headers
+// (plan.h). Allocates nothing that outlives the call.
+int lm_cmd_plan(int argc, char **argv);
+
+// A merge command line parsed and prepared as `llmerge METHOD` prepares it (inputs opened
+// and checked, options resolved, the device opened), without the work. Everything points
+// into priv; free with lm_cmd_merge_release.
+typedef struct lm_cmd_prepared {
+    const char *method;           // "ties", ...
+    const char *out;              // -o OUT as given
+    struct lm_model *base;
+    struct lm_ft **fts;           // (opts->n_ft)
+    const char **ft_args;         // (opts->n_ft) the FTs as given
+    const struct lm_merge_opts *opts;
+    struct lm_dev *dev;
+    const char *dev_why;          // what --device opened and why
+    uint64_t gpu_mem;             // --gpu-mem, 0 when not given
+    uint64_t shard_size;          // --shard-size
+    bool help;                    // --help was answered
+    void *priv;
+} lm_cmd_prepared;
+
+// Parses argv (argv[0] the method's name) and prepares the merge as lm_cmd_merge would,
+// errors on stderr as "PREFIX: MESSAGE". Returns the exit status: 0 prepared (or --help
+// answered on stdout), 2 bad usage or bad input, 1 another failure. Release *out in every case.
+int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepared *out);
+void lm_cmd_merge_release(lm_cmd_prepared *p);
 
 #endif

@@ -1133,3 +1133,65 @@ done:
     run_free(&r);
     return rc;
 }
+
+// ==== for llmerge plan ========================================================================
+
+// The parsed and prepared merge behind an lm_cmd_prepared (its `priv`).
+int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepared *out)
+{
+    memset(out, 0, sizeof *out);
+    merge_run *r = calloc(1, sizeof *r);
+    if (!r) {
+        fprintf(stderr, "%s: out of memory\n", prefix);
+        return 1;
+    }
+    out->priv = r;
+    for (size_t i = 0; i < N_METHODS && !r->args.m; i++)
+        if (strcmp(argv[0], methods[i].name) == 0)
+            r->args.m = &methods[i];
+    if (!r->args.m) {
+        fprintf(stderr, "%s: '%s' is not a merge method (ties, dare, dare-ties, task-arithmetic)\n", prefix,
+                argv[0]);
+        return 2;
+    }
+    snprintf(r->prefix, sizeof r->prefix, "%s", prefix);
+    lm_progress_init(&r->progress, r->prefix, false);
+    r->progress.quiet = true;  // a plan says what it finds on stdout; errors still go to stderr
+    lm_err err = {0};
+    lm_status s = parse_args(&r->args, argc, argv, &err);
+    if (s != LM_OK) {
+        lm_progress_error(&r->progress, 2, "%s (see llmerge %s --help)", err.msg, r->args.m->name);
+        return 2;
+    }
+    if (r->args.help) {
+        usage(stdout, r->args.m);
+        out->help = true;
+        return 0;
+    }
+    if ((s = prepare(r, &err)) != LM_OK) {
+        int rc = lm_status_exit_code(s);
+        lm_progress_error(&r->progress, rc, "%s", err.msg);
+        return rc;
+    }
+    out->method = r->args.m->name;
+    out->out = r->args.out;
+    out->base = r->base;
+    out->fts = r->fts;
+    out->ft_args = r->args.fts;
+    out->opts = &r->opts;
+    out->dev = r->dev;
+    out->dev_why = r->dev_why;
+    out->gpu_mem = r->args.gpu_mem;
+    out->shard_size = r->args.shard_size;
+    return 0;
+}
+
+void lm_cmd_merge_release(lm_cmd_prepared *p)
+{
+    merge_run *r = p->priv;
+    if (r) {
+        run_free(r);
+        free(r);
+    }
+    memset(p, 0, sizeof *p);
+}

@@ -225,6 +225,22 @@ lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, i
     return d->iface->topk_apply(d, x, n, thr_bits, ties_allowed, ties_used, err);
 }
 
+lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
+                               int64_t ties_allowed, int64_t *ties_used, lm_err *err)
+{
+    if (!d->iface->topk_apply_by)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no topk_apply_by (selection by importance)", lm_dev_name(d));
+    return d->iface->topk_apply_by(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
+}
+
+lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols,
+                            lm_err *err)
+{
+    if (!d->iface->importance)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no importance operation", lm_dev_name(d));
+    return d->iface->importance(d, key, tau, ucc2, rows, cols, err);
+}
+
 lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
                              uint64_t keep_below, lm_err *err)
 {

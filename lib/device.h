@@ -60,6 +60,10 @@ typedef struct lm_dev_i {
                              const float *x, int64_t n, lm_err *err);  // optional: n_win + 1 hist_abs
     lm_status (*topk_apply)(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err);
+    lm_status (*topk_apply_by)(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
+                               int64_t ties_allowed, int64_t *ties_used, lm_err *err);  // optional
+    lm_status (*importance)(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
+                            int64_t cols, lm_err *err);  // optional
     lm_status (*random_drop)(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
                              uint64_t keep_below, lm_err *err);
     lm_status (*l1)(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
@@ -186,6 +190,17 @@ lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_wi
 // ties_allowed == LM_TIES_ALL (sparsify.h) every tie is kept without counting, *ties_used 0.
 lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err);
+
+// lm_dev_topk_apply with the decision taken on key[j] instead of x[j]: zeroes every x[j] whose
+// key is not kept (key is not changed). For selection by importance (sparsegpt).
+lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
+                               int64_t ties_allowed, int64_t *ties_used, lm_err *err);
+
+// The Hessian importance of METHODS.md for a rows × cols task vector: key[r, c] = float32 of
+// τ[r, c]² / ucc2[c] computed in double, ucc2 (cols doubles, device memory) being U_cc² of the
+// Cholesky factor U of the damped H⁻¹ (lm_hess_ucc2).
+lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols,
+                            lm_err *err);
 
 // Zeroes x[j] unless lm_rng_keep(key, first + j, keep_below) (sparsify.h): a random mask that
 // is a pure function of the key and the element's index in its whole tensor.

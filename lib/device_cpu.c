@@ -452,6 +452,7 @@ static lm_status cpu_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t
 
 typedef struct topk_job {
     float *x;
+    const float *key;  // whose magnitudes decide (x itself for plain top-k)
     int64_t n;
     uint32_t thr;
     int64_t *ties;    // (2 nb) ties in each block, then the ties each block may keep
@@ -470,7 +471,7 @@ static void topk_count_task(void *ctx, int64_t blk)
 {
     topk_job *j = ctx;
     int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
-    j->ties[blk] = count_ties(j->x, lo, hi, j->thr);
+    j->ties[blk] = count_ties(j->key, lo, hi, j->thr);
 }
 
 // Keeps x[i] for i in [lo, hi) when its magnitude bits exceed thr, or equal it and keep_ties.
@@ -481,11 +482,28 @@ LM_VECTOR_CLONES static void topk_keep(float *x, int64_t lo, int64_t hi, uint32_
         x[i] = lm_abs_bits(x[i]) >= floor ? x[i] : 0.0f;
 }
 
+// The same decided by key[i] (a separate buffer: the two loops keep their pointers distinct).
+LM_VECTOR_CLONES static void topk_keep_by(float *restrict x, const float *restrict key, int64_t lo, int64_t hi,
+                                          uint32_t thr, bool keep_ties)
+{
+    uint32_t floor = keep_ties ? thr : thr + 1;
+    for (int64_t i = lo; i < hi; i++)
+        x[i] = lm_abs_bits(key[i]) >= floor ? x[i] : 0.0f;
+}
+
+static void keep_range(const topk_job *j, int64_t lo, int64_t hi, bool keep_ties)
+{
+    if (j->key == j->x)
+        topk_keep(j->x, lo, hi, j->thr, keep_ties);
+    else
+        topk_keep_by(j->x, j->key, lo, hi, j->thr, keep_ties);
+}
+
 static void topk_all_task(void *ctx, int64_t blk)
 {
     topk_job *j = ctx;
     int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
-    topk_keep(j->x, lo, hi, j->thr, true);
+    keep_range(j, lo, hi, true);
 }
 
 // j->ties holds each block's count of ties, then (from nb on) its share of the ties budget:
@@ -500,24 +518,24 @@ static void topk_apply_task(void *ctx, int64_t blk)
         cut = hi;
     } else {
         for (; allowed > 0; cut++)
-            allowed -= lm_abs_bits(j->x[cut]) == j->thr;
+            allowed -= lm_abs_bits(j->key[cut]) == j->thr;
     }
-    topk_keep(j->x, lo, cut, j->thr, true);
-    topk_keep(j->x, cut, hi, j->thr, false);
+    keep_range(j, lo, cut, true);
+    keep_range(j, cut, hi, false);
 }
 
-static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
-                                int64_t *ties_used, lm_err *err)
+static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                          int64_t *ties_used, lm_err *err)
 {
     int64_t nb = n_blocks(n);
     if (ties_allowed == LM_TIES_ALL) {
         // Every tie is kept: one pass, no counting.
-        topk_job all = {x, n, thr_bits, NULL, nb};
+        topk_job all = {x, key, n, thr_bits, NULL, nb};
         lm_pool_run(pool_of(d), nb, topk_all_task, &all);
         *ties_used = 0;
         return LM_OK;
     }
-    topk_job j = {x, n, thr_bits, calloc((size_t)(nb ? 2 * nb : 1), sizeof(int64_t)), nb};
+    topk_job j = {x, key, n, thr_bits, calloc((size_t)(nb ? 2 * nb : 1), sizeof(int64_t)), nb};
     if (!j.ties)
         return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
     lm_pool_run(pool_of(d), nb, topk_count_task, &j);
@@ -532,6 +550,45 @@ static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bit
     lm_pool_run(pool_of(d), nb, topk_apply_task, &j);
     free(j.ties);
     *ties_used = used;
+    return LM_OK;
+}
+
+static lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                                int64_t *ties_used, lm_err *err)
+{
+    return topk_run(d, x, x, n, thr_bits, ties_allowed, ties_used, err);
+}
+
+static lm_status cpu_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
+                                   int64_t ties_allowed, int64_t *ties_used, lm_err *err)
+{
+    return topk_run(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
+}
+
+typedef struct imp_job {
+    float *key;
+    const float *tau;
+    const double *ucc2;
+    int64_t rows, cols;
+} imp_job;
+
+static void importance_task(void *ctx, int64_t r)
+{
+    imp_job *j = ctx;
+    const float *t = j->tau + r * j->cols;
+    float *k = j->key + r * j->cols;
+    for (int64_t c = 0; c < j->cols; c++) {
+        double v = t[c];
+        k[c] = (float)(v * v / j->ucc2[c]);
+    }
+}
+
+static lm_status cpu_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
+                                int64_t cols, lm_err *err)
+{
+    (void)err;
+    imp_job j = {key, tau, ucc2, rows, cols};
+    lm_pool_run(pool_of(d), rows, importance_task, &j);
     return LM_OK;
 }
 
@@ -743,6 +800,8 @@ static const lm_dev_i cpu_iface = {
     .hist_abs = cpu_hist_abs,
     .hist_window = cpu_hist_window,
     .topk_apply = cpu_topk_apply,
+    .topk_apply_by = cpu_topk_apply_by,
+    .importance = cpu_importance,
     .random_drop = cpu_random_drop,
     .l1 = cpu_l1,
     .combine = cpu_combine,

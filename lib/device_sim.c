@@ -317,6 +317,26 @@ static lm_status sim_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int 
     return cpu_of(d)->iface->hist_window(cpu_of(d), above, win, n_win, lo_bin, x, n, err);
 }
 
+static lm_status sim_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
+                                   int64_t ties_allowed, int64_t *ties_used, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "topk_apply_by", err)) || (s = need_n(d, "x", x, n, 32, err)) ||
+        (s = need_n(d, "key", key, n, 32, err)) || (s = host(d, "ties_used", ties_used, err)))
+        return s;
+    return cpu_of(d)->iface->topk_apply_by(cpu_of(d), x, key, n, thr_bits, ties_allowed, ties_used, err);
+}
+
+static lm_status sim_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
+                                int64_t cols, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "importance", err)) || (s = need_n(d, "key", key, rows * cols, 32, err)) ||
+        (s = need_n(d, "tau", tau, rows * cols, 32, err)) || (s = need_n(d, "ucc2", ucc2, cols, 64, err)))
+        return s;
+    return cpu_of(d)->iface->importance(cpu_of(d), key, tau, ucc2, rows, cols, err);
+}
+
 static lm_status sim_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                                 int64_t *ties_used, lm_err *err)
 {
@@ -398,6 +418,8 @@ static const lm_dev_i sim_iface = {
     .hist_abs = sim_hist_abs,
     .hist_window = sim_hist_window,
     .topk_apply = sim_topk_apply,
+    .topk_apply_by = sim_topk_apply_by,
+    .importance = sim_importance,
     .random_drop = sim_random_drop,
     .l1 = sim_l1,
     .combine = sim_combine,

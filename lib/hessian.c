@@ -216,11 +216,10 @@ lm_status lm_hess_get(const lm_hess *h, int64_t layer, lm_fwd_point p, float *ou
 
 // ==== importance ==============================================================================
 
-lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t cols, const float *H, double damp,
-                             lm_err *err)
+lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, lm_err *err)
 {
-    if (cols <= 0 || rows < 0 || cols > INT32_MAX)
-        return lm_err_set(err, LM_ERR_USAGE, "importance of a %" PRId64 " x %" PRId64 " weight", rows, cols);
+    if (cols <= 0 || cols > INT32_MAX)
+        return lm_err_set(err, LM_ERR_USAGE, "importance of a weight with %" PRId64 " inputs", cols);
     size_t n = (size_t)cols;
     double *A = malloc(n * n * sizeof *A);
     if (!A)
@@ -252,11 +251,28 @@ lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t
         return lm_err_set(err, LM_ERR_FORMAT, "the inverse of the damped Hessian (%" PRId64 " x %" PRId64 ") is not "
                           "positive definite (LAPACK info %d)", cols, cols, (int)info);
     }
-    for (int64_t j = 0; j < rows; j++)
-        for (size_t c = 0; c < n; c++) {
-            double u = A[c * n + c], t = tau[(size_t)j * n + c];
-            imp[(size_t)j * n + c] = (float)(t * t / (u * u));
-        }
+    for (size_t c = 0; c < n; c++) {
+        double u = A[c * n + c];
+        ucc2[c] = u * u;
+    }
     free(A);
     return LM_OK;
+}
+
+lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t cols, const float *H, double damp,
+                             lm_err *err)
+{
+    if (cols <= 0 || rows < 0 || cols > INT32_MAX)
+        return lm_err_set(err, LM_ERR_USAGE, "importance of a %" PRId64 " x %" PRId64 " weight", rows, cols);
+    double *ucc2 = malloc((size_t)cols * sizeof *ucc2);
+    if (!ucc2)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = lm_hess_ucc2(ucc2, H, cols, damp, err);
+    for (int64_t j = 0; s == LM_OK && j < rows; j++)
+        for (int64_t c = 0; c < cols; c++) {
+            double t = tau[j * cols + c];
+            imp[j * cols + c] = (float)(t * t / ucc2[c]);
+        }
+    free(ucc2);
+    return s;
 }

@@ -89,4 +89,9 @@ char *lm_hess_name(char *buf, size_t cap, int64_t layer, lm_fwd_point p);
 lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t cols, const float *H, double damp,
                              lm_err *err);
 
+// The part of the importance that depends on H alone: ucc2[c] = U[c, c]² (cols values, in
+// double), U as above. imp[j, c] is then float32 of tau[j, c]² / ucc2[c], which is what the
+// merge engine computes on the device (lm_dev_importance).
+lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, lm_err *err);
+
 #endif

@@ -57,13 +57,14 @@ const char *lm_merge_method_name(lm_merge_method m)
     case LM_MERGE_DARE: return "dare";
     case LM_MERGE_DARE_TIES: return "dare-ties";
     case LM_MERGE_TASK_ARITHMETIC: return "task-arithmetic";
+    case LM_MERGE_SPARSEGPT: return "sparsegpt";
     }
     return "?";
 }
 
 bool lm_merge_default_normalize(lm_merge_method m)
 {
-    return m == LM_MERGE_TIES;
+    return m == LM_MERGE_TIES || m == LM_MERGE_SPARSEGPT;
 }
 
 static bool uses_density(lm_merge_method m)
@@ -71,9 +72,10 @@ static bool uses_density(lm_merge_method m)
     return m != LM_MERGE_TASK_ARITHMETIC;
 }
 
+// Top-k selection: by magnitude (ties), or by importance where there is a Hessian (sparsegpt).
 static bool uses_magnitude(lm_merge_method m)
 {
-    return m == LM_MERGE_TIES;
+    return m == LM_MERGE_TIES || m == LM_MERGE_SPARSEGPT;
 }
 
 static bool uses_random(lm_merge_method m)
@@ -83,7 +85,7 @@ static bool uses_random(lm_merge_method m)
 
 static bool uses_election(lm_merge_method m)
 {
-    return m == LM_MERGE_TIES || m == LM_MERGE_DARE_TIES;
+    return m == LM_MERGE_TIES || m == LM_MERGE_DARE_TIES || m == LM_MERGE_SPARSEGPT;
 }
 
 lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
@@ -204,6 +206,9 @@ typedef struct part {
     const lm_lora_module *mod;    // SRC_LORA, SRC_LORA_BIAS
     int64_t mod_index;
     float *tau;                   // device slab buffer
+    float *key;                   // sparsegpt: the importance of tau's entries (device), or NULL
+    const double *ucc2;           // sparsegpt: U_cc² of the tensor's Hessian (host), or NULL
+    const double *ucc2_dev;       // the same where the unit runs
     lm_topk topk;                 // per-tensor threshold (magnitude, --topk tensor)
     double rescale;               // factor applied to kept entries
     bool dropped;                 // tau (kept whole) already has its random mask applied
@@ -227,6 +232,9 @@ typedef struct wset {
     void *out_dev;        // output dtype staging on the device
     float *mag_buf;       // DoRA magnitude of the current tensor, [rows]
     int64_t mag_cap;
+    float **key_buf;      // (n_ft) sparsegpt: importance buffers, like tau_buf
+    double **ucc2_buf;    // (n_ft) on an accelerator: the parts' U_cc², cap_cols values
+    int64_t cap_cols;
 } wset;
 
 typedef struct engine {
@@ -485,6 +493,12 @@ static int find_parts(engine *e, const char *name, part *parts)
                 break;
             }
         }
+        if (e->o->method == LM_MERGE_SPARSEGPT && e->o->ucc2 && p.src != SRC_LORA_BIAS) {
+            const lm_st_tensor *bt = lm_model_find(e->base, name);
+            int64_t rows = bt ? tensor_rows(bt) : 0;
+            if (bt && rows > 0 && bt->ndim == 2)
+                p.ucc2 = e->o->ucc2(e->o->ucc2_ctx, i, name, bt->numel / rows);
+        }
         parts[k++] = p;
     }
     return k;
@@ -512,7 +526,17 @@ static lm_status load_magnitude(engine *e, const part *p)
 static lm_status tau_for(engine *e, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, const float *base_slab)
 {
     lm_status s = load_magnitude(e, p);
-    return s != LM_OK ? s : compute_tau(e, p, bt, r0, rows, base_slab);
+    if (s == LM_OK)
+        s = compute_tau(e, p, bt, r0, rows, base_slab);
+    if (s == LM_OK && p->key)
+        s = lm_dev_importance(e->ws->dev, p->key, p->tau, p->ucc2_dev, rows, bt->numel / tensor_rows(bt), e->err);
+    return s;
+}
+
+// What selection ranks: the importance where there is one (sparsegpt), else τ itself.
+static const float *rank_buf(const part *p)
+{
+    return p->key ? p->key : p->tau;
 }
 
 // After a pass over one slab of a tensor that has several, lets the slab's input pages go, so
@@ -589,10 +613,10 @@ static lm_status guess_window(engine *e, const part *p, int64_t cnt, int64_t num
         return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
     lm_status s = LM_OK;
     if (ns == cnt || run == 0)
-        s = lm_dev_hist_abs(e->ws->dev, h, p->tau, ns, 0, 0, e->err);
+        s = lm_dev_hist_abs(e->ws->dev, h, rank_buf(p), ns, 0, 0, e->err);
     else
         for (int64_t r = 0; s == LM_OK && r < SAMPLE_PIECES; r++)
-            s = lm_dev_hist_abs(e->ws->dev, h, p->tau + r * (cnt / SAMPLE_PIECES), run, 0, 0, e->err);
+            s = lm_dev_hist_abs(e->ws->dev, h, rank_buf(p) + r * (cnt / SAMPLE_PIECES), run, 0, 0, e->err);
     ns = ns == cnt || run == 0 ? ns : run * SAMPLE_PIECES;
     lm_topk g;
     lm_topk_init(&g, (int64_t)((double)t->k * (double)ns / (double)numel + 0.5), ns);
@@ -624,9 +648,9 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
             if (sel[i]->none)
                 continue;
             if (level < 2)
-                s = lm_dev_hist_abs(e->ws->dev, hists[i], parts[i].tau, cnt, level, sel[i]->hi_bin, e->err);
+                s = lm_dev_hist_abs(e->ws->dev, hists[i], rank_buf(&parts[i]), cnt, level, sel[i]->hi_bin, e->err);
             else if (r0 > 0 || (s = guess_window(e, &parts[i], cnt, bt->numel, sel[i], &wins[i])) == LM_OK)
-                s = lm_dev_hist_window(e->ws->dev, hists[i], wins[i].win, wins[i].n, wins[i].lo, parts[i].tau,
+                s = lm_dev_hist_window(e->ws->dev, hists[i], wins[i].win, wins[i].n, wins[i].lo, rank_buf(&parts[i]),
                                        cnt, e->err);
         }
         if (s != LM_OK)
@@ -896,7 +920,9 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
             if (uses_magnitude(o->method)) {
                 const lm_topk *t = o->topk_global ? &e->global[p->ft] : &p->topk;
                 int64_t used = 0;
-                if ((s = lm_dev_topk_apply(e->ws->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err)) != LM_OK)
+                s = p->key ? lm_dev_topk_apply_by(e->ws->dev, p->tau, p->key, cnt, t->thr_bits, ties_left[i], &used, e->err)
+                           : lm_dev_topk_apply(e->ws->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err);
+                if (s != LM_OK)
                     break;
                 ties_left[i] -= used;
                 if (o->topk_global)
@@ -935,12 +961,23 @@ static void ws_release(engine *e, wset *w)
     lm_dev_release(w->dev, w->stage_dev);
     lm_dev_release(w->dev, w->out_dev);
     lm_dev_release(w->dev, w->mag_buf);
-    float **keep = w->tau_buf;
+    for (int i = 0; w->key_buf && i < e->o->n_ft; i++) {
+        lm_dev_release(w->dev, w->key_buf[i]);
+        lm_dev_release(w->dev, w->ucc2_buf[i]);
+    }
+    float **keep = w->tau_buf, **keys = w->key_buf;
+    double **ucc2 = w->ucc2_buf;
     lm_dev *dev = w->dev;
     if (keep)
         memset(keep, 0, (size_t)e->o->n_ft * sizeof *keep);
+    if (keys) {
+        memset(keys, 0, (size_t)e->o->n_ft * sizeof *keys);
+        memset(ucc2, 0, (size_t)e->o->n_ft * sizeof *ucc2);
+    }
     memset(w, 0, sizeof *w);
     w->tau_buf = keep;
+    w->key_buf = keys;
+    w->ucc2_buf = ucc2;
     w->dev = dev;
 }
 
@@ -956,6 +993,16 @@ static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, int64_t cap, const pa
     lm_status s = lm_dev_alloc(dev, bytes, (void **)&w->base_buf, e->err);
     for (int i = 0; s == LM_OK && i < (parts ? k : e->o->n_ft); i++)
         s = lm_dev_alloc(dev, bytes, (void **)&w->tau_buf[parts ? parts[i].ft : i], e->err);
+    // sparsegpt: an importance buffer for each part with a Hessian (each FT on the CPU), and on
+    // an accelerator a copy of its U_cc²
+    for (int i = 0; s == LM_OK && w->key_buf && i < (parts ? k : e->o->n_ft); i++) {
+        int ft = parts ? parts[i].ft : i;
+        if (parts && !parts[i].ucc2)
+            continue;
+        s = lm_dev_alloc(dev, bytes, (void **)&w->key_buf[ft], e->err);
+        if (s == LM_OK && parts && !dev->host_memory)
+            s = lm_dev_alloc(dev, (size_t)w->cap_cols * sizeof(double), (void **)&w->ucc2_buf[ft], e->err);
+    }
     if (s == LM_OK && !dev->host_memory)
         s = lm_dev_alloc(dev, stage_bytes, &w->stage_dev, e->err);
     if (s == LM_OK && !dev->host_memory)
@@ -1014,11 +1061,23 @@ static void rewind_to(engine *e, const unit_mark *m)
         e->global[i].ties_allowed = m->ties[i];
 }
 
-// Points the parts' tau at the current working set's buffers.
-static void bind(engine *e, part *parts, int k)
+// Points the parts' buffers at the current working set's, and on an accelerator copies each
+// part's U_cc² there (sparsegpt).
+static lm_status bind(engine *e, part *parts, int k)
 {
-    for (int i = 0; i < k; i++)
-        parts[i].tau = e->ws->tau_buf[parts[i].ft];
+    lm_status s = LM_OK;
+    for (int i = 0; i < k; i++) {
+        part *p = &parts[i];
+        p->tau = e->ws->tau_buf[p->ft];
+        p->key = p->ucc2 ? e->ws->key_buf[p->ft] : NULL;
+        p->ucc2_dev = e->ws->dev->host_memory ? p->ucc2 : p->ucc2 ? e->ws->ucc2_buf[p->ft] : NULL;
+        if (p->ucc2 && !e->ws->dev->host_memory && s == LM_OK) {
+            size_t bytes = (size_t)e->ws->cap_cols * sizeof(double);
+            e->res->bytes_to_device += bytes;
+            s = lm_dev_upload(e->ws->dev, (void *)p->ucc2_dev, p->ucc2, bytes, e->err);
+        }
+    }
+    return s;
 }
 
 // The elements of one slab of tensor bt on dev.
@@ -1049,13 +1108,15 @@ static lm_status run_unit(engine *e, const char *phase, int64_t idx, part *parts
             return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
         mark(e, m);
         int64_t cnt = slab_cnt(e, e->dev, bt, parts, k);
+        e->dev_ws.cap_cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
         s = ws_alloc(e, &e->dev_ws, e->dev, cnt, parts, k, stage_need(bt, parts, k, cnt),
                      (size_t)cnt * sizeof(float));
         if (s == LM_OK) {
             e->ws = &e->dev_ws;
-            bind(e, parts, k);
-            s = fn(e, idx, parts, k, ctx);
+            s = bind(e, parts, k);
         }
+        if (s == LM_OK)
+            s = fn(e, idx, parts, k, ctx);
         ws_release(e, &e->dev_ws);
         if (s != LM_ERR_DEVICE_OOM) {
             free(m);
@@ -1075,8 +1136,8 @@ static lm_status run_unit(engine *e, const char *phase, int64_t idx, part *parts
     if ((s = cpu_ready(e)) != LM_OK)
         return s;
     e->ws = &e->cpu_ws;
-    bind(e, parts, k);
-    s = fn(e, idx, parts, k, ctx);
+    if ((s = bind(e, parts, k)) == LM_OK)
+        s = fn(e, idx, parts, k, ctx);
     if (e->dev != e->cpu)
         e->res->fallback_s += now() - t0;
     return s;
@@ -1229,6 +1290,10 @@ static void engine_free(engine *e)
     ws_release(e, &e->cpu_ws);
     free(e->dev_ws.tau_buf);
     free(e->cpu_ws.tau_buf);
+    free(e->dev_ws.key_buf);
+    free(e->cpu_ws.key_buf);
+    free(e->dev_ws.ucc2_buf);
+    free(e->cpu_ws.ucc2_buf);
     free(e->out_host);
     free(e->out_slab);
     for (int i = 0; e->res_dev && i < e->o->n_ft; i++)
@@ -1292,6 +1357,13 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     res->tensor_xxh64 = calloc((size_t)(base->n_tensors ? base->n_tensors : 1), sizeof *res->tensor_xxh64);
     e.cpu_ws.tau_buf = calloc((size_t)o->n_ft, sizeof(float *));
     e.dev_ws.tau_buf = calloc((size_t)o->n_ft, sizeof(float *));
+    bool sparsegpt = o->method == LM_MERGE_SPARSEGPT;
+    if (sparsegpt) {
+        e.cpu_ws.key_buf = calloc((size_t)o->n_ft, sizeof(float *));
+        e.dev_ws.key_buf = calloc((size_t)o->n_ft, sizeof(float *));
+        e.cpu_ws.ucc2_buf = calloc((size_t)o->n_ft, sizeof(double *));
+        e.dev_ws.ucc2_buf = calloc((size_t)o->n_ft, sizeof(double *));
+    }
     e.res_cpu = calloc((size_t)o->n_ft, sizeof *e.res_cpu);
     e.res_dev = calloc((size_t)o->n_ft, sizeof *e.res_dev);
     e.out_host = malloc(OUT_PIECE);
@@ -1299,7 +1371,8 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();
     if (!res->tensor_xxh64 || !e.cpu_ws.tau_buf || !e.dev_ws.tau_buf || !e.res_cpu || !e.res_dev || !e.out_host ||
-        !hash || (o->topk_global && uses_magnitude(o->method) && !e.global)) {
+        !hash || (o->topk_global && uses_magnitude(o->method) && !e.global) ||
+        (sparsegpt && (!e.cpu_ws.key_buf || !e.dev_ws.key_buf || !e.cpu_ws.ucc2_buf || !e.dev_ws.ucc2_buf))) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto fail;
     }
@@ -1359,4 +1432,94 @@ fail:
     engine_free(&e);
     lm_merge_result_free(res);
     return s;
+}
+
+// ==== what the engine will allocate (llmerge plan) ============================================
+
+// These answer from the same helpers the engine uses (find_parts, slab_rows_of, slab_cnt,
+// stage_need), over an engine that holds only what those read, so a plan cannot drift from
+// the run. They read headers only, never tensor data.
+
+int64_t lm_merge_plan_slab_max(const lm_merge_opts *o, const lm_model *base)
+{
+    return largest_slab(base, o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS);
+}
+
+uint64_t lm_merge_plan_resident_bytes(const lm_ft *ft)
+{
+    uint64_t n = 0;
+    for (int64_t m = 0; ft->adapter && m < ft->adapter->n_modules; m++) {
+        const lm_lora_module *mod = &ft->adapter->modules[m];
+        n += (uint64_t)(mod->a ? mod->a->numel : 0) + (uint64_t)(mod->b ? mod->b->numel : 0);
+    }
+    return n * sizeof(float);
+}
+
+uint64_t lm_merge_plan_out_piece(void)
+{
+    return OUT_PIECE;
+}
+
+lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
+                               bool host_memory, lm_merge_need *need)
+{
+    memset(need, 0, sizeof *need);
+    const lm_st_tensor *bt = base->tensors[idx];
+    float **no_bufs = calloc((size_t)(o->n_ft > 0 ? o->n_ft : 1), sizeof *no_bufs);
+    if (!no_bufs)
+        return LM_ERR_NOMEM;
+    engine e = {.o = o, .base = base, .fts = fts};
+    e.slab_elems = o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS;
+    e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
+    e.slab_max = largest_slab(base, e.slab_elems);
+    e.cpu_ws.tau_buf = no_bufs;
+    e.ws = &e.cpu_ws;
+    lm_dev dev = {.host_memory = host_memory};  // slab_rows_of reads only this
+    part parts[o->n_ft > 0 ? o->n_ft : 1];
+    int k = lm_dtype_readable(bt->dtype) ? find_parts(&e, bt->name, parts) : 0;
+    free(no_bufs);
+    need->parts = k;
+    if (k == 0 || bt->numel == 0) {
+        // copy_tensor: base_buf holds slabs of slab_max elements when the dtype changes
+        need->copy_elems = lm_dtype_readable(bt->dtype) && bt->dtype != o->out_dtype
+                           ? (bt->numel < e.slab_max ? bt->numel : e.slab_max) : 0;
+        return LM_OK;
+    }
+    int64_t rows = tensor_rows(bt);
+    int64_t cnt = slab_cnt(&e, &dev, bt, parts, k);
+    need->slab_elems = cnt;
+    need->one_slab = slab_rows_of(&e, &dev, bt, parts, k) >= rows;
+    for (int i = 0; i < k; i++)
+        need->part_mask |= 1ull << (parts[i].ft < 63 ? parts[i].ft : 63);
+    size_t bytes = (size_t)cnt * sizeof(float);
+    need->ws_bytes = (uint64_t)bytes * (uint64_t)(1 + k);
+    if (!host_memory)
+        need->ws_bytes += stage_need(bt, parts, k, cnt) + bytes;
+    for (int i = 0; i < k; i++)
+        if (parts[i].src == SRC_LORA && parts[i].mod->magnitude &&
+            (uint64_t)parts[i].mod->magnitude->numel * sizeof(float) > need->mag_bytes)
+            need->mag_bytes = (uint64_t)parts[i].mod->magnitude->numel * sizeof(float);
+    // release_slab's rule: a tensor whose inputs are small stays mapped until it is done
+    uint64_t mapped = bt->nbytes, per_row = bt->nbytes / (uint64_t)rows;
+    for (int i = 0; i < k; i++)
+        if (parts[i].src == SRC_FULL) {
+            mapped += parts[i].full->nbytes;
+            per_row += parts[i].full->nbytes / (uint64_t)rows;
+        }
+    int64_t slab_rows = cnt / (bt->numel / rows);
+    need->mapped_bytes = mapped <= KEEP_MAPPED_BYTES || need->one_slab ? mapped : per_row * (uint64_t)slab_rows;
+    // select_tensor's block: allocated for every part's window and level arrays, touched for
+    // the window each part uses (the level arrays start where the window does)
+    if (uses_magnitude(o->method) && !o->topk_global) {
+        need->hist_alloc = (uint64_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS * sizeof(uint64_t);
+        for (int i = 0; i < k; i++)
+            need->hist_touched += (uint64_t)(parts[i].src == SRC_FULL ? DENSE_WINDOW : LM_HIST_WINDOW) *
+                                  LM_HIST_BINS * sizeof(uint64_t);
+    }
+    return LM_OK;
+}
+
+bool lm_merge_plan_selects(const lm_merge_opts *o)
+{
+    return o->topk_global && uses_magnitude(o->method);
 }

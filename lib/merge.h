@@ -23,6 +23,7 @@ typedef enum lm_merge_method {
     LM_MERGE_DARE,             // random drop and rescale, summed
     LM_MERGE_DARE_TIES,        // DARE masks with TIES sign election
     LM_MERGE_TASK_ARITHMETIC,  // weighted sum of task vectors
+    LM_MERGE_SPARSEGPT,        // TIES with entries kept by Hessian importance (METHODS.md)
 } lm_merge_method;
 
 typedef enum lm_sign_rule {
@@ -35,11 +36,12 @@ typedef enum lm_rescale {
     LM_RESCALE_L1,   // kept entries times ‖τ‖₁ / ‖τ ⊙ m‖₁ (mergekit)
 } lm_rescale;
 
-// The method's name on the command line ("ties", "dare", "dare-ties", "task-arithmetic").
+// The method's name on the command line ("ties", "dare", "dare-ties", "task-arithmetic",
+// "sparsegpt").
 const char *lm_merge_method_name(lm_merge_method m);
 
 // Whether the method divides by the sum of weights unless told otherwise (METHODS.md): on for
-// ties, off for dare, dare-ties and task-arithmetic.
+// ties and sparsegpt, off for dare, dare-ties and task-arithmetic.
 bool lm_merge_default_normalize(lm_merge_method m);
 
 typedef struct lm_merge_opts {
@@ -56,6 +58,11 @@ typedef struct lm_merge_opts {
     lm_dtype out_dtype;       // F32, F16 or BF16 for floating tensors
     int threads;              // CPU threads; 0 = all cores
     int64_t slab_elems;       // most elements of one tensor processed at once; 0 = default
+    // sparsegpt: U_cc² (cols values) of the Hessian feeding base tensor `tensor` [rows, cols]
+    // for FT ft (lm_hess_ucc2), or NULL where the tensor has no Hessian (its entries are then
+    // kept by magnitude). The array must live until lm_merge_run returns.
+    const double *(*ucc2)(void *ctx, int ft, const char *tensor, int64_t cols);
+    void *ucc2_ctx;
 } lm_merge_opts;
 
 // ==== fine-tuned inputs =======================================================================
@@ -135,5 +142,44 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
                        lm_merge_result *res, lm_err *err);
 
 void lm_merge_result_free(lm_merge_result *res);
+
+
+// ==== what a merge will allocate (for llmerge plan) ============================================
+
+// What the engine allocates for one output tensor (lm_merge_plan_tensor), from headers only.
+typedef struct lm_merge_need {
+    int parts;              // FTs that change it; 0: the base's values are copied on the CPU
+    uint64_t part_mask;     // bit i: FT i is a part (FTs past 63 share bit 63)
+    int64_t slab_elems;     // elements of one slab where it runs (run_unit's slab_cnt)
+    bool one_slab;          // the whole tensor in one slab
+    uint64_t ws_bytes;      // the unit's working set: base and one τ per part as float32 and,
+                            // on a device without host memory, the staging and output buffers
+    uint64_t mag_bytes;     // DoRA magnitude buffer (the largest part's), or 0
+    uint64_t mapped_bytes;  // input pages mapped at once while it runs (the KEEP_MAPPED rule)
+    uint64_t hist_alloc;    // select_tensor's histogram block (ties, --topk tensor), allocated
+    uint64_t hist_touched;  // ... and the part of it written
+    int64_t copy_elems;     // a copied tensor: elements of base_buf used converting it, or 0
+} lm_merge_need;
+
+// The elements of the largest slab of any tensor: the CPU's buffers hold this many float32
+// each ((1 + n_ft) of them), and so does an accelerator's output slab on the host.
+int64_t lm_merge_plan_slab_max(const lm_merge_opts *o, const lm_model *base);
+
+// The bytes of float32 LoRA factors (every module's A and B) place_residents puts in host
+// memory for FT ft and tries to place on an accelerator; 0 for a full model.
+uint64_t lm_merge_plan_resident_bytes(const lm_ft *ft);
+
+// The bytes of the host buffer the CPU converts, hashes and writes output through.
+uint64_t lm_merge_plan_out_piece(void);
+
+// Fills *need for output tensor idx when its unit runs on a device with (host_memory true:
+// the CPU) or without host memory, exactly as lm_merge_run would allocate. Reads no tensor
+// data. LM_ERR_NOMEM only.
+lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
+                               bool host_memory, lm_merge_need *need);
+
+// Whether the merge has the --topk global selection phase (a unit per tensor, sized as the
+// tensor's merge unit).
+bool lm_merge_plan_selects(const lm_merge_opts *o);
 
 #endif

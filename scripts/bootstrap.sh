@@ -4,7 +4,8 @@
 # and `make demo` can call it every time.
 set -euo pipefail
 
-pkgs=(cmake make gcc clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev)
+pkgs=(cmake make gcc clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev
+      gnuplot-nox)  # gnuplot: the plot of examples/sweep
 
 missing=()
 for p in "${pkgs[@]}"; do

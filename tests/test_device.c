@@ -647,6 +647,66 @@ static void h_drop_l1(harness *h, const float *x, float *dx, int64_t n)
     free(got);
 }
 
+// topk_apply_by against its contract written out here (keep x[j] when key[j]'s magnitude bits
+// exceed thr, or equal it among the first ties_allowed such j), and importance against τ²/d
+// in double; both on the device and on the CPU.
+static void h_by_key(harness *h, int64_t n)
+{
+    float *x = hmalloc((size_t)n * 4), *key = hmalloc((size_t)n * 4), *want = hmalloc((size_t)n * 4),
+          *got = hmalloc((size_t)n * 4);
+    fill(x, n);
+    fill_ties(key, n);
+    uint32_t thr = lm_abs_bits(1.5f);
+    int64_t ties = 0;
+    for (int64_t i = 0; i < n; i++)
+        ties += lm_abs_bits(key[i]) == thr;
+    const int64_t allowed[] = {LM_TIES_ALL, 0, ties / 2, ties + 5};
+    float *dx = put(h, x, (size_t)n * 4), *dk = put(h, key, (size_t)n * 4);
+    for (int a = 0; a < 4 && dx && dk; a++) {
+        int64_t left = allowed[a], used = 0;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t b = lm_abs_bits(key[i]);
+            bool keep = b > thr || (b == thr && (allowed[a] == LM_TIES_ALL || left-- > 0));
+            want[i] = keep ? x[i] : 0.0f;
+        }
+        int64_t want_used = allowed[a] == LM_TIES_ALL ? 0 : (ties < allowed[a] ? ties : allowed[a]);
+        memcpy(got, x, (size_t)n * 4);
+        CHECK_OK(lm_dev_topk_apply_by(h->cpu, got, key, n, thr, allowed[a], &used, &h->err), &h->err);
+        CHECK_MSG(same_bits(got, want, n) && used == want_used, "topk_apply_by on cpu, allowed %lld, n=%lld",
+                  (long long)allowed[a], (long long)n);
+        int64_t dused = -1;
+        if (DEV_OK(h, lm_dev_upload(h->dev, dx, x, (size_t)n * 4, &h->err)) &&
+            DEV_OK(h, lm_dev_topk_apply_by(h->dev, dx, dk, n, thr, allowed[a], &dused, &h->err)) &&
+            get(h, got, dx, (size_t)n * 4))
+            CHECK_MSG(same_bits(got, want, n) && dused == want_used, "topk_apply_by on %s, allowed %lld, n=%lld",
+                      lm_dev_name(h->dev), (long long)allowed[a], (long long)n);
+    }
+    // importance over rows × cols, with a column whose U_cc² is huge and one tiny
+    int64_t cols = n >= 7 ? 7 : (n > 0 ? n : 1), rows = n / cols;
+    double ucc2[7] = {1.0, 0.25, 3.0e-6, 1.0e30, 2.0, 0.5, 7.0};
+    for (int64_t i = 0; i < rows * cols; i++) {
+        double v = x[i];
+        want[i] = (float)(v * v / ucc2[i % cols]);
+    }
+    CHECK_OK(lm_dev_importance(h->cpu, got, x, ucc2, rows, cols, &h->err), &h->err);
+    CHECK_MSG(same_bits(got, want, rows * cols), "importance on cpu, %lld x %lld", (long long)rows, (long long)cols);
+    double *du = put(h, ucc2, sizeof ucc2);
+    float *dkey = put(h, NULL, (size_t)n * 4 + 4);
+    if (dx && du && dkey && DEV_OK(h, lm_dev_upload(h->dev, dx, x, (size_t)n * 4, &h->err)) &&
+        DEV_OK(h, lm_dev_importance(h->dev, dkey, dx, du, rows, cols, &h->err)) &&
+        get(h, got, dkey, (size_t)(rows * cols) * 4))
+        CHECK_MSG(same_bits(got, want, rows * cols), "importance on %s, %lld x %lld", lm_dev_name(h->dev),
+                  (long long)rows, (long long)cols);
+    lm_dev_release(h->dev, dx);
+    lm_dev_release(h->dev, dk);
+    lm_dev_release(h->dev, du);
+    lm_dev_release(h->dev, dkey);
+    free(x);
+    free(key);
+    free(want);
+    free(got);
+}
+
 static void h_select(harness *h, int64_t n)
 {
     float *x = hmalloc((size_t)n * 4);
@@ -734,6 +794,7 @@ static void test_against_cpu(lm_dev *dev)
         h_convert(&h, sizes[i]);
         h_axpby(&h, sizes[i]);
         h_delta(&h, sizes[i]);
+        h_by_key(&h, sizes[i]);
         h_select(&h, sizes[i]);
         h_combine(&h, sizes[i]);
     }

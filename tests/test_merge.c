@@ -295,6 +295,9 @@ static void on_progress(void *ctx, int64_t done, int64_t total, const char *name
             goto done;                                                                        \
     } while (0)
 
+// The device run_merge uses: the CPU unless a test names another (lm_dev_open's syntax).
+static const char *g_device;
+
 // Merges `ft_dirs` into the base at base_dir with options o through the public API (open, check,
 // plan the outputs, write, finish) into a new directory under root, checks what every merge must
 // satisfy (outputs in the base's order and dtype, one progress call per tensor, the reported
@@ -336,7 +339,12 @@ static lm_st_file *run_merge(const char *root, const lm_merge_opts *o, const cha
         CHECK_MSG(same, "output %lld is %s, base tensor %s", (long long)i, desc[i].name, bt->name);
     }
     TRY(lm_st_writer_open(&w, out, desc, n, 5000000000ull, NULL, &err));
-    TRY(lm_dev_cpu_create(&dev, o->threads, &err));
+    if (g_device) {
+        lm_dev_opts dopts = {.threads = o->threads};
+        TRY(lm_dev_open(&dev, g_device, &dopts, NULL, 0, &err));
+    } else {
+        TRY(lm_dev_cpu_create(&dev, o->threads, &err));
+    }
     lm_merge_hooks hooks = {.progress = on_progress, .ctx = &prog};
     TRY(lm_merge_run(o, dev, base, fts, w, &hooks, &res, &err));
     have_res = true;
@@ -2188,6 +2196,102 @@ static void test_ft_open(void)
     fx_close(&f);
 }
 
+// ==== sparsegpt: selection by Hessian importance =============================================
+// Two full FTs on a base with two matrices and a vector. The engine is given U_cc² per column
+// (as lm_hess_ucc2 would compute them from Hessians) for both matrices of FT 0 and for t of
+// FT 1; w of FT 1 and the vector have none and are trimmed by magnitude. The reference ranks
+// importance τ²/U_cc² (float32 of the double quotient, as device.h defines it), keeps exactly
+// k with ties to the lower index, then elects signs and takes the disjoint mean.
+static double g_ucc2_t0[6] = {1.0, 4.0, 0.25, 1.0, 9.0, 0.5};
+static double g_ucc2_w0[17], g_ucc2_t1[6] = {2.0, 2.0, 1.0, 0.125, 1.0, 16.0};
+
+static const double *sgpt_ucc2(void *ctx, int ft, const char *tensor, int64_t cols)
+{
+    int *calls = ctx;
+    (*calls)++;
+    if (strcmp(tensor, "t.weight") == 0 && cols == 6)
+        return ft == 0 ? g_ucc2_t0 : g_ucc2_t1;
+    if (strcmp(tensor, "w.weight") == 0 && cols == 17 && ft == 0)
+        return g_ucc2_w0;
+    return NULL;
+}
+
+static void test_sparsegpt(void)
+{
+    fixture f;
+    fx_open(&f, ties_base, "float32");
+    char *fd[2] = {subdir(f.root, "ft0"), subdir(f.root, "ft1")};
+    double *tau[2][MAX_T];
+    rng_seed(77);
+    for (int c = 0; c < 17; c++)
+        g_ucc2_w0[c] = c % 5 == 0 ? 1.0 : rng_int(1, 40) / 8.0;
+    for (int i = 0; i < 2; i++) {
+        alloc_taus(&f.base, tau[i]);
+        for (int t = 0; t < f.base.n; t++)
+            for (int64_t j = 0; j < f.base.t[t].n; j++)
+                tau[i][t][j] = rng_int(-8, 8) / 8.0;  // many ties, in magnitude and importance
+        write_ft(fd[i], &f.base, tau[i]);
+    }
+    const double w[2] = {1.0, 0.6}, d[2] = {0.4, 0.3};
+    int calls = 0;
+    lm_merge_opts o = opts_for(LM_MERGE_SPARSEGPT, 2, w, d);
+    o.ucc2 = sgpt_ucc2;
+    o.ucc2_ctx = &calls;
+    CHECK(o.normalize);  // sparsegpt normalizes by default, as ties
+    const char *dirs[2] = {fd[0], fd[1]};
+    lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+    CHECK_MSG(calls > 0, "the engine never asked for U_cc²");
+
+    // reference: τ' per FT and tensor, then the election and disjoint mean
+    double *tp[2][MAX_T];
+    for (int i = 0; i < 2; i++) {
+        for (int t = 0; t < f.base.n; t++) {
+            const tensor *b = &f.base.t[t];
+            const double *u = b->ndim == 2 ? sgpt_ucc2(&calls, i, b->name, b->shape[1]) : NULL;
+            double *key = malloc((size_t)b->n * sizeof *key);
+            bool *keep = malloc((size_t)b->n * sizeof *keep);
+            for (int64_t j = 0; j < b->n; j++)
+                key[j] = u ? (double)(float)(tau[i][t][j] * tau[i][t][j] / u[j % b->shape[1]]) : tau[i][t][j];
+            topk_ref(key, b->n, k_of(d[i], b->n), keep);
+            tp[i][t] = malloc((size_t)b->n * sizeof(double));
+            for (int64_t j = 0; j < b->n; j++)
+                tp[i][t][j] = keep[j] ? tau[i][t][j] : 0.0;
+            free(key);
+            free(keep);
+        }
+    }
+    combo c = {2, w, SIGN_SUM, true, 1.0};
+    if (st)
+        check_combined(st, &f.base, &c, tp);
+    // Importance must matter: magnitude trimming (ties) gives another output here.
+    lm_merge_opts ot = opts_for(LM_MERGE_TIES, 2, w, d);
+    lm_st_file *st_ties = run_merge(f.root, &ot, f.base_dir, dirs, NULL);
+    CHECK_MSG(st && st_ties && !same_output(st, st_ties), "sparsegpt gave the same output as ties");
+    // Slabs of a few rows, and the simulated device with and without room: the same bytes.
+    o.slab_elems = 34;
+    lm_st_file *st2 = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+    CHECK_MSG(st && st2 && same_output(st, st2), "sparsegpt in slabs of 34 differs");
+    o.slab_elems = 0;
+    const char *devs[3] = {"sim:1GiB", "sim:2KiB", "sim:200"};
+    for (int v = 0; v < 3; v++) {
+        g_device = devs[v];
+        lm_st_file *sd = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+        CHECK_MSG(st && sd && same_output(st, sd), "sparsegpt on %s differs from the cpu", devs[v]);
+        lm_st_close(sd);
+    }
+    g_device = NULL;
+    lm_st_close(st2);
+    lm_st_close(st_ties);
+    lm_st_close(st);
+    for (int i = 0; i < 2; i++) {
+        for (int t = 0; t < f.base.n; t++)
+            free(tp[i][t]);
+        free_taus(tau[i]);
+        free(fd[i]);
+    }
+    fx_close(&f);
+}
+
 int main(void)
 {
     test_options();
@@ -2212,5 +2316,6 @@ int main(void)
     test_dare_rescale_l1();
     test_dare_ties();
     test_bf16_output();
+    test_sparsegpt();
     return check_report("test_merge");
 }
