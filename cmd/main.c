@@ -18,6 +18,7 @@ static const command commands[] = {
     {"dare", "DARE merge: drop task-vector entries at random, rescale the rest, sum", lm_cmd_merge},
     {"dare-ties", "DARE's random drop with TIES's sign election", lm_cmd_merge},
     {"task-arithmetic", "add the weighted sum of the task vectors to the base", lm_cmd_merge},
+    {"sparsegpt", "TIES with entries kept by Hessian importance on calibration data", lm_cmd_merge},
     {"eval", "perplexity of a model (with a LoRA adapter applied) on token data", lm_cmd_eval},
     {"hessian", "input Hessians of a model's linear layers from calibration data", lm_cmd_hessian},
     {"plan", "what a merge will need: memory per phase and device, fallbacks, disk", lm_cmd_plan},

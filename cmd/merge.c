@@ -27,7 +27,9 @@
 
 #include "adapter.h"
 #include "cmd.h"
+#include "calib.h"
 #include "device.h"
+#include "hessian.h"
 #include "manifest.h"
 #include "merge.h"
 #include "model.h"
@@ -78,6 +80,16 @@ static const method_info methods[] = {
      "  delta = sum_i w_i * tau_i (divided by sum_i w_i with --normalize);\n"
      "  result = BASE + lambda * delta.\n",
      false, false, false, false, false},
+    {"sparsegpt", LM_MERGE_SPARSEGPT,
+     "SparseGPT-importance merging: TIES, with each task vector trimmed to the entries that\n"
+     "matter most to its layer's outputs on calibration data.",
+     "  H = 2/n sum x x^T over the calibration tokens x entering each linear layer (from each\n"
+     "  FT's own model, or the base's with --hessian-from base); U = the upper Cholesky factor\n"
+     "  of (H + 0.01 mean(diag H) I)^-1; tau_i trimmed to the k = floor(d_i * numel) entries of\n"
+     "  largest importance tau_jc^2 / U_cc^2 (ties to the lower index; tensors without a\n"
+     "  Hessian, such as embeddings and norms, by |tau|); then TIES's sign election and\n"
+     "  disjoint mean; result = BASE + lambda * delta.\n",
+     true, true, true, false, false},
 };
 #define N_METHODS (sizeof methods / sizeof methods[0])
 
@@ -87,7 +99,7 @@ typedef enum opt_id {
     OPT_OUTPUT, OPT_WEIGHTS, OPT_DENSITY, OPT_DENSITIES, OPT_LAMBDA, OPT_NORMALIZE,
     OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
-    OPT_FORCE, OPT_HELP,
+    OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_HELP,
 } opt_id;
 
 typedef struct opt_def {
@@ -119,6 +131,10 @@ static const opt_def opt_defs[] = {
     {"quiet", 'q', false, OPT_QUIET},
     {"verbose", 'v', false, OPT_VERBOSE},
     {"force", 0, false, OPT_FORCE},
+    {"calib", 0, true, OPT_CALIB},
+    {"calib-samples", 0, true, OPT_CALIB_SAMPLES},
+    {"seq-len", 0, true, OPT_SEQ_LEN},
+    {"hessian-from", 0, true, OPT_HESSIAN_FROM},
     {"help", 'h', false, OPT_HELP},
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
@@ -155,6 +171,11 @@ typedef struct merge_args {
     const char *log_json;
     bool quiet, force, help;
     int verbose;
+    const char **calib;        // (n_calib) sparsegpt's calibration files
+    int n_calib;
+    int64_t calib_samples;     // 0: all
+    int64_t seq_len;           // 0: the model's max_position_embeddings
+    bool hessian_from_base;
     bool given[OPT_HELP + 1];  // which options appeared
 } merge_args;
 
@@ -215,6 +236,7 @@ static void usage(FILE *out, const method_info *m)
             "  -v, --verbose          also the resolved settings and each input\n"
             "  --force                replace OUT if it exists (it is replaced only at the end)\n"
             "  -h, --help             this help\n"
+            "%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
@@ -225,7 +247,18 @@ static void usage(FILE *out, const method_info *m)
             m->sign ? "" : ";\n                         no effect on this method",
             m->topk ? "" : ";\n                         no effect on this method",
             m->rescale ? "" : ";\n                         no effect on this method",
-            m->seed ? "" : ";\n                         no effect on this method");
+            m->seed ? "" : ";\n                         no effect on this method",
+            m->method != LM_MERGE_SPARSEGPT ? "" :
+            "\nHessians (sparsegpt):\n"
+            "  --calib FILE           calibration data, .jsonl ({\"input_ids\": [...]} per line) or\n"
+            "                         .txt (space-separated ids per line): once for every FT, or\n"
+            "                         once per FT in FT order (required)\n"
+            "  --calib-samples N      at most the first N sequences of each file (default: all)\n"
+            "  --seq-len L            longer sequences are cut to L tokens (default: the model's\n"
+            "                         max_position_embeddings)\n"
+            "  --hessian-from ft|base each FT's Hessians from its own model (its adapter applied to\n"
+            "                         BASE) on its calibration file (default ft), or BASE's on the\n"
+            "                         first file for all\n");
     fprintf(out,
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
@@ -447,6 +480,31 @@ static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown
     case OPT_FORCE:
         a->force = true;
         return LM_OK;
+    case OPT_CALIB: {
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a file", shown);
+        const char **c = realloc(a->calib, (size_t)(a->n_calib + 1) * sizeof *c);
+        if (!c)
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        a->calib = c;
+        a->calib[a->n_calib++] = v;
+        return LM_OK;
+    }
+    case OPT_CALIB_SAMPLES:
+    case OPT_SEQ_LEN: {
+        char *end;
+        errno = 0;
+        long long n = strtoll(v, &end, 10);
+        if (!*v || *end || errno || n < 1)
+            return lm_err_set(err, LM_ERR_USAGE, "%s %s: needs a whole number of at least 1", shown, v);
+        *(d->id == OPT_SEQ_LEN ? &a->seq_len : &a->calib_samples) = n;
+        return LM_OK;
+    }
+    case OPT_HESSIAN_FROM:
+        if (strcmp(v, "ft") != 0 && strcmp(v, "base") != 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s %s: use ft or base", shown, v);
+        a->hessian_from_base = strcmp(v, "base") == 0;
+        return LM_OK;
     case OPT_HELP:
         a->help = true;
         return LM_OK;
@@ -563,6 +621,12 @@ typedef struct merge_run {
     lm_dev *dev;
     char dev_why[512];         // what --device opened and, for auto, why
     cJSON *fallbacks;          // the units that went to the CPU, for llmerge.json (or NULL)
+    lm_dev *merge_cpu;         // sparsegpt on a device lacking its operations: the CPU it merges on
+    lm_calib *calib;           // (n_calib) sparsegpt: the calibration files, read and checked
+    int n_calib;
+    double ***ucc2;            // (n_ucc2_sets) sparsegpt: U_cc² per (layer, point), one set per
+    int n_ucc2_sets;           // FT (one for all with --hessian-from base)
+    int64_t n_ucc2;
     double *weights;           // (n_ft) resolved
     double *densities;         // (n_ft) resolved
     lm_merge_opts opts;
@@ -587,11 +651,19 @@ static void run_free(merge_run *r)
     free(r->fts);
     lm_model_free(r->base);
     lm_dev_free(r->dev);
+    lm_dev_free(r->merge_cpu);
     free(r->weights);
     free(r->densities);
     free(r->args.weights);
     free(r->args.densities);
     free(r->args.fts);
+    free(r->args.calib);
+    for (int i = 0; r->calib && i < r->n_calib; i++)
+        lm_calib_free(&r->calib[i]);
+    free(r->calib);
+    for (int i = 0; r->ucc2 && i < r->n_ucc2_sets; i++)
+        lm_hess_ucc2_free(r->ucc2[i], r->n_ucc2);
+    free(r->ucc2);
     lm_progress_free(&r->progress);
 }
 
@@ -667,11 +739,114 @@ static void note_unused(merge_run *r)
         {!m->rescale && a->given[OPT_RESCALE], "--rescale", "it drops nothing at random"},
         {!m->seed && a->given[OPT_SEED], "--seed", "it draws nothing at random"},
         {a->given[OPT_CACHE_DIR], "--cache-dir", "it keeps nothing between runs"},
+        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CALIB], "--calib", "it uses no Hessians"},
+        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CALIB_SAMPLES], "--calib-samples", "it uses no Hessians"},
+        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
+        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_HESSIAN_FROM], "--hessian-from", "it uses no Hessians"},
     };
     for (size_t i = 0; i < sizeof u / sizeof u[0]; i++)
         if (u[i].unused)
             lm_progress_note(&r->progress, "note: %s has no effect on %s (%s)", u[i].opt, m->name,
                              u[i].why);
+}
+
+// sparsegpt's calibration files, read and checked (ids within the base's vocabulary) before any
+// work: one for every FT, or one per FT; with --hessian-from base the first serves all.
+static lm_status read_calib(merge_run *r, lm_err *err)
+{
+    merge_args *a = &r->args;
+    if (a->n_calib == 0)
+        return lm_err_set(err, LM_ERR_USAGE, "sparsegpt needs calibration data: --calib FILE (once, or once per FT)");
+    if (a->n_calib != 1 && a->n_calib != a->n_ft)
+        return lm_err_set(err, LM_ERR_USAGE, "--calib given %d times for %d FTs: give it once, or once per FT",
+                          a->n_calib, a->n_ft);
+    if (a->hessian_from_base && a->n_calib != 1)
+        return lm_err_set(err, LM_ERR_USAGE, "--hessian-from base takes one --calib file, not %d", a->n_calib);
+    const lm_config *cfg = &r->base->config;
+    int64_t seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
+    lm_calib_opts co = {.max_samples = a->calib_samples, .max_len = seq_len, .vocab_size = cfg->vocab_size};
+    if (!(r->calib = calloc((size_t)a->n_calib, sizeof *r->calib)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    r->n_calib = a->n_calib;
+    for (int i = 0; i < a->n_calib; i++) {
+        lm_status s = lm_calib_load(&r->calib[i], a->calib[i], &co, err);
+        if (s != LM_OK)
+            return s;
+    }
+    for (int i = 0; i < a->n_ft; i++) {
+        lm_status s = lm_fwd_check(r->fts[i]->model ? r->fts[i]->model : r->base, r->fts[i]->adapter, err);
+        if (s != LM_OK)
+            return lm_err_prefix(err, "FT %d (%s)", i + 1, r->fts[i]->path);
+    }
+    return LM_OK;
+}
+
+static void note_line(void *ctx, const char *line)
+{
+    lm_progress_note(ctx, "%s", line);
+}
+
+// U_cc² of every Hessian sparsegpt uses: each FT's from its own model on its calibration file,
+// or the base's on the first file for all.
+static lm_status compute_ucc2(merge_run *r, lm_err *err)
+{
+    merge_args *a = &r->args;
+    r->n_ucc2_sets = a->hessian_from_base ? 1 : a->n_ft;
+    if (!(r->ucc2 = calloc((size_t)r->n_ucc2_sets, sizeof *r->ucc2)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    for (int i = 0; i < r->n_ucc2_sets; i++) {
+        const lm_ft *ft = a->hessian_from_base ? NULL : r->fts[i];
+        const lm_model *m = ft && ft->model ? ft->model : r->base;
+        const lm_adapter *ad = ft ? ft->adapter : NULL;
+        lm_calib *c = &r->calib[r->n_calib == 1 ? 0 : i];
+        lm_fwd_seq *seqs = calloc((size_t)c->n_seqs, sizeof *seqs);
+        if (!seqs)
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        for (int64_t q = 0; q < c->n_seqs; q++)
+            seqs[q] = (lm_fwd_seq){c->ids + c->offsets[q], c->offsets[q + 1] - c->offsets[q]};
+        const char *label = ft ? ft->path : r->base->dir;
+        lm_progress_note(&r->progress, "Hessians of %s on %s: %" PRId64 " sequences, %" PRId64 " tokens", label,
+                         c->path, c->n_seqs, c->n_tokens);
+        lm_status s = lm_hess_ucc2_model(m, ad, r->dev, label, seqs, c->n_seqs, r->opts.threads, 0.01, note_line,
+                                         &r->progress, &r->ucc2[i], &r->n_ucc2, err);
+        free(seqs);
+        if (s != LM_OK)
+            return lm_err_prefix(err, "Hessians of %s", label);
+    }
+    return LM_OK;
+}
+
+// The engine's question: U_cc² of the Hessian feeding base tensor `tensor` for FT ft, found
+// from its name (model.layers.L.self_attn.{q,k,v}_proj, o_proj, mlp.{gate,up}_proj, down_proj).
+static const double *ucc2_of(void *ctx, int ft, const char *tensor, int64_t cols)
+{
+    const merge_run *r = ctx;
+    static const struct { const char *suffix; lm_fwd_point point; } map[] = {
+        {"self_attn.q_proj.weight", LM_FWD_ATTN_IN}, {"self_attn.k_proj.weight", LM_FWD_ATTN_IN},
+        {"self_attn.v_proj.weight", LM_FWD_ATTN_IN}, {"self_attn.o_proj.weight", LM_FWD_O_IN},
+        {"mlp.gate_proj.weight", LM_FWD_MLP_IN},     {"mlp.up_proj.weight", LM_FWD_MLP_IN},
+        {"mlp.down_proj.weight", LM_FWD_DOWN_IN},
+    };
+    const char *prefix = "model.layers.";
+    if (strncmp(tensor, prefix, strlen(prefix)) != 0)
+        return NULL;
+    char *end;
+    long layer = strtol(tensor + strlen(prefix), &end, 10);
+    if (end == tensor + strlen(prefix) || *end != '.' || layer < 0)
+        return NULL;
+    double **set = r->ucc2[r->n_ucc2_sets == 1 ? 0 : ft];
+    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
+        if (strcmp(end + 1, map[i].suffix) != 0)
+            continue;
+        int64_t idx = lm_hess_index(layer, map[i].point);
+        if (idx >= r->n_ucc2)
+            return NULL;
+        const lm_config *cfg = &r->base->config;
+        int64_t dims[LM_FWD_N_POINTS] = {cfg->hidden_size, cfg->num_attention_heads * cfg->head_dim,
+                                         cfg->hidden_size, cfg->intermediate_size};
+        return dims[map[i].point] == cols ? set[idx] : NULL;
+    }
+    return NULL;
 }
 
 // Everything before the work: inputs opened and checked, options resolved, the device opened.
@@ -764,6 +939,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->out_dtype = a->have_dtype ? a->dtype : base_dtype(r->base);
     o->threads = a->threads;
     if ((s = lm_merge_check_opts(o, err)) != LM_OK)
+        return s;
+    if (a->m->method == LM_MERGE_SPARSEGPT && (s = read_calib(r, err)) != LM_OK)
         return s;
 
     // the device
@@ -903,6 +1080,31 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
                             : cJSON_AddNullToObject(opt, "cache_dir"));
     if (!ok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if (a->m->method == LM_MERGE_SPARSEGPT) {
+        // what the Hessians came from: each calibration file with its xxHash64, the caps
+        cJSON *files = cJSON_AddArrayToObject(opt, "calib");
+        for (int i = 0; files && i < a->n_calib; i++) {
+            uint64_t h;
+            lm_status hs = lm_xxh64_file(a->calib[i], &h, err);
+            if (hs != LM_OK)
+                return hs;
+            char hex[17];
+            snprintf(hex, sizeof hex, "%016" PRIx64, h);
+            cJSON *f = cJSON_CreateObject();
+            cJSON_AddStringToObject(f, "path", a->calib[i]);
+            cJSON_AddStringToObject(f, "xxh64", hex);
+            cJSON_AddNumberToObject(f, "sequences", (double)r->calib[i].n_seqs);
+            cJSON_AddNumberToObject(f, "tokens", (double)r->calib[i].n_tokens);
+            cJSON_AddItemToArray(files, f);
+        }
+        if (!files || !cJSON_AddStringToObject(opt, "hessian_from", a->hessian_from_base ? "base" : "ft") ||
+            !(a->calib_samples ? cJSON_AddNumberToObject(opt, "calib_samples", (double)a->calib_samples)
+                               : cJSON_AddNullToObject(opt, "calib_samples")) ||
+            !(a->seq_len ? cJSON_AddNumberToObject(opt, "seq_len", (double)a->seq_len)
+                         : cJSON_AddNullToObject(opt, "seq_len")) ||
+            !cJSON_AddNumberToObject(opt, "damp", 0.01))
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
 
     double t = lm_progress_now();
     if ((s = lm_manifest_set_base(m, r->base, err)) != LM_OK)
@@ -992,9 +1194,25 @@ static int work(merge_run *r, double t_loaded)
             numel *= (uint64_t)r->descs[i].shape[d];
         out_bytes += numel * lm_dtype_bits(r->descs[i].dtype) / 8;
     }
+    if (a->m->method == LM_MERGE_SPARSEGPT) {
+        if ((s = compute_ucc2(r, &err)) != LM_OK)
+            goto fail;
+        r->opts.ucc2 = ucc2_of;
+        r->opts.ucc2_ctx = r;
+    }
     lm_progress_start(p, "tensor", r->n_descs, out_bytes);
+    // A device without the importance operations (CUDA so far) leaves sparsegpt's merge to
+    // the CPU: said, not silent.
+    lm_dev *merge_dev = r->dev;
+    if (a->m->method == LM_MERGE_SPARSEGPT && (!r->dev->iface->importance || !r->dev->iface->topk_apply_by)) {
+        if ((s = lm_dev_cpu_create(&r->merge_cpu, r->opts.threads, &err)) != LM_OK)
+            goto fail;
+        lm_progress_note(p, "note: %s has no importance operations yet: the merge runs on the cpu",
+                         lm_dev_name(r->dev));
+        merge_dev = r->merge_cpu;
+    }
     lm_merge_hooks hooks = {.progress = on_tensor, .fallback = on_fallback, .ctx = r};
-    s = lm_merge_run(&r->opts, r->dev, r->base, r->fts, r->writer, &hooks, &r->res, &err);
+    s = lm_merge_run(&r->opts, merge_dev, r->base, r->fts, r->writer, &hooks, &r->res, &err);
     lm_progress_end(p);
     if (s != LM_OK)
         goto fail;

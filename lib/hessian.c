@@ -276,3 +276,86 @@ lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t
     free(ucc2);
     return s;
 }
+
+// ==== U_cc² of every Hessian of a model =======================================================
+
+void lm_hess_ucc2_free(double **ucc2, int64_t n)
+{
+    for (int64_t i = 0; ucc2 && i < n; i++)
+        free(ucc2[i]);
+    free(ucc2);
+}
+
+lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
+                             const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, lm_fwd_note_fn note,
+                             void *note_ctx, double ***out, int64_t *n_out, lm_err *err)
+{
+    *out = NULL;
+    *n_out = 0;
+    lm_fwd_runner runner;
+    lm_hess h;
+    memset(&runner, 0, sizeof runner);
+    memset(&h, 0, sizeof h);
+    double **ucc2 = NULL;
+    float *H = NULL;
+    int64_t n = 0;
+    lm_status s = lm_fwd_runner_init(&runner, m, a, dev, "hessian", label, 0, note, note_ctx, err);
+    if (s == LM_OK) {
+        // accumulators on the device the weights run on, with room for a batch's activations
+        size_t reserve = 0;
+        if (runner.on_dev) {
+            int64_t longest = 0, tokens = 0;
+            for (int64_t i = 0; i < n_seqs; i++) {
+                longest = seqs[i].len > longest ? seqs[i].len : longest;
+                tokens += seqs[i].len;
+            }
+            int64_t batch = tokens < runner.max_tokens ? tokens : runner.max_tokens;
+            reserve = lm_fwd_arena_bytes(runner.on_dev, batch > longest ? batch : longest);
+            reserve = reserve == SIZE_MAX ? 0 : reserve;
+        }
+        s = lm_hess_init(&h, m, runner.on_dev ? dev : NULL, reserve, threads, err);
+    }
+    if (s == LM_OK)
+        s = lm_hess_capture(&h, &runner, seqs, n_seqs, err);
+    lm_fwd_runner_free(&runner);
+    n = h.n_layers * LM_FWD_N_POINTS;
+    if (s == LM_OK && !(ucc2 = calloc((size_t)(n > 0 ? n : 1), sizeof *ucc2)))
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    int64_t most = 0;
+    for (int p = 0; p < LM_FWD_N_POINTS; p++)
+        most = h.dim[p] > most ? h.dim[p] : most;
+    if (s == LM_OK && !(H = malloc((size_t)(most * most) * sizeof *H)))
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory for a Hessian of %" PRId64 " x %" PRId64, most, most);
+    for (int64_t i = 0; s == LM_OK && i < n; i++) {
+        int64_t layer = i / LM_FWD_N_POINTS, dim = h.dim[i % LM_FWD_N_POINTS];
+        lm_fwd_point pt = (lm_fwd_point)(i % LM_FWD_N_POINTS);
+        if (!(ucc2[i] = malloc((size_t)dim * sizeof(double)))) {
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+            break;
+        }
+        if ((s = lm_hess_get(&h, layer, pt, H, err)) != LM_OK)
+            break;
+        double d = damp;
+        for (int tries = 0; (s = lm_hess_ucc2(ucc2[i], H, dim, d, err)) == LM_ERR_FORMAT && tries < 6; tries++) {
+            char name[128], line[256];
+            snprintf(line, sizeof line, "the Hessian of %s is not positive definite with damping %g: trying %g",
+                     lm_hess_name(name, sizeof name, layer, pt), d, d * 10);
+            if (note)
+                note(note_ctx, line);
+            d *= 10;
+        }
+        if (s != LM_OK) {
+            char name[128];
+            lm_err_prefix(err, "%s", lm_hess_name(name, sizeof name, layer, pt));
+        }
+    }
+    free(H);
+    lm_hess_free(&h);
+    if (s != LM_OK) {
+        lm_hess_ucc2_free(ucc2, n);
+        return s;
+    }
+    *out = ucc2;
+    *n_out = n;
+    return LM_OK;
+}

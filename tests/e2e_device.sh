@@ -60,6 +60,7 @@ same_as_cpu dare-ties dare-ties "$B" "$lr" "$ff" --weights 0.6,1.2 --seed 3
 same_as_cpu task-arithmetic task-arithmetic "$B" "$lp" "$ld" "$ff" --lambda 0.5
 same_as_cpu task-arithmetic-norm task-arithmetic "$B" "$lm" "$ff2" --normalize
 same_as_cpu lora-bias ties "$fx/qwen" "$fx/lora_bias"
+same_as_cpu sparsegpt sparsegpt "$B" "$lp" "$lr" "$ff" --calib "$fx/calib/calib.jsonl" --density 0.3
 
 echo "e2e_device: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]

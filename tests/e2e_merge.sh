@@ -319,6 +319,47 @@ check 'grep -q "error: $x\.tmp-[A-Za-z0-9]*/model\.safetensors: .*File too large
   "file size limit: the message does not name the file and the reason: $(cat "$work/out")"
 no_output "$x"  # nor OUT.lock
 
+# ---- sparsegpt: Hessian importance from calibration data ---------------------------------------
+cj=$fx/calib/calib.jsonl ct=$fx/calib/calib.txt
+o=$work/sgpt
+merge sparsegpt "$B" "$lp" "$ff" -o "$o" --calib "$cj" --density 0.3
+loads "$o"
+hashes_match "$o"
+json "$o/llmerge.json" method sparsegpt
+json "$o/llmerge.json" options.normalize true
+json "$o/llmerge.json" options.hessian_from ft
+json "$o/llmerge.json" options.calib.0.xxh64 "$("$st_hash" --file "$cj" | cut -d' ' -f1)"
+check 'grep -q "Hessians of .*lora_plain on .*calib.jsonl" "$work/out"' "sparsegpt: no Hessian line: $(head -c 400 "$work/out")"
+merge ties "$B" "$lp" "$ff" -o "$work/sgpt-ties" --density 0.3
+check '! cmp -s "$o/model.safetensors" "$work/sgpt-ties/model.safetensors"' "sparsegpt gave the same output as ties"
+# the same data as .txt, and the same merge on the simulated device with and without room
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-txt" --calib "$ct" --density 0.3
+same_shards "$o" "$work/sgpt-txt"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-sim" --calib "$cj" --density 0.3 --device sim:48KiB
+same_shards "$o" "$work/sgpt-sim"
+check 'grep -q "fallback: merge" "$work/out"' "sparsegpt on sim:48KiB: nothing fell back"
+# one file per FT, and the base's Hessians for all: another output
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-two" --calib "$cj" --calib "$ct" --density 0.3
+same_shards "$o" "$work/sgpt-two"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-base" --calib "$cj" --density 0.3 --hessian-from base
+check '! cmp -s "$o/model.safetensors" "$work/sgpt-base/model.safetensors"' "--hessian-from base changed nothing"
+json "$work/sgpt-base/llmerge.json" options.hessian_from base
+# fewer sequences: other Hessians, another output
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-few" --calib "$cj" --density 0.3 --calib-samples 2 --seq-len 5
+check '! cmp -s "$o/model.safetensors" "$work/sgpt-few/model.safetensors"' "--calib-samples/--seq-len changed nothing"
+x=$work/sgpt-bad
+expect 2 "needs calibration data" sparsegpt "$B" "$lp" -o "$x"
+printf '{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 100000]}\n' >"$work/bad.jsonl"
+expect 2 "bad.jsonl:2" sparsegpt "$B" "$lp" -o "$x" --calib "$work/bad.jsonl"
+expect 2 "given 3 times for 2 FTs" sparsegpt "$B" "$lp" "$ff" -o "$x" --calib "$cj" --calib "$cj" --calib "$cj"
+expect 2 "one --calib file" sparsegpt "$B" "$lp" "$ff" -o "$x" --calib "$cj" --calib "$cj" --hessian-from base
+expect 2 "use ft or base" sparsegpt "$B" "$lp" -o "$x" --calib "$cj" --hessian-from mine
+expect 2 "--seq-len" sparsegpt "$B" "$lp" -o "$x" --calib "$cj" --seq-len 0
+no_output "$x"
+expect 0 "--calib has no effect on ties" ties "$B" "$lp" -o "$work/sgpt-note" --calib "$cj"
+expect 0 "--hessian-from ft|base" sparsegpt --help
+check 'grep -q "tau_jc^2 / U_cc^2" "$work/out" && grep -q -- "--calib-samples N" "$work/out"' "sparsegpt --help: $(head -c 300 "$work/out")"
+
 # ---- devices: the simulated accelerator and its fallbacks ------------------------------------
 # An ample budget: every merged tensor on the device, the same output as the CPU's.
 merge ties "$B" "$lp" "$ff" -o "$work/dev-cpu" --device cpu
