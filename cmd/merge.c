@@ -27,6 +27,7 @@
 
 #include "adapter.h"
 #include "cmd.h"
+#include "cache.h"
 #include "calib.h"
 #include "device.h"
 #include "hessian.h"
@@ -228,7 +229,7 @@ static void usage(FILE *out, const method_info *m)
             "                         the CPU)\n"
             "  --threads N            CPU threads (default: all cores)\n"
             "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
-            "                         $XDG_CACHE_HOME/llmerge; this method keeps nothing there)\n"
+            "                         $XDG_CACHE_HOME/llmerge; %s)\n"
             "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
             "                         start, each tensor, end, error or interrupted (default:\n"
             "                         none)\n"
@@ -248,6 +249,9 @@ static void usage(FILE *out, const method_info *m)
             m->topk ? "" : ";\n                         no effect on this method",
             m->rescale ? "" : ";\n                         no effect on this method",
             m->seed ? "" : ";\n                         no effect on this method",
+            m->method == LM_MERGE_SPARSEGPT ? "sparsegpt keeps each model's Hessian terms\n"
+                                              "                         there, so a rerun skips the capture"
+                                            : "this method keeps nothing there",
             m->method != LM_MERGE_SPARSEGPT ? "" :
             "\nHessians (sparsegpt):\n"
             "  --calib FILE           calibration data, .jsonl ({\"input_ids\": [...]} per line) or\n"
@@ -738,7 +742,7 @@ static void note_unused(merge_run *r)
         {!m->topk && a->given[OPT_TOPK], "--topk", "it has no magnitude trim"},
         {!m->rescale && a->given[OPT_RESCALE], "--rescale", "it drops nothing at random"},
         {!m->seed && a->given[OPT_SEED], "--seed", "it draws nothing at random"},
-        {a->given[OPT_CACHE_DIR], "--cache-dir", "it keeps nothing between runs"},
+        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CACHE_DIR], "--cache-dir", "it keeps nothing between runs"},
         {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CALIB], "--calib", "it uses no Hessians"},
         {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CALIB_SAMPLES], "--calib-samples", "it uses no Hessians"},
         {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
@@ -786,34 +790,101 @@ static void note_line(void *ctx, const char *line)
     lm_progress_note(ctx, "%s", line);
 }
 
+// The U_cc² set of one model from the cache, when there is a sound entry for exactly these
+// inputs: *hit says whether. A damaged entry is said and removed.
+static lm_status ucc2_from_cache(merge_run *r, const char *dir, uint64_t key, double ***set, bool *hit, lm_err *err)
+{
+    int64_t n = 0, *dims = NULL;
+    char why[512] = "";
+    lm_status s = lm_cache_load_ucc2(dir, key, set, &n, &dims, hit, why, sizeof why, err);
+    if (s != LM_OK)
+        return s;
+    if (why[0])
+        lm_progress_note(&r->progress, "cache: %s: computing it again", why);
+    const lm_config *cfg = &r->base->config;
+    int64_t want[LM_FWD_N_POINTS] = {cfg->hidden_size, cfg->num_attention_heads * cfg->head_dim, cfg->hidden_size,
+                                     cfg->intermediate_size};
+    bool fits = *hit && n == cfg->num_hidden_layers * LM_FWD_N_POINTS;
+    for (int64_t i = 0; fits && i < n; i++)
+        fits = dims[i] == want[i % LM_FWD_N_POINTS];
+    free(dims);
+    if (*hit && !fits) {
+        lm_progress_note(&r->progress, "cache: the entry %016" PRIx64 " does not fit this model: computing it again",
+                         key);
+        lm_hess_ucc2_free(*set, n);
+        *set = NULL;
+        *hit = false;
+        return LM_OK;
+    }
+    if (*hit)
+        r->n_ucc2 = n;
+    return LM_OK;
+}
+
 // U_cc² of every Hessian sparsegpt uses: each FT's from its own model on its calibration file,
-// or the base's on the first file for all.
+// or the base's on the first file for all; from the cache when it has them (keyed by every
+// input's bytes, the caps and the damping), else captured and then kept there.
 static lm_status compute_ucc2(merge_run *r, lm_err *err)
 {
     merge_args *a = &r->args;
     r->n_ucc2_sets = a->hessian_from_base ? 1 : a->n_ft;
     if (!(r->ucc2 = calloc((size_t)r->n_ucc2_sets, sizeof *r->ucc2)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < r->n_ucc2_sets; i++) {
+    const double damp = 0.01;
+    const lm_config *cfg = &r->base->config;
+    int64_t seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
+    char *dir = lm_cache_dir(a->cache_dir);
+    if (!dir)
+        lm_progress_note(&r->progress, "note: no cache directory (give --cache-dir, or set XDG_CACHE_HOME or HOME): "
+                         "the Hessians are not kept");
+    lm_status s = LM_OK;
+    for (int i = 0; s == LM_OK && i < r->n_ucc2_sets; i++) {
         const lm_ft *ft = a->hessian_from_base ? NULL : r->fts[i];
         const lm_model *m = ft && ft->model ? ft->model : r->base;
         const lm_adapter *ad = ft ? ft->adapter : NULL;
         lm_calib *c = &r->calib[r->n_calib == 1 ? 0 : i];
+        const char *label = ft ? ft->path : r->base->dir;
+        uint64_t key = 0;
+        bool hit = false;
+        if (dir && (s = lm_cache_key_ucc2(m, ad, c->path, a->calib_samples, seq_len, damp, &key, err)) == LM_OK &&
+            (s = ucc2_from_cache(r, dir, key, &r->ucc2[i], &hit, err)) == LM_OK && hit) {
+            lm_progress_note(&r->progress, "Hessians of %s on %s: from the cache (%s/ucc2-%016" PRIx64 ".bin)", label,
+                             c->path, dir, key);
+            continue;
+        }
+        if (s != LM_OK)
+            break;
         lm_fwd_seq *seqs = calloc((size_t)c->n_seqs, sizeof *seqs);
-        if (!seqs)
-            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        if (!seqs) {
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+            break;
+        }
         for (int64_t q = 0; q < c->n_seqs; q++)
             seqs[q] = (lm_fwd_seq){c->ids + c->offsets[q], c->offsets[q + 1] - c->offsets[q]};
-        const char *label = ft ? ft->path : r->base->dir;
         lm_progress_note(&r->progress, "Hessians of %s on %s: %" PRId64 " sequences, %" PRId64 " tokens", label,
                          c->path, c->n_seqs, c->n_tokens);
-        lm_status s = lm_hess_ucc2_model(m, ad, r->dev, label, seqs, c->n_seqs, r->opts.threads, 0.01, note_line,
-                                         &r->progress, &r->ucc2[i], &r->n_ucc2, err);
+        s = lm_hess_ucc2_model(m, ad, r->dev, label, seqs, c->n_seqs, r->opts.threads, damp, note_line, &r->progress,
+                               &r->ucc2[i], &r->n_ucc2, err);
         free(seqs);
-        if (s != LM_OK)
-            return lm_err_prefix(err, "Hessians of %s", label);
+        if (s != LM_OK) {
+            lm_err_prefix(err, "Hessians of %s", label);
+            break;
+        }
+        if (dir) {
+            int64_t *dims = malloc((size_t)(r->n_ucc2 ? r->n_ucc2 : 1) * sizeof *dims);
+            int64_t d[LM_FWD_N_POINTS] = {cfg->hidden_size, cfg->num_attention_heads * cfg->head_dim, cfg->hidden_size,
+                                          cfg->intermediate_size};
+            for (int64_t q = 0; dims && q < r->n_ucc2; q++)
+                dims[q] = d[q % LM_FWD_N_POINTS];
+            lm_err cerr = {0};
+            if (!dims || lm_cache_store_ucc2(dir, key, r->ucc2[i], r->n_ucc2, dims, &cerr) != LM_OK)
+                lm_progress_note(&r->progress, "warning: the Hessians of %s are not kept in the cache: %s", label,
+                                 dims ? cerr.msg : "out of memory");
+            free(dims);
+        }
     }
-    return LM_OK;
+    free(dir);
+    return s;
 }
 
 // The engine's question: U_cc² of the Hessian feeding base tensor `tensor` for FT ft, found

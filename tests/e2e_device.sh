@@ -24,14 +24,15 @@ B=$fx/base
 same_as_cpu() {
   local name=$1
   shift
-  if ! "$llmerge" "$@" -o "$work/$name-cpu" --device cpu -q >"$work/out" 2>&1; then
+  # each run its own cache directory, so sparsegpt captures its Hessians on the device tested
+  if ! XDG_CACHE_HOME=$work/cache-$name-cpu "$llmerge" "$@" -o "$work/$name-cpu" --device cpu -q >"$work/out" 2>&1; then
     bad "$name on cpu failed: $(head -c 400 "$work/out")"
     return
   fi
   local label args
   for label in ample small; do
     if [ $label = ample ]; then args=("${ample[@]}"); else args=("${small[@]}"); fi
-    if ! "$llmerge" "$@" -o "$work/$name-$label" "${args[@]}" >"$work/out" 2>&1; then
+    if ! XDG_CACHE_HOME=$work/cache-$name-$label "$llmerge" "$@" -o "$work/$name-$label" "${args[@]}" >"$work/out" 2>&1; then
       bad "$name with ${args[*]} failed: $(head -c 600 "$work/out")"
       continue
     fi

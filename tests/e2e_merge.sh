@@ -13,6 +13,7 @@ set -u
 llmerge=$1 fx=$2 jsonq=$3 st_hash=$4
 work=$(mktemp -d /tmp/lm_e2e_merge_XXXXXX)
 trap 'rm -rf "$work"' EXIT
+export XDG_CACHE_HOME=$work/cache  # sparsegpt's default cache: never the user's
 passed=0 failed=0
 
 ok() { passed=$((passed + 1)); }
@@ -347,6 +348,26 @@ json "$work/sgpt-base/llmerge.json" options.hessian_from base
 # fewer sequences: other Hessians, another output
 merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-few" --calib "$cj" --density 0.3 --calib-samples 2 --seq-len 5
 check '! cmp -s "$o/model.safetensors" "$work/sgpt-few/model.safetensors"' "--calib-samples/--seq-len changed nothing"
+# the cache: a second run of the same point reads the Hessians back, and gives the same bytes;
+# another calibration file misses; a damaged entry is said, removed and computed again
+cache=$work/ucache
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c1" --calib "$cj" --density 0.3 --cache-dir "$cache"
+check '[ "$(grep -c "from the cache" "$work/out")" -eq 0 ] && [ "$(ls "$cache" | grep -c "^ucc2-.*\.bin$")" -eq 2 ]' \
+  "first cached run: $(ls "$cache" 2>&1) $(head -c 300 "$work/out")"
+entry=$(ls "$cache"/ucc2-*.bin | head -1)  # one of this point's entries
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c2" --calib "$cj" --density 0.3 --cache-dir "$cache"
+check '[ "$(grep -c "from the cache" "$work/out")" -eq 2 ]' "second run did not use the cache: $(head -c 400 "$work/out")"
+same_shards "$o" "$work/sgpt-c2"
+head -n 4 "$cj" >"$work/short.jsonl"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c3" --calib "$work/short.jsonl" --density 0.3 --cache-dir "$cache"
+check '[ "$(grep -c "from the cache" "$work/out")" -eq 0 ]' "another calibration file hit the cache: $(head -c 400 "$work/out")"
+printf "X" | dd of="$entry" bs=1 seek=1000 conv=notrunc 2>/dev/null
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c4" --calib "$cj" --density 0.3 --cache-dir "$cache"
+check 'grep -q "cache: .* checksum that does not match its contents: computing it again" "$work/out"' \
+  "a damaged entry was not reported: $(head -c 500 "$work/out")"
+check '[ "$(grep -c "from the cache" "$work/out")" -eq 1 ]' "damaged entry: $(head -c 400 "$work/out")"
+same_shards "$o" "$work/sgpt-c4"
+
 x=$work/sgpt-bad
 expect 2 "needs calibration data" sparsegpt "$B" "$lp" -o "$x"
 printf '{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 100000]}\n' >"$work/bad.jsonl"
