@@ -1,0 +1,184 @@
+// Benchmark of activation capture (`llmerge hessian`) on the 1B-shape synthetic model that
+// bench_merge generates (Llama-3.2-1B shapes, BF16): tokens per second, and the arithmetic rate
+// it implies as a share of OpenBLAS's sgemm peak measured in the same run (all cores, square
+// 2048 matrices, best of three). The work counted per token is the linear layers' forward
+// (2 · their parameters) plus the Hessian accumulation (2 · in² for each of the four layer
+// inputs of every layer); attention, norms and the rest are left out, so the share is a lower
+// bound. Not a test: it asserts nothing, and exits non-zero only when something fails to run.
+//
+//   bench_capture [--work DIR] [--llmerge PATH] [--seqs N] [--len L]
+#include <limits.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cblas.h>
+
+#include "config.h"
+#include "util.h"
+
+extern void openblas_set_num_threads(int num_threads);
+
+static double now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+// The best rate of three 2048³ sgemm calls, in FLOP/s, on every core.
+static double sgemm_peak(void)
+{
+    const int n = 2048;
+    float *a = malloc((size_t)n * n * 4), *b = malloc((size_t)n * n * 4), *c = malloc((size_t)n * n * 4);
+    if (!a || !b || !c)
+        return 0;
+    for (size_t i = 0; i < (size_t)n * n; i++) {
+        a[i] = (float)(i % 7) * 0.1f;
+        b[i] = (float)(i % 5) * 0.2f;
+    }
+    openblas_set_num_threads((int)sysconf(_SC_NPROCESSORS_ONLN));
+    double best = 0;
+    for (int r = 0; r < 4; r++) {  // the first warms up
+        double t = now();
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, n, n, 1.0f, a, n, b, n, 0.0f, c, n);
+        double rate = 2.0 * n * n * (double)n / (now() - t);
+        if (r > 0 && rate > best)
+            best = rate;
+    }
+    free(a);
+    free(b);
+    free(c);
+    return best;
+}
+
+static char *default_llmerge(void)
+{
+    char self[PATH_MAX];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0)
+        return lm_strdup("./llmerge");
+    self[n] = '\0';
+    char *slash = strrchr(self, '/');
+    if (slash)
+        *slash = '\0';
+    return lm_path_join(self, "llmerge");
+}
+
+int main(int argc, char **argv)
+{
+    const char *work = "/tmp/llmerge-bench-merge", *llmerge_arg = NULL;
+    int seqs = 4, len = 128;
+    for (int i = 1; i < argc; i++) {
+        bool has = i + 1 < argc;
+        if (strcmp(argv[i], "--work") == 0 && has)
+            work = argv[++i];
+        else if (strcmp(argv[i], "--llmerge") == 0 && has)
+            llmerge_arg = argv[++i];
+        else if (strcmp(argv[i], "--seqs") == 0 && has)
+            seqs = atoi(argv[++i]);
+        else if (strcmp(argv[i], "--len") == 0 && has)
+            len = atoi(argv[++i]);
+        else {
+            fprintf(stderr, "usage: bench_capture [--work DIR] [--llmerge PATH] [--seqs N] [--len L]\n");
+            return 2;
+        }
+    }
+    char *llmerge = llmerge_arg ? lm_strdup(llmerge_arg) : default_llmerge();
+    char *base = lm_path_join(work, "base"), *cfg_path = lm_path_join(base, "config.json");
+    char *calib = lm_path_join(work, "capture.txt"), *out = lm_path_join(work, "capture-H.safetensors");
+    lm_config cfg;
+    lm_err err = {0};
+    if (access(cfg_path, R_OK) != 0) {
+        fprintf(stderr, "bench_capture: no model at %s: run bench_merge first, which generates it\n", base);
+        return 1;
+    }
+    if (lm_config_load(&cfg, cfg_path, &err) != LM_OK) {
+        fprintf(stderr, "bench_capture: %s\n", err.msg);
+        return 1;
+    }
+    // calibration data: seqs sequences of len ids
+    FILE *f = fopen(calib, "w");
+    if (!f) {
+        fprintf(stderr, "bench_capture: cannot write %s\n", calib);
+        return 1;
+    }
+    uint64_t x = 88172645463325252ull;
+    for (int s = 0; s < seqs; s++) {
+        for (int t = 0; t < len; t++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            fprintf(f, "%s%llu", t ? " " : "", (unsigned long long)(x % (uint64_t)cfg.vocab_size));
+        }
+        fputc('\n', f);
+    }
+    fclose(f);
+
+    double peak = sgemm_peak();
+    int64_t h = cfg.hidden_size, q = cfg.num_attention_heads * cfg.head_dim;
+    int64_t kv = cfg.num_key_value_heads * cfg.head_dim, in = cfg.intermediate_size;
+    double linear = (double)(h * q + 2 * h * kv + q * h + 2 * h * in + in * h);
+    double hess = (double)(h * h + q * q + h * h + in * in);
+    double per_token = (2.0 * linear + 2.0 * hess) * (double)cfg.num_hidden_layers;
+    printf("machine: %ld cores; OpenBLAS sgemm 2048^3 on all cores: %.1f GFLOP/s (best of 3)\n",
+           sysconf(_SC_NPROCESSORS_ONLN), peak / 1e9);
+    printf("model %s: %lld layers, hidden %lld, intermediate %lld; counted work %.2f GFLOP per token "
+           "(linear forward %.2f + Hessians %.2f)\n", base, (long long)cfg.num_hidden_layers, (long long)h,
+           (long long)in, per_token / 1e9, 2.0 * linear * (double)cfg.num_hidden_layers / 1e9,
+           2.0 * hess * (double)cfg.num_hidden_layers / 1e9);
+    fflush(stdout);
+
+    char *log = lm_path_join(work, "capture.log");
+    double t0 = now();
+    pid_t pid = fork();
+    if (pid == 0) {
+        // stderr to the log: llmerge's summary line says how long the capture itself took
+        if (!freopen(log, "w", stderr))
+            _exit(127);
+        execl(llmerge, llmerge, "hessian", base, "--calib", calib, "-o", out, "--force", "--device", "cpu",
+              (char *)NULL);
+        perror("bench_capture: exec");
+        _exit(127);
+    }
+    int status = 0;
+    waitpid(pid, &status, 0);
+    double wall = now() - t0;
+    unlink(out);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "bench_capture: llmerge hessian failed (status %d)\n", status);
+        return 1;
+    }
+    // "... N tokens captured in T s ..." from llmerge's summary
+    double tokens = (double)seqs * len, capture = 0;
+    FILE *lf = fopen(log, "r");
+    char line[1024];
+    while (lf && fgets(line, sizeof line, lf)) {
+        const char *p = strstr(line, " tokens captured in ");
+        if (p)
+            capture = atof(p + strlen(" tokens captured in "));
+    }
+    if (lf)
+        fclose(lf);
+    unlink(log);
+    if (capture <= 0) {
+        fprintf(stderr, "bench_capture: no capture time in llmerge's output\n");
+        return 1;
+    }
+    double rate = tokens / capture;
+    printf("llmerge hessian, %d sequences x %d tokens on the cpu: %.2f s in all (the capture %.2f s, then the\n"
+           "  Hessians finished and written), capture %.1f tokens/s, %.1f GFLOP/s counted = %.0f%% of the sgemm\n"
+           "  peak (target 60%%)\n", seqs, len, wall, capture, rate, rate * per_token / 1e9,
+           100.0 * rate * per_token / peak);
+    free(log);
+    lm_config_free(&cfg);
+    free(llmerge);
+    free(base);
+    free(cfg_path);
+    free(calib);
+    free(out);
+    return 0;
+}
