@@ -22,6 +22,8 @@
 #include "config.h"
 #include "util.h"
 
+#include "bench_util.h"
+
 extern void openblas_set_num_threads(int num_threads);
 
 static double now(void)
@@ -57,19 +59,6 @@ static double sgemm_peak(void)
     return best;
 }
 
-static char *default_llmerge(void)
-{
-    char self[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n <= 0)
-        return lm_strdup("./llmerge");
-    self[n] = '\0';
-    char *slash = strrchr(self, '/');
-    if (slash)
-        *slash = '\0';
-    return lm_path_join(self, "llmerge");
-}
-
 int main(int argc, char **argv)
 {
     const char *work = "/tmp/llmerge-bench-merge", *llmerge_arg = NULL;
@@ -89,7 +78,7 @@ int main(int argc, char **argv)
             return 2;
         }
     }
-    char *llmerge = llmerge_arg ? lm_strdup(llmerge_arg) : default_llmerge();
+    char *llmerge = llmerge_arg ? lm_strdup(llmerge_arg) : bench_default_llmerge();
     char *base = lm_path_join(work, "base"), *cfg_path = lm_path_join(base, "config.json");
     char *calib = lm_path_join(work, "capture.txt"), *out = lm_path_join(work, "capture-H.safetensors");
     lm_config cfg;

@@ -41,6 +41,8 @@
 #include "dtype.h"
 #include "st_writer.h"
 #include "util.h"
+
+#include "bench_util.h"
 #ifdef LLMERGE_HAVE_CUDA
 #include "kernels.h"
 #endif
@@ -977,20 +979,6 @@ static void usage(FILE *out)
             "  --fallback-mem SIZE  also run ties of each kind with --gpu-mem SIZE (fallbacks)\n");
 }
 
-// llmerge in the directory of this program (both live in the build directory).
-static char *default_llmerge(void)
-{
-    char self[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n <= 0)
-        return lm_strdup("./llmerge");
-    self[n] = '\0';
-    char *slash = strrchr(self, '/');
-    if (slash)
-        *slash = '\0';
-    return lm_path_join(self, "llmerge");
-}
-
 int main(int argc, char **argv)
 {
     bm_opts o = {.work = "/tmp/llmerge-bench-merge", .full = true, .lora = true, .device = "cpu"};
@@ -1028,7 +1016,7 @@ int main(int argc, char **argv)
     lm_err err = {0};
     bm_paths p = {0};
     uint8_t *buf = malloc(IO_BLOCK);
-    char *llmerge = o.llmerge ? lm_strdup(o.llmerge) : default_llmerge();
+    char *llmerge = o.llmerge ? lm_strdup(o.llmerge) : bench_default_llmerge();
     if (!buf || !llmerge || paths_init(&p, o.work) != 0) {
         fprintf(stderr, "bench_merge: out of memory\n");
         goto done;

@@ -1045,13 +1045,7 @@ static void on_fallback(void *ctx, const char *phase, const char *unit, const ch
     lm_progress_fallback(&r->progress, phase, unit, from, to, reason);
     if (!r->fallbacks)
         r->fallbacks = cJSON_CreateArray();
-    cJSON *f = cJSON_CreateObject();
-    cJSON_AddStringToObject(f, "phase", phase);
-    cJSON_AddStringToObject(f, "unit", unit);
-    cJSON_AddStringToObject(f, "from", from);
-    cJSON_AddStringToObject(f, "to", to);
-    cJSON_AddStringToObject(f, "reason", reason);
-    cJSON_AddItemToArray(r->fallbacks, f);
+    cJSON_AddItemToArray(r->fallbacks, lm_fallback_json(phase, unit, from, to, reason));
 }
 
 // Where the units ran, when there was an accelerator: units per device, fallbacks per phase

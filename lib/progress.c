@@ -304,13 +304,18 @@ void lm_progress_fallback(lm_progress *p, const char *phase, const char *unit, c
     p->fallbacks++;
     unlock(p);
     lm_progress_note(p, "fallback: %s %s on %s (%s)", phase, unit, to, reason);
+    lm_progress_event(p, "fallback", lm_fallback_json(phase, unit, from, to, reason));
+}
+
+cJSON *lm_fallback_json(const char *phase, const char *unit, const char *from, const char *to, const char *reason)
+{
     cJSON *f = cJSON_CreateObject();
     cJSON_AddStringToObject(f, "phase", phase);
     cJSON_AddStringToObject(f, "unit", unit);
     cJSON_AddStringToObject(f, "from", from);
     cJSON_AddStringToObject(f, "to", to);
     cJSON_AddStringToObject(f, "reason", reason);
-    lm_progress_event(p, "fallback", f);
+    return f;
 }
 
 void lm_progress_note(lm_progress *p, const char *fmt, ...)

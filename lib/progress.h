@@ -95,6 +95,10 @@ void lm_progress_note(lm_progress *p, const char *fmt, ...) __attribute__((forma
 void lm_progress_fallback(lm_progress *p, const char *phase, const char *unit, const char *from, const char *to,
                           const char *reason);
 
+// The fallback as a JSON object {"phase", "unit", "from", "to", "reason"} (new; NULL when
+// memory runs out), as the event carries it and llmerge.json keeps it.
+cJSON *lm_fallback_json(const char *phase, const char *unit, const char *from, const char *to, const char *reason);
+
 // Prints "PREFIX: error: MESSAGE" on stderr, quiet or not (ending a progress line first), and
 // logs {"event": "error", "message", "exit_status"}.
 void lm_progress_error(lm_progress *p, int exit_status, const char *fmt, ...)
