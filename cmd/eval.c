@@ -20,6 +20,7 @@
 
 #include "adapter.h"
 #include "calib.h"
+#include "args.h"
 #include "cmd.h"
 #include "device.h"
 #include "forward.h"
@@ -78,12 +79,7 @@ typedef enum opt_id {
     OPT_QUIET, OPT_HELP,
 } opt_id;
 
-typedef struct opt_def {
-    const char *name;
-    char short_name;
-    bool value;
-    opt_id id;
-} opt_def;
+typedef lm_opt opt_def;
 
 static const opt_def opt_defs[] = {
     {"adapter", 0, true, OPT_ADAPTER}, {"data", 0, true, OPT_DATA},
@@ -163,86 +159,26 @@ static lm_status apply_option(eval_args *a, const opt_def *d, const char *shown,
     return LM_OK;
 }
 
-static lm_status unknown_option(const char *arg, const char *name, lm_err *err)
+// Parses argv into *a (zeroed by the caller): MODEL anywhere among the options, "--" ends them.
+static lm_status on_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
-    const char *best = NULL;
-    size_t best_d = SIZE_MAX, len = strlen(name);
-    for (size_t i = 0; i < N_OPTS; i++) {
-        size_t d = lm_cmd_edit_distance(name, opt_defs[i].name);
-        if (len >= 3 && strncmp(opt_defs[i].name, name, len) == 0)
-            d = 1;  // a typed prefix counts as close
-        if (d < best_d) {
-            best_d = d;
-            best = opt_defs[i].name;
-        }
-    }
-    if (best && best_d <= (len <= 4 ? 1u : len <= 8 ? 2u : 3u))
-        return lm_err_set(err, LM_ERR_USAGE, "unknown option '%s'; did you mean '--%s'?", arg, best);
-    return lm_err_set(err, LM_ERR_USAGE, "unknown option '%s'", arg);
+    return apply_option(ctx, d, shown, v, err);
 }
 
-// Parses argv into *a (zeroed by the caller): MODEL anywhere among the options, "--" ends them.
+static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
+{
+    eval_args *a = ctx;
+    if (a->model)
+        return lm_err_set(err, LM_ERR_USAGE, "one MODEL only ('%s' and '%s'); an adapter goes with --adapter",
+                          a->model, arg);
+    a->model = arg;
+    return LM_OK;
+}
+
 static lm_status parse_args(eval_args *a, int argc, char **argv, lm_err *err)
 {
     a->device = "auto";
-    bool options_done = false;
-    lm_status s;
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        if (options_done || arg[0] != '-' || arg[1] == '\0') {
-            if (a->model)
-                return lm_err_set(err, LM_ERR_USAGE, "one MODEL only ('%s' and '%s'); an adapter goes with "
-                                  "--adapter", a->model, arg);
-            a->model = arg;
-            continue;
-        }
-        if (strcmp(arg, "--") == 0) {
-            options_done = true;
-            continue;
-        }
-        const opt_def *d = NULL;
-        const char *v = NULL;
-        char shown[64];
-        if (arg[1] == '-') {
-            const char *name = arg + 2, *eq = strchr(name, '=');
-            size_t len = eq ? (size_t)(eq - name) : strlen(name);
-            for (size_t k = 0; k < N_OPTS && !d; k++)
-                if (strlen(opt_defs[k].name) == len && strncmp(opt_defs[k].name, name, len) == 0)
-                    d = &opt_defs[k];
-            if (!d) {
-                char typed[64];
-                snprintf(typed, sizeof typed, "%.*s", (int)(len < 63 ? len : 63), name);
-                return unknown_option(arg, typed, err);
-            }
-            snprintf(shown, sizeof shown, "--%s", d->name);
-            if (d->value) {
-                if (eq)
-                    v = eq + 1;
-                else if (i + 1 < argc)
-                    v = argv[++i];
-                else
-                    return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-            } else if (eq) {
-                return lm_err_set(err, LM_ERR_USAGE, "%s takes no value ('%s')", shown, arg);
-            }
-            if ((s = apply_option(a, d, shown, v, err)) != LM_OK)
-                return s;
-            continue;
-        }
-        for (const char *c = arg + 1; *c; c++) {  // -q, -h, -qh
-            d = NULL;
-            for (size_t k = 0; k < N_OPTS && !d; k++)
-                if (opt_defs[k].short_name == *c)
-                    d = &opt_defs[k];
-            if (!d)
-                return c == arg + 1 ? unknown_option(arg, arg + 1, err)
-                                    : lm_err_set(err, LM_ERR_USAGE, "unknown option '-%c' in '%s'", *c, arg);
-            snprintf(shown, sizeof shown, "-%c", *c);
-            if ((s = apply_option(a, d, shown, NULL, err)) != LM_OK)
-                return s;
-        }
-    }
-    return LM_OK;
+    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, on_option, on_operand, a, err);
 }
 
 // ==== the run =================================================================================

@@ -26,6 +26,7 @@
 #include <sys/stat.h>
 
 #include "adapter.h"
+#include "args.h"
 #include "cmd.h"
 #include "cache.h"
 #include "calib.h"
@@ -103,12 +104,7 @@ typedef enum opt_id {
     OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_HELP,
 } opt_id;
 
-typedef struct opt_def {
-    const char *name;  // without the leading "--"
-    char short_name;   // or 0
-    bool value;        // takes a value
-    opt_id id;
-} opt_def;
+typedef lm_opt opt_def;
 
 static const opt_def opt_defs[] = {
     {"output", 'o', true, OPT_OUTPUT},
@@ -343,33 +339,6 @@ static bool parse_u64(const char *text, uint64_t lo, uint64_t hi, uint64_t *out)
     return true;
 }
 
-// The closest option name to `name` (without dashes), or NULL when none is close.
-static const char *suggest(const char *name)
-{
-    const char *best = NULL;
-    size_t best_d = SIZE_MAX, len = strlen(name);
-    for (size_t i = 0; i < N_OPTS; i++) {
-        size_t d = lm_cmd_edit_distance(name, opt_defs[i].name);
-        // a typed prefix of a name ("--dens") counts as close
-        if (len >= 3 && strncmp(opt_defs[i].name, name, len) == 0)
-            d = 1;
-        if (d < best_d) {
-            best_d = d;
-            best = opt_defs[i].name;
-        }
-    }
-    size_t limit = len <= 4 ? 1 : len <= 8 ? 2 : 3;
-    return best_d <= limit ? best : NULL;
-}
-
-static lm_status unknown_option(const char *arg, const char *name, lm_err *err)
-{
-    const char *s = suggest(name);
-    if (s)
-        return lm_err_set(err, LM_ERR_USAGE, "unknown option '%s'; did you mean '--%s'?", arg, s);
-    return lm_err_set(err, LM_ERR_USAGE, "unknown option '%s'", arg);
-}
-
 // Applies option `d` with value `v` (NULL for a flag). `shown` is how the user wrote it.
 static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown, const char *v,
                               lm_err *err)
@@ -518,6 +487,22 @@ static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown
 
 // Parses argv into *a (zeroed by the caller, m set). Positional arguments are BASE then the FTs,
 // anywhere among the options; "--" ends the options.
+static lm_status on_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+{
+    return apply_option(ctx, d, shown, v, err);
+}
+
+static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
+{
+    merge_args *a = ctx;
+    (void)err;
+    if (!a->base)
+        a->base = arg;
+    else
+        a->fts[a->n_ft++] = arg;
+    return LM_OK;
+}
+
 static lm_status parse_args(merge_args *a, int argc, char **argv, lm_err *err)
 {
     a->lambda = 1.0;
@@ -527,75 +512,7 @@ static lm_status parse_args(merge_args *a, int argc, char **argv, lm_err *err)
     a->fts = calloc((size_t)argc, sizeof *a->fts);
     if (!a->fts)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    bool options_done = false;
-    lm_status s;
-    for (int i = 1; i < argc; i++) {
-        const char *arg = argv[i];
-        if (options_done || arg[0] != '-' || arg[1] == '\0') {
-            if (!a->base)
-                a->base = arg;
-            else
-                a->fts[a->n_ft++] = arg;
-            continue;
-        }
-        if (strcmp(arg, "--") == 0) {
-            options_done = true;
-            continue;
-        }
-        if (arg[1] == '-') {
-            // --name or --name=value
-            const char *name = arg + 2, *eq = strchr(name, '=');
-            size_t len = eq ? (size_t)(eq - name) : strlen(name);
-            const opt_def *d = NULL;
-            for (size_t k = 0; k < N_OPTS && !d; k++)
-                if (strlen(opt_defs[k].name) == len && strncmp(opt_defs[k].name, name, len) == 0)
-                    d = &opt_defs[k];
-            if (!d) {
-                char typed[64];
-                snprintf(typed, sizeof typed, "%.*s", (int)(len < 63 ? len : 63), name);
-                return unknown_option(arg, typed, err);
-            }
-            char shown[64];
-            snprintf(shown, sizeof shown, "--%s", d->name);
-            const char *v = NULL;
-            if (d->value) {
-                if (eq)
-                    v = eq + 1;
-                else if (i + 1 < argc)
-                    v = argv[++i];
-                else
-                    return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-            } else if (eq) {
-                return lm_err_set(err, LM_ERR_USAGE, "%s takes no value ('%s')", shown, arg);
-            }
-            if ((s = apply_option(a, d, shown, v, err)) != LM_OK)
-                return s;
-            continue;
-        }
-        // short options: -o OUT, -oOUT, and bundled flags such as -qv
-        for (const char *c = arg + 1; *c; c++) {
-            const opt_def *d = NULL;
-            for (size_t k = 0; k < N_OPTS && !d; k++)
-                if (opt_defs[k].short_name == *c)
-                    d = &opt_defs[k];
-            if (!d)
-                return c == arg + 1 ? unknown_option(arg, arg + 1, err)
-                                    : lm_err_set(err, LM_ERR_USAGE, "unknown option '-%c' in '%s'",
-                                                 *c, arg);
-            char shown[4] = {'-', *c, '\0', '\0'};
-            if (d->value) {
-                const char *v = c[1] ? c + 1 : i + 1 < argc ? argv[++i] : NULL;
-                if (!v)
-                    return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-                if ((s = apply_option(a, d, shown, v, err)) != LM_OK)
-                    return s;
-                break;
-            }
-            if ((s = apply_option(a, d, shown, NULL, err)) != LM_OK)
-                return s;
-        }
-    }
-    return LM_OK;
+    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, on_option, on_operand, a, err);
 }
 
 // The last --log-json value in argv (before "--"), or NULL; parse_args checks it properly.
