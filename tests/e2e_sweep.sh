@@ -14,6 +14,7 @@ passed=0 failed=0
 
 ok() { passed=$((passed + 1)); }
 bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
+check() { if eval "$1"; then ok; else bad "$2"; fi; }
 
 # ctest may run under make (make test): its job server and flags are not for these makes
 unset MAKEFLAGS MFLAGS MAKELEVEL
@@ -81,6 +82,17 @@ if [ "$merges" -eq 1 ] && grep -q -- "-o $out/models/dare-ties-d0.5-w1_1_1 " "$w
 fi
 if [ "$(($(wc -l <"$csv") - 1))" -eq 4 ]; then ok; else bad "results.csv after resuming: $(cat "$csv")"; fi
 if sweep -q >/dev/null 2>&1; then ok; else bad "make -q says the resumed sweep is not up to date"; fi
+
+# ---- sparsegpt points share their Hessians through the cache ----------------------------------
+sg=$work/sweep-sg
+if sweep OUT="$sg" METHODS=sparsegpt DENSITIES="0.2 0.5" MERGE_FLAGS= -j1 >"$work/sg.log" 2>&1; then ok; else
+  bad "the sparsegpt sweep failed: $(tail -c 1500 "$work/sg.log")"
+fi
+captured=$(grep -c "Hessians of .* tokens" "$work/sg.log")
+cached=$(grep -c "Hessians of .* from the cache" "$work/sg.log")
+check '[ "$captured" -eq 3 ] && [ "$cached" -eq 3 ]' "sparsegpt sweep: $captured captures and $cached cache reads (want 3 and 3)"
+check '[ "$(grep -c "^sparsegpt," "$sg/results.csv")" -eq 2 ]' "sparsegpt sweep: $(cat "$sg/results.csv" 2>&1)"
+check '[ -n "$(ls "$sg/cache"/ucc2-*.bin 2>/dev/null)" ]' "sparsegpt sweep: no cache entries in $sg/cache"
 
 # ---- make install ----------------------------------------------------------------------------
 dest=$work/dest
