@@ -1,8 +1,9 @@
 // The reference forward pass the forward-pass and Hessian tests compare with: Hugging Face's
 // semantics written out in double precision, one sequence at a time, with plain loops straight
 // from FORMATS.md and nothing shared with lib/forward.c, so the two cannot agree by sharing a
-// mistake. For test programs only (static functions; each includes it once). The program sets
-// `fixtures` to the fixtures directory before calling fx.
+// mistake. Also the fixture helpers both tests use. For test programs only (static functions;
+// each includes it once). The program sets `fixtures` to the fixtures directory before calling
+// fx.
 #ifndef LM_TEST_REF_FORWARD_H
 #define LM_TEST_REF_FORWARD_H
 
@@ -13,6 +14,9 @@
 #include <string.h>
 
 #include "adapter.h"
+#include "calib.h"
+#include "check.h"
+#include "forward.h"
 #include "config.h"
 #include "model.h"
 #include "util.h"
@@ -317,5 +321,57 @@ static void ref_forward(const ref_ctx *c, const int32_t *ids, int64_t T, ref_out
     free(tmp);
     free(g);
     free(u);
+}
+
+// ==== fixtures ================================================================================
+
+typedef struct seqs {
+    lm_calib c;
+    lm_fwd_seq *s;  // (c.n_seqs)
+    int64_t n, T;
+} seqs;
+
+static void load_seqs(seqs *q, int64_t vocab)
+{
+    memset(q, 0, sizeof *q);
+    char *p = fx("calib/calib.jsonl");
+    lm_err err;
+    lm_calib_opts o = {.vocab_size = vocab};
+    CHECK_OK(lm_calib_load(&q->c, p, &o, &err), &err);
+    free(p);
+    q->n = q->c.n_seqs;
+    q->T = q->c.n_tokens;
+    q->s = calloc((size_t)q->n + 1, sizeof *q->s);
+    for (int64_t i = 0; i < q->n; i++) {
+        q->s[i].ids = q->c.ids + q->c.offsets[i];
+        q->s[i].len = q->c.offsets[i + 1] - q->c.offsets[i];
+    }
+}
+
+static void free_seqs(seqs *q)
+{
+    lm_calib_free(&q->c);
+    free(q->s);
+}
+
+static lm_model *open_model(const char *name)
+{
+    char *p = fx(name);
+    lm_model *m = NULL;
+    lm_err err;
+    CHECK_OK(lm_model_open(&m, p, &err), &err);
+    free(p);
+    return m;
+}
+
+static lm_adapter *open_adapter(const char *name)
+{
+    char *p = fx(name);
+    lm_adapter *a = NULL;
+    lm_err err;
+    CHECK_OK(lm_adapter_open(&a, p, &err), &err);
+    free(p);
+    return a;
+}
 
 #endif

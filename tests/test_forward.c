@@ -36,7 +36,6 @@
 #define ROUNDING 1e-5  // float32 results of one computation done in different batches or splits
 
 #include "ref_forward.h"
-}
 
 // max |got − ref| / max |ref| over n values.
 static double rel_err(const float *got, const double *ref, int64_t n)
@@ -74,57 +73,6 @@ static double rel_diff_d(const double *a, const double *b, int64_t n)
         mr = fabs(b[i]) > mr ? fabs(b[i]) : mr;
     }
     return mr > 0 ? md / mr : md;
-}
-
-// ==== fixtures ================================================================================
-
-typedef struct seqs {
-    lm_calib c;
-    lm_fwd_seq *s;  // (c.n_seqs)
-    int64_t n, T;
-} seqs;
-
-static void load_seqs(seqs *q, int64_t vocab)
-{
-    memset(q, 0, sizeof *q);
-    char *p = fx("calib/calib.jsonl");
-    lm_err err;
-    lm_calib_opts o = {.vocab_size = vocab};
-    CHECK_OK(lm_calib_load(&q->c, p, &o, &err), &err);
-    free(p);
-    q->n = q->c.n_seqs;
-    q->T = q->c.n_tokens;
-    q->s = calloc((size_t)q->n + 1, sizeof *q->s);
-    for (int64_t i = 0; i < q->n; i++) {
-        q->s[i].ids = q->c.ids + q->c.offsets[i];
-        q->s[i].len = q->c.offsets[i + 1] - q->c.offsets[i];
-    }
-}
-
-static void free_seqs(seqs *q)
-{
-    lm_calib_free(&q->c);
-    free(q->s);
-}
-
-static lm_model *open_model(const char *name)
-{
-    char *p = fx(name);
-    lm_model *m = NULL;
-    lm_err err;
-    CHECK_OK(lm_model_open(&m, p, &err), &err);
-    free(p);
-    return m;
-}
-
-static lm_adapter *open_adapter(const char *name)
-{
-    char *p = fx(name);
-    lm_adapter *a = NULL;
-    lm_err err;
-    CHECK_OK(lm_adapter_open(&a, p, &err), &err);
-    free(p);
-    return a;
 }
 
 // Logits of every sequence run as one packed batch on d (host (T, V), caller frees).
