@@ -65,6 +65,8 @@ static void usage(FILE *out)
             "  --threads N       CPU threads (default 0: all cores)\n"
             "  --json            print one JSON object instead: perplexity, nll_mean, tokens,\n"
             "                    sequences, the inputs, the device and the fallbacks\n"
+            "  --sticky-fallback once a sequence has gone to the CPU, run every later batch there\n"
+            "                    too instead of trying the device again (default: try again)\n"
             "  -q, --quiet       nothing on stderr but errors\n"
             "  -h, --help        this help\n"
             "\n"
@@ -76,7 +78,7 @@ static void usage(FILE *out)
 
 typedef enum opt_id {
     OPT_ADAPTER, OPT_DATA, OPT_SEQ_LEN, OPT_SAMPLES, OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_JSON,
-    OPT_QUIET, OPT_HELP,
+    OPT_QUIET, OPT_STICKY, OPT_HELP,
 } opt_id;
 
 typedef lm_opt opt_def;
@@ -87,6 +89,7 @@ static const opt_def opt_defs[] = {
     {"device", 0, true, OPT_DEVICE},   {"gpu-mem", 0, true, OPT_GPU_MEM},
     {"threads", 0, true, OPT_THREADS}, {"json", 0, false, OPT_JSON},
     {"quiet", 'q', false, OPT_QUIET},  {"help", 'h', false, OPT_HELP},
+    {"sticky-fallback", 0, false, OPT_STICKY},
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
 
@@ -96,7 +99,7 @@ typedef struct eval_args {
     int64_t samples;   // 0: all
     uint64_t gpu_mem;  // 0: not given
     int threads;
-    bool json, quiet, help;
+    bool json, quiet, help, sticky;
 } eval_args;
 
 // A whole decimal number in [lo, hi].
@@ -151,6 +154,9 @@ static lm_status apply_option(eval_args *a, const opt_def *d, const char *shown,
         return LM_OK;
     case OPT_QUIET:
         a->quiet = true;
+        return LM_OK;
+    case OPT_STICKY:
+        a->sticky = true;
         return LM_OK;
     case OPT_HELP:
         a->help = true;
@@ -356,6 +362,7 @@ static int work(eval_run *r)
     double t0 = lm_progress_now();
     lm_signals_install();  // Ctrl-C stops at the next layer: exit 128 + the signal, no result
     lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "eval", a->model, 0, on_note, p, &err);
+    r->runner.sticky = a->sticky;
     if (s != LM_OK) {
         int code = lm_status_exit_code(s);
         lm_progress_error(p, code, "%s", err.msg);

@@ -70,6 +70,8 @@ static void usage(FILE *out)
             "  --threads N         CPU threads (default 0: all cores)\n"
             "  --log-json FILE     write one JSON object per event to FILE (JSON Lines): progress,\n"
             "                      fallbacks, errors (default: none)\n"
+            "  --sticky-fallback   once a sequence has gone to the CPU, run every later batch\n"
+            "                      there too instead of trying the device again (default: try)\n"
             "  -q, --quiet         nothing on stderr but errors\n"
             "  -h, --help          this help\n"
             "\n"
@@ -82,7 +84,7 @@ static void usage(FILE *out)
 
 typedef enum opt_id {
     OPT_OUTPUT, OPT_FORCE, OPT_ADAPTER, OPT_CALIB, OPT_SAMPLES, OPT_SEQ_LEN, OPT_DEVICE, OPT_GPU_MEM,
-    OPT_THREADS, OPT_LOG_JSON, OPT_QUIET, OPT_HELP,
+    OPT_THREADS, OPT_LOG_JSON, OPT_QUIET, OPT_STICKY, OPT_HELP,
 } opt_id;
 
 typedef lm_opt opt_def;
@@ -94,6 +96,7 @@ static const opt_def opt_defs[] = {
     {"device", 0, true, OPT_DEVICE},         {"gpu-mem", 0, true, OPT_GPU_MEM},
     {"threads", 0, true, OPT_THREADS},       {"log-json", 0, true, OPT_LOG_JSON},
     {"quiet", 'q', false, OPT_QUIET},        {"help", 'h', false, OPT_HELP},
+    {"sticky-fallback", 0, false, OPT_STICKY},
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
 
@@ -103,7 +106,7 @@ typedef struct hess_args {
     int64_t samples;   // 0: all
     uint64_t gpu_mem;  // 0: not given
     int threads;
-    bool force, quiet, help;
+    bool force, quiet, help, sticky;
 } hess_args;
 
 // A whole decimal number in [lo, hi].
@@ -164,6 +167,9 @@ static lm_status apply_option(hess_args *a, const opt_def *d, const char *shown,
         return LM_OK;
     case OPT_QUIET:
         a->quiet = true;
+        return LM_OK;
+    case OPT_STICKY:
+        a->sticky = true;
         return LM_OK;
     case OPT_HELP:
         a->help = true;
@@ -411,6 +417,7 @@ static int work(hess_run *r)
     double t0 = lm_progress_now();
     lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "hessian", a->model, 0, on_note, p,
                                      &err);
+    r->runner.sticky = a->sticky;
     if (s == LM_OK)
         s = place_accumulators(r, &err);
     if (s != LM_OK) {

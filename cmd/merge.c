@@ -101,7 +101,7 @@ typedef enum opt_id {
     OPT_OUTPUT, OPT_WEIGHTS, OPT_DENSITY, OPT_DENSITIES, OPT_LAMBDA, OPT_NORMALIZE,
     OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
-    OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_HELP,
+    OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_HELP,
 } opt_id;
 
 typedef lm_opt opt_def;
@@ -132,6 +132,7 @@ static const opt_def opt_defs[] = {
     {"calib-samples", 0, true, OPT_CALIB_SAMPLES},
     {"seq-len", 0, true, OPT_SEQ_LEN},
     {"hessian-from", 0, true, OPT_HESSIAN_FROM},
+    {"sticky-fallback", 0, false, OPT_STICKY},
     {"help", 'h', false, OPT_HELP},
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
@@ -173,6 +174,7 @@ typedef struct merge_args {
     int64_t calib_samples;     // 0: all
     int64_t seq_len;           // 0: the model's max_position_embeddings
     bool hessian_from_base;
+    bool sticky;               // --sticky-fallback, for the Hessians' forward pass
     bool given[OPT_HELP + 1];  // which options appeared
 } merge_args;
 
@@ -258,7 +260,9 @@ static void usage(FILE *out, const method_info *m)
             "                         max_position_embeddings)\n"
             "  --hessian-from ft|base each FT's Hessians from its own model (its adapter applied to\n"
             "                         BASE) on its calibration file (default ft), or BASE's on the\n"
-            "                         first file for all\n");
+            "                         first file for all\n"
+            "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
+            "                         later batch there too (default: try the device again)\n");
     fprintf(out,
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
@@ -473,6 +477,9 @@ static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown
         *(d->id == OPT_SEQ_LEN ? &a->seq_len : &a->calib_samples) = n;
         return LM_OK;
     }
+    case OPT_STICKY:
+        a->sticky = true;
+        return LM_OK;
     case OPT_HESSIAN_FROM:
         if (strcmp(v, "ft") != 0 && strcmp(v, "base") != 0)
             return lm_err_set(err, LM_ERR_USAGE, "%s %s: use ft or base", shown, v);
@@ -664,6 +671,7 @@ static void note_unused(merge_run *r)
         {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CALIB_SAMPLES], "--calib-samples", "it uses no Hessians"},
         {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
         {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_HESSIAN_FROM], "--hessian-from", "it uses no Hessians"},
+        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_STICKY], "--sticky-fallback", "it uses no Hessians"},
     };
     for (size_t i = 0; i < sizeof u / sizeof u[0]; i++)
         if (u[i].unused)
@@ -780,8 +788,8 @@ static lm_status compute_ucc2(merge_run *r, lm_err *err)
             seqs[q] = (lm_fwd_seq){c->ids + c->offsets[q], c->offsets[q + 1] - c->offsets[q]};
         lm_progress_note(&r->progress, "Hessians of %s on %s: %" PRId64 " sequences, %" PRId64 " tokens", label,
                          c->path, c->n_seqs, c->n_tokens);
-        s = lm_hess_ucc2_model(m, ad, r->dev, label, seqs, c->n_seqs, r->opts.threads, damp, note_line, &r->progress,
-                               &r->ucc2[i], &r->n_ucc2, err);
+        s = lm_hess_ucc2_model(m, ad, r->dev, label, seqs, c->n_seqs, r->opts.threads, damp, a->sticky, note_line,
+                               &r->progress, &r->ucc2[i], &r->n_ucc2, err);
         free(seqs);
         if (s != LM_OK) {
             lm_err_prefix(err, "Hessians of %s", label);

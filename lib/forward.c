@@ -816,7 +816,7 @@ static lm_status run_batch(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n, 
 {
     int64_t T = tokens_of(seqs, n);
     lm_status s;
-    if (r->on_dev) {
+    if (r->on_dev && !r->stuck) {
         double t0 = now_s();
         s = lm_fwd_run(r->on_dev, seqs, n, req, err);
         if (s == LM_OK) {
@@ -843,6 +843,10 @@ static lm_status run_batch(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n, 
         r->n_seq_cpu++;
         say(r, "fallback: %s sequence %" PRId64 " (%" PRId64 " tokens) on cpu (%s)", r->phase, first + 1, T,
             err->msg);
+        if (r->sticky) {
+            r->stuck = true;
+            say(r, "fallback: %s: every later sequence runs on cpu too (--sticky-fallback)", r->phase);
+        }
     }
     double t0 = now_s();
     lm_fwd *f;

@@ -124,6 +124,9 @@ typedef struct lm_fwd_runner {
     void *note_ctx;
     lm_fwd_progress_fn progress;  // may be NULL
     void *progress_ctx;
+    bool sticky;              // --sticky-fallback: once a sequence has gone to the CPU, every
+                              // later batch runs there too (set after lm_fwd_runner_init)
+    bool stuck;               // that has happened
 
     lm_fwd *on_dev;           // the weights on dev; NULL when they are on the CPU only
     lm_dev *cpu;              // the CPU device for fallbacks, opened when first needed (owned)

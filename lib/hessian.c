@@ -287,8 +287,8 @@ void lm_hess_ucc2_free(double **ucc2, int64_t n)
 }
 
 lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
-                             const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, lm_fwd_note_fn note,
-                             void *note_ctx, double ***out, int64_t *n_out, lm_err *err)
+                             const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, bool sticky,
+                             lm_fwd_note_fn note, void *note_ctx, double ***out, int64_t *n_out, lm_err *err)
 {
     *out = NULL;
     *n_out = 0;
@@ -300,6 +300,7 @@ lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev
     float *H = NULL;
     int64_t n = 0;
     lm_status s = lm_fwd_runner_init(&runner, m, a, dev, "hessian", label, 0, note, note_ctx, err);
+    runner.sticky = sticky;
     if (s == LM_OK) {
         // accumulators on the device the weights run on, with room for a batch's activations
         size_t reserve = 0;

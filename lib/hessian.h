@@ -96,13 +96,13 @@ lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, 
 
 // Everything sparsegpt needs from a model's Hessians: runs the n_seqs sequences through model
 // m (with adapter a, or NULL) on dev, with the accumulators placed as `llmerge hessian` places
-// them, then for every (layer, point) computes U_cc² (lm_hess_ucc2) with damping `damp`,
+// them (sticky: lm_fwd_runner's sticky fallback), then for every (layer, point) computes U_cc² (lm_hess_ucc2) with damping `damp`,
 // raised tenfold (up to 10⁶ times) while the damped H is not positive definite, each raise
 // said through note. (*out)[lm_hess_index(layer, point)] is a new array of dim[point] doubles;
 // free the set with lm_hess_ucc2_free. The Hessians themselves are freed as they are used.
 lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
-                             const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, lm_fwd_note_fn note,
-                             void *note_ctx, double ***out, int64_t *n_out, lm_err *err);
+                             const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, bool sticky,
+                             lm_fwd_note_fn note, void *note_ctx, double ***out, int64_t *n_out, lm_err *err);
 void lm_hess_ucc2_free(double **ucc2, int64_t n);
 
 #endif

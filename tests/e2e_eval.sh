@@ -148,6 +148,19 @@ has sim_small.err "fallback: eval sequences 1-8 (155 tokens) halved on sim:500Ki
 has sim_small.err "on cpu (activations of a batch of"
 run sim_small_json eval "$fx/base" --data "$data" --device sim:500KiB --json
 close "$("$jsonq" "$work/sim_small_json.out" perplexity)" "$ppl" 1e-6 "(fallbacks vs cpu)"
+# 450 KiB sends sequence 1 to the CPU; --sticky-fallback keeps every later one there instead of
+# halving and retrying on the device: fewer fallback lines, the same result
+run sim_retry eval "$fx/base" --data "$data" --device sim:450KiB
+run sim_sticky eval "$fx/base" --data "$data" --device sim:450KiB --sticky-fallback
+same sim_retry sim_sticky
+same base sim_sticky
+has sim_sticky.err "fallback: eval: every later sequence runs on cpu too (--sticky-fallback)"
+lacks sim_retry.err "sticky"
+n_retry=$(grep -c "fallback: eval sequence" "$work/sim_retry.err")
+n_sticky=$(grep -c "fallback: eval sequence" "$work/sim_sticky.err")
+if [ "$n_sticky" -lt "$n_retry" ] && [ "$n_sticky" -ge 1 ]; then ok; else
+  bad "--sticky-fallback: $n_sticky fallback lines, without it $n_retry"
+fi
 # a device failure that is not out of memory stops the run
 LLMERGE_SIM_FAIL=launch:30 expect 1 "eval sequences 1-8 on sim:64MiB: layer 0: sim: injected failure of operation 30" eval "$fx/base" --data "$data" --device sim:64MiB
 

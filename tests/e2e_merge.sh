@@ -379,7 +379,13 @@ expect 2 "--seq-len" sparsegpt "$B" "$lp" -o "$x" --calib "$cj" --seq-len 0
 no_output "$x"
 expect 0 "--calib has no effect on ties" ties "$B" "$lp" -o "$work/sgpt-note" --calib "$cj"
 expect 0 "--hessian-from ft|base" sparsegpt --help
+check 'grep -q -- "--sticky-fallback" "$work/out"' "sparsegpt --help lacks --sticky-fallback"
 check 'grep -q "tau_jc^2 / U_cc^2" "$work/out" && grep -q -- "--calib-samples N" "$work/out"' "sparsegpt --help: $(head -c 300 "$work/out")"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-sticky" --calib "$cj" --density 0.3 --device sim:450KiB --sticky-fallback \
+  --cache-dir "$work/sticky-cache"
+same_shards "$o" "$work/sgpt-sticky"
+check 'grep -q "every later sequence runs on cpu too (--sticky-fallback)" "$work/out"' \
+  "sparsegpt --sticky-fallback on sim:450KiB: $(head -c 600 "$work/out")"
 
 # ---- devices: the simulated accelerator and its fallbacks ------------------------------------
 # An ample budget: every merged tensor on the device, the same output as the CPU's.
