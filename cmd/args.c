@@ -1,11 +1,46 @@
 // The option scanner: see args.h.
 #include "args.h"
 
+#include <errno.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cmd.h"
+#include "util.h"
+
+bool lm_cmd_parse_int(const char *text, int64_t lo, int64_t hi, int64_t *out)
+{
+    if (*text < '0' || *text > '9')
+        return false;
+    char *end;
+    errno = 0;
+    long long v = strtoll(text, &end, 10);
+    if (*end || errno == ERANGE || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+lm_status lm_cmd_opt_gpu_mem(const char *shown, const char *v, uint64_t *out, lm_err *err)
+{
+    if (lm_parse_size(v, out, err) != LM_OK)
+        return lm_err_prefix(err, "%s", shown);
+    if (*out == 0)
+        return lm_err_set(err, LM_ERR_USAGE, "%s %s: must be more than 0 bytes", shown, v);
+    return LM_OK;
+}
+
+lm_status lm_cmd_opt_threads(const char *shown, const char *v, int *out, lm_err *err)
+{
+    int64_t n;
+    if (!lm_cmd_parse_int(v, 0, LM_CMD_MAX_THREADS, &n))
+        return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of threads from 1 to %d is needed (0: all "
+                          "cores)", shown, v, LM_CMD_MAX_THREADS);
+    *out = (int)n;
+    return LM_OK;
+}
 
 // The closest option name to `name` (without dashes), or NULL when none is close; a typed
 // prefix of a name ("--dens") counts as close.

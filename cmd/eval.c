@@ -30,7 +30,6 @@
 #include "status.h"
 #include "util.h"
 
-#define MAX_THREADS 4096
 
 static void usage(FILE *out)
 {
@@ -102,24 +101,10 @@ typedef struct eval_args {
     bool json, quiet, help, sticky;
 } eval_args;
 
-// A whole decimal number in [lo, hi].
-static bool parse_int(const char *text, int64_t lo, int64_t hi, int64_t *out)
+// Applies option `d` with value `v` (NULL for a flag); `shown` is how the user wrote it.
+static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
-    if (*text < '0' || *text > '9')
-        return false;
-    char *end;
-    errno = 0;
-    long long v = strtoll(text, &end, 10);
-    if (*end || errno == ERANGE || v < lo || v > hi)
-        return false;
-    *out = v;
-    return true;
-}
-
-static lm_status apply_option(eval_args *a, const opt_def *d, const char *shown, const char *v, lm_err *err)
-{
-    int64_t n;
-    lm_status s;
+    eval_args *a = ctx;
     switch (d->id) {
     case OPT_ADAPTER:
     case OPT_DATA:
@@ -129,26 +114,18 @@ static lm_status apply_option(eval_args *a, const opt_def *d, const char *shown,
         *(d->id == OPT_ADAPTER ? &a->adapter : d->id == OPT_DATA ? &a->data : &a->device) = v;
         return LM_OK;
     case OPT_SEQ_LEN:
-        if (!parse_int(v, 2, INT32_MAX, &a->seq_len))
+        if (!lm_cmd_parse_int(v, 2, INT32_MAX, &a->seq_len))
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of tokens from 2 to %d is needed", shown,
                               v, INT32_MAX);
         return LM_OK;
     case OPT_SAMPLES:
-        if (!parse_int(v, 1, INT64_MAX, &a->samples))
+        if (!lm_cmd_parse_int(v, 1, INT64_MAX, &a->samples))
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of sequences from 1 is needed", shown, v);
         return LM_OK;
     case OPT_GPU_MEM:
-        if ((s = lm_parse_size(v, &a->gpu_mem, err)) != LM_OK)
-            return lm_err_prefix(err, "%s", shown);
-        if (a->gpu_mem == 0)
-            return lm_err_set(err, LM_ERR_USAGE, "%s %s: must be more than 0 bytes", shown, v);
-        return LM_OK;
+        return lm_cmd_opt_gpu_mem(shown, v, &a->gpu_mem, err);
     case OPT_THREADS:
-        if (!parse_int(v, 0, MAX_THREADS, &n))
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of threads from 1 to %d is needed (0: all "
-                              "cores)", shown, v, MAX_THREADS);
-        a->threads = (int)n;
-        return LM_OK;
+        return lm_cmd_opt_threads(shown, v, &a->threads, err);
     case OPT_JSON:
         a->json = true;
         return LM_OK;
@@ -165,12 +142,6 @@ static lm_status apply_option(eval_args *a, const opt_def *d, const char *shown,
     return LM_OK;
 }
 
-// Parses argv into *a (zeroed by the caller): MODEL anywhere among the options, "--" ends them.
-static lm_status on_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
-{
-    return apply_option(ctx, d, shown, v, err);
-}
-
 static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
 {
     eval_args *a = ctx;
@@ -181,10 +152,11 @@ static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
     return LM_OK;
 }
 
+// Parses argv into *a (zeroed by the caller): MODEL anywhere among the options, "--" ends them.
 static lm_status parse_args(eval_args *a, int argc, char **argv, lm_err *err)
 {
     a->device = "auto";
-    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, on_option, on_operand, a, err);
+    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, apply_option, on_operand, a, err);
 }
 
 // ==== the run =================================================================================

@@ -31,7 +31,6 @@
 #include "status.h"
 #include "util.h"
 
-#define MAX_THREADS 4096
 
 static void usage(FILE *out)
 {
@@ -109,24 +108,10 @@ typedef struct hess_args {
     bool force, quiet, help, sticky;
 } hess_args;
 
-// A whole decimal number in [lo, hi].
-static bool parse_int(const char *text, int64_t lo, int64_t hi, int64_t *out)
+// Applies option `d` with value `v` (NULL for a flag); `shown` is how the user wrote it.
+static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
-    if (*text < '0' || *text > '9')
-        return false;
-    char *end;
-    errno = 0;
-    long long v = strtoll(text, &end, 10);
-    if (*end || errno == ERANGE || v < lo || v > hi)
-        return false;
-    *out = v;
-    return true;
-}
-
-static lm_status apply_option(hess_args *a, const opt_def *d, const char *shown, const char *v, lm_err *err)
-{
-    int64_t n;
-    lm_status s;
+    hess_args *a = ctx;
     switch (d->id) {
     case OPT_OUTPUT:
     case OPT_ADAPTER:
@@ -142,26 +127,18 @@ static lm_status apply_option(hess_args *a, const opt_def *d, const char *shown,
                                  : &a->log_json) = v;
         return LM_OK;
     case OPT_SEQ_LEN:
-        if (!parse_int(v, 1, INT32_MAX, &a->seq_len))
+        if (!lm_cmd_parse_int(v, 1, INT32_MAX, &a->seq_len))
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of tokens from 1 to %d is needed", shown,
                               v, INT32_MAX);
         return LM_OK;
     case OPT_SAMPLES:
-        if (!parse_int(v, 1, INT64_MAX, &a->samples))
+        if (!lm_cmd_parse_int(v, 1, INT64_MAX, &a->samples))
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of sequences from 1 is needed", shown, v);
         return LM_OK;
     case OPT_GPU_MEM:
-        if ((s = lm_parse_size(v, &a->gpu_mem, err)) != LM_OK)
-            return lm_err_prefix(err, "%s", shown);
-        if (a->gpu_mem == 0)
-            return lm_err_set(err, LM_ERR_USAGE, "%s %s: must be more than 0 bytes", shown, v);
-        return LM_OK;
+        return lm_cmd_opt_gpu_mem(shown, v, &a->gpu_mem, err);
     case OPT_THREADS:
-        if (!parse_int(v, 0, MAX_THREADS, &n))
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of threads from 1 to %d is needed (0: all "
-                              "cores)", shown, v, MAX_THREADS);
-        a->threads = (int)n;
-        return LM_OK;
+        return lm_cmd_opt_threads(shown, v, &a->threads, err);
     case OPT_FORCE:
         a->force = true;
         return LM_OK;
@@ -178,13 +155,6 @@ static lm_status apply_option(hess_args *a, const opt_def *d, const char *shown,
     return LM_OK;
 }
 
-// Parses argv into *a (zeroed by the caller): MODEL anywhere among the options, "--" ends them.
-// Short options with a value (-o) take the rest of the word or the next word.
-static lm_status on_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
-{
-    return apply_option(ctx, d, shown, v, err);
-}
-
 static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
 {
     hess_args *a = ctx;
@@ -195,10 +165,12 @@ static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
     return LM_OK;
 }
 
+// Parses argv into *a (zeroed by the caller): MODEL anywhere among the options, "--" ends them.
+// Short options with a value (-o) take the rest of the word or the next word.
 static lm_status parse_args(hess_args *a, int argc, char **argv, lm_err *err)
 {
     a->device = "auto";
-    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, on_option, on_operand, a, err);
+    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, apply_option, on_operand, a, err);
 }
 
 // ==== the run =================================================================================

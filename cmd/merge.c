@@ -139,7 +139,6 @@ static const opt_def opt_defs[] = {
 
 #define DEFAULT_DENSITY 0.2
 #define DEFAULT_SHARD_SIZE 5000000000ull  // "5GB", as transformers
-#define MAX_THREADS 4096
 
 // What the command line says, parsed but not yet checked against the inputs.
 typedef struct merge_args {
@@ -344,11 +343,10 @@ static bool parse_u64(const char *text, uint64_t lo, uint64_t hi, uint64_t *out)
 }
 
 // Applies option `d` with value `v` (NULL for a flag). `shown` is how the user wrote it.
-static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown, const char *v,
-                              lm_err *err)
+static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
+    merge_args *a = ctx;
     a->given[d->id] = true;
-    uint64_t u;
     lm_status s;
     switch (d->id) {
     case OPT_OUTPUT:
@@ -427,17 +425,9 @@ static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown
         a->device = v;
         return LM_OK;
     case OPT_GPU_MEM:
-        if ((s = lm_parse_size(v, &a->gpu_mem, err)) != LM_OK)
-            return lm_err_prefix(err, "%s", shown);
-        if (a->gpu_mem == 0)
-            return lm_err_set(err, LM_ERR_USAGE, "%s %s: must be more than 0 bytes", shown, v);
-        return LM_OK;
+        return lm_cmd_opt_gpu_mem(shown, v, &a->gpu_mem, err);
     case OPT_THREADS:
-        if (!parse_u64(v, 0, MAX_THREADS, &u))
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of threads from 1 to %d "
-                              "is needed (0: all cores)", shown, v, MAX_THREADS);
-        a->threads = (int)u;
-        return LM_OK;
+        return lm_cmd_opt_threads(shown, v, &a->threads, err);
     case OPT_CACHE_DIR:
         if (!*v)
             return lm_err_set(err, LM_ERR_USAGE, "%s needs a directory", shown);
@@ -468,15 +458,10 @@ static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown
         return LM_OK;
     }
     case OPT_CALIB_SAMPLES:
-    case OPT_SEQ_LEN: {
-        char *end;
-        errno = 0;
-        long long n = strtoll(v, &end, 10);
-        if (!*v || *end || errno || n < 1)
+    case OPT_SEQ_LEN:
+        if (!lm_cmd_parse_int(v, 1, INT64_MAX, d->id == OPT_SEQ_LEN ? &a->seq_len : &a->calib_samples))
             return lm_err_set(err, LM_ERR_USAGE, "%s %s: needs a whole number of at least 1", shown, v);
-        *(d->id == OPT_SEQ_LEN ? &a->seq_len : &a->calib_samples) = n;
         return LM_OK;
-    }
     case OPT_STICKY:
         a->sticky = true;
         return LM_OK;
@@ -492,13 +477,6 @@ static lm_status apply_option(merge_args *a, const opt_def *d, const char *shown
     return LM_OK;
 }
 
-// Parses argv into *a (zeroed by the caller, m set). Positional arguments are BASE then the FTs,
-// anywhere among the options; "--" ends the options.
-static lm_status on_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
-{
-    return apply_option(ctx, d, shown, v, err);
-}
-
 static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
 {
     merge_args *a = ctx;
@@ -510,6 +488,8 @@ static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
     return LM_OK;
 }
 
+// Parses argv into *a (zeroed by the caller, m set). Positional arguments are BASE then the FTs,
+// anywhere among the options; "--" ends the options.
 static lm_status parse_args(merge_args *a, int argc, char **argv, lm_err *err)
 {
     a->lambda = 1.0;
@@ -519,7 +499,7 @@ static lm_status parse_args(merge_args *a, int argc, char **argv, lm_err *err)
     a->fts = calloc((size_t)argc, sizeof *a->fts);
     if (!a->fts)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, on_option, on_operand, a, err);
+    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, apply_option, on_operand, a, err);
 }
 
 // The last --log-json value in argv (before "--"), or NULL; parse_args checks it properly.
