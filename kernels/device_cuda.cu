@@ -1,13 +1,15 @@
 // The CUDA backend of the device interface (device.h): buffers in GPU memory, copies through
 // pinned staging buffers, the merge operations as kernels (merge_ops.cu, convert.cu) and
-// cuBLAS, all on one stream of the backend's own.
+// cuBLAS, the forward-pass operations as kernels (forward_ops.cu), all on one stream of the
+// backend's own.
 //
 // Ordering. Every copy and kernel goes on the one stream, so each operation sees the results
 // of the ones before it without any host-side waiting. Uploads return once the data has been
 // copied out of the caller's memory (which may be released then) while the last DMAs may still
 // run; kernels run while the host stages the next input. The host waits only where a result
-// must reach it: downloads, the reductions whose result is a host value (hist_abs, l1,
-// topk_apply's tie counts), lm_dev_sync, and before freeing memory the stream may still use.
+// must reach it: downloads, the reductions whose result is a host value (hist_abs,
+// hist_window, l1, the tie counts of topk_apply and topk_apply_by), lm_dev_sync, and before
+// freeing memory the stream may still use.
 //
 // Errors. A failed allocation is LM_ERR_DEVICE_OOM and leaves the device usable; any other
 // CUDA failure is LM_ERR_DEVICE naming the call. A fault inside a kernel is reported by the
@@ -42,6 +44,10 @@ extern "C" {
 #define STAGE_BYTES ((size_t)8 << 20)   // each of the two pinned staging buffers
 #define SCRATCH_MIN ((size_t)1 << 20)   // device scratch for reductions: enough for any slab
 #define TIE_COUNTS_OFF 256              // topk_apply's scratch: the tie end at 0, counts here
+#define HIST_WIN_OFF 256                // hist_window's scratch: the count above at 0, the bins here
+#define HIST_WIN_GROUP 3                // window bins hist_window counts per pass: they fill SCRATCH_MIN
+static_assert(HIST_WIN_OFF + HIST_WIN_GROUP * LM_HIST_BINS * sizeof(uint32_t) <= SCRATCH_MIN,
+              "hist_window's counts must fit the scratch every device keeps");
 
 typedef struct cuda_buf {
     void *p;
@@ -438,6 +444,24 @@ static lm_status cuda_dora_rows(lm_dev *d, float *tau, const float *base, const 
     return s != LM_OK ? s : lm_cuda_dora_rows(tau, base, magnitude, rows, cols, ctx_of(d)->stream, err);
 }
 
+static lm_status cuda_delta(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
+                           lm_err *err)
+{
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    if (!lm_dtype_readable(dt))
+        return lm_convert_to_f32(tau, src, dt, 0, err);  // the CPU's message, touching nothing
+    return lm_cuda_delta(tau, src, dt, base, n, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
+                                 int64_t cols, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_importance(key, tau, ucc2, rows, cols, ctx_of(d)->stream, err);
+}
+
 // The histogram is built in device scratch, fetched home and added to the host's.
 static lm_status cuda_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
                                uint32_t hi_bin, lm_err *err)
@@ -462,13 +486,61 @@ fail:
     return status;
 }
 
+// The window's counts are built in device scratch as 32-bit counts (the count beyond the window
+// first, then the histograms of a group of HIST_WIN_GROUP of the window's bins from
+// HIST_WIN_OFF), fetched home and added to the host's: a group of bins per pass over x, so that
+// the counts fit the scratch every device has, and a piece of at most UINT32_MAX elements at a
+// time, so that no count can overflow. A pass reads x once; a window of LM_HIST_WINDOW bins
+// takes a few passes, still fewer than the two full histograms it saves.
+static lm_status cuda_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin,
+                                  const float *x, int64_t n, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    const size_t group_bytes = (size_t)LM_HIST_BINS * sizeof(uint32_t);
+    lm_status status = begin(d, err);
+    if (status != LM_OK || n <= 0)
+        return status;
+    if ((status = scratch_reserve(d, HIST_WIN_OFF + HIST_WIN_GROUP * group_bytes, err)) != LM_OK ||
+        (status = host_reserve(c, HIST_WIN_OFF + HIST_WIN_GROUP * group_bytes, err)) != LM_OK)
+        return status;
+    uint32_t *d_above = (uint32_t *)c->scratch, *d_win = (uint32_t *)((char *)c->scratch + HIST_WIN_OFF);
+    const uint32_t *h_above = (const uint32_t *)c->host_scratch;
+    const uint32_t *h_win = (const uint32_t *)((const char *)c->host_scratch + HIST_WIN_OFF);
+    for (int64_t off = 0; off < n;) {
+        int64_t cnt = n - off < (int64_t)UINT32_MAX ? n - off : (int64_t)UINT32_MAX;
+        // the first group counts the values beyond the whole window too (the only pass when
+        // n_win is 0)
+        int g = 0;
+        do {
+            int gn = n_win - g < HIST_WIN_GROUP ? n_win - g : HIST_WIN_GROUP;
+            size_t bytes = HIST_WIN_OFF + (size_t)gn * group_bytes;
+            CUDA_TRY(cudaMemsetAsync(c->scratch, 0, bytes, c->stream));
+            if ((status = lm_cuda_hist_window(g == 0 ? d_above : NULL, lo_bin + (uint32_t)n_win, d_win, gn,
+                                              lo_bin + (uint32_t)g, x + off, cnt, c->stream, err)) != LM_OK ||
+                (status = copy_home(c, c->host_scratch, c->scratch, bytes, err)) != LM_OK)
+                return status;
+            if (g == 0)
+                *above += h_above[0];
+            uint64_t *dst = win + (size_t)g * LM_HIST_BINS;
+            for (size_t b = 0; b < (size_t)gn * LM_HIST_BINS; b++)
+                dst[b] += h_win[b];
+            g += HIST_WIN_GROUP;
+        } while (g < n_win);
+        off += cnt;
+    }
+    return LM_OK;
+fail:
+    return status;
+}
+
 // Ties (magnitude bits == thr_bits) are kept in index order up to ties_allowed. With every tie
 // kept, or none, one pass decides. Otherwise the ties of each chunk are counted and fetched
 // home; when there are no more than allowed all are kept, else the host finds the chunk where
 // the allowance runs out, a one-block kernel finds the index of the first tie beyond it there
 // (into scratch), and the mask keeps the ties below that index, all without another wait.
-static lm_status cuda_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
-                                 int64_t *ties_used, lm_err *err)
+// The decision is taken on key (x itself for plain top-k), x is what is zeroed.
+static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                          int64_t *ties_used, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     lm_status s = begin(d, err);
@@ -479,7 +551,8 @@ static lm_status cuda_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bi
         return LM_OK;
     }
     if (ties_allowed == LM_TIES_ALL || ties_allowed <= 0) {
-        if ((s = lm_cuda_topk_mask(x, n, thr_bits, ties_allowed == LM_TIES_ALL ? n : 0, NULL, c->stream, err)) != LM_OK)
+        if ((s = lm_cuda_topk_mask(x, key, n, thr_bits, ties_allowed == LM_TIES_ALL ? n : 0, NULL, c->stream, err)) !=
+            LM_OK)
             return s;
         // LM_TIES_ALL is not counted; a negative allowance keeps no tie and is reported back
         // as the CPU backend reports it.
@@ -494,7 +567,7 @@ static lm_status cuda_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bi
     int64_t *d_tie_end = (int64_t *)c->scratch;
     uint32_t *d_counts = (uint32_t *)((char *)c->scratch + TIE_COUNTS_OFF);
     const uint32_t *counts = (const uint32_t *)c->host_scratch;
-    if ((s = lm_cuda_tie_counts(d_counts, x, n, thr_bits, c->stream, err)) != LM_OK ||
+    if ((s = lm_cuda_tie_counts(d_counts, key, n, thr_bits, c->stream, err)) != LM_OK ||
         (s = copy_home(c, c->host_scratch, d_counts, count_bytes, err)) != LM_OK)
         return s;
     int64_t total = 0, cut_chunk = -1, before = 0;
@@ -506,18 +579,30 @@ static lm_status cuda_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bi
         total += counts[i];
     }
     if (cut_chunk < 0) {
-        if ((s = lm_cuda_topk_mask(x, n, thr_bits, n, NULL, c->stream, err)) != LM_OK)
+        if ((s = lm_cuda_topk_mask(x, key, n, thr_bits, n, NULL, c->stream, err)) != LM_OK)
             return s;
         *ties_used = total;
         return LM_OK;
     }
     // The tie of rank ties_allowed - before in cut_chunk is the first not kept.
     int64_t lo = cut_chunk * LM_CUDA_TIE_CHUNK, hi = n - lo < LM_CUDA_TIE_CHUNK ? n : lo + LM_CUDA_TIE_CHUNK;
-    if ((s = lm_cuda_tie_find(d_tie_end, x, lo, hi, thr_bits, ties_allowed - before, c->stream, err)) != LM_OK ||
-        (s = lm_cuda_topk_mask(x, n, thr_bits, 0, d_tie_end, c->stream, err)) != LM_OK)
+    if ((s = lm_cuda_tie_find(d_tie_end, key, lo, hi, thr_bits, ties_allowed - before, c->stream, err)) != LM_OK ||
+        (s = lm_cuda_topk_mask(x, key, n, thr_bits, 0, d_tie_end, c->stream, err)) != LM_OK)
         return s;
     *ties_used = ties_allowed;
     return LM_OK;
+}
+
+static lm_status cuda_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                                 int64_t *ties_used, lm_err *err)
+{
+    return topk_run(d, x, x, n, thr_bits, ties_allowed, ties_used, err);
+}
+
+static lm_status cuda_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
+                                    int64_t ties_allowed, int64_t *ties_used, lm_err *err)
+{
+    return topk_run(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
 }
 
 static lm_status cuda_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
@@ -564,6 +649,60 @@ static lm_status cuda_combine(lm_dev *d, float *out, const float *base, const fl
                            normalize, lambda, ctx_of(d)->stream, err);
 }
 
+// ==== the forward pass ========================================================================
+// The kernels of forward_ops.cu on the backend's stream. The int32 arrays (ids, positions,
+// sequence starts, targets) are device memory, as on every device.
+
+static lm_status cuda_gather_rows(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
+                                  const int32_t *ids, int64_t n, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_gather_rows(out, table, table_rows, cols, ids, n, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_add_rows(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_add_rows(y, b, rows, cols, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
+                              float eps, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_rmsnorm(out, x, w, rows, cols, eps, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
+                           const float *inv_freq, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_rope(x, rows, heads, head_dim, pos, inv_freq, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_attention(lm_dev *d, float *out, const float *q, const float *k, const float *v,
+                                const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                float scale, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    return lm_cuda_attention(out, q, k, v, start, rows, heads, kv_heads, head_dim, scale, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_silu_mul(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_silu_mul(gate, up, n, ctx_of(d)->stream, err);
+}
+
+static lm_status cuda_nll_rows(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
+                               int64_t cols, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_nll_rows(nll, logits, targets, rows, cols, ctx_of(d)->stream, err);
+}
+
 // ==== the backend =============================================================================
 
 // Filled by name (C++ before C++20 has no designated initialisers), once, before main.
@@ -583,12 +722,23 @@ static lm_dev_i make_iface(void)
     i.from_f32 = cuda_from_f32;
     i.gemm = cuda_gemm;
     i.axpby = cuda_axpby;
+    i.delta = cuda_delta;
     i.dora_rows = cuda_dora_rows;
     i.hist_abs = cuda_hist_abs;
+    i.hist_window = cuda_hist_window;
     i.topk_apply = cuda_topk_apply;
+    i.topk_apply_by = cuda_topk_apply_by;
+    i.importance = cuda_importance;
     i.random_drop = cuda_random_drop;
     i.l1 = cuda_l1;
     i.combine = cuda_combine;
+    i.gather_rows = cuda_gather_rows;
+    i.add_rows = cuda_add_rows;
+    i.rmsnorm = cuda_rmsnorm;
+    i.rope = cuda_rope;
+    i.attention = cuda_attention;
+    i.silu_mul = cuda_silu_mul;
+    i.nll_rows = cuda_nll_rows;
     return i;
 }
 

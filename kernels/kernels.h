@@ -57,6 +57,16 @@ lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int64_t n, int6
 // d_y = a * d_y + b * d_x over n elements (d_x may equal d_y).
 lm_status lm_cuda_axpby(float *d_y, float a, const float *d_x, float b, int64_t n, void *stream, lm_err *err);
 
+// lm_dev_delta: d_tau = float32 of d_src (F32, F16, BF16 or F64) - d_base over n elements, in
+// one pass. LM_ERR_UNSUPPORTED for any other dtype.
+lm_status lm_cuda_delta(float *d_tau, const void *d_src, lm_dtype dt, const float *d_base, int64_t n, void *stream,
+                        lm_err *err);
+
+// lm_dev_importance: d_key[r, c] = float32 of d_tau[r, c]² / d_ucc2[c] in double, for rows x cols
+// row-major d_tau and d_key, d_ucc2 (cols doubles).
+lm_status lm_cuda_importance(float *d_key, const float *d_tau, const double *d_ucc2, int64_t rows, int64_t cols,
+                             void *stream, lm_err *err);
+
 // lm_dev_dora_rows on rows x cols row-major d_tau and d_base, d_mag (rows).
 lm_status lm_cuda_dora_rows(float *d_tau, const float *d_base, const float *d_mag, int64_t rows, int64_t cols,
                             void *stream, lm_err *err);
@@ -66,8 +76,18 @@ lm_status lm_cuda_dora_rows(float *d_tau, const float *d_base, const float *d_ma
 lm_status lm_cuda_hist_abs(uint64_t *d_hist, const float *d_x, int64_t n, int level, uint32_t hi_bin,
                            void *stream, lm_err *err);
 
+// Part of lm_dev_hist_window for n <= UINT32_MAX elements (the counts are 32 bits wide; the
+// caller splits longer arrays), in device counts the caller zeroes: adds to the n_win x 65536
+// counts d_win the level-1 histograms of bins lo_bin .. lo_bin + n_win - 1 and, when d_above
+// is not NULL, to *d_above how many magnitudes have their top 16 bits at or beyond above_from.
+// So a window can be counted a group of bins at a time (above_from: the whole window's end).
+// LM_ERR_DEVICE for n or n_win out of range.
+lm_status lm_cuda_hist_window(uint32_t *d_above, uint32_t above_from, uint32_t *d_win, int n_win, uint32_t lo_bin,
+                              const float *d_x, int64_t n, void *stream, lm_err *err);
+
 // d_counts[c] = how many of d_x[c * LM_CUDA_TIE_CHUNK, ...) (the last chunk ragged) have
-// magnitude bits == thr_bits, for every chunk c of the n elements.
+// magnitude bits == thr_bits, for every chunk c of the n elements. d_x holds the values that
+// decide: the keys of lm_dev_topk_apply_by.
 lm_status lm_cuda_tie_counts(uint32_t *d_counts, const float *d_x, int64_t n, uint32_t thr_bits, void *stream,
                              lm_err *err);
 
@@ -76,10 +96,11 @@ lm_status lm_cuda_tie_counts(uint32_t *d_counts, const float *d_x, int64_t n, ui
 lm_status lm_cuda_tie_find(int64_t *d_index, const float *d_x, int64_t lo, int64_t hi, uint32_t thr_bits,
                            int64_t rank, void *stream, lm_err *err);
 
-// Zeroes every d_x[i] except those with magnitude bits > thr_bits and the ties (bits ==
-// thr_bits) at indices below tie_end, read from *d_tie_end when that is not NULL.
-lm_status lm_cuda_topk_mask(float *d_x, int64_t n, uint32_t thr_bits, int64_t tie_end, const int64_t *d_tie_end,
-                            void *stream, lm_err *err);
+// Zeroes every d_x[i] except those whose d_key[i] has magnitude bits > thr_bits and the ties
+// (bits == thr_bits) at indices below tie_end, read from *d_tie_end when that is not NULL.
+// d_key is d_x itself for plain top-k.
+lm_status lm_cuda_topk_mask(float *d_x, const float *d_key, int64_t n, uint32_t thr_bits, int64_t tie_end,
+                            const int64_t *d_tie_end, void *stream, lm_err *err);
 
 // lm_dev_random_drop.
 lm_status lm_cuda_random_drop(float *d_x, int64_t n, uint64_t key, int64_t first, uint64_t keep_below,
@@ -97,6 +118,35 @@ lm_status lm_cuda_l1_blocks(double *d_partial, const float *d_x, int64_t n, void
 lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau, const float *weights, int k,
                           int64_t n, bool elect, bool count_signs, bool normalize, float lambda, void *stream,
                           lm_err *err);
+
+// ---- forward-pass operations (forward_ops.cu) -----------------------------------------------
+// device.h's lm_dev_gather_rows ... lm_dev_nll_rows on device memory (the int32 arrays too),
+// with device_cpu.c's arithmetic: gather_rows, add_rows and rmsnorm agree with the CPU bit for
+// bit, the others to float32 rounding (CUDA's expf, sin, cos and log may differ from glibc's in
+// the last bit). Like the merge operations, each only enqueues work on `stream`.
+
+// The largest head_dim lm_cuda_attention takes: a block keeps the query and its accumulator in
+// shared memory, 2 x head_dim floats with a tile of 128 scores, within the 48 KiB every GPU
+// gives a block without opting in. Sequences are not limited: keys are taken in tiles.
+#define LM_CUDA_ATTN_MAX_HEAD_DIM 4096
+
+lm_status lm_cuda_gather_rows(float *d_out, const float *d_table, int64_t table_rows, int64_t cols,
+                              const int32_t *d_ids, int64_t n, void *stream, lm_err *err);
+lm_status lm_cuda_add_rows(float *d_y, const float *d_b, int64_t rows, int64_t cols, void *stream, lm_err *err);
+lm_status lm_cuda_rmsnorm(float *d_out, const float *d_x, const float *d_w, int64_t rows, int64_t cols, float eps,
+                          void *stream, lm_err *err);
+lm_status lm_cuda_rope(float *d_x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *d_pos,
+                       const float *d_inv_freq, void *stream, lm_err *err);
+// LM_ERR_USAGE when heads is not a multiple of kv_heads (as on the CPU), LM_ERR_UNSUPPORTED
+// for a head_dim above LM_CUDA_ATTN_MAX_HEAD_DIM.
+lm_status lm_cuda_attention(float *d_out, const float *d_q, const float *d_k, const float *d_v,
+                            const int32_t *d_start, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                            float scale, void *stream, lm_err *err);
+lm_status lm_cuda_silu_mul(float *d_gate, const float *d_up, int64_t n, void *stream, lm_err *err);
+lm_status lm_cuda_nll_rows(float *d_nll, const float *d_logits, const int32_t *d_targets, int64_t rows,
+                           int64_t cols, void *stream, lm_err *err);
+
+// ---- the copy benchmark (bandwidth.cu) ------------------------------------------------------
 
 // Measures cudaMemcpy between `bytes` of pinned host memory and device memory on `device`,
 // reps times each way after a warm-up, in bytes per second (bench_merge's reference).

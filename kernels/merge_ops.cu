@@ -1,12 +1,13 @@
 // Kernels and host launchers for the merge operations of the CUDA backend (device_cuda.cu):
-// GEMM through cuBLAS, element-wise arithmetic, DoRA row norms, magnitude histograms, top-k
-// and random masks, L1 partial sums and the sign-elected combination.
+// GEMM through cuBLAS, element-wise arithmetic (dense task vectors, Hessian importance), DoRA
+// row norms, magnitude histograms (whole, or a window of level-1 bins), top-k masks by value or
+// by key, random masks, L1 partial sums and the sign-elected combination.
 //
 // Every per-element computation is device_cpu.c's, written out in the same order, so that the
 // results agree with the CPU backend bit for bit: this file is compiled with --fmad=false (no
 // a*b+c contracted into an FMA, as GCC does not contract in ISO C mode), without fast-math, and
 // double sums the CPU computes sequentially are computed sequentially here too (one warp per
-// sum, lane 0's value added first). Only the GEMM differs: cuBLAS and OpenBLAS block their dot
+// sum, lane 0's value added first: seq_sum.cuh). Only the GEMM differs: cuBLAS and OpenBLAS block their dot
 // products differently, so C agrees to float32 rounding.
 //
 // The launchers only enqueue work on the stream they are given; nothing here synchronises,
@@ -22,14 +23,13 @@
 
 #include "cuda_check.h"
 #include "kernels.h"
+#include "seq_sum.cuh"
 
 extern "C" {
 #include "sparsify.h"
 }
 
-#define FULL_MASK 0xFFFFFFFFu
 #define THREADS 256   // threads per block of the element-wise kernels
-#define SEQ_TILES 4   // tiles of 32 a warp loads ahead in the sequential sums
 
 static_assert(sizeof(unsigned long long) == sizeof(uint64_t), "atomicAdd on the histogram's uint64_t");
 
@@ -48,6 +48,40 @@ __global__ void k_random_drop(float *x, int64_t n, uint64_t key, int64_t first, 
             x[i] = 0.0f;
 }
 
+// tau = float32 of src (dtype DT) - base, in one pass: convert.cu's conversion of each element
+// (dtype.h's, as the CPU's) and device_cpu.c's subtraction, so the bits are the CPU's.
+template <int DT>
+__global__ void k_delta(float *tau, const void *src, const float *base, int64_t n)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v;
+        if (DT == LM_DTYPE_BF16)
+            v = lm_bf16_to_f32(((const uint16_t *)src)[i]);
+        else if (DT == LM_DTYPE_F16)
+            v = lm_f16_to_f32(((const uint16_t *)src)[i]);
+        else if (DT == LM_DTYPE_F64)
+            v = __double2float_rn(((const double *)src)[i]);
+        else
+            v = ((const float *)src)[i];
+        tau[i] = v - base[i];
+    }
+}
+
+// key[r, c] = float32 of tau[r, c]² / ucc2[c] in double, for the rows × cols row-major tau:
+// device_cpu.c's importance_task. Double multiplication and division round correctly on both,
+// so the keys, and the masks selected from them, are the CPU's bit for bit.
+__global__ void k_importance(float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols)
+{
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *t = tau + r * cols;
+        float *k = key + r * cols;
+        for (int64_t c = threadIdx.x; c < cols; c += blockDim.x) {
+            double v = t[c];
+            k[c] = (float)(v * v / ucc2[c]);
+        }
+    }
+}
+
 // C = beta * C for an m x n row-major C with row stride ldc: a GEMM with k == 0, by BLAS's rule
 // (beta == 0 stores zeros rather than multiplying whatever C held).
 __global__ void k_scale_rows(float *c, int64_t m, int64_t n, int64_t ldc, float beta)
@@ -60,35 +94,7 @@ __global__ void k_scale_rows(float *c, int64_t m, int64_t n, int64_t ldc, float 
     }
 }
 
-// ==== sequential double sums ==================================================================
-
-// Adds lane l's v to s for l = 0, 1, ..., cnt - 1, in that order: the sum a sequential CPU loop
-// computes. Every lane of the warp calls it with the same s and cnt (so the branch is uniform)
-// and every lane gets the same result.
-__device__ __forceinline__ double add_lanes_in_order(double s, double v, int cnt)
-{
-    if (cnt == 32) {
-#pragma unroll
-        for (int l = 0; l < 32; l++)
-            s += __shfl_sync(FULL_MASK, v, l);
-    } else {
-        for (int l = 0; l < cnt; l++)
-            s += __shfl_sync(FULL_MASK, v, l);
-    }
-    return s;
-}
-
-// Loads SEQ_TILES tiles of 32 floats starting at lo (0 past hi), one per lane per tile. The
-// loads are issued a group ahead of the additions that use them, to hide memory latency behind
-// the chain of dependent additions.
-__device__ __forceinline__ void load_tiles(float *v, const float *x, int64_t lo, int64_t hi, int lane)
-{
-#pragma unroll
-    for (int j = 0; j < SEQ_TILES; j++) {
-        int64_t i = lo + 32 * j + lane;
-        v[j] = i < hi ? x[i] : 0.0f;
-    }
-}
+// ==== sequential double sums (seq_sum.cuh) ====================================================
 
 // partial[b] = Σ |x[i]| over block b of LM_CUDA_L1_BLOCK elements, in double, in index order:
 // device_cpu.c's l1_task. One warp per block.
@@ -188,8 +194,49 @@ __global__ void k_hist_abs(unsigned long long *hist, const float *x, int64_t n, 
     }
 }
 
-// counts[c] = the ties (magnitude bits == thr) in chunk c of LM_CUDA_TIE_CHUNK elements; one
-// block per chunk at a time.
+// lm_dev_hist_window's counts for n <= UINT32_MAX elements (32-bit counts cannot overflow), a
+// group of the window's bins at a time: win[w << 16 | low 16 bits] += one for each magnitude
+// whose top 16 bits are lo_bin + w, w < n_win, and, when above is not NULL, *above += how many
+// have their top 16 bits at or beyond above_from. The comparisons are device_cpu.c's hist_win's
+// in uint32 arithmetic. The lanes of a warp that fall into the same bin add their count with
+// one atomic, as in k_hist_abs; the counts beyond the window are summed per block and added
+// with one atomic.
+__global__ void k_hist_window(unsigned *above, uint32_t above_from, unsigned *win, const float *x, int64_t n,
+                              uint32_t lo_bin, uint32_t n_win)
+{
+    __shared__ unsigned block_above;
+    const int lane = threadIdx.x & 31;
+    unsigned up = 0;  // the warp's values beyond the window so far
+    if (threadIdx.x == 0)
+        block_above = 0;
+    __syncthreads();
+    for (int64_t base = blockIdx.x * (int64_t)blockDim.x + (threadIdx.x & ~31u); base < n;
+         base += (int64_t)gridDim.x * blockDim.x) {
+        int64_t i = base + lane;
+        uint32_t bin = NO_BIN;
+        bool beyond = false;
+        if (i < n) {
+            uint32_t bits = lm_abs_bits(x[i]), top = bits >> 16, w = top - lo_bin;
+            beyond = top >= above_from;
+            if (w < n_win)  // unsigned: also false below lo_bin
+                bin = w << 16 | (bits & 0xFFFFu);
+        }
+        unsigned peers = __match_any_sync(FULL_MASK, bin);
+        if (bin != NO_BIN && lane == __ffs(peers) - 1)
+            atomicAdd(&win[bin], (unsigned)__popc(peers));
+        up += (unsigned)__popc(__ballot_sync(FULL_MASK, beyond));
+    }
+    if (above) {  // uniform: a kernel argument
+        if (lane == 0 && up)
+            atomicAdd(&block_above, up);
+        __syncthreads();
+        if (threadIdx.x == 0 && block_above)
+            atomicAdd(above, block_above);
+    }
+}
+
+// counts[c] = the ties (magnitude bits == thr) in chunk c of LM_CUDA_TIE_CHUNK elements of x
+// (the values, or the keys that decide for them); one block per chunk at a time.
 __global__ void k_tie_counts(uint32_t *counts, const float *x, int64_t n, uint32_t thr, int64_t chunks)
 {
     __shared__ uint32_t warp_sum[32];
@@ -245,12 +292,14 @@ __global__ void k_tie_find(int64_t *index, const float *x, int64_t lo, int64_t h
     }
 }
 
-// Zeroes x[i] unless its magnitude bits are > thr, or == thr with i below the tie end.
-__global__ void k_topk_mask(float *x, int64_t n, uint32_t thr, int64_t tie_end, const int64_t *d_tie_end)
+// Zeroes x[i] unless the magnitude bits of key[i] are > thr, or == thr with i below the tie end.
+// key is x itself for plain top-k (each element is read before its own thread writes it).
+__global__ void k_topk_mask(float *x, const float *key, int64_t n, uint32_t thr, int64_t tie_end,
+                            const int64_t *d_tie_end)
 {
     const int64_t end = d_tie_end ? *d_tie_end : tie_end;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        uint32_t bits = lm_abs_bits(x[i]);
+        uint32_t bits = lm_abs_bits(key[i]);
         bool keep = bits > thr || (bits == thr && i < end);
         if (!keep)
             x[i] = 0.0f;
@@ -377,6 +426,48 @@ fail:
     return status;
 }
 
+extern "C" lm_status lm_cuda_delta(float *d_tau, const void *d_src, lm_dtype dt, const float *d_base, int64_t n,
+                                   void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    const unsigned grid = lm_cuda_grid(n, THREADS);
+    cudaStream_t s = (cudaStream_t)stream;
+    if (n <= 0)
+        return LM_OK;
+    switch (dt) {
+    case LM_DTYPE_F32:
+        k_delta<LM_DTYPE_F32><<<grid, THREADS, 0, s>>>(d_tau, d_src, d_base, n);
+        break;
+    case LM_DTYPE_BF16:
+        k_delta<LM_DTYPE_BF16><<<grid, THREADS, 0, s>>>(d_tau, d_src, d_base, n);
+        break;
+    case LM_DTYPE_F16:
+        k_delta<LM_DTYPE_F16><<<grid, THREADS, 0, s>>>(d_tau, d_src, d_base, n);
+        break;
+    case LM_DTYPE_F64:
+        k_delta<LM_DTYPE_F64><<<grid, THREADS, 0, s>>>(d_tau, d_src, d_base, n);
+        break;
+    default:
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cuda: delta: dtype %s cannot be computed with",
+                          lm_dtype_name(dt));
+    }
+    CUDA_LAUNCHED("k_delta");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_importance(float *d_key, const float *d_tau, const double *d_ucc2, int64_t rows,
+                                        int64_t cols, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    k_importance<<<lm_cuda_grid(rows, 1), THREADS, 0, (cudaStream_t)stream>>>(d_key, d_tau, d_ucc2, rows, cols);
+    CUDA_LAUNCHED("k_importance");
+fail:
+    return status;
+}
+
 extern "C" lm_status lm_cuda_dora_rows(float *d_tau, const float *d_base, const float *d_mag, int64_t rows,
                                        int64_t cols, void *stream, lm_err *err)
 {
@@ -398,6 +489,22 @@ extern "C" lm_status lm_cuda_hist_abs(uint64_t *d_hist, const float *d_x, int64_
     k_hist_abs<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>((unsigned long long *)d_hist, d_x, n,
                                                                               level, hi_bin);
     CUDA_LAUNCHED("k_hist_abs");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_hist_window(uint32_t *d_above, uint32_t above_from, uint32_t *d_win, int n_win,
+                                         uint32_t lo_bin, const float *d_x, int64_t n, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (n <= 0)
+        return LM_OK;
+    if (n > (int64_t)UINT32_MAX || n_win < 0 || n_win > LM_HIST_WINDOW)
+        return lm_err_set(err, LM_ERR_DEVICE, "cuda: hist_window of %lld elements in %d bins: out of range (at "
+                          "most %u elements, %d bins)", (long long)n, n_win, UINT32_MAX, LM_HIST_WINDOW);
+    k_hist_window<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_above, above_from, d_win, d_x, n,
+                                                                                 lo_bin, (uint32_t)n_win);
+    CUDA_LAUNCHED("k_hist_window");
 fail:
     return status;
 }
@@ -425,13 +532,14 @@ fail:
     return status;
 }
 
-extern "C" lm_status lm_cuda_topk_mask(float *d_x, int64_t n, uint32_t thr_bits, int64_t tie_end,
+extern "C" lm_status lm_cuda_topk_mask(float *d_x, const float *d_key, int64_t n, uint32_t thr_bits, int64_t tie_end,
                                        const int64_t *d_tie_end, void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
     if (n <= 0)
         return LM_OK;
-    k_topk_mask<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, n, thr_bits, tie_end, d_tie_end);
+    k_topk_mask<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, d_key, n, thr_bits, tie_end,
+                                                                                d_tie_end);
     CUDA_LAUNCHED("k_topk_mask");
 fail:
     return status;

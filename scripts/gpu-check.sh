@@ -2,12 +2,14 @@
 # One command for a machine with an NVIDIA GPU: builds llmerge with CUDA, runs the whole test
 # suite with the CUDA device under test as well (test_device compares every device operation on
 # cuda against the CPU), runs the end-to-end device comparison on cuda with room and with a
-# small --gpu-mem that forces real CUDA out-of-memory fallbacks, and prints the GPU benchmark
-# table (bench_merge --device cuda). Exit status 0 only when every step passed.
+# small --gpu-mem that forces real CUDA out-of-memory fallbacks, compares the forward pass on
+# cuda with the CPU's end to end (llmerge eval's perplexity, llmerge hessian's Hessians), and
+# prints the GPU benchmark table (bench_merge --device cuda). Exit status 0 only when every step
+# passed.
 #
 #   scripts/gpu-check.sh [--no-bench]
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 bench=1
 [ "${1:-}" = "--no-bench" ] && bench=0
 
@@ -30,13 +32,71 @@ step "every test, with test_device also on cuda"
 (cd build-gpu && LLMERGE_TEST_DEVICE=cuda ctest --output-on-failure -j4) || failed+=("ctest")
 
 step "test_device on cuda, verbose"
-(cd build-gpu && LLMERGE_TEST_DEVICE=cuda ./test_device | tail -20) || failed+=("test_device on cuda")
+# per operation: how many values were bit-identical to the CPU's and the worst relative error
+(cd build-gpu && LLMERGE_TEST_DEVICE=cuda ./test_device 2>&1 | grep -v "(sim:1GiB)" | tail -30) ||
+  failed+=("test_device on cuda")
 
 step "end to end on cuda against the cpu (to 1 ulp), with room and with --gpu-mem 1200KiB"
 # The CUDA backend keeps 1 MiB of scratch; 1200 KiB leaves too little for the fixtures' larger
 # tensors, so they fall back for real (cudaMalloc never runs out: the cap refuses first).
 bash tests/e2e_device.sh build-gpu/llmerge build-gpu/fixtures build-gpu/st_diff 1 \
   --device cuda -- --device cuda --gpu-mem 1200KiB || failed+=("e2e_device on cuda")
+
+step "the forward pass on cuda against the cpu: llmerge eval and llmerge hessian on the fixtures"
+# Every token must run on the GPU (no fallback). The perplexity agrees to 1e-4 relative; each
+# Hessian entry to 64 ulp or, for entries that are small differences of large terms, to 1e-4 of
+# its tensor's largest entry (float32 rounding of the sums' terms; a wrong kernel is off by far
+# more). The fixtures cover packed sequences, GQA (llama3: 4 query heads on 1 KV head, head_dim
+# 24, llama3 rope scaling), biases (qwen with lora_bias) and an adapter applied at run time.
+fx=build-gpu/fixtures data=build-gpu/fixtures/calib/calib.jsonl
+fwd=$(mktemp -d /tmp/gpu-check-fwd-XXXXXX)
+fwd_failed=0
+fwd_bad() { echo "FAIL: $*" >&2; fwd_failed=1; }
+# eval_same NAME MODEL-ARGS...
+eval_same() {
+  local name=$1 pc pg
+  shift
+  if ! ./build-gpu/llmerge eval "$@" --data "$data" --device cpu --json >"$fwd/$name-cpu.json" 2>"$fwd/err" ||
+    ! ./build-gpu/llmerge eval "$@" --data "$data" --device cuda --json >"$fwd/$name-cuda.json" 2>"$fwd/err"; then
+    fwd_bad "eval $name: $(head -c 600 "$fwd/err")"
+    return
+  fi
+  grep -q "fallback" "$fwd/err" && fwd_bad "eval $name on cuda fell back: $(grep fallback "$fwd/err" | head -3)"
+  [ "$(./build-gpu/jsonq "$fwd/$name-cuda.json" tokens_on_cpu)" = 0 ] ||
+    fwd_bad "eval $name on cuda: tokens ran on the cpu: $(cat "$fwd/$name-cuda.json")"
+  pc=$(./build-gpu/jsonq "$fwd/$name-cpu.json" perplexity) pg=$(./build-gpu/jsonq "$fwd/$name-cuda.json" perplexity)
+  if awk -v a="$pg" -v b="$pc" 'BEGIN { d = a - b; if (d < 0) d = -d; exit !(b > 0 && d <= 1e-4 * b) }'; then
+    echo "eval $name: perplexity $pg on cuda, $pc on the cpu"
+  else
+    fwd_bad "eval $name: perplexity $pg on cuda, $pc on the cpu (beyond 1e-4 relative)"
+  fi
+}
+# hessian_same NAME MODEL-ARGS...
+hessian_same() {
+  local name=$1
+  shift
+  if ! ./build-gpu/llmerge hessian "$@" --calib "$data" -o "$fwd/$name-cpu.safetensors" --device cpu -q \
+    2>"$fwd/err" ||
+    ! ./build-gpu/llmerge hessian "$@" --calib "$data" -o "$fwd/$name-cuda.safetensors" --device cuda 2>"$fwd/err"; then
+    fwd_bad "hessian $name: $(head -c 600 "$fwd/err")"
+    return
+  fi
+  grep -q "fallback" "$fwd/err" && fwd_bad "hessian $name on cuda fell back: $(grep fallback "$fwd/err" | head -3)"
+  grep -q "tokens/s) on cuda" "$fwd/err" || fwd_bad "hessian $name did not capture on cuda: $(tail -3 "$fwd/err")"
+  echo "hessian $name:"
+  ./build-gpu/st_diff --ulps 64 --rel 1e-4 "$fwd/$name-cpu.safetensors" "$fwd/$name-cuda.safetensors" ||
+    fwd_bad "hessian $name on cuda differs from the cpu's"
+}
+eval_same base "$fx/base"
+eval_same base-lora "$fx/base" --adapter "$fx/lora_plain"
+eval_same qwen-bias "$fx/qwen" --adapter "$fx/lora_bias"
+eval_same llama3 "$fx/llama3"
+hessian_same base "$fx/base"
+hessian_same base-lora "$fx/base" --adapter "$fx/lora_plain"
+hessian_same qwen-bias "$fx/qwen" --adapter "$fx/lora_bias"
+hessian_same llama3 "$fx/llama3"
+rm -rf "$fwd"
+[ $fwd_failed -eq 0 ] || failed+=("eval and hessian on cuda")
 
 step "auto picks the GPU"
 ./build-gpu/llmerge ties build-gpu/fixtures/base build-gpu/fixtures/lora_plain -o /tmp/gpu-check-auto \

@@ -2,9 +2,13 @@
 // made on different devices must agree to float32 rounding. `st_diff [--ulps N] A B` checks
 // that both files hold the same tensor names, dtypes and shapes, and that every element of a
 // floating tensor is within N units in the last place of its dtype (default 0: identical bits);
-// other dtypes must be identical. Prints one line per tensor that differs and a summary.
+// other dtypes must be identical. With `--rel R` an element also passes when it differs by at
+// most R times the largest magnitude of its tensor in A: for sums such as Hessians, whose small
+// entries are differences of large terms, float32 rounding is relative to the terms, not to the
+// entry. Prints one line per tensor that differs and a summary.
 // Exit status: 0 within the bound, 1 not, 2 usage or an unreadable file.
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,16 +28,34 @@ static int64_t ordinal(const unsigned char *p, lm_dtype dt)
     return bits & sign ? -mag : mag;
 }
 
+// The element's value (a floating dtype).
+static double value(const unsigned char *p, lm_dtype dt)
+{
+    float f;
+    uint16_t h;
+    if (dt == LM_DTYPE_F32) {
+        memcpy(&f, p, 4);
+        return f;
+    }
+    memcpy(&h, p, 2);
+    return dt == LM_DTYPE_BF16 ? lm_bf16_to_f32(h) : lm_f16_to_f32(h);
+}
+
 int main(int argc, char **argv)
 {
     int64_t max_ulps = 0;
+    double rel = -1, worst_rel = 0;  // rel < 0: no --rel
     int a = 1;
-    if (argc > 2 && strcmp(argv[1], "--ulps") == 0) {
-        max_ulps = strtoll(argv[2], NULL, 10);
-        a = 3;
+    for (; a + 2 < argc; a += 2) {
+        if (strcmp(argv[a], "--ulps") == 0)
+            max_ulps = strtoll(argv[a + 1], NULL, 10);
+        else if (strcmp(argv[a], "--rel") == 0)
+            rel = strtod(argv[a + 1], NULL);
+        else
+            break;
     }
     if (argc - a != 2) {
-        fprintf(stderr, "usage: st_diff [--ulps N] A.safetensors B.safetensors\n");
+        fprintf(stderr, "usage: st_diff [--ulps N] [--rel R] A.safetensors B.safetensors\n");
         return 2;
     }
     lm_err err = {0};
@@ -65,25 +87,38 @@ int main(int argc, char **argv)
         }
         size_t es = lm_dtype_bits(x->dtype) / 8;
         int64_t diff = 0, over = 0, most = 0;
+        double amax = 0;
+        for (int64_t i = 0; rel >= 0 && i < x->numel; i++)
+            amax = fmax(amax, fabs(value((const unsigned char *)x->data + i * es, x->dtype)));
         for (int64_t i = 0; i < x->numel; i++) {
-            int64_t d = ordinal((const unsigned char *)x->data + i * es, x->dtype) -
-                        ordinal((const unsigned char *)y->data + i * es, x->dtype);
+            const unsigned char *px = (const unsigned char *)x->data + i * es;
+            const unsigned char *py = (const unsigned char *)y->data + i * es;
+            int64_t d = ordinal(px, x->dtype) - ordinal(py, x->dtype);
             d = d < 0 ? -d : d;
             diff += d != 0;
-            over += d > max_ulps;
             most = d > most ? d : most;
+            if (d > max_ulps && rel >= 0) {
+                double r = fabs(value(px, x->dtype) - value(py, x->dtype)) / (amax > 0 ? amax : 1);
+                worst_rel = r > worst_rel || isnan(r) ? r : worst_rel;
+                over += !(r <= rel);
+            } else {
+                over += d > max_ulps;
+            }
         }
         total += x->numel;
         differing += diff;
         worst = most > worst ? most : worst;
         if (over) {
-            printf("%s: %" PRId64 " of %" PRId64 " elements differ by more than %" PRId64 " ulp (up to %" PRId64 ")\n",
-                   x->name, over, x->numel, max_ulps, most);
+            printf("%s: %" PRId64 " of %" PRId64 " elements differ by more than %" PRId64 " ulp%s (up to %" PRId64
+                   " ulp)\n", x->name, over, x->numel, max_ulps, rel >= 0 ? " and --rel" : "", most);
             bad_tensors++;
         }
     }
     printf("st_diff: %" PRId64 " of %" PRId64 " elements differ, by at most %" PRId64 " ulp; %" PRId64
            " tensors beyond %" PRId64 " ulp\n", differing, total, worst, bad_tensors, max_ulps);
+    if (rel >= 0)
+        printf("st_diff: beyond %" PRId64 " ulp, at most %.3g of the tensor's largest magnitude (--rel %g)\n", max_ulps,
+               worst_rel, rel);
     lm_st_close(fa);
     lm_st_close(fb);
     return bad_tensors ? 1 : 0;
