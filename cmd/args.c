@@ -2,6 +2,7 @@
 #include "args.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -136,4 +137,155 @@ lm_status lm_cmd_scan(int argc, char **argv, const lm_opt *opts, size_t n, lm_op
         }
     }
     return LM_OK;
+}
+
+const char *lm_cmd_find_log_json(int argc, char **argv)
+{
+    const char *v = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--") == 0)
+            break;
+        if (strcmp(argv[i], "--log-json") == 0 && i + 1 < argc)
+            v = argv[++i];
+        else if (strncmp(argv[i], "--log-json=", 11) == 0)
+            v = argv[i] + 11;
+    }
+    return v;
+}
+
+// ==== commands that run a model: eval, hessian ================================================
+
+void lm_cmd_run_init(lm_run_args *a)
+{
+    memset(a, 0, sizeof *a);
+    a->device = "auto";
+    a->min_seq_len = 1;
+}
+
+lm_status lm_cmd_run_option(lm_run_args *a, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+{
+    switch (d->id) {
+    case LM_RUN_OPT_ADAPTER:
+    case LM_RUN_OPT_DEVICE:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
+        *(d->id == LM_RUN_OPT_ADAPTER ? &a->adapter : &a->device) = v;
+        return LM_OK;
+    case LM_RUN_OPT_SEQ_LEN:
+        if (!lm_cmd_parse_int(v, a->min_seq_len, INT32_MAX, &a->seq_len))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of tokens from %lld to %d is needed", shown,
+                              v, (long long)a->min_seq_len, INT32_MAX);
+        return LM_OK;
+    case LM_RUN_OPT_SAMPLES:
+        if (!lm_cmd_parse_int(v, 1, INT64_MAX, &a->samples))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of sequences from 1 is needed", shown, v);
+        return LM_OK;
+    case LM_RUN_OPT_GPU_MEM:
+        return lm_cmd_opt_gpu_mem(shown, v, &a->gpu_mem, err);
+    case LM_RUN_OPT_THREADS:
+        return lm_cmd_opt_threads(shown, v, &a->threads, err);
+    case LM_RUN_OPT_STICKY:
+        a->sticky = true;
+        return LM_OK;
+    case LM_RUN_OPT_QUIET:
+        a->quiet = true;
+        return LM_OK;
+    case LM_RUN_OPT_HELP:
+        a->help = true;
+        return LM_OK;
+    }
+    return lm_err_set(err, LM_ERR_USAGE, "%s is not an option of this command", shown);
+}
+
+lm_status lm_cmd_run_operand(lm_run_args *a, const char *arg, lm_err *err)
+{
+    if (a->model)
+        return lm_err_set(err, LM_ERR_USAGE, "one MODEL only ('%s' and '%s'); an adapter goes with --adapter",
+                          a->model, arg);
+    a->model = arg;
+    return LM_OK;
+}
+
+// Opens what `path` names as `want` (a model or an adapter directory); *resolved (caller frees)
+// is the directory to open.
+static lm_status detect(const char *what, const char *path, lm_input_kind want, char **resolved, lm_err *err)
+{
+    lm_input_kind kind;
+    lm_status s = lm_input_detect(path, &kind, resolved, err);
+    if (s != LM_OK)
+        return lm_err_prefix(err, "%s", what);
+    if (kind == want)
+        return LM_OK;
+    free(*resolved);
+    *resolved = NULL;
+    if (want == LM_INPUT_MODEL && kind == LM_INPUT_ADAPTER)
+        return lm_err_set(err, LM_ERR_USAGE, "%s %s is an adapter directory: give its base model as MODEL and the "
+                          "adapter with --adapter", what, path);
+    return lm_err_set(err, LM_ERR_USAGE, "%s %s is %s %s, not %s", what, path,
+                      kind == LM_INPUT_ADAPTER ? "an" : "a", lm_input_kind_name(kind),
+                      want == LM_INPUT_MODEL ? "a model directory" : "an adapter directory");
+}
+
+lm_status lm_cmd_run_open(const lm_run_args *a, lm_model **m, lm_adapter **ad, lm_err *err)
+{
+    char *dir = NULL;
+    lm_status s;
+    if ((s = detect("MODEL", a->model, LM_INPUT_MODEL, &dir, err)) != LM_OK)
+        return s;
+    s = lm_model_open(m, dir, err);
+    free(dir);
+    if (s != LM_OK)
+        return s;
+    if ((s = lm_model_check(*m, NULL, err)) != LM_OK)
+        return lm_err_prefix(err, "MODEL %s", a->model);
+    if (a->adapter) {
+        if ((s = detect("--adapter", a->adapter, LM_INPUT_ADAPTER, &dir, err)) != LM_OK)
+            return s;
+        s = lm_adapter_open(ad, dir, err);
+        free(dir);
+        if (s != LM_OK)
+            return s;
+        if ((s = lm_adapter_validate(*ad, *m, err)) != LM_OK)
+            return lm_err_prefix(err, "--adapter %s does not fit MODEL %s", a->adapter, a->model);
+    }
+    return lm_fwd_check(*m, *ad, err);
+}
+
+lm_status lm_cmd_run_tokens(const lm_run_args *a, const lm_model *m, const char *path, lm_calib *data,
+                            int64_t *seq_len, lm_fwd_seq **seqs, lm_err *err)
+{
+    const lm_config *cfg = &m->config;
+    *seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
+    lm_calib_opts co = {.max_samples = a->samples, .max_len = *seq_len, .vocab_size = cfg->vocab_size};
+    lm_status s = lm_calib_load(data, path, &co, err);
+    if (s != LM_OK)
+        return s;
+    if (!(*seqs = calloc((size_t)(data->n_seqs ? data->n_seqs : 1), sizeof **seqs)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    for (int64_t i = 0; i < data->n_seqs; i++)
+        (*seqs)[i] = (lm_fwd_seq){data->ids + data->offsets[i], data->offsets[i + 1] - data->offsets[i]};
+    return LM_OK;
+}
+
+lm_status lm_cmd_run_device(const lm_run_args *a, lm_dev **dev, char *why, size_t why_size, lm_err *err)
+{
+    lm_dev_opts o = {.threads = a->threads, .mem_cap = a->gpu_mem, .sim_fail = getenv("LLMERGE_SIM_FAIL")};
+    return lm_dev_open(dev, a->device, &o, why, why_size, err);
+}
+
+void lm_cmd_run_notes(lm_progress *p, const lm_run_args *a, const lm_calib *data, int64_t seq_len, lm_dev *dev)
+{
+    if (data->n_cut)
+        lm_progress_note(p, "note: %" PRId64 " sequence%s cut to %" PRId64 " tokens (--seq-len)", data->n_cut,
+                         data->n_cut == 1 ? "" : "s", seq_len);
+    if (a->gpu_mem && strcmp(lm_dev_name(dev), "cpu") == 0)
+        lm_progress_note(p, "note: --gpu-mem has no effect on the cpu device");
+}
+
+void lm_cmd_run_fallbacks(lm_progress *p, const lm_fwd_runner *u)
+{
+    if (u->n_halved || u->n_seq_cpu)
+        lm_progress_note(p, "fallbacks: %" PRId64 " batch%s halved, %" PRId64 " sequence%s (%" PRId64 " tokens) on "
+                         "cpu, %.2f s", u->n_halved, u->n_halved == 1 ? "" : "es", u->n_seq_cpu,
+                         u->n_seq_cpu == 1 ? "" : "s", u->tokens_cpu, u->fallback_s);
 }

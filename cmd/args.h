@@ -1,12 +1,21 @@
-// The option scanner the commands share: "--name value", "--name=value", short options ("-o
-// OUT", "-oOUT", bundled flags such as "-qv"), "--" ending the options, operands anywhere, and
-// an unknown option answered with the closest known name ("did you mean").
+// What the commands share on their command lines. The option scanner: "--name value",
+// "--name=value", short options ("-o OUT", "-oOUT", bundled flags such as "-qv"), "--" ending
+// the options, operands anywhere, and an unknown option answered with the closest known name
+// ("did you mean"). The checks of options several commands take. And the options and inputs of
+// the commands that run a model over token data (`llmerge eval`, `llmerge hessian`): MODEL,
+// --adapter, the caps on the data, the device, opened and checked the same way in both.
 #ifndef LM_CMD_ARGS_H
 #define LM_CMD_ARGS_H
 
 #include <stdbool.h>
 #include <stddef.h>
 
+#include "adapter.h"
+#include "calib.h"
+#include "device.h"
+#include "forward.h"
+#include "model.h"
+#include "progress.h"
 #include "status.h"
 
 typedef struct lm_opt {
@@ -38,5 +47,80 @@ lm_status lm_cmd_opt_threads(const char *shown, const char *v, int *out, lm_err 
 // to a flag are LM_ERR_USAGE naming them.
 lm_status lm_cmd_scan(int argc, char **argv, const lm_opt *opts, size_t n, lm_opt_fn on_opt, lm_operand_fn on_operand,
                       void *ctx, lm_err *err);
+
+// The last --log-json value in argv (before "--"), or NULL: a command opens its log before it
+// parses the rest, so that errors of the parsing itself are logged too (the scan checks the
+// value properly).
+const char *lm_cmd_find_log_json(int argc, char **argv);
+
+// ==== commands that run a model: eval, hessian ================================================
+
+// The identifiers of their shared options; a command numbers its own below LM_RUN_OPT_FIRST.
+enum {
+    LM_RUN_OPT_FIRST = 1000,
+    LM_RUN_OPT_ADAPTER = LM_RUN_OPT_FIRST,
+    LM_RUN_OPT_SEQ_LEN,
+    LM_RUN_OPT_SAMPLES,
+    LM_RUN_OPT_DEVICE,
+    LM_RUN_OPT_GPU_MEM,
+    LM_RUN_OPT_THREADS,
+    LM_RUN_OPT_STICKY,
+    LM_RUN_OPT_QUIET,
+    LM_RUN_OPT_HELP,
+};
+
+// Their entries in a command's option table; `samples` is the name of the cap on sequences
+// ("samples" for eval's --data, "calib-samples" for hessian's --calib).
+#define LM_RUN_OPTS(samples)                                                                                     \
+    {"adapter", 0, true, LM_RUN_OPT_ADAPTER}, {"seq-len", 0, true, LM_RUN_OPT_SEQ_LEN},                           \
+        {samples, 0, true, LM_RUN_OPT_SAMPLES}, {"device", 0, true, LM_RUN_OPT_DEVICE},                           \
+        {"gpu-mem", 0, true, LM_RUN_OPT_GPU_MEM}, {"threads", 0, true, LM_RUN_OPT_THREADS},                       \
+        {"sticky-fallback", 0, false, LM_RUN_OPT_STICKY}, {"quiet", 'q', false, LM_RUN_OPT_QUIET},               \
+        {"help", 'h', false, LM_RUN_OPT_HELP}
+
+// What those options and the MODEL operand say.
+typedef struct lm_run_args {
+    const char *model;     // MODEL (one)
+    const char *adapter;   // --adapter, or NULL
+    const char *device;    // --device (lm_cmd_run_init: "auto")
+    int64_t seq_len;       // --seq-len, 0 when not given
+    int64_t min_seq_len;   // the least --seq-len the command takes (lm_cmd_run_init: 1)
+    int64_t samples;       // the cap on sequences, 0: all
+    uint64_t gpu_mem;      // --gpu-mem, 0 when not given
+    int threads;           // --threads, 0: all cores
+    bool sticky, quiet, help;
+} lm_run_args;
+
+// Zeroes *a and sets the defaults (device auto, --seq-len from 1).
+void lm_cmd_run_init(lm_run_args *a);
+
+// Applies shared option d (id LM_RUN_OPT_*) with value v as lm_opt_fn does; LM_ERR_USAGE naming
+// the option as the user wrote it (`shown`) for a bad value.
+lm_status lm_cmd_run_option(lm_run_args *a, const lm_opt *d, const char *shown, const char *v, lm_err *err);
+
+// The operand: MODEL, once.
+lm_status lm_cmd_run_operand(lm_run_args *a, const char *arg, lm_err *err);
+
+// Opens MODEL (a model directory of an architecture the forward pass runs, resolved as
+// lm_input_detect resolves it) and, with --adapter, the adapter (checked against MODEL). *m
+// and *ad (NULL without --adapter) are the caller's to free, also on failure. Errors name the
+// option and the path: exit status 2.
+lm_status lm_cmd_run_open(const lm_run_args *a, lm_model **m, lm_adapter **ad, lm_err *err);
+
+// Reads the token file `path` for model m into *data with the caps of a (--seq-len, or the
+// model's max_position_embeddings, in *seq_len; 0: none) and every id checked against the
+// vocabulary; *seqs (the caller frees) gets the sequences as the forward pass takes them.
+lm_status lm_cmd_run_tokens(const lm_run_args *a, const lm_model *m, const char *path, lm_calib *data,
+                            int64_t *seq_len, lm_fwd_seq **seqs, lm_err *err);
+
+// Opens --device with --gpu-mem and --threads (LLMERGE_SIM_FAIL for the sim device's faults);
+// `why` gets what was opened and why.
+lm_status lm_cmd_run_device(const lm_run_args *a, lm_dev **dev, char *why, size_t why_size, lm_err *err);
+
+// The notes before the work: sequences cut to --seq-len, --gpu-mem without effect on the CPU.
+void lm_cmd_run_notes(lm_progress *p, const lm_run_args *a, const lm_calib *data, int64_t seq_len, lm_dev *dev);
+
+// The note after the work when batches were halved or sequences ran on the CPU.
+void lm_cmd_run_fallbacks(lm_progress *p, const lm_fwd_runner *u);
 
 #endif

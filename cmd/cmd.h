@@ -55,6 +55,15 @@ typedef struct lm_cmd_prepared {
     const char *dev_why;          // what --device opened and why
     uint64_t gpu_mem;             // --gpu-mem, 0 when not given
     uint64_t shard_size;          // --shard-size
+    // sparsegpt's Hessians (zero for the other methods)
+    const struct lm_calib *calib; // (n_calib) the calibration files as the merge read them
+    int n_calib;
+    int64_t calib_samples;        // --calib-samples (0: all)
+    int64_t seq_len;              // the length cap in effect (0: none)
+    bool hessian_from_base;       // --hessian-from base
+    bool sticky;                  // --sticky-fallback
+    const char *cache_dir;        // --cache-dir as given (NULL: the default place)
+    double damp;                  // the damping U_cc² are computed (and cached) with
     bool help;                    // --help was answered
     void *priv;
 } lm_cmd_prepared;

@@ -46,7 +46,8 @@ static void usage(FILE *out)
             "\n"
             "Options (also as --name=value):\n"
             "  --adapter DIR     apply the PEFT LoRA adapter DIR to MODEL (not merged: each adapted\n"
-            "                    layer computes x W^T + s (x A^T) B^T); DoRA is not supported yet\n"
+            "                    layer computes x W^T + s (x A^T) B^T, scaled per output row by\n"
+            "                    m / ||W + s B A|| with DoRA)\n"
             "  --data FILE       the token data (required): FILE.jsonl with one\n"
             "                    {\"input_ids\": [...]} per line, or FILE.txt with one sequence of\n"
             "                    space-separated token ids per line; a bad line is an error naming\n"
@@ -75,30 +76,22 @@ static void usage(FILE *out)
 
 // ==== options =================================================================================
 
+// eval's own options; the rest are those of every command that runs a model (args.h).
 typedef enum opt_id {
-    OPT_ADAPTER, OPT_DATA, OPT_SEQ_LEN, OPT_SAMPLES, OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_JSON,
-    OPT_QUIET, OPT_STICKY, OPT_HELP,
+    OPT_DATA, OPT_JSON,
 } opt_id;
 
-typedef lm_opt opt_def;
-
-static const opt_def opt_defs[] = {
-    {"adapter", 0, true, OPT_ADAPTER}, {"data", 0, true, OPT_DATA},
-    {"seq-len", 0, true, OPT_SEQ_LEN}, {"samples", 0, true, OPT_SAMPLES},
-    {"device", 0, true, OPT_DEVICE},   {"gpu-mem", 0, true, OPT_GPU_MEM},
-    {"threads", 0, true, OPT_THREADS}, {"json", 0, false, OPT_JSON},
-    {"quiet", 'q', false, OPT_QUIET},  {"help", 'h', false, OPT_HELP},
-    {"sticky-fallback", 0, false, OPT_STICKY},
+static const lm_opt opt_defs[] = {
+    {"data", 0, true, OPT_DATA},
+    {"json", 0, false, OPT_JSON},
+    LM_RUN_OPTS("samples"),
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
 
 typedef struct eval_args {
-    const char *model, *adapter, *data, *device;
-    int64_t seq_len;   // 0: not given
-    int64_t samples;   // 0: all
-    uint64_t gpu_mem;  // 0: not given
-    int threads;
-    bool json, quiet, help, sticky;
+    lm_run_args run;   // MODEL, --adapter, --seq-len, --samples, the device, -q, -h
+    const char *data;
+    bool json;
 } eval_args;
 
 // Applies option `d` with value `v` (NULL for a flag); `shown` is how the user wrote it.
@@ -106,56 +99,28 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
 {
     eval_args *a = ctx;
     switch (d->id) {
-    case OPT_ADAPTER:
     case OPT_DATA:
-    case OPT_DEVICE:
         if (!*v)
             return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-        *(d->id == OPT_ADAPTER ? &a->adapter : d->id == OPT_DATA ? &a->data : &a->device) = v;
+        a->data = v;
         return LM_OK;
-    case OPT_SEQ_LEN:
-        if (!lm_cmd_parse_int(v, 2, INT32_MAX, &a->seq_len))
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of tokens from 2 to %d is needed", shown,
-                              v, INT32_MAX);
-        return LM_OK;
-    case OPT_SAMPLES:
-        if (!lm_cmd_parse_int(v, 1, INT64_MAX, &a->samples))
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of sequences from 1 is needed", shown, v);
-        return LM_OK;
-    case OPT_GPU_MEM:
-        return lm_cmd_opt_gpu_mem(shown, v, &a->gpu_mem, err);
-    case OPT_THREADS:
-        return lm_cmd_opt_threads(shown, v, &a->threads, err);
     case OPT_JSON:
         a->json = true;
         return LM_OK;
-    case OPT_QUIET:
-        a->quiet = true;
-        return LM_OK;
-    case OPT_STICKY:
-        a->sticky = true;
-        return LM_OK;
-    case OPT_HELP:
-        a->help = true;
-        return LM_OK;
     }
-    return LM_OK;
+    return lm_cmd_run_option(&a->run, d, shown, v, err);
 }
 
 static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
 {
-    eval_args *a = ctx;
-    if (a->model)
-        return lm_err_set(err, LM_ERR_USAGE, "one MODEL only ('%s' and '%s'); an adapter goes with --adapter",
-                          a->model, arg);
-    a->model = arg;
-    return LM_OK;
+    return lm_cmd_run_operand(&((eval_args *)ctx)->run, arg, err);
 }
 
-// Parses argv into *a (zeroed by the caller): MODEL anywhere among the options, "--" ends them.
+// Parses argv into *a: MODEL anywhere among the options, "--" ends them.
 static lm_status parse_args(eval_args *a, int argc, char **argv, lm_err *err)
 {
-    a->device = "auto";
+    lm_cmd_run_init(&a->run);
+    a->run.min_seq_len = 2;  // a sequence needs two tokens to predict one
     return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, apply_option, on_operand, a, err);
 }
 
@@ -188,77 +153,26 @@ static void run_free(eval_run *r)
     lm_progress_free(&r->progress);
 }
 
-// Opens what `path` names as `want` (a model or an adapter directory); *resolved (caller frees)
-// is the directory to open.
-static lm_status detect(const char *what, const char *path, lm_input_kind want, char **resolved, lm_err *err)
-{
-    lm_input_kind kind;
-    lm_status s = lm_input_detect(path, &kind, resolved, err);
-    if (s != LM_OK)
-        return lm_err_prefix(err, "%s", what);
-    if (kind == want)
-        return LM_OK;
-    free(*resolved);
-    *resolved = NULL;
-    if (want == LM_INPUT_MODEL && kind == LM_INPUT_ADAPTER)
-        return lm_err_set(err, LM_ERR_USAGE, "%s %s is an adapter directory: give its base model as MODEL and the "
-                          "adapter with --adapter", what, path);
-    return lm_err_set(err, LM_ERR_USAGE, "%s %s is %s %s, not %s", what, path,
-                      kind == LM_INPUT_ADAPTER ? "an" : "a", lm_input_kind_name(kind),
-                      want == LM_INPUT_MODEL ? "a model directory" : "an adapter directory");
-}
-
 // Everything before the work: inputs opened and checked, the data read, the device opened.
 static lm_status prepare(eval_run *r, lm_err *err)
 {
     eval_args *a = &r->args;
     lm_status s;
-    if (!a->model)
+    if (!a->run.model)
         return lm_err_set(err, LM_ERR_USAGE, "needs MODEL (usage: llmerge eval MODEL [--adapter DIR] --data FILE)");
     if (!a->data)
         return lm_err_set(err, LM_ERR_USAGE, "no data: give --data FILE (.jsonl or .txt)");
-
-    char *dir = NULL;
-    if ((s = detect("MODEL", a->model, LM_INPUT_MODEL, &dir, err)) != LM_OK)
+    if ((s = lm_cmd_run_open(&a->run, &r->model, &r->adapter, err)) != LM_OK ||
+        (s = lm_cmd_run_tokens(&a->run, r->model, a->data, &r->data, &r->seq_len, &r->seqs, err)) != LM_OK)
         return s;
-    s = lm_model_open(&r->model, dir, err);
-    free(dir);
-    if (s != LM_OK)
-        return s;
-    if ((s = lm_model_check(r->model, NULL, err)) != LM_OK)
-        return lm_err_prefix(err, "MODEL %s", a->model);
-    if (a->adapter) {
-        if ((s = detect("--adapter", a->adapter, LM_INPUT_ADAPTER, &dir, err)) != LM_OK)
-            return s;
-        s = lm_adapter_open(&r->adapter, dir, err);
-        free(dir);
-        if (s != LM_OK)
-            return s;
-        if ((s = lm_adapter_validate(r->adapter, r->model, err)) != LM_OK)
-            return lm_err_prefix(err, "--adapter %s does not fit MODEL %s", a->adapter, a->model);
-    }
-    if ((s = lm_fwd_check(r->model, r->adapter, err)) != LM_OK)
-        return s;
-
-    const lm_config *cfg = &r->model->config;
-    r->seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
-    lm_calib_opts co = {.max_samples = a->samples, .max_len = r->seq_len, .vocab_size = cfg->vocab_size};
-    if ((s = lm_calib_load(&r->data, a->data, &co, err)) != LM_OK)
-        return s;
-    if (!(r->seqs = calloc((size_t)r->data.n_seqs, sizeof *r->seqs)) ||
-        !(r->nll = calloc((size_t)r->data.n_tokens, sizeof *r->nll)))
+    if (!(r->nll = calloc((size_t)(r->data.n_tokens ? r->data.n_tokens : 1), sizeof *r->nll)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    for (int64_t i = 0; i < r->data.n_seqs; i++) {
-        r->seqs[i].ids = r->data.ids + r->data.offsets[i];
-        r->seqs[i].len = r->data.offsets[i + 1] - r->data.offsets[i];
+    for (int64_t i = 0; i < r->data.n_seqs; i++)
         r->n_pred += r->seqs[i].len - 1;
-    }
     if (r->n_pred == 0)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: no next-token predictions (every sequence has one token)",
                           a->data);
-
-    lm_dev_opts o = {.threads = a->threads, .mem_cap = a->gpu_mem, .sim_fail = getenv("LLMERGE_SIM_FAIL")};
-    return lm_dev_open(&r->dev, a->device, &o, r->dev_why, sizeof r->dev_why, err);
+    return lm_cmd_run_device(&a->run, &r->dev, r->dev_why, sizeof r->dev_why, err);
 }
 
 static void on_note(void *ctx, const char *line)
@@ -288,8 +202,8 @@ static int print_json(const eval_run *r, double nll_mean, double ppl, double sec
               cJSON_AddNumberToObject(o, "tokens", (double)r->n_pred) &&
               cJSON_AddNumberToObject(o, "sequences", (double)r->data.n_seqs) &&
               cJSON_AddNumberToObject(o, "sequences_cut", (double)r->data.n_cut) &&
-              cJSON_AddStringToObject(o, "model", r->args.model) &&
-              (r->args.adapter ? cJSON_AddStringToObject(o, "adapter", r->args.adapter)
+              cJSON_AddStringToObject(o, "model", r->args.run.model) &&
+              (r->args.run.adapter ? cJSON_AddStringToObject(o, "adapter", r->args.run.adapter)
                                : cJSON_AddNullToObject(o, "adapter")) &&
               cJSON_AddStringToObject(o, "data", r->args.data) &&
               (r->seq_len ? cJSON_AddNumberToObject(o, "seq_len", (double)r->seq_len)
@@ -322,19 +236,16 @@ static int work(eval_run *r)
     char threads[32] = "";
     if (r->dev->threads > 0)
         snprintf(threads, sizeof threads, ", %d thread%s", r->dev->threads, r->dev->threads == 1 ? "" : "s");
-    lm_progress_note(p, "evaluating %s%s%s on %s: %" PRId64 " sequence%s, %" PRId64 " tokens (%s%s)", a->model,
-                     a->adapter ? " with " : "", a->adapter ? a->adapter : "", a->data, r->data.n_seqs,
+    lm_progress_note(p, "evaluating %s%s%s on %s: %" PRId64 " sequence%s, %" PRId64 " tokens (%s%s)", a->run.model,
+                     a->run.adapter ? " with " : "", a->run.adapter ? a->run.adapter : "", a->data, r->data.n_seqs,
                      r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);
-    if (r->data.n_cut)
-        lm_progress_note(p, "note: %" PRId64 " sequence%s cut to %" PRId64 " tokens (--seq-len)", r->data.n_cut,
-                         r->data.n_cut == 1 ? "" : "s", r->seq_len);
-    if (a->gpu_mem && strcmp(lm_dev_name(r->dev), "cpu") == 0)
-        lm_progress_note(p, "note: --gpu-mem has no effect on the cpu device");
+    lm_cmd_run_notes(p, &a->run, &r->data, r->seq_len, r->dev);
 
     double t0 = lm_progress_now();
     lm_signals_install();  // Ctrl-C stops at the next layer: exit 128 + the signal, no result
-    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "eval", a->model, 0, on_note, p, &err);
-    r->runner.sticky = a->sticky;
+    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "eval", a->run.model, 0, on_note, p,
+                                     &err);
+    r->runner.sticky = a->run.sticky;
     if (s != LM_OK) {
         int code = lm_status_exit_code(s);
         lm_progress_error(p, code, "%s", err.msg);
@@ -372,10 +283,7 @@ static int work(eval_run *r)
     lm_progress_note(p, "%" PRId64 " predictions in %.2f s (%.0f tokens/s) on %s", r->n_pred, secs,
                      secs > 0 ? (double)r->data.n_tokens / secs : 0.0,
                      u->weights_fell_back ? "cpu" : lm_dev_name(r->dev));
-    if (u->n_halved || u->n_seq_cpu)
-        lm_progress_note(p, "fallbacks: %" PRId64 " batch%s halved, %" PRId64 " sequence%s (%" PRId64 " tokens) on "
-                         "cpu, %.2f s", u->n_halved, u->n_halved == 1 ? "" : "es", u->n_seq_cpu,
-                         u->n_seq_cpu == 1 ? "" : "s", u->tokens_cpu, u->fallback_s);
+    lm_cmd_run_fallbacks(p, u);
     if (!isfinite(mean)) {
         lm_progress_error(p, 1, "the mean negative log-likelihood is %g (the model produced non-finite logits)",
                           mean);
@@ -405,12 +313,12 @@ int lm_cmd_eval(int argc, char **argv)
         rc = 2;
         goto done;
     }
-    if (r.args.help) {
+    if (r.args.run.help) {
         usage(stdout);
         rc = 0;
         goto done;
     }
-    r.progress.quiet = r.args.quiet;
+    r.progress.quiet = r.args.run.quiet;
     if ((s = prepare(&r, &err)) != LM_OK) {
         rc = lm_status_exit_code(s);
         lm_progress_error(&r.progress, rc, "%s", err.msg);

@@ -9,8 +9,9 @@
 // 2): the options, MODEL, the adapter, every line of the calibration file, the device, and the
 // output path (it must not exist without --force). The forward pass runs through lm_fwd_runner
 // with its fallbacks; accumulators that do not fit the device stay in host memory. A failure
-// from then on is exit status 1, and the file is written through a temporary file renamed into
-// place, so a failed run leaves nothing at the output path.
+// from then on is exit status 1. The file is streamed, one Hessian finished, written and freed
+// at a time, into a temporary directory beside the output and renamed into place, so a failed
+// run leaves nothing at the output path.
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -46,11 +47,12 @@ static void usage(FILE *out)
             "consumer (model.layers.0.self_attn.q_proj, ...), and n_tokens in __metadata__.\n"
             "\n"
             "Options (also as --name=value):\n"
-            "  -o, --output FILE   the safetensors file to write (required); written to a\n"
-            "                      temporary file beside it and renamed into place\n"
+            "  -o, --output FILE   the safetensors file to write (required); written in a\n"
+            "                      temporary directory beside it (FILE.tmp-XXXXXX) and\n"
+            "                      renamed into place\n"
             "  --force             overwrite FILE when it exists (default: refuse)\n"
             "  --adapter DIR       apply the PEFT LoRA adapter DIR to MODEL (not merged): the\n"
-            "                      Hessians of the fine-tuned model; DoRA is not supported yet\n"
+            "                      Hessians of the fine-tuned model (DoRA too)\n"
             "  --calib FILE        the calibration tokens (required): FILE.jsonl with one\n"
             "                      {\"input_ids\": [...]} per line, or FILE.txt with one sequence of\n"
             "                      space-separated token ids per line; a bad line is an error\n"
@@ -81,31 +83,24 @@ static void usage(FILE *out)
 
 // ==== options =================================================================================
 
+// hessian's own options; the rest are those of every command that runs a model (args.h).
 typedef enum opt_id {
-    OPT_OUTPUT, OPT_FORCE, OPT_ADAPTER, OPT_CALIB, OPT_SAMPLES, OPT_SEQ_LEN, OPT_DEVICE, OPT_GPU_MEM,
-    OPT_THREADS, OPT_LOG_JSON, OPT_QUIET, OPT_STICKY, OPT_HELP,
+    OPT_OUTPUT, OPT_FORCE, OPT_CALIB, OPT_LOG_JSON,
 } opt_id;
 
-typedef lm_opt opt_def;
-
-static const opt_def opt_defs[] = {
-    {"output", 'o', true, OPT_OUTPUT},       {"force", 0, false, OPT_FORCE},
-    {"adapter", 0, true, OPT_ADAPTER},       {"calib", 0, true, OPT_CALIB},
-    {"calib-samples", 0, true, OPT_SAMPLES}, {"seq-len", 0, true, OPT_SEQ_LEN},
-    {"device", 0, true, OPT_DEVICE},         {"gpu-mem", 0, true, OPT_GPU_MEM},
-    {"threads", 0, true, OPT_THREADS},       {"log-json", 0, true, OPT_LOG_JSON},
-    {"quiet", 'q', false, OPT_QUIET},        {"help", 'h', false, OPT_HELP},
-    {"sticky-fallback", 0, false, OPT_STICKY},
+static const lm_opt opt_defs[] = {
+    {"output", 'o', true, OPT_OUTPUT},
+    {"force", 0, false, OPT_FORCE},
+    {"calib", 0, true, OPT_CALIB},
+    {"log-json", 0, true, OPT_LOG_JSON},
+    LM_RUN_OPTS("calib-samples"),
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
 
 typedef struct hess_args {
-    const char *model, *adapter, *calib, *output, *device, *log_json;
-    int64_t seq_len;   // 0: not given
-    int64_t samples;   // 0: all
-    uint64_t gpu_mem;  // 0: not given
-    int threads;
-    bool force, quiet, help, sticky;
+    lm_run_args run;   // MODEL, --adapter, --seq-len, --calib-samples, the device, -q, -h
+    const char *calib, *output, *log_json;
+    bool force;
 } hess_args;
 
 // Applies option `d` with value `v` (NULL for a flag); `shown` is how the user wrote it.
@@ -114,62 +109,29 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
     hess_args *a = ctx;
     switch (d->id) {
     case OPT_OUTPUT:
-    case OPT_ADAPTER:
     case OPT_CALIB:
-    case OPT_DEVICE:
     case OPT_LOG_JSON:
         if (!*v)
             return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-        *(d->id == OPT_OUTPUT    ? &a->output
-          : d->id == OPT_ADAPTER ? &a->adapter
-          : d->id == OPT_CALIB   ? &a->calib
-          : d->id == OPT_DEVICE  ? &a->device
-                                 : &a->log_json) = v;
+        *(d->id == OPT_OUTPUT ? &a->output : d->id == OPT_CALIB ? &a->calib : &a->log_json) = v;
         return LM_OK;
-    case OPT_SEQ_LEN:
-        if (!lm_cmd_parse_int(v, 1, INT32_MAX, &a->seq_len))
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of tokens from 1 to %d is needed", shown,
-                              v, INT32_MAX);
-        return LM_OK;
-    case OPT_SAMPLES:
-        if (!lm_cmd_parse_int(v, 1, INT64_MAX, &a->samples))
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number of sequences from 1 is needed", shown, v);
-        return LM_OK;
-    case OPT_GPU_MEM:
-        return lm_cmd_opt_gpu_mem(shown, v, &a->gpu_mem, err);
-    case OPT_THREADS:
-        return lm_cmd_opt_threads(shown, v, &a->threads, err);
     case OPT_FORCE:
         a->force = true;
         return LM_OK;
-    case OPT_QUIET:
-        a->quiet = true;
-        return LM_OK;
-    case OPT_STICKY:
-        a->sticky = true;
-        return LM_OK;
-    case OPT_HELP:
-        a->help = true;
-        return LM_OK;
     }
-    return LM_OK;
+    return lm_cmd_run_option(&a->run, d, shown, v, err);
 }
 
 static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
 {
-    hess_args *a = ctx;
-    if (a->model)
-        return lm_err_set(err, LM_ERR_USAGE, "one MODEL only ('%s' and '%s'); an adapter goes with --adapter",
-                          a->model, arg);
-    a->model = arg;
-    return LM_OK;
+    return lm_cmd_run_operand(&((hess_args *)ctx)->run, arg, err);
 }
 
-// Parses argv into *a (zeroed by the caller): MODEL anywhere among the options, "--" ends them.
-// Short options with a value (-o) take the rest of the word or the next word.
+// Parses argv into *a: MODEL anywhere among the options, "--" ends them. Short options with a
+// value (-o) take the rest of the word or the next word.
 static lm_status parse_args(hess_args *a, int argc, char **argv, lm_err *err)
 {
-    a->device = "auto";
+    lm_cmd_run_init(&a->run);
     return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, apply_option, on_operand, a, err);
 }
 
@@ -190,19 +152,13 @@ typedef struct hess_run {
     int64_t n_out;        // tensors written: n_layers · LM_FWD_N_POINTS
     lm_st_desc *desc;     // (n_out)
     char **names;         // (n_out)
-    float **data_out;     // (n_out) host [in, in]
 } hess_run;
 
 static void run_free(hess_run *r)
 {
-    for (int64_t i = 0; i < r->n_out; i++) {
-        if (r->names)
-            free(r->names[i]);
-        if (r->data_out)
-            free(r->data_out[i]);
-    }
+    for (int64_t i = 0; r->names && i < r->n_out; i++)
+        free(r->names[i]);
     free(r->names);
-    free(r->data_out);
     free(r->desc);
     lm_hess_free(&r->hess);
     lm_fwd_runner_free(&r->runner);
@@ -212,26 +168,6 @@ static void run_free(hess_run *r)
     lm_adapter_free(r->adapter);
     lm_model_free(r->model);
     lm_progress_free(&r->progress);
-}
-
-// Opens what `path` names as `want` (a model or an adapter directory); *resolved (caller frees)
-// is the directory to open.
-static lm_status detect(const char *what, const char *path, lm_input_kind want, char **resolved, lm_err *err)
-{
-    lm_input_kind kind;
-    lm_status s = lm_input_detect(path, &kind, resolved, err);
-    if (s != LM_OK)
-        return lm_err_prefix(err, "%s", what);
-    if (kind == want)
-        return LM_OK;
-    free(*resolved);
-    *resolved = NULL;
-    if (want == LM_INPUT_MODEL && kind == LM_INPUT_ADAPTER)
-        return lm_err_set(err, LM_ERR_USAGE, "%s %s is an adapter directory: give its base model as MODEL and the "
-                          "adapter with --adapter", what, path);
-    return lm_err_set(err, LM_ERR_USAGE, "%s %s is %s %s, not %s", what, path,
-                      kind == LM_INPUT_ADAPTER ? "an" : "a", lm_input_kind_name(kind),
-                      want == LM_INPUT_MODEL ? "a model directory" : "an adapter directory");
 }
 
 // The output path: not a directory, not an existing file without --force, in a directory that
@@ -261,54 +197,22 @@ static lm_status prepare(hess_run *r, lm_err *err)
 {
     hess_args *a = &r->args;
     lm_status s;
-    if (!a->model)
+    if (!a->run.model)
         return lm_err_set(err, LM_ERR_USAGE, "needs MODEL (usage: llmerge hessian MODEL [--adapter DIR] --calib FILE "
                           "-o H.safetensors)");
     if (!a->calib)
         return lm_err_set(err, LM_ERR_USAGE, "no calibration data: give --calib FILE (.jsonl or .txt)");
     if (!a->output)
         return lm_err_set(err, LM_ERR_USAGE, "no output: give -o H.safetensors");
-    if ((s = check_output(a, err)) != LM_OK)
+    if ((s = check_output(a, err)) != LM_OK ||
+        (s = lm_cmd_run_open(&a->run, &r->model, &r->adapter, err)) != LM_OK ||
+        (s = lm_cmd_run_tokens(&a->run, r->model, a->calib, &r->data, &r->seq_len, &r->seqs, err)) != LM_OK)
         return s;
-
-    char *dir = NULL;
-    if ((s = detect("MODEL", a->model, LM_INPUT_MODEL, &dir, err)) != LM_OK)
-        return s;
-    s = lm_model_open(&r->model, dir, err);
-    free(dir);
-    if (s != LM_OK)
-        return s;
-    if ((s = lm_model_check(r->model, NULL, err)) != LM_OK)
-        return lm_err_prefix(err, "MODEL %s", a->model);
-    if (a->adapter) {
-        if ((s = detect("--adapter", a->adapter, LM_INPUT_ADAPTER, &dir, err)) != LM_OK)
-            return s;
-        s = lm_adapter_open(&r->adapter, dir, err);
-        free(dir);
-        if (s != LM_OK)
-            return s;
-        if ((s = lm_adapter_validate(r->adapter, r->model, err)) != LM_OK)
-            return lm_err_prefix(err, "--adapter %s does not fit MODEL %s", a->adapter, a->model);
-    }
-    if ((s = lm_fwd_check(r->model, r->adapter, err)) != LM_OK)
-        return s;
-
-    const lm_config *cfg = &r->model->config;
-    r->seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
-    lm_calib_opts co = {.max_samples = a->samples, .max_len = r->seq_len, .vocab_size = cfg->vocab_size};
-    if ((s = lm_calib_load(&r->data, a->calib, &co, err)) != LM_OK)
-        return s;
-    if (!(r->seqs = calloc((size_t)r->data.n_seqs, sizeof *r->seqs)))
-        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    for (int64_t i = 0; i < r->data.n_seqs; i++) {
-        r->seqs[i].ids = r->data.ids + r->data.offsets[i];
-        r->seqs[i].len = r->data.offsets[i + 1] - r->data.offsets[i];
-    }
 
     // the output's tensors, named and sized before any work
+    const lm_config *cfg = &r->model->config;
     r->n_out = cfg->num_hidden_layers * LM_FWD_N_POINTS;
-    if (!(r->desc = calloc((size_t)r->n_out, sizeof *r->desc)) || !(r->names = calloc((size_t)r->n_out, sizeof *r->names)) ||
-        !(r->data_out = calloc((size_t)r->n_out, sizeof *r->data_out)))
+    if (!(r->desc = calloc((size_t)r->n_out, sizeof *r->desc)) || !(r->names = calloc((size_t)r->n_out, sizeof *r->names)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     int64_t dims[LM_FWD_N_POINTS] = {cfg->hidden_size, cfg->num_attention_heads * cfg->head_dim, cfg->hidden_size,
                                      cfg->intermediate_size};
@@ -320,9 +224,7 @@ static lm_status prepare(hess_run *r, lm_err *err)
                 return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
             r->desc[i] = (lm_st_desc){.name = r->names[i], .dtype = LM_DTYPE_F32, .ndim = 2, .shape = {dims[p], dims[p]}};
         }
-
-    lm_dev_opts o = {.threads = a->threads, .mem_cap = a->gpu_mem, .sim_fail = getenv("LLMERGE_SIM_FAIL")};
-    return lm_dev_open(&r->dev, a->device, &o, r->dev_why, sizeof r->dev_why, err);
+    return lm_cmd_run_device(&a->run, &r->dev, r->dev_why, sizeof r->dev_why, err);
 }
 
 static void on_note(void *ctx, const char *line)
@@ -351,7 +253,7 @@ static lm_status place_accumulators(hess_run *r, lm_err *err)
         if (reserve == SIZE_MAX)
             reserve = 0;
     }
-    lm_status s = lm_hess_init(&r->hess, r->model, dev, reserve, r->args.threads, err);
+    lm_status s = lm_hess_init(&r->hess, r->model, dev, reserve, r->args.run.threads, err);
     if (s != LM_OK)
         return s;
     lm_hess *h = &r->hess;
@@ -368,6 +270,71 @@ static lm_status place_accumulators(hess_run *r, lm_err *err)
     return LM_OK;
 }
 
+// Writes the output as one safetensors file, streamed: one Hessian at a time is finished
+// (lm_hess_get), written at its offset and its accumulators freed, so memory never holds the
+// finished copies of all of them beside the accumulators. The file is written inside a
+// temporary directory beside the output (OUTPUT.tmp-XXXXXX, the writer's single shard) and
+// renamed into place; a failure removes the directory, leaving nothing at the output path.
+static lm_status write_hessians(hess_run *r, lm_err *err)
+{
+    hess_args *a = &r->args;
+    char n_tokens[32], n_seqs[32], seq_len[32];
+    snprintf(n_tokens, sizeof n_tokens, "%" PRId64, r->hess.n_tokens);
+    snprintf(n_seqs, sizeof n_seqs, "%" PRId64, r->data.n_seqs);
+    snprintf(seq_len, sizeof seq_len, "%" PRId64, r->seq_len);
+    const char *meta[] = {"n_tokens", n_tokens, "n_sequences", n_seqs, "seq_len", seq_len, "model", a->run.model,
+                          "calib", a->calib, "llmerge", "hessian " LLMERGE_VERSION, "adapter", a->run.adapter, NULL};
+    if (!a->run.adapter)
+        meta[12] = NULL;  // no adapter key at all
+    int64_t most = 0;
+    for (int64_t i = 0; i < r->n_out; i++)
+        most = r->desc[i].shape[0] > most ? r->desc[i].shape[0] : most;
+    char *tmp = lm_strfmt("%s.tmp-XXXXXX", a->output), *file = NULL;
+    float *H = malloc((size_t)(most * most) * sizeof *H);
+    lm_st_writer *w = NULL;
+    lm_status s = LM_OK;
+    if (!tmp || !H) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory for a Hessian of %" PRId64 " x %" PRId64, most, most);
+        goto out;
+    }
+    if (!mkdtemp(tmp)) {
+        s = lm_err_set(err, LM_ERR_IO, "%s: %s", tmp, strerror(errno));
+        tmp[0] = '\0';  // nothing of ours to remove
+        goto out;
+    }
+    // no shard limit: the writer's one file, laid out as lm_st_write_file lays it out
+    if ((s = lm_st_writer_open(&w, tmp, r->desc, r->n_out, UINT64_MAX, meta, err)) != LM_OK)
+        goto out;
+    for (int64_t i = 0; i < r->n_out; i++) {
+        int64_t layer = i / LM_FWD_N_POINTS, d = r->desc[i].shape[0];
+        lm_fwd_point pt = (lm_fwd_point)(i % LM_FWD_N_POINTS);
+        if ((s = lm_hess_get(&r->hess, layer, pt, H, err)) != LM_OK)
+            goto out;
+        lm_hess_release(&r->hess, layer, pt);
+        if ((s = lm_st_writer_put(w, i, H, (uint64_t)(d * d) * sizeof(float), err)) != LM_OK)
+            goto out;
+    }
+    char shard[64];
+    if ((s = lm_st_writer_finish(w, err)) != LM_OK)
+        goto out;
+    if (!(file = lm_path_join(tmp, lm_shard_name(shard, sizeof shard, 0, 1)))) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        goto out;
+    }
+    if (rename(file, a->output) != 0)
+        s = lm_err_set(err, LM_ERR_IO, "%s: renaming %s into place: %s", a->output, file, strerror(errno));
+out:
+    lm_st_writer_free(w);
+    if (tmp && tmp[0]) {
+        lm_err rerr = {0};
+        lm_rm_rf(tmp, &rerr);
+    }
+    free(file);
+    free(tmp);
+    free(H);
+    return s;
+}
+
 // The work: the model placed, every batch run, the Hessians written. Returns the exit status.
 static int work(hess_run *r)
 {
@@ -378,18 +345,14 @@ static int work(hess_run *r)
     if (r->dev->threads > 0)
         snprintf(threads, sizeof threads, ", %d thread%s", r->dev->threads, r->dev->threads == 1 ? "" : "s");
     lm_progress_note(p, "capturing Hessians of %s%s%s on %s: %" PRId64 " sequence%s, %" PRId64 " tokens (%s%s)",
-                     a->model, a->adapter ? " with " : "", a->adapter ? a->adapter : "", a->calib, r->data.n_seqs,
-                     r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);
-    if (r->data.n_cut)
-        lm_progress_note(p, "note: %" PRId64 " sequence%s cut to %" PRId64 " tokens (--seq-len)", r->data.n_cut,
-                         r->data.n_cut == 1 ? "" : "s", r->seq_len);
-    if (a->gpu_mem && strcmp(lm_dev_name(r->dev), "cpu") == 0)
-        lm_progress_note(p, "note: --gpu-mem has no effect on the cpu device");
+                     a->run.model, a->run.adapter ? " with " : "", a->run.adapter ? a->run.adapter : "", a->calib,
+                     r->data.n_seqs, r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);
+    lm_cmd_run_notes(p, &a->run, &r->data, r->seq_len, r->dev);
 
     double t0 = lm_progress_now();
-    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "hessian", a->model, 0, on_note, p,
+    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "hessian", a->run.model, 0, on_note, p,
                                      &err);
-    r->runner.sticky = a->sticky;
+    r->runner.sticky = a->run.sticky;
     if (s == LM_OK)
         s = place_accumulators(r, &err);
     if (s != LM_OK) {
@@ -409,57 +372,22 @@ static int work(hess_run *r)
         return 1;
     }
     double t_capture = lm_progress_now() - t0;
+    // The weights are done with (the runner keeps its counts): their memory goes before 5 GB
+    // of Hessians pass through the page cache.
+    lm_fwd_runner_free(&r->runner);
 
-    for (int64_t i = 0; i < r->n_out; i++) {
-        int64_t d = r->desc[i].shape[0];
-        if (!(r->data_out[i] = malloc((size_t)(d * d) * sizeof(float)))) {
-            lm_progress_error(p, 1, "out of memory for the Hessian of %s", r->names[i]);
-            return 1;
-        }
-        if ((s = lm_hess_get(&r->hess, i / LM_FWD_N_POINTS, (lm_fwd_point)(i % LM_FWD_N_POINTS), r->data_out[i],
-                             &err)) != LM_OK) {
-            lm_progress_error(p, 1, "%s", err.msg);
-            return 1;
-        }
-    }
-    char n_tokens[32], n_seqs[32], seq_len[32];
-    snprintf(n_tokens, sizeof n_tokens, "%" PRId64, r->hess.n_tokens);
-    snprintf(n_seqs, sizeof n_seqs, "%" PRId64, r->data.n_seqs);
-    snprintf(seq_len, sizeof seq_len, "%" PRId64, r->seq_len);
-    const char *meta[] = {"n_tokens", n_tokens, "n_sequences", n_seqs, "seq_len", seq_len, "model", a->model,
-                          "calib", a->calib, "llmerge", "hessian " LLMERGE_VERSION, "adapter", a->adapter, NULL};
-    if (!a->adapter)
-        meta[12] = NULL;  // no adapter key at all
-    if ((s = lm_st_write_file(a->output, r->desc, (const void *const *)r->data_out, r->n_out, meta, &err)) != LM_OK) {
+    if ((s = write_hessians(r, &err)) != LM_OK) {
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;
     }
     double secs = lm_progress_now() - t0;
     const lm_fwd_runner *u = &r->runner;
-    lm_progress_note(p, "%" PRId64 " tokens captured in %.2f s (%.0f tokens/s) on %s; %" PRId64 " Hessians written to "
-                     "%s in %.2f s", r->hess.n_tokens, t_capture, t_capture > 0 ? (double)r->hess.n_tokens / t_capture : 0.0,
-                     u->weights_fell_back ? "cpu" : lm_dev_name(r->dev), r->n_out, a->output, secs);
-    if (u->n_halved || u->n_seq_cpu)
-        lm_progress_note(p, "fallbacks: %" PRId64 " batch%s halved, %" PRId64 " sequence%s (%" PRId64 " tokens) on "
-                         "cpu, %.2f s", u->n_halved, u->n_halved == 1 ? "" : "es", u->n_seq_cpu,
-                         u->n_seq_cpu == 1 ? "" : "s", u->tokens_cpu, u->fallback_s);
+    lm_progress_note(p, "%" PRId64 " tokens captured in %.2f s (%.0f tokens/s) on %s; %" PRId64 " Hessians finished "
+                     "and written to %s in %.2f s more", r->hess.n_tokens, t_capture,
+                     t_capture > 0 ? (double)r->hess.n_tokens / t_capture : 0.0,
+                     u->weights_fell_back ? "cpu" : lm_dev_name(r->dev), r->n_out, a->output, secs - t_capture);
+    lm_cmd_run_fallbacks(p, u);
     return 0;
-}
-
-// The last --log-json value in argv (before "--"), so that errors of the parsing itself are
-// logged too; parse_args checks it properly.
-static const char *find_log_json(int argc, char **argv)
-{
-    const char *v = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--") == 0)
-            break;
-        if (strcmp(argv[i], "--log-json") == 0 && i + 1 < argc)
-            v = argv[++i];
-        else if (strncmp(argv[i], "--log-json=", 11) == 0)
-            v = argv[i] + 11;
-    }
-    return v;
 }
 
 int lm_cmd_hessian(int argc, char **argv)
@@ -474,7 +402,7 @@ int lm_cmd_hessian(int argc, char **argv)
         rc = 2;
         goto done;
     }
-    const char *log_json = find_log_json(argc, argv);
+    const char *log_json = lm_cmd_find_log_json(argc, argv);
     if (log_json && *log_json && lm_progress_log_open(&r.progress, log_json, &err) != LM_OK) {
         lm_progress_error(&r.progress, 2, "--log-json: %s", err.msg);
         rc = 2;
@@ -486,12 +414,12 @@ int lm_cmd_hessian(int argc, char **argv)
         rc = 2;
         goto done;
     }
-    if (r.args.help) {
+    if (r.args.run.help) {
         usage(stdout);
         rc = 0;
         goto done;
     }
-    r.progress.quiet = r.args.quiet;
+    r.progress.quiet = r.args.run.quiet;
     if ((s = prepare(&r, &err)) != LM_OK) {
         rc = lm_status_exit_code(s);
         lm_progress_error(&r.progress, rc, "%s", err.msg);

@@ -38,6 +38,7 @@
 #include "outdir.h"
 #include "progress.h"
 #include "signals.h"
+#include "sparsegpt.h"
 #include "st_writer.h"
 #include "status.h"
 #include "util.h"
@@ -226,7 +227,7 @@ static void usage(FILE *out, const method_info *m)
             "                         the CPU)\n"
             "  --threads N            CPU threads (default: all cores)\n"
             "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
-            "                         $XDG_CACHE_HOME/llmerge; %s)\n"
+            "                         $XDG_CACHE_HOME/llmerge;%s)\n"
             "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
             "                         start, each tensor, end, error or interrupted (default:\n"
             "                         none)\n"
@@ -246,9 +247,12 @@ static void usage(FILE *out, const method_info *m)
             m->topk ? "" : ";\n                         no effect on this method",
             m->rescale ? "" : ";\n                         no effect on this method",
             m->seed ? "" : ";\n                         no effect on this method",
-            m->method == LM_MERGE_SPARSEGPT ? "sparsegpt keeps each model's Hessian terms\n"
-                                              "                         there, so a rerun skips the capture"
-                                            : "this method keeps nothing there",
+            m->method == LM_MERGE_SPARSEGPT ? "\n"
+                                              "                         sparsegpt keeps each model's Hessians, their U_cc^2\n"
+                                              "                         and each FT's top-k masks there, so a rerun skips the\n"
+                                              "                         capture and the selection; LLMERGE_CACHE_HESSIANS=0:\n"
+                                              "                         not the Hessians, about 5 GB per model for a 1B Llama"
+                                            : " this method keeps nothing there",
             m->method != LM_MERGE_SPARSEGPT ? "" :
             "\nHessians (sparsegpt):\n"
             "  --calib FILE           calibration data, .jsonl ({\"input_ids\": [...]} per line) or\n"
@@ -502,21 +506,6 @@ static lm_status parse_args(merge_args *a, int argc, char **argv, lm_err *err)
     return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, apply_option, on_operand, a, err);
 }
 
-// The last --log-json value in argv (before "--"), or NULL; parse_args checks it properly.
-static const char *find_log_json(int argc, char **argv)
-{
-    const char *found = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--") == 0)
-            break;
-        if (strcmp(argv[i], "--log-json") == 0 && i + 1 < argc)
-            found = argv[++i];
-        else if (strncmp(argv[i], "--log-json=", 11) == 0)
-            found = argv[i] + 11;
-    }
-    return found;
-}
-
 // ==== the run =================================================================================
 
 typedef struct merge_run {
@@ -532,9 +521,7 @@ typedef struct merge_run {
     lm_dev *merge_cpu;         // sparsegpt on a device lacking its operations: the CPU it merges on
     lm_calib *calib;           // (n_calib) sparsegpt: the calibration files, read and checked
     int n_calib;
-    double ***ucc2;            // (n_ucc2_sets) sparsegpt: U_cc² per (layer, point), one set per
-    int n_ucc2_sets;           // FT (one for all with --hessian-from base)
-    int64_t n_ucc2;
+    lm_cmd_sgpt sgpt;          // sparsegpt: each FT's masks or Hessian terms, the cache
     double *weights;           // (n_ft) resolved
     double *densities;         // (n_ft) resolved
     lm_merge_opts opts;
@@ -544,10 +531,12 @@ typedef struct merge_run {
     lm_st_writer *writer;
     lm_merge_result res;
     lm_manifest manifest;
+    lm_hasher *hasher;         // hashes the input files for llmerge.json while the merge runs
 } merge_run;
 
 static void run_free(merge_run *r)
 {
+    lm_hasher_free(r->hasher);
     lm_manifest_free(&r->manifest);
     lm_st_writer_free(r->writer);
     lm_outdir_abort(&r->od);
@@ -569,9 +558,7 @@ static void run_free(merge_run *r)
     for (int i = 0; r->calib && i < r->n_calib; i++)
         lm_calib_free(&r->calib[i]);
     free(r->calib);
-    for (int i = 0; r->ucc2 && i < r->n_ucc2_sets; i++)
-        lm_hess_ucc2_free(r->ucc2[i], r->n_ucc2);
-    free(r->ucc2);
+    lm_cmd_sgpt_free(&r->sgpt);
     lm_progress_free(&r->progress);
 }
 
@@ -688,141 +675,6 @@ static lm_status read_calib(merge_run *r, lm_err *err)
             return lm_err_prefix(err, "FT %d (%s)", i + 1, r->fts[i]->path);
     }
     return LM_OK;
-}
-
-static void note_line(void *ctx, const char *line)
-{
-    lm_progress_note(ctx, "%s", line);
-}
-
-// The U_cc² set of one model from the cache, when there is a sound entry for exactly these
-// inputs: *hit says whether. A damaged entry is said and removed.
-static lm_status ucc2_from_cache(merge_run *r, const char *dir, uint64_t key, double ***set, bool *hit, lm_err *err)
-{
-    int64_t n = 0, *dims = NULL;
-    char why[512] = "";
-    lm_status s = lm_cache_load_ucc2(dir, key, set, &n, &dims, hit, why, sizeof why, err);
-    if (s != LM_OK)
-        return s;
-    if (why[0])
-        lm_progress_note(&r->progress, "cache: %s: computing it again", why);
-    const lm_config *cfg = &r->base->config;
-    int64_t want[LM_FWD_N_POINTS] = {cfg->hidden_size, cfg->num_attention_heads * cfg->head_dim, cfg->hidden_size,
-                                     cfg->intermediate_size};
-    bool fits = *hit && n == cfg->num_hidden_layers * LM_FWD_N_POINTS;
-    for (int64_t i = 0; fits && i < n; i++)
-        fits = dims[i] == want[i % LM_FWD_N_POINTS];
-    free(dims);
-    if (*hit && !fits) {
-        lm_progress_note(&r->progress, "cache: the entry %016" PRIx64 " does not fit this model: computing it again",
-                         key);
-        lm_hess_ucc2_free(*set, n);
-        *set = NULL;
-        *hit = false;
-        return LM_OK;
-    }
-    if (*hit)
-        r->n_ucc2 = n;
-    return LM_OK;
-}
-
-// U_cc² of every Hessian sparsegpt uses: each FT's from its own model on its calibration file,
-// or the base's on the first file for all; from the cache when it has them (keyed by every
-// input's bytes, the caps and the damping), else captured and then kept there.
-static lm_status compute_ucc2(merge_run *r, lm_err *err)
-{
-    merge_args *a = &r->args;
-    r->n_ucc2_sets = a->hessian_from_base ? 1 : a->n_ft;
-    if (!(r->ucc2 = calloc((size_t)r->n_ucc2_sets, sizeof *r->ucc2)))
-        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    const double damp = 0.01;
-    const lm_config *cfg = &r->base->config;
-    int64_t seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
-    char *dir = lm_cache_dir(a->cache_dir);
-    if (!dir)
-        lm_progress_note(&r->progress, "note: no cache directory (give --cache-dir, or set XDG_CACHE_HOME or HOME): "
-                         "the Hessians are not kept");
-    lm_status s = LM_OK;
-    for (int i = 0; s == LM_OK && i < r->n_ucc2_sets; i++) {
-        const lm_ft *ft = a->hessian_from_base ? NULL : r->fts[i];
-        const lm_model *m = ft && ft->model ? ft->model : r->base;
-        const lm_adapter *ad = ft ? ft->adapter : NULL;
-        lm_calib *c = &r->calib[r->n_calib == 1 ? 0 : i];
-        const char *label = ft ? ft->path : r->base->dir;
-        uint64_t key = 0;
-        bool hit = false;
-        if (dir && (s = lm_cache_key_ucc2(m, ad, c->path, a->calib_samples, seq_len, damp, &key, err)) == LM_OK &&
-            (s = ucc2_from_cache(r, dir, key, &r->ucc2[i], &hit, err)) == LM_OK && hit) {
-            lm_progress_note(&r->progress, "Hessians of %s on %s: from the cache (%s/ucc2-%016" PRIx64 ".bin)", label,
-                             c->path, dir, key);
-            continue;
-        }
-        if (s != LM_OK)
-            break;
-        lm_fwd_seq *seqs = calloc((size_t)c->n_seqs, sizeof *seqs);
-        if (!seqs) {
-            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-            break;
-        }
-        for (int64_t q = 0; q < c->n_seqs; q++)
-            seqs[q] = (lm_fwd_seq){c->ids + c->offsets[q], c->offsets[q + 1] - c->offsets[q]};
-        lm_progress_note(&r->progress, "Hessians of %s on %s: %" PRId64 " sequences, %" PRId64 " tokens", label,
-                         c->path, c->n_seqs, c->n_tokens);
-        s = lm_hess_ucc2_model(m, ad, r->dev, label, seqs, c->n_seqs, r->opts.threads, damp, a->sticky, note_line,
-                               &r->progress, &r->ucc2[i], &r->n_ucc2, err);
-        free(seqs);
-        if (s != LM_OK) {
-            lm_err_prefix(err, "Hessians of %s", label);
-            break;
-        }
-        if (dir) {
-            int64_t *dims = malloc((size_t)(r->n_ucc2 ? r->n_ucc2 : 1) * sizeof *dims);
-            int64_t d[LM_FWD_N_POINTS] = {cfg->hidden_size, cfg->num_attention_heads * cfg->head_dim, cfg->hidden_size,
-                                          cfg->intermediate_size};
-            for (int64_t q = 0; dims && q < r->n_ucc2; q++)
-                dims[q] = d[q % LM_FWD_N_POINTS];
-            lm_err cerr = {0};
-            if (!dims || lm_cache_store_ucc2(dir, key, r->ucc2[i], r->n_ucc2, dims, &cerr) != LM_OK)
-                lm_progress_note(&r->progress, "warning: the Hessians of %s are not kept in the cache: %s", label,
-                                 dims ? cerr.msg : "out of memory");
-            free(dims);
-        }
-    }
-    free(dir);
-    return s;
-}
-
-// The engine's question: U_cc² of the Hessian feeding base tensor `tensor` for FT ft, found
-// from its name (model.layers.L.self_attn.{q,k,v}_proj, o_proj, mlp.{gate,up}_proj, down_proj).
-static const double *ucc2_of(void *ctx, int ft, const char *tensor, int64_t cols)
-{
-    const merge_run *r = ctx;
-    static const struct { const char *suffix; lm_fwd_point point; } map[] = {
-        {"self_attn.q_proj.weight", LM_FWD_ATTN_IN}, {"self_attn.k_proj.weight", LM_FWD_ATTN_IN},
-        {"self_attn.v_proj.weight", LM_FWD_ATTN_IN}, {"self_attn.o_proj.weight", LM_FWD_O_IN},
-        {"mlp.gate_proj.weight", LM_FWD_MLP_IN},     {"mlp.up_proj.weight", LM_FWD_MLP_IN},
-        {"mlp.down_proj.weight", LM_FWD_DOWN_IN},
-    };
-    const char *prefix = "model.layers.";
-    if (strncmp(tensor, prefix, strlen(prefix)) != 0)
-        return NULL;
-    char *end;
-    long layer = strtol(tensor + strlen(prefix), &end, 10);
-    if (end == tensor + strlen(prefix) || *end != '.' || layer < 0)
-        return NULL;
-    double **set = r->ucc2[r->n_ucc2_sets == 1 ? 0 : ft];
-    for (size_t i = 0; i < sizeof map / sizeof map[0]; i++) {
-        if (strcmp(end + 1, map[i].suffix) != 0)
-            continue;
-        int64_t idx = lm_hess_index(layer, map[i].point);
-        if (idx >= r->n_ucc2)
-            return NULL;
-        const lm_config *cfg = &r->base->config;
-        int64_t dims[LM_FWD_N_POINTS] = {cfg->hidden_size, cfg->num_attention_heads * cfg->head_dim,
-                                         cfg->hidden_size, cfg->intermediate_size};
-        return dims[map[i].point] == cols ? set[idx] : NULL;
-    }
-    return NULL;
 }
 
 // Everything before the work: inputs opened and checked, options resolved, the device opened.
@@ -1034,6 +886,37 @@ static cJSON *start_event(const merge_run *r)
 // ---- the work -------------------------------------------------------------------------------
 
 // Records what llmerge.json holds beyond the options; hashes every input file.
+// Starts hashing every input file llmerge.json lists (lm_manifest_set_base and _add_input
+// take the hashes from it), so that it reads them while the merge does.
+static lm_status start_hasher(merge_run *r, lm_err *err)
+{
+    const lm_model *models[1 + r->args.n_ft];
+    int n_models = 0, n = 0;
+    models[n_models++] = r->base;
+    int cap = 2;
+    for (int i = 0; i < r->args.n_ft; i++) {
+        if (r->fts[i]->model)
+            models[n_models++] = r->fts[i]->model;
+        cap += 2;
+    }
+    for (int i = 0; i < n_models; i++)
+        cap += models[i]->n_shards;
+    const char *paths[cap];
+    for (int i = 0; i < n_models; i++) {
+        paths[n++] = models[i]->config.path;
+        if (models[i]->index_path)
+            paths[n++] = models[i]->index_path;
+        for (int j = 0; j < models[i]->n_shards; j++)
+            paths[n++] = models[i]->shards[j].path;
+    }
+    for (int i = 0; i < r->args.n_ft; i++)
+        if (r->fts[i]->adapter) {
+            paths[n++] = r->fts[i]->adapter->config.path;
+            paths[n++] = r->fts[i]->adapter->weights_path;
+        }
+    return lm_hasher_start(&r->hasher, paths, n, err);
+}
+
 static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
 {
     const merge_args *a = &r->args;
@@ -1076,7 +959,9 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
             return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     }
 
+    // What is left of hashing the inputs: the hasher has been at it since the merge started.
     double t = lm_progress_now();
+    m->hasher = r->hasher;
     if ((s = lm_manifest_set_base(m, r->base, err)) != LM_OK)
         return s;
     for (int i = 0; i < a->n_ft; i++)
@@ -1165,27 +1050,36 @@ static int work(merge_run *r, double t_loaded)
         out_bytes += numel * lm_dtype_bits(r->descs[i].dtype) / 8;
     }
     if (a->m->method == LM_MERGE_SPARSEGPT) {
-        if ((s = compute_ucc2(r, &err)) != LM_OK)
+        lm_cmd_sgpt_in in = {
+            .base = r->base, .fts = r->fts, .n_ft = a->n_ft, .densities = r->densities, .topk_global = a->topk_global,
+            .calib = r->calib, .n_calib = r->n_calib, .calib_samples = a->calib_samples, .seq_len = a->seq_len,
+            .from_base = a->hessian_from_base, .sticky = a->sticky, .cache_dir = a->cache_dir, .dev = r->dev,
+            .threads = r->opts.threads, .progress = p,
+        };
+        if ((s = lm_cmd_sgpt_prepare(&r->sgpt, &in, &err)) != LM_OK)
             goto fail;
-        r->opts.ucc2 = ucc2_of;
-        r->opts.ucc2_ctx = r;
+        lm_cmd_sgpt_attach(&r->sgpt, &r->opts);
     }
     lm_progress_start(p, "tensor", r->n_descs, out_bytes);
-    // A device without the importance operations (CUDA so far) leaves sparsegpt's merge to
+    // A device without the importance operations (every built-in one has them) leaves sparsegpt's merge to
     // the CPU: said, not silent.
     lm_dev *merge_dev = r->dev;
     if (a->m->method == LM_MERGE_SPARSEGPT && (!r->dev->iface->importance || !r->dev->iface->topk_apply_by)) {
         if ((s = lm_dev_cpu_create(&r->merge_cpu, r->opts.threads, &err)) != LM_OK)
             goto fail;
-        lm_progress_note(p, "note: %s has no importance operations yet: the merge runs on the cpu",
+        lm_progress_note(p, "note: %s has no importance operations: the merge runs on the cpu",
                          lm_dev_name(r->dev));
         merge_dev = r->merge_cpu;
     }
+    if ((s = start_hasher(r, &err)) != LM_OK)
+        goto fail;
     lm_merge_hooks hooks = {.progress = on_tensor, .fallback = on_fallback, .ctx = r};
     s = lm_merge_run(&r->opts, merge_dev, r->base, r->fts, r->writer, &hooks, &r->res, &err);
     lm_progress_end(p);
     if (s != LM_OK)
         goto fail;
+    if (a->m->method == LM_MERGE_SPARSEGPT)
+        lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
     double t_merged = lm_progress_now();
     if ((s = lm_st_writer_finish(r->writer, &err)) != LM_OK)
         goto fail;
@@ -1289,7 +1183,7 @@ int lm_cmd_merge(int argc, char **argv)
         goto done;
     }
     // The log opens before the rest is parsed, so that a usage error is logged too.
-    const char *log_json = find_log_json(argc, argv);
+    const char *log_json = lm_cmd_find_log_json(argc, argv);
     if (log_json && *log_json &&
         lm_progress_log_open(&r.progress, log_json, &err) != LM_OK) {
         lm_progress_error(&r.progress, 2, "%s", err.msg);
@@ -1338,8 +1232,8 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         if (strcmp(argv[0], methods[i].name) == 0)
             r->args.m = &methods[i];
     if (!r->args.m) {
-        fprintf(stderr, "%s: '%s' is not a merge method (ties, dare, dare-ties, task-arithmetic)\n", prefix,
-                argv[0]);
+        fprintf(stderr, "%s: '%s' is not a merge method (ties, dare, dare-ties, task-arithmetic, sparsegpt)\n",
+                prefix, argv[0]);
         return 2;
     }
     snprintf(r->prefix, sizeof r->prefix, "%s", prefix);
@@ -1371,6 +1265,18 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     out->dev_why = r->dev_why;
     out->gpu_mem = r->args.gpu_mem;
     out->shard_size = r->args.shard_size;
+    if (r->args.m->method == LM_MERGE_SPARSEGPT) {
+        const lm_config *cfg = &r->base->config;
+        out->calib = r->calib;
+        out->n_calib = r->n_calib;
+        out->calib_samples = r->args.calib_samples;
+        out->seq_len = r->args.seq_len ? r->args.seq_len
+                       : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
+        out->hessian_from_base = r->args.hessian_from_base;
+        out->sticky = r->args.sticky;
+        out->cache_dir = r->args.cache_dir;
+        out->damp = SGPT_DAMP;
+    }
     return 0;
 }
 

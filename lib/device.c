@@ -174,6 +174,23 @@ lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t
     return d->iface->gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err);
 }
 
+lm_status lm_dev_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
+                      bool mirror, float *c, int64_t ldc, lm_err *err)
+{
+    if (!d->iface->syrk)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: the operation syrk is not implemented on this device",
+                          lm_dev_name(d));
+    if (n < 0 || k < 0 || ldc < n || (k > 0 && lda < n))
+        return lm_err_set(err, LM_ERR_USAGE, "syrk of n %lld, k %lld with lda %lld, ldc %lld", (long long)n,
+                          (long long)k, (long long)lda, (long long)ldc);
+    return d->iface->syrk(d, n, k, alpha, a, lda, beta, mirror, c, ldc, err);
+}
+
+bool lm_dev_has_syrk(const lm_dev *d)
+{
+    return d->iface->syrk != NULL;
+}
+
 lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
 {
     return d->iface->axpby(d, y, a, x, b, n, err);
@@ -241,6 +258,74 @@ lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const doubl
     return d->iface->importance(d, key, tau, ucc2, rows, cols, err);
 }
 
+// The default mask operations for a device without them: x comes to the host in pieces of
+// MASK_PIECE elements (and, for apply, goes back).
+#define MASK_PIECE (1 << 20)
+
+static void mask_get_host(uint8_t *bits, int64_t first, const float *x, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++) {
+        int64_t b = first + j;
+        uint8_t m = (uint8_t)(1u << (b & 7));
+        bits[b >> 3] = x[j] != 0.0f ? (uint8_t)(bits[b >> 3] | m) : (uint8_t)(bits[b >> 3] & ~m);
+    }
+}
+
+static void mask_apply_host(float *x, const uint8_t *bits, int64_t first, int64_t n)
+{
+    for (int64_t j = 0; j < n; j++) {
+        int64_t b = first + j;
+        if (!(bits[b >> 3] >> (b & 7) & 1))
+            x[j] = 0.0f;
+    }
+}
+
+static lm_status mask_by_pieces(lm_dev *d, float *x, uint8_t *get_bits, const uint8_t *apply_bits, int64_t first,
+                                int64_t n, lm_err *err)
+{
+    if (n < 0 || first < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "mask of %lld elements from %lld", (long long)n, (long long)first);
+    if (d->host_memory) {
+        if (get_bits)
+            mask_get_host(get_bits, first, x, n);
+        else
+            mask_apply_host(x, apply_bits, first, n);
+        return LM_OK;
+    }
+    float *piece = malloc((size_t)(n < MASK_PIECE ? (n ? n : 1) : MASK_PIECE) * sizeof *piece);
+    if (!piece)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory for a mask piece");
+    lm_status s = LM_OK;
+    for (int64_t off = 0; s == LM_OK && off < n; off += MASK_PIECE) {
+        int64_t cnt = n - off < MASK_PIECE ? n - off : MASK_PIECE;
+        size_t bytes = (size_t)cnt * sizeof *piece;
+        if ((s = lm_dev_download(d, piece, x + off, bytes, err)) != LM_OK)
+            break;
+        if (get_bits) {
+            mask_get_host(get_bits, first + off, piece, cnt);
+        } else {
+            mask_apply_host(piece, apply_bits, first + off, cnt);
+            s = lm_dev_upload(d, x + off, piece, bytes, err);
+        }
+    }
+    free(piece);
+    return s;
+}
+
+lm_status lm_dev_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
+{
+    if (d->iface->mask_get)
+        return d->iface->mask_get(d, bits, first, x, n, err);
+    return mask_by_pieces(d, (float *)x, bits, NULL, first, n, err);
+}
+
+lm_status lm_dev_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err)
+{
+    if (d->iface->mask_apply)
+        return d->iface->mask_apply(d, x, bits, first, n, err);
+    return mask_by_pieces(d, x, NULL, bits, first, n, err);
+}
+
 lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
                              uint64_t keep_below, lm_err *err)
 {
@@ -257,6 +342,33 @@ lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *
                          float lambda, lm_err *err)
 {
     return d->iface->combine(d, out, base, w_tau, weights, k, n, sign, normalize, lambda, err);
+}
+
+// ==== fused dense operations ==================================================================
+
+bool lm_dev_has_dense(const lm_dev *d)
+{
+    return d->host_memory && d->iface->dense_hist && d->iface->dense_merge;
+}
+
+lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+                            lm_err *err)
+{
+    if (!lm_dev_has_dense(d))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense operations", lm_dev_name(d));
+    for (int i = 0; i < k; i++)
+        if (parts[i].win && (parts[i].n_win < 1 || parts[i].n_win > LM_HIST_WINDOW))
+            return lm_err_set(err, LM_ERR_USAGE, "dense_hist: %d bins in the window, 1 to %d", parts[i].n_win,
+                              LM_HIST_WINDOW);
+    return d->iface->dense_hist(d, base, base_dt, parts, k, n, err);
+}
+
+lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
+                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err)
+{
+    if (!lm_dev_has_dense(d))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense operations", lm_dev_name(d));
+    return d->iface->dense_merge(d, out, out_dt, base, base_dt, parts, k, n, how, err);
 }
 
 // ==== forward-pass operations =================================================================

@@ -32,6 +32,42 @@ typedef enum lm_dev_sign {
     LM_DEV_SIGN_COUNT,  // s = +1 where Σ sign(W_i) >= 0
 } lm_dev_sign;
 
+// One fine-tuned model's slab for the fused dense operations (lm_dev_dense_hist,
+// lm_dev_dense_merge): a full model's task vector τ = float32(src) − float32(base) is computed
+// where it is needed and never stored; any other τ (a LoRA product) is given in `tau`.
+typedef struct lm_dev_dense {
+    const void *src;   // host memory: the slab's first element (when tau is NULL)
+    lm_dtype dt;
+    const float *tau;  // or τ itself, device memory (which is host memory on these devices)
+    // lm_dev_dense_hist: the window counts of |τ| as lm_dev_hist_window adds them (win NULL:
+    // this part is not counted).
+    uint64_t *above, *win;
+    uint32_t lo_bin;
+    int n_win;
+    // lm_dev_dense_merge: what is done to τ before it is combined, in this order: trimmed to
+    // the top k (as lm_dev_topk_apply with thr_bits and ties_allowed; ties_used is set), or
+    // dropped at random (as lm_dev_random_drop with key, first, keep_below); then multiplied by
+    // rescale (as lm_dev_axpby(τ, rescale, τ, 0)) unless it is 1; weight is its weight.
+    bool trim;
+    uint32_t thr_bits;
+    int64_t ties_allowed, ties_used;
+    bool drop;
+    uint64_t key, keep_below;
+    int64_t first;
+    float rescale;
+    float weight;
+} lm_dev_dense;
+
+// How lm_dev_dense_merge combines: as lm_dev_combine with sign, normalize and lambda, or (linear)
+// as task arithmetic's sequence out = base, then out = 1·out + weight_i·τ_i for each part in turn
+// (lm_dev_axpby), whose rounding differs.
+typedef struct lm_dev_combine_how {
+    lm_dev_sign sign;
+    bool normalize;
+    float lambda;
+    bool linear;
+} lm_dev_combine_how;
+
 // The operations a device provides. Entries marked optional may be NULL; the dispatcher
 // supplies the default.
 typedef struct lm_dev_i {
@@ -49,6 +85,8 @@ typedef struct lm_dev_i {
     lm_status (*gemm)(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                       const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                       float *c, int64_t ldc, lm_err *err);
+    lm_status (*syrk)(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
+                      bool mirror, float *c, int64_t ldc, lm_err *err);  // optional: callers use gemm
     lm_status (*axpby)(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
     lm_status (*delta)(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
                        lm_err *err);  // optional: to_f32, then axpby
@@ -64,14 +102,24 @@ typedef struct lm_dev_i {
                                int64_t ties_allowed, int64_t *ties_used, lm_err *err);  // optional
     lm_status (*importance)(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
                             int64_t cols, lm_err *err);  // optional
+    lm_status (*mask_get)(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n,
+                          lm_err *err);  // optional: x brought to the host in pieces
+    lm_status (*mask_apply)(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n,
+                            lm_err *err);  // optional: x brought to the host and back
     lm_status (*random_drop)(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
                              uint64_t keep_below, lm_err *err);
     lm_status (*l1)(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
     lm_status (*combine)(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                          const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
                          float lambda, lm_err *err);
+    // Fused dense operations, on devices with host memory only (optional: the engine runs the
+    // separate operations when they are NULL).
+    lm_status (*dense_hist)(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+                            lm_err *err);
+    lm_status (*dense_merge)(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
+                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err);
 
-    // The forward pass (forward.h). Optional: a device without them (CUDA so far) answers
+    // The forward pass (forward.h). Optional: a device without them answers
     // LM_ERR_UNSUPPORTED naming the operation, and lm_fwd_device_ok tells beforehand.
     lm_status (*gather_rows)(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
                              const int32_t *ids, int64_t n, lm_err *err);
@@ -158,6 +206,16 @@ lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t
                       const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                       float *c, int64_t ldc, lm_err *err);
 
+// Symmetric rank-k update of the row-major C[n,n]: C = alpha · Aᵀ A + beta · C with A stored
+// [k,n] (row stride lda), computed on the upper triangle only (row <= col), half the work of
+// lm_dev_gemm(d, true, false, n, n, k, ...). The strictly lower triangle is left as it was, or,
+// with `mirror`, overwritten afterwards with the transpose of the upper one; k = 0 with
+// beta = 1 and mirror (a may then be NULL) only completes C. Optional: a device without it
+// (lm_dev_has_syrk false) answers LM_ERR_UNSUPPORTED, and callers use lm_dev_gemm instead.
+lm_status lm_dev_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
+                      bool mirror, float *c, int64_t ldc, lm_err *err);
+bool lm_dev_has_syrk(const lm_dev *d);
+
 // y = a·y + b·x over n elements.
 lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
 
@@ -202,6 +260,25 @@ lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n,
 lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols,
                             lm_err *err);
 
+// Stored top-k masks (the sparsegpt cache): bitmaps in host memory, bit b of a tensor in byte
+// b / 8 at bit b % 8, set where the entry is kept. A slab starting at element `first` of its
+// tensor reads and writes bits first .. first + n − 1.
+
+// The bytes of the bitmap of a tensor of numel elements.
+static inline size_t lm_dev_mask_bytes(int64_t numel)
+{
+    return numel > 0 ? (size_t)((numel + 7) / 8) : 0;
+}
+
+// Sets bit first + j of bits where x[j] != 0 and clears it where x[j] is zero, for j < n; the
+// other bits are unchanged. After a top-k trim these are the entries it kept (a kept zero is
+// recorded as dropped: zeros take no part in an election, so the output is the same).
+lm_status lm_dev_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err);
+
+// Zeroes x[j] (to +0.0) where bit first + j of bits is clear, for j < n: the trim a stored mask
+// records, in place of selecting it again.
+lm_status lm_dev_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err);
+
 // Zeroes x[j] unless lm_rng_keep(key, first + j, keep_below) (sparsify.h): a random mask that
 // is a pure function of the key and the element's index in its whole tensor.
 lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
@@ -218,6 +295,28 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                          const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
                          float lambda, lm_err *err);
+
+// ---- fused dense operations -------------------------------------------------------------------
+// For full fine-tuned models on a device whose memory is the host's (the CPU): the inputs are
+// read where they are mapped, and each τ lives in a few hundred elements of cache instead of a
+// float32 buffer in memory, so a pass over a tensor moves its 16-bit inputs and nothing else.
+// Their results are exactly those of the separate operations they replace. lm_dev_has_dense
+// says whether d has them; the others are LM_ERR_UNSUPPORTED where it does not.
+
+bool lm_dev_has_dense(const lm_dev *d);
+
+// For each part whose win is not NULL: the window counts of |τ_i| over n elements, added as
+// lm_dev_hist_window(above, win, n_win, lo_bin, τ_i, n) adds them. base and every src are read
+// as dtype (readable dtypes only).
+lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+                            lm_err *err);
+
+// out (n elements of out_dt, host memory) = the combination of the k parts' τ, each trimmed or
+// dropped and rescaled as its fields say, with `base`: bit for bit what lm_dev_to_f32 of base,
+// lm_dev_delta, lm_dev_topk_apply or lm_dev_random_drop, lm_dev_axpby, then lm_dev_combine (or
+// the axpby sequence of how.linear) and lm_dev_from_f32 give.
+lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
+                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err);
 
 // ---- forward-pass operations (forward.h) -----------------------------------------------------
 // Activations are row-major float32 matrices in device memory, one row per token of a packed

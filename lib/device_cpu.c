@@ -20,7 +20,6 @@
 #include "util.h"
 
 #define BLOCK 65536  // elements per task
-#define GEMM_BLOCK (1 << 18)  // elements of C per GEMM task
 
 typedef struct cpu_ctx {
     lm_pool *pool;
@@ -137,24 +136,62 @@ static lm_status cpu_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *sr
 
 typedef struct gemm_job {
     bool ta, tb;
-    int64_t m, n, k, rows_per_task;
+    int64_t m, n, k;
+    int64_t tile_rows, tile_cols, n_tile_cols;
     float alpha, beta;
     const float *a, *b;
     float *c;
     int64_t lda, ldb, ldc;
 } gemm_job;
 
-// One task computes a block of rows of C with single-threaded BLAS. Every element of C is the
-// same dot product whichever block holds it, so the result does not depend on the split.
+// One task computes one tile of C with single-threaded BLAS. Every element of C is the same
+// dot product whichever tile holds it, so the result does not depend on the split.
 static void gemm_task(void *ctx, int64_t t)
 {
     gemm_job *j = ctx;
-    int64_t r0 = t * j->rows_per_task, rows = j->m - r0 < j->rows_per_task ? j->m - r0 : j->rows_per_task;
-    // Row r of op(A) starts at a + r·lda, or (transposed) at column r: a + r.
+    int64_t r0 = t / j->n_tile_cols * j->tile_rows, c0 = t % j->n_tile_cols * j->tile_cols;
+    int64_t rows = j->m - r0 < j->tile_rows ? j->m - r0 : j->tile_rows;
+    int64_t cols = j->n - c0 < j->tile_cols ? j->n - c0 : j->tile_cols;
+    // Row r of op(A) starts at a + r·lda, or (transposed) at column r: a + r. Column c of op(B)
+    // starts at b + c, or (transposed) at row c: b + c·ldb.
     const float *a = j->a + (j->ta ? r0 : r0 * j->lda);
+    const float *b = j->b + (j->tb ? c0 * j->ldb : c0);
     cblas_sgemm(CblasRowMajor, j->ta ? CblasTrans : CblasNoTrans, j->tb ? CblasTrans : CblasNoTrans, (int)rows,
-                (int)j->n, (int)j->k, j->alpha, a, (int)j->lda, j->b, (int)j->ldb, j->beta, j->c + r0 * j->ldc,
+                (int)cols, (int)j->k, j->alpha, a, (int)j->lda, b, (int)j->ldb, j->beta, j->c + r0 * j->ldc + c0,
                 (int)j->ldc);
+}
+
+static int64_t ceil_div(int64_t a, int64_t b)
+{
+    return (a + b - 1) / b;
+}
+
+// The tile of C a GEMM task computes: at most GEMM_TILE_ROWS × GEMM_TILE_COLS, halved until
+// there are GEMM_TASKS tiles or they reach GEMM_MIN_ROWS × GEMM_MIN_COLS. Each task packs its
+// rows of op(A) and its columns of op(B) anew, so tiles are kept large: a task that computes
+// only a few rows of C against all of B spends most of its time packing B (the forward pass's
+// 32-row blocks of an 8192-wide layer ran at a third of the rate of these tiles).
+#define GEMM_TILE_ROWS 512
+#define GEMM_TILE_COLS 1024
+#define GEMM_MIN_ROWS 128
+#define GEMM_MIN_COLS 256
+#define GEMM_TASKS 8
+
+static void gemm_tiles(int64_t m, int64_t n, int64_t *tile_rows, int64_t *tile_cols)
+{
+    int64_t tr = m < GEMM_TILE_ROWS ? m : GEMM_TILE_ROWS, tc = n < GEMM_TILE_COLS ? n : GEMM_TILE_COLS;
+    while (ceil_div(m, tr) * ceil_div(n, tc) < GEMM_TASKS) {
+        if (tc > GEMM_MIN_COLS && tc >= 2 * tr)
+            tc = ceil_div(tc, 32) * 16;
+        else if (tr > GEMM_MIN_ROWS)
+            tr = ceil_div(tr, 2);
+        else if (tc > GEMM_MIN_COLS)
+            tc = ceil_div(tc, 32) * 16;
+        else
+            break;
+    }
+    *tile_rows = tr;
+    *tile_cols = tc;
 }
 
 static lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
@@ -167,14 +204,124 @@ static lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int
     if (m == 0 || n == 0)
         return LM_OK;
     // OpenBLAS runs single-threaded (its spinning workers would compete with the pool); the
-    // pool splits C into blocks of rows of about GEMM_BLOCK elements. The split depends on the
-    // shape alone, never on the thread count: OpenBLAS picks its kernel by the shape it is
-    // given, and at small shapes a row's result can depend on how many rows are beside it.
-    int64_t per = GEMM_BLOCK / n;
-    if (per < 16)
-        per = 16;
-    gemm_job j = {ta, tb, m, n, k, per, alpha, beta, a, b, c, lda, ldb, ldc};
-    lm_pool_run(pool_of(d), (m + per - 1) / per, gemm_task, &j);
+    // pool splits C into tiles. The split depends on the shape alone, never on the thread
+    // count: OpenBLAS picks its kernel by the shape it is given, and at small shapes a row's
+    // result can depend on how many rows are beside it.
+    gemm_job j = {.ta = ta, .tb = tb, .m = m, .n = n, .k = k, .alpha = alpha, .beta = beta, .a = a, .b = b,
+                  .c = c, .lda = lda, .ldb = ldb, .ldc = ldc};
+    gemm_tiles(m, n, &j.tile_rows, &j.tile_cols);
+    j.n_tile_cols = ceil_div(n, j.tile_cols);
+    lm_pool_run(pool_of(d), ceil_div(m, j.tile_rows) * j.n_tile_cols, gemm_task, &j);
+    return LM_OK;
+}
+
+// ---- symmetric rank-k update ------------------------------------------------------------------
+
+typedef struct syrk_job {
+    int64_t n, k, tile, n_tiles;  // n_tiles: tiles per side of C
+    float alpha, beta;
+    const float *a;
+    float *c;
+    int64_t lda, ldc;
+} syrk_job;
+
+// Side of the square tiles of C a syrk task computes: a quarter of n, from SYRK_TILE_MIN to
+// SYRK_TILE_MAX, so that packing stays small beside the arithmetic and the upper triangle
+// still has several tiles to share out.
+#define SYRK_TILE_MIN 256
+#define SYRK_TILE_MAX 1024
+#define MIRROR_TILE 64  // rows and columns of the tiles the mirror copies (a 16 KiB buffer)
+
+// Tile t of the upper triangle, numbered along its rows: (bi, bj) with bi <= bj.
+static void upper_tile(int64_t t, int64_t n_tiles, int64_t *bi, int64_t *bj)
+{
+    int64_t i = 0;
+    while (t >= n_tiles - i) {
+        t -= n_tiles - i;
+        i++;
+    }
+    *bi = i;
+    *bj = i + t;
+}
+
+// One tile of the upper triangle: ssyrk on the diagonal, sgemm above it. With beta 0 the
+// diagonal tile's triangle is cleared here and the update added to it, so that whatever C held
+// (NaN included) never reaches the result through BLAS's scaling by zero.
+static void syrk_task(void *ctx, int64_t t)
+{
+    syrk_job *j = ctx;
+    int64_t bi, bj;
+    upper_tile(t, j->n_tiles, &bi, &bj);
+    int64_t r0 = bi * j->tile, c0 = bj * j->tile;
+    int64_t rows = j->n - r0 < j->tile ? j->n - r0 : j->tile, cols = j->n - c0 < j->tile ? j->n - c0 : j->tile;
+    float *c = j->c + r0 * j->ldc + c0;
+    if (bi == bj) {
+        float beta = j->beta;
+        if (beta == 0.0f) {
+            for (int64_t r = 0; r < rows; r++)
+                memset(c + r * j->ldc + r, 0, (size_t)(cols - r) * sizeof *c);
+            beta = 1.0f;
+        }
+        cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, (int)rows, (int)j->k, j->alpha, j->a + r0, (int)j->lda,
+                    beta, c, (int)j->ldc);
+    } else {
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, (int)rows, (int)cols, (int)j->k, j->alpha, j->a + r0,
+                    (int)j->lda, j->a + c0, (int)j->lda, j->beta, c, (int)j->ldc);
+    }
+}
+
+// C = beta·C on the upper triangle of rows [MIRROR_TILE·t, +MIRROR_TILE) (for k = 0).
+static void syrk_scale_task(void *ctx, int64_t t)
+{
+    syrk_job *j = ctx;
+    int64_t r1 = (t + 1) * MIRROR_TILE < j->n ? (t + 1) * MIRROR_TILE : j->n;
+    for (int64_t r = t * MIRROR_TILE; r < r1; r++) {
+        float *row = j->c + r * j->ldc;
+        for (int64_t c = r; c < j->n; c++)
+            row[c] = j->beta == 0.0f ? 0.0f : j->beta * row[c];
+    }
+}
+
+// The strictly lower triangle of rows [MIRROR_TILE·t, +MIRROR_TILE) from the upper one, a
+// MIRROR_TILE-square tile at a time: the tile above the diagonal is read row by row into a
+// buffer and written out transposed (twice as fast as reading it down its columns in place).
+static void mirror_task(void *ctx, int64_t t)
+{
+    syrk_job *j = ctx;
+    float buf[MIRROR_TILE][MIRROR_TILE];
+    int64_t r0 = t * MIRROR_TILE, r1 = r0 + MIRROR_TILE < j->n ? r0 + MIRROR_TILE : j->n;
+    for (int64_t c0 = 0; c0 < r1; c0 += MIRROR_TILE) {
+        int64_t c1 = c0 + MIRROR_TILE < r1 ? c0 + MIRROR_TILE : r1;
+        for (int64_t c = c0; c < c1; c++)
+            memcpy(buf[c - c0], j->c + c * j->ldc + r0, (size_t)(r1 - r0) * sizeof(float));
+        for (int64_t r = r0; r < r1; r++) {
+            float *row = j->c + r * j->ldc;
+            int64_t end = c1 < r ? c1 : r;
+            for (int64_t c = c0; c < end; c++)
+                row[c] = buf[c - c0][r - r0];
+        }
+    }
+}
+
+static lm_status cpu_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
+                          bool mirror, float *c, int64_t ldc, lm_err *err)
+{
+    if (n > INT32_MAX || k > INT32_MAX || lda > INT32_MAX || ldc > INT32_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cpu: syrk of %lld x %lld is too large for BLAS", (long long)n,
+                          (long long)k);
+    if (n == 0)
+        return LM_OK;
+    syrk_job j = {.n = n, .k = k, .alpha = alpha, .beta = beta, .a = a, .c = c, .lda = lda, .ldc = ldc};
+    // tiles of the upper triangle, or, with nothing to add, only beta (the split is the shape's)
+    j.tile = ceil_div(n, 4 * 64) * 64;
+    j.tile = j.tile < SYRK_TILE_MIN ? SYRK_TILE_MIN : j.tile > SYRK_TILE_MAX ? SYRK_TILE_MAX : j.tile;
+    j.n_tiles = ceil_div(n, j.tile);
+    if (k > 0)
+        lm_pool_run(pool_of(d), j.n_tiles * (j.n_tiles + 1) / 2, syrk_task, &j);
+    else if (beta != 1.0f)
+        lm_pool_run(pool_of(d), ceil_div(n, MIRROR_TILE), syrk_scale_task, &j);
+    if (mirror)
+        lm_pool_run(pool_of(d), ceil_div(n, MIRROR_TILE), mirror_task, &j);
     return LM_OK;
 }
 
@@ -409,6 +556,20 @@ static void hist_task(void *ctx, int64_t t)
     memset(h, 0, (size_t)used * LM_HIST_BINS * sizeof *h);
 }
 
+// Makes c->hist_local at least `cells` counters. The tables stay allocated (and zero) between
+// calls: a histogram of a small slab costs its elements, not a fresh megabyte.
+static lm_status hist_tables(cpu_ctx *c, size_t cells, lm_err *err)
+{
+    if (cells <= c->hist_cells)
+        return LM_OK;
+    free(c->hist_local);
+    c->hist_cells = 0;
+    if (!(c->hist_local = calloc(cells, sizeof(uint32_t))))
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for a histogram");
+    c->hist_cells = cells;
+    return LM_OK;
+}
+
 static lm_status run_hist(lm_dev *d, hist_job *j, lm_err *err)
 {
     cpu_ctx *c = d->ctx;
@@ -419,16 +580,9 @@ static lm_status run_hist(lm_dev *d, hist_job *j, lm_err *err)
         return LM_OK;
     while ((j->n + tasks - 1) / tasks > (int64_t)UINT32_MAX)
         tasks++;
-    // The tables stay allocated (and zero) between calls: a histogram of a small slab costs
-    // its elements, not a fresh megabyte.
-    size_t cells = (size_t)tasks * TABLES * LM_HIST_BINS;
-    if (cells > c->hist_cells) {
-        free(c->hist_local);
-        c->hist_cells = 0;
-        if (!(c->hist_local = calloc(cells, sizeof(uint32_t))))
-            return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for a histogram");
-        c->hist_cells = cells;
-    }
+    lm_status s = hist_tables(c, (size_t)tasks * TABLES * LM_HIST_BINS, err);
+    if (s != LM_OK)
+        return s;
     j->local = c->hist_local;
     j->per_task = (j->n + tasks - 1) / tasks;
     j->mu = &c->hist_mu;
@@ -592,6 +746,72 @@ static lm_status cpu_importance(lm_dev *d, float *key, const float *tau, const d
     return LM_OK;
 }
 
+// ==== stored masks ============================================================================
+
+typedef struct mask_job {
+    float *x;         // mask_apply
+    const float *cx;  // mask_get
+    uint8_t *bits;
+    const uint8_t *cbits;
+    int64_t first, n;
+    int64_t b0;  // mask_get: first rounded down to a byte, where block 0 starts
+} mask_job;
+
+// Bits [b0 + blk·BLOCK, b0 + (blk + 1)·BLOCK) ∩ [first, first + n): whole bytes per task (BLOCK
+// is a multiple of 8), so no two tasks write one byte.
+static void mask_get_task(void *ctx, int64_t blk)
+{
+    mask_job *j = ctx;
+    int64_t end = j->first + j->n, lo = j->b0 + blk * BLOCK, hi = lo + BLOCK < end ? lo + BLOCK : end;
+    lo = lo > j->first ? lo : j->first;
+    int64_t b = lo;
+    for (; b < hi && (b & 7); b++) {  // a partial first byte, bit by bit
+        uint8_t m = (uint8_t)(1u << (b & 7));
+        j->bits[b >> 3] = j->cx[b - j->first] != 0.0f ? (uint8_t)(j->bits[b >> 3] | m) : (uint8_t)(j->bits[b >> 3] & ~m);
+    }
+    for (; b + 8 <= hi; b += 8) {
+        const float *x = j->cx + (b - j->first);
+        unsigned v = 0;
+        for (int k = 0; k < 8; k++)
+            v |= (unsigned)(x[k] != 0.0f) << k;
+        j->bits[b >> 3] = (uint8_t)v;
+    }
+    for (; b < hi; b++) {  // a partial last byte
+        uint8_t m = (uint8_t)(1u << (b & 7));
+        j->bits[b >> 3] = j->cx[b - j->first] != 0.0f ? (uint8_t)(j->bits[b >> 3] | m) : (uint8_t)(j->bits[b >> 3] & ~m);
+    }
+}
+
+static lm_status cpu_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
+{
+    if (n < 0 || first < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "mask_get of %lld elements from %lld", (long long)n, (long long)first);
+    mask_job j = {.cx = x, .bits = bits, .first = first, .n = n, .b0 = first & ~(int64_t)7};
+    int64_t span = first + n - j.b0;
+    lm_pool_run(pool_of(d), n ? (span + BLOCK - 1) / BLOCK : 0, mask_get_task, &j);
+    return LM_OK;
+}
+
+static void mask_apply_task(void *ctx, int64_t blk)
+{
+    mask_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t e = lo; e < hi; e++) {
+        int64_t b = j->first + e;
+        j->x[e] = j->cbits[b >> 3] >> (b & 7) & 1 ? j->x[e] : 0.0f;
+    }
+}
+
+static lm_status cpu_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err)
+{
+    if (n < 0 || first < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "mask_apply of %lld elements from %lld", (long long)n,
+                          (long long)first);
+    mask_job j = {.x = x, .cbits = bits, .first = first, .n = n};
+    lm_pool_run(pool_of(d), n_blocks(n), mask_apply_task, &j);
+    return LM_OK;
+}
+
 typedef struct drop_job {
     float *x;
     int64_t n, first;
@@ -724,36 +944,43 @@ VECTOR_LOOP static void finish_in_place(float *restrict o, const float *restrict
     }
 }
 
-static void combine_chunk(const combine_job *j, int64_t lo, int64_t cnt)
+// out[0..cnt) = base + lambda·Δ of the k values tau[i][0..cnt) (cnt <= CHUNK); out may be base.
+static void combine_values(float *out, const float *base, const float *const *tau, const float *w, int k,
+                           int64_t cnt, lm_dev_sign sign, bool normalize, float lambda)
 {
     float vote[CHUNK], delta[CHUNK], div[CHUNK];
     for (int64_t e = 0; e < cnt; e++)
         vote[e] = delta[e] = div[e] = 0.0f;
-    if (j->sign == LM_DEV_SIGN_NONE) {
-        for (int i = 0; i < j->k; i++)
-            add_weighted(delta, div, j->tau[i] + lo, j->w[i], cnt);
+    if (sign == LM_DEV_SIGN_NONE) {
+        for (int i = 0; i < k; i++)
+            add_weighted(delta, div, tau[i], w[i], cnt);
     } else {
-        for (int i = 0; i < j->k; i++) {
-            if (j->sign == LM_DEV_SIGN_SUM)
-                add_vote_sum(vote, j->tau[i] + lo, j->w[i], cnt);
+        for (int i = 0; i < k; i++) {
+            if (sign == LM_DEV_SIGN_SUM)
+                add_vote_sum(vote, tau[i], w[i], cnt);
             else
-                add_vote_count(vote, j->tau[i] + lo, j->w[i], cnt);
+                add_vote_count(vote, tau[i], w[i], cnt);
         }
-        for (int i = 0; i < j->k; i++)
-            add_agreeing(delta, div, vote, j->tau[i] + lo, j->w[i], cnt);
+        for (int i = 0; i < k; i++)
+            add_agreeing(delta, div, vote, tau[i], w[i], cnt);
     }
-    if (j->out == j->base)
-        finish_in_place(j->out + lo, delta, div, j->normalize, j->lambda, cnt);
+    if (out == base)
+        finish_in_place(out, delta, div, normalize, lambda, cnt);
     else
-        finish_into(j->out + lo, j->base + lo, delta, div, j->normalize, j->lambda, cnt);
+        finish_into(out, base, delta, div, normalize, lambda, cnt);
 }
 
 static void combine_task(void *ctx, int64_t blk)
 {
     combine_job *j = ctx;
     int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
-    for (int64_t c = lo; c < hi; c += CHUNK)
-        combine_chunk(j, c, hi - c < CHUNK ? hi - c : CHUNK);
+    const float *tau[j->k];
+    for (int64_t c = lo; c < hi; c += CHUNK) {
+        for (int i = 0; i < j->k; i++)
+            tau[i] = j->tau[i] + c;
+        combine_values(j->out + c, j->base + c, tau, j->w, j->k, hi - c < CHUNK ? hi - c : CHUNK, j->sign,
+                       j->normalize, j->lambda);
+    }
 }
 
 static lm_status cpu_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
@@ -763,6 +990,250 @@ static lm_status cpu_combine(lm_dev *d, float *out, const float *base, const flo
     (void)err;
     combine_job j = {out, base, w_tau, weights, k, n, sign, normalize, lambda};
     lm_pool_run(pool_of(d), n_blocks(n), combine_task, &j);
+    return LM_OK;
+}
+
+
+// ==== fused dense operations ==================================================================
+// A full model's τ is computed again from the mapped 16-bit inputs a CHUNK at a time and used
+// at once (device.h). Each step is the separate operation's own code on the chunk (conversion,
+// subtract, hist_win, the top-k rule, the random mask, combine_values, conversion back), so the
+// results are theirs bit for bit.
+
+typedef struct dense_job {
+    const void *base;
+    lm_dtype base_dt;
+    lm_dev_dense *parts;
+    int k;
+    int64_t n;
+    // dense_hist: tables per task, each part's n_win of them one after another
+    uint32_t *local;
+    size_t task_cells;
+    int64_t per_task;
+    pthread_mutex_t *mu;
+    // dense_merge
+    void *out;
+    lm_dtype out_dt;
+    lm_dev_combine_how how;
+    int64_t nb;      // blocks
+    int64_t *ties;   // (k × 2 nb) per part: each block's ties, then the ties it may keep
+    bool *counted;   // (k) parts whose ties are counted per block
+} dense_job;
+
+static void dense_load(float *dst, const void *src, lm_dtype dt, int64_t lo, int64_t cnt)
+{
+    lm_convert_to_f32(dst, (const char *)src + (size_t)lo * (lm_dtype_bits(dt) / 8), dt, cnt, NULL);
+}
+
+// t = τ of part p at elements [lo, lo + cnt), b holding the base's values there.
+static void dense_tau(float *t, const lm_dev_dense *p, const float *b, int64_t lo, int64_t cnt)
+{
+    if (p->tau) {
+        memcpy(t, p->tau + lo, (size_t)cnt * sizeof *t);
+        return;
+    }
+    dense_load(t, p->src, p->dt, lo, cnt);
+    subtract(t, b, cnt);
+}
+
+static void dense_hist_task(void *ctx, int64_t t)
+{
+    dense_job *j = ctx;
+    int64_t lo = t * j->per_task, hi = lo + j->per_task < j->n ? lo + j->per_task : j->n;
+    uint32_t *tables = j->local + (size_t)t * j->task_cells;
+    uint64_t above[j->k];
+    float b[CHUNK], tau[CHUNK];
+    memset(above, 0, sizeof above);
+    for (int64_t c = lo; c < hi; c += CHUNK) {
+        int64_t cnt = hi - c < CHUNK ? hi - c : CHUNK;
+        dense_load(b, j->base, j->base_dt, c, cnt);
+        uint32_t *h = tables;
+        for (int i = 0; i < j->k; i++) {
+            const lm_dev_dense *p = &j->parts[i];
+            if (!p->win)
+                continue;
+            dense_tau(tau, p, b, c, cnt);
+            above[i] += hist_win(h, tau, cnt, p->lo_bin, (uint32_t)p->n_win);
+            h += (size_t)p->n_win * LM_HIST_BINS;
+        }
+    }
+    // Add the task's counts to the caller's (integer sums: the order does not matter) and
+    // leave the tables zero for the next call.
+    pthread_mutex_lock(j->mu);
+    uint32_t *h = tables;
+    for (int i = 0; i < j->k; i++) {
+        lm_dev_dense *p = &j->parts[i];
+        if (!p->win)
+            continue;
+        *p->above += above[i];
+        size_t cells = (size_t)p->n_win * LM_HIST_BINS;
+        for (size_t b2 = 0; b2 < cells; b2++)
+            p->win[b2] += h[b2];
+        h += cells;
+    }
+    pthread_mutex_unlock(j->mu);
+    memset(tables, 0, (size_t)(h - tables) * sizeof *h);
+}
+
+static lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+                                lm_err *err)
+{
+    cpu_ctx *c = d->ctx;
+    size_t task_cells = 0;
+    for (int i = 0; i < k; i++)
+        task_cells += parts[i].win ? (size_t)parts[i].n_win * LM_HIST_BINS : 0;
+    int64_t tasks = lm_pool_threads(c->pool);
+    if (tasks > n_blocks(n))
+        tasks = n_blocks(n);
+    if (tasks < 1 || task_cells == 0)
+        return LM_OK;
+    while ((n + tasks - 1) / tasks > (int64_t)UINT32_MAX)
+        tasks++;
+    lm_status s = hist_tables(c, (size_t)tasks * task_cells, err);
+    if (s != LM_OK)
+        return s;
+    dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .local = c->hist_local,
+                   .task_cells = task_cells, .per_task = (n + tasks - 1) / tasks, .mu = &c->hist_mu};
+    lm_pool_run(c->pool, tasks, dense_hist_task, &j);
+    return LM_OK;
+}
+
+// The ties of each block, for the parts that keep some of their ties but not all.
+static void dense_count_task(void *ctx, int64_t blk)
+{
+    dense_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    float b[CHUNK], tau[CHUNK];
+    for (int64_t c = lo; c < hi; c += CHUNK) {
+        int64_t cnt = hi - c < CHUNK ? hi - c : CHUNK;
+        dense_load(b, j->base, j->base_dt, c, cnt);
+        for (int i = 0; i < j->k; i++) {
+            if (!j->counted[i])
+                continue;
+            dense_tau(tau, &j->parts[i], b, c, cnt);
+            j->ties[(size_t)i * 2 * j->nb + blk] += count_ties(tau, 0, cnt, j->parts[i].thr_bits);
+        }
+    }
+}
+
+// The top-k rule on a chunk whose ties are kept one by one while *left lasts (the block where
+// a part's budget runs out).
+static void keep_counted(float *t, int64_t cnt, uint32_t thr, int64_t *left)
+{
+    for (int64_t e = 0; e < cnt; e++) {
+        uint32_t bits = lm_abs_bits(t[e]);
+        bool keep = bits > thr;
+        if (bits == thr && *left > 0) {
+            keep = true;
+            --*left;
+        }
+        t[e] = keep ? t[e] : 0.0f;
+    }
+}
+
+// keep: 1 every tie kept, 0 none, -1 counted (left says how many).
+static void dense_sparsify(float *t, const lm_dev_dense *p, int keep, int64_t *left, int64_t first, int64_t cnt)
+{
+    if (p->trim) {
+        if (keep < 0)
+            keep_counted(t, cnt, p->thr_bits, left);
+        else if (keep == 0 && p->thr_bits == 0xFFFFFFFFu)  // no magnitude exceeds it
+            memset(t, 0, (size_t)cnt * sizeof *t);
+        else
+            topk_keep(t, 0, cnt, keep ? p->thr_bits : p->thr_bits + 1, true);
+    } else if (p->drop) {
+        for (int64_t e = 0; e < cnt; e++)
+            if (!lm_rng_keep(p->key, first + e, p->keep_below))
+                t[e] = 0.0f;
+    }
+    if (p->rescale != 1.0f)
+        for (int64_t e = 0; e < cnt; e++)
+            t[e] = p->rescale * t[e] + 0.0f * t[e];
+}
+
+static void dense_merge_task(void *ctx, int64_t blk)
+{
+    dense_job *j = ctx;
+    int k = j->k;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    size_t es = lm_dtype_bits(j->out_dt) / 8;
+    float b[CHUNK], o[CHUNK], w[k];
+    float (*t)[CHUNK] = malloc((size_t)k * sizeof *t);
+    const float *tp[k];
+    int keep[k];
+    int64_t left[k];
+    if (!t)  // the pool has no error path: a few KiB the process cannot get is fatal
+        abort();
+    for (int i = 0; i < k; i++) {
+        const lm_dev_dense *p = &j->parts[i];
+        const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 2 * j->nb : NULL;  // NULL: none counted
+        w[i] = p->weight;
+        tp[i] = t[i];
+        left[i] = 0;
+        if (!p->trim || p->ties_allowed == LM_TIES_ALL)
+            keep[i] = 1;
+        else if (!j->counted[i])
+            keep[i] = 0;
+        else if (ties[j->nb + blk] == ties[blk])
+            keep[i] = 1;
+        else if (ties[j->nb + blk] == 0)
+            keep[i] = 0;
+        else
+            keep[i] = -1, left[i] = ties[j->nb + blk];
+    }
+    for (int64_t c = lo; c < hi; c += CHUNK) {
+        int64_t cnt = hi - c < CHUNK ? hi - c : CHUNK;
+        dense_load(b, j->base, j->base_dt, c, cnt);
+        for (int i = 0; i < k; i++) {
+            const lm_dev_dense *p = &j->parts[i];
+            dense_tau(t[i], p, b, c, cnt);
+            dense_sparsify(t[i], p, keep[i], &left[i], p->first + c, cnt);
+        }
+        if (j->how.linear) {
+            memcpy(o, b, (size_t)cnt * sizeof *o);
+            for (int i = 0; i < k; i++)
+                for (int64_t e = 0; e < cnt; e++)
+                    o[e] = 1.0f * o[e] + w[i] * t[i][e];
+        } else {
+            combine_values(o, b, tp, w, k, cnt, j->how.sign, j->how.normalize, j->how.lambda);
+        }
+        lm_convert_from_f32((char *)j->out + (size_t)c * es, j->out_dt, o, cnt, NULL);
+    }
+    free(t);
+}
+
+static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
+                                 lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err)
+{
+    int64_t nb = n_blocks(n);
+    dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .out = out, .out_dt = out_dt,
+                   .how = how, .nb = nb};
+    bool counted[k > 0 ? k : 1], any = false;
+    for (int i = 0; i < k; i++) {
+        // Counting is needed only where some ties are kept and some not; a budget of 0 keeps
+        // none of them, LM_TIES_ALL all.
+        counted[i] = parts[i].trim && parts[i].ties_allowed != LM_TIES_ALL && parts[i].ties_allowed > 0;
+        any = any || counted[i];
+        parts[i].ties_used = 0;
+    }
+    j.counted = counted;
+    if (any) {
+        if (!(j.ties = calloc((size_t)k * 2 * (size_t)(nb ? nb : 1), sizeof(int64_t))))
+            return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+        lm_pool_run(pool_of(d), nb, dense_count_task, &j);
+        // The ties each block may keep: the budget goes to the lowest indices first.
+        for (int i = 0; i < k; i++) {
+            int64_t *ties = j.ties + (size_t)i * 2 * nb, left = parts[i].ties_allowed;
+            for (int64_t b = 0; counted[i] && b < nb; b++) {
+                int64_t take = ties[b] < left ? ties[b] : left;
+                ties[nb + b] = take;
+                left -= take;
+                parts[i].ties_used += take;
+            }
+        }
+    }
+    lm_pool_run(pool_of(d), nb, dense_merge_task, &j);
+    free(j.ties);
     return LM_OK;
 }
 
@@ -794,6 +1265,7 @@ static const lm_dev_i cpu_iface = {
     .to_f32 = cpu_to_f32,
     .from_f32 = cpu_from_f32,
     .gemm = cpu_gemm,
+    .syrk = cpu_syrk,
     .axpby = cpu_axpby,
     .delta = cpu_delta,
     .dora_rows = cpu_dora_rows,
@@ -802,9 +1274,13 @@ static const lm_dev_i cpu_iface = {
     .topk_apply = cpu_topk_apply,
     .topk_apply_by = cpu_topk_apply_by,
     .importance = cpu_importance,
+    .mask_get = cpu_mask_get,
+    .mask_apply = cpu_mask_apply,
     .random_drop = cpu_random_drop,
     .l1 = cpu_l1,
     .combine = cpu_combine,
+    .dense_hist = cpu_dense_hist,
+    .dense_merge = cpu_dense_merge,
     .gather_rows = cpu_gather_rows,
     .add_rows = cpu_add_rows,
     .rmsnorm = cpu_rmsnorm,

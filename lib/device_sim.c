@@ -268,6 +268,22 @@ static lm_status sim_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int
     return cpu_of(d)->iface->gemm(cpu_of(d), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err);
 }
 
+static lm_status sim_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
+                          bool mirror, float *c, int64_t ldc, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "syrk", err)))
+        return s;
+    // A is stored [k,n] (not read when k is 0), C [n,n].
+    int64_t ea = k > 0 ? mat_extent(k, n, lda) : 0, ec = mat_extent(n, n, ldc);
+    if (ea < 0 || ec < 0)
+        return lm_err_set(err, LM_ERR_DEVICE, "sim: syrk was given an invalid shape (n %lld, k %lld, lda %lld, "
+                          "ldc %lld)", (long long)n, (long long)k, (long long)lda, (long long)ldc);
+    if ((k > 0 && (s = need_n(d, "a", a, ea, 32, err))) || (s = need_n(d, "c", c, ec, 32, err)))
+        return s;
+    return cpu_of(d)->iface->syrk(cpu_of(d), n, k, alpha, a, lda, beta, mirror, c, ldc, err);
+}
+
 static lm_status sim_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
 {
     lm_status s;
@@ -335,6 +351,23 @@ static lm_status sim_importance(lm_dev *d, float *key, const float *tau, const d
         (s = need_n(d, "tau", tau, rows * cols, 32, err)) || (s = need_n(d, "ucc2", ucc2, cols, 64, err)))
         return s;
     return cpu_of(d)->iface->importance(cpu_of(d), key, tau, ucc2, rows, cols, err);
+}
+
+// bits are host memory, x device memory.
+static lm_status sim_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "mask_get", err)) || (s = need_n(d, "x", x, n, 32, err)) || (s = host(d, "bits", bits, err)))
+        return s;
+    return cpu_of(d)->iface->mask_get(cpu_of(d), bits, first, x, n, err);
+}
+
+static lm_status sim_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "mask_apply", err)) || (s = need_n(d, "x", x, n, 32, err)) || (s = host(d, "bits", bits, err)))
+        return s;
+    return cpu_of(d)->iface->mask_apply(cpu_of(d), x, bits, first, n, err);
 }
 
 static lm_status sim_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
@@ -412,6 +445,7 @@ static const lm_dev_i sim_iface = {
     .to_f32 = sim_to_f32,
     .from_f32 = sim_from_f32,
     .gemm = sim_gemm,
+    .syrk = sim_syrk,
     .axpby = sim_axpby,
     .delta = sim_delta,
     .dora_rows = sim_dora_rows,
@@ -420,6 +454,8 @@ static const lm_dev_i sim_iface = {
     .topk_apply = sim_topk_apply,
     .topk_apply_by = sim_topk_apply_by,
     .importance = sim_importance,
+    .mask_get = sim_mask_get,
+    .mask_apply = sim_mask_apply,
     .random_drop = sim_random_drop,
     .l1 = sim_l1,
     .combine = sim_combine,

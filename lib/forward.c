@@ -70,7 +70,8 @@ struct lm_fwd {
     int64_t hidden, inter, n_layers, heads, kv_heads, head_dim, vocab;
     float eps;
     float attn_scale;          // head_dim^-1/2
-    const float *embed;        // (vocab, hidden)
+    const float *embed;        // (vocab, hidden) the table tokens are looked up in
+    bool embed_scaled;         // embed has a DoRA scale folded in (a tied lm_head reads the base's)
     const float *emb_at;       // (vocab, emb_r) lora_embedding_A transposed, or NULL
     const float *emb_b;        // (hidden, emb_r) lora_embedding_B
     int64_t emb_r;
@@ -244,20 +245,212 @@ static const lm_st_tensor *source(fwd_loader *L, const char *name, bool use_adap
 
 // Places the tensor the architecture calls (layer, slot) (its bias with want_bias); *out NULL
 // when the architecture has no such tensor.
+// The tensor of `slot` (NULL in *t, and LM_OK, when the architecture has none there).
+static lm_status arch_tensor(fwd_loader *L, const lm_arch_desc *desc, int layer, lm_arch_slot slot, bool want_bias,
+                             bool use_adapter, const lm_st_tensor **t, lm_err *err)
+{
+    *t = NULL;
+    const lm_arch_tensor *at = lm_arch_get(desc, layer, slot, want_bias);
+    if (!at)
+        return LM_OK;
+    if (!(*t = source(L, at->name, use_adapter)))
+        return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, at->name);
+    return LM_OK;
+}
+
 static lm_status put_arch(fwd_loader *L, const lm_arch_desc *desc, int layer, lm_arch_slot slot, bool want_bias,
                           bool use_adapter, const float **out, lm_err *err)
 {
     *out = NULL;
-    const lm_arch_tensor *at = lm_arch_get(desc, layer, slot, want_bias);
-    if (!at)
-        return LM_OK;
-    const lm_st_tensor *t = source(L, at->name, use_adapter);
-    if (!t)
-        return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, at->name);
-    return put_tensor(L->f, t, out, err);
+    const lm_st_tensor *t;
+    lm_status s = arch_tensor(L, desc, layer, slot, want_bias, use_adapter, &t, err);
+    return s != LM_OK || !t ? s : put_tensor(L->f, t, out, err);
 }
 
-// Fills a linear layer: weight, bias, and the adapter's LoRA factors and bias delta.
+// ---- DoRA ------------------------------------------------------------------------------------
+// A DoRA layer computes m ⊙ (x Wᵀ + s·(x Aᵀ) Bᵀ) / ‖W + s·B@A‖ per output feature, its bias
+// added after (PEFT's DoraLinearLayer without dropout; the merged weight of METHODS.md). That is
+// the plain LoRA layer with W and B each multiplied row by row by c = m / ‖W + s·B@A‖_row, so c
+// is computed once while the layer is placed and folded into the placed W and B: the pass itself
+// has no extra step, and a device needs no operation for DoRA besides GEMM. For the embedding
+// (PEFT's DoraEmbeddingLayer) the norm runs down each hidden feature, over the vocabulary, and c
+// multiplies the columns of the table and the rows of lora_embedding_B.
+//
+// The norms are taken a block of rows at a time: the block of W converted to float32 on the
+// host, s·B@A added to it by the device's GEMM, the sum brought back and squared in double. No
+// whole adapted matrix is ever formed.
+
+#define DORA_BLOCK ((int64_t)1 << 20)  // floats in one block of rows
+
+// The scale of one output feature: m / norm, or 0 for an adapted weight of all zeros (no
+// direction to scale; the merge engine keeps such a row zero too).
+static float dora_scale(double mag, double sum_sq)
+{
+    return sum_sq > 0 ? (float)(mag / sqrt(sum_sq)) : 0.0f;
+}
+
+// Scratch for one pass: device (rows, cols) and (rows, r) blocks, host (rows, cols) twice.
+typedef struct dora_scratch {
+    lm_dev *d;
+    float *blk, *fac;    // device
+    float *w, *sum;      // host: the tensor's rows as float32, and W + s·ΔW
+    int64_t rows;        // rows per block
+} dora_scratch;
+
+// Safe twice and on a zeroed scratch.
+static void dora_scratch_free(dora_scratch *x)
+{
+    if (x->d) {
+        lm_dev_release(x->d, x->blk);
+        lm_dev_release(x->d, x->fac);
+    }
+    free(x->w);
+    free(x->sum);
+    x->blk = x->fac = x->w = x->sum = NULL;
+}
+
+static lm_status dora_scratch_init(dora_scratch *x, lm_dev *d, int64_t n_rows, int64_t cols, int64_t r, lm_err *err)
+{
+    memset(x, 0, sizeof *x);
+    x->d = d;
+    x->rows = cols > 0 && DORA_BLOCK / cols > 0 ? DORA_BLOCK / cols : 1;
+    x->rows = x->rows < n_rows ? x->rows : n_rows;
+    size_t blk = (size_t)(x->rows * cols) * sizeof(float), fac = (size_t)(x->rows * r) * sizeof(float);
+    lm_status s = lm_dev_alloc(d, blk, (void **)&x->blk, err);
+    if (s == LM_OK)
+        s = lm_dev_alloc(d, fac, (void **)&x->fac, err);
+    if (s == LM_OK && (!(x->w = malloc(blk + 1)) || !(x->sum = malloc(blk + 1))))
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory for DoRA scratch (%zu bytes)", 2 * blk);
+    if (s != LM_OK)
+        dora_scratch_free(x);
+    return s;
+}
+
+// Rows [r0, r0 + rows) of tensor t ([n, cols]) as float32 into the host buffer dst.
+static lm_status read_rows(const lm_st_tensor *t, int64_t r0, int64_t rows, int64_t cols, float *dst, lm_err *err)
+{
+    size_t esz = lm_dtype_bits(t->dtype) / 8;
+    lm_status s = lm_convert_to_f32(dst, (const char *)t->data + (size_t)(r0 * cols) * esz, t->dtype, rows * cols,
+                                    err);
+    return s == LM_OK ? s : lm_err_prefix(err, "%s", t->name);
+}
+
+// One block of the pass: x->w gets rows [r0, r0 + rows) of t, x->sum the same rows of
+// t + s·F·op(G), F being host (n, r) (its rows uploaded beside them) and G device memory,
+// (r, cols) or, with g_trans, (cols, r).
+static lm_status dora_block(dora_scratch *x, const lm_st_tensor *t, int64_t r0, int64_t rows, int64_t cols,
+                            const float *fac, const float *g, bool g_trans, int64_t r, float scale, lm_err *err)
+{
+    lm_dev *d = x->d;
+    size_t bytes = (size_t)(rows * cols) * sizeof(float);
+    lm_status s = read_rows(t, r0, rows, cols, x->w, err);
+    if (s == LM_OK)
+        s = lm_dev_upload(d, x->blk, x->w, bytes, err);
+    if (s == LM_OK)
+        s = lm_dev_upload(d, x->fac, fac + r0 * r, (size_t)(rows * r) * sizeof(float), err);
+    if (s == LM_OK)
+        s = lm_dev_gemm(d, false, g_trans, rows, cols, r, scale, x->fac, r, g, g_trans ? r : cols, 1.0f, x->blk, cols,
+                        err);
+    if (s == LM_OK)
+        s = lm_dev_download(d, x->sum, x->blk, bytes, err);
+    return s == LM_OK ? lm_dev_sync(d, err) : s;
+}
+
+// A DoRA linear layer: from W (tensor wt, [out, in]), A (placed, lin->a), B (tensor mod->b,
+// [out, r]) and the magnitude, places W and B with every row multiplied by its scale, in one
+// pass over W.
+static lm_status put_dora_linear(fwd_loader *L, const lm_st_tensor *wt, const lm_lora_module *mod, fwd_linear *lin,
+                                 lm_err *err)
+{
+    lm_fwd *f = L->f;
+    int64_t out = lin->out, in = lin->in, r = lin->r;
+    float *b = NULL, *mag = NULL, *w = NULL;
+    dora_scratch x = {0};
+    lm_status s = read_host(mod->b, &b, err);
+    if (s == LM_OK)
+        s = read_host(mod->magnitude, &mag, err);
+    if (s == LM_OK)
+        s = weight_alloc(f, out * in, &w, err);
+    if (s == LM_OK)
+        s = dora_scratch_init(&x, f->dev, out, in, r, err);
+    for (int64_t r0 = 0; s == LM_OK && r0 < out; r0 += x.rows) {
+        int64_t rows = out - r0 < x.rows ? out - r0 : x.rows;
+        if ((s = dora_block(&x, wt, r0, rows, in, b, lin->a, false, r, lin->scale, err)) != LM_OK)
+            break;
+        for (int64_t i = 0; i < rows; i++) {
+            double ss = 0;
+            const float *row = x.sum + i * in;
+            for (int64_t c = 0; c < in; c++)
+                ss += (double)row[c] * row[c];
+            float sc = dora_scale(mag[r0 + i], ss);
+            for (int64_t c = 0; c < in; c++)
+                x.w[i * in + c] *= sc;
+            for (int64_t j = 0; j < r; j++)
+                b[(r0 + i) * r + j] *= sc;
+        }
+        s = lm_dev_upload(f->dev, w + r0 * in, x.w, (size_t)(rows * in) * sizeof(float), err);
+    }
+    dora_scratch_free(&x);
+    if (s == LM_OK) {
+        lin->w = w;
+        s = put_host(f, b, out * r, &lin->bm, err);
+    }
+    free(b);
+    free(mag);
+    return s == LM_OK ? s : lm_err_prefix(err, "DoRA module %s", mod->path);
+}
+
+// A DoRA embedding: the table E ([vocab, hidden]) placed with every column multiplied by its
+// scale (a first pass over E for the norms, a second to place it), and lora_embedding_B (host
+// `b`, [hidden, r]) scaled by rows in place. at (host, [vocab, r]) is lora_embedding_A
+// transposed, eb the unscaled B on the device.
+static lm_status put_dora_embedding(fwd_loader *L, const lm_st_tensor *et, const lm_lora_module *mod,
+                                    const float *at, const float *eb, float *b, const float **out_table,
+                                    lm_err *err)
+{
+    lm_fwd *f = L->f;
+    int64_t vocab = f->vocab, hidden = f->hidden, r = f->emb_r;
+    float *mag = NULL, *w = NULL, *scale = malloc((size_t)hidden * sizeof *scale + 1);
+    double *ss = calloc((size_t)hidden + 1, sizeof *ss);
+    dora_scratch x = {0};
+    lm_status s = scale && ss ? read_host(mod->magnitude, &mag, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if (s == LM_OK)
+        s = dora_scratch_init(&x, f->dev, vocab, hidden, r, err);
+    for (int64_t r0 = 0; s == LM_OK && r0 < vocab; r0 += x.rows) {
+        int64_t rows = vocab - r0 < x.rows ? vocab - r0 : x.rows;
+        if ((s = dora_block(&x, et, r0, rows, hidden, at, eb, true, r, f->emb_scale, err)) != LM_OK)
+            break;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t c = 0; c < hidden; c++)
+                ss[c] += (double)x.sum[i * hidden + c] * x.sum[i * hidden + c];
+    }
+    if (s == LM_OK) {
+        for (int64_t c = 0; c < hidden; c++)
+            scale[c] = dora_scale(mag[c], ss[c]);
+        for (int64_t c = 0; c < hidden; c++)
+            for (int64_t j = 0; j < r; j++)
+                b[c * r + j] *= scale[c];
+        s = weight_alloc(f, vocab * hidden, &w, err);
+    }
+    for (int64_t r0 = 0; s == LM_OK && r0 < vocab; r0 += x.rows) {
+        int64_t rows = vocab - r0 < x.rows ? vocab - r0 : x.rows;
+        if ((s = read_rows(et, r0, rows, hidden, x.w, err)) != LM_OK)
+            break;
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t c = 0; c < hidden; c++)
+                x.w[i * hidden + c] *= scale[c];
+        s = lm_dev_upload(f->dev, w + r0 * hidden, x.w, (size_t)(rows * hidden) * sizeof(float), err);
+    }
+    dora_scratch_free(&x);
+    *out_table = w;
+    free(mag);
+    free(scale);
+    free(ss);
+    return s == LM_OK ? s : lm_err_prefix(err, "DoRA module %s", mod->path);
+}
+
+// Fills a linear layer: weight, bias, and the adapter's LoRA factors and bias delta, with a
+// DoRA module's scale folded into the weight and B.
 static lm_status put_linear(fwd_loader *L, const lm_arch_desc *desc, int layer, lm_arch_slot slot,
                             fwd_linear *lin, lm_err *err)
 {
@@ -269,13 +462,15 @@ static lm_status put_linear(fwd_loader *L, const lm_arch_desc *desc, int layer, 
                           (int)slot, layer);
     lin->out = wt->shape[0];
     lin->in = wt->shape[1];
-    lm_status s = put_arch(L, desc, layer, slot, false, true, &lin->w, err);
-    if (s != LM_OK)
-        return s;
-
     int64_t mi = -1;
     const lm_lora_module *mod = NULL;
-    if (L->a && lm_adapter_lookup(L->a, wt->name, &mi) == LM_TOUCH_LORA) {
+    bool lora = L->a && lm_adapter_lookup(L->a, wt->name, &mi) == LM_TOUCH_LORA;
+    bool dora = lora && L->a->modules[mi].magnitude;
+    lm_status s = LM_OK;
+    if (!dora && (s = put_arch(L, desc, layer, slot, false, true, &lin->w, err)) != LM_OK)
+        return s;
+
+    if (lora) {
         mod = &L->a->modules[mi];
         if (mod->kind != LM_LORA_LINEAR)
             return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: module %s is an embedding LoRA on a linear layer",
@@ -283,8 +478,18 @@ static lm_status put_linear(fwd_loader *L, const lm_arch_desc *desc, int layer, 
         L->used_module[mi] = true;
         lin->r = mod->r;
         lin->scale = (float)mod->scale;
-        if ((s = put_tensor(f, mod->a, &lin->a, err)) != LM_OK || (s = put_tensor(f, mod->b, &lin->bm, err)) != LM_OK)
+        if ((s = put_tensor(f, mod->a, &lin->a, err)) != LM_OK)
             return s;
+        if (mod->magnitude) {
+            // W and B placed scaled: W is not placed as it is
+            const lm_st_tensor *w = source(L, wt->name, true);
+            if (!w)
+                return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, wt->name);
+            if ((s = put_dora_linear(L, w, mod, lin, err)) != LM_OK)
+                return s;
+        } else if ((s = put_tensor(f, mod->b, &lin->bm, err)) != LM_OK) {
+            return s;
+        }
         if (lin->r > f->max_r)
             f->max_r = lin->r;
     }
@@ -313,15 +518,14 @@ static lm_status put_linear(fwd_loader *L, const lm_arch_desc *desc, int layer, 
 }
 
 // The embedding, with its LoRA (lora_embedding_A transposed so that a token's row of it is a
-// row gather) when the adapter has one.
+// row gather) when the adapter has one, and its DoRA scale folded into the table and B.
 static lm_status put_embedding(fwd_loader *L, const lm_arch_desc *desc, lm_err *err)
 {
     lm_fwd *f = L->f;
-    lm_status s = put_arch(L, desc, -1, LM_SLOT_EMBED, false, true, &f->embed, err);
     const lm_arch_tensor *et = lm_arch_get(desc, -1, LM_SLOT_EMBED, false);
     int64_t mi;
-    if (s != LM_OK || !L->a || lm_adapter_lookup(L->a, et->name, &mi) != LM_TOUCH_LORA)
-        return s;
+    if (!L->a || lm_adapter_lookup(L->a, et->name, &mi) != LM_TOUCH_LORA)
+        return put_arch(L, desc, -1, LM_SLOT_EMBED, false, true, &f->embed, err);
     const lm_lora_module *mod = &L->a->modules[mi];
     if (mod->kind != LM_LORA_EMBEDDING)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: module %s is a linear LoRA on the embedding", L->a->dir,
@@ -331,9 +535,12 @@ static lm_status put_embedding(fwd_loader *L, const lm_arch_desc *desc, lm_err *
     f->emb_scale = (float)mod->scale;
     if (f->emb_r > f->max_r)
         f->max_r = f->emb_r;
-    float *a = NULL, *at = NULL;
-    int64_t r = mod->r, v = mod->a->shape[1];  // A is (r, vocab)
-    if ((s = read_host(mod->a, &a, err)) == LM_OK) {
+    float *a = NULL, *at = NULL, *b = NULL, *eb = NULL;
+    int64_t r = mod->r, v = mod->a->shape[1], hidden = mod->b->shape[0];  // A is (r, vocab), B (hidden, r)
+    lm_status s = LM_OK;
+    if (!mod->magnitude)
+        s = put_arch(L, desc, -1, LM_SLOT_EMBED, false, true, &f->embed, err);
+    if (s == LM_OK && (s = read_host(mod->a, &a, err)) == LM_OK) {
         if (!(at = malloc((size_t)(r * v) * sizeof *at + 1))) {
             s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         } else {
@@ -343,9 +550,26 @@ static lm_status put_embedding(fwd_loader *L, const lm_arch_desc *desc, lm_err *
             s = put_host(f, at, r * v, &f->emb_at, err);
         }
     }
+    if (s == LM_OK && !mod->magnitude)
+        s = put_tensor(f, mod->b, &f->emb_b, err);
+    if (s == LM_OK && mod->magnitude) {
+        // B unscaled on the device for the norms (scratch), then scaled in place for good
+        size_t bytes = (size_t)(hidden * r) * sizeof(float);
+        const lm_st_tensor *t = source(L, et->name, true);
+        if (!t)
+            s = lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, et->name);
+        if (s == LM_OK && (s = read_host(mod->b, &b, err)) == LM_OK &&
+            (s = lm_dev_alloc(f->dev, bytes, (void **)&eb, err)) == LM_OK &&
+            (s = lm_dev_upload(f->dev, eb, b, bytes, err)) == LM_OK &&
+            (s = put_dora_embedding(L, t, mod, at, eb, b, &f->embed, err)) == LM_OK)
+            s = put_host(f, b, hidden * r, &f->emb_b, err);
+        f->embed_scaled = true;
+    }
+    lm_dev_release(f->dev, eb);
     free(a);
     free(at);
-    return s == LM_OK ? put_tensor(f, mod->b, &f->emb_b, err) : s;
+    free(b);
+    return s;
 }
 
 static lm_status put_rope(lm_fwd *f, const lm_config *cfg, lm_err *err)
@@ -366,16 +590,18 @@ static lm_status put_rope(lm_fwd *f, const lm_config *cfg, lm_err *err)
     return s;
 }
 
-// Refuses what the forward pass cannot apply: DoRA, and adapter entries it did not consume.
+// Refuses what the forward pass cannot apply: DoRA with fan_in_fan_out, and adapter entries it
+// did not consume.
 static lm_status check_adapter(const lm_adapter *a, const bool *used_module, const bool *used_saved,
                                bool before, lm_err *err)
 {
     for (int64_t i = 0; i < a->n_modules; i++) {
         const lm_lora_module *m = &a->modules[i];
-        if (before && m->magnitude)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: DoRA adapters (use_dora, module %s) are not supported by "
-                              "the forward pass yet; merge it into its base first (llmerge task-arithmetic BASE "
-                              "ADAPTER -o OUT) and use OUT", a->dir, m->path);
+        // With fan_in_fan_out the norm would run along the other axis of the stored weight; the
+        // architectures the forward pass runs never store their layers that way.
+        if (before && m->magnitude && a->config.fan_in_fan_out)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: DoRA with fan_in_fan_out (module %s) is not supported "
+                              "by the forward pass", a->dir, m->path);
         if (!before && !used_module[i])
             return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: module %s changes %s, which the forward pass does not "
                               "use", a->dir, m->path, m->base_name);
@@ -399,8 +625,8 @@ lm_status lm_fwd_check(const lm_model *m, const lm_adapter *a, lm_err *err)
     if (cfg->arch == LM_ARCH_QWEN2 && cfg->use_sliding_window && cfg->sliding_window > 0)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: use_sliding_window (Qwen2's sliding window from layer "
                           "max_window_layers on) is not supported by the forward pass", cfg->path);
-    if (a && (s = lm_adapter_validate(a, m, err)) == LM_OK)
-        s = check_adapter(a, NULL, NULL, true, err);
+    if (a && (s = check_adapter(a, NULL, NULL, true, err)) == LM_OK)
+        s = lm_adapter_validate(a, m, err);
     return s;
 }
 
@@ -463,10 +689,12 @@ lm_status lm_fwd_create(lm_fwd **out, const lm_model *m, const lm_adapter *a, lm
             goto fail;
     } else {
         // Tied: lm_head is the embedding matrix; the base's even when modules_to_save
-        // replaced the embedding (PEFT copies the module it saves, the tie stays on the original).
+        // replaced the embedding (PEFT copies the module it saves, the tie stays on the original)
+        // or a DoRA scale was folded into the table (the adapter wraps the embedding module
+        // only; lm_head reads the shared weight as it is).
         f->head = (fwd_linear){.w = f->embed, .out = f->vocab, .in = f->hidden};
         const lm_arch_tensor *et = lm_arch_get(&desc, -1, LM_SLOT_EMBED, false);
-        if (a && lm_adapter_lookup(a, et->name, NULL) == LM_TOUCH_SAVED &&
+        if (((a && lm_adapter_lookup(a, et->name, NULL) == LM_TOUCH_SAVED) || f->embed_scaled) &&
             (s = put_arch(&L, &desc, -1, LM_SLOT_EMBED, false, false, &f->head.w, err)) != LM_OK)
             goto fail;
     }
@@ -882,4 +1110,294 @@ lm_status lm_fwd_runner_run(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n_
         row += T;
     }
     return LM_OK;
+}
+
+// ==== sizes for llmerge plan ==================================================================
+
+// The float32 bytes put_tensor allocates for t: none where the tensor is used where it lies
+// (a device with host memory, an aligned F32 tensor), else its whole float32 copy. Planning
+// sees the mapping's address, which is what put_tensor tests.
+static uint64_t plan_put_bytes(const lm_st_tensor *t, bool host_memory)
+{
+    if (host_memory && t->dtype == LM_DTYPE_F32 && (uintptr_t)t->data % sizeof(float) == 0)
+        return 0;
+    return (uint64_t)t->numel * sizeof(float);
+}
+
+static uint64_t plan_max_u64(uint64_t a, uint64_t b)
+{
+    return a > b ? a : b;
+}
+
+// Adds `bytes` the weights keep on the device.
+static void plan_keep(lm_fwd_plan *p, uint64_t bytes)
+{
+    p->weight_bytes += bytes;
+    p->placing_peak = plan_max_u64(p->placing_peak, p->weight_bytes);
+}
+
+// Counts what put_tensor does with t: its device bytes, the input bytes it reads, and the
+// float32 copy it stages in host memory on a device without host memory.
+static void plan_put(lm_fwd_plan *p, const lm_st_tensor *t, bool host_memory)
+{
+    plan_keep(p, plan_put_bytes(t, host_memory));
+    p->mapped_bytes += t->nbytes;
+    if (!host_memory)
+        p->host_scratch = plan_max_u64(p->host_scratch, (uint64_t)t->numel * sizeof(float));
+}
+
+// dora_scratch_init's blocks for a [n_rows, cols] tensor and rank r: device bytes (a block of
+// rows and its factor rows) and host bytes (the block twice).
+static void plan_dora_scratch(int64_t n_rows, int64_t cols, int64_t r, uint64_t *dev, uint64_t *host)
+{
+    int64_t rows = cols > 0 && DORA_BLOCK / cols > 0 ? DORA_BLOCK / cols : 1;
+    rows = rows < n_rows ? rows : n_rows;
+    uint64_t blk = (uint64_t)(rows * cols) * sizeof(float);
+    *dev = blk + (uint64_t)(rows * r) * sizeof(float);
+    *host = 2 * blk;
+}
+
+// As put_arch, for the plan.
+static lm_status plan_arch(fwd_loader *L, lm_fwd_plan *p, const lm_arch_desc *desc, int layer, lm_arch_slot slot,
+                           bool want_bias, bool use_adapter, bool host_memory, lm_err *err)
+{
+    const lm_st_tensor *t;
+    lm_status s = arch_tensor(L, desc, layer, slot, want_bias, use_adapter, &t, err);
+    if (s == LM_OK && t)
+        plan_put(p, t, host_memory);
+    return s;
+}
+
+// As put_linear, for the plan: the weight, the LoRA factors, and the bias (summed with the
+// LoRA bias in host memory, then placed whole, when the adapter has one).
+static lm_status plan_linear(fwd_loader *L, lm_fwd_plan *p, const lm_arch_desc *desc, int layer, lm_arch_slot slot,
+                             bool host_memory, lm_err *err)
+{
+    const lm_arch_tensor *wt = lm_arch_get(desc, layer, slot, false);
+    const lm_arch_tensor *bt = lm_arch_get(desc, layer, slot, true);
+    if (!wt)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "the architecture has no weight for slot %d of layer %d",
+                          (int)slot, layer);
+    int64_t mi = -1;
+    bool lora = L->a && lm_adapter_lookup(L->a, wt->name, &mi) == LM_TOUCH_LORA;
+    lm_status s = LM_OK;
+    if (!(lora && L->a->modules[mi].magnitude) &&
+        (s = plan_arch(L, p, desc, layer, slot, false, true, host_memory, err)) != LM_OK)
+        return s;
+    if (lora) {
+        const lm_lora_module *mod = &L->a->modules[mi];
+        if (mod->kind != LM_LORA_LINEAR)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: module %s is an embedding LoRA on a linear layer",
+                              L->a->dir, mod->path);
+        L->used_module[mi] = true;
+        plan_put(p, mod->a, host_memory);
+        if (mod->magnitude) {
+            // put_dora_linear: B and the magnitude read into host memory, W placed scaled (its
+            // device copy allocated before the scratch blocks), then B placed scaled
+            const lm_st_tensor *w = source(L, wt->name, true);
+            if (!w)
+                return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, wt->name);
+            int64_t out = wt->shape[0], in = wt->shape[1];
+            uint64_t sdev, shost, b = (uint64_t)(out * mod->r) * sizeof(float);
+            plan_dora_scratch(out, in, mod->r, &sdev, &shost);
+            plan_keep(p, (uint64_t)(out * in) * sizeof(float));
+            p->placing_peak = plan_max_u64(p->placing_peak, p->weight_bytes + sdev);
+            p->host_scratch = plan_max_u64(p->host_scratch, b + (uint64_t)out * sizeof(float) + shost);
+            plan_keep(p, b);
+            p->mapped_bytes += w->nbytes + mod->b->nbytes + mod->magnitude->nbytes;
+        } else {
+            plan_put(p, mod->b, host_memory);
+        }
+        p->max_r = mod->r > p->max_r ? mod->r : p->max_r;
+    }
+    int64_t bi = -1;
+    bool lora_bias = bt && L->a && lm_adapter_lookup(L->a, bt->name, &bi) == LM_TOUCH_BIAS;
+    if (!lora_bias)
+        return bt ? plan_arch(L, p, desc, layer, slot, true, true, host_memory, err) : LM_OK;
+    L->used_module[bi] = true;
+    const lm_st_tensor *base_bias = source(L, bt->name, false);
+    if (!base_bias)
+        return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, bt->name);
+    uint64_t bytes = (uint64_t)base_bias->numel * sizeof(float);
+    plan_keep(p, bytes);
+    p->mapped_bytes += base_bias->nbytes + L->a->modules[bi].bias->nbytes;
+    p->host_scratch = plan_max_u64(p->host_scratch, 2 * bytes);
+    return LM_OK;
+}
+
+lm_status lm_fwd_plan_make(lm_fwd_plan *p, const lm_model *m, const lm_adapter *a, bool host_memory, lm_err *err)
+{
+    memset(p, 0, sizeof *p);
+    const lm_config *cfg = &m->config;
+    lm_arch_desc desc = {0};
+    fwd_loader L = {.m = m, .a = a};
+    lm_status s = lm_fwd_check(m, a, err);
+    if (s != LM_OK || (s = lm_arch_describe(&desc, cfg, err)) != LM_OK)
+        return s;
+    if (a && (!(L.used_module = calloc((size_t)a->n_modules + 1, 1)) ||
+              !(L.used_saved = calloc((size_t)a->n_saved + 1, 1)))) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    p->hidden = cfg->hidden_size;
+    p->inter = cfg->intermediate_size;
+    p->heads = cfg->num_attention_heads;
+    p->kv_heads = cfg->num_key_value_heads;
+    p->head_dim = cfg->head_dim;
+    p->vocab = cfg->vocab_size;
+
+    // put_embedding
+    const lm_arch_tensor *et = lm_arch_get(&desc, -1, LM_SLOT_EMBED, false);
+    int64_t mi;
+    bool scaled = false;  // a DoRA scale folded into the table
+    if (!a || lm_adapter_lookup(a, et->name, &mi) != LM_TOUCH_LORA) {
+        if ((s = plan_arch(&L, p, &desc, -1, LM_SLOT_EMBED, false, true, host_memory, err)) != LM_OK)
+            goto done;
+    } else {
+        const lm_lora_module *mod = &a->modules[mi];
+        if (mod->kind != LM_LORA_EMBEDDING) {
+            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: module %s is a linear LoRA on the embedding", a->dir,
+                           mod->path);
+            goto done;
+        }
+        L.used_module[mi] = true;
+        p->max_r = mod->r > p->max_r ? mod->r : p->max_r;
+        if (!mod->magnitude && (s = plan_arch(&L, p, &desc, -1, LM_SLOT_EMBED, false, true, host_memory, err)) != LM_OK)
+            goto done;
+        // lora_embedding_A read and transposed in host memory, then placed
+        uint64_t at_bytes = (uint64_t)mod->a->numel * sizeof(float);
+        plan_keep(p, at_bytes);
+        p->mapped_bytes += mod->a->nbytes;
+        p->host_scratch = plan_max_u64(p->host_scratch, 2 * at_bytes);
+        if (!mod->magnitude) {
+            plan_put(p, mod->b, host_memory);
+        } else {
+            // put_dora_embedding: B unscaled on the device and the scratch blocks beside the
+            // table being placed; then B placed scaled
+            const lm_st_tensor *t = source(&L, et->name, true);
+            if (!t) {
+                s = lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", m->dir, et->name);
+                goto done;
+            }
+            int64_t vocab = cfg->vocab_size, hidden = mod->b->shape[0];
+            uint64_t sdev, shost, b = (uint64_t)(hidden * mod->r) * sizeof(float);
+            uint64_t table = (uint64_t)(vocab * hidden) * sizeof(float);
+            plan_dora_scratch(vocab, hidden, mod->r, &sdev, &shost);
+            p->placing_peak = plan_max_u64(p->placing_peak, p->weight_bytes + b + sdev + table);
+            p->host_scratch = plan_max_u64(p->host_scratch, 2 * at_bytes + b + shost +
+                                           (uint64_t)hidden * (2 * sizeof(float) + sizeof(double)));
+            plan_keep(p, table);
+            plan_keep(p, b);
+            p->mapped_bytes += t->nbytes + mod->b->nbytes + mod->magnitude->nbytes;
+            scaled = true;
+        }
+    }
+    static const lm_arch_slot slots[7] = {LM_SLOT_Q, LM_SLOT_K, LM_SLOT_V, LM_SLOT_O,
+                                          LM_SLOT_GATE, LM_SLOT_UP, LM_SLOT_DOWN};
+    for (int l = 0; l < cfg->num_hidden_layers; l++) {
+        for (int k = 0; k < 7; k++)
+            if ((s = plan_linear(&L, p, &desc, l, slots[k], host_memory, err)) != LM_OK)
+                goto done;
+        if ((s = plan_arch(&L, p, &desc, l, LM_SLOT_INPUT_NORM, false, true, host_memory, err)) != LM_OK ||
+            (s = plan_arch(&L, p, &desc, l, LM_SLOT_POST_NORM, false, true, host_memory, err)) != LM_OK)
+            goto done;
+    }
+    if ((s = plan_arch(&L, p, &desc, -1, LM_SLOT_FINAL_NORM, false, true, host_memory, err)) != LM_OK)
+        goto done;
+    if (lm_arch_get(&desc, -1, LM_SLOT_LM_HEAD, false)) {
+        if ((s = plan_linear(&L, p, &desc, -1, LM_SLOT_LM_HEAD, host_memory, err)) != LM_OK)
+            goto done;
+    } else if (((a && lm_adapter_lookup(a, et->name, NULL) == LM_TOUCH_SAVED) || scaled) &&
+               (s = plan_arch(&L, p, &desc, -1, LM_SLOT_EMBED, false, false, host_memory, err)) != LM_OK) {
+        goto done;  // tied to the base's embedding as it is, while the model's is replaced or scaled
+    }
+    plan_keep(p, (uint64_t)(cfg->head_dim / 2) * sizeof(float));  // put_rope
+    if (a)
+        s = check_adapter(a, L.used_module, L.used_saved, false, err);
+done:
+    free(L.used_module);
+    free(L.used_saved);
+    lm_arch_desc_free(&desc);
+    return s;
+}
+
+// An lm_fwd holding only what arena_layout reads.
+static lm_fwd plan_shape(const lm_fwd_plan *p)
+{
+    return (lm_fwd){.hidden = p->hidden, .inter = p->inter, .heads = p->heads, .kv_heads = p->kv_heads,
+                    .head_dim = p->head_dim, .vocab = p->vocab, .max_r = p->max_r};
+}
+
+size_t lm_fwd_plan_arena_bytes(const lm_fwd_plan *p, int64_t n_tokens)
+{
+    lm_fwd f = plan_shape(p);
+    fwd_arena a;
+    return arena_layout(&f, n_tokens, NULL, &a);
+}
+
+size_t lm_fwd_plan_arena_touched(const lm_fwd_plan *p, int64_t n_tokens)
+{
+    // the arena laid out without a vocabulary: the logits region has no rows
+    lm_fwd f = plan_shape(p);
+    f.vocab = 0;
+    fwd_arena a;
+    return arena_layout(&f, n_tokens, NULL, &a);
+}
+
+int64_t lm_fwd_plan_max_tokens(int64_t max_tokens)
+{
+    return max_tokens > 0 ? max_tokens : DEFAULT_MAX_TOKENS;
+}
+
+// What run_batch does with seqs [first, first + n), on the device while it fits.
+static void plan_batch(const lm_fwd_plan *p, const int64_t *lens, int64_t first, int64_t n, bool on_device,
+                       uint64_t avail, bool sticky, lm_fwd_plan_note_fn note, void *ctx, lm_fwd_plan_run *r)
+{
+    int64_t T = 0;
+    for (int64_t i = 0; i < n; i++)
+        T += lens[first + i];
+    if (on_device && !r->stuck) {
+        size_t need = lm_fwd_plan_arena_bytes(p, T);
+        if (need != SIZE_MAX && need <= avail) {
+            r->n_batches++;
+            r->tokens_dev += T;
+            r->dev_tokens = T > r->dev_tokens ? T : r->dev_tokens;
+            return;
+        }
+        if (n > 1) {
+            int64_t h = n / 2;
+            r->n_halved++;
+            if (note)
+                note(ctx, &(lm_fwd_plan_note){.halved = true, .first = first, .n = n, .tokens = T,
+                                              .need = need});
+            plan_batch(p, lens, first, h, on_device, avail, sticky, note, ctx, r);
+            plan_batch(p, lens, first + h, n - h, on_device, avail, sticky, note, ctx, r);
+            return;
+        }
+        r->n_seq_cpu++;
+        if (note)
+            note(ctx, &(lm_fwd_plan_note){.halved = false, .first = first, .n = 1, .tokens = T, .need = need});
+        r->stuck = sticky;
+    }
+    r->n_batches++;
+    r->tokens_cpu += T;
+    r->cpu_tokens = T > r->cpu_tokens ? T : r->cpu_tokens;
+}
+
+void lm_fwd_plan_runner(const lm_fwd_plan *p, const int64_t *lens, int64_t n_seqs, int64_t max_tokens,
+                        bool on_device, uint64_t avail, bool sticky, lm_fwd_plan_note_fn note, void *ctx,
+                        lm_fwd_plan_run *r)
+{
+    memset(r, 0, sizeof *r);
+    max_tokens = lm_fwd_plan_max_tokens(max_tokens);
+    // lm_fwd_runner_run's batches: as many sequences as fit in max_tokens, at least one
+    for (int64_t i = 0; i < n_seqs;) {
+        int64_t k = 1, T = lens[i];
+        while (i + k < n_seqs && T + lens[i + k] <= max_tokens)
+            T += lens[i + k++];
+        r->n_formed++;
+        r->formed_tokens = T > r->formed_tokens ? T : r->formed_tokens;
+        plan_batch(p, lens, i, k, on_device, avail, sticky, note, ctx, r);
+        i += k;
+    }
 }

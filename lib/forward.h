@@ -4,7 +4,9 @@
 // forward-pass operations of lm_dev_i. A model's weights are converted to float32 and placed on
 // the device once (lm_fwd_create); a LoRA adapter is applied without merging, y = x Wᵀ + b +
 // s·(x Aᵀ) Bᵀ for every adapted linear layer (and the embedding LoRA on the token lookup),
-// its modules_to_save replacing base tensors whole.
+// its modules_to_save replacing base tensors whole. A DoRA layer's output features are further
+// scaled by m / ‖W + s·B@A‖ (the norm over each feature's row of the adapted weight), a scale
+// computed once while placing the layer and folded into its W and B.
 //
 // Sequences of different lengths run together packed back to back: one row per real token,
 // each row attending only to the rows of its own sequence, so no padding exists anywhere and a
@@ -76,14 +78,17 @@ lm_status lm_fwd_device_ok(lm_dev *d, lm_err *err);
 
 // Checks, allocating nothing, that the forward pass can run model `m` with adapter `a` (may be
 // NULL): m is a known architecture whose tensors pass lm_model_check, a fits m
-// (lm_adapter_validate) and is not DoRA, and m does not use Qwen2's per-layer sliding window
-// (LM_ERR_UNSUPPORTED; Mistral's sliding window is applied). lm_fwd_create checks the same.
+// (lm_adapter_validate) and is not DoRA with fan_in_fan_out, and m does not use Qwen2's
+// per-layer sliding window (LM_ERR_UNSUPPORTED; Mistral's sliding window is applied).
+// lm_fwd_create checks the same.
 lm_status lm_fwd_check(const lm_model *m, const lm_adapter *a, lm_err *err);
 
 // Places model `m` (a known architecture whose tensors pass lm_model_check) and, when `a` is not
 // NULL, adapter `a` (validated against m here) on device `d`, every weight in float32: on a
 // device with host memory an F32 tensor is used where it lies in the mapped file, anything else
-// is converted into device memory. DoRA adapters are LM_ERR_UNSUPPORTED. Out of device memory is
+// is converted into device memory. A DoRA module's W and B are always placed as new float32
+// copies with its scale folded in (the norms taken a block of rows at a time, with scratch of
+// a few MiB on the device and the host, freed before returning). Out of device memory is
 // LM_ERR_DEVICE_OOM with nothing left allocated. m, a and d must outlive the result, which the
 // caller frees with lm_fwd_free.
 lm_status lm_fwd_create(lm_fwd **out, const lm_model *m, const lm_adapter *a, lm_dev *d, lm_err *err);
@@ -164,5 +169,63 @@ lm_status lm_fwd_runner_run(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n_
 // Frees the weights on both devices and the CPU device the runner opened; safe on a zeroed
 // runner and twice.
 void lm_fwd_runner_free(lm_fwd_runner *r);
+
+// ==== sizes for llmerge plan ==================================================================
+
+// What lm_fwd_create will place for a model, from headers only (no tensor data is read).
+typedef struct lm_fwd_plan {
+    uint64_t weight_bytes;   // device bytes of the weights (lm_fwd_weight_bytes once created)
+    uint64_t placing_peak;   // device bytes at most while they are placed (DoRA's scratch
+                             // blocks beside them): they fit a device when this does
+    uint64_t mapped_bytes;   // input bytes read from the mapped files, used in place or converted
+    uint64_t host_scratch;   // the largest host copy made while placing (a tensor as float32 on a
+                             // device without host memory, a bias sum, the embedding LoRA's Aᵀ)
+    int64_t hidden, inter, heads, kv_heads, head_dim, vocab;
+    int64_t max_r;           // the largest LoRA rank the pass applies (0 without)
+} lm_fwd_plan;
+
+// Fills *p for lm_fwd_create(m, a) on a device with or without host memory: the same checks
+// (lm_fwd_check, the adapter's modules all used) and the same rule per tensor as placing. Returns
+// what lm_fwd_create would return for a bad model or adapter; allocates nothing that outlives
+// the call.
+lm_status lm_fwd_plan_make(lm_fwd_plan *p, const lm_model *m, const lm_adapter *a, bool host_memory, lm_err *err);
+
+// The device bytes of the arena for a batch of n_tokens tokens (lm_fwd_arena_bytes of the
+// created model; SIZE_MAX when it overflows), and the part of it a pass without logits writes
+// (activation capture: the logits rows are allocated and never touched).
+size_t lm_fwd_plan_arena_bytes(const lm_fwd_plan *p, int64_t n_tokens);
+size_t lm_fwd_plan_arena_touched(const lm_fwd_plan *p, int64_t n_tokens);
+
+// The tokens per batch of a runner given max_tokens (lm_fwd_runner_init's default for <= 0).
+int64_t lm_fwd_plan_max_tokens(int64_t max_tokens);
+
+// A fallback the runner will report: sequences [first, first + n) of `tokens` tokens halved, or
+// (halved false, n 1) sequence `first` (0-based) sent to the CPU; `need` the arena bytes asked.
+typedef struct lm_fwd_plan_note {
+    bool halved;
+    int64_t first, n, tokens;
+    size_t need;
+} lm_fwd_plan_note;
+typedef void (*lm_fwd_plan_note_fn)(void *ctx, const lm_fwd_plan_note *note);
+
+// What lm_fwd_runner_run does with sequences of these lengths.
+typedef struct lm_fwd_plan_run {
+    int64_t n_formed;        // batches of at most max_tokens tokens (a longer sequence alone)
+    int64_t formed_tokens;   // the largest of them
+    int64_t n_batches;       // batches run, halves counted one each (lm_fwd_runner's n_batches)
+    int64_t n_halved, n_seq_cpu;
+    int64_t tokens_dev, tokens_cpu;
+    int64_t dev_tokens;      // the largest batch run on the device: the arena it keeps
+    int64_t cpu_tokens;      // the largest batch run on the CPU
+    bool stuck;              // --sticky-fallback took effect
+} lm_fwd_plan_run;
+
+// Forms the batches as lm_fwd_runner_run does and follows run_batch's fallbacks: a batch runs
+// on the device (on_device: the weights are there) when its arena fits in `avail` bytes, else
+// it is halved, and a single sequence that does not fit runs on the CPU (and, with sticky, every
+// later one). Each fallback goes to note (may be NULL) in the order the runner reports them.
+void lm_fwd_plan_runner(const lm_fwd_plan *p, const int64_t *lens, int64_t n_seqs, int64_t max_tokens,
+                        bool on_device, uint64_t avail, bool sticky, lm_fwd_plan_note_fn note, void *ctx,
+                        lm_fwd_plan_run *r);
 
 #endif

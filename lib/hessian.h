@@ -38,6 +38,10 @@ typedef struct lm_hess {
     int64_t n_tokens;              // tokens seen (counted at layer 0's first point)
     int64_t n_host;                // accumulators that did not fit dev and live in host memory
     size_t dev_bytes;              // device bytes the accumulators take
+    bool *dev_upper;               // (n_layers · N_POINTS) on_dev[i] was updated by syrk: only its upper
+                                   // triangle is current until lm_hess_capture mirrors it
+    bool *host_upper;              // the same for on_host[i]
+    bool *dev_fresh;               // on_dev[i] has not been written yet: it holds nothing defined
 } lm_hess;
 
 // The index of (layer, point) in on_dev / on_host.
@@ -47,9 +51,10 @@ static inline int64_t lm_hess_index(int64_t layer, lm_fwd_point p)
 }
 
 // Prepares *h (overwritten) for model m (its config gives the shapes). When dev is not NULL,
-// each accumulator, in layer order, is allocated on dev and zeroed while dev's free memory
-// stays at least `reserve` bytes afterwards (room for the forward pass's activations); the
-// rest, and all of them when dev is NULL, are allocated zeroed in host memory. dev must outlive
+// each accumulator, in layer order, is allocated on dev while dev's free memory stays at least
+// `reserve` bytes afterwards (room for the forward pass's activations), left for the first
+// batch to overwrite (and for lm_hess_capture_end to zero if none does); the rest, and all of
+// them when dev is NULL, are allocated zeroed in host memory. dev must outlive
 // h. A host allocation failure is LM_ERR_NOMEM, a device failure other than out-of-memory
 // LM_ERR_DEVICE; nothing is left allocated then. Free with lm_hess_free.
 lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserve, int threads, lm_err *err);
@@ -58,21 +63,36 @@ lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserv
 void lm_hess_free(lm_hess *h);
 
 // The forward-pass hook (lm_fwd_hook) that adds Xᵀ X of the batch to the (layer, point)
-// accumulator; ctx is the lm_hess. It never fails with LM_ERR_DEVICE_OOM (which would make a
-// runner redo a batch already partly added): a device failure is LM_ERR_DEVICE, a host one
-// LM_ERR_NOMEM, naming the layer and the point.
+// accumulator; ctx is the lm_hess. Where the device has lm_dev_syrk only the upper triangle is
+// added (half the work), the lower one being filled in by lm_hess_capture at the end; a caller
+// that runs the hook itself calls lm_hess_capture_end before reading the Hessians. It never
+// fails with LM_ERR_DEVICE_OOM (which would make a runner redo a batch already partly added): a
+// device failure is LM_ERR_DEVICE, a host one LM_ERR_NOMEM, naming the layer and the point.
 lm_status lm_hess_hook(void *ctx, lm_dev *dev, int layer, lm_fwd_point point, const float *x, int64_t rows,
                        int64_t cols, lm_err *err);
 
 // Runs the n_seqs sequences through runner r with the hook above (r's progress and notes as set
-// by the caller). Returns r's status.
+// by the caller), then completes the accumulators (lm_hess_capture_end). Returns r's status, or
+// the completion's.
 lm_status lm_hess_capture(lm_hess *h, lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n_seqs, lm_err *err);
+
+// Completes the accumulators for reading: copies the upper triangle of every one the hook
+// updated by syrk onto its lower one, on the device that holds it, and zeroes those on the
+// device that no batch reached, so that each holds all of Σ x xᵀ. The Hessians are read
+// (lm_hess_get) only after this, or lm_hess_capture, has succeeded. Safe to call more than
+// once. LM_ERR_DEVICE for a device failure, naming the Hessian.
+lm_status lm_hess_capture_end(lm_hess *h, lm_err *err);
 
 // Writes into the host array out[dim · dim] (dim = h->dim[p]) the Hessian of (layer, point):
 // (2 / n_tokens) times the sum of its accumulators, symmetrised ((a + aᵀ) / 2), computed in
-// double and rounded to float32. LM_ERR_USAGE when no token was captured, LM_ERR_DEVICE for a
-// failed copy. The accumulators are unchanged.
+// double and rounded to float32 (exactly symmetric). The result is finished in out itself, with
+// 64 KiB of scratch (no copy of the matrix). LM_ERR_USAGE when no token was captured or the accumulators were released,
+// LM_ERR_DEVICE for a failed copy. The accumulators are unchanged.
 lm_status lm_hess_get(const lm_hess *h, int64_t layer, lm_fwd_point p, float *out, lm_err *err);
+
+// Frees the accumulators of (layer, point) once its Hessian has been read, so that writing the
+// Hessians one at a time never holds them all twice; lm_hess_get of it is an error afterwards.
+void lm_hess_release(lm_hess *h, int64_t layer, lm_fwd_point p);
 
 // The tensor name of (layer, point): "model.layers.L." followed by the first module the point
 // feeds (lm_fwd_point_module). Writes into buf; returns buf.
@@ -94,15 +114,68 @@ lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t
 // merge engine computes on the device (lm_dev_importance).
 lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, lm_err *err);
 
+// lm_hess_ucc2 with the damping raised tenfold (up to 10⁶ times `damp`) while the damped H is
+// not positive definite, each raise said through note (may be NULL) naming the Hessian `name`.
+// The error, when even that fails, is prefixed with name.
+lm_status lm_hess_ucc2_raised(double *ucc2, const float *H, int64_t cols, double damp, const char *name,
+                              lm_fwd_note_fn note, void *note_ctx, lm_err *err);
+
+// Called by lm_hess_ucc2_model with each finished Hessian H ([dim, dim], host memory, valid
+// during the call only), in lm_hess_index order, and the tokens it was captured over (to keep
+// them: the sparsegpt cache). A status other than LM_OK stops the work and is returned.
+typedef lm_status (*lm_hess_each_fn)(void *ctx, int64_t layer, lm_fwd_point p, const float *H, int64_t dim,
+                                     int64_t n_tokens, lm_err *err);
+
 // Everything sparsegpt needs from a model's Hessians: runs the n_seqs sequences through model
 // m (with adapter a, or NULL) on dev, with the accumulators placed as `llmerge hessian` places
-// them (sticky: lm_fwd_runner's sticky fallback), then for every (layer, point) computes U_cc² (lm_hess_ucc2) with damping `damp`,
-// raised tenfold (up to 10⁶ times) while the damped H is not positive definite, each raise
-// said through note. (*out)[lm_hess_index(layer, point)] is a new array of dim[point] doubles;
-// free the set with lm_hess_ucc2_free. The Hessians themselves are freed as they are used.
+// them (sticky: lm_fwd_runner's sticky fallback), then finishes one Hessian at a time (its
+// accumulators freed before the next), hands it to `each` when that is not NULL, and computes
+// its U_cc² (lm_hess_ucc2_raised from `damp`). (*out)[lm_hess_index(layer, point)] is a new
+// array of dim[point] doubles; free the set with lm_hess_ucc2_free.
 lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
                              const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, bool sticky,
-                             lm_fwd_note_fn note, void *note_ctx, double ***out, int64_t *n_out, lm_err *err);
+                             lm_fwd_note_fn note, void *note_ctx, lm_hess_each_fn each, void *each_ctx,
+                             double ***out, int64_t *n_out, lm_err *err);
 void lm_hess_ucc2_free(double **ucc2, int64_t n);
+
+// ==== sizes for llmerge plan, and which Hessian a weight reads ================================
+
+// The input width of each point for a model of config cfg (lm_hess's dim).
+void lm_hess_dims(const lm_config *cfg, int64_t dim[LM_FWD_N_POINTS]);
+
+// The (layer, point) whose Hessian base tensor `tensor` reads: the q, k and v projections
+// read LM_FWD_ATTN_IN, o_proj LM_FWD_O_IN, gate and up LM_FWD_MLP_IN, down_proj LM_FWD_DOWN_IN
+// ("model.layers.L.<module>.weight"). False for any other tensor; the caller checks the layer
+// against the model and the width against lm_hess_dims.
+bool lm_hess_point_of(const char *tensor, int64_t *layer, lm_fwd_point *point);
+
+// The batch, in tokens, whose activations lm_hess_ucc2_model keeps room for on the device when
+// placing the accumulators: the first batch the runner can form from n_tokens tokens whose
+// longest sequence has `longest` (max_tokens per batch).
+int64_t lm_hess_reserve_tokens(int64_t n_tokens, int64_t longest, int64_t max_tokens);
+
+// What lm_hess_init and lm_hess_ucc2_model allocate for a model, from its config.
+typedef struct lm_hess_plan {
+    int64_t n_acc;           // accumulators: layers × LM_FWD_N_POINTS
+    int64_t n_dev;           // the first ones in layer order, on the device
+    uint64_t dev_bytes;      // their bytes (host memory on a device with host memory)
+    uint64_t host_bytes;     // the rest, in host memory
+    int64_t max_dim;         // the widest input
+} lm_hess_plan;
+
+// Fills *p for model m's accumulators placed as lm_hess_init places them: on_device false means
+// its weights run on the CPU (every accumulator in host memory); else on the device they run on,
+// with host_memory saying what it is, dev_free its free bytes after the weights and `reserve`
+// the bytes kept for activations. LM_ERR_UNSUPPORTED for a width lm_hess_init refuses.
+lm_status lm_hess_plan_make(lm_hess_plan *p, const lm_model *m, bool on_device, bool host_memory, uint64_t dev_free,
+                            uint64_t reserve, lm_err *err);
+
+// The most memory lm_hess_ucc2_model's finishing pass holds at once for the accumulators of p
+// (those on the device counted when count_dev; host_copies: the host-side accumulators that
+// batches run on the CPU add beside those on the device) and its scratch: each Hessian is read
+// into a float32 matrix of the widest size, its accumulators released, and its U_cc² computed
+// from a double copy (and LAPACKE's transposed copy of that). With p->n_acc 0 (Hessians read one
+// at a time from elsewhere) only the scratch counts.
+uint64_t lm_hess_plan_finish(const lm_hess_plan *p, const lm_model *m, bool count_dev, bool host_copies);
 
 #endif

@@ -101,14 +101,18 @@ lm_status lm_manifest_merge_options(lm_manifest *m, const lm_merge_opts *o, lm_e
     return ok ? LM_OK : nomem(err);
 }
 
-// Appends {"name", "bytes", "xxh64"} for the file at `path` to `files`, reading it whole.
-static lm_status add_file(cJSON *files, const char *name, const char *path, lm_err *err)
+// Appends {"name", "bytes", "xxh64"} for the file at `path` to `files`: the hash from m's
+// hasher when it has that file, else read whole here.
+static lm_status add_file(const lm_manifest *m, cJSON *files, const char *name, const char *path, lm_err *err)
 {
     struct stat st;
     if (stat(path, &st) != 0)
         return lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
     uint64_t h;
-    lm_status s = lm_xxh64_file(path, &h, err);
+    bool found = false;
+    lm_status s = m->hasher ? lm_hasher_get(m->hasher, path, &h, &found, err) : LM_OK;
+    if (s == LM_OK && !found)
+        s = lm_xxh64_file(path, &h, err);
     if (s != LM_OK)
         return s;
     char hex[17];
@@ -124,8 +128,8 @@ static lm_status add_file(cJSON *files, const char *name, const char *path, lm_e
 }
 
 // Fills `o` with "path" (absolute when it resolves), "kind" when not NULL, and "files".
-static lm_status describe(cJSON *o, const char *dir, const char *kind, const lm_model *model,
-                          const lm_adapter *adapter, lm_err *err)
+static lm_status describe(const lm_manifest *m, cJSON *o, const char *dir, const char *kind,
+                          const lm_model *model, const lm_adapter *adapter, lm_err *err)
 {
     char abs[PATH_MAX];
     const char *path = realpath(dir, abs) ? abs : dir;
@@ -137,22 +141,22 @@ static lm_status describe(cJSON *o, const char *dir, const char *kind, const lm_
         return nomem(err);
     lm_status s = LM_OK;
     if (model) {
-        s = add_file(files, lm_path_base(model->config.path), model->config.path, err);
+        s = add_file(m, files, lm_path_base(model->config.path), model->config.path, err);
         if (s == LM_OK && model->index_path)
-            s = add_file(files, lm_path_base(model->index_path), model->index_path, err);
+            s = add_file(m, files, lm_path_base(model->index_path), model->index_path, err);
         for (int i = 0; s == LM_OK && i < model->n_shards; i++)
-            s = add_file(files, model->shards[i].file, model->shards[i].path, err);
+            s = add_file(m, files, model->shards[i].file, model->shards[i].path, err);
     } else {
-        s = add_file(files, lm_path_base(adapter->config.path), adapter->config.path, err);
+        s = add_file(m, files, lm_path_base(adapter->config.path), adapter->config.path, err);
         if (s == LM_OK)
-            s = add_file(files, lm_path_base(adapter->weights_path), adapter->weights_path, err);
+            s = add_file(m, files, lm_path_base(adapter->weights_path), adapter->weights_path, err);
     }
     return s;
 }
 
 lm_status lm_manifest_set_base(lm_manifest *m, const lm_model *base, lm_err *err)
 {
-    return describe(m->base, base->dir, NULL, base, NULL, err);
+    return describe(m, m->base, base->dir, NULL, base, NULL, err);
 }
 
 lm_status lm_manifest_add_input(lm_manifest *m, const lm_model *model, const lm_adapter *adapter,
@@ -165,7 +169,7 @@ lm_status lm_manifest_add_input(lm_manifest *m, const lm_model *model, const lm_
         cJSON_Delete(o);
         return nomem(err);
     }
-    return describe(o, model ? model->dir : adapter->dir, model ? "model" : "adapter", model,
+    return describe(m, o, model ? model->dir : adapter->dir, model ? "model" : "adapter", model,
                     adapter, err);
 }
 

@@ -29,6 +29,7 @@
 #include <stdint.h>
 
 #include "adapter.h"
+#include "hasher.h"
 #include "merge.h"
 #include "model.h"
 #include "st_writer.h"
@@ -44,13 +45,14 @@ typedef struct lm_manifest {
     cJSON *devices;
     cJSON *timings;
     cJSON *stats;
+    lm_hasher *hasher;  // not owned; when set, input files it hashes take their hash from it
 } lm_manifest;
 
 typedef struct lm_manifest_timings {
     double load_s;   // opening and checking the inputs
     double merge_s;  // the merge itself (tensor data is written as it is merged)
     double write_s;  // finishing the shards, config, side files
-    double hash_s;   // hashing the input files for this manifest
+    double hash_s;   // hashing the input files for this manifest (the wait for the hasher)
     double total_s;  // the whole run, up to writing the manifest
 } lm_manifest_timings;
 

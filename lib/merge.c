@@ -212,6 +212,8 @@ typedef struct part {
     lm_topk topk;                 // per-tensor threshold (magnitude, --topk tensor)
     double rescale;               // factor applied to kept entries
     bool dropped;                 // tau (kept whole) already has its random mask applied
+    const uint8_t *mask;          // a stored top-k mask (o->mask_load, host bitmap), or NULL
+    uint8_t *bits;                // the top-k mask being recorded for o->mask_store, or NULL
 } part;
 
 // An adapter's factors placed on a device once, as float32.
@@ -493,7 +495,12 @@ static int find_parts(engine *e, const char *name, part *parts)
                 break;
             }
         }
-        if (e->o->method == LM_MERGE_SPARSEGPT && e->o->ucc2 && p.src != SRC_LORA_BIAS) {
+        // a stored mask replaces the importance and the selection
+        if (uses_magnitude(e->o->method) && e->o->mask_load) {
+            const lm_st_tensor *bt = lm_model_find(e->base, name);
+            p.mask = bt ? e->o->mask_load(e->o->mask_ctx, i, name, bt->numel) : NULL;
+        }
+        if (e->o->method == LM_MERGE_SPARSEGPT && e->o->ucc2 && p.src != SRC_LORA_BIAS && !p.mask) {
             const lm_st_tensor *bt = lm_model_find(e->base, name);
             int64_t rows = bt ? tensor_rows(bt) : 0;
             if (bt && rows > 0 && bt->ndim == 2)
@@ -573,6 +580,21 @@ static bool needs_base(const part *parts, int k)
     return false;
 }
 
+// Whether tensor bt's passes run as the device's fused dense operations (device.h): every part
+// a full model's tensor (or an adapter's saved one), ranked by magnitude, on a device that has
+// them, and no DARE L1 rescale (whose norms need τ before the merge).
+static bool fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
+{
+    // (the plan's stand-in for a device has no operations: with host memory it is the CPU's)
+    if (!(dev->iface ? lm_dev_has_dense(dev) : dev->host_memory) || !lm_dtype_readable(bt->dtype) ||
+        (uses_random(e->o->method) && e->o->rescale == LM_RESCALE_L1))
+        return false;
+    for (int i = 0; i < k; i++)
+        if (parts[i].src != SRC_FULL || parts[i].key || parts[i].mask || parts[i].bits)
+            return false;
+    return k > 0;
+}
+
 // Rows per slab of tensor bt (whole rows, at least one) when its parts run on dev.
 static int64_t slab_rows_of(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
@@ -580,6 +602,8 @@ static int64_t slab_rows_of(const engine *e, const lm_dev *dev, const lm_st_tens
     bool dense = true;
     for (int i = 0; i < k; i++)
         dense = dense && parts[i].src == SRC_FULL;
+    // On the CPU small slabs: the separate operations' buffers stay in cache from one to the
+    // next, and the fused ones let the inputs' pages go in small steps.
     if (dense && dev->host_memory)
         elems = e->slab_dense;
     int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
@@ -603,21 +627,29 @@ typedef struct window {
     int n;           // its bins
 } window;
 
+// The sample of a slab of cnt elements: n_runs runs of `run` elements, the r-th from r·stride.
+// SAMPLE_PIECES runs spread evenly over the slab: rows differ (a LoRA product's rows scale with
+// B's), so one run from the start would not do.
+static void sample_runs(int64_t cnt, int64_t *n_runs, int64_t *run, int64_t *stride)
+{
+    int64_t ns = cnt < SAMPLE_ELEMS ? cnt : SAMPLE_ELEMS;
+    bool whole = ns == cnt || ns / SAMPLE_PIECES == 0;
+    *n_runs = whole ? 1 : SAMPLE_PIECES;
+    *run = whole ? ns : ns / SAMPLE_PIECES;
+    *stride = whole ? 0 : cnt / SAMPLE_PIECES;
+}
+
 static lm_status guess_window(engine *e, const part *p, int64_t cnt, int64_t numel, const lm_topk *t, window *w)
 {
-    // SAMPLE_PIECES runs spread evenly over the slab: rows differ (a LoRA product's rows scale
-    // with B's), so one run from the start would not do.
-    int64_t ns = cnt < SAMPLE_ELEMS ? cnt : SAMPLE_ELEMS, run = ns / SAMPLE_PIECES;
+    int64_t n_runs, run, stride;
+    sample_runs(cnt, &n_runs, &run, &stride);
     uint64_t *h = calloc(LM_HIST_BINS, sizeof *h);
     if (!h)
         return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
     lm_status s = LM_OK;
-    if (ns == cnt || run == 0)
-        s = lm_dev_hist_abs(e->ws->dev, h, rank_buf(p), ns, 0, 0, e->err);
-    else
-        for (int64_t r = 0; s == LM_OK && r < SAMPLE_PIECES; r++)
-            s = lm_dev_hist_abs(e->ws->dev, h, rank_buf(p) + r * (cnt / SAMPLE_PIECES), run, 0, 0, e->err);
-    ns = ns == cnt || run == 0 ? ns : run * SAMPLE_PIECES;
+    for (int64_t r = 0; s == LM_OK && r < n_runs; r++)
+        s = lm_dev_hist_abs(e->ws->dev, h, rank_buf(p) + r * stride, run, 0, 0, e->err);
+    int64_t ns = n_runs * run;
     lm_topk g;
     lm_topk_init(&g, (int64_t)((double)t->k * (double)ns / (double)numel + 0.5), ns);
     lm_topk_level0(&g, h);
@@ -625,6 +657,51 @@ static lm_status guess_window(engine *e, const part *p, int64_t cnt, int64_t num
     uint32_t centre = g.none ? 0 : g.hi_bin, below = (uint32_t)(w->n / 2 - 1);
     w->lo = centre > below ? centre - below : 0;
     return s;
+}
+
+// hist_tensor's level 2 for one slab (cnt elements from row r0) with the fused operation: on
+// the first slab τ is computed at the sample's elements only, for guess_window.
+static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
+                            const lm_topk *const *sel, int64_t r0, int64_t cnt, window *wins)
+{
+    int64_t first = r0 * (bt->numel / tensor_rows(bt));
+    const char *base = (const char *)bt->data + (size_t)first * esize(bt->dtype);
+    lm_status s = LM_OK;
+    if (r0 == 0) {
+        int64_t n_runs, run, stride;
+        sample_runs(cnt, &n_runs, &run, &stride);
+        for (int64_t r = 0; s == LM_OK && r < n_runs; r++) {
+            int64_t at = r * stride;
+            s = load_f32(e, e->ws->base_buf + at, base + (size_t)at * esize(bt->dtype), bt->dtype, run);
+            for (int i = 0; s == LM_OK && i < k; i++) {
+                const lm_st_tensor *t = parts[i].full;
+                if (!sel[i]->none)
+                    s = lm_dev_delta(e->ws->dev, parts[i].tau + at,
+                                     (const char *)t->data + (size_t)(first + at) * esize(t->dtype), t->dtype,
+                                     e->ws->base_buf + at, run, e->err);
+            }
+        }
+        for (int i = 0; s == LM_OK && i < k; i++)
+            if (!sel[i]->none)
+                s = guess_window(e, &parts[i], cnt, bt->numel, sel[i], &wins[i]);
+        if (s != LM_OK)
+            return s;
+    }
+    lm_dev_dense d[k];
+    uint64_t in_bytes = (uint64_t)cnt * esize(bt->dtype);
+    for (int i = 0; i < k; i++) {
+        const lm_st_tensor *t = parts[i].full;
+        d[i] = (lm_dev_dense){.src = (const char *)t->data + (size_t)first * esize(t->dtype), .dt = t->dtype};
+        if (!sel[i]->none) {
+            d[i].above = hists[i];
+            d[i].win = wins[i].win;
+            d[i].lo_bin = wins[i].lo;
+            d[i].n_win = wins[i].n;
+            in_bytes += (uint64_t)cnt * esize(t->dtype);
+        }
+    }
+    e->bytes_in += in_bytes;
+    return lm_dev_dense_hist(e->ws->dev, base, bt->dtype, d, k, cnt, e->err);
 }
 
 // Adds the level-`level` histograms of τ over every slab of tensor bt to hists[i], one
@@ -636,9 +713,17 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
 {
     int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
     int64_t slab_rows = slab_rows_of(e, e->ws->dev, bt, parts, k);
+    bool fuse = level == 2 && fused(e, e->ws->dev, bt, parts, k);
     for (int64_t r0 = 0; r0 < rows; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         lm_status s = LM_OK;
+        if (fuse) {
+            if ((s = hist_dense(e, bt, parts, k, hists, sel, r0, cnt, wins)) != LM_OK)
+                return s;
+            if (nr < rows)
+                release_slab(e, bt, parts, k, r0, nr);
+            continue;
+        }
         if (!have_tau && needs_base(parts, k))
             s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),
                          bt->dtype, cnt);
@@ -688,7 +773,9 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
     memset(wins, 0, sizeof wins);
     memset(above, 0, sizeof above);
     for (int i = 0; i < k; i++) {
-        lm_topk_init(&parts[i].topk, (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel), bt->numel);
+        // a part with a stored mask selects nothing (k = 0 makes every pass skip it)
+        lm_topk_init(&parts[i].topk, parts[i].mask ? 0 : (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel),
+                     bt->numel);
         hists[i] = &above[i];
         wins[i] = (window){block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS, 0,
                            parts[i].src == SRC_FULL ? DENSE_WINDOW : LM_HIST_WINDOW};
@@ -708,7 +795,9 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
             memset(hists[i], 0, LM_HIST_BINS * sizeof(uint64_t));
             sel[i] = &missed[i];
         }
-        s = hist_tensor(e, bt, parts, k, hists, sel, level, one_slab, NULL);
+        // τ is in the buffers after a pass over a single slab, unless that pass was fused
+        s = hist_tensor(e, bt, parts, k, hists, sel, level,
+                        one_slab && (level > 0 || !fused(e, e->ws->dev, bt, parts, k)), NULL);
         for (int i = 0; s == LM_OK && i < k; i++) {
             if (missed[i].none)
                 continue;
@@ -730,6 +819,15 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
 // the hash and the write's copy into the page cache read it (one large write from a buffer
 // that no longer fits in cache copies several times slower). From an accelerator the slab
 // comes home in one download (whose copies overlap) and is then hashed and written by pieces.
+// Hashes and writes nbytes of tensor idx's output at its byte offset.
+static lm_status put_piece(engine *e, int64_t idx, const void *piece, size_t nbytes, uint64_t offset,
+                           XXH64_state_t *hash)
+{
+    XXH64_update(hash, piece, nbytes);
+    e->bytes_out += nbytes;
+    return lm_st_writer_put_part(e->w, idx, offset, piece, nbytes, e->err);
+}
+
 static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
                             uint64_t offset, XXH64_state_t *hash)
 {
@@ -751,9 +849,7 @@ static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float
         const unsigned char *piece = host ? e->out_host : e->out_slab + (size_t)off * es;
         if (host && (s = lm_dev_from_f32(e->ws->dev, e->out_host, out_dt, out_f32 + off, n, e->err)) != LM_OK)
             break;
-        XXH64_update(hash, piece, nbytes);
-        e->bytes_out += nbytes;
-        s = lm_st_writer_put_part(e->w, idx, offset + (uint64_t)off * es, piece, nbytes, e->err);
+        s = put_piece(e, idx, piece, nbytes, offset + (uint64_t)off * es, hash);
     }
     return s;
 }
@@ -830,6 +926,109 @@ static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, co
     return s;
 }
 
+// What lm_dev_dense_merge is told of tensor bt's parts and their combination (each part's src or
+// tau, first and ties_allowed are set per piece by merge_pieces).
+static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const part *parts, int k,
+                                      lm_dev_dense *d)
+{
+    const lm_merge_opts *o = e->o;
+    bool linear = o->method == LM_MERGE_TASK_ARITHMETIC;
+    double div = 0;  // task arithmetic's normalization, as merge_linear's
+    for (int i = 0; i < k; i++)
+        div += o->weights[parts[i].ft];
+    if (!o->normalize || div == 0)
+        div = 1;
+    uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
+    for (int i = 0; i < k; i++) {
+        const part *p = &parts[i];
+        const lm_topk *t = o->topk_global && e->global ? &e->global[p->ft] : &p->topk;
+        d[i] = (lm_dev_dense){
+            .dt = p->src == SRC_FULL ? p->full->dtype : LM_DTYPE_F32,
+            .trim = uses_magnitude(o->method),
+            .thr_bits = t->thr_bits,
+            .drop = uses_random(o->method) && !p->dropped,
+            .key = lm_rng_key(o->seed, p->ft, name_hash),
+            .keep_below = lm_rng_threshold(o->densities[p->ft]),
+            .rescale = (float)p->rescale,
+            .weight = linear ? (float)(o->lambda * o->weights[p->ft] / div) : (float)o->weights[p->ft],
+        };
+    }
+    return (lm_dev_combine_how){!uses_election(o->method) ? LM_DEV_SIGN_NONE
+                                : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM,
+                                o->normalize, (float)o->lambda, linear};
+}
+
+// Merges elements [first0, first0 + cnt) of tensor idx with lm_dev_dense_merge, an OUT_PIECE of
+// output at a time: τ, trimmed or dropped, rescaled, combined with the base read where it is
+// mapped, converted, hashed and written in one pass. With from_buf each part's τ is in its
+// buffer (the slab from first0), else it is computed from the part's mapped input.
+static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
+                              int k, lm_dev_dense *d, lm_dev_combine_how how, int64_t first0, int64_t cnt,
+                              bool from_buf, int64_t *ties_left, XXH64_state_t *hash)
+{
+    const lm_merge_opts *o = e->o;
+    size_t es = esize(desc->dtype);
+    int64_t per_piece = (int64_t)(OUT_PIECE / es);
+    lm_status s = LM_OK;
+    for (int64_t off = 0; off < cnt && s == LM_OK; off += per_piece) {
+        int64_t n = cnt - off < per_piece ? cnt - off : per_piece, first = first0 + off;
+        e->bytes_in += (uint64_t)n * esize(bt->dtype);
+        for (int i = 0; i < k; i++) {
+            if (from_buf) {
+                d[i].tau = parts[i].tau + off;
+            } else {
+                d[i].src = (const char *)parts[i].full->data + (size_t)first * esize(d[i].dt);
+                e->bytes_in += (uint64_t)n * esize(d[i].dt);
+            }
+            d[i].first = first;
+            d[i].ties_allowed = ties_left[i];
+        }
+        s = lm_dev_dense_merge(e->ws->dev, e->out_host, desc->dtype,
+                               (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, d, k, n, how,
+                               e->err);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            ties_left[i] -= d[i].ties_used;
+            if (o->topk_global && e->global)
+                e->global[parts[i].ft].ties_allowed -= d[i].ties_used;
+        }
+        if (s == LM_OK)
+            s = put_piece(e, idx, e->out_host, (size_t)n * es, (uint64_t)first * es, hash);
+    }
+    return s;
+}
+
+// The merge pass of a tensor whose passes are fused (full models' parts only): τ is computed
+// from the mapped inputs as each piece is merged, slab by slab.
+static lm_status merge_dense(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
+                             int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash)
+{
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
+    lm_dev_dense d[k];
+    lm_dev_combine_how how = dense_parts(e, bt, parts, k, d);
+    lm_status s = LM_OK;
+    for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+        int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows;
+        if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
+            return lm_interrupted_err(e->err);
+        s = merge_pieces(e, idx, desc, bt, parts, k, d, how, r0 * cols, nr * cols, false, ties_left, hash);
+        if (rows > slab_rows)
+            release_slab(e, bt, parts, k, r0, nr);
+    }
+    return s;
+}
+
+// Whether the merge pass of a tensor whose τ are in buffers runs as lm_dev_dense_merge: on a
+// device that has it, unless a part is ranked by importance or by a stored mask, or records one.
+static bool pieces_from_buf(const engine *e, const lm_st_tensor *bt, const part *parts, int k)
+{
+    if (!lm_dev_has_dense(e->ws->dev) || !lm_dtype_readable(bt->dtype))
+        return false;
+    for (int i = 0; i < k; i++)
+        if (parts[i].key || parts[i].mask || parts[i].bits)
+            return false;
+    return true;
+}
+
 // Merges tensor idx from its k parts (their tau buffers those of e->ws) and writes it.
 static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, part *parts,
                               int k)
@@ -841,8 +1040,12 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     bool one_slab = slab_rows >= rows;
     lm_status s = LM_OK;
 
-    // select: exact top-k per part over the whole tensor.
-    if (uses_magnitude(o->method) && !o->topk_global && (s = select_tensor(e, bt, parts, k, one_slab)) != LM_OK)
+    // select: exact top-k per part over the whole tensor (none when every part has a stored mask).
+    int n_masked = 0;
+    for (int i = 0; i < k; i++)
+        n_masked += parts[i].mask != NULL;
+    bool select = uses_magnitude(o->method) && !o->topk_global && n_masked < k;
+    if (select && (s = select_tensor(e, bt, parts, k, one_slab)) != LM_OK)
         return s;
 
     // The ties budget each part may still spend in this tensor.
@@ -896,23 +1099,37 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     }
     // τ is still in the buffers after the passes above only when they ran over a single slab
     // and the last thing each did to it is what the merge needs next.
-    bool have_tau = one_slab && ((uses_magnitude(o->method) && !o->topk_global) ||
-                                 (random && o->rescale == LM_RESCALE_L1));
+    bool have_tau = one_slab && (select || (random && o->rescale == LM_RESCALE_L1));
     // The base slab is still in base_buf too when those passes loaded it (the l1 pass always
     // does; the histogram pass when some τ needed it).
     bool have_base = have_tau && (random || needs_base(parts, k));
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
     lm_dev_sign sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
                        : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM;
+    if (fused(e, e->ws->dev, bt, parts, k))
+        return merge_dense(e, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
     if (o->method == LM_MERGE_TASK_ARITHMETIC)
         return merge_linear(e, idx, desc, bt, parts, k, slab_rows, hash);
+    // With τ in the buffers, the rest of the pass in one operation where the device has it.
+    bool pieces = pieces_from_buf(e, bt, parts, k);
+    lm_dev_dense d[k];
+    lm_dev_combine_how how = dense_parts(e, bt, parts, k, d);
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
             return lm_interrupted_err(e->err);
-        if (!have_base)
+        if (!have_base && (!pieces || needs_base(parts, k)))
             s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype,
                          cnt);
+        for (int i = 0; s == LM_OK && pieces && !have_tau && i < k; i++)
+            s = tau_for(e, &parts[i], bt, r0, nr, e->ws->base_buf);
+        if (pieces) {
+            if (s == LM_OK)
+                s = merge_pieces(e, idx, desc, bt, parts, k, d, how, r0 * cols, cnt, true, ties_left, hash);
+            if (!one_slab)
+                release_slab(e, bt, parts, k, r0, nr);
+            continue;
+        }
         for (int i = 0; s == LM_OK && i < k; i++) {
             part *p = &parts[i];
             if (!have_tau && (s = tau_for(e, p, bt, r0, nr, e->ws->base_buf)) != LM_OK)
@@ -920,8 +1137,11 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
             if (uses_magnitude(o->method)) {
                 const lm_topk *t = o->topk_global ? &e->global[p->ft] : &p->topk;
                 int64_t used = 0;
-                s = p->key ? lm_dev_topk_apply_by(e->ws->dev, p->tau, p->key, cnt, t->thr_bits, ties_left[i], &used, e->err)
-                           : lm_dev_topk_apply(e->ws->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err);
+                s = p->mask  ? lm_dev_mask_apply(e->ws->dev, p->tau, p->mask, r0 * cols, cnt, e->err)
+                    : p->key ? lm_dev_topk_apply_by(e->ws->dev, p->tau, p->key, cnt, t->thr_bits, ties_left[i], &used, e->err)
+                             : lm_dev_topk_apply(e->ws->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err);
+                if (s == LM_OK && p->bits)  // recorded for the cache: what the trim kept
+                    s = lm_dev_mask_get(e->ws->dev, p->bits, r0 * cols, p->tau, cnt, e->err);
                 if (s != LM_OK)
                     break;
                 ties_left[i] -= used;
@@ -1174,9 +1394,22 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
             return s;
         return copy_tensor(e, idx, bt, desc->dtype, hash);
     }
+    // the masks the trim selects, recorded for o->mask_store (a redo on the CPU rewrites them)
+    s = LM_OK;
+    for (int i = 0; i < k && uses_magnitude(e->o->method) && e->o->mask_store; i++)
+        if (!parts[i].mask && !(parts[i].bits = malloc(lm_dev_mask_bytes(bt->numel)))) {
+            s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory for the mask of '%s'", bt->name);
+            break;
+        }
     merge_ctx c = {desc, hash};
-    bool on_device;
-    s = run_unit(e, "merge", idx, parts, k, merge_fn, merge_restart, &c, &on_device);
+    bool on_device = false;
+    if (s == LM_OK)
+        s = run_unit(e, "merge", idx, parts, k, merge_fn, merge_restart, &c, &on_device);
+    for (int i = 0; s == LM_OK && i < k; i++)
+        if (parts[i].bits)
+            s = e->o->mask_store(e->o->mask_ctx, parts[i].ft, bt->name, parts[i].bits, bt->numel, e->err);
+    for (int i = 0; i < k; i++)
+        free(parts[i].bits);
     if (s == LM_OK && on_device)
         e->res->tensors_on_device++;
     else if (s == LM_OK)
@@ -1237,18 +1470,31 @@ static lm_status select_global(engine *e, int64_t n_out)
         goto done;
     }
     e->ws = &e->cpu_ws;
+    // An FT whose every tensor has a stored mask (mask_load) needs no threshold: k = 0 makes
+    // the passes skip it, and when no FT needs one the passes are not run at all.
+    int64_t *unmasked = calloc((size_t)o->n_ft, sizeof(int64_t));
+    if (!unmasked) {
+        s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        goto done;
+    }
     for (int64_t t = 0; t < n_out; t++) {
         const lm_st_tensor *bt = e->base->tensors[t];
         if (!lm_dtype_readable(bt->dtype))
             continue;
         part parts[o->n_ft];
         int k = find_parts(e, bt->name, parts);
-        for (int i = 0; i < k; i++)
+        for (int i = 0; i < k; i++) {
             count[parts[i].ft] += bt->numel;
+            unmasked[parts[i].ft] += !parts[i].mask && bt->numel > 0;
+        }
     }
-    for (int i = 0; i < o->n_ft; i++)
-        lm_topk_init(&e->global[i], (int64_t)floor(o->densities[i] * (double)count[i]), count[i]);
-    for (c.level = 0; c.level < 2 && s == LM_OK; c.level++) {
+    bool any = false;
+    for (int i = 0; i < o->n_ft; i++) {
+        lm_topk_init(&e->global[i], unmasked[i] ? (int64_t)floor(o->densities[i] * (double)count[i]) : 0, count[i]);
+        any = any || !e->global[i].none;
+    }
+    free(unmasked);
+    for (c.level = 0; any && c.level < 2 && s == LM_OK; c.level++) {
         memset(c.block, 0, cells * sizeof(uint64_t));
         for (int64_t t = 0; t < n_out && s == LM_OK; t++) {
             const lm_st_tensor *bt = e->base->tensors[t];
@@ -1493,6 +1739,15 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
         need->part_mask |= 1ull << (parts[i].ft < 63 ? parts[i].ft : 63);
     size_t bytes = (size_t)cnt * sizeof(float);
     need->ws_bytes = (uint64_t)bytes * (uint64_t)(1 + k);
+    // The fused passes write the buffers only at the first slab's sample (hist_dense), and
+    // the whole slab only when the sample's window misses the threshold; --topk global's
+    // selection runs the separate operations.
+    need->touched_elems = cnt;
+    if (fused(&e, &dev, bt, parts, k) && !o->topk_global) {
+        int64_t n_runs, run, stride;
+        sample_runs(cnt, &n_runs, &run, &stride);
+        need->touched_elems = uses_magnitude(o->method) ? n_runs * run : 0;
+    }
     if (!host_memory)
         need->ws_bytes += stage_need(bt, parts, k, cnt) + bytes;
     for (int i = 0; i < k; i++)
@@ -1522,4 +1777,40 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
 bool lm_merge_plan_selects(const lm_merge_opts *o)
 {
     return o->topk_global && uses_magnitude(o->method);
+}
+
+lm_status lm_merge_plan_importance(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
+                                   bool host_memory, lm_merge_imp_need *need)
+{
+    memset(need, 0, sizeof *need);
+    const lm_st_tensor *bt = base->tensors[idx];
+    if (o->method != LM_MERGE_SPARSEGPT || !o->ucc2 || !lm_dtype_readable(bt->dtype) || bt->numel == 0)
+        return LM_OK;
+    // the slab is the unit's own (ws_alloc gives every buffer the same count)
+    lm_merge_need unit;
+    lm_status s = lm_merge_plan_tensor(o, base, fts, idx, host_memory, &unit);
+    if (s != LM_OK || unit.parts == 0)
+        return s;
+    float **no_bufs = calloc((size_t)(o->n_ft > 0 ? o->n_ft : 1), sizeof *no_bufs);
+    if (!no_bufs)
+        return LM_ERR_NOMEM;
+    engine e = {.o = o, .base = base, .fts = fts};
+    e.cpu_ws.tau_buf = no_bufs;
+    e.ws = &e.cpu_ws;
+    part parts[o->n_ft > 0 ? o->n_ft : 1];
+    int k = find_parts(&e, bt->name, parts);
+    free(no_bufs);
+    // ws_alloc: a slab for each part with a Hessian and, without host memory, its U_cc²
+    int64_t cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
+    need->slab_elems = unit.slab_elems;
+    for (int i = 0; i < k; i++) {
+        if (!parts[i].ucc2)
+            continue;
+        need->parts++;
+        need->part_mask |= 1ull << (parts[i].ft < 63 ? parts[i].ft : 63);
+        need->key_bytes += (uint64_t)unit.slab_elems * sizeof(float);
+        if (!host_memory)
+            need->ucc2_bytes += (uint64_t)cols * sizeof(double);
+    }
+    return LM_OK;
 }

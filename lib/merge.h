@@ -63,6 +63,19 @@ typedef struct lm_merge_opts {
     // kept by magnitude). The array must live until lm_merge_run returns.
     const double *(*ucc2)(void *ctx, int ft, const char *tensor, int64_t cols);
     void *ucc2_ctx;
+    // Stored top-k masks, for the methods with a top-k trim (ties, sparsegpt; the command keeps
+    // sparsegpt's under --cache-dir). A mask is a host bitmap of numel bits, bit j in byte j / 8
+    // at bit j % 8, set where entry j of τ is kept (lm_dev_mask_get). mask_load (may be NULL)
+    // answers FT ft's mask of base tensor `tensor`, or NULL to select it as usual; a part with
+    // a mask computes no importance and takes no part in the selection: τ keeps the entries its
+    // bits say, which gives the same output as the selection that recorded them. With
+    // --topk global it must answer for every tensor of an FT or for none (the threshold is the
+    // whole model's). The bitmap must live until lm_merge_run returns. mask_store (may be NULL)
+    // receives each mask the merge selected, once per (FT, tensor), after the tensor is
+    // written; `bits` is valid during the call only. A status other than LM_OK stops the merge.
+    const uint8_t *(*mask_load)(void *ctx, int ft, const char *tensor, int64_t numel);
+    lm_status (*mask_store)(void *ctx, int ft, const char *tensor, const uint8_t *bits, int64_t numel, lm_err *err);
+    void *mask_ctx;
 } lm_merge_opts;
 
 // ==== fine-tuned inputs =======================================================================
@@ -151,6 +164,8 @@ typedef struct lm_merge_need {
     int parts;              // FTs that change it; 0: the base's values are copied on the CPU
     uint64_t part_mask;     // bit i: FT i is a part (FTs past 63 share bit 63)
     int64_t slab_elems;     // elements of one slab where it runs (run_unit's slab_cnt)
+    int64_t touched_elems;  // elements of each buffer it writes: slab_elems, or on the CPU with
+                            // fused passes only the selection's sample (0 without one)
     bool one_slab;          // the whole tensor in one slab
     uint64_t ws_bytes;      // the unit's working set: base and one τ per part as float32 and,
                             // on a device without host memory, the staging and output buffers
@@ -181,5 +196,21 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
 // Whether the merge has the --topk global selection phase (a unit per tensor, sized as the
 // tensor's merge unit).
 bool lm_merge_plan_selects(const lm_merge_opts *o);
+
+// What sparsegpt's importance adds to a tensor's unit (lm_merge_plan_importance).
+typedef struct lm_merge_imp_need {
+    int parts;              // the parts with a Hessian (o->ucc2 answers for them)
+    uint64_t part_mask;     // bit i: FT i is one of them (FTs past 63 share bit 63)
+    int64_t slab_elems;     // elements of one slab where it runs
+    uint64_t key_bytes;     // an importance buffer (a slab of float32) for each of them
+    uint64_t ucc2_bytes;    // on a device without host memory: each one's U_cc² (cols doubles)
+} lm_merge_imp_need;
+
+// Fills *need for output tensor idx of a sparsegpt merge whose o->ucc2 says which (FT, tensor)
+// have a Hessian (the plan's answer need only be non-NULL where the run's would be; it is
+// never read), on a device with or without host memory, as ws_alloc allocates. All zero for
+// other methods. Reads no tensor data. LM_ERR_NOMEM only.
+lm_status lm_merge_plan_importance(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
+                                   bool host_memory, lm_merge_imp_need *need);
 
 #endif

@@ -285,6 +285,17 @@ lm_status lm_copy_file(const char *src, const char *dst, lm_err *err)
     return s;
 }
 
+lm_status lm_xxh64_mapped(void *state, int fd, uint64_t offset, size_t len, const char *path, lm_err *err)
+{
+    void *p = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, (off_t)offset);
+    if (p == MAP_FAILED)
+        return lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
+    madvise(p, len, MADV_SEQUENTIAL);
+    XXH64_update(state, p, len);
+    munmap(p, len);
+    return LM_OK;
+}
+
 lm_status lm_xxh64_file(const char *path, uint64_t *out, lm_err *err)
 {
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -305,14 +316,7 @@ lm_status lm_xxh64_file(const char *path, uint64_t *out, lm_err *err)
         lm_status s = LM_OK;
         for (off_t off = 0; s == LM_OK && off < sb.st_size; off += (off_t)window) {
             size_t len = (size_t)(sb.st_size - off) < window ? (size_t)(sb.st_size - off) : window;
-            void *p = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, off);
-            if (p == MAP_FAILED) {
-                s = lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
-                break;
-            }
-            madvise(p, len, MADV_SEQUENTIAL);
-            XXH64_update(st, p, len);
-            munmap(p, len);
+            s = lm_xxh64_mapped(st, fd, (uint64_t)off, len, path, err);
         }
         if (s == LM_OK)
             *out = XXH64_digest(st);

@@ -91,6 +91,11 @@ lm_status lm_copy_file(const char *src, const char *dst, lm_err *err);
 // xxHash64 (seed 0) of a whole file, read in streaming blocks.
 lm_status lm_xxh64_file(const char *path, uint64_t *out, lm_err *err);
 
+// Adds bytes [offset, offset + len) of the regular file open as fd to the XXH64_state_t at
+// `state`, read through a mapping that is let go afterwards (offset a multiple of the page
+// size); `path` names the file in errors.
+lm_status lm_xxh64_mapped(void *state, int fd, uint64_t offset, size_t len, const char *path, lm_err *err);
+
 // xxHash64 (seed 0) of a buffer.
 uint64_t lm_xxh64(const void *data, size_t len);
 

@@ -180,7 +180,7 @@ expect 2 "--json takes no value" eval "$fx/base" --data "$data" --json=1
 expect 2 "one MODEL only" eval "$fx/base" "$fx/qwen" --data "$data"
 expect 2 "is an adapter directory: give its base model as MODEL" eval "$fx/lora_plain" --data "$data"
 expect 2 "--adapter $fx/lora_bias does not fit MODEL $fx/base" eval "$fx/base" --adapter "$fx/lora_bias" --data "$data"
-expect 2 "DoRA" eval "$fx/base" --adapter "$fx/lora_dora" --data "$data"
+expect 0 "perplexity" eval "$fx/base" --adapter "$fx/lora_dora" --data "$data"
 expect 2 "missing_shard" eval "$fx/broken/missing_shard" --data "$data"
 expect 2 "$work/none.jsonl" eval "$fx/base" --data "$work/none.jsonl"
 

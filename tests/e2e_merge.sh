@@ -7,7 +7,12 @@
 # same seed gives byte-identical shards on 1 and 2 threads and another seed changes dare's
 # output; --log-json writes valid JSON Lines; every bad input is exit status 2 with a message
 # naming it and leaves no output; a run that fails while writing is exit status 1 and leaves
-# nothing behind.
+# nothing behind. sparsegpt's cache: a second run of a point reads each FT's masks back and
+# neither captures nor selects, another density reads the U_cc² back, a run without U_cc² and
+# masks computes them from the kept Hessians, another calibration file misses; every output is
+# byte-identical to the same merge without any cache (--topk tensor and global, the simulated
+# device with fallbacks); damaged and truncated entries are said and computed again;
+# LLMERGE_CACHE_HESSIANS=0 keeps no Hessians; a cache that cannot be written is a warning.
 # Usage: e2e_merge.sh LLMERGE FIXTURES JSONQ ST_HASH
 set -u
 llmerge=$1 fx=$2 jsonq=$3 st_hash=$4
@@ -348,25 +353,98 @@ json "$work/sgpt-base/llmerge.json" options.hessian_from base
 # fewer sequences: other Hessians, another output
 merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-few" --calib "$cj" --density 0.3 --calib-samples 2 --seq-len 5
 check '! cmp -s "$o/model.safetensors" "$work/sgpt-few/model.safetensors"' "--calib-samples/--seq-len changed nothing"
-# the cache: a second run of the same point reads the Hessians back, and gives the same bytes;
-# another calibration file misses; a damaged entry is said, removed and computed again
+# ---- sparsegpt's cache: Hessians, U_cc² and masks under --cache-dir --------------------------
+# The reference: the same merge with no cache at all (no --cache-dir, XDG_CACHE_HOME and HOME
+# unset, so nothing can be named: nothing read, nothing kept).
+sg() { "$llmerge" sparsegpt "$B" "$lp" "$ff" --calib "$cj" "$@"; }
+count() { grep -c -- "$1" "$work/out"; }
+entries() { ls "$cache" | grep -c "^$1-[0-9a-f]\{16\}\.bin$"; }
+if env -u XDG_CACHE_HOME HOME= "$llmerge" sparsegpt "$B" "$lp" "$ff" --calib "$cj" --density 0.3 -o "$work/sgpt-nc" \
+     >"$work/out" 2>&1; then ok; else bad "sparsegpt without a cache failed: $(head -c 600 "$work/out")"; fi
+check 'grep -q "no cache directory" "$work/out"' "no note that nothing is kept: $(head -c 400 "$work/out")"
 cache=$work/ucache
-merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c1" --calib "$cj" --density 0.3 --cache-dir "$cache"
-check '[ "$(grep -c "from the cache" "$work/out")" -eq 0 ] && [ "$(ls "$cache" | grep -c "^ucc2-.*\.bin$")" -eq 2 ]' \
-  "first cached run: $(ls "$cache" 2>&1) $(head -c 300 "$work/out")"
-entry=$(ls "$cache"/ucc2-*.bin | head -1)  # one of this point's entries
+# a first run captures both models and keeps their Hessians, U_cc² and each FT's masks
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c1" --calib "$cj" --density 0.3 --cache-dir "$cache" --log-json "$work/c1.log"
+check '[ "$(count "from the cache")" -eq 0 ] && [ "$(count "Hessians of .* tokens")" -eq 2 ]' "first cached run: $(head -c 400 "$work/out")"
+check '[ "$(entries hess)" -eq 2 ] && [ "$(entries ucc2)" -eq 2 ] && [ "$(entries mask)" -eq 2 ]' "first cached run kept: $(ls -a "$cache")"
+check '[ -z "$(ls -A "$cache" | grep tmp)" ]' "temporary files left in the cache: $(ls -A "$cache")"
+check '[ "$(grep -c "\"event\":\"cache\".*\"result\":\"stored\"" "$work/c1.log")" -eq 6 ]' "--log-json cache events: $(grep cache "$work/c1.log" | head -c 600)"
+same_shards "$work/sgpt-nc" "$work/sgpt-c1"
+# the same point again: both FTs' masks from the cache, no capture, no selection, the same bytes
 merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c2" --calib "$cj" --density 0.3 --cache-dir "$cache"
-check '[ "$(grep -c "from the cache" "$work/out")" -eq 2 ]' "second run did not use the cache: $(head -c 400 "$work/out")"
-same_shards "$o" "$work/sgpt-c2"
-head -n 4 "$cj" >"$work/short.jsonl"
-merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c3" --calib "$work/short.jsonl" --density 0.3 --cache-dir "$cache"
-check '[ "$(grep -c "from the cache" "$work/out")" -eq 0 ]' "another calibration file hit the cache: $(head -c 400 "$work/out")"
-printf "X" | dd of="$entry" bs=1 seek=1000 conv=notrunc 2>/dev/null
+check '[ "$(count "top-k masks of FT [12] .*: from the cache")" -eq 2 ] && [ "$(count "Hessians of .*: not needed")" -eq 2 ]' \
+  "second run did not use the masks: $(head -c 600 "$work/out")"
+check '[ "$(count "tokens")" -eq 0 ]' "second run captured: $(head -c 600 "$work/out")"
+same_shards "$work/sgpt-nc" "$work/sgpt-c2"
+# another density: the masks miss, the U_cc² hit (no capture), and the output is the one without a cache
+env -u XDG_CACHE_HOME HOME= "$llmerge" sparsegpt "$B" "$lp" "$ff" --calib "$cj" --density 0.6 -o "$work/sgpt-nc6" >/dev/null 2>&1
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c3" --calib "$cj" --density 0.6 --cache-dir "$cache"
+check '[ "$(count "masks of FT")" -eq 0 ] && [ "$(count "Hessians of .*: from the cache (.*/ucc2-")" -eq 2 ] && [ "$(count "tokens")" -eq 0 ]' \
+  "another density: $(head -c 600 "$work/out")"
+same_shards "$work/sgpt-nc6" "$work/sgpt-c3"
+check '[ "$(entries mask)" -eq 4 ]' "the new density's masks were not kept: $(ls "$cache")"
+# --topk global: its own masks, read back on the next run, the same bytes as without a cache
+env -u XDG_CACHE_HOME HOME= "$llmerge" sparsegpt "$B" "$lp" "$ff" --calib "$cj" --density 0.3 --topk global -o "$work/sgpt-ncg" \
+  >/dev/null 2>&1
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-g1" --calib "$cj" --density 0.3 --topk global --cache-dir "$cache"
+check '[ "$(count "masks of FT")" -eq 0 ]' "--topk global used --topk tensor's masks: $(head -c 600 "$work/out")"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-g2" --calib "$cj" --density 0.3 --topk global --cache-dir "$cache"
+check '[ "$(count "masks of FT .*: from the cache")" -eq 2 ]' "--topk global's masks were not read back: $(head -c 600 "$work/out")"
+same_shards "$work/sgpt-ncg" "$work/sgpt-g1"
+same_shards "$work/sgpt-ncg" "$work/sgpt-g2"
+# on the simulated device with fallbacks, the stored masks give the same bytes too
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-csim" --calib "$cj" --density 0.3 --cache-dir "$cache" --device sim:48KiB
+check '[ "$(count "masks of FT .*: from the cache")" -eq 2 ] && grep -q "fallback: merge" "$work/out"' "sim:48KiB with masks: $(head -c 600 "$work/out")"
+same_shards "$work/sgpt-nc" "$work/sgpt-csim"
+# without the U_cc² and masks (what a changed damping leaves): U_cc² from the kept Hessians
+rm -f "$cache"/ucc2-*.bin "$cache"/mask-*.bin
 merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c4" --calib "$cj" --density 0.3 --cache-dir "$cache"
-check 'grep -q "cache: .* checksum that does not match its contents: computing it again" "$work/out"' \
-  "a damaged entry was not reported: $(head -c 500 "$work/out")"
-check '[ "$(grep -c "from the cache" "$work/out")" -eq 1 ]' "damaged entry: $(head -c 400 "$work/out")"
-same_shards "$o" "$work/sgpt-c4"
+check '[ "$(count "Hessians of .*: from the cache (.*/hess-.*), their U_cc² computed")" -eq 2 ] && [ "$(count "tokens")" -eq 0 ]' \
+  "U_cc² from the kept Hessians: $(head -c 600 "$work/out")"
+check '[ "$(entries ucc2)" -eq 2 ] && [ "$(entries mask)" -eq 2 ]' "U_cc² and masks not kept again: $(ls "$cache")"
+same_shards "$work/sgpt-nc" "$work/sgpt-c4"
+# another calibration file misses everything
+head -n 4 "$cj" >"$work/short.jsonl"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-c5" --calib "$work/short.jsonl" --density 0.3 --cache-dir "$cache"
+check '[ "$(count "from the cache")" -eq 0 ] && [ "$(count "Hessians of .* tokens")" -eq 2 ]' "another calibration file hit the cache: $(head -c 400 "$work/out")"
+# damaged entries are said, removed and computed again; the output stays the same
+mask1=$(ls "$cache"/mask-*.bin | head -1)
+for m in "$cache"/mask-*.bin; do  # this point's masks: the ones of the first run's keys
+  grep -q "$(basename "$m")" "$work/c1.log" && mask1=$m && break
+done
+printf "X" | dd of="$mask1" bs=1 seek=60 conv=notrunc 2>/dev/null
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-d1" --calib "$cj" --density 0.3 --cache-dir "$cache"
+check 'grep -q "cache: .*$(basename "$mask1") has a record .*: computing it again" "$work/out"' "a damaged mask was not reported: $(head -c 600 "$work/out")"
+check '[ "$(count "masks of FT .*: from the cache")" -eq 1 ] && [ "$(count "Hessians of .*: from the cache (.*/ucc2-")" -eq 1 ]' \
+  "a damaged mask: $(head -c 600 "$work/out")"
+same_shards "$work/sgpt-nc" "$work/sgpt-d1"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-d2" --calib "$cj" --density 0.3 --cache-dir "$cache"
+check '[ "$(count "masks of FT .*: from the cache")" -eq 2 ]' "the damaged mask was not computed again and kept: $(head -c 600 "$work/out")"
+# a damaged U_cc² entry (masks gone): the Hessians serve instead
+rm -f "$cache"/mask-*.bin
+for u in "$cache"/ucc2-*.bin; do printf "X" | dd of="$u" bs=1 seek=100 conv=notrunc 2>/dev/null; done
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-d3" --calib "$cj" --density 0.3 --cache-dir "$cache"
+check '[ "$(count "cache: .*ucc2-.* checksum .*: computing it again")" -ge 2 ] && [ "$(count "their U_cc² computed")" -eq 2 ]' \
+  "damaged U_cc² entries: $(head -c 800 "$work/out")"
+same_shards "$work/sgpt-nc" "$work/sgpt-d3"
+# a truncated Hessian entry (U_cc² and masks gone): captured again
+rm -f "$cache"/mask-*.bin "$cache"/ucc2-*.bin
+for h in "$cache"/hess-*.bin; do truncate -s -100 "$h"; done
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-d4" --calib "$cj" --density 0.3 --cache-dir "$cache"
+check '[ "$(count "cache: .*hess-.*: computing it again")" -ge 2 ] && [ "$(count "Hessians of .* tokens")" -eq 2 ]' \
+  "truncated Hessian entries: $(head -c 800 "$work/out")"
+same_shards "$work/sgpt-nc" "$work/sgpt-d4"
+# LLMERGE_CACHE_HESSIANS=0: U_cc² and masks are kept, the Hessians are not
+cache=$work/ucache-small
+if LLMERGE_CACHE_HESSIANS=0 "$llmerge" sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-s1" --calib "$cj" --density 0.3 \
+     --cache-dir "$cache" >"$work/out" 2>&1; then ok; else bad "LLMERGE_CACHE_HESSIANS=0: $(head -c 400 "$work/out")"; fi
+check '[ "$(entries hess)" -eq 0 ] && [ "$(entries ucc2)" -eq 2 ] && [ "$(entries mask)" -eq 2 ]' "LLMERGE_CACHE_HESSIANS=0 kept: $(ls "$cache")"
+same_shards "$work/sgpt-nc" "$work/sgpt-s1"
+# a cache directory that cannot be written: said, and the merge goes on
+: >"$work/not-a-dir"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-ro" --calib "$cj" --density 0.3 --cache-dir "$work/not-a-dir/cache"
+check 'grep -q "warning: .* not kept in the cache" "$work/out"' "an unwritable cache was not said: $(head -c 600 "$work/out")"
+same_shards "$work/sgpt-nc" "$work/sgpt-ro"
 
 x=$work/sgpt-bad
 expect 2 "needs calibration data" sparsegpt "$B" "$lp" -o "$x"

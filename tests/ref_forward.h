@@ -71,7 +71,30 @@ static double *st_d(const lm_st_tensor *t)
     return d;
 }
 
-// y (T, out) = x (T, in) · Wᵀ + b + s·((x Aᵀ) Bᵀ + lora_B.bias) for the module `path`.
+// The DoRA weight of METHODS.md merged explicitly, in place over W (out, in):
+// W ← m ⊙ (W + s·B@A) / ‖W + s·B@A‖, the norm per output row.
+static void ref_dora_merge(const lm_lora_module *mod, double *W, int64_t out, int64_t in)
+{
+    double *A = st_d(mod->a), *B = st_d(mod->b), *m = st_d(mod->magnitude);
+    for (int64_t o = 0; o < out; o++) {
+        double ss = 0;
+        for (int64_t i = 0; i < in; i++) {
+            double d = 0;
+            for (int64_t j = 0; j < mod->r; j++)
+                d += B[o * mod->r + j] * A[j * in + i];
+            W[o * in + i] += mod->scale * d;
+            ss += W[o * in + i] * W[o * in + i];
+        }
+        for (int64_t i = 0; i < in; i++)
+            W[o * in + i] *= ss > 0 ? m[o] / sqrt(ss) : 0.0;
+    }
+    free(A);
+    free(B);
+    free(m);
+}
+
+// y (T, out) = x (T, in) · Wᵀ + b + s·((x Aᵀ) Bᵀ + lora_B.bias) for the module `path`; with
+// DoRA, x · W'ᵀ + b + s·lora_B.bias for W' the merged DoRA weight.
 static void ref_linear(const ref_ctx *c, const char *path, const double *x, int64_t T, int64_t in, int64_t out,
                        double *y)
 {
@@ -90,6 +113,10 @@ static void ref_linear(const ref_ctx *c, const char *path, const double *x, int6
         snprintf(name, sizeof name, "%s.bias", path);
         if (q->bias_name && strcmp(q->bias_name, name) == 0)
             bmod = q;
+    }
+    if (mod && mod->magnitude) {
+        ref_dora_merge(mod, W, out, in);
+        mod = NULL;  // W holds the whole adapted weight now
     }
     for (int64_t t = 0; t < T; t++)
         for (int64_t o = 0; o < out; o++) {
@@ -214,13 +241,37 @@ static void ref_forward(const ref_ctx *c, const int32_t *ids, int64_t T, ref_out
     double *u = calloc((size_t)(T * I), sizeof *u), inv_freq[512];
     ref_inv_freq(cfg, c->no_rope_scaling, inv_freq);
 
-    // embeddings (+ s · B A[:, id] for an embedding LoRA)
-    double *E = tensor_d(c, "model.embed_tokens.weight", NULL);
-    for (int64_t t = 0; t < T; t++)
-        memcpy(h + t * H, E + ids[t] * H, (size_t)H * sizeof *h);
+    // embeddings (+ s · B A[:, id] for an embedding LoRA; with DoRA the table merged explicitly,
+    // E' = m ⊙ (E + s·(B A)ᵀ) / ‖E + s·(B A)ᵀ‖ with the norm per hidden feature, over the
+    // vocabulary, as PEFT's DoraEmbeddingLayer takes it)
+    double *E = tensor_d(c, "model.embed_tokens.weight", NULL), *Ein = E;
     for (int64_t i = 0; c->a && i < c->a->n_modules; i++) {
         const lm_lora_module *mod = &c->a->modules[i];
-        if (mod->kind != LM_LORA_EMBEDDING)
+        if (mod->kind != LM_LORA_EMBEDDING || !mod->magnitude)
+            continue;
+        double *A = st_d(mod->a), *B = st_d(mod->b), *m = st_d(mod->magnitude);  // A (r, V), B (H, r)
+        Ein = dup_d(E, V * H);
+        for (int64_t e = 0; e < H; e++) {
+            double ss = 0;
+            for (int64_t t = 0; t < V; t++) {
+                double d = 0;
+                for (int64_t j = 0; j < mod->r; j++)
+                    d += B[e * mod->r + j] * A[j * V + t];
+                Ein[t * H + e] += mod->scale * d;
+                ss += Ein[t * H + e] * Ein[t * H + e];
+            }
+            for (int64_t t = 0; t < V; t++)
+                Ein[t * H + e] *= ss > 0 ? m[e] / sqrt(ss) : 0.0;
+        }
+        free(A);
+        free(B);
+        free(m);
+    }
+    for (int64_t t = 0; t < T; t++)
+        memcpy(h + t * H, Ein + ids[t] * H, (size_t)H * sizeof *h);
+    for (int64_t i = 0; c->a && i < c->a->n_modules; i++) {
+        const lm_lora_module *mod = &c->a->modules[i];
+        if (mod->kind != LM_LORA_EMBEDDING || mod->magnitude)
             continue;
         double *A = st_d(mod->a), *B = st_d(mod->b);  // A (r, V), B (H, r)
         for (int64_t t = 0; t < T; t++)
@@ -311,6 +362,8 @@ static void ref_forward(const ref_ctx *c, const int32_t *ids, int64_t T, ref_out
                 o->logits[t * V + r] = s;
             }
     }
+    if (Ein != E)
+        free(Ein);
     free(E);
     free(h);
     free(xn);

@@ -1,16 +1,20 @@
 // Tests of the device interface. On the CPU backend: every operation against a naive loop
 // written here (in double where it sums), on sizes that span several work blocks, and each
 // result bit-identical between 1 and 3 threads; a huge allocation fails with a status, not an
-// abort. Then test_against_cpu, which runs every operation of a device through the public API
-// (alloc, upload, operation, download) and compares it with the CPU backend: on sim:1GiB
-// always, and on the device named by LLMERGE_TEST_DEVICE when it is set (cuda on a GPU
-// machine). Last, what is particular to the sim device: its budget, its name, its fault
-// switch, and its refusal of memory that is not its own.
+// abort. Then test_against_cpu, which runs every operation of a device, the forward pass's
+// included, through the public API (alloc, upload, operation, download) and compares it with
+// the CPU backend: on sim:1GiB always, and on the device named by LLMERGE_TEST_DEVICE when it
+// is set (cuda on a GPU machine). Last, what is particular to the sim device: its budget, its
+// name, its fault switch, and its refusal of memory that is not its own.
 #include "check.h"
 #include "device.h"
 #include "sparsify.h"
+#ifdef LLMERGE_HAVE_CUDA
+#include "kernels.h"  // LM_CUDA_ATTN_MAX_HEAD_DIM
+#endif
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -145,6 +149,112 @@ static void test_gemm(lm_dev *d)
     }
 }
 
+// GEMMs large enough to be split into several tiles of C both ways, with ragged edges: every
+// element against a double reference, and the same bits on 1 and 3 threads (the split is the
+// shape's, never the thread count's).
+static void test_gemm_tiles(lm_dev *d1, lm_dev *d3)
+{
+    lm_err err = {0};
+    const int64_t shapes[][3] = {{1100, 2100, 9}, {130, 5000, 3}, {700, 300, 20}};
+    for (int t = 0; t < 3; t++) {
+        int64_t m = shapes[t][0], n = shapes[t][1], k = shapes[t][2];
+        float *a = malloc((size_t)(m * k) * 4), *b = malloc((size_t)(n * k) * 4);
+        float *c1 = malloc((size_t)(m * n) * 4), *c3 = malloc((size_t)(m * n) * 4);
+        fill(a, m * k);
+        fill(b, n * k);
+        for (int64_t i = 0; i < m * n; i++)
+            c1[i] = c3[i] = NAN;  // beta 0: whatever C held must not show
+        // C = A Bᵀ: the forward pass's shape, B stored [n, k]
+        CHECK_OK(lm_dev_gemm(d1, false, true, m, n, k, 1.0f, a, k, b, k, 0.0f, c1, n, &err), &err);
+        CHECK_OK(lm_dev_gemm(d3, false, true, m, n, k, 1.0f, a, k, b, k, 0.0f, c3, n, &err), &err);
+        double maxerr = 0;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) {
+                double s = 0;
+                for (int64_t l = 0; l < k; l++)
+                    s += (double)a[i * k + l] * b[j * k + l];
+                double e = fabs(s - c3[i * n + j]);
+                maxerr = e > maxerr || isnan(e) ? e : maxerr;
+            }
+        CHECK_MSG(maxerr < 1e-5, "gemm %lld x %lld x %lld: max error %g", (long long)m, (long long)n, (long long)k,
+                  maxerr);
+        CHECK_MSG(same_bits(c1, c3, m * n), "gemm %lld x %lld x %lld: 1 and 3 threads differ", (long long)m,
+                  (long long)n, (long long)k);
+        free(a);
+        free(b);
+        free(c1);
+        free(c3);
+    }
+}
+
+// syrk against a double reference: C[n,n] = alpha·AᵀA + beta·C on the upper triangle, the lower
+// one left alone (or mirrored), over sizes that make one tile, several with a ragged edge
+// (n 1000: tiles of 256), and none (k 0); beta 0 over NaN; 1 and 3 threads bit for bit; and a
+// device without the operation says so.
+static void test_syrk(lm_dev *d1, lm_dev *d3)
+{
+    lm_err err = {0};
+    const struct { int64_t n, k; float alpha, beta; } cases[] = {
+        {1000, 37, 1.0f, 1.0f}, {1000, 5, 0.5f, 0.0f}, {3, 5, 2.0f, -1.0f}, {1, 1, 1.0f, 1.0f}, {600, 0, 0.0f, 0.5f},
+        {70, 300, 1.0f, 1.0f},
+    };
+    for (size_t t = 0; t < sizeof cases / sizeof cases[0]; t++) {
+        int64_t n = cases[t].n, k = cases[t].k, lda = n + 3, ldc = n + 1;
+        float alpha = cases[t].alpha, beta = cases[t].beta;
+        float *a = malloc((size_t)(k * lda + 1) * 4), *c0 = malloc((size_t)(n * ldc) * 4);
+        float *c1 = malloc((size_t)(n * ldc) * 4), *c3 = malloc((size_t)(n * ldc) * 4);
+        fill(a, k * lda);
+        fill(c0, n * ldc);
+        if (beta == 0.0f)
+            for (int64_t i = 0; i < n * ldc; i++)
+                c0[i] = NAN;
+        for (int mirror = 0; mirror < 2; mirror++) {
+            memcpy(c1, c0, (size_t)(n * ldc) * 4);
+            memcpy(c3, c0, (size_t)(n * ldc) * 4);
+            CHECK_OK(lm_dev_syrk(d1, n, k, alpha, a, lda, beta, mirror, c1, ldc, &err), &err);
+            CHECK_OK(lm_dev_syrk(d3, n, k, alpha, a, lda, beta, mirror, c3, ldc, &err), &err);
+            CHECK_MSG(same_bits(c1, c3, n * ldc), "syrk n %lld k %lld: 1 and 3 threads differ", (long long)n,
+                      (long long)k);
+            double maxerr = 0;
+            int64_t wrong_lower = 0, pad = 0;
+            for (int64_t r = 0; r < n; r++) {
+                for (int64_t c = r; c < n; c++) {
+                    double s = 0;
+                    for (int64_t l = 0; l < k; l++)
+                        s += (double)a[l * lda + r] * a[l * lda + c];
+                    double want = alpha * s + (beta == 0.0f ? 0.0 : beta * (double)c0[r * ldc + c]);
+                    double e = fabs(want - c3[r * ldc + c]) / fmax(1.0, fabs(want));
+                    maxerr = e > maxerr || isnan(e) ? e : maxerr;
+                }
+                for (int64_t c = 0; c < r; c++) {
+                    float want = mirror ? c3[c * ldc + r] : c0[r * ldc + c];
+                    wrong_lower += !same_bits(&c3[r * ldc + c], &want, 1);
+                }
+                pad += !same_bits(&c3[r * ldc + n], &c0[r * ldc + n], 1);
+            }
+            CHECK_MSG(maxerr < 1e-5, "syrk n %lld k %lld beta %g: max error %g", (long long)n, (long long)k, beta,
+                      maxerr);
+            CHECK_MSG(wrong_lower == 0, "syrk n %lld k %lld mirror %d: %lld wrong below the diagonal", (long long)n,
+                      (long long)k, mirror, (long long)wrong_lower);
+            CHECK_MSG(pad == 0, "syrk n %lld: wrote into the padding of %lld rows", (long long)n, (long long)pad);
+        }
+        free(a);
+        free(c0);
+        free(c1);
+        free(c3);
+    }
+    CHECK(lm_dev_has_syrk(d1));
+    float x[4] = {1, 2, 3, 4}, y[4];
+    CHECK_FAILS(lm_dev_syrk(d1, 2, 2, 1.0f, x, 1, 0.0f, false, y, 2, &err), LM_ERR_USAGE, "lda 1", &err);
+    lm_dev_i lacking = *d1->iface;
+    lacking.syrk = NULL;
+    lm_dev fake = *d1;
+    fake.iface = &lacking;
+    CHECK(!lm_dev_has_syrk(&fake));
+    CHECK_FAILS(lm_dev_syrk(&fake, 2, 2, 1.0f, x, 2, 0.0f, false, y, 2, &err), LM_ERR_UNSUPPORTED,
+                "cpu: the operation syrk is not implemented", &err);
+}
+
 static void test_dora(lm_dev *d)
 {
     lm_err err = {0};
@@ -231,8 +341,10 @@ static void *hmalloc(size_t bytes)
 }
 
 // The operations compared within a tolerance, whose exact matches are counted and reported.
-enum { ST_GEMM, ST_AXPBY, ST_DORA, ST_COMBINE, ST_COUNT };
-static const char *const st_names[ST_COUNT] = {"gemm", "axpby", "dora_rows", "combine"};
+enum { ST_GEMM, ST_AXPBY, ST_DORA, ST_COMBINE, ST_GATHER, ST_ADD_ROWS, ST_RMSNORM, ST_ROPE, ST_ATTENTION, ST_SILU,
+       ST_NLL, ST_COUNT };
+static const char *const st_names[ST_COUNT] = {"gemm", "axpby", "dora_rows", "combine", "gather_rows", "add_rows",
+                                               "rmsnorm", "rope", "attention", "silu_mul", "nll_rows"};
 
 typedef struct harness {
     lm_dev *dev;     // the device under test
@@ -430,6 +542,35 @@ static void h_gemm(harness *h, int64_t m, int64_t n, int64_t k, float alpha, flo
             free(got);
         }
     }
+}
+
+// syrk on the device against the CPU's, padded strides, mirrored and not (counted as GEMM); a
+// device without it is skipped (callers use GEMM there).
+static void h_syrk(harness *h, int64_t n, int64_t k, float alpha, float beta)
+{
+    if (!lm_dev_has_syrk(h->dev))
+        return;
+    char what[96];
+    int64_t lda = n + 3, ldc = n + 2;
+    size_t na = (size_t)(k * lda), nc = (size_t)(n * ldc);
+    float *a = hmalloc(na * 4), *c0 = hmalloc(nc * 4), *want = hmalloc(nc * 4), *got = hmalloc(nc * 4);
+    fill(a, (int64_t)na);
+    fill(c0, (int64_t)nc);
+    for (int mirror = 0; mirror < 2; mirror++) {
+        snprintf(what, sizeof what, "syrk n=%lld k=%lld beta=%g mirror=%d", (long long)n, (long long)k, beta, mirror);
+        memcpy(want, c0, nc * 4);
+        CHECK_OK(lm_dev_syrk(h->cpu, n, k, alpha, a, lda, beta, mirror, want, ldc, &h->err), &h->err);
+        float *da = put(h, a, na * 4), *dc = put(h, c0, nc * 4);
+        if (da && dc && DEV_OK(h, lm_dev_syrk(h->dev, n, k, alpha, da, lda, beta, mirror, dc, ldc, &h->err)) &&
+            get(h, got, dc, nc * 4))
+            check_close(h, ST_GEMM, what, got, want, (int64_t)nc, 1e-5);
+        lm_dev_release(h->dev, da);
+        lm_dev_release(h->dev, dc);
+    }
+    free(a);
+    free(c0);
+    free(want);
+    free(got);
 }
 
 // delta from every readable dtype: bit-identical to to_f32 then axpby(1, base, -1) on the CPU,
@@ -772,6 +913,273 @@ static void h_combine(harness *h, int64_t n)
     free(got);
 }
 
+// ==== the forward-pass operations against the CPU =============================================
+
+// gather_rows (a copy: the bits of the table on every device, zeros for ids outside it) and
+// add_rows (one IEEE addition per element: the same bits on every device).
+static void h_gather_add(harness *h, int64_t rows, int64_t cols)
+{
+    char what[64];
+    int64_t table_rows = rows + 3, n = rows * cols;
+    float *table = hmalloc((size_t)(table_rows * cols) * 4), *want = hmalloc((size_t)n * 4),
+          *got = hmalloc((size_t)n * 4), *b = hmalloc((size_t)cols * 4);
+    int32_t *ids = hmalloc((size_t)rows * 4);
+    fill_special(table, table_rows * cols);
+    fill(b, cols);
+    for (int64_t r = 0; r < rows; r++)  // a few ids outside the table, both sides
+        ids[r] = (int32_t)(lm_mix64(state++) % (uint64_t)(table_rows + 4)) - 2;
+    if (rows > 1)
+        ids[rows - 1] = (int32_t)table_rows;
+    float *dt = put(h, table, (size_t)(table_rows * cols) * 4), *dout = put(h, NULL, (size_t)n * 4),
+          *db = put(h, b, (size_t)cols * 4);
+    int32_t *dids = put(h, ids, (size_t)rows * 4);
+    CHECK_OK(lm_dev_gather_rows(h->cpu, want, table, table_rows, cols, ids, rows, &h->err), &h->err);
+    snprintf(what, sizeof what, "gather_rows %lld x %lld", (long long)rows, (long long)cols);
+    if (dt && dout && dids && DEV_OK(h, lm_dev_gather_rows(h->dev, dout, dt, table_rows, cols, dids, rows, &h->err)) &&
+        get(h, got, dout, (size_t)n * 4)) {
+        check_close(h, ST_GATHER, what, got, want, n, 0.0);
+        CHECK_MSG(same_bits(got, want, n), "%s on %s is not the table's bits", what, lm_dev_name(h->dev));
+    }
+    // the bias on the gathered rows, specials included (NaN + b, inf + b)
+    CHECK_OK(lm_dev_add_rows(h->cpu, want, b, rows, cols, &h->err), &h->err);
+    snprintf(what, sizeof what, "add_rows %lld x %lld", (long long)rows, (long long)cols);
+    if (dt && dout && db && DEV_OK(h, lm_dev_add_rows(h->dev, dout, db, rows, cols, &h->err)) &&
+        get(h, got, dout, (size_t)n * 4)) {
+        check_close(h, ST_ADD_ROWS, what, got, want, n, 0.0);
+        int64_t differ = 0;
+        for (int64_t i = 0; i < n; i++)
+            differ += !(lm_f32_bits(got[i]) == lm_f32_bits(want[i]) || (isnan(got[i]) && isnan(want[i])));
+        CHECK_MSG(differ == 0, "%s on %s: %lld sums differ from the CPU's", what, lm_dev_name(h->dev),
+                  (long long)differ);
+    }
+    lm_dev_release(h->dev, dt);
+    lm_dev_release(h->dev, dout);
+    lm_dev_release(h->dev, db);
+    lm_dev_release(h->dev, dids);
+    free(table);
+    free(want);
+    free(got);
+    free(b);
+    free(ids);
+}
+
+// RMSNorm into another buffer and in place, on rows of very different scales (one all zeros,
+// where only eps keeps the gain finite).
+static void h_rmsnorm(harness *h, int64_t rows, int64_t cols)
+{
+    char what[64];
+    int64_t n = rows * cols;
+    float *x = hmalloc((size_t)n * 4), *w = hmalloc((size_t)cols * 4), *want = hmalloc((size_t)n * 4),
+          *got = hmalloc((size_t)n * 4);
+    fill(x, n);
+    fill(w, cols);
+    static const float scales[] = {1.0f, 1e3f, 1e-20f, 0.0f, 37.5f};
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < cols; c++)
+            x[r * cols + c] *= scales[r % 5];
+    float *dx = put(h, x, (size_t)n * 4), *dw = put(h, w, (size_t)cols * 4), *dout = put(h, NULL, (size_t)n * 4);
+    CHECK_OK(lm_dev_rmsnorm(h->cpu, want, x, w, rows, cols, 1e-5f, &h->err), &h->err);
+    snprintf(what, sizeof what, "rmsnorm %lld x %lld", (long long)rows, (long long)cols);
+    if (dx && dw && dout && DEV_OK(h, lm_dev_rmsnorm(h->dev, dout, dx, dw, rows, cols, 1e-5f, &h->err)) &&
+        get(h, got, dout, (size_t)n * 4))
+        check_close(h, ST_RMSNORM, what, got, want, n, 1e-5);
+    snprintf(what, sizeof what, "rmsnorm in place %lld x %lld", (long long)rows, (long long)cols);
+    if (dx && dw && DEV_OK(h, lm_dev_rmsnorm(h->dev, dx, dx, dw, rows, cols, 1e-5f, &h->err)) &&
+        get(h, got, dx, (size_t)n * 4))
+        check_close(h, ST_RMSNORM, what, got, want, n, 1e-5);
+    lm_dev_release(h->dev, dx);
+    lm_dev_release(h->dev, dw);
+    lm_dev_release(h->dev, dout);
+    free(x);
+    free(w);
+    free(want);
+    free(got);
+}
+
+// Rotary embedding of rows × heads heads at positions far apart (large angles), with the
+// frequencies of theta 10000.
+static void h_rope(harness *h, int64_t rows, int64_t heads, int64_t head_dim)
+{
+    char what[80];
+    int64_t n = rows * heads * head_dim, half = head_dim / 2;
+    float *x = hmalloc((size_t)n * 4), *got = hmalloc((size_t)n * 4), *inv = hmalloc((size_t)(half ? half : 1) * 4);
+    int32_t *pos = hmalloc((size_t)rows * 4);
+    fill(x, n);
+    for (int64_t i = 0; i < half; i++)
+        inv[i] = (float)pow(10000.0, -2.0 * (double)i / (double)head_dim);
+    for (int64_t r = 0; r < rows; r++)
+        pos[r] = r % 3 == 0 ? (int32_t)r : (int32_t)(lm_mix64(state++) % 40000);
+    float *dx = put(h, x, (size_t)n * 4), *dinv = put(h, inv, (size_t)(half ? half : 1) * 4);
+    int32_t *dpos = put(h, pos, (size_t)rows * 4);
+    CHECK_OK(lm_dev_rope(h->cpu, x, rows, heads, head_dim, pos, inv, &h->err), &h->err);
+    snprintf(what, sizeof what, "rope %lld rows, %lld heads of %lld", (long long)rows, (long long)heads,
+             (long long)head_dim);
+    if (dx && dinv && dpos && DEV_OK(h, lm_dev_rope(h->dev, dx, rows, heads, head_dim, dpos, dinv, &h->err)) &&
+        get(h, got, dx, (size_t)n * 4))
+        check_close(h, ST_ROPE, what, got, x, n, 1e-5);
+    lm_dev_release(h->dev, dx);
+    lm_dev_release(h->dev, dinv);
+    lm_dev_release(h->dev, dpos);
+    free(x);
+    free(got);
+    free(inv);
+    free(pos);
+}
+
+// Causal attention over sequences of the given lengths packed back to back, with `heads` query
+// heads reading kv_heads (GQA) and, when window > 0, a sliding window (start = the later of the
+// sequence's first row and r − window + 1, as forward.c stages it). Two starts are broken on
+// purpose, one below 0 and one beyond its row, which both clamp.
+static void h_attention(harness *h, const int64_t *lens, int n_seqs, int64_t heads, int64_t kv_heads,
+                        int64_t head_dim, int64_t window)
+{
+    char what[96];
+    int64_t rows = 0;
+    for (int i = 0; i < n_seqs; i++)
+        rows += lens[i];
+    int64_t nq = rows * heads * head_dim, nkv = rows * kv_heads * head_dim;
+    float *q = hmalloc((size_t)nq * 4), *k = hmalloc((size_t)nkv * 4), *v = hmalloc((size_t)nkv * 4),
+          *want = hmalloc((size_t)nq * 4), *got = hmalloc((size_t)nq * 4);
+    int32_t *start = hmalloc((size_t)rows * 4);
+    fill(q, nq);
+    fill(k, nkv);
+    fill(v, nkv);
+    for (int64_t i = 0; i < nq; i++)
+        q[i] *= 4.0f;  // peaked softmaxes, so the running maximum changes often
+    for (int i = 0, row = 0; i < n_seqs; i++)
+        for (int64_t p = 0; p < lens[i]; p++, row++)
+            start[row] = (int32_t)(window > 0 && p >= window ? row - window + 1 : row - p);
+    if (rows > 3) {
+        start[rows - 1] = -3;
+        start[2] = (int32_t)rows + 5;
+    }
+    float scale = (float)(1.0 / sqrt((double)head_dim));
+    float *dq = put(h, q, (size_t)nq * 4), *dk = put(h, k, (size_t)nkv * 4), *dv = put(h, v, (size_t)nkv * 4),
+          *dout = put(h, NULL, (size_t)nq * 4);
+    int32_t *dstart = put(h, start, (size_t)rows * 4);
+    CHECK_OK(lm_dev_attention(h->cpu, want, q, k, v, start, rows, heads, kv_heads, head_dim, scale, &h->err), &h->err);
+    snprintf(what, sizeof what, "attention %lld rows in %d sequences, %lld/%lld heads of %lld, window %lld",
+             (long long)rows, n_seqs, (long long)heads, (long long)kv_heads, (long long)head_dim, (long long)window);
+    if (dq && dk && dv && dout && dstart &&
+        DEV_OK(h, lm_dev_attention(h->dev, dout, dq, dk, dv, dstart, rows, heads, kv_heads, head_dim, scale,
+                                   &h->err)) &&
+        get(h, got, dout, (size_t)nq * 4))
+        check_close(h, ST_ATTENTION, what, got, want, nq, 1e-5);
+    lm_dev_release(h->dev, dq);
+    lm_dev_release(h->dev, dk);
+    lm_dev_release(h->dev, dv);
+    lm_dev_release(h->dev, dout);
+    lm_dev_release(h->dev, dstart);
+    free(q);
+    free(k);
+    free(v);
+    free(want);
+    free(got);
+    free(start);
+}
+
+// SiLU-gated products over gates from −40 to 40, where e^−x under- and overflows.
+static void h_silu(harness *h, int64_t n)
+{
+    char what[64];
+    float *g = hmalloc((size_t)n * 4), *u = hmalloc((size_t)n * 4), *got = hmalloc((size_t)n * 4);
+    fill(g, n);
+    fill(u, n);
+    for (int64_t i = 0; i < n; i++)
+        g[i] *= 40.0f;
+    float *dg = put(h, g, (size_t)n * 4), *du = put(h, u, (size_t)n * 4);
+    CHECK_OK(lm_dev_silu_mul(h->cpu, g, u, n, &h->err), &h->err);
+    snprintf(what, sizeof what, "silu_mul n=%lld", (long long)n);
+    if (dg && du && DEV_OK(h, lm_dev_silu_mul(h->dev, dg, du, n, &h->err)) && get(h, got, dg, (size_t)n * 4))
+        check_close(h, ST_SILU, what, got, g, n, 1e-5);
+    lm_dev_release(h->dev, dg);
+    lm_dev_release(h->dev, du);
+    free(g);
+    free(u);
+    free(got);
+}
+
+// Negative log-likelihoods of rows × cols logits, with targets outside [0, cols) (nll 0), the
+// row maximum as the target, and a row of huge logits.
+static void h_nll(harness *h, int64_t rows, int64_t cols)
+{
+    char what[64];
+    int64_t n = rows * cols;
+    float *x = hmalloc((size_t)n * 4), *want = hmalloc((size_t)rows * 4), *got = hmalloc((size_t)rows * 4);
+    int32_t *tg = hmalloc((size_t)rows * 4);
+    fill(x, n);
+    for (int64_t i = 0; i < n; i++)
+        x[i] *= 12.0f;
+    for (int64_t r = 0; r < rows; r++)
+        tg[r] = (int32_t)(lm_mix64(state++) % (uint64_t)(cols + 2)) - 1;  // −1 and cols: none
+    if (rows > 2) {
+        for (int64_t c = 0; c < cols; c++)
+            x[cols + c] = 1e30f + (float)c * 1e24f;
+        tg[1] = (int32_t)(cols - 1);  // the row's maximum
+        tg[2] = -7;
+    }
+    float *dx = put(h, x, (size_t)n * 4), *dnll = put(h, NULL, (size_t)rows * 4);
+    int32_t *dtg = put(h, tg, (size_t)rows * 4);
+    CHECK_OK(lm_dev_nll_rows(h->cpu, want, x, tg, rows, cols, &h->err), &h->err);
+    snprintf(what, sizeof what, "nll_rows %lld x %lld", (long long)rows, (long long)cols);
+    if (dx && dnll && dtg && DEV_OK(h, lm_dev_nll_rows(h->dev, dnll, dx, dtg, rows, cols, &h->err)) &&
+        get(h, got, dnll, (size_t)rows * 4))
+        check_close(h, ST_NLL, what, got, want, rows, 1e-5);
+    lm_dev_release(h->dev, dx);
+    lm_dev_release(h->dev, dnll);
+    lm_dev_release(h->dev, dtg);
+    free(x);
+    free(want);
+    free(got);
+    free(tg);
+}
+
+// Every forward-pass operation on shapes around the CUDA kernels' block sizes (rows and columns
+// of 1, odd widths, more keys than a tile of 128, head_dim above 128 so a thread owns several
+// dimensions), GQA and several packed sequences, and the refusals.
+static void forward_against_cpu(harness *h)
+{
+    const int64_t shapes[][2] = {{1, 1}, {3, 67}, {37, 300}, {5, 4099}};
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        h_gather_add(h, shapes[i][0], shapes[i][1]);
+        h_rmsnorm(h, shapes[i][0], shapes[i][1]);
+        h_nll(h, shapes[i][0], shapes[i][1]);
+        h_silu(h, shapes[i][0] * shapes[i][1]);
+    }
+    h_rope(h, 1, 1, 2);
+    h_rope(h, 37, 6, 16);
+    h_rope(h, 9, 2, 130);
+    h_rope(h, 4, 3, 258);
+
+    const int64_t one[] = {1}, packed[] = {1, 130, 7, 300, 2}, two[] = {5, 3}, long_seq[] = {600};
+    h_attention(h, one, 1, 1, 1, 1, 0);
+    h_attention(h, packed, 5, 6, 2, 20, 0);      // GQA 3:1, tiles of keys across sequences
+    h_attention(h, packed, 5, 4, 1, 5, 0);       // GQA 4:1, an odd head_dim
+    h_attention(h, two, 2, 2, 2, 200, 0);        // head_dim above a block's threads
+    h_attention(h, long_seq, 1, 2, 1, 64, 0);    // several tiles of keys
+    h_attention(h, packed, 5, 4, 2, 16, 100);    // a sliding window
+    float *d = put(h, NULL, 64);
+    if (d)
+        CHECK_FAILS(lm_dev_attention(h->dev, d, d, d, d, (int32_t *)(void *)d, 1, 3, 2, 1, 1.0f, &h->err),
+                    LM_ERR_USAGE, "multiple", &h->err);
+    lm_dev_release(h->dev, d);
+#ifdef LLMERGE_HAVE_CUDA
+    // the CUDA kernel's limit: the largest head_dim runs, one more is refused, not a crash
+    if (strncmp(lm_dev_name(h->dev), "cuda", 4) == 0) {
+        const int64_t three[] = {3};
+        h_attention(h, three, 1, 1, 1, LM_CUDA_ATTN_MAX_HEAD_DIM, 0);
+        int64_t hd = LM_CUDA_ATTN_MAX_HEAD_DIM + 2;
+        float *big = put(h, NULL, (size_t)hd * 4);
+        int32_t zero = 0, *dz = put(h, &zero, 4);
+        if (big && dz)
+            CHECK_FAILS(lm_dev_attention(h->dev, big, big, big, big, dz, 1, 1, 1, hd, 1.0f, &h->err),
+                        LM_ERR_UNSUPPORTED, "attention with head_dim", &h->err);
+        lm_dev_release(h->dev, big);
+        lm_dev_release(h->dev, dz);
+    }
+#endif
+}
+
 // Runs every operation of `dev` through the public interface and compares it with the CPU
 // backend: bit for bit where device.h promises it (conversions, histograms, masks), within
 // float32 rounding elsewhere, and bit for bit everywhere on the CPU and the sim.
@@ -802,9 +1210,12 @@ static void test_against_cpu(lm_dev *dev)
     h_gemm(&h, 130, 70, 17, 0.75f, -0.5f);
     h_gemm(&h, 1, 1, 1, -2.0f, 1.0f);
     h_gemm(&h, 4, 1, 300, 1.0f, 0.25f);
+    h_syrk(&h, 300, 41, 1.0f, 1.0f);
+    h_syrk(&h, 5, 2, 0.5f, 0.0f);
     h_dora(&h, 3, 23335);
     h_dora(&h, 70, 3);
     h_dora(&h, 1, 1);
+    forward_against_cpu(&h);
     CHECK(lm_dev_sync(dev, &h.err) == LM_OK);
 
     // on the sim, the harness gave back every byte it took
@@ -1009,6 +1420,11 @@ static void test_sim_foreign(void)
                 &err);
     CHECK_FAILS(lm_dev_gemm(d, false, false, 4, 4, 4, 1.0f, x, 3, x, 4, 0.0f, y, 4, &err), LM_ERR_DEVICE,
                 "invalid shape", &err);
+    // syrk: A [k,n] and C [n,n] checked the same way; A is not read when k is 0
+    CHECK_OK(lm_dev_syrk(d, 4, 4, 1.0f, x, 4, 1.0f, true, y, 4, &err), &err);
+    CHECK_OK(lm_dev_syrk(d, 4, 0, 0.0f, NULL, 4, 1.0f, true, y, 4, &err), &err);
+    CHECK_FAILS(lm_dev_syrk(d, 4, 5, 1.0f, x, 4, 1.0f, false, y, 4, &err), LM_ERR_DEVICE, "(a:", &err);
+    CHECK_FAILS(lm_dev_syrk(d, 4, 4, 1.0f, x, 4, 1.0f, false, host, 4, &err), LM_ERR_DEVICE, "(c:", &err);
 
     // and device memory where the host's belongs is refused as well
     uint64_t *dhist = NULL;
@@ -1065,15 +1481,18 @@ static void test_sim_teardown(void)
     size_t fr = 0, tot = 0;
     lm_dev_mem_info(d, &fr, &tot);
     CHECK(tot - fr == 20000);
-    // lm_dev_i holds function pointers only: read each as a generic one
+    // lm_dev_i holds function pointers only: read each as a generic one. The fused dense
+    // operations are for devices whose memory is the host's, which the sim's is not.
     typedef void (*fn)(void);
     size_t null = 0;
     for (size_t i = 0; i < sizeof *d->iface / sizeof(fn); i++) {
         fn f;
         memcpy(&f, (const char *)d->iface + i * sizeof f, sizeof f);
-        null += f == NULL;
+        size_t at = i * sizeof f;
+        null += f == NULL && at != offsetof(lm_dev_i, dense_hist) && at != offsetof(lm_dev_i, dense_merge);
     }
     CHECK_MSG(null == 0, "%zu entries of the sim's lm_dev_i are NULL", null);
+    CHECK(!d->iface->dense_hist && !d->iface->dense_merge && !lm_dev_has_dense(d));
     lm_dev_free(d);
 }
 
@@ -1098,6 +1517,8 @@ int main(void)
 
     test_elementwise(d1, d3);
     test_gemm(d3);
+    test_gemm_tiles(d1, d3);
+    test_syrk(d1, d3);
     test_dora(d3);
     test_combine(d1, d3);
     lm_dev_free(d1);

@@ -8,10 +8,15 @@
 // alone and with a lora_bias adapter, the Llama 3 model (llama3 rope scaling, head_dim 24 != 64
 // / 4, one KV head for four query heads, biases everywhere, F16) and the base relabelled as
 // MistralForCausalLM with a sliding window of 6 tokens: logits within 1e-4 relative, and each
-// adapter, the rope scaling and the sliding window must change the logits by far more than that. Then: packed batches, in any order, give every
+// adapter, the rope scaling and the sliding window must change the logits by far more than that.
+// DoRA, against a reference that merges the DoRA weights explicitly in double and runs the
+// plain pass: the fixture (q_proj, v_proj) and adapters written here with DoRA on the embedding,
+// k_proj, down_proj and lm_head of the Llama base and on the tied Qwen2 model; the DoRA scaling
+// must change the logits by far more than the tolerance, the sim gives the CPU's bit for bit,
+// and DoRA with fan_in_fan_out is refused. Then: packed batches, in any order, give every
 // sequence the logits it gets alone, on 1 and 3 threads, to float32 rounding (1e-5 relative),
 // and the sim device gives the CPU's bit for bit; the hook sees each
-// layer's linear inputs for the real tokens only; DoRA and out-of-vocabulary ids are refused;
+// layer's linear inputs for the real tokens only; out-of-vocabulary ids are refused;
 // the fallbacks of lm_fwd_runner on small sim budgets (weights that do not fit, a batch
 // halved, one sequence sent to the CPU and the next batch back on the device) give the CPU's
 // NLLs and perplexity, and a device failure that is not out-of-memory stops the run; a device without the
@@ -29,6 +34,7 @@
 #include "forward.h"
 #include "model.h"
 #include "safetensors.h"
+#include "st_writer.h"
 #include "testfs.h"
 #include "util.h"
 
@@ -242,15 +248,7 @@ static void test_reference(lm_dev *cpu)
     }
     free(b0);
 
-    // DoRA is refused, by name, before anything is placed
-    lm_adapter *dora = open_adapter("lora_dora");
     lm_fwd *f = NULL;
-    if (dora) {
-        CHECK_FAILS(lm_fwd_create(&f, base, dora, cpu, &err), LM_ERR_UNSUPPORTED, "DoRA", &err);
-        CHECK_FAILS(lm_fwd_check(base, dora, &err), LM_ERR_UNSUPPORTED, "use_dora", &err);
-        CHECK(f == NULL);
-    }
-    lm_adapter_free(dora);
     // an adapter of another base does not fit
     lm_adapter *lb2 = open_adapter("lora_bias");
     if (lb2)
@@ -260,6 +258,212 @@ out:
     lm_model_free(base);
     lm_model_free(qwen);
     lm_model_free(l3);
+}
+
+// ==== DoRA ====================================================================================
+
+// Reference logits of every calibration sequence (host (T, V), caller frees).
+static double *ref_logits(lm_model *m, const lm_adapter *a, const seqs *q)
+{
+    int64_t V = m->config.vocab_size;
+    double *all = malloc((size_t)(q->T * V) * sizeof *all);
+    ref_ctx c = {m, a, false};
+    for (int64_t i = 0, row = 0; i < q->n; row += q->s[i].len, i++) {
+        ref_out o;
+        ref_forward(&c, q->s[i].ids, q->s[i].len, &o);
+        memcpy(all + row * V, o.logits, (size_t)(q->s[i].len * V) * sizeof *all);
+        ref_free(&o);
+    }
+    return all;
+}
+
+// The adapter with its DoRA magnitudes dropped (a shallow copy; free with free(x.modules)): the
+// same LoRA without the scaling, for the reference only.
+static lm_adapter without_magnitudes(const lm_adapter *a)
+{
+    lm_adapter x = *a;
+    x.modules = malloc((size_t)a->n_modules * sizeof *x.modules + 1);
+    memcpy(x.modules, a->modules, (size_t)a->n_modules * sizeof *x.modules);
+    for (int64_t i = 0; i < a->n_modules; i++)
+        x.modules[i].magnitude = NULL;
+    return x;
+}
+
+// A uniform number in [-1, 1) from the stream *st.
+static float uniform(uint64_t *st)
+{
+    *st = *st * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*st >> 11) / 4503599627370496.0 - 1.0);
+}
+
+enum { DORA_R = 4, DORA_MAX_T = 16 };
+
+// One module's tensors for write_dora: A, B and the magnitude, named and filled.
+typedef struct dora_mod {
+    char names[3][160];
+    float *v[3];
+    int64_t shape[3][2];
+} dora_mod;
+
+// Fills mod for the base weight `path` ([out, in]; for the embedding [vocab, hidden], its DoRA
+// running per hidden feature) with factors from the stream and magnitudes equal to the norms of
+// the base weight, per output row (per column for the embedding), times 0.8 to 1.2: near where
+// DoRA's training leaves them, far enough that the scaling shows.
+static void dora_module(dora_mod *mod, const lm_model *m, const char *path, bool embedding, uint64_t *st)
+{
+    char wname[160];
+    snprintf(wname, sizeof wname, "%s.weight", path);
+    const lm_st_tensor *w = lm_model_find(m, wname);
+    CHECK_MSG(w && w->ndim == 2, "%s missing", wname);
+    int64_t rows = w->shape[0], cols = w->shape[1];
+    double *W = st_d(w);
+    // linear: A [r, in], B [out, r], magnitude [out]; embedding: A [r, vocab], B [hidden, r], [hidden]
+    int64_t a_cols = embedding ? rows : cols, b_rows = embedding ? cols : rows;
+    static const char *const lin[3] = {"lora_A.weight", "lora_B.weight", "lora_magnitude_vector"};
+    static const char *const emb[3] = {"lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"};
+    int64_t shapes[3][2] = {{DORA_R, a_cols}, {b_rows, DORA_R}, {b_rows, 1}};
+    for (int k = 0; k < 3; k++) {
+        snprintf(mod->names[k], sizeof mod->names[k], "base_model.model.%s.%s", path, embedding ? emb[k] : lin[k]);
+        mod->shape[k][0] = shapes[k][0];
+        mod->shape[k][1] = shapes[k][1];
+        mod->v[k] = malloc((size_t)(shapes[k][0] * shapes[k][1]) * sizeof(float));
+    }
+    for (int64_t i = 0; i < DORA_R * a_cols; i++)
+        mod->v[0][i] = 0.3f * uniform(st);
+    for (int64_t i = 0; i < b_rows * DORA_R; i++)
+        mod->v[1][i] = 0.3f * uniform(st);
+    for (int64_t o = 0; o < b_rows; o++) {
+        double ss = 0;
+        for (int64_t i = 0; i < (embedding ? rows : cols); i++) {
+            double x = embedding ? W[i * cols + o] : W[o * cols + i];
+            ss += x * x;
+        }
+        mod->v[2][o] = (float)(sqrt(ss) * (1.0 + 0.2 * uniform(st)));
+    }
+    free(W);
+}
+
+// Writes a DoRA adapter for model m into dir: r 4, alpha 8, on the embedding, layer 0's k_proj,
+// every down_proj and, when the model has one, lm_head.
+static void write_dora(const char *dir, const lm_model *m, uint64_t seed)
+{
+    dora_mod mods[DORA_MAX_T] = {0};
+    int n = 0;
+    uint64_t st = seed;
+    bool head = lm_model_find(m, "lm_head.weight") != NULL;
+    dora_module(&mods[n++], m, "model.embed_tokens", true, &st);
+    dora_module(&mods[n++], m, "model.layers.0.self_attn.k_proj", false, &st);
+    for (int64_t l = 0; l < m->config.num_hidden_layers && n < DORA_MAX_T - 1; l++) {
+        char path[96];
+        snprintf(path, sizeof path, "model.layers.%lld.mlp.down_proj", (long long)l);
+        dora_module(&mods[n++], m, path, false, &st);
+    }
+    if (head)
+        dora_module(&mods[n++], m, "lm_head", false, &st);
+    lm_st_desc desc[3 * DORA_MAX_T];
+    const void *data[3 * DORA_MAX_T];
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < 3; k++) {
+            desc[3 * i + k] = (lm_st_desc){.name = mods[i].names[k], .dtype = LM_DTYPE_F32, .ndim = k == 2 ? 1 : 2,
+                                           .shape = {mods[i].shape[k][0], mods[i].shape[k][1]}};
+            data[3 * i + k] = mods[i].v[k];
+        }
+    char cfg[512];
+    snprintf(cfg, sizeof cfg, "{\"peft_type\": \"LORA\", \"r\": %d, \"lora_alpha\": 8, \"use_dora\": true, "
+             "\"target_modules\": [\"embed_tokens\", \"k_proj\", \"down_proj\"%s]}", DORA_R,
+             head ? ", \"lm_head\"" : "");
+    write_text(dir, "adapter_config.json", cfg);
+    char *path = lm_path_join(dir, "adapter_model.safetensors");
+    lm_err err;
+    CHECK_OK(lm_st_write_file(path, desc, data, 3 * n, NULL, &err), &err);
+    free(path);
+    for (int i = 0; i < n; i++)
+        for (int k = 0; k < 3; k++)
+            free(mods[i].v[k]);
+}
+
+// One DoRA case: the forward pass against the reference (which merges the DoRA weights
+// explicitly), and the scaling must matter: the same LoRA without it gives other logits.
+static void check_dora(lm_dev *cpu, const char *label, lm_model *m, lm_adapter *a)
+{
+    if (!m || !a)
+        return;
+    double *with = check_model(cpu, label, m, a, false);
+    seqs q;
+    load_seqs(&q, m->config.vocab_size);
+    lm_adapter plain = without_magnitudes(a);
+    double *without = ref_logits(m, &plain, &q);
+    double d = with ? rel_diff_d(with, without, q.T * m->config.vocab_size) : 0;
+    CHECK_MSG(d > 20 * REL, "%s: the DoRA scaling changes the logits by only %g", label, d);
+    printf("%-28s the DoRA scaling changes the logits by %.2e\n", label, d);
+    free(plain.modules);
+    free(without);
+    free(with);
+    free_seqs(&q);
+}
+
+static void test_dora(lm_dev *cpu, lm_dev *sim)
+{
+    lm_err err;
+    lm_model *base = open_model("base"), *qwen = open_model("qwen");
+    // the fixture: DoRA on q_proj and v_proj of the Llama base
+    lm_adapter *fxd = open_adapter("lora_dora");
+    CHECK_OK(lm_fwd_check(base, fxd, &err), &err);
+    check_dora(cpu, "base + lora_dora", base, fxd);
+
+    // written here: DoRA on the embedding, k_proj, down_proj and lm_head of the Llama base, and
+    // on the tied Qwen2 model (whose lm_head must keep reading the base's embedding)
+    char *dir = make_tmpdir(), *d1 = subdir(dir, "llama"), *d2 = subdir(dir, "qwen");
+    lm_adapter *ab = NULL, *aq = NULL;
+    if (base && qwen) {
+        write_dora(d1, base, 11);
+        write_dora(d2, qwen, 12);
+        CHECK_OK(lm_adapter_open(&ab, d1, &err), &err);
+        CHECK_OK(lm_adapter_open(&aq, d2, &err), &err);
+    }
+    check_dora(cpu, "base + DoRA embed/k/down/head", base, ab);
+    check_dora(cpu, "qwen (tied) + DoRA embed/k/down", qwen, aq);
+
+    // on the sim device: the CPU's logits bit for bit, nothing left allocated, and a budget that
+    // holds the weights but not the DoRA scratch is out of device memory (a runner's fallback)
+    if (ab && sim) {
+        seqs q;
+        load_seqs(&q, base->config.vocab_size);
+        lm_fwd *fc = NULL, *fs = NULL;
+        CHECK_OK(lm_fwd_create(&fc, base, ab, cpu, &err), &err);
+        CHECK_OK(lm_fwd_create(&fs, base, ab, sim, &err), &err);
+        if (fc && fs) {
+            int64_t V = base->config.vocab_size;
+            float *lc = run_logits(fc, &q, V), *ls = run_logits(fs, &q, V);
+            CHECK_MSG(memcmp(lc, ls, (size_t)(q.T * V) * sizeof *lc) == 0, "DoRA: sim and cpu differ");
+            free(lc);
+            free(ls);
+        }
+        lm_fwd_free(fc);
+        lm_fwd_free(fs);
+        free_seqs(&q);
+        size_t fr = 0, tot = 0;
+        lm_dev_mem_info(sim, &fr, &tot);
+        CHECK_MSG(fr == tot, "DoRA on sim: %llu bytes left allocated", (unsigned long long)(tot - fr));
+    }
+
+    // DoRA with fan_in_fan_out is refused by name before anything is placed
+    if (fxd) {
+        lm_adapter fio = *fxd;
+        fio.config.fan_in_fan_out = true;
+        lm_fwd *f = NULL;
+        CHECK_FAILS(lm_fwd_check(base, &fio, &err), LM_ERR_UNSUPPORTED, "fan_in_fan_out", &err);
+        CHECK_FAILS(lm_fwd_create(&f, base, &fio, cpu, &err), LM_ERR_UNSUPPORTED, "DoRA with fan_in_fan_out", &err);
+        CHECK(f == NULL);
+    }
+    lm_adapter_free(ab);
+    lm_adapter_free(aq);
+    lm_adapter_free(fxd);
+    free(d1);
+    free(d2);
+    remove_tmpdir(dir);
+    lm_model_free(base);
+    lm_model_free(qwen);
 }
 
 // ==== batches, threads, devices, hooks ========================================================
@@ -706,6 +910,7 @@ int main(void)
     if (cpu1 && cpu3 && sim) {
         test_ops(cpu3, sim);
         test_reference(cpu3);
+        test_dora(cpu3, sim);
         test_batches(cpu1, cpu3, sim);
         test_fallbacks(cpu3);
     }

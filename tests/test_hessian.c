@@ -1,14 +1,20 @@
-// Tests of the Hessians from activation capture (lib/hessian.c). The reference is a naive
-// forward pass in double (the helpers of tests/test_forward.c, copied here: test code) that keeps
-// each layer's linear inputs; from them H = (2 / n) Σ x xᵀ in double. Against it, on the Llama
-// fixture and the Qwen2 fixture, each alone and with an adapter: every Hessian within 1e-4
-// relative (max |diff| / max |ref|), exactly symmetric and positive semi-definite (a Cholesky
-// factorisation of H + εI succeeds), and the adapter changes the Hessians by far more than the
-// tolerance. Packed batches give what one sequence at a time gives, to float32 rounding. On the
-// simulated device the CPU's Hessians come out, also on small budgets that force each fallback
-// (weights on the CPU, accumulators in host memory, a batch halved, a sequence on the CPU), with
-// nothing left allocated on the device. A device failure that is not out-of-memory stops the
-// capture. The importance τ²/U_cc² matches one computed here by an explicit inverse and Cholesky.
+// Tests of the Hessians from activation capture (lib/hessian.c). The reference is a naive forward
+// pass in double (the helpers of tests/test_forward.c, copied here: test code) that keeps each
+// layer's linear inputs; from them H = (2 / n) Σ x xᵀ in double. Against it, on the Llama fixture
+// (alone, with a LoRA and with a DoRA adapter) and the Qwen2 fixture (alone and with a lora_bias
+// adapter): every Hessian within 1e-4 relative (max |diff| / max |ref|), exactly symmetric and
+// positive semi-definite (a Cholesky factorisation of H + εI succeeds), and the adapter changes the
+// Hessians by far more than the tolerance. Packed batches give what one sequence at a time gives,
+// to float32 rounding. On the simulated device the CPU's Hessians come out, also on small budgets
+// that force each fallback (weights on the CPU, accumulators in host memory, a batch halved, a
+// sequence on the CPU), with nothing left allocated on the device (accumulators on the device that
+// no batch reached read as zeros). A device failure that is not out-of-memory stops the capture.
+// Accumulating upper triangles by syrk gives what whole GEMMs give, and the hook alone leaves them
+// incomplete until lm_hess_capture_end completes them (once or twice, the same bits). Finishing:
+// lm_hess_get's in-place pass gives the bits of a pass over a double copy for accumulators on the
+// device, in host memory or both; released accumulators free their memory; lm_hess_ucc2_model hands
+// each finished Hessian to its callback (the bits lm_hess_get reads) and stops when the callback
+// fails. The importance τ²/U_cc² matches one computed here by an explicit inverse and Cholesky.
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -214,9 +220,10 @@ static void check_reference(lm_dev *cpu, const char *label, lm_model *m, lm_adap
 
 static void test_reference(lm_dev *cpu)
 {
-    static const char *const cases[][2] = {{"base", NULL}, {"base", "lora_plain"}, {"qwen", NULL}, {"qwen", "lora_bias"}};
+    static const char *const cases[][2] = {{"base", NULL}, {"base", "lora_plain"}, {"base", "lora_dora"},
+                                           {"qwen", NULL}, {"qwen", "lora_bias"}};
     hset without = {0};
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < 5; i++) {
         lm_model *m = open_model(cases[i][0]);
         lm_adapter *a = cases[i][1] ? open_adapter(cases[i][1]) : NULL;
         if (m && (a || !cases[i][1])) {
@@ -242,6 +249,24 @@ static void test_reference(lm_dev *cpu)
 }
 
 // ==== batching and devices ====================================================================
+
+// Leaves freed NaN-filled blocks of the accumulators' sizes on the heap, so that accumulators
+// allocated next most likely hold NaN until something writes them (the device does not clear
+// what it allocates, and a fresh heap would hide a missing zeroing).
+static void poison_heap(const lm_config *cfg)
+{
+    enum { N_BLOCKS = 64 };
+    int64_t dims[3] = {cfg->hidden_size, cfg->num_attention_heads * cfg->head_dim, cfg->intermediate_size};
+    float *blocks[3 * N_BLOCKS];
+    for (int i = 0; i < 3 * N_BLOCKS; i++) {
+        size_t n = (size_t)(dims[i % 3] * dims[i % 3]);
+        blocks[i] = aligned_alloc(64, (n * sizeof(float) + 63) & ~(size_t)63);
+        for (size_t j = 0; blocks[i] && j < n; j++)
+            blocks[i][j] = NAN;
+    }
+    for (int i = 0; i < 3 * N_BLOCKS; i++)
+        free(blocks[i]);
+}
 
 static void test_batches_and_devices(lm_dev *cpu)
 {
@@ -271,6 +296,7 @@ static void test_batches_and_devices(lm_dev *cpu)
         longest = q.s[i].len > longest ? q.s[i].len : longest;
     uint64_t W = f ? lm_fwd_weight_bytes(f) : 0, A_all = f ? lm_fwd_arena_bytes(f, q.T) : 0;
     uint64_t A_long = f ? lm_fwd_arena_bytes(f, longest) : 0, A_short = f ? lm_fwd_arena_bytes(f, longest - 1) : 0;
+    uint64_t A_one = f ? lm_fwd_arena_bytes(f, 1) : 0;
     lm_fwd_free(f);
     lm_dev_free(big);
     const lm_config *cfg = &m->config;
@@ -293,12 +319,15 @@ static void test_batches_and_devices(lm_dev *cpu)
         {"half the accumulators on the host", W + ACC / 2 + A_all, A_all, false, true, false, false},
         {"a batch halved", W + ACC + A_long, A_long, false, false, false, true},
         {"a sequence on the cpu", W + ACC + A_short, A_short, false, false, true, true},
+        // the accumulators on the device are never reached: they must read as zeros
+        {"every sequence on the cpu", W + ACC + A_one, A_one, false, false, true, true},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         lm_dev *sim = NULL;
         CHECK_OK(lm_dev_sim_create(&sim, cases[k].budget, NULL, 2, &err), &err);
         if (!sim)
             continue;
+        poison_heap(cfg);
         hset got;
         lm_fwd_runner r;
         int64_t n_host = -1;
@@ -339,6 +368,248 @@ static void test_batches_and_devices(lm_dev *cpu)
         lm_dev_free(sim);
     }
     hset_free(&packed);
+    free_seqs(&q);
+out:
+    lm_adapter_free(a);
+    lm_model_free(m);
+}
+
+// ==== finishing: lm_hess_get, lm_hess_release, lm_hess_ucc2_model's Hessians ==================
+
+// The Hessian of accumulators dev (may be NULL) and host (may be NULL) as lm_hess_get first
+// computed it: the sum in a double copy of the matrix, then symmetrised and scaled.
+static void finish_ref(float *out, const float *dev, const float *host, int64_t d, int64_t n_tokens)
+{
+    double *sum = calloc((size_t)(d * d), sizeof *sum);
+    for (int64_t k = 0; dev && k < d * d; k++)
+        sum[k] = dev[k];
+    for (int64_t k = 0; host && k < d * d; k++)
+        sum[k] += host[k];
+    double scale = 2.0 / (double)n_tokens;
+    for (int64_t r = 0; r < d; r++)
+        for (int64_t c = 0; c < d; c++)
+            out[r * d + c] = (float)(0.5 * (sum[r * d + c] + sum[c * d + r]) * scale);
+    free(sum);
+}
+
+// Accumulators made by hand on the simulated device and in host memory, in every combination
+// (device only, host only, both), at widths that are not multiples of the pass's tiles: the
+// in-place pass gives the bits of the double-copy one, an exactly symmetric matrix; released
+// accumulators free their memory and cannot be read.
+static void test_finishing(void)
+{
+    lm_err err = {0};
+    lm_dev *sim = NULL;
+    CHECK_OK(lm_dev_sim_create(&sim, 64 << 20, NULL, 2, &err), &err);
+    if (!sim)
+        return;
+    lm_hess h;
+    memset(&h, 0, sizeof h);
+    h.n_layers = 2;
+    h.dev = sim;
+    h.n_tokens = 37;
+    const int64_t dims[LM_FWD_N_POINTS] = {70, 64, 1, 131};
+    memcpy(h.dim, dims, sizeof dims);
+    int64_t n = h.n_layers * LM_FWD_N_POINTS;
+    h.on_dev = calloc((size_t)n, sizeof *h.on_dev);
+    h.on_host = calloc((size_t)n, sizeof *h.on_host);
+    float *dev_vals[8] = {0};
+    uint64_t x = 99;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t d = dims[i % LM_FWD_N_POINTS];
+        size_t bytes = (size_t)(d * d) * sizeof(float);
+        bool on_dev = i % 3 != 1, on_host = i % 3 != 0;  // 0: device, 1: host, 2: both
+        float *v = malloc(bytes);
+        for (int64_t k = 0; k < d * d; k++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            v[k] = k % 11 == 0 ? -0.0f : (float)((double)(x >> 11) / 9007199254740992.0 * 200.0 - 100.0);
+        }
+        if (on_dev) {
+            CHECK_OK(lm_dev_alloc(sim, bytes, (void **)&h.on_dev[i], &err), &err);
+            if (h.on_dev[i])
+                CHECK_OK(lm_dev_upload(sim, h.on_dev[i], v, bytes, &err), &err);
+            h.dev_bytes += bytes;
+            dev_vals[i] = v;
+        }
+        if (on_host) {
+            h.on_host[i] = on_dev ? malloc(bytes) : v;
+            for (int64_t k = 0; on_dev && k < d * d; k++)
+                h.on_host[i][k] = v[k] * 0.5f - 1.0f;
+        }
+    }
+    for (int64_t i = 0; i < n; i++) {
+        int64_t d = dims[i % LM_FWD_N_POINTS], layer = i / LM_FWD_N_POINTS;
+        lm_fwd_point p = (lm_fwd_point)(i % LM_FWD_N_POINTS);
+        float *got = malloc((size_t)(d * d) * sizeof *got), *want = malloc((size_t)(d * d) * sizeof *want);
+        finish_ref(want, dev_vals[i], h.on_host[i], d, h.n_tokens);
+        CHECK_OK(lm_hess_get(&h, layer, p, got, &err), &err);
+        CHECK_MSG(memcmp(got, want, (size_t)(d * d) * sizeof *got) == 0, "Hessian %lld (%s) differs from the "
+                  "double-copy pass", (long long)i, i % 3 == 0 ? "device" : i % 3 == 1 ? "host" : "both");
+        int64_t asym = 0;
+        for (int64_t r = 0; r < d; r++)
+            for (int64_t c = 0; c < d; c++)
+                asym += memcmp(&got[r * d + c], &got[c * d + r], sizeof(float)) != 0;
+        CHECK(asym == 0);
+        lm_hess_release(&h, layer, p);
+        CHECK(!h.on_dev[i] && !h.on_host[i]);
+        CHECK_FAILS(lm_hess_get(&h, layer, p, got, &err), LM_ERR_USAGE, "already released", &err);
+        lm_hess_release(&h, layer, p);  // twice is harmless
+        free(got);
+        free(want);
+        free(dev_vals[i]);
+    }
+    size_t fr = 0, tot = 0;
+    lm_dev_mem_info(sim, &fr, &tot);
+    CHECK_MSG(fr == tot && h.dev_bytes == 0, "%llu bytes left on the device after every release",
+              (unsigned long long)(tot - fr));
+    h.n_tokens = 0;
+    CHECK(lm_hess_get(&h, 0, LM_FWD_ATTN_IN, NULL, &err) == LM_ERR_USAGE);
+    lm_hess_free(&h);
+    lm_dev_free(sim);
+}
+
+// What lm_hess_ucc2_model hands its `each` callback.
+typedef struct each_seen {
+    hset got;
+    int calls;
+    int fail_at;  // the call that fails (0: none)
+} each_seen;
+
+static lm_status on_each(void *ctx, int64_t layer, lm_fwd_point p, const float *H, int64_t dim, int64_t n_tokens,
+                         lm_err *err)
+{
+    each_seen *e = ctx;
+    int64_t i = lm_hess_index(layer, p);
+    if (++e->calls == e->fail_at)
+        return lm_err_set(err, LM_ERR_IO, "the callback failed at %lld", (long long)i);
+    if (i != e->calls - 1 || i >= e->got.n || dim != e->got.dim[p])
+        return lm_err_set(err, LM_ERR_USAGE, "Hessian %lld of width %lld out of order", (long long)i, (long long)dim);
+    e->got.n_tokens = n_tokens;
+    e->got.h[i] = malloc((size_t)(dim * dim) * sizeof(float));
+    memcpy(e->got.h[i], H, (size_t)(dim * dim) * sizeof(float));
+    return LM_OK;
+}
+
+// lm_hess_ucc2_model hands each finished Hessian to the callback, in order, with n_tokens: the
+// bits a capture on the same device reads with lm_hess_get, and the U_cc² it returns are those
+// of lm_hess_ucc2_raised on them; a failing callback stops it with its status.
+static void test_each_hessian(lm_dev *cpu)
+{
+    lm_err err = {0};
+    lm_model *m = open_model("base");
+    lm_adapter *a = open_adapter("lora_plain");
+    if (!m || !a)
+        goto out;
+    seqs q;
+    load_seqs(&q, m->config.vocab_size);
+    hset ref;
+    CHECK_OK(capture(m, a, cpu, &q, 0, 0, &ref, NULL, NULL, &err), &err);
+    each_seen e = {.got = {.n = ref.n}};
+    memcpy(e.got.dim, ref.dim, sizeof ref.dim);
+    e.got.h = calloc((size_t)ref.n, sizeof *e.got.h);
+    double **ucc2 = NULL;
+    int64_t n = 0;
+    CHECK_OK(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 2, 0.01, false, on_note, NULL, on_each, &e, &ucc2, &n,
+                                &err), &err);
+    CHECK(e.calls == ref.n && n == ref.n && e.got.n_tokens == ref.n_tokens);
+    for (int64_t i = 0; ucc2 && i < n && i < ref.n; i++) {
+        int64_t d = ref.dim[i % LM_FWD_N_POINTS];
+        CHECK_MSG(e.got.h[i] && memcmp(e.got.h[i], ref.h[i], (size_t)(d * d) * sizeof(float)) == 0,
+                  "the Hessian handed over %lld differs from lm_hess_get's", (long long)i);
+        double *u = malloc((size_t)d * sizeof *u);
+        CHECK_OK(lm_hess_ucc2_raised(u, ref.h[i], d, 0.01, "H", NULL, NULL, &err), &err);
+        CHECK_MSG(memcmp(u, ucc2[i], (size_t)d * sizeof *u) == 0, "U_cc² %lld differs", (long long)i);
+        free(u);
+    }
+    lm_hess_ucc2_free(ucc2, n);
+    hset_free(&e.got);
+    // a failing callback: its status, nothing returned
+    each_seen f = {.got = {.n = ref.n}, .fail_at = 3};
+    memcpy(f.got.dim, ref.dim, sizeof ref.dim);
+    f.got.h = calloc((size_t)ref.n, sizeof *f.got.h);
+    CHECK_FAILS(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 2, 0.01, false, on_note, NULL, on_each, &f, &ucc2,
+                                   &n, &err), LM_ERR_IO, "callback failed", &err);
+    CHECK(ucc2 == NULL && n == 0 && f.calls == 3);
+    hset_free(&f.got);
+    hset_free(&ref);
+    free_seqs(&q);
+out:
+    lm_adapter_free(a);
+    lm_model_free(m);
+}
+
+// ==== accumulation by syrk ====================================================================
+
+// Hessians read after a capture driven by lm_hess_hook directly (no lm_hess_capture), with
+// lm_hess_capture_end called `ends` times before reading.
+static void capture_by_hook(const lm_model *m, const lm_adapter *a, lm_dev *dev, const seqs *q, int ends, hset *out)
+{
+    lm_err err = {0};
+    memset(out, 0, sizeof *out);
+    lm_fwd_runner r;
+    lm_hess h;
+    memset(&h, 0, sizeof h);
+    CHECK_OK(lm_fwd_runner_init(&r, m, a, dev, "test", "MODEL", 0, NULL, NULL, &err), &err);
+    CHECK_OK(lm_hess_init(&h, m, dev, 0, 2, &err), &err);
+    lm_fwd_req req = {.hook = lm_hess_hook, .hook_ctx = &h};
+    CHECK_OK(lm_fwd_runner_run(&r, q->s, q->n, &req, &err), &err);
+    for (int e = 0; e < ends; e++)
+        CHECK_OK(lm_hess_capture_end(&h, &err), &err);
+    out->n = h.n_layers * LM_FWD_N_POINTS;
+    memcpy(out->dim, h.dim, sizeof h.dim);
+    out->n_tokens = h.n_tokens;
+    out->h = calloc((size_t)out->n, sizeof *out->h);
+    for (int64_t i = 0; i < out->n; i++) {
+        int64_t d = h.dim[i % LM_FWD_N_POINTS];
+        out->h[i] = malloc((size_t)(d * d) * sizeof(float));
+        CHECK_OK(lm_hess_get(&h, i / LM_FWD_N_POINTS, (lm_fwd_point)(i % LM_FWD_N_POINTS), out->h[i], &err), &err);
+    }
+    lm_hess_free(&h);
+    lm_fwd_runner_free(&r);
+}
+
+// The CPU accumulates the upper triangles by syrk and lm_hess_capture completes them: the same
+// Hessians as a device without syrk (every batch a whole GEMM), to float32 rounding; the hook
+// run alone leaves the lower triangles behind (the Hessians read then are wrong), and
+// lm_hess_capture_end, once or twice, gives exactly what lm_hess_capture gives.
+static void test_syrk_accumulation(lm_dev *cpu)
+{
+    lm_err err = {0};
+    lm_model *m = open_model("base");
+    lm_adapter *a = open_adapter("lora_plain");
+    if (!m || !a)
+        goto out;
+    seqs q;
+    load_seqs(&q, m->config.vocab_size);
+    CHECK(lm_dev_has_syrk(cpu));
+    hset by_syrk, by_gemm, no_end, one_end, two_ends;
+    CHECK_OK(capture(m, a, cpu, &q, 0, 0, &by_syrk, NULL, NULL, &err), &err);
+    lm_dev_i lacking = *cpu->iface;
+    lacking.syrk = NULL;
+    lm_dev gemm_only = *cpu;
+    gemm_only.iface = &lacking;
+    CHECK_OK(capture(m, a, &gemm_only, &q, 0, 0, &by_gemm, NULL, NULL, &err), &err);
+    double d = hset_rel(&by_syrk, &by_gemm);
+    CHECK_MSG(d < ROUNDING, "syrk and GEMM accumulation differ by %g", d);
+    printf("%-22s syrk vs GEMM accumulation: %.2e\n", "base + lora_plain", d);
+
+    capture_by_hook(m, a, cpu, &q, 0, &no_end);
+    capture_by_hook(m, a, cpu, &q, 1, &one_end);
+    capture_by_hook(m, a, cpu, &q, 2, &two_ends);
+    d = hset_rel(&no_end, &by_syrk);
+    CHECK_MSG(d > 0.1, "without lm_hess_capture_end the Hessians differ by only %g", d);
+    bool same1 = true, same2 = true;
+    for (int64_t i = 0; i < by_syrk.n && i < one_end.n && i < two_ends.n; i++) {
+        size_t bytes = (size_t)(by_syrk.dim[i % 4] * by_syrk.dim[i % 4]) * sizeof(float);
+        same1 = same1 && memcmp(one_end.h[i], by_syrk.h[i], bytes) == 0;
+        same2 = same2 && memcmp(two_ends.h[i], by_syrk.h[i], bytes) == 0;
+    }
+    CHECK_MSG(same1 && same2, "lm_hess_capture_end once %d, twice %d: not lm_hess_capture's Hessians", same1, same2);
+    hset_free(&by_syrk);
+    hset_free(&by_gemm);
+    hset_free(&no_end);
+    hset_free(&one_end);
+    hset_free(&two_ends);
     free_seqs(&q);
 out:
     lm_adapter_free(a);
@@ -450,6 +721,9 @@ int main(void)
     if (cpu) {
         test_reference(cpu);
         test_batches_and_devices(cpu);
+        test_syrk_accumulation(cpu);
+        test_finishing();
+        test_each_hessian(cpu);
         test_importance();
     }
     lm_dev_free(cpu);

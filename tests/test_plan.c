@@ -1,0 +1,454 @@
+// Tests of the sizes `llmerge plan` predicts for sparsegpt's Hessian capture, against what the
+// code allocates when it runs, on the generated fixtures (LLMERGE_FIXTURES): lm_fwd_plan_make's
+// weight bytes are lm_fwd_create's (on the CPU, where F32 tensors are used in place, and on a
+// simulated device, where every tensor is converted), its arena bytes lm_fwd_arena_bytes';
+// lm_hess_plan_make places the accumulators where lm_hess_init does at several free budgets;
+// lm_fwd_plan_runner predicts exactly the fallbacks lm_hess_ucc2_model reports on simulated
+// devices of several sizes (weights on the CPU, batches halved, sequences on the CPU, sticky);
+// lm_hess_point_of names the Hessian of each linear weight; and lm_plan_make's capture phases
+// and importance buffers follow from them.
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adapter.h"
+#include "check.h"
+#include "device.h"
+#include "forward.h"
+#include "hessian.h"
+#include "model.h"
+#include "plan.h"
+#include "util.h"
+
+static const char *fixtures;
+
+static lm_model *open_model(const char *name)
+{
+    lm_err err = {0};
+    char *dir = lm_path_join(fixtures, name);
+    lm_model *m = NULL;
+    CHECK_OK(lm_model_open(&m, dir, &err), &err);
+    free(dir);
+    return m;
+}
+
+static lm_adapter *open_adapter(const char *name, const lm_model *base)
+{
+    lm_err err = {0};
+    char *dir = lm_path_join(fixtures, name);
+    lm_adapter *a = NULL;
+    CHECK_OK(lm_adapter_open(&a, dir, &err), &err);
+    if (a)
+        CHECK_OK(lm_adapter_validate(a, base, &err), &err);
+    free(dir);
+    return a;
+}
+
+// ==== weights and activations =================================================================
+
+// The plan's weight and arena bytes against a model placed on the device.
+static void check_weights(const char *label, const lm_model *m, const lm_adapter *a, lm_dev *d)
+{
+    lm_err err = {0};
+    lm_fwd_plan p;
+    lm_fwd *f = NULL;
+    CHECK_OK(lm_fwd_plan_make(&p, m, a, d->host_memory, &err), &err);
+    CHECK_OK(lm_fwd_create(&f, m, a, d, &err), &err);
+    if (!f)
+        return;
+    CHECK_MSG(p.weight_bytes == lm_fwd_weight_bytes(f), "%s on %s: plan %" PRIu64 " weight bytes, placed %zu", label,
+              lm_dev_name(d), p.weight_bytes, lm_fwd_weight_bytes(f));
+    if (!d->host_memory) {
+        size_t fr = 0, tot = 0;
+        lm_dev_mem_info(d, &fr, &tot);
+        CHECK_MSG(tot - fr == p.weight_bytes, "%s: %zu bytes in use on %s, plan %" PRIu64, label, tot - fr,
+                  lm_dev_name(d), p.weight_bytes);
+        CHECK(p.host_scratch > 0);  // every tensor went through a host copy
+    }
+    CHECK(p.mapped_bytes > 0 && p.mapped_bytes <= lm_model_nbytes(m) + (a ? (uint64_t)a->st->size : 0));
+    const int64_t T[] = {1, 7, 155, 4096, 70000};
+    for (size_t i = 0; i < sizeof T / sizeof T[0]; i++) {
+        CHECK_MSG(lm_fwd_plan_arena_bytes(&p, T[i]) == lm_fwd_arena_bytes(f, T[i]), "%s: arena of %" PRId64
+                  " tokens: plan %zu, forward %zu", label, T[i], lm_fwd_plan_arena_bytes(&p, T[i]),
+                  lm_fwd_arena_bytes(f, T[i]));
+        // a pass without logits writes less than it allocates, and more than nothing
+        size_t touched = lm_fwd_plan_arena_touched(&p, T[i]);
+        CHECK(touched > 0 && touched < lm_fwd_plan_arena_bytes(&p, T[i]));
+    }
+    lm_fwd_free(f);
+}
+
+static void test_weights(lm_dev *cpu, lm_dev *sim)
+{
+    lm_model *base = open_model("base"), *qwen = open_model("qwen"), *llama3 = open_model("llama3");
+    lm_adapter *plain = base ? open_adapter("lora_plain", base) : NULL;
+    lm_adapter *rs = base ? open_adapter("lora_rslora", base) : NULL;
+    lm_adapter *mts = base ? open_adapter("lora_mts", base) : NULL;
+    lm_adapter *bias = qwen ? open_adapter("lora_bias", qwen) : NULL;
+    lm_adapter *dora = base ? open_adapter("lora_dora", base) : NULL;
+    struct { const char *label; const lm_model *m; const lm_adapter *a; } cases[] = {
+        {"base", base, NULL},                  // BF16: every tensor converted, even on the CPU
+        {"base+lora_plain", base, plain},      // F32 factors: in place on the CPU
+        {"base+lora_rslora", base, rs},        // BF16 factors, per-module ranks
+        {"base+lora_mts", base, mts},          // embedding LoRA (Aᵀ staged), a saved lm_head
+        {"base+lora_dora", base, dora},        // DoRA: W and B placed scaled, even F32 on the CPU
+        {"qwen", qwen, NULL},                  // F32, tied: nothing converted on the CPU
+        {"qwen+lora_bias", qwen, bias},        // bias sums made in host memory
+        {"llama3", llama3, NULL},              // F16, biases everywhere
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        if (!cases[i].m)
+            continue;
+        check_weights(cases[i].label, cases[i].m, cases[i].a, cpu);
+        check_weights(cases[i].label, cases[i].m, cases[i].a, sim);
+    }
+    // the F32 model is used in place on the CPU: only the rope table is allocated there
+    if (qwen) {
+        lm_err err = {0};
+        lm_fwd_plan p;
+        CHECK_OK(lm_fwd_plan_make(&p, qwen, NULL, true, &err), &err);
+        CHECK(p.weight_bytes == (uint64_t)(qwen->config.head_dim / 2) * sizeof(float));
+    }
+    lm_adapter_free(dora);
+    lm_adapter_free(plain);
+    lm_adapter_free(rs);
+    lm_adapter_free(mts);
+    lm_adapter_free(bias);
+    lm_model_free(base);
+    lm_model_free(qwen);
+    lm_model_free(llama3);
+}
+
+// ==== accumulators ============================================================================
+
+// lm_hess_plan_make against lm_hess_init on a simulated device with `taken` bytes already in
+// use and `reserve` kept free.
+static void check_accumulators(const lm_model *m, uint64_t budget, uint64_t taken, size_t reserve)
+{
+    lm_err err = {0};
+    lm_dev *sim = NULL;
+    CHECK_OK(lm_dev_sim_create(&sim, budget, NULL, 2, &err), &err);
+    if (!sim)
+        return;
+    void *hold = NULL;
+    if (taken)
+        CHECK_OK(lm_dev_alloc(sim, taken, &hold, &err), &err);
+    lm_hess h;
+    CHECK_OK(lm_hess_init(&h, m, sim, reserve, 2, &err), &err);
+    lm_hess_plan p;
+    CHECK_OK(lm_hess_plan_make(&p, m, true, false, budget - taken, reserve, &err), &err);
+    CHECK_MSG(p.dev_bytes == h.dev_bytes && p.n_acc - p.n_dev == h.n_host,
+              "budget %" PRIu64 ", reserve %zu: plan %" PRId64 " on the device (%" PRIu64 " bytes), init %" PRId64
+              " in host memory (%zu bytes on the device)", budget, reserve, p.n_dev, p.dev_bytes, h.n_host,
+              h.dev_bytes);
+    uint64_t all = 0;
+    for (int64_t i = 0; i < p.n_acc; i++)
+        all += (uint64_t)h.dim[i % LM_FWD_N_POINTS] * (uint64_t)h.dim[i % LM_FWD_N_POINTS] * sizeof(float);
+    CHECK(p.dev_bytes + p.host_bytes == all);
+    lm_hess_free(&h);
+    lm_dev_release(sim, hold);
+    lm_dev_free(sim);
+}
+
+static void test_accumulators(void)
+{
+    lm_model *base = open_model("base");
+    if (!base)
+        return;
+    // 16 KiB per [64, 64] accumulator, 64 KiB per [128, 128]: 224 KiB in all
+    const uint64_t budgets[] = {8u << 10, 20u << 10, 100u << 10, 300u << 10, 1u << 20};
+    const size_t reserves[] = {0, 10u << 10, 50u << 10};
+    for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++)
+        for (size_t r = 0; r < sizeof reserves / sizeof reserves[0]; r++) {
+            check_accumulators(base, budgets[b], 0, reserves[r]);
+            check_accumulators(base, budgets[b] + (5u << 10), 5u << 10, reserves[r]);
+        }
+    lm_err err = {0};
+    lm_hess_plan p;
+    // with the weights on the CPU every accumulator is in host memory
+    CHECK_OK(lm_hess_plan_make(&p, base, false, false, 1u << 30, 0, &err), &err);
+    CHECK(p.n_dev == 0 && p.host_bytes == 2 * (3 * 64 * 64 + 128 * 128) * sizeof(float) && p.max_dim == 128);
+    // the finishing pass holds, at its worst, what is left of the accumulators, the float32
+    // Hessian and two double copies of the widest
+    uint64_t fin = lm_hess_plan_finish(&p, base, false, false);
+    CHECK(fin > (uint64_t)128 * 128 * (4 + 16) && fin < p.host_bytes + (uint64_t)128 * 128 * (4 + 16));
+    p.n_acc = 0;
+    CHECK(lm_hess_plan_finish(&p, base, false, false) == (uint64_t)128 * 128 * (4 + 16));
+    lm_model_free(base);
+}
+
+// ==== the runner's fallbacks ==================================================================
+
+typedef struct lines {
+    char text[16384];
+} lines;
+
+// Keeps the fallbacks of the runner in the plan's words: "sequences A-B (T tokens) halved",
+// "sequence N (T tokens) on cpu", "weights".
+static void on_line(void *ctx, const char *line)
+{
+    lines *l = ctx;
+    int64_t a, b, t;
+    char buf[128] = "";
+    if (sscanf(line, "fallback: hessian sequences %" SCNd64 "-%" SCNd64 " (%" SCNd64 " tokens) halved", &a, &b, &t) ==
+        3)
+        snprintf(buf, sizeof buf, "halved %" PRId64 "-%" PRId64 " %" PRId64 "\n", a, b, t);
+    else if (sscanf(line, "fallback: hessian sequence %" SCNd64 " (%" SCNd64 " tokens) on cpu", &a, &t) == 2)
+        snprintf(buf, sizeof buf, "cpu %" PRId64 " %" PRId64 "\n", a, t);
+    else if (strncmp(line, "fallback: hessian weights of ", 29) == 0)
+        snprintf(buf, sizeof buf, "weights\n");
+    else if (strstr(line, "--sticky-fallback"))
+        snprintf(buf, sizeof buf, "sticky\n");
+    size_t len = strlen(l->text);
+    snprintf(l->text + len, sizeof l->text - len, "%s", buf);
+}
+
+static void on_plan_note(void *ctx, const lm_fwd_plan_note *n)
+{
+    lines *l = ctx;
+    size_t len = strlen(l->text);
+    if (n->halved)
+        snprintf(l->text + len, sizeof l->text - len, "halved %" PRId64 "-%" PRId64 " %" PRId64 "\n", n->first + 1,
+                 n->first + n->n, n->tokens);
+    else
+        snprintf(l->text + len, sizeof l->text - len, "cpu %" PRId64 " %" PRId64 "\n", n->first + 1, n->tokens);
+}
+
+// The capture of model m (with a) on sim:budget: the fallbacks lm_hess_ucc2_model reports are
+// the ones the plan predicts, from the same steps lm_plan_make takes.
+static void check_capture(const char *label, const lm_model *m, const lm_adapter *a, const int64_t *lens, int n,
+                          uint64_t budget, bool sticky, int *n_fallbacks)
+{
+    lm_err err = {0};
+    lm_fwd_seq seqs[64];
+    int32_t ids[4096];
+    uint64_t x = 7;
+    int64_t total = 0, longest = 0;
+    for (int i = 0; i < n; i++) {
+        seqs[i] = (lm_fwd_seq){ids + total, lens[i]};
+        for (int64_t p = 0; p < lens[i]; p++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            ids[total + p] = (int32_t)((x >> 33) % 256);
+        }
+        total += lens[i];
+        longest = lens[i] > longest ? lens[i] : longest;
+    }
+    // the plan
+    lines want = {0};
+    lm_fwd_plan w;
+    CHECK_OK(lm_fwd_plan_make(&w, m, a, false, &err), &err);
+    bool on_dev = w.placing_peak <= budget;
+    if (!on_dev) {
+        snprintf(want.text, sizeof want.text, "weights\n");
+        CHECK_OK(lm_fwd_plan_make(&w, m, a, true, &err), &err);
+    }
+    int64_t mt = lm_fwd_plan_max_tokens(0);
+    size_t reserve = on_dev ? lm_fwd_plan_arena_bytes(&w, lm_hess_reserve_tokens(total, longest, mt)) : 0;
+    lm_hess_plan hp;
+    CHECK_OK(lm_hess_plan_make(&hp, m, on_dev, false, on_dev ? budget - w.weight_bytes : 0, reserve, &err), &err);
+    lm_fwd_plan_run run;
+    lm_fwd_plan_runner(&w, lens, n, 0, on_dev, on_dev ? budget - w.weight_bytes - hp.dev_bytes : 0, sticky,
+                       on_plan_note, &want, &run);
+    if (run.stuck) {
+        size_t len = strlen(want.text);
+        snprintf(want.text + len, sizeof want.text - len, "sticky\n");
+    }
+    // the run
+    lm_dev *sim = NULL;
+    CHECK_OK(lm_dev_sim_create(&sim, budget, NULL, 2, &err), &err);
+    if (!sim)
+        return;
+    lines got = {0};
+    double **ucc2 = NULL;
+    int64_t n_ucc2 = 0;
+    CHECK_OK(lm_hess_ucc2_model(m, a, sim, label, seqs, n, 2, 0.01, sticky, on_line, &got, NULL, NULL, &ucc2,
+                                &n_ucc2, &err), &err);
+    lm_hess_ucc2_free(ucc2, n_ucc2);
+    lm_dev_free(sim);
+    // the sticky line comes after the sequence that set it; compare the sets in order
+    CHECK_MSG(strcmp(want.text, got.text) == 0, "%s on sim:%" PRIu64 "%s: the plan predicted\n%s-- the capture "
+              "reported\n%s--", label, budget, sticky ? " (sticky)" : "", want.text, got.text);
+    for (const char *p = got.text; (p = strchr(p, '\n')); p++)
+        (*n_fallbacks)++;
+}
+
+static void test_runner(void)
+{
+    lm_model *base = open_model("base");
+    lm_adapter *plain = base ? open_adapter("lora_plain", base) : NULL;
+    lm_adapter *dora = base ? open_adapter("lora_dora", base) : NULL;
+    if (!base || !plain || !dora) {
+        lm_adapter_free(plain);
+        lm_adapter_free(dora);
+        lm_model_free(base);
+        return;
+    }
+    const int64_t lens[] = {18, 11, 19, 21, 24, 17, 13, 32};
+    const int64_t one[] = {40};
+    const uint64_t budgets[] = {300u << 10, 440u << 10, 450u << 10, 460u << 10, 500u << 10, 700u << 10, 900u << 10,
+                                2u << 20};
+    int fallbacks = 0, quiet = 0;
+    for (size_t b = 0; b < sizeof budgets / sizeof budgets[0]; b++) {
+        int before = fallbacks;
+        check_capture("base", base, NULL, lens, 8, budgets[b], false, &fallbacks);
+        check_capture("base+lora_plain", base, plain, lens, 8, budgets[b], false, &fallbacks);
+        check_capture("base+lora_dora", base, dora, lens, 8, budgets[b], false, &fallbacks);
+        check_capture("base (sticky)", base, NULL, lens, 8, budgets[b], true, &fallbacks);
+        check_capture("base, one sequence", base, NULL, one, 1, budgets[b], false, &fallbacks);
+        quiet += fallbacks == before;
+    }
+    // the budgets must reach every kind of case: fallbacks at some, none at others
+    CHECK_MSG(fallbacks > 10 && quiet > 0, "%d fallbacks, %d budgets without", fallbacks, quiet);
+    // lm_fwd_runner_run's batching: at most max_tokens a batch, a longer sequence alone
+    lm_fwd_plan w;
+    lm_err err = {0};
+    CHECK_OK(lm_fwd_plan_make(&w, base, NULL, true, &err), &err);
+    const int64_t mixed[] = {3000, 2000, 5000, 100, 100};
+    lm_fwd_plan_run run;
+    lm_fwd_plan_runner(&w, mixed, 5, 0, true, UINT64_MAX, false, NULL, NULL, &run);
+    CHECK(run.n_formed == 4 && run.formed_tokens == 5000 && run.n_batches == 4 && run.tokens_dev == 10200 &&
+          run.dev_tokens == 5000 && run.n_halved == 0);
+    lm_fwd_plan_runner(&w, mixed, 5, 0, false, 0, false, NULL, NULL, &run);
+    CHECK(run.tokens_cpu == 10200 && run.cpu_tokens == 5000 && run.tokens_dev == 0);
+    lm_adapter_free(plain);
+    lm_adapter_free(dora);
+    lm_model_free(base);
+}
+
+// ==== which Hessian ===========================================================================
+
+static void test_point_of(void)
+{
+    struct { const char *name; bool has; int64_t layer; lm_fwd_point point; } cases[] = {
+        {"model.layers.0.self_attn.q_proj.weight", true, 0, LM_FWD_ATTN_IN},
+        {"model.layers.12.self_attn.k_proj.weight", true, 12, LM_FWD_ATTN_IN},
+        {"model.layers.3.self_attn.v_proj.weight", true, 3, LM_FWD_ATTN_IN},
+        {"model.layers.3.self_attn.o_proj.weight", true, 3, LM_FWD_O_IN},
+        {"model.layers.1.mlp.gate_proj.weight", true, 1, LM_FWD_MLP_IN},
+        {"model.layers.1.mlp.up_proj.weight", true, 1, LM_FWD_MLP_IN},
+        {"model.layers.1.mlp.down_proj.weight", true, 1, LM_FWD_DOWN_IN},
+        {"model.layers.1.self_attn.q_proj.bias", false, 0, 0},
+        {"model.layers.1.input_layernorm.weight", false, 0, 0},
+        {"model.layers.x.mlp.up_proj.weight", false, 0, 0},
+        {"model.layers.-1.mlp.up_proj.weight", false, 0, 0},
+        {"model.embed_tokens.weight", false, 0, 0},
+        {"lm_head.weight", false, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        int64_t layer = -5;
+        lm_fwd_point point = LM_FWD_N_POINTS;
+        bool has = lm_hess_point_of(cases[i].name, &layer, &point);
+        CHECK_MSG(has == cases[i].has && (!has || (layer == cases[i].layer && point == cases[i].point)),
+                  "%s: %d, layer %" PRId64 ", point %d", cases[i].name, has, layer, (int)point);
+    }
+}
+
+// ==== the plan ================================================================================
+
+static void test_plan(void)
+{
+    lm_err err = {0};
+    lm_model *base = open_model("base");
+    if (!base)
+        return;
+    lm_ft *fts[2] = {NULL, NULL};
+    char *p1 = lm_path_join(fixtures, "lora_plain"), *p2 = lm_path_join(fixtures, "ft_full");
+    CHECK_OK(lm_ft_open(&fts[0], p1, base, &err), &err);
+    CHECK_OK(lm_ft_open(&fts[1], p2, base, &err), &err);
+    char *cpath = lm_path_join(fixtures, "calib/calib.jsonl");
+    lm_calib cal;
+    lm_calib_opts co = {.vocab_size = 256};
+    CHECK_OK(lm_calib_load(&cal, cpath, &co, &err), &err);
+    if (!fts[0] || !fts[1] || !cal.n_seqs)
+        goto done;
+    double w[2] = {1, 1}, d[2] = {0.3, 0.3};
+    lm_merge_opts o = {.method = LM_MERGE_SPARSEGPT, .n_ft = 2, .weights = w, .densities = d, .lambda = 1,
+                       .out_dtype = LM_DTYPE_BF16, .sign = LM_SIGN_SUM};
+    lm_plan_device cpu = {.name = "cpu", .host_memory = true, .forward_ops = true, .importance_ops = true};
+    lm_plan_hess_in hin = {.calib = &cal, .n_calib = 1};
+    lm_plan p;
+    CHECK_OK(lm_plan_make(&p, &o, base, fts, &cpu, &hin, 5000000000ull, "out", &err), &err);
+    if (p.n_ft == 2) {
+        CHECK(p.n_captures == 2 && p.captures[0].ft == 0 && p.captures[1].ft == 1);
+        for (int i = 0; i < p.n_captures; i++) {
+            const lm_plan_capture *c = &p.captures[i];
+            CHECK(c->n_seqs == 8 && c->n_tokens == cal.n_tokens && c->longest == 32 && c->run.n_formed == 1);
+            CHECK(c->weights_on_device && c->hess.n_acc == 8 && c->hess.host_bytes + c->hess.dev_bytes ==
+                  2 * (3 * 64 * 64 + 128 * 128) * sizeof(float));
+            CHECK(c->cpu.peak >= c->cpu.capturing && c->cpu.capturing > c->cpu.held && c->n_notes == 0);
+        }
+        // the base's pages are read by the first capture only: the second holds them already
+        CHECK(p.captures[1].cpu.held > p.captures[0].cpu.held);
+        // importance: a buffer for each FT on the tensors with a Hessian (14 linear weights)
+        int64_t with = 0;
+        for (int64_t i = 0; i < p.n_tensors; i++) {
+            int64_t layer;
+            lm_fwd_point pt;
+            bool has = lm_hess_point_of(p.tensors[i].name, &layer, &pt);
+            with += has;
+            const lm_merge_imp_need *imp = &p.tensors[i].imp_cpu;
+            // lora_plain changes q and v only; ft_full changes everything
+            int want = !has ? 0 : strstr(p.tensors[i].name, "q_proj") || strstr(p.tensors[i].name, "v_proj") ? 2 : 1;
+            CHECK_MSG(imp->parts == want && imp->key_bytes == (uint64_t)want * (uint64_t)imp->slab_elems * 4,
+                      "%s: %d parts with a Hessian, wanted %d", p.tensors[i].name, imp->parts, want);
+        }
+        CHECK(with == 14);
+        CHECK(p.cpu.keys_reserved == 2 * (uint64_t)p.slab_max * 4 && p.cpu.keys_touched > 0 &&
+              p.cpu.hessian_sets == 2 * 2 * (64 + 64 + 64 + 128) * sizeof(double));
+        CHECK(p.cpu_peak >= p.cpu.peak);
+        lm_plan_free(&p);
+    }
+    // --hessian-from base: one capture, of the base; its U_cc² in the cache: nothing runs
+    lm_plan_cached ucc2 = LM_PLAN_CACHE_UCC2;
+    hin.from_base = true;
+    hin.cached = &ucc2;
+    CHECK_OK(lm_plan_make(&p, &o, base, fts, &cpu, &hin, 5000000000ull, "out", &err), &err);
+    if (p.n_ft == 2) {
+        CHECK(p.n_captures == 1 && p.captures[0].ft == -1 && p.captures[0].cached == LM_PLAN_CACHE_UCC2 &&
+              p.captures[0].cpu.peak == p.captures[0].cpu.held && p.cpu.hessian_sets == 2 * (64 + 64 + 64 + 128) * 8);
+        lm_plan_free(&p);
+    }
+    // a device without the forward-pass or importance operations: everything on the CPU
+    lm_plan_device gpu = {.name = "gpu", .free_bytes = 1ull << 30, .total_bytes = 1ull << 30};
+    hin.cached = NULL;
+    CHECK_OK(lm_plan_make(&p, &o, base, fts, &gpu, &hin, 5000000000ull, "out", &err), &err);
+    if (p.n_ft == 2) {
+        CHECK(p.dev_accelerator && !p.accelerator && !p.captures[0].weights_on_device &&
+              p.captures[0].weights_why && p.captures[0].run.tokens_cpu == cal.n_tokens && p.n_fallback == 0);
+        lm_plan_free(&p);
+    }
+    // sparsegpt without calibration data is refused
+    CHECK_FAILS(lm_plan_make(&p, &o, base, fts, &cpu, NULL, 5000000000ull, "out", &err), LM_ERR_USAGE, "--calib",
+                &err);
+done:
+    lm_calib_free(&cal);
+    free(cpath);
+    free(p1);
+    free(p2);
+    lm_ft_free(fts[0]);
+    lm_ft_free(fts[1]);
+    lm_model_free(base);
+}
+
+int main(void)
+{
+    fixtures = getenv("LLMERGE_FIXTURES");
+    if (!fixtures || !*fixtures) {
+        fprintf(stderr, "test_plan: LLMERGE_FIXTURES is not set (ctest sets it)\n");
+        return 1;
+    }
+    lm_err err = {0};
+    lm_dev *cpu = NULL, *sim = NULL;
+    CHECK_OK(lm_dev_cpu_create(&cpu, 2, &err), &err);
+    CHECK_OK(lm_dev_sim_create(&sim, 64u << 20, NULL, 2, &err), &err);
+    if (cpu && sim)
+        test_weights(cpu, sim);
+    lm_dev_free(cpu);
+    lm_dev_free(sim);
+    test_accumulators();
+    test_runner();
+    test_point_of();
+    test_plan();
+    return check_report("test_plan");
+}
