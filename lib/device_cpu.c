@@ -1018,6 +1018,7 @@ typedef struct dense_job {
     int64_t nb;      // blocks
     int64_t *ties;   // (k × 2 nb) per part: each block's ties, then the ties it may keep
     bool *counted;   // (k) parts whose ties are counted per block
+    float *scratch;  // (nb × k × CHUNK) each block's τ of its parts, a chunk at a time
 } dense_job;
 
 static void dense_load(float *dst, const void *src, lm_dtype dt, int64_t lo, int64_t cnt)
@@ -1158,12 +1159,10 @@ static void dense_merge_task(void *ctx, int64_t blk)
     int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
     size_t es = lm_dtype_bits(j->out_dt) / 8;
     float b[CHUNK], o[CHUNK], w[k];
-    float (*t)[CHUNK] = malloc((size_t)k * sizeof *t);
+    float (*t)[CHUNK] = (float (*)[CHUNK])(j->scratch + (size_t)blk * (size_t)k * CHUNK);
     const float *tp[k];
     int keep[k];
     int64_t left[k];
-    if (!t)  // the pool has no error path: a few KiB the process cannot get is fatal
-        abort();
     for (int i = 0; i < k; i++) {
         const lm_dev_dense *p = &j->parts[i];
         const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 2 * j->nb : NULL;  // NULL: none counted
@@ -1199,7 +1198,6 @@ static void dense_merge_task(void *ctx, int64_t blk)
         }
         lm_convert_from_f32((char *)j->out + (size_t)c * es, j->out_dt, o, cnt, NULL);
     }
-    free(t);
 }
 
 static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
@@ -1217,9 +1215,13 @@ static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const vo
         parts[i].ties_used = 0;
     }
     j.counted = counted;
+    if (!(j.scratch = malloc((size_t)(nb ? nb : 1) * (size_t)(k > 0 ? k : 1) * CHUNK * sizeof(float))))
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
     if (any) {
-        if (!(j.ties = calloc((size_t)k * 2 * (size_t)(nb ? nb : 1), sizeof(int64_t))))
+        if (!(j.ties = calloc((size_t)k * 2 * (size_t)(nb ? nb : 1), sizeof(int64_t)))) {
+            free(j.scratch);
             return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+        }
         lm_pool_run(pool_of(d), nb, dense_count_task, &j);
         // The ties each block may keep: the budget goes to the lowest indices first.
         for (int i = 0; i < k; i++) {
@@ -1234,6 +1236,7 @@ static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const vo
     }
     lm_pool_run(pool_of(d), nb, dense_merge_task, &j);
     free(j.ties);
+    free(j.scratch);
     return LM_OK;
 }
 
