@@ -156,7 +156,7 @@ uint64_t lm_cache_key_hess(const lm_cache_hess_src *src)
 uint64_t lm_cache_key_ucc2(const lm_cache_hess_src *src, double damp)
 {
     keyer k;
-    key_start(&k, "llmerge ucc2 1");
+    key_start(&k, "llmerge ucc2 2");  // 2: U_cc² from one factorisation (lm_hess_ucc2)
     key_hess_src(&k, src);
     key_f64(&k, damp);
     return XXH64_digest(&k.st);

@@ -5,6 +5,7 @@
 #include <inttypes.h>
 #include <lapacke.h>
 #include <stdio.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -351,36 +352,35 @@ lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, 
     double *A = malloc(n * n * sizeof *A);
     if (!A)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory (%zu bytes)", n * n * sizeof(double));
+    // The damping: a dead input's zero diagonal becomes 1 (its weights are free to drop), then
+    // every diagonal entry gets damp × the diagonal's mean.
     double mean = 0;
-    for (size_t i = 0; i < n * n; i++)
-        A[i] = H[i];
-    for (size_t c = 0; c < n; c++) {
-        if (A[c * n + c] == 0)
-            A[c * n + c] = 1;  // a dead input: its weights are free to drop
-        mean += A[c * n + c];
-    }
-    mean /= (double)n;
     for (size_t c = 0; c < n; c++)
-        A[c * n + c] += damp * mean;
-    lapack_int N = (lapack_int)cols, info;
-    // H = L Lᵀ, H⁻¹ from L (lower triangle), mirrored, then H⁻¹ = Uᵀ U
-    if ((info = LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'L', N, A, N)) != 0 ||
-        (info = LAPACKE_dpotri(LAPACK_ROW_MAJOR, 'L', N, A, N)) != 0) {
+        mean += H[c * n + c] != 0 ? (double)H[c * n + c] : 1.0;
+    mean /= (double)n;
+    // U, the upper Cholesky factor of H⁻¹, without H⁻¹: with J the reversal of the inputs'
+    // order and J H J = L Lᵀ, H⁻¹ = J L⁻ᵀ L⁻¹ J = Mᵀ M for M = J L⁻¹ J, which is upper
+    // triangular with a positive diagonal, so U = M and U_cc = 1 / L_jj, j = n − 1 − c. One
+    // factorisation, where inverting H and factoring the inverse took three times the work.
+    // A holds J H J, damped: its lower triangle, row-major, which is the upper triangle of the
+    // same matrix column-major, so LAPACK factors it in place as Uᵀ U with U = Lᵀ (the same
+    // diagonal), without the transposed copy LAPACKE's row-major interface would make.
+    for (size_t r = 0; r < n; r++) {
+        const float *h = H + (n - 1 - r) * n + (n - 1);  // H's row n − 1 − r, read backwards
+        for (size_t c = 0; c <= r; c++)
+            A[r * n + c] = h[-(ptrdiff_t)c];
+        double d = A[r * n + r];
+        A[r * n + r] = (d != 0 ? d : 1.0) + damp * mean;
+    }
+    lapack_int N = (lapack_int)cols, info = LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', N, A, N);
+    if (info != 0) {
         free(A);
         return lm_err_set(err, LM_ERR_FORMAT, "the damped Hessian (%" PRId64 " x %" PRId64 ") is not positive "
                           "definite (LAPACK info %d)", cols, cols, (int)info);
     }
-    for (size_t r = 0; r < n; r++)
-        for (size_t c = r + 1; c < n; c++)
-            A[r * n + c] = A[c * n + r];
-    if ((info = LAPACKE_dpotrf(LAPACK_ROW_MAJOR, 'U', N, A, N)) != 0) {
-        free(A);
-        return lm_err_set(err, LM_ERR_FORMAT, "the inverse of the damped Hessian (%" PRId64 " x %" PRId64 ") is not "
-                          "positive definite (LAPACK info %d)", cols, cols, (int)info);
-    }
     for (size_t c = 0; c < n; c++) {
-        double u = A[c * n + c];
-        ucc2[c] = u * u;
+        double l = A[(n - 1 - c) * n + (n - 1 - c)];
+        ucc2[c] = 1.0 / (l * l);
     }
     free(A);
     return LM_OK;
@@ -586,14 +586,13 @@ uint64_t lm_hess_plan_finish(const lm_hess_plan *p, const lm_model *m, bool coun
         left += (on_dev ? (count_dev ? acc : 0) + (host_copies ? acc : 0) : acc);
     }
     // lm_hess_ucc2_model, per Hessian in index order: it is read into H (the widest, float32),
-    // its accumulators are released, then lm_hess_ucc2 factors a double copy, which LAPACKE's
-    // row-major interface transposes into another
+    // its accumulators are released, then lm_hess_ucc2 factors a double copy in place
     for (int64_t i = 0; i < n; i++) {
         uint64_t d = (uint64_t)dim[i % LM_FWD_N_POINTS], acc = d * d * sizeof(float);
         bool on_dev = i < p->n_dev;
         if (i < p->n_acc)
             left -= (on_dev ? (count_dev ? acc : 0) + (host_copies ? acc : 0) : acc);
-        uint64_t now = left + h + 2 * d * d * sizeof(double);
+        uint64_t now = left + h + d * d * sizeof(double);
         most = now > most ? now : most;
     }
     return most;

@@ -174,7 +174,7 @@ lm_status lm_hess_plan_make(lm_hess_plan *p, const lm_model *m, bool on_device, 
 // (those on the device counted when count_dev; host_copies: the host-side accumulators that
 // batches run on the CPU add beside those on the device) and its scratch: each Hessian is read
 // into a float32 matrix of the widest size, its accumulators released, and its U_cc² computed
-// from a double copy (and LAPACKE's transposed copy of that). With p->n_acc 0 (Hessians read one
+// from a double copy, factored in place. With p->n_acc 0 (Hessians read one
 // at a time from elsewhere) only the scratch counts.
 uint64_t lm_hess_plan_finish(const lm_hess_plan *p, const lm_model *m, bool count_dev, bool host_copies);
 

@@ -621,33 +621,89 @@ out:
 // The inverse of the n × n matrix A (Gauss-Jordan with partial pivoting), in double.
 static void invert(const double *A, int n, double *inv)
 {
-    double M[8][16];
+    int w = 2 * n;
+    double *M = malloc((size_t)n * (size_t)w * sizeof *M);
+    if (!M)
+        abort();
     for (int r = 0; r < n; r++)
-        for (int c = 0; c < 2 * n; c++)
-            M[r][c] = c < n ? A[r * n + c] : (c - n == r);
+        for (int c = 0; c < w; c++)
+            M[r * w + c] = c < n ? A[r * n + c] : (c - n == r);
     for (int c = 0; c < n; c++) {
         int p = c;
         for (int r = c + 1; r < n; r++)
-            if (fabs(M[r][c]) > fabs(M[p][c]))
+            if (fabs(M[r * w + c]) > fabs(M[p * w + c]))
                 p = r;
-        for (int k = 0; k < 2 * n; k++) {
-            double t = M[c][k];
-            M[c][k] = M[p][k];
-            M[p][k] = t;
+        for (int k = 0; k < w; k++) {
+            double t = M[c * w + k];
+            M[c * w + k] = M[p * w + k];
+            M[p * w + k] = t;
         }
-        double piv = M[c][c];
-        for (int k = 0; k < 2 * n; k++)
-            M[c][k] /= piv;
+        double piv = M[c * w + c];
+        for (int k = 0; k < w; k++)
+            M[c * w + k] /= piv;
         for (int r = 0; r < n; r++)
             if (r != c) {
-                double f = M[r][c];
-                for (int k = 0; k < 2 * n; k++)
-                    M[r][k] -= f * M[c][k];
+                double f = M[r * w + c];
+                for (int k = 0; k < w; k++)
+                    M[r * w + k] -= f * M[c * w + k];
             }
     }
     for (int r = 0; r < n; r++)
         for (int c = 0; c < n; c++)
-            inv[r * n + c] = M[r][c + n];
+            inv[r * n + c] = M[r * w + c + n];
+    free(M);
+}
+
+// lm_hess_ucc2 on a 48-input Hessian with a dead input, against U_cc² found another way: the
+// Cholesky factor U of H⁻¹ (Uᵀ U = H⁻¹, U upper) has U_cc² = the first diagonal entry of the
+// inverse of H's trailing block from input c on (the Schur complement of the inputs after c,
+// inverted), computed here by inverting each trailing block.
+static void test_ucc2_blocks(void)
+{
+    lm_err err = {0};
+    enum { N = 48, T = 120 };
+    float *H = calloc(N * N, sizeof *H);
+    double *A = malloc(N * N * sizeof *A), *B = malloc(N * N * sizeof *B), *inv = malloc(N * N * sizeof *inv);
+    double ucc2[N], mean = 0, worst = 0;
+    uint64_t st = 99;
+    static double X[T][N];
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < N; c++) {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            X[t][c] = c == 5 ? 0 : (double)(st >> 11) / 9007199254740992.0 - 0.5 + (c % 3 == 0 ? X[t][0] : 0);
+        }
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < N; c++) {
+            double sum = 0;
+            for (int t = 0; t < T; t++)
+                sum += X[t][r] * X[t][c];
+            H[r * N + c] = (float)(2 * sum / T);
+        }
+    CHECK_OK(lm_hess_ucc2(ucc2, H, N, 0.01, &err), &err);
+    for (int i = 0; i < N * N; i++)
+        A[i] = H[i];
+    for (int c = 0; c < N; c++) {
+        if (A[c * N + c] == 0)
+            A[c * N + c] = 1;
+        mean += A[c * N + c] / N;
+    }
+    for (int c = 0; c < N; c++)
+        A[c * N + c] += 0.01 * mean;
+    for (int c = 0; c < N; c++) {
+        int m = N - c;
+        for (int r = 0; r < m; r++)
+            for (int k = 0; k < m; k++)
+                B[r * m + k] = A[(c + r) * N + c + k];
+        invert(B, m, inv);
+        double e = fabs(ucc2[c] - inv[0]) / inv[0];
+        worst = e > worst ? e : worst;
+    }
+    CHECK_MSG(worst < 1e-9, "U_cc² differs from the trailing blocks' inverses by %g", worst);
+    printf("U_cc² (48 inputs, one dead) max relative error %.2e\n", worst);
+    free(H);
+    free(A);
+    free(B);
+    free(inv);
 }
 
 static void test_importance(void)
@@ -725,6 +781,7 @@ int main(void)
         test_finishing();
         test_each_hessian(cpu);
         test_importance();
+        test_ucc2_blocks();
     }
     lm_dev_free(cpu);
     return check_report("test_hessian");
