@@ -602,15 +602,7 @@ static bool holds(const char *out_real, const char *in)
 // the work; this says it before the inputs are read).
 static lm_status check_parent(const char *out, lm_err *err)
 {
-    size_t len = strlen(out);
-    while (len > 1 && out[len - 1] == '/')  // "a/b/" names "a/b"
-        len--;
-    size_t cut = len;
-    while (cut > 0 && out[cut - 1] != '/')
-        cut--;
-    if (cut <= 1)  // "b" or "/b": the parent is "." or "/"
-        return LM_OK;
-    char *parent = lm_strfmt("%.*s", (int)(cut - 1), out);
+    char *parent = lm_path_parent(out);
     if (!parent)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     lm_status s = LM_OK;

@@ -25,21 +25,6 @@ void lm_plan_free(lm_plan *p)
     memset(p, 0, sizeof *p);
 }
 
-char *lm_plan_parent(const char *out)
-{
-    size_t len = strlen(out);
-    while (len > 1 && out[len - 1] == '/')  // "a/b/" names "a/b"
-        len--;
-    size_t cut = len;
-    while (cut > 0 && out[cut - 1] != '/')
-        cut--;
-    if (cut == 0)
-        return lm_strfmt(".");
-    if (cut == 1)
-        return lm_strfmt("/");
-    return lm_strfmt("%.*s", (int)(cut - 1), out);
-}
-
 static uint64_t max_u64(uint64_t a, uint64_t b)
 {
     return a > b ? a : b;
@@ -62,7 +47,7 @@ static bool free_space(const char *dir, uint64_t *out)
             free(d);
             return true;
         }
-        char *up = lm_plan_parent(d);
+        char *up = lm_path_parent(d);
         bool top = !up || strcmp(up, d) == 0;
         free(d);
         d = up;
@@ -401,7 +386,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     p->tensors = calloc((size_t)(base->n_tensors > 0 ? base->n_tensors : 1), sizeof *p->tensors);
     tau_touch = calloc((size_t)(o->n_ft > 0 ? o->n_ft : 1), sizeof *tau_touch);
     key_touch = calloc((size_t)(o->n_ft > 0 ? o->n_ft : 1), sizeof *key_touch);
-    p->out_parent = lm_plan_parent(out);
+    p->out_parent = lm_path_parent(out);
     if (!p->ft || !p->tensors || !tau_touch || !key_touch || !p->out_parent) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto fail;

@@ -187,8 +187,4 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
 // Frees what lm_plan_make allocated; safe on a zeroed plan.
 void lm_plan_free(lm_plan *p);
 
-// The directory `out` goes into: "a/b" for "a/b/c", "." for "c", "/" for "/c". A new string
-// the caller frees, or NULL when out of memory.
-char *lm_plan_parent(const char *out);
-
 #endif

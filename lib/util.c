@@ -172,6 +172,21 @@ const char *lm_path_base(const char *path)
     return s ? s + 1 : path;
 }
 
+char *lm_path_parent(const char *out)
+{
+    size_t len = strlen(out);
+    while (len > 1 && out[len - 1] == '/')  // "a/b/" names "a/b"
+        len--;
+    size_t cut = len;
+    while (cut > 0 && out[cut - 1] != '/')
+        cut--;
+    if (cut == 0)
+        return lm_strfmt(".");
+    if (cut == 1)
+        return lm_strfmt("/");
+    return lm_strfmt("%.*s", (int)(cut - 1), out);
+}
+
 bool lm_is_dir(const char *path)
 {
     struct stat st;

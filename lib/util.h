@@ -75,6 +75,10 @@ char *lm_path_join(const char *a, const char *b);
 // Returns the last component of `path` (a pointer into it).
 const char *lm_path_base(const char *path);
 
+// The directory `out` goes into: "a/b" for "a/b/c" (and "a/b/c/"), "." for "c", "/" for "/c".
+// A new string the caller frees, or NULL when out of memory.
+char *lm_path_parent(const char *out);
+
 bool lm_is_dir(const char *path);
 bool lm_is_file(const char *path);
 

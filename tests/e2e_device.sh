@@ -13,11 +13,8 @@ ample=() small=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do ample+=("$1"); shift; done
 [ $# -gt 0 ] && shift
 small=("$@")
-work=$(mktemp -d /tmp/lm_e2e_device_XXXXXX)
-trap 'rm -rf "$work"' EXIT
-passed=0 failed=0
-ok() { passed=$((passed + 1)); }
-bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_device
 
 B=$fx/base
 # same_as_cpu NAME ARGS...: the merge on the CPU and with each set of device arguments agree.
@@ -74,5 +71,4 @@ same_as_cpu dare-ties-full dare-ties "$B" "$ff" "$ff2" --seed 9 --dtype f32
 same_as_cpu task-arithmetic-full task-arithmetic "$B" "$ff" "$ff2" --weights 0.7,0.4
 same_as_cpu sparsegpt sparsegpt "$B" "$lp" "$lr" "$ff" --calib "$fx/calib/calib.jsonl" --density 0.3
 
-echo "e2e_device: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+e2e_end

@@ -10,49 +10,13 @@
 # Usage: e2e_eval.sh LLMERGE FIXTURES JSONQ
 set -u
 llmerge=$1 fx=$2 jsonq=$3
-work=$(mktemp -d /tmp/lm_e2e_eval_XXXXXX)
-trap 'rm -rf "$work"' EXIT
-passed=0 failed=0
-
-ok() { passed=$((passed + 1)); }
-bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
-
-# expect STATUS NEEDLE ARGS...: runs llmerge ARGS, wants that exit status and NEEDLE in its
-# stdout+stderr.
-expect() {
-  local want=$1 needle=$2
-  shift 2
-  "$llmerge" "$@" >"$work/out" 2>&1
-  local rc=$?
-  if [ "$rc" -ne "$want" ]; then
-    bad "llmerge $* exited $rc, wanted $want: $(head -c 600 "$work/out")"
-  elif ! grep -qF -- "$needle" "$work/out"; then
-    bad "llmerge $* output lacks '$needle': $(head -c 600 "$work/out")"
-  else
-    ok
-  fi
-}
-
-# run NAME ARGS...: llmerge ARGS must succeed; stdout goes to $work/NAME.out, stderr to NAME.err.
-run() {
-  local name=$1
-  shift
-  if "$llmerge" "$@" >"$work/$name.out" 2>"$work/$name.err"; then ok; else
-    bad "llmerge $* failed: $(head -c 600 "$work/$name.err")"
-  fi
-}
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_eval
 
 same() { if cmp -s "$work/$1.out" "$work/$2.out"; then ok; else bad "$1 and $2 differ: $(cat "$work/$1.out") / $(cat "$work/$2.out")"; fi; }
 differ() { if ! cmp -s "$work/$1.out" "$work/$2.out"; then ok; else bad "$1 and $2 are the same: $(cat "$work/$1.out")"; fi; }
 has() { if grep -qF -- "$2" "$work/$1"; then ok; else bad "$1 lacks '$2': $(head -c 600 "$work/$1")"; fi; }
 lacks() { if ! grep -qF -- "$2" "$work/$1"; then ok; else bad "$1 has '$2'"; fi; }
-
-# json FILE PATH WANT
-json() {
-  local got
-  got=$("$jsonq" "$1" "$2" 2>&1)
-  if [ "$got" = "$3" ]; then ok; else bad "$1: $2 = '$got', wanted '$3'"; fi
-}
 
 # close A B REL: the numbers A and B agree to REL relative.
 close() {
@@ -204,5 +168,4 @@ printf '1 2 3\nnot ids\n' >"$work/late.txt"
 run late eval "$fx/base" --data "$work/late.txt" --samples 1
 has late.out "tokens 2"
 
-echo "e2e_eval: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+e2e_end

@@ -10,42 +10,8 @@
 # Usage: e2e_hessian.sh LLMERGE FIXTURES JSONQ
 set -u
 llmerge=$1 fx=$2 jsonq=$3
-work=$(mktemp -d /tmp/lm_e2e_hessian_XXXXXX)
-trap 'rm -rf "$work"' EXIT
-passed=0 failed=0
-
-ok() { passed=$((passed + 1)); }
-bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
-
-# expect STATUS NEEDLE ARGS...: llmerge ARGS must exit with STATUS and print NEEDLE.
-expect() {
-  local want=$1 needle=$2
-  shift 2
-  "$llmerge" "$@" >"$work/out" 2>&1
-  local rc=$?
-  if [ "$rc" -ne "$want" ]; then
-    bad "llmerge $* exited $rc, wanted $want: $(head -c 600 "$work/out")"
-  elif ! grep -qF -- "$needle" "$work/out"; then
-    bad "llmerge $* output lacks '$needle': $(head -c 600 "$work/out")"
-  else
-    ok
-  fi
-}
-
-# run NAME ARGS...: llmerge ARGS must succeed; stderr goes to $work/NAME.err.
-run() {
-  local name=$1
-  shift
-  if "$llmerge" "$@" >"$work/$name.out" 2>"$work/$name.err"; then ok; else
-    bad "llmerge $* failed: $(head -c 600 "$work/$name.err")"
-  fi
-}
-
-json() {
-  local got
-  got=$("$jsonq" "$1" "$2" 2>&1)
-  if [ "$got" = "$3" ]; then ok; else bad "$1: $2 = '$got', wanted '$3'"; fi
-}
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_hessian
 
 # tensors FILE: the tensor data of a safetensors file, past its header (for comparing values).
 tensors() { local n; n=$(od -An -tu8 -N8 "$1" | tr -d ' '); tail -c +$((n + 9)) "$1"; }
@@ -137,5 +103,4 @@ expect 2 "did you mean '--calib-samples'" hessian "$fx/base" --calib "$data" -o 
 expect 2 "is an adapter directory" hessian "$fx/lora_plain" --calib "$data" -o "$work/b.safetensors"
 expect 2 "--seq-len" hessian "$fx/base" --calib "$data" -o "$work/b.safetensors" --seq-len 0
 
-echo "e2e_hessian: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+e2e_end

@@ -6,28 +6,8 @@
 # Usage: e2e_inspect.sh LLMERGE FIXTURES TEST_SAFETENSORS JSONQ
 set -u
 llmerge=$1 fx=$2 st_test=$3 jsonq=$4
-work=$(mktemp -d /tmp/lm_e2e_inspect_XXXXXX)
-trap 'rm -rf "$work"' EXIT
-passed=0 failed=0
-
-ok() { passed=$((passed + 1)); }
-bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
-
-# expect STATUS NEEDLE ARGS...: runs llmerge ARGS, wants that exit status and NEEDLE in its
-# stdout+stderr.
-expect() {
-  local want=$1 needle=$2
-  shift 2
-  "$llmerge" "$@" >"$work/out" 2>&1
-  local rc=$?
-  if [ "$rc" -ne "$want" ]; then
-    bad "llmerge $* exited $rc, wanted $want: $(head -c 400 "$work/out")"
-  elif ! grep -qF -- "$needle" "$work/out"; then
-    bad "llmerge $* output lacks '$needle': $(head -c 400 "$work/out")"
-  else
-    ok
-  fi
-}
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_inspect
 
 # json PATH WANT: the value at PATH of the last --json output.
 json() {
@@ -149,5 +129,4 @@ expect 0 "inspect" --help
 expect 2 "Usage" 
 expect 0 "llmerge 0" --version
 
-echo "e2e_inspect: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+e2e_end

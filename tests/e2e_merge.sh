@@ -16,41 +16,15 @@
 # Usage: e2e_merge.sh LLMERGE FIXTURES JSONQ ST_HASH
 set -u
 llmerge=$1 fx=$2 jsonq=$3 st_hash=$4
-work=$(mktemp -d /tmp/lm_e2e_merge_XXXXXX)
-trap 'rm -rf "$work"' EXIT
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_merge
 export XDG_CACHE_HOME=$work/cache  # sparsegpt's default cache: never the user's
-passed=0 failed=0
 
-ok() { passed=$((passed + 1)); }
-bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
 check() { if eval "$1"; then ok; else bad "$2"; fi; }
-
-# expect STATUS NEEDLE ARGS...: runs llmerge ARGS, wants that exit status and NEEDLE in its
-# stdout+stderr.
-expect() {
-  local want=$1 needle=$2
-  shift 2
-  "$llmerge" "$@" >"$work/out" 2>&1
-  local rc=$?
-  if [ "$rc" -ne "$want" ]; then
-    bad "llmerge $* exited $rc, wanted $want: $(head -c 600 "$work/out")"
-  elif ! grep -qF -- "$needle" "$work/out"; then
-    bad "llmerge $* output lacks '$needle': $(head -c 600 "$work/out")"
-  else
-    ok
-  fi
-}
 
 # merge ARGS...: a merge that must succeed.
 merge() {
   if "$llmerge" "$@" >"$work/out" 2>&1; then ok; else bad "llmerge $* failed: $(head -c 600 "$work/out")"; fi
-}
-
-# json FILE PATH WANT: the value at PATH of a JSON file.
-json() {
-  local got
-  got=$("$jsonq" "$1" "$2" 2>&1)
-  if [ "$got" = "$3" ]; then ok; else bad "$1: $2 = '$got', wanted '$3'"; fi
 }
 
 # loads DIR: llmerge reads DIR back as a model and its check against the architecture passes.
@@ -527,5 +501,4 @@ expect 0 "default for dare-ties: off" dare-ties --help
 expect 0 "task-arithmetic" --help
 expect 2 "did you mean 'dare'" daer "$B" "$lp" -o "$x"
 
-echo "e2e_merge: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+e2e_end

@@ -11,13 +11,9 @@
 # Usage: e2e_plan.sh LLMERGE FIXTURES JSONQ
 set -u
 llmerge=$1 fx=$2 jsonq=$3
-work=$(mktemp -d /tmp/lm_e2e_plan_XXXXXX)
-trap 'rm -rf "$work"' EXIT
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_plan
 export XDG_CACHE_HOME=$work/xdg  # sparsegpt's default cache: never the user's
-passed=0 failed=0
-
-ok() { passed=$((passed + 1)); }
-bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
 
 # jq_list FILE PATH: the strings of the JSON array at PATH, one a line, sorted.
 jq_list() {
@@ -311,5 +307,4 @@ expect2 "FT 1" ties "$fx/base" "$fx/llama3" -o "$work/x"
 mkdir -p "$work/exists"
 expect2 "already exists" ties "$fx/base" "$fx/lora_plain" -o "$work/exists"
 
-echo "e2e_plan: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+e2e_end

@@ -14,13 +14,10 @@
 # Usage: e2e_robust.sh LLMERGE FIXTURES JSONQ
 set -u
 llmerge=$1 fx=$2 jsonq=$3
-work=$(mktemp -d /tmp/lm_e2e_robust_XXXXXX)
-trap 'rm -rf "$work"' EXIT
-passed=0 failed=0
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_robust
 set -m
 
-ok() { passed=$((passed + 1)); }
-bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
 check() { if eval "$1"; then ok; else bad "$2"; fi; }
 
 B=$fx/base lp=$fx/lora_plain
@@ -152,5 +149,4 @@ rc=$?
 check '[ $rc -eq 130 ] && grep -q "error: interrupted by SIGINT" "$work/eval.err" && ! grep -q perplexity "$work/eval.out"' \
   "eval: exit $rc (want 130, no result): $(cat "$work/eval.out" "$work/eval.err")"
 
-echo "e2e_robust: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+e2e_end

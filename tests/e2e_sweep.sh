@@ -8,12 +8,9 @@
 # Usage: e2e_sweep.sh LLMERGE FIXTURES SOURCE_DIR
 set -u
 llmerge=$1 fx=$2 src=$3
-work=$(mktemp -d /tmp/lm_e2e_sweep_XXXXXX)
-trap 'rm -rf "$work"' EXIT
-passed=0 failed=0
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_sweep
 
-ok() { passed=$((passed + 1)); }
-bad() { failed=$((failed + 1)); echo "FAIL: $*" >&2; }
 check() { if eval "$1"; then ok; else bad "$2"; fi; }
 
 # ctest may run under make (make test): its job server and flags are not for these makes
@@ -105,5 +102,4 @@ if cmp -s "$src/docs/llmerge.1" "$dest/opt/lm/share/man/man1/llmerge.1"; then ok
   bad "make install put no llmerge.1 in $dest/opt/lm/share/man/man1"
 fi
 
-echo "e2e_sweep: $passed passed, $failed failed"
-[ "$failed" -eq 0 ]
+e2e_end

@@ -72,6 +72,14 @@ static void test_paths(void)
     CHECK(p && strcmp(p, "/abs") == 0);
     free(p);
     CHECK(strcmp(lm_path_base("x/y/z.bin"), "z.bin") == 0);
+    const char *parents[][2] = {{"a/b/c", "a/b"}, {"a/b/c/", "a/b"}, {"c", "."}, {"/c", "/"}, {"/", "/"},
+                                {"/a/b", "/a"}, {"a//", "."}};
+    for (size_t i = 0; i < sizeof parents / sizeof parents[0]; i++) {
+        p = lm_path_parent(parents[i][0]);
+        CHECK_MSG(p && strcmp(p, parents[i][1]) == 0, "parent of %s: %s, wanted %s", parents[i][0], p ? p : "NULL",
+                  parents[i][1]);
+        free(p);
+    }
 
     char dir[] = "/tmp/lm_test_util_XXXXXX";
     CHECK(mkdtemp(dir) != NULL);
