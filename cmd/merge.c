@@ -980,6 +980,10 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     cJSON_AddItemToObject(fb, "units", r->fallbacks ? r->fallbacks : cJSON_CreateArray());
     r->fallbacks = NULL;  // the manifest owns it now
+    cJSON *sel = cJSON_AddObjectToObject(m->root, "selection");
+    if (!sel || !cJSON_AddNumberToObject(sel, "windows", (double)res->windows) ||
+        !cJSON_AddNumberToObject(sel, "window_misses", (double)res->window_misses))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     cJSON *xfer = cJSON_AddObjectToObject(m->root, "transfers");
     if (!xfer || !cJSON_AddNumberToObject(xfer, "bytes_to_device", (double)res->bytes_to_device) ||
         !cJSON_AddNumberToObject(xfer, "bytes_from_device", (double)res->bytes_from_device))

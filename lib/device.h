@@ -39,6 +39,13 @@ typedef struct lm_dev_dense {
     const void *src;   // host memory: the slab's first element (when tau is NULL)
     lm_dtype dt;
     const float *tau;  // or τ itself, device memory (which is host memory on these devices)
+    // or τ = scale · (B @ A), made here from a LoRA pair's float32 factors as lm_dev_gemm makes
+    // it (rank lora_r <= LM_DEV_LOWRANK_MAX): the slab's element e is at row (col0 + e) / cols
+    // of lora_b and column (col0 + e) % cols of lora_a.
+    const float *lora_b;  // [rows, lora_r] from the row of the slab's first element
+    const float *lora_a;  // [lora_r, cols]
+    int64_t lora_r, cols, col0;
+    float scale;
     // lm_dev_dense_hist: the window counts of |τ| as lm_dev_hist_window adds them (win NULL:
     // this part is not counted).
     uint64_t *above, *win;
@@ -201,7 +208,11 @@ lm_status lm_dev_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int
 lm_status lm_dev_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
 
 // Row-major C[m,n] = alpha · op(A) op(B) + beta · C, op transposing when ta / tb is set
-// (op(A) is [m,k], op(B) is [k,n]); lda, ldb, ldc are row strides of A, B, C as stored.
+// (op(A) is [m,k], op(B) is [k,n]); lda, ldb, ldc are row strides of A, B, C as stored. On the
+// CPU a product without transposes of rank k <= LM_DEV_LOWRANK_MAX (a LoRA pair's B @ A) gives
+// each element as the fused multiply-add chain Σ A[i,q]·B[q,j] in q order, then times alpha,
+// whatever the shape: the fused dense operations make LoRA products the same way.
+#define LM_DEV_LOWRANK_MAX 64
 lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                       const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                       float *c, int64_t ldc, lm_err *err);
@@ -297,9 +308,10 @@ lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *
                          float lambda, lm_err *err);
 
 // ---- fused dense operations -------------------------------------------------------------------
-// For full fine-tuned models on a device whose memory is the host's (the CPU): the inputs are
-// read where they are mapped, and each τ lives in a few hundred elements of cache instead of a
-// float32 buffer in memory, so a pass over a tensor moves its 16-bit inputs and nothing else.
+// For full fine-tuned models and LoRA pairs on a device whose memory is the host's (the CPU): the
+// inputs are read where they are mapped (a LoRA τ is made from its factors), and each τ lives in
+// a few hundred elements of cache instead of a float32 buffer in memory, so a pass over a
+// tensor moves its 16-bit inputs and nothing else.
 // Their results are exactly those of the separate operations they replace. lm_dev_has_dense
 // says whether d has them; the others are LM_ERR_UNSUPPORTED where it does not.
 

@@ -8,6 +8,8 @@
 #include <cblas.h>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#define HAVE_AVX512_PATH 1  // kernels with AVX-512 or AVX2 and FMA, chosen when the processor has them
+#define HAVE_FMA_PATH 1
 #endif
 #include <math.h>
 #include <pthread.h>
@@ -26,6 +28,8 @@ typedef struct cpu_ctx {
     uint32_t *hist_local;     // histogram tables of cpu_hist_abs, zero between calls
     size_t hist_cells;
     pthread_mutex_t hist_mu;  // guards the caller's histogram while tasks add to it
+    float *lora_tau;          // the fused dense operations' LoRA τ, a span per part per task
+    size_t lora_cells;
 } cpu_ctx;
 
 static lm_pool *pool_of(lm_dev *d)
@@ -87,6 +91,7 @@ static void cpu_destroy(lm_dev *d)
     if (c) {
         lm_pool_free(c->pool);
         free(c->hist_local);
+        free(c->lora_tau);
         pthread_mutex_destroy(&c->hist_mu);
     }
     free(c);
@@ -194,6 +199,145 @@ static void gemm_tiles(int64_t m, int64_t n, int64_t *tile_rows, int64_t *tile_c
     *tile_cols = tc;
 }
 
+// ---- low-rank products -----------------------------------------------------------------------
+// A product of rank k <= LM_DEV_LOWRANK_MAX without transposes (a LoRA pair's B @ A) is made
+// here rather than by BLAS: each element is one fused multiply-add chain over k in order, from
+// zero, then scaled, so its value depends on its own inputs alone. The fused dense operations
+// make a LoRA τ a chunk at a time with the same code and get the GEMM's bits; BLAS picks its
+// kernel by the shape it is given, and a chunk is not the shape of the whole product. At such
+// ranks the work is the memory traffic of C, not the arithmetic, which these loops keep up with.
+
+// c[i·ldc + j] = alpha · Σ_q x[i·ldx + q] · y[q·ldy + j] (+ beta · c[i·ldc + j] unless beta is 0,
+// c then not read) for i < m, j < n, k <= LM_DEV_LOWRANK_MAX. A block of LOWRANK_COLS columns of
+// y at a time for every row: the block is first copied together (k × LOWRANK_COLS values, in
+// the first-level cache while the rows pass; y's rows as they are lie a power of two apart and
+// would fall into the same few cache sets).
+#define LOWRANK_COLS 64
+
+#ifdef HAVE_AVX512_PATH
+__attribute__((target("avx512f"))) static void lowrank_tile_avx512(float *c, int64_t ldc, const float *x, int64_t ldx,
+                                                                  const float *y, int64_t ldy, int64_t m, int64_t k,
+                                                                  int64_t n, float alpha, float beta)
+{
+    const __m512 al = _mm512_set1_ps(alpha), be = _mm512_set1_ps(beta);
+    _Alignas(64) float pack[LM_DEV_LOWRANK_MAX * LOWRANK_COLS];
+    for (int64_t j = 0; j < n; j += LOWRANK_COLS) {
+        __mmask16 mk[4];
+        for (int v = 0; v < 4; v++) {
+            int64_t left = n - j - 16 * v;
+            mk[v] = left >= 16 ? (__mmask16)0xFFFF : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        }
+        for (int64_t q = 0; q < k; q++)
+            for (int v = 0; v < 4; v++)
+                _mm512_store_ps(pack + q * LOWRANK_COLS + 16 * v, _mm512_maskz_loadu_ps(mk[v], y + q * ldy + j + 16 * v));
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * ldx;
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t q = 0; q < k; q++) {
+                const float *yq = pack + q * LOWRANK_COLS;
+                __m512 xq = _mm512_set1_ps(xi[q]);
+                a0 = _mm512_fmadd_ps(xq, _mm512_load_ps(yq), a0);
+                a1 = _mm512_fmadd_ps(xq, _mm512_load_ps(yq + 16), a1);
+                a2 = _mm512_fmadd_ps(xq, _mm512_load_ps(yq + 32), a2);
+                a3 = _mm512_fmadd_ps(xq, _mm512_load_ps(yq + 48), a3);
+            }
+            __m512 r[4] = {a0, a1, a2, a3};
+            float *ci = c + i * ldc + j;
+            for (int v = 0; v < 4 && mk[v]; v++) {
+                __m512 o = _mm512_mul_ps(al, r[v]);
+                if (beta != 0.0f)
+                    o = _mm512_add_ps(o, _mm512_mul_ps(be, _mm512_maskz_loadu_ps(mk[v], ci + 16 * v)));
+                _mm512_mask_storeu_ps(ci + 16 * v, mk[v], o);
+            }
+        }
+    }
+}
+#endif
+
+#ifdef HAVE_FMA_PATH
+__attribute__((target("avx2,fma"))) static void lowrank_tile_fma(float *c, int64_t ldc, const float *x, int64_t ldx,
+                                                                const float *y, int64_t ldy, int64_t m, int64_t k,
+                                                                int64_t n, float alpha, float beta)
+{
+    const __m256 al = _mm256_set1_ps(alpha), be = _mm256_set1_ps(beta);
+    _Alignas(32) float pack[LM_DEV_LOWRANK_MAX * 32];
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        for (int64_t q = 0; q < k; q++)
+            memcpy(pack + q * 32, y + q * ldy + j, 32 * sizeof *pack);
+        for (int64_t i = 0; i < m; i++) {
+            const float *xi = x + i * ldx;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int64_t q = 0; q < k; q++) {
+                const float *yq = pack + q * 32;
+                __m256 xq = _mm256_set1_ps(xi[q]);
+                a0 = _mm256_fmadd_ps(xq, _mm256_loadu_ps(yq), a0);
+                a1 = _mm256_fmadd_ps(xq, _mm256_loadu_ps(yq + 8), a1);
+                a2 = _mm256_fmadd_ps(xq, _mm256_loadu_ps(yq + 16), a2);
+                a3 = _mm256_fmadd_ps(xq, _mm256_loadu_ps(yq + 24), a3);
+            }
+            __m256 r[4] = {a0, a1, a2, a3};
+            float *ci = c + i * ldc + j;
+            for (int v = 0; v < 4; v++) {
+                __m256 o = _mm256_mul_ps(al, r[v]);
+                if (beta != 0.0f)
+                    o = _mm256_add_ps(o, _mm256_mul_ps(be, _mm256_loadu_ps(ci + 8 * v)));
+                _mm256_storeu_ps(ci + 8 * v, o);
+            }
+        }
+    }
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t jj = j; jj < n; jj++) {
+            float acc = 0.0f;
+            for (int64_t q = 0; q < k; q++)
+                acc = fmaf(x[i * ldx + q], y[q * ldy + jj], acc);
+            float *ci = c + i * ldc + jj;
+            *ci = beta != 0.0f ? alpha * acc + beta * *ci : alpha * acc;
+        }
+}
+#endif
+
+static void lowrank_tile(float *c, int64_t ldc, const float *x, int64_t ldx, const float *y, int64_t ldy, int64_t m,
+                         int64_t k, int64_t n, float alpha, float beta)
+{
+#ifdef HAVE_AVX512_PATH
+    if (__builtin_cpu_supports("avx512f")) {
+        lowrank_tile_avx512(c, ldc, x, ldx, y, ldy, m, k, n, alpha, beta);
+        return;
+    }
+#endif
+#ifdef HAVE_FMA_PATH
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        lowrank_tile_fma(c, ldc, x, ldx, y, ldy, m, k, n, alpha, beta);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < m; i++)
+        for (int64_t j = 0; j < n; j++) {
+            float acc = 0.0f;
+            for (int64_t q = 0; q < k; q++)
+                acc = fmaf(x[i * ldx + q], y[q * ldy + j], acc);
+            float *ci = c + i * ldc + j;
+            *ci = beta != 0.0f ? alpha * acc + beta * *ci : alpha * acc;
+        }
+}
+
+typedef struct lowrank_job {
+    int64_t m, n, k, rows_per_task;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+    int64_t lda, ldb, ldc;
+} lowrank_job;
+
+static void lowrank_task(void *ctx, int64_t t)
+{
+    lowrank_job *j = ctx;
+    int64_t r0 = t * j->rows_per_task, r1 = r0 + j->rows_per_task < j->m ? r0 + j->rows_per_task : j->m;
+    lowrank_tile(j->c + r0 * j->ldc, j->ldc, j->a + r0 * j->lda, j->lda, j->b, j->ldb, r1 - r0, j->k, j->n, j->alpha,
+                 j->beta);
+}
+
 static lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                           const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                           float *c, int64_t ldc, lm_err *err)
@@ -203,6 +347,12 @@ static lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int
                           (long long)m, (long long)n, (long long)k);
     if (m == 0 || n == 0)
         return LM_OK;
+    if (!ta && !tb && k <= LM_DEV_LOWRANK_MAX) {
+        lowrank_job j = {.m = m, .n = n, .k = k, .rows_per_task = BLOCK / n > 0 ? BLOCK / n : 1, .alpha = alpha,
+                         .beta = beta, .a = a, .b = b, .c = c, .lda = lda, .ldb = ldb, .ldc = ldc};
+        lm_pool_run(pool_of(d), ceil_div(m, j.rows_per_task), lowrank_task, &j);
+        return LM_OK;
+    }
     // OpenBLAS runs single-threaded (its spinning workers would compete with the pool); the
     // pool splits C into tiles. The split depends on the shape alone, never on the thread
     // count: OpenBLAS picks its kernel by the shape it is given, and at small shapes a row's
@@ -455,69 +605,103 @@ LM_VECTOR_CLONES static void hist_low(uint32_t *h, const float *x, int64_t n, ui
     }
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#define HAVE_AVX512_PATH 1
+// The window's counts gather the window tables' indices of the values in the window in a list
+// and make the increments a list at a time. The tables are megabytes (LM_HIST_BINS per bin of
+// the window, per part): an increment is a cache miss, and made a few at a time between the
+// comparisons each waited for its memory (a third of a fused LoRA pass went there); a long run
+// of them overlaps.
+#define WIN_LIST 16384
+
+typedef struct win_list {
+    uint32_t *tables;                // the task's tables, which the keys index; or, when NULL,
+    const lm_dev_dense *parts;       // the parts' window histograms: key (i << 20 | index) is
+    pthread_mutex_t *mu;             // part i's, added to under mu
+    int64_t m;                       // keys gathered
+    uint32_t keys[WIN_LIST + 16];    // the slack takes a whole compressing store
+} win_list;
+
+#define WIN_PART_SHIFT 20  // a window's cells below it
+#define WIN_MAX_PARTS 4096
+_Static_assert((uint64_t)LM_HIST_WINDOW * LM_HIST_BINS <= 1u << WIN_PART_SHIFT, "a window's cells fit below the part");
+
+static void win_flush(win_list *l)
+{
+    if (l->tables) {
+        for (int64_t f = 0; f < l->m; f++)
+            l->tables[l->keys[f]]++;
+    } else if (l->m) {
+        pthread_mutex_lock(l->mu);
+        for (int64_t f = 0; f < l->m; f++) {
+            uint32_t key = l->keys[f];
+            l->parts[key >> WIN_PART_SHIFT].win[key & ((1u << WIN_PART_SHIFT) - 1)]++;
+        }
+        pthread_mutex_unlock(l->mu);
+    }
+    l->m = 0;
+}
+
+#ifdef HAVE_AVX512_PATH
 // hist_win with AVX-512: sixteen magnitudes at a time are compared with the window, those
-// beyond it counted and those in it compressed into the list of indices to increment. The
-// same integer counts as the plain loop's.
-__attribute__((target("avx512f"))) static uint64_t hist_win_avx512(uint32_t *hw, const float *x, int64_t n,
-                                                                  uint32_t lo_bin, uint32_t n_win)
+// beyond it counted and those in it compressed into the list. The same integer counts as the
+// plain loop's.
+__attribute__((target("avx512f"))) static uint64_t hist_win_avx512(win_list *l, uint32_t off, const float *x,
+                                                                  int64_t n, uint32_t lo_bin, uint32_t n_win)
 {
     const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), low_mask = _mm512_set1_epi32(0xFFFF);
     const __m512i lo = _mm512_set1_epi32((int)lo_bin), width = _mm512_set1_epi32((int)n_win);
-    const __m512i limit = _mm512_set1_epi32((int)(lo_bin + n_win));
-    uint32_t found[LOW_GROUP + 16];
+    const __m512i limit = _mm512_set1_epi32((int)(lo_bin + n_win)), base = _mm512_set1_epi32((int)off);
     uint64_t above = 0;
     int64_t i = 0;
-    while (i + 16 <= n) {
-        int64_t end = i + LOW_GROUP <= n ? i + LOW_GROUP : i + (n - i) / 16 * 16, m = 0;
-        for (; i < end; i += 16) {
-            __m512i bits = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i)), abs_mask);
-            __m512i top = _mm512_srli_epi32(bits, 16), w = _mm512_sub_epi32(top, lo);
-            __mmask16 in = _mm512_cmplt_epu32_mask(w, width), up = _mm512_cmpge_epu32_mask(top, limit);
-            __m512i key = _mm512_or_si512(_mm512_slli_epi32(w, 16), _mm512_and_si512(bits, low_mask));
-            // compressed in a register and stored whole (the slack after found takes the rest):
-            // a compressing store to memory is microcoded and slow on some processors
-            _mm512_storeu_si512((void *)(found + m), _mm512_maskz_compress_epi32(in, key));
-            m += __builtin_popcount(in);
-            above += (uint64_t)__builtin_popcount(up);
-        }
-        for (int64_t f = 0; f < m; f++)
-            hw[found[f]]++;
+    for (; i + 16 <= n; i += 16) {
+        __m512i bits = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i)), abs_mask);
+        __m512i top = _mm512_srli_epi32(bits, 16), w = _mm512_sub_epi32(top, lo);
+        __mmask16 in = _mm512_cmplt_epu32_mask(w, width), up = _mm512_cmpge_epu32_mask(top, limit);
+        __m512i key = _mm512_add_epi32(base, _mm512_or_si512(_mm512_slli_epi32(w, 16), _mm512_and_si512(bits, low_mask)));
+        // compressed in a register and stored whole (the slack after keys takes the rest): a
+        // compressing store to memory is microcoded and slow on some processors
+        _mm512_storeu_si512((void *)(l->keys + l->m), _mm512_maskz_compress_epi32(in, key));
+        l->m += __builtin_popcount(in);
+        above += (uint64_t)__builtin_popcount(up);
+        if (l->m >= WIN_LIST)
+            win_flush(l);
     }
     for (; i < n; i++) {
         uint32_t bits = lm_abs_bits(x[i]), top = bits >> 16, w = top - lo_bin;
         above += top >= lo_bin + n_win;
         if (w < n_win)
-            hw[(w << 16) | (bits & 0xFFFFu)]++;
+            l->keys[l->m++] = off + ((w << 16) | (bits & 0xFFFFu));
     }
+    if (l->m >= WIN_LIST)
+        win_flush(l);
     return above;
 }
 #endif
 
-// The window's counts: values at or beyond the window are counted, those in it gathered
-// without a branch (as for hist_low) as (w << 16 | low bits), their index in the window tables.
-LM_VECTOR_CLONES static uint64_t hist_win(uint32_t *hw, const float *x, int64_t n, uint32_t lo_bin, uint32_t n_win)
+// The window's counts of n values into the tables from `off` (cells): values at or beyond the
+// window are counted and returned, the indices of those in it, (w << 16 | low bits), gathered
+// into l without a branch (as for hist_low). The caller flushes l when its run ends.
+LM_VECTOR_CLONES static uint64_t hist_win(win_list *l, uint32_t off, const float *x, int64_t n, uint32_t lo_bin,
+                                          uint32_t n_win)
 {
 #ifdef HAVE_AVX512_PATH
     if (__builtin_cpu_supports("avx512f"))
-        return hist_win_avx512(hw, x, n, lo_bin, n_win);
+        return hist_win_avx512(l, off, x, n, lo_bin, n_win);
 #endif
-    uint32_t found[LOW_GROUP];
     uint64_t above = 0;
     uint32_t limit = lo_bin + n_win;
     for (int64_t g = 0; g < n; g += LOW_GROUP) {
-        int64_t cnt = n - g < LOW_GROUP ? n - g : LOW_GROUP, m = 0;
+        int64_t cnt = n - g < LOW_GROUP ? n - g : LOW_GROUP, m = l->m;
         uint32_t up = 0;
         for (int64_t e = 0; e < cnt; e++) {
             uint32_t bits = lm_abs_bits(x[g + e]), top = bits >> 16, w = top - lo_bin;
             up += top >= limit;
-            found[m] = (w << 16) | (bits & 0xFFFFu);
+            l->keys[m] = off + ((w << 16) | (bits & 0xFFFFu));
             m += w < n_win;
         }
         above += up;
-        for (int64_t f = 0; f < m; f++)
-            hw[found[f]]++;
+        l->m = m;
+        if (l->m >= WIN_LIST - LOW_GROUP)
+            win_flush(l);
     }
     return above;
 }
@@ -538,7 +722,11 @@ static void hist_task(void *ctx, int64_t t)
     } else if (j->level == 1) {
         hist_low(h, x + lo, hi - lo, j->hi_bin);
     } else {
-        above = hist_win(h, x + lo, hi - lo, j->hi_bin, (uint32_t)j->n_win);
+        win_list l;
+        l.tables = h;
+        l.m = 0;
+        above = hist_win(&l, 0, x + lo, hi - lo, j->hi_bin, (uint32_t)j->n_win);
+        win_flush(&l);
     }
     // Add the task's counts to the caller's histograms (integer sums: the order does not
     // matter) and leave the tables zero for the next call.
@@ -1006,9 +1194,7 @@ typedef struct dense_job {
     lm_dev_dense *parts;
     int k;
     int64_t n;
-    // dense_hist: tables per task, each part's n_win of them one after another
-    uint32_t *local;
-    size_t task_cells;
+    // dense_hist: the elements per task, and the lock on the caller's histograms
     int64_t per_task;
     pthread_mutex_t *mu;
     // dense_merge
@@ -1018,12 +1204,35 @@ typedef struct dense_job {
     int64_t nb;      // blocks
     int64_t *ties;   // (k × 2 nb) per part: each block's ties, then the ties it may keep
     bool *counted;   // (k) parts whose ties are counted per block
+    bool first;      // the first run over every block (see cpu_dense_merge)
+    bool *redo;      // (nb) blocks the first run left to the second
+    int64_t *redo_list;  // the second run's blocks, by task
     float *scratch;  // (nb × k × CHUNK) each block's τ of its parts, a chunk at a time
+    // LoRA parts: τ made a span of rows at a time (lora_span's tile keeps A's columns in cache
+    // across the rows), each task's in its own k × span values of lora
+    float *lora;
+    int64_t span;
 } dense_job;
 
 static void dense_load(float *dst, const void *src, lm_dtype dt, int64_t lo, int64_t cnt)
 {
     lm_convert_to_f32(dst, (const char *)src + (size_t)lo * (lm_dtype_bits(dt) / 8), dt, cnt, NULL);
+}
+
+// t = τ of LoRA part p at elements [lo, lo + cnt): the first row's stretch, the whole rows
+// after it as one tile, the last row's stretch.
+static void lora_span(float *t, const lm_dev_dense *p, int64_t lo, int64_t cnt)
+{
+    int64_t at = p->col0 + lo, row = at / p->cols, col = at % p->cols, r = p->lora_r, cols = p->cols;
+    while (cnt > 0) {
+        int64_t rows = col == 0 ? cnt / cols : 0, len = rows ? rows * cols : cols - col < cnt ? cols - col : cnt;
+        lowrank_tile(t, cols, p->lora_b + row * r, r, p->lora_a + col, cols, rows ? rows : 1, r, rows ? cols : len,
+                     p->scale, 0.0f);
+        t += len;
+        cnt -= len;
+        row += rows ? rows : 1;
+        col = 0;
+    }
 }
 
 // t = τ of part p at elements [lo, lo + cnt), b holding the base's values there.
@@ -1037,84 +1246,135 @@ static void dense_tau(float *t, const lm_dev_dense *p, const float *b, int64_t l
     subtract(t, b, cnt);
 }
 
+// The values of a LoRA span: whole rows where the rows are short, so that A's columns are
+// loaded once for several rows, and a bound on the scratch per part and task.
+#define LORA_SPAN_ROWS 8
+#define LORA_SPAN_MIN 8192
+#define LORA_SPAN_MAX 65536
+
+static int64_t lora_span_elems(const lm_dev_dense *parts, int k)
+{
+    int64_t span = 0;
+    for (int i = 0; i < k; i++) {
+        if (!parts[i].lora_a)
+            continue;
+        int64_t want = LORA_SPAN_ROWS * parts[i].cols;
+        want = want < LORA_SPAN_MIN ? LORA_SPAN_MIN : want > LORA_SPAN_MAX ? LORA_SPAN_MAX : want;
+        span = want > span ? want : span;
+    }
+    return span;
+}
+
+// Sets up j->lora for `tasks` tasks when some part is a LoRA pair (j->span 0 when none is).
+static lm_status lora_scratch(lm_dev *d, dense_job *j, int64_t tasks, lm_err *err)
+{
+    cpu_ctx *c = d->ctx;
+    j->span = lora_span_elems(j->parts, j->k);
+    if (!j->span)
+        return LM_OK;
+    size_t cells = (size_t)tasks * (size_t)j->k * (size_t)j->span;
+    if (cells > c->lora_cells) {
+        free(c->lora_tau);
+        c->lora_cells = 0;
+        if (!(c->lora_tau = malloc(cells * sizeof(float))))
+            return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for %zu LoRA products", cells);
+        c->lora_cells = cells;
+    }
+    j->lora = c->lora_tau;
+    return LM_OK;
+}
+
+// Task t's span of part i in j->lora.
+static float *span_of(const dense_job *j, int64_t t, int i)
+{
+    return j->lora + ((size_t)t * (size_t)j->k + (size_t)i) * (size_t)j->span;
+}
+
+// Makes the LoRA parts' τ of elements [s0, s0 + len) in task t's spans (for the parts `use`
+// selects, all when NULL).
+static void lora_fill(const dense_job *j, int64_t t, int64_t s0, int64_t len, const bool *use)
+{
+    for (int i = 0; j->span && i < j->k; i++)
+        if (j->parts[i].lora_a && (!use || use[i]))
+            lora_span(span_of(j, t, i), &j->parts[i], s0, len);
+}
+
+// Part i's τ at chunk [c, c + cnt) of the span from s0 that task t is in: a LoRA part's where
+// lora_fill made it (changed in place by whoever trims it), any other's made into buf.
+static float *chunk_tau(const dense_job *j, int64_t t, int i, float *buf, const float *b, int64_t s0, int64_t c,
+                        int64_t cnt)
+{
+    const lm_dev_dense *p = &j->parts[i];
+    if (p->lora_a)
+        return span_of(j, t, i) + (c - s0);
+    dense_tau(buf, p, b, c, cnt);
+    return buf;
+}
+
 static void dense_hist_task(void *ctx, int64_t t)
 {
     dense_job *j = ctx;
     int64_t lo = t * j->per_task, hi = lo + j->per_task < j->n ? lo + j->per_task : j->n;
-    uint32_t *tables = j->local + (size_t)t * j->task_cells;
+    // the keys go to the caller's histograms a list at a time: no tables of the task's own to
+    // add up and clear at the end of every call (megabytes per part)
+    win_list l;
+    l.tables = NULL;
+    l.parts = j->parts;
+    l.mu = j->mu;
+    l.m = 0;
     uint64_t above[j->k];
     float b[CHUNK], tau[CHUNK];
+    bool use[j->k], base = false;
     memset(above, 0, sizeof above);
-    for (int64_t c = lo; c < hi; c += CHUNK) {
-        int64_t cnt = hi - c < CHUNK ? hi - c : CHUNK;
-        dense_load(b, j->base, j->base_dt, c, cnt);
-        uint32_t *h = tables;
-        for (int i = 0; i < j->k; i++) {
-            const lm_dev_dense *p = &j->parts[i];
-            if (!p->win)
-                continue;
-            dense_tau(tau, p, b, c, cnt);
-            above[i] += hist_win(h, tau, cnt, p->lo_bin, (uint32_t)p->n_win);
-            h += (size_t)p->n_win * LM_HIST_BINS;
+    for (int i = 0; i < j->k; i++) {
+        use[i] = j->parts[i].win != NULL;
+        base = base || (use[i] && !j->parts[i].lora_a);
+    }
+    int64_t span = j->span ? j->span : hi - lo;
+    for (int64_t s0 = lo; s0 < hi; s0 += span) {
+        int64_t s1 = hi - s0 < span ? hi : s0 + span;
+        lora_fill(j, t, s0, s1 - s0, use);
+        for (int64_t c = s0; c < s1; c += CHUNK) {
+            int64_t cnt = s1 - c < CHUNK ? s1 - c : CHUNK;
+            if (base)
+                dense_load(b, j->base, j->base_dt, c, cnt);
+            for (int i = 0; i < j->k; i++) {
+                const lm_dev_dense *p = &j->parts[i];
+                if (use[i])
+                    above[i] += hist_win(&l, (uint32_t)i << WIN_PART_SHIFT, chunk_tau(j, t, i, tau, b, s0, c, cnt),
+                                         cnt, p->lo_bin, (uint32_t)p->n_win);
+            }
         }
     }
-    // Add the task's counts to the caller's (integer sums: the order does not matter) and
-    // leave the tables zero for the next call.
-    pthread_mutex_lock(j->mu);
-    uint32_t *h = tables;
-    for (int i = 0; i < j->k; i++) {
-        lm_dev_dense *p = &j->parts[i];
-        if (!p->win)
-            continue;
-        *p->above += above[i];
-        size_t cells = (size_t)p->n_win * LM_HIST_BINS;
-        for (size_t b2 = 0; b2 < cells; b2++)
-            p->win[b2] += h[b2];
-        h += cells;
-    }
+    win_flush(&l);
+    pthread_mutex_lock(j->mu);  // integer sums: the order does not matter
+    for (int i = 0; i < j->k; i++)
+        if (use[i])
+            *j->parts[i].above += above[i];
     pthread_mutex_unlock(j->mu);
-    memset(tables, 0, (size_t)(h - tables) * sizeof *h);
 }
 
 static lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
                                 lm_err *err)
 {
     cpu_ctx *c = d->ctx;
-    size_t task_cells = 0;
+    if (k > WIN_MAX_PARTS)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "dense_hist: %d parts, at most %d at once", k, WIN_MAX_PARTS);
+    bool any = false;
     for (int i = 0; i < k; i++)
-        task_cells += parts[i].win ? (size_t)parts[i].n_win * LM_HIST_BINS : 0;
+        any = any || parts[i].win;
     int64_t tasks = lm_pool_threads(c->pool);
     if (tasks > n_blocks(n))
         tasks = n_blocks(n);
-    if (tasks < 1 || task_cells == 0)
+    if (tasks < 1 || !any)
         return LM_OK;
-    while ((n + tasks - 1) / tasks > (int64_t)UINT32_MAX)
-        tasks++;
-    lm_status s = hist_tables(c, (size_t)tasks * task_cells, err);
+    dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n,
+                   .per_task = (n + tasks - 1) / tasks, .mu = &c->hist_mu};
+    lm_status s = lora_scratch(d, &j, tasks, err);
     if (s != LM_OK)
         return s;
-    dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .local = c->hist_local,
-                   .task_cells = task_cells, .per_task = (n + tasks - 1) / tasks, .mu = &c->hist_mu};
     lm_pool_run(c->pool, tasks, dense_hist_task, &j);
     return LM_OK;
-}
-
-// The ties of each block, for the parts that keep some of their ties but not all.
-static void dense_count_task(void *ctx, int64_t blk)
-{
-    dense_job *j = ctx;
-    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
-    float b[CHUNK], tau[CHUNK];
-    for (int64_t c = lo; c < hi; c += CHUNK) {
-        int64_t cnt = hi - c < CHUNK ? hi - c : CHUNK;
-        dense_load(b, j->base, j->base_dt, c, cnt);
-        for (int i = 0; i < j->k; i++) {
-            if (!j->counted[i])
-                continue;
-            dense_tau(tau, &j->parts[i], b, c, cnt);
-            j->ties[(size_t)i * 2 * j->nb + blk] += count_ties(tau, 0, cnt, j->parts[i].thr_bits);
-        }
-    }
 }
 
 // The top-k rule on a chunk whose ties are kept one by one while *left lasts (the block where
@@ -1152,25 +1412,26 @@ static void dense_sparsify(float *t, const lm_dev_dense *p, int keep, int64_t *l
             t[e] = p->rescale * t[e] + 0.0f * t[e];
 }
 
-static void dense_merge_task(void *ctx, int64_t blk)
+static void dense_merge_task(void *ctx, int64_t task)
 {
     dense_job *j = ctx;
     int k = j->k;
+    int64_t blk = j->first ? task : j->redo_list[task];
+    bool deferred = false;  // the first run found a tie of a counted part here
     int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
     size_t es = lm_dtype_bits(j->out_dt) / 8;
     float b[CHUNK], o[CHUNK], w[k];
     float (*t)[CHUNK] = (float (*)[CHUNK])(j->scratch + (size_t)blk * (size_t)k * CHUNK);
-    const float *tp[k];
+    float *tp[k];
     int keep[k];
     int64_t left[k];
     for (int i = 0; i < k; i++) {
         const lm_dev_dense *p = &j->parts[i];
         const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 2 * j->nb : NULL;  // NULL: none counted
         w[i] = p->weight;
-        tp[i] = t[i];
         left[i] = 0;
-        if (!p->trim || p->ties_allowed == LM_TIES_ALL)
-            keep[i] = 1;
+        if (!p->trim || p->ties_allowed == LM_TIES_ALL || (j->first && j->counted[i]))
+            keep[i] = 1;  // (in the first run, blocks where a counted part has a tie are redone)
         else if (!j->counted[i])
             keep[i] = 0;
         else if (ties[j->nb + blk] == ties[blk])
@@ -1180,32 +1441,56 @@ static void dense_merge_task(void *ctx, int64_t blk)
         else
             keep[i] = -1, left[i] = ties[j->nb + blk];
     }
-    for (int64_t c = lo; c < hi; c += CHUNK) {
-        int64_t cnt = hi - c < CHUNK ? hi - c : CHUNK;
-        dense_load(b, j->base, j->base_dt, c, cnt);
-        for (int i = 0; i < k; i++) {
-            const lm_dev_dense *p = &j->parts[i];
-            dense_tau(t[i], p, b, c, cnt);
-            dense_sparsify(t[i], p, keep[i], &left[i], p->first + c, cnt);
+    int64_t span = j->span ? j->span : hi - lo;
+    for (int64_t s0 = lo; s0 < hi; s0 += span) {
+        int64_t s1 = hi - s0 < span ? hi : s0 + span;
+        lora_fill(j, blk, s0, s1 - s0, deferred ? j->counted : NULL);
+        for (int64_t c = s0; c < s1; c += CHUNK) {
+            int64_t cnt = s1 - c < CHUNK ? s1 - c : CHUNK;
+            dense_load(b, j->base, j->base_dt, c, cnt);
+            for (int i = 0; j->first && j->ties && i < k; i++) {
+                if (!j->counted[i])
+                    continue;
+                tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt);
+                int64_t n = count_ties(tp[i], 0, cnt, j->parts[i].thr_bits);
+                j->ties[(size_t)i * 2 * j->nb + blk] += n;
+                deferred = deferred || n > 0;
+            }
+            if (deferred)  // only the counts matter in this run now
+                continue;
+            for (int i = 0; i < k; i++) {
+                const lm_dev_dense *p = &j->parts[i];
+                if (!(j->first && j->ties && j->counted[i]))
+                    tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt);
+                dense_sparsify(tp[i], p, keep[i], &left[i], p->first + c, cnt);
+            }
+            if (j->how.linear) {
+                memcpy(o, b, (size_t)cnt * sizeof *o);
+                for (int i = 0; i < k; i++)
+                    for (int64_t e = 0; e < cnt; e++)
+                        o[e] = 1.0f * o[e] + w[i] * tp[i][e];
+            } else {
+                combine_values(o, b, (const float *const *)tp, w, k, cnt, j->how.sign, j->how.normalize,
+                               j->how.lambda);
+            }
+            lm_convert_from_f32((char *)j->out + (size_t)c * es, j->out_dt, o, cnt, NULL);
         }
-        if (j->how.linear) {
-            memcpy(o, b, (size_t)cnt * sizeof *o);
-            for (int i = 0; i < k; i++)
-                for (int64_t e = 0; e < cnt; e++)
-                    o[e] = 1.0f * o[e] + w[i] * t[i][e];
-        } else {
-            combine_values(o, b, tp, w, k, cnt, j->how.sign, j->how.normalize, j->how.lambda);
-        }
-        lm_convert_from_f32((char *)j->out + (size_t)c * es, j->out_dt, o, cnt, NULL);
     }
+    if (deferred)
+        j->redo[blk] = true;
 }
 
+// Parts whose ties are counted keep the first ties_allowed of them in index order, so a block's
+// share depends on the ties in the blocks before it. Ties are rare (they are values equal to
+// the threshold), so every block runs first as if it kept all of its ties, counting them; a
+// block that finds one stops merging and only counts. The budgets are then shared out in block
+// order, and those few blocks run again.
 static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
                                  lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err)
 {
     int64_t nb = n_blocks(n);
     dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .out = out, .out_dt = out_dt,
-                   .how = how, .nb = nb};
+                   .how = how, .nb = nb, .first = true};
     bool counted[k > 0 ? k : 1], any = false;
     for (int i = 0; i < k; i++) {
         // Counting is needed only where some ties are kept and some not; a budget of 0 keeps
@@ -1215,14 +1500,22 @@ static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const vo
         parts[i].ties_used = 0;
     }
     j.counted = counted;
-    if (!(j.scratch = malloc((size_t)(nb ? nb : 1) * (size_t)(k > 0 ? k : 1) * CHUNK * sizeof(float))))
-        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+    lm_status s = lora_scratch(d, &j, nb, err);
+    if (s != LM_OK)
+        return s;
+    size_t nb1 = (size_t)(nb ? nb : 1);
+    j.scratch = malloc(nb1 * (size_t)(k > 0 ? k : 1) * CHUNK * sizeof(float));
     if (any) {
-        if (!(j.ties = calloc((size_t)k * 2 * (size_t)(nb ? nb : 1), sizeof(int64_t)))) {
-            free(j.scratch);
-            return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
-        }
-        lm_pool_run(pool_of(d), nb, dense_count_task, &j);
+        j.ties = calloc((size_t)k * 2 * nb1, sizeof(int64_t));
+        j.redo = calloc(nb1, sizeof(bool));
+        j.redo_list = malloc(nb1 * sizeof(int64_t));
+    }
+    if (!j.scratch || (any && (!j.ties || !j.redo || !j.redo_list))) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+        goto done;
+    }
+    lm_pool_run(pool_of(d), nb, dense_merge_task, &j);
+    if (any) {
         // The ties each block may keep: the budget goes to the lowest indices first.
         for (int i = 0; i < k; i++) {
             int64_t *ties = j.ties + (size_t)i * 2 * nb, left = parts[i].ties_allowed;
@@ -1233,11 +1526,19 @@ static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const vo
                 parts[i].ties_used += take;
             }
         }
+        int64_t n_redo = 0;
+        for (int64_t b = 0; b < nb; b++)
+            if (j.redo[b])
+                j.redo_list[n_redo++] = b;
+        j.first = false;
+        lm_pool_run(pool_of(d), n_redo, dense_merge_task, &j);
     }
-    lm_pool_run(pool_of(d), nb, dense_merge_task, &j);
+done:
+    free(j.redo_list);
+    free(j.redo);
     free(j.ties);
     free(j.scratch);
-    return LM_OK;
+    return s;
 }
 
 // ==== the backend =============================================================================

@@ -580,9 +580,24 @@ static bool needs_base(const part *parts, int k)
     return false;
 }
 
+// Whether the fused dense operations can make part p's τ themselves: a full model's tensor (or
+// an adapter's saved one), or a plain LoRA pair of low rank on a base [out, in] (not DoRA,
+// whose scale needs the rows' norms first, nor the transposed products of embeddings and
+// fan_in_fan_out).
+static bool dense_part(const engine *e, const part *p)
+{
+    if (p->src == SRC_FULL)
+        return true;
+    if (p->src != SRC_LORA)
+        return false;
+    const lm_lora_module *m = p->mod;
+    return !m->magnitude && m->kind != LM_LORA_EMBEDDING && !e->fts[p->ft]->adapter->config.fan_in_fan_out &&
+           m->r <= LM_DEV_LOWRANK_MAX;
+}
+
 // Whether tensor bt's passes run as the device's fused dense operations (device.h): every part
-// a full model's tensor (or an adapter's saved one), ranked by magnitude, on a device that has
-// them, and no DARE L1 rescale (whose norms need τ before the merge).
+// one they make (dense_part), ranked by magnitude, on a device that has them, and no DARE L1
+// rescale (whose norms need τ before the merge).
 static bool fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
     // (the plan's stand-in for a device has no operations: with host memory it is the CPU's)
@@ -590,7 +605,7 @@ static bool fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, co
         (uses_random(e->o->method) && e->o->rescale == LM_RESCALE_L1))
         return false;
     for (int i = 0; i < k; i++)
-        if (parts[i].src != SRC_FULL || parts[i].key || parts[i].mask || parts[i].bits)
+        if (!dense_part(e, &parts[i]) || parts[i].key || parts[i].mask || parts[i].bits)
             return false;
     return k > 0;
 }
@@ -601,7 +616,7 @@ static int64_t slab_rows_of(const engine *e, const lm_dev *dev, const lm_st_tens
     int64_t elems = e->slab_elems;
     bool dense = true;
     for (int i = 0; i < k; i++)
-        dense = dense && parts[i].src == SRC_FULL;
+        dense = dense && dense_part(e, &parts[i]);
     // On the CPU small slabs: the separate operations' buffers stay in cache from one to the
     // next, and the fused ones let the inputs' pages go in small steps.
     if (dense && dev->host_memory)
@@ -613,16 +628,19 @@ static int64_t slab_rows_of(const engine *e, const lm_dev *dev, const lm_st_tens
 }
 
 // The window of level-1 bins the selection pass counts (hist_tensor's level 2): guessed from a
-// sample of the first slab, n bins around the bin where the sample's share of k falls. When
-// the guess holds, no second pass over the tensor is needed. A dense task vector's values are
-// alike from row to row and 4 bins suffice; a LoRA product's rows scale with B's, the sample
-// of rows is small next to them, and its window is LM_HIST_WINDOW wide.
+// sample, n bins around the bin where the sample's share of k falls. When the guess holds, no
+// second pass over the tensor is needed. A dense task vector's values are alike from row to
+// row and 4 bins around a sample of the first slab suffice. A LoRA product's rows scale with
+// B's rows and its columns with A's: sampled from its buffer (the first slab's rows) the guess
+// needs LM_HIST_WINDOW bins; sampled over the whole tensor (lora_sample, the fused passes) 4
+// are enough (in the 1B benchmark no window missed, where 2 bins missed 4 times in 336).
 #define DENSE_WINDOW 4
 #define SAMPLE_ELEMS (1 << 18)
 #define SAMPLE_PIECES 32
 
 typedef struct window {
     uint64_t *win;   // (LM_HIST_WINDOW × LM_HIST_BINS) per part
+    uint64_t *guess; // (LM_HIST_BINS) guess_window's histogram of the sample
     uint32_t lo;     // the window's first bin
     int n;           // its bins
 } window;
@@ -639,28 +657,108 @@ static void sample_runs(int64_t cnt, int64_t *n_runs, int64_t *run, int64_t *str
     *stride = whole ? 0 : cnt / SAMPLE_PIECES;
 }
 
-static lm_status guess_window(engine *e, const part *p, int64_t cnt, int64_t numel, const lm_topk *t, window *w)
+// Places window w from the sample x: n_runs runs of `run` values, the r-th from x + r·stride.
+static lm_status guess_window(engine *e, const float *x, int64_t n_runs, int64_t run, int64_t stride, int64_t numel,
+                              const lm_topk *t, window *w)
 {
-    int64_t n_runs, run, stride;
-    sample_runs(cnt, &n_runs, &run, &stride);
-    uint64_t *h = calloc(LM_HIST_BINS, sizeof *h);
-    if (!h)
-        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    uint64_t *h = w->guess;
+    memset(h, 0, LM_HIST_BINS * sizeof *h);
     lm_status s = LM_OK;
     for (int64_t r = 0; s == LM_OK && r < n_runs; r++)
-        s = lm_dev_hist_abs(e->ws->dev, h, rank_buf(p) + r * stride, run, 0, 0, e->err);
+        s = lm_dev_hist_abs(e->ws->dev, h, x + r * stride, run, 0, 0, e->err);
     int64_t ns = n_runs * run;
     lm_topk g;
     lm_topk_init(&g, (int64_t)((double)t->k * (double)ns / (double)numel + 0.5), ns);
     lm_topk_level0(&g, h);
-    free(h);
     uint32_t centre = g.none ? 0 : g.hi_bin, below = (uint32_t)(w->n / 2 - 1);
     w->lo = centre > below ? centre - below : 0;
     return s;
 }
 
+#define SAMPLE_RUN 16
+
+// dst[t] = scale · Σ_q brow[q] · a[q·cols + t] for t < SAMPLE_RUN.
+LM_VECTOR_CLONES static void sample_run(float *dst, const float *brow, const float *a, int64_t cols, int64_t r,
+                                        float scale)
+{
+    float acc[SAMPLE_RUN] = {0};
+    for (int64_t q = 0; q < r; q++)
+        for (int t = 0; t < SAMPLE_RUN; t++)  // a constant count: held in vector registers
+            acc[t] += brow[q] * a[q * cols + t];
+    for (int t = 0; t < SAMPLE_RUN; t++)
+        dst[t] = scale * acc[t];
+}
+
+// τ of LoRA part p (a dense_part) at a sample spread over the whole of tensor bt, into
+// p->tau[0..*got), at most `want` values: runs of SAMPLE_RUN columns, the runs' rows evenly
+// spaced over the tensor and their columns scattered (a product's rows scale with B's rows and
+// its columns with A's columns, so a stretch of either would not do). Only a guess is made
+// from it, so it is computed here, plainly: the fused operations, which run on the CPU alone
+// (where the factors are host memory), count the exact values.
+static void lora_sample(engine *e, part *p, const lm_st_tensor *bt, int64_t want, int64_t *got)
+{
+    const lm_lora_module *m = p->mod;
+    const resident *rs = resident_for(e, p->ft);
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows, r = m->r;
+    const float *a = rs->data + rs->a_off[p->mod_index], *b = rs->data + rs->b_off[p->mod_index];
+    if (cols < SAMPLE_RUN) {  // narrow tensors: whole rows, evenly spaced
+        int64_t n_rows = want / cols < rows ? want / cols : rows;
+        for (int64_t s = 0; s < n_rows; s++) {
+            int64_t i = (int64_t)((double)s * (double)rows / (double)n_rows);
+            for (int64_t j = 0; j < cols; j++) {
+                float acc = 0.0f;
+                for (int64_t q = 0; q < r; q++)
+                    acc += b[i * r + q] * a[q * cols + j];
+                p->tau[s * cols + j] = (float)m->scale * acc;
+            }
+        }
+        *got = n_rows * cols;
+        return;
+    }
+    int64_t n_runs = want / SAMPLE_RUN;
+    float scale = (float)m->scale;
+    for (int64_t s = 0; s < n_runs; s++) {
+        int64_t i = (int64_t)((double)s * (double)rows / (double)n_runs);
+        int64_t j0 = (int64_t)(lm_mix64((uint64_t)s) % (uint64_t)(cols - SAMPLE_RUN + 1));
+        sample_run(p->tau + s * SAMPLE_RUN, b + i * r, a + j0, cols, r, scale);
+    }
+    *got = n_runs * SAMPLE_RUN;
+}
+
+// Tells the fused operations where part p's τ comes from for the elements of tensor bt from
+// `first` on: its mapped input, or (a LoRA pair) its factors. Returns the input bytes read per
+// element (none for a LoRA pair, whose factors are in memory already).
+static size_t dense_source(const engine *e, const part *p, const lm_st_tensor *bt, int64_t first, lm_dev_dense *d)
+{
+    if (p->src == SRC_FULL) {
+        d->src = (const char *)p->full->data + (size_t)first * esize(p->full->dtype);
+        d->dt = p->full->dtype;
+        return esize(p->full->dtype);
+    }
+    const resident *rs = resident_for(e, p->ft);
+    int64_t cols = bt->numel / tensor_rows(bt), r = p->mod->r;
+    d->lora_a = rs->data + rs->a_off[p->mod_index];
+    d->lora_b = rs->data + rs->b_off[p->mod_index] + first / cols * r;
+    d->lora_r = r;
+    d->cols = cols;
+    d->col0 = first % cols;
+    d->scale = (float)p->mod->scale;
+    d->dt = LM_DTYPE_F32;
+    return 0;
+}
+
+// guess_window from the sample runs of a slab of cnt elements whose τ (or importance) is in
+// part p's buffer.
+static lm_status guess_at(engine *e, const part *p, int64_t cnt, int64_t numel, const lm_topk *t, window *w)
+{
+    int64_t n_runs, run, stride;
+    sample_runs(cnt, &n_runs, &run, &stride);
+    return guess_window(e, rank_buf(p), n_runs, run, stride, numel, t, w);
+}
+
 // hist_tensor's level 2 for one slab (cnt elements from row r0) with the fused operation: on
-// the first slab τ is computed at the sample's elements only, for guess_window.
+// the first slab τ is computed at the sample's elements only, for guess_window (a full model's
+// from the slab, a LoRA pair's from the whole tensor).
 static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
                             const lm_topk *const *sel, int64_t r0, int64_t cnt, window *wins)
 {
@@ -670,34 +768,45 @@ static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int 
     if (r0 == 0) {
         int64_t n_runs, run, stride;
         sample_runs(cnt, &n_runs, &run, &stride);
-        for (int64_t r = 0; s == LM_OK && r < n_runs; r++) {
+        bool full = false;
+        for (int i = 0; i < k; i++)
+            full = full || (parts[i].src == SRC_FULL && !sel[i]->none);
+        for (int64_t r = 0; s == LM_OK && full && r < n_runs; r++) {
             int64_t at = r * stride;
             s = load_f32(e, e->ws->base_buf + at, base + (size_t)at * esize(bt->dtype), bt->dtype, run);
             for (int i = 0; s == LM_OK && i < k; i++) {
                 const lm_st_tensor *t = parts[i].full;
-                if (!sel[i]->none)
+                if (parts[i].src == SRC_FULL && !sel[i]->none)
                     s = lm_dev_delta(e->ws->dev, parts[i].tau + at,
                                      (const char *)t->data + (size_t)(first + at) * esize(t->dtype), t->dtype,
                                      e->ws->base_buf + at, run, e->err);
             }
         }
-        for (int i = 0; s == LM_OK && i < k; i++)
-            if (!sel[i]->none)
-                s = guess_window(e, &parts[i], cnt, bt->numel, sel[i], &wins[i]);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            if (sel[i]->none)
+                continue;
+            int64_t got;
+            if (parts[i].src == SRC_FULL)
+                s = guess_window(e, parts[i].tau, n_runs, run, stride, bt->numel, sel[i], &wins[i]);
+            else {
+                lora_sample(e, &parts[i], bt, n_runs * run, &got);
+                s = guess_window(e, parts[i].tau, 1, got, 0, bt->numel, sel[i], &wins[i]);
+            }
+        }
         if (s != LM_OK)
             return s;
     }
     lm_dev_dense d[k];
     uint64_t in_bytes = (uint64_t)cnt * esize(bt->dtype);
     for (int i = 0; i < k; i++) {
-        const lm_st_tensor *t = parts[i].full;
-        d[i] = (lm_dev_dense){.src = (const char *)t->data + (size_t)first * esize(t->dtype), .dt = t->dtype};
+        d[i] = (lm_dev_dense){0};
+        size_t per = dense_source(e, &parts[i], bt, first, &d[i]);
         if (!sel[i]->none) {
             d[i].above = hists[i];
             d[i].win = wins[i].win;
             d[i].lo_bin = wins[i].lo;
             d[i].n_win = wins[i].n;
-            in_bytes += (uint64_t)cnt * esize(t->dtype);
+            in_bytes += (uint64_t)cnt * per;
         }
     }
     e->bytes_in += in_bytes;
@@ -734,7 +843,7 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
                 continue;
             if (level < 2)
                 s = lm_dev_hist_abs(e->ws->dev, hists[i], rank_buf(&parts[i]), cnt, level, sel[i]->hi_bin, e->err);
-            else if (r0 > 0 || (s = guess_window(e, &parts[i], cnt, bt->numel, sel[i], &wins[i])) == LM_OK)
+            else if (r0 > 0 || (s = guess_at(e, &parts[i], cnt, bt->numel, sel[i], &wins[i])) == LM_OK)
                 s = lm_dev_hist_window(e->ws->dev, hists[i], wins[i].win, wins[i].n, wins[i].lo, rank_buf(&parts[i]),
                                        cnt, e->err);
         }
@@ -772,13 +881,17 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
     memset(sel, 0, sizeof sel);
     memset(wins, 0, sizeof wins);
     memset(above, 0, sizeof above);
+    // A dense task vector's values are alike from row to row, and a fused pass samples a LoRA
+    // product over the whole tensor: a narrow window then suffices (see guess_window).
+    bool fuse = fused(e, e->ws->dev, bt, parts, k);
     for (int i = 0; i < k; i++) {
         // a part with a stored mask selects nothing (k = 0 makes every pass skip it)
         lm_topk_init(&parts[i].topk, parts[i].mask ? 0 : (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel),
                      bt->numel);
         hists[i] = &above[i];
-        wins[i] = (window){block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS, 0,
-                           parts[i].src == SRC_FULL ? DENSE_WINDOW : LM_HIST_WINDOW};
+        uint64_t *region = block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
+        wins[i] = (window){region, region + (size_t)LM_HIST_WINDOW * LM_HIST_BINS, 0,
+                           parts[i].src == SRC_FULL || fuse ? DENSE_WINDOW : LM_HIST_WINDOW};
         memset(wins[i].win, 0, (size_t)wins[i].n * LM_HIST_BINS * sizeof(uint64_t));
         sel[i] = &parts[i].topk;
     }
@@ -786,8 +899,10 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
     bool again = false;
     for (int i = 0; s == LM_OK && i < k; i++) {
         missed[i] = parts[i].topk;
+        e->res->windows += !parts[i].topk.none;
         missed[i].none = lm_topk_window(&parts[i].topk, above[i], wins[i].win, wins[i].n, wins[i].lo);
         again = again || !missed[i].none;
+        e->res->window_misses += !missed[i].none;
     }
     for (int level = 0; s == LM_OK && again && level < 2; level++) {
         for (int i = 0; i < k; i++) {
@@ -814,11 +929,6 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
 
 // ==== one tensor ==============================================================================
 
-// Converts a slab of float32 results to the output dtype, hashes it and writes it at its offset.
-// On the CPU this goes in pieces of OUT_PIECE bytes: the converted piece is still in cache when
-// the hash and the write's copy into the page cache read it (one large write from a buffer
-// that no longer fits in cache copies several times slower). From an accelerator the slab
-// comes home in one download (whose copies overlap) and is then hashed and written by pieces.
 // Hashes and writes nbytes of tensor idx's output at its byte offset.
 static lm_status put_piece(engine *e, int64_t idx, const void *piece, size_t nbytes, uint64_t offset,
                            XXH64_state_t *hash)
@@ -828,6 +938,11 @@ static lm_status put_piece(engine *e, int64_t idx, const void *piece, size_t nby
     return lm_st_writer_put_part(e->w, idx, offset, piece, nbytes, e->err);
 }
 
+// Converts a slab of float32 results to the output dtype, hashes it and writes it at its offset.
+// On the CPU this goes in pieces of OUT_PIECE bytes: the converted piece is still in cache when
+// the hash and the writer's copy read it (one large write from a buffer that no longer fits in
+// cache copies several times slower). From an accelerator the slab comes home in one download
+// (whose copies overlap) and is then hashed and written by pieces.
 static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
                             uint64_t offset, XXH64_state_t *hash)
 {
@@ -974,12 +1089,10 @@ static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, co
         int64_t n = cnt - off < per_piece ? cnt - off : per_piece, first = first0 + off;
         e->bytes_in += (uint64_t)n * esize(bt->dtype);
         for (int i = 0; i < k; i++) {
-            if (from_buf) {
+            if (from_buf)
                 d[i].tau = parts[i].tau + off;
-            } else {
-                d[i].src = (const char *)parts[i].full->data + (size_t)first * esize(d[i].dt);
-                e->bytes_in += (uint64_t)n * esize(d[i].dt);
-            }
+            else
+                e->bytes_in += (uint64_t)n * dense_source(e, &parts[i], bt, first, &d[i]);
             d[i].first = first;
             d[i].ties_allowed = ties_left[i];
         }

@@ -139,6 +139,9 @@ typedef struct lm_merge_result {
     double fallback_s;          // time spent on units that fell back: the failed try and the redo
     uint64_t bytes_to_device;   // bytes copied host → accelerator (inputs, factors, products)
     uint64_t bytes_from_device; // bytes copied back (results)
+    int64_t windows;            // exact top-k selections made from one windowed pass (a part of a tensor)
+    int64_t window_misses;      // of those, the ones whose k-th value fell outside the guessed window
+                                // and took two more passes over the tensor
 } lm_merge_result;
 
 // Merges `fts` into `base` on `dev` and writes every output tensor (lm_merge_outputs' order

@@ -7,6 +7,14 @@
 // one shard. Because every offset is known from the plan, each shard's header is written when
 // the writer opens and tensor data may then arrive in any order, whole or in parts (pwrite at
 // its offset): a merge streams tensor by tensor and never holds a shard in memory.
+//
+// Tensor data is written with direct I/O (O_DIRECT) by a writer thread: a put copies the bytes
+// into page-aligned blocks of 2 MiB and returns, and the thread writes complete blocks. Copying
+// the output into the page cache with buffered writes cost seconds of system CPU per few GB, on
+// the caller's thread. The first and last partial page of each tensor, and tensors smaller than
+// a page, are still written buffered by the caller. LLMERGE_DIRECT_IO=0 in the environment
+// writes everything buffered; a filesystem without direct I/O falls back to that by itself.
+// A failed write of the thread is reported by the next put, and by finish.
 #ifndef LM_ST_WRITER_H
 #define LM_ST_WRITER_H
 
@@ -59,18 +67,23 @@ lm_status lm_st_writer_put(lm_st_writer *w, int64_t idx, const void *data, uint6
                            lm_err *err);
 
 // Writes bytes [offset, offset + nbytes) of tensor idx's data, for tensors produced in parts.
+// Parts may come in any order and from several threads at once, but may not overlap. The data
+// is the caller's again when this returns (copied or written). Fails with LM_ERR_IO naming the
+// shard once any write to the output has failed, the writer thread's included.
 lm_status lm_st_writer_put_part(lm_st_writer *w, int64_t idx, uint64_t offset, const void *data,
                                 uint64_t nbytes, lm_err *err);
 
-// Checks every byte of every tensor was written, flushes and closes the shards, and writes
-// model.safetensors.index.json when there is more than one shard. Errors name the file.
+// Waits for the writer thread's last writes, checks every byte of every tensor was written,
+// flushes and closes the shards, and writes model.safetensors.index.json when there is more
+// than one shard. Call it after every put has returned. Errors name the file.
 lm_status lm_st_writer_finish(lm_st_writer *w, lm_err *err);
 
 // The plan the writer follows (valid until lm_st_writer_free).
 const lm_shard_plan *lm_st_writer_plan(const lm_st_writer *w);
 
-// Closes whatever is open and frees the writer. Files already created are left for the caller
-// (who writes into a temporary directory and removes it on failure). Safe on NULL.
+// Stops the writer thread, closes whatever is open and frees the writer, at any point (blocks
+// not yet written are dropped). Files already created are left for the caller (who writes into
+// a temporary directory and removes it on failure). Safe on NULL.
 void lm_st_writer_free(lm_st_writer *w);
 
 // Writes one safetensors file at `path` from in-memory tensors (data[i] holds tensor i), via a

@@ -1,14 +1,17 @@
 // Tests of the fused dense operations (lm_dev_dense_hist, lm_dev_dense_merge) on the CPU
-// backend, with τ computed from the inputs and (merge) given in buffers, as the engine passes a
-// LoRA product's: each must give bit for bit what the separate operations it replaces give
-// (conversion, delta, hist_window, topk_apply or random_drop, axpby, combine, conversion back),
-// with 1 and with 3 threads, on inputs full of ties at the threshold (16-bit fine-tuned values
-// a few steps from the base's) in every readable input dtype and every output dtype, over
-// several work blocks with a ragged end and from an offset into the tensor.
+// backend, with τ computed from the inputs, made from LoRA factors, or (merge) given in
+// buffers: each must give bit for bit what the separate operations it replaces give
+// (conversion, delta or GEMM, hist_window, topk_apply or random_drop, axpby, combine,
+// conversion back), with 1 and with 3 threads, on inputs full of ties at the threshold (16-bit
+// fine-tuned values a few steps from the base's, LoRA factors of a few binary digits) in every
+// readable input dtype and every output dtype, over several work blocks with a ragged end and
+// from an offset into the tensor. The CPU's GEMM of low rank, which the LoRA parts must match,
+// is checked against the fused multiply-add chain it promises.
 #include "check.h"
 #include "device.h"
 #include "sparsify.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -247,6 +250,208 @@ static void test_merge(lm_dev *d1, lm_dev *d3, const inputs *in)
     }
 }
 
+// ---- LoRA parts ------------------------------------------------------------------------------
+
+// A LoRA pair for a [rows, cols] tensor: B [rows, r] and A [r, cols] of values with few binary
+// digits (ties in the product), and the product as the CPU's GEMM makes it.
+typedef struct lora {
+    int64_t rows, cols, r;
+    float scale;
+    float *a, *b, *tau;
+} lora;
+
+static void make_lora(lm_dev *d, lora *l, int64_t rows, int64_t cols, int64_t r, float scale)
+{
+    lm_err err = {0};
+    *l = (lora){rows, cols, r, scale, malloc((size_t)(r * cols) * sizeof(float)),
+                malloc((size_t)(rows * r) * sizeof(float)), malloc((size_t)(rows * cols) * sizeof(float))};
+    for (int64_t i = 0; i < r * cols; i++)
+        l->a[i] = (float)((int)(next() % 7) - 3) / 8.0f;
+    for (int64_t i = 0; i < rows * r; i++)
+        l->b[i] = (float)((int)(next() % 5) - 2) / 4.0f;
+    CHECK_OK(lm_dev_gemm(d, false, false, rows, cols, r, scale, l->b, r, l->a, cols, 0.0f, l->tau, cols, &err), &err);
+}
+
+static void free_lora(lora *l)
+{
+    free(l->a);
+    free(l->b);
+    free(l->tau);
+}
+
+// The GEMM of rank <= LM_DEV_LOWRANK_MAX without transposes: each element the fused multiply-add
+// chain over q in order, times alpha (beta 0), and with beta the old value added after; the
+// values as a double-precision product gives them, to float32 rounding.
+static void test_lowrank_gemm(lm_dev *d)
+{
+    lm_err err = {0};
+    const int64_t shapes[][3] = {{37, 1000, 16}, {5, 130, 1}, {64, 77, LM_DEV_LOWRANK_MAX}, {300, 2048, 7}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int64_t m = shapes[si][0], n = shapes[si][1], k = shapes[si][2];
+        float *a = malloc((size_t)(m * k) * sizeof *a), *b = malloc((size_t)(k * n) * sizeof *b);
+        float *c = malloc((size_t)(m * n) * sizeof *c), *c2 = malloc((size_t)(m * n) * sizeof *c2);
+        for (int64_t i = 0; i < m * k; i++)
+            a[i] = (float)((double)(int64_t)(next() % 20001 - 10000) / 3777.0);
+        for (int64_t i = 0; i < k * n; i++)
+            b[i] = (float)((double)(int64_t)(next() % 20001 - 10000) / 5113.0);
+        for (int64_t i = 0; i < m * n; i++)
+            c2[i] = (float)i / 1000.0f;
+        CHECK_OK(lm_dev_gemm(d, false, false, m, n, k, 0.75f, a, k, b, n, 0.0f, c, n, &err), &err);
+        CHECK_OK(lm_dev_gemm(d, false, false, m, n, k, 0.75f, a, k, b, n, 0.5f, c2, n, &err), &err);
+        int64_t chain = 0, close = 0;
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t j = 0; j < n; j++) {
+                float acc = 0.0f;
+                double ref = 0.0;
+                for (int64_t q = 0; q < k; q++) {
+                    acc = fmaf(a[i * k + q], b[q * n + j], acc);
+                    ref += (double)a[i * k + q] * b[q * n + j];
+                }
+                float want = 0.75f * acc, want2 = 0.75f * acc + 0.5f * ((float)(i * n + j) / 1000.0f);
+                chain += memcmp(&c[i * n + j], &want, sizeof want) == 0 && memcmp(&c2[i * n + j], &want2, sizeof want2) == 0;
+                close += fabs(c[i * n + j] - 0.75 * ref) <= 1e-5 * (1.0 + fabs(0.75 * ref)) * (double)k;
+            }
+        CHECK_MSG(chain == m * n, "gemm %lldx%lldx%lld: %lld of %lld elements are not the fma chain", (long long)m,
+                  (long long)n, (long long)k, (long long)(m * n - chain), (long long)(m * n));
+        CHECK_MSG(close == m * n, "gemm %lldx%lldx%lld: %lld elements far from the double product", (long long)m,
+                  (long long)n, (long long)k, (long long)(m * n - close));
+        free(a);
+        free(b);
+        free(c);
+        free(c2);
+    }
+}
+
+// Part i of the LoRA cases for elements from `first` of the tensor: part 1 a full model's
+// (BF16 from the base), the others LoRA pairs.
+static lm_dev_dense lora_part(const lora *l, const uint16_t *ft, int i, int64_t first)
+{
+    if (i == 1)
+        return (lm_dev_dense){.src = ft + first, .dt = LM_DTYPE_BF16};
+    return (lm_dev_dense){.lora_a = l->a, .lora_b = l->b + first / l->cols * l->r, .lora_r = l->r,
+                          .cols = l->cols, .col0 = first % l->cols, .scale = l->scale, .dt = LM_DTYPE_F32};
+}
+
+// Tensors whose spans of LoRA rows do not fall on rows (1000 wide), narrower than a vector (40),
+// and wider than a span's bound (9000), with ranks 16, 3 and the largest: the fused window
+// counts and merge, from 0 and from an offset inside a row, against the separate operations on
+// the GEMM's product.
+static void test_lora(lm_dev *d1, lm_dev *d3)
+{
+    const int64_t shapes[][3] = {{301, 1000, 16}, {2500, 40, 3}, {9, 9000, LM_DEV_LOWRANK_MAX}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        lm_err err = {0};
+        int64_t rows = shapes[si][0], cols = shapes[si][1], n = rows * cols;
+        lora l[K];
+        make_lora(d1, &l[0], rows, cols, shapes[si][2], 0.5f);
+        make_lora(d1, &l[2], rows, cols, shapes[si][2] > 4 ? shapes[si][2] / 2 : 2, 2.0f);
+        uint16_t *base = malloc((size_t)n * sizeof *base), *ft = malloc((size_t)n * sizeof *ft);
+        float *b = malloc((size_t)n * sizeof *b), *t1 = malloc((size_t)n * sizeof *t1);
+        for (int64_t j = 0; j < n; j++) {
+            base[j] = lm_f32_to_bf16((float)((int64_t)(next() % 2001) - 1000) / 512.0f);
+            ft[j] = lm_f32_to_bf16(lm_bf16_to_f32(base[j]) + (float)((int)(next() % 9) - 4) / 256.0f);
+        }
+        CHECK_OK(lm_dev_to_f32(d1, b, base, LM_DTYPE_BF16, n, &err), &err);
+        CHECK_OK(lm_dev_delta(d1, t1, ft, LM_DTYPE_BF16, b, n, &err), &err);
+        float *tau[K] = {l[0].tau, t1, l[2].tau};
+
+        // the window counts: around a value of each τ
+        for (int th = 0; th < 2; th++) {
+            lm_dev *d = th ? d3 : d1;
+            uint64_t above[K] = {0}, want_above[K] = {0}, *win[K], *want_win[K];
+            lm_dev_dense parts[K];
+            for (int i = 0; i < K; i++) {
+                win[i] = calloc((size_t)LM_HIST_WINDOW * LM_HIST_BINS, sizeof(uint64_t));
+                want_win[i] = calloc((size_t)LM_HIST_WINDOW * LM_HIST_BINS, sizeof(uint64_t));
+                uint32_t lo = lm_abs_bits(tau[i][n / 3 + i]) >> 16;
+                parts[i] = lora_part(&l[i], ft, i, 0);
+                parts[i].above = &above[i];
+                parts[i].win = win[i];
+                parts[i].lo_bin = lo > 1 ? lo - 1 : 0;
+                parts[i].n_win = 4;
+                CHECK_OK(lm_dev_hist_window(d1, &want_above[i], want_win[i], 4, parts[i].lo_bin, tau[i], n, &err), &err);
+            }
+            CHECK_OK(lm_dev_dense_hist(d, base, LM_DTYPE_BF16, parts, K, n, &err), &err);
+            for (int i = 0; i < K; i++) {
+                int64_t bad = 0;
+                for (size_t c = 0; c < (size_t)4 * LM_HIST_BINS; c++)
+                    bad += win[i][c] != want_win[i][c];
+                CHECK_MSG(bad == 0 && above[i] == want_above[i], "lora %lldx%lld part %d, %d threads: %lld cells "
+                          "differ, above %llu vs %llu", (long long)rows, (long long)cols, i, th ? 3 : 1, (long long)bad,
+                          (unsigned long long)above[i], (unsigned long long)want_above[i]);
+                free(win[i]);
+                free(want_win[i]);
+            }
+        }
+
+        // the merge, ties sum with partial budgets (the product's values tie often), and dare
+        for (int mc = 0; mc < 2; mc++) {
+            const int64_t firsts[] = {0, n / 2 + 7};
+            for (int fi = 0; fi < 2; fi++) {
+                int64_t first = firsts[fi], cnt = n - first;
+                float w[K] = {1.0f, 0.5f, 2.0f}, *o = malloc((size_t)cnt * sizeof *o), *t[K];
+                uint32_t thr[K];
+                int64_t ties[K] = {3, 10, 1}, used[K];
+                uint16_t *want = malloc((size_t)cnt * 2), *got = malloc((size_t)cnt * 2);
+                for (int i = 0; i < K; i++) {
+                    t[i] = malloc((size_t)cnt * sizeof *t[i]);
+                    memcpy(t[i], tau[i] + first, (size_t)cnt * sizeof *t[i]);
+                    thr[i] = lm_abs_bits(tau[i][n / 2 + 11 * i]);
+                    used[i] = 0;
+                    if (mc == 0)
+                        CHECK_OK(lm_dev_topk_apply(d1, t[i], cnt, thr[i], ties[i], &used[i], &err), &err);
+                    else
+                        CHECK_OK(lm_dev_random_drop(d1, t[i], cnt, 77 + (uint64_t)i, first, lm_rng_threshold(0.3), &err),
+                                 &err);
+                }
+                const float *tp[K] = {t[0], t[1], t[2]};
+                CHECK_OK(lm_dev_combine(d1, o, b + first, tp, w, K, cnt, LM_DEV_SIGN_SUM, true, 1.0f, &err), &err);
+                CHECK_OK(lm_dev_from_f32(d1, want, LM_DTYPE_BF16, o, cnt, &err), &err);
+                for (int th = 0; th < 2; th++) {
+                    lm_dev_dense parts[K];
+                    for (int i = 0; i < K; i++) {
+                        parts[i] = lora_part(&l[i], ft, i, first);
+                        parts[i].trim = mc == 0;
+                        parts[i].thr_bits = thr[i];
+                        parts[i].ties_allowed = ties[i];
+                        parts[i].drop = mc == 1;
+                        parts[i].key = 77 + (uint64_t)i;
+                        parts[i].keep_below = lm_rng_threshold(0.3);
+                        parts[i].first = first;
+                        parts[i].rescale = 1.0f;
+                        parts[i].weight = w[i];
+                    }
+                    lm_dev_combine_how how = {LM_DEV_SIGN_SUM, true, 1.0f, false};
+                    CHECK_OK(lm_dev_dense_merge(th ? d3 : d1, got, LM_DTYPE_BF16, base + first, LM_DTYPE_BF16, parts, K,
+                                                cnt, how, &err),
+                             &err);
+                    CHECK_MSG(memcmp(want, got, (size_t)cnt * 2) == 0, "lora %lldx%lld %s from %lld, %d threads: "
+                              "differs from the separate operations", (long long)rows, (long long)cols,
+                              mc ? "dare" : "ties", (long long)first, th ? 3 : 1);
+                    for (int i = 0; mc == 0 && i < K; i++)
+                        CHECK_MSG(parts[i].ties_used == used[i], "lora part %d: ties used %lld, wanted %lld", i,
+                                  (long long)parts[i].ties_used, (long long)used[i]);
+                }
+                // the budgets ran out inside the range: the redone blocks were exercised
+                for (int i = 0; mc == 0 && i < K; i++)
+                    CHECK_MSG(used[i] == ties[i], "lora part %d used %lld of %lld ties", i, (long long)used[i],
+                              (long long)ties[i]);
+                free(o);
+                free(want);
+                free(got);
+                for (int i = 0; i < K; i++)
+                    free(t[i]);
+            }
+        }
+        free_lora(&l[0]);
+        free_lora(&l[2]);
+        free(base);
+        free(ft);
+        free(b);
+        free(t1);
+    }
+}
+
 static void test_refusals(void)
 {
     lm_err err = {0};
@@ -277,6 +482,9 @@ int main(void)
     test_hist(d1, &in);
     test_hist(d3, &in);
     test_merge(d1, d3, &in);
+    test_lowrank_gemm(d1);
+    test_lowrank_gemm(d3);
+    test_lora(d1, d3);
     test_refusals();
     free_inputs(&in);
     lm_dev_free(d1);

@@ -2,11 +2,17 @@
 // (lib/outdir.c): files read back bit-exact with the reader for every dtype, the header bytes
 // of a small case against a literal, the huggingface_hub shard rule at its boundaries (sizes
 // worked out by hand here, not by the writer), the index JSON against a literal, refused and
-// incomplete writes, and output directories that refuse, commit, abort and replace. Each test
-// works in a fresh directory under /tmp and removes it.
+// incomplete writes, tensors of several MB written in random parts from several threads with
+// direct I/O and without (the same bytes either way), the fallback from direct I/O and a failed
+// direct write, and output directories that refuse, commit, abort and replace. Each test works
+// in a fresh directory under /tmp and removes it.
+#define _GNU_SOURCE  // O_DIRECT
 #include <dirent.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -583,6 +589,361 @@ static void test_threads(void)
     remove_tmpdir(dir);
 }
 
+// ==== direct I/O ==============================================================================
+
+// Tensors of several MB whose sizes are not whole pages, one of 10 bytes between two of them
+// (sharing a page with each), and one of whole pages; a shard size of 12 MiB makes two shards,
+// b.small, b.tiny and c.mid in the first, a.big and e.pages in the second.
+enum { DIO_NT = 5, DIO_THREADS = 4 };
+static const char *const dio_names[DIO_NT] = {"b.small", "c.mid", "b.tiny", "a.big", "e.pages"};
+static const uint64_t dio_sizes[DIO_NT] = {(3u << 20) + 13, (5u << 20) + 4095, 10,
+                                           (7u << 20) + 1001, 4096 * 600};
+#define DIO_SHARD_SIZE (12ull << 20)
+
+typedef struct dio_part {
+    int64_t idx;
+    uint64_t off, len;
+} dio_part;
+
+typedef struct dio_job {
+    lm_st_writer *w;
+    unsigned char *const *data;  // (DIO_NT) each tensor's bytes
+    const dio_part *parts;       // (n_parts) this job writes parts first, first + step, ...
+    int first, step, n_parts;
+    lm_status fail;              // the first put's failure, or LM_OK
+    lm_err err;                  // its message
+} dio_job;
+
+static void *dio_worker(void *arg)
+{
+    dio_job *j = arg;
+    for (int k = j->first; k < j->n_parts; k += j->step) {
+        const dio_part *p = &j->parts[k];
+        lm_err err;
+        lm_status s = lm_st_writer_put_part(j->w, p->idx, p->off, j->data[p->idx] + p->off,
+                                            p->len, &err);
+        if (s != LM_OK && j->fail == LM_OK) {
+            j->fail = s;
+            j->err = err;
+        }
+    }
+    return NULL;
+}
+
+// The number of this process's descriptors open with O_DIRECT (from /proc/self/fdinfo).
+static int count_direct_fds(void)
+{
+    DIR *d = opendir("/proc/self/fdinfo");
+    int n = 0;
+    struct dirent *e;
+    while (d && (e = readdir(d)) != NULL) {
+        if (e->d_name[0] == '.')
+            continue;
+        char path[300], line[128];
+        snprintf(path, sizeof path, "/proc/self/fdinfo/%s", e->d_name);
+        FILE *f = fopen(path, "r");
+        while (f && fgets(line, sizeof line, f)) {
+            if (strncmp(line, "flags:", 6) == 0 && (strtol(line + 6, NULL, 8) & O_DIRECT))
+                n++;
+        }
+        if (f)
+            fclose(f);
+    }
+    if (d)
+        closedir(d);
+    return n;
+}
+
+// Whether a file in `dir` opens with O_DIRECT (not on every filesystem: tmpfs before Linux
+// 6.6 refuses it, for one).
+static bool direct_io_works(const char *dir)
+{
+    char *p = path_in(dir, "probe");
+    int fd = open(p, O_WRONLY | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+    if (fd >= 0)
+        close(fd);
+    unlink(p);
+    free(p);
+    return fd >= 0;
+}
+
+// Writes the DIO tensors (data[i] holds tensor i) into `dir`, a value of `pad` spaces under
+// __metadata__ "pad", cut into parts of random sizes (from seed) written in random order from
+// DIO_THREADS threads. Returns finish's status (its message in *err), sets *put_fail to the
+// first failed put's status (LM_OK if none; its message in *put_err) and *n_direct to the
+// descriptors open with O_DIRECT while the writer was open.
+static lm_status dio_write(const char *dir, size_t pad, uint64_t seed, unsigned char *const *data,
+                           lm_status *put_fail, lm_err *put_err, int *n_direct, lm_err *err)
+{
+    lm_st_desc t[DIO_NT];
+    int n_parts = 0, cap = 64;
+    for (int i = 0; i < DIO_NT; i++) {
+        t[i] = desc(dio_names[i], LM_DTYPE_U8, 1, (int64_t)dio_sizes[i], 0);
+        cap += (int)(dio_sizes[i] / 4096);
+    }
+    dio_part *parts = malloc((size_t)cap * sizeof *parts);
+    for (int i = 0; i < DIO_NT; i++) {
+        // a quarter of the parts of at most 5000 bytes, the rest up to 1.5 MiB
+        for (uint64_t off = 0; off < dio_sizes[i] && n_parts < cap;) {
+            uint64_t r = rng_next(&seed);
+            uint64_t len = 1 + (r % 4 == 0 ? (r >> 8) % 5000 : (r >> 8) % (3u << 19));
+            if (len > dio_sizes[i] - off)
+                len = dio_sizes[i] - off;
+            parts[n_parts++] = (dio_part){i, off, len};
+            off += len;
+        }
+    }
+    for (int k = n_parts - 1; k > 0; k--) {
+        int m = (int)(rng_next(&seed) % (uint64_t)(k + 1));
+        dio_part tmp = parts[k];
+        parts[k] = parts[m];
+        parts[m] = tmp;
+    }
+
+    char *padding = malloc(pad + 1);
+    memset(padding, ' ', pad);
+    padding[pad] = '\0';
+    const char *meta[] = {"pad", padding, NULL};
+    lm_st_writer *w = NULL;
+    *put_fail = LM_OK;
+    *n_direct = 0;
+    lm_status s = lm_st_writer_open(&w, dir, t, DIO_NT, DIO_SHARD_SIZE, meta, err);
+    if (s == LM_OK) {
+        *n_direct = count_direct_fds();
+        dio_job jobs[DIO_THREADS];
+        pthread_t th[DIO_THREADS];
+        for (int i = 0; i < DIO_THREADS; i++) {
+            jobs[i] = (dio_job){.w = w, .data = data, .parts = parts, .first = i,
+                                .step = DIO_THREADS, .n_parts = n_parts, .fail = LM_OK};
+            pthread_create(&th[i], NULL, dio_worker, &jobs[i]);
+        }
+        for (int i = 0; i < DIO_THREADS; i++) {
+            pthread_join(th[i], NULL);
+            if (jobs[i].fail != LM_OK && *put_fail == LM_OK) {
+                *put_fail = jobs[i].fail;
+                *put_err = jobs[i].err;
+            }
+        }
+        s = lm_st_writer_finish(w, err);
+    }
+    lm_st_writer_free(w);
+    free(padding);
+    free(parts);
+    return s;
+}
+
+// Reads the two shards in `dir` back and compares every tensor's bytes with data; `what`
+// names the case in messages.
+static void dio_check(const char *what, const char *dir, unsigned char *const *data)
+{
+    lm_err err;
+    int found = 0;
+    for (int sh = 0; sh < 2; sh++) {
+        char name[64];
+        char *path = path_in(dir, lm_shard_name(name, sizeof name, sh, 2));
+        lm_st_file *f = NULL;
+        CHECK_OK(lm_st_open(&f, path, &err), &err);
+        for (int i = 0; f && i < DIO_NT; i++) {
+            const lm_st_tensor *r = lm_st_find(f, dio_names[i]);
+            if (!r)
+                continue;
+            found++;
+            CHECK_MSG(r->nbytes == dio_sizes[i] && memcmp(r->data, data[i], dio_sizes[i]) == 0,
+                      "%s: %s differs", what, dio_names[i]);
+        }
+        lm_st_close(f);
+        free(path);
+    }
+    CHECK_MSG(found == DIO_NT, "%s: %d tensors found", what, found);
+}
+
+// Whether the files of directories a and b (the two shards and the index) are byte-identical.
+static bool dio_same(const char *a, const char *b)
+{
+    static const char *const files[] = {"model-00001-of-00002.safetensors",
+                                        "model-00002-of-00002.safetensors",
+                                        "model.safetensors.index.json"};
+    bool same = true;
+    for (int k = 0; k < 3; k++) {
+        lm_err err;
+        char *pa = path_in(a, files[k]), *pb = path_in(b, files[k]), *ba = NULL, *bb = NULL;
+        size_t la = 0, lb = 0;
+        CHECK_OK(lm_read_file(pa, 64u << 20, &ba, &la, &err), &err);
+        CHECK_OK(lm_read_file(pb, 64u << 20, &bb, &lb, &err), &err);
+        same = same && ba && bb && la == lb && memcmp(ba, bb, la) == 0;
+        free(ba);
+        free(bb);
+        free(pa);
+        free(pb);
+    }
+    return same;
+}
+
+// With direct I/O and without, tensor data starting off a page and at one: every byte reads
+// back and the files are the same.
+static void test_direct_io(void)
+{
+    lm_err err, put_err;
+    lm_status put_fail;
+    int n_direct;
+    char *dir = make_tmpdir();
+    bool works = direct_io_works(dir);
+    if (!works)
+        printf("test_writer: no O_DIRECT in %s: only the buffered path is tested\n", dir);
+    unsigned char *data[DIO_NT];
+    for (int i = 0; i < DIO_NT; i++) {
+        data[i] = malloc(dio_sizes[i]);
+        fill_bytes(data[i], dio_sizes[i], 300 + (uint64_t)i);
+    }
+    unsetenv("LLMERGE_TEST_DIRECT_IO_FAIL");
+
+    // the header's length with no padding, to pad the first shard's data to a page boundary
+    size_t pad_aligned = 0;
+    {
+        char *d = subdir(dir, "probe.hdr");
+        setenv("LLMERGE_DIRECT_IO", "0", 1);
+        CHECK_OK(dio_write(d, 0, 1, data, &put_fail, &put_err, &n_direct, &err), &err);
+        char *path = path_in(d, "model-00001-of-00002.safetensors");
+        lm_st_file *f = NULL;
+        CHECK_OK(lm_st_open(&f, path, &err), &err);
+        if (f)
+            pad_aligned = 4096 - 8 - (size_t)f->header_len;  // header_len is a multiple of 8
+        lm_st_close(f);
+        free(path);
+        free(d);
+    }
+
+    for (int aligned = 0; aligned < 2; aligned++) {
+        size_t pad = aligned ? pad_aligned : 0;
+        char *on = subdir(dir, aligned ? "on.aligned" : "on"),
+             *off = subdir(dir, aligned ? "off.aligned" : "off");
+        const char *what = aligned ? "direct, data on a page boundary" : "direct";
+        unsetenv("LLMERGE_DIRECT_IO");
+        CHECK_OK(dio_write(on, pad, 11 + (uint64_t)aligned, data, &put_fail, &put_err, &n_direct,
+                           &err), &err);
+        CHECK(put_fail == LM_OK);
+        CHECK_MSG(!works || n_direct == 2, "%s: %d descriptors with O_DIRECT", what, n_direct);
+        dio_check(what, on, data);
+        if (aligned) {
+            char *path = path_in(on, "model-00001-of-00002.safetensors");
+            lm_st_file *f = NULL;
+            CHECK_OK(lm_st_open(&f, path, &err), &err);
+            CHECK(f && 8 + f->header_len == 4096);
+            lm_st_close(f);
+            free(path);
+        }
+
+        setenv("LLMERGE_DIRECT_IO", "0", 1);
+        CHECK_OK(dio_write(off, pad, 23 + (uint64_t)aligned, data, &put_fail, &put_err,
+                           &n_direct, &err), &err);
+        CHECK(put_fail == LM_OK);
+        CHECK_MSG(n_direct == 0, "LLMERGE_DIRECT_IO=0: %d descriptors with O_DIRECT", n_direct);
+        dio_check(aligned ? "buffered, data on a page boundary" : "buffered", off, data);
+        CHECK_MSG(dio_same(on, off), "%s: the files differ from the buffered writer's", what);
+        free(on);
+        free(off);
+    }
+    unsetenv("LLMERGE_DIRECT_IO");
+    for (int i = 0; i < DIO_NT; i++)
+        free(data[i]);
+    remove_tmpdir(dir);
+}
+
+// A direct write refused with EINVAL: that block and all after it are written buffered, and
+// the output is whole. Any other failure (ENOSPC here) comes back from a later put or from
+// finish, naming the shard and the reason.
+static void test_direct_io_failures(void)
+{
+    lm_err err, put_err;
+    lm_status put_fail;
+    int n_direct;
+    char *dir = make_tmpdir();
+    bool works = direct_io_works(dir);
+    unsigned char *data[DIO_NT];
+    for (int i = 0; i < DIO_NT; i++) {
+        data[i] = malloc(dio_sizes[i]);
+        fill_bytes(data[i], dio_sizes[i], 400 + (uint64_t)i);
+    }
+    unsetenv("LLMERGE_DIRECT_IO");
+
+    char *fallback = subdir(dir, "einval"), *ref = subdir(dir, "ref");
+    setenv("LLMERGE_TEST_DIRECT_IO_FAIL", "EINVAL", 1);
+    CHECK_OK(dio_write(fallback, 0, 5, data, &put_fail, &put_err, &n_direct, &err), &err);
+    CHECK(put_fail == LM_OK);
+    dio_check("EINVAL", fallback, data);
+    unsetenv("LLMERGE_TEST_DIRECT_IO_FAIL");
+    setenv("LLMERGE_DIRECT_IO", "0", 1);
+    CHECK_OK(dio_write(ref, 0, 6, data, &put_fail, &put_err, &n_direct, &err), &err);
+    unsetenv("LLMERGE_DIRECT_IO");
+    CHECK_MSG(dio_same(fallback, ref), "EINVAL: the files differ from the buffered writer's");
+
+    char *nospace = subdir(dir, "enospc");
+    setenv("LLMERGE_TEST_DIRECT_IO_FAIL", "ENOSPC", 1);
+    lm_status s = dio_write(nospace, 0, 7, data, &put_fail, &put_err, &n_direct, &err);
+    unsetenv("LLMERGE_TEST_DIRECT_IO_FAIL");
+    if (works) {
+        CHECK_MSG(s == LM_ERR_IO && strstr(err.msg, nospace) && strstr(err.msg, ".safetensors: ")
+                  && strstr(err.msg, "No space left on device"),
+                  "ENOSPC: finish -> %s \"%s\"", lm_status_name(s), err.msg);
+        CHECK(strstr(err.msg, "writing tensor data at byte ") != NULL);
+        // a put after the failure reports it the same way
+        CHECK_MSG(put_fail == LM_OK || (put_fail == LM_ERR_IO && strcmp(put_err.msg, err.msg) == 0),
+                  "ENOSPC: a put -> %s \"%s\"", lm_status_name(put_fail), put_err.msg);
+    }
+
+    // a real failure: a file size limit (SIGXFSZ ignored, so writes fail with EFBIG) set once
+    // the shards have their size, on a page boundary inside a direct block, so the writer
+    // thread's write stops short at the limit and then fails
+    struct rlimit old_limit;
+    if (getrlimit(RLIMIT_FSIZE, &old_limit) == 0 && old_limit.rlim_max == RLIM_INFINITY) {
+        char *limited = subdir(dir, "efbig");
+        lm_st_desc t = desc("big", LM_DTYPE_U8, 1, (int64_t)dio_sizes[1], 0);
+        lm_st_writer *w = NULL;
+        void (*old_handler)(int) = signal(SIGXFSZ, SIG_IGN);
+        CHECK_OK(lm_st_writer_open(&w, limited, &t, 1, DIO_SHARD_SIZE, NULL, &err), &err);
+        struct rlimit lim = {3u << 20, old_limit.rlim_max};
+        CHECK(setrlimit(RLIMIT_FSIZE, &lim) == 0);
+        lm_status first = LM_OK;
+        lm_err first_err;
+        for (uint64_t off = 0; w && off < dio_sizes[1]; off += 1u << 20) {
+            uint64_t len = dio_sizes[1] - off < (1u << 20) ? dio_sizes[1] - off : 1u << 20;
+            lm_status s = lm_st_writer_put_part(w, 0, off, data[1] + off, len, &err);
+            if (s != LM_OK && first == LM_OK) {
+                first = s;
+                first_err = err;
+            }
+        }
+        CHECK_MSG(first == LM_OK || (first == LM_ERR_IO && strstr(first_err.msg, "File too large")),
+                  "EFBIG: a put -> %s \"%s\"", lm_status_name(first), first_err.msg);
+        if (w)
+            CHECK_FAILS(lm_st_writer_finish(w, &err), LM_ERR_IO, "File too large", &err);
+        CHECK(strstr(err.msg, limited) != NULL);
+        lm_st_writer_free(w);
+        CHECK(setrlimit(RLIMIT_FSIZE, &old_limit) == 0);
+        signal(SIGXFSZ, old_handler);
+        free(limited);
+    }
+
+    // freed before finish, with blocks open, queued and being written: nothing leaks
+    {
+        char *early = subdir(dir, "early");
+        lm_st_desc t = desc("big", LM_DTYPE_U8, 1, (int64_t)dio_sizes[1], 0);
+        lm_st_writer *w = NULL;
+        CHECK_OK(lm_st_writer_open(&w, early, &t, 1, DIO_SHARD_SIZE, NULL, &err), &err);
+        for (uint64_t off = 0; w && off + 12345 < dio_sizes[1]; off += 2 * 12345)
+            CHECK_OK(lm_st_writer_put_part(w, 0, off, data[1] + off, 12345, &err), &err);
+        lm_st_writer_free(w);
+        free(early);
+    }
+
+    for (int i = 0; i < DIO_NT; i++)
+        free(data[i]);
+    free(fallback);
+    free(ref);
+    free(nospace);
+    remove_tmpdir(dir);
+}
+
 // ==== output directories ======================================================================
 
 static void put_marker(const char *dir, const char *name, const char *text)
@@ -748,6 +1109,8 @@ int main(void)
     test_sharded_write();
     test_refusals();
     test_threads();
+    test_direct_io();
+    test_direct_io_failures();
     test_outdir();
     test_outdir_lock();
     return check_report("test_writer");
