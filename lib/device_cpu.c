@@ -229,7 +229,8 @@ __attribute__((target("avx512f"))) static void lowrank_tile_avx512(float *c, int
         }
         for (int64_t q = 0; q < k; q++)
             for (int v = 0; v < 4; v++)
-                _mm512_store_ps(pack + q * LOWRANK_COLS + 16 * v, _mm512_maskz_loadu_ps(mk[v], y + q * ldy + j + 16 * v));
+                _mm512_store_ps(pack + q * LOWRANK_COLS + 16 * v,
+                                _mm512_maskz_loadu_ps(mk[v], y + q * ldy + j + 16 * v));
         for (int64_t i = 0; i < m; i++) {
             const float *xi = x + i * ldx;
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -656,7 +657,8 @@ __attribute__((target("avx512f"))) static uint64_t hist_win_avx512(win_list *l, 
         __m512i bits = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i)), abs_mask);
         __m512i top = _mm512_srli_epi32(bits, 16), w = _mm512_sub_epi32(top, lo);
         __mmask16 in = _mm512_cmplt_epu32_mask(w, width), up = _mm512_cmpge_epu32_mask(top, limit);
-        __m512i key = _mm512_add_epi32(base, _mm512_or_si512(_mm512_slli_epi32(w, 16), _mm512_and_si512(bits, low_mask)));
+        __m512i key = _mm512_add_epi32(base,
+                                       _mm512_or_si512(_mm512_slli_epi32(w, 16), _mm512_and_si512(bits, low_mask)));
         // compressed in a register and stored whole (the slack after keys takes the rest): a
         // compressing store to memory is microcoded and slow on some processors
         _mm512_storeu_si512((void *)(l->keys + l->m), _mm512_maskz_compress_epi32(in, key));
@@ -1354,6 +1356,8 @@ static void dense_hist_task(void *ctx, int64_t t)
     pthread_mutex_unlock(j->mu);
 }
 
+#define HIST_TASKS_PER_THREAD 4
+
 static lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
                                 lm_err *err)
 {
@@ -1363,7 +1367,9 @@ static lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, l
     bool any = false;
     for (int i = 0; i < k; i++)
         any = any || parts[i].win;
-    int64_t tasks = lm_pool_threads(c->pool);
+    // A few tasks per thread: a thread slowed by other work (the input hasher shares the
+    // cores) leaves the others something to take instead of waiting for it at the end.
+    int64_t tasks = (int64_t)lm_pool_threads(c->pool) * HIST_TASKS_PER_THREAD;
     if (tasks > n_blocks(n))
         tasks = n_blocks(n);
     if (tasks < 1 || !any)

@@ -675,7 +675,7 @@ static lm_status guess_window(engine *e, const float *x, int64_t n_runs, int64_t
     return s;
 }
 
-#define SAMPLE_RUN 16
+#define SAMPLE_RUN 32
 
 // dst[t] = scale · Σ_q brow[q] · a[q·cols + t] for t < SAMPLE_RUN.
 LM_VECTOR_CLONES static void sample_run(float *dst, const float *brow, const float *a, int64_t cols, int64_t r,
@@ -1856,7 +1856,8 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     // the whole slab only when the sample's window misses the threshold; --topk global's
     // selection runs the separate operations.
     need->touched_elems = cnt;
-    if (fused(&e, &dev, bt, parts, k) && !o->topk_global) {
+    bool fuse = fused(&e, &dev, bt, parts, k);
+    if (fuse && !o->topk_global) {
         int64_t n_runs, run, stride;
         sample_runs(cnt, &n_runs, &run, &stride);
         need->touched_elems = uses_magnitude(o->method) ? n_runs * run : 0;
@@ -1877,12 +1878,14 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     int64_t slab_rows = cnt / (bt->numel / rows);
     need->mapped_bytes = mapped <= KEEP_MAPPED_BYTES || need->one_slab ? mapped : per_row * (uint64_t)slab_rows;
     // select_tensor's block: allocated for every part's window and level arrays, touched for
-    // the window each part uses (the level arrays start where the window does)
+    // the window each part uses (the level arrays start where the window does) and the sample's
+    // histogram after the widest window
     if (uses_magnitude(o->method) && !o->topk_global) {
         need->hist_alloc = (uint64_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS * sizeof(uint64_t);
-        for (int i = 0; i < k; i++)
-            need->hist_touched += (uint64_t)(parts[i].src == SRC_FULL ? DENSE_WINDOW : LM_HIST_WINDOW) *
-                                  LM_HIST_BINS * sizeof(uint64_t);
+        for (int i = 0; i < k; i++) {
+            int bins = 1 + (parts[i].src == SRC_FULL || fuse ? DENSE_WINDOW : LM_HIST_WINDOW);
+            need->hist_touched += (uint64_t)bins * LM_HIST_BINS * sizeof(uint64_t);
+        }
     }
     return LM_OK;
 }

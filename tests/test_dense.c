@@ -308,7 +308,8 @@ static void test_lowrank_gemm(lm_dev *d)
                     ref += (double)a[i * k + q] * b[q * n + j];
                 }
                 float want = 0.75f * acc, want2 = 0.75f * acc + 0.5f * ((float)(i * n + j) / 1000.0f);
-                chain += memcmp(&c[i * n + j], &want, sizeof want) == 0 && memcmp(&c2[i * n + j], &want2, sizeof want2) == 0;
+                chain += memcmp(&c[i * n + j], &want, sizeof want) == 0 &&
+                         memcmp(&c2[i * n + j], &want2, sizeof want2) == 0;
                 close += fabs(c[i * n + j] - 0.75 * ref) <= 1e-5 * (1.0 + fabs(0.75 * ref)) * (double)k;
             }
         CHECK_MSG(chain == m * n, "gemm %lldx%lldx%lld: %lld of %lld elements are not the fma chain", (long long)m,
@@ -369,7 +370,8 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                 parts[i].win = win[i];
                 parts[i].lo_bin = lo > 1 ? lo - 1 : 0;
                 parts[i].n_win = 4;
-                CHECK_OK(lm_dev_hist_window(d1, &want_above[i], want_win[i], 4, parts[i].lo_bin, tau[i], n, &err), &err);
+                CHECK_OK(lm_dev_hist_window(d1, &want_above[i], want_win[i], 4, parts[i].lo_bin, tau[i], n, &err),
+                         &err);
             }
             CHECK_OK(lm_dev_dense_hist(d, base, LM_DTYPE_BF16, parts, K, n, &err), &err);
             for (int i = 0; i < K; i++) {
@@ -401,7 +403,8 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                     if (mc == 0)
                         CHECK_OK(lm_dev_topk_apply(d1, t[i], cnt, thr[i], ties[i], &used[i], &err), &err);
                     else
-                        CHECK_OK(lm_dev_random_drop(d1, t[i], cnt, 77 + (uint64_t)i, first, lm_rng_threshold(0.3), &err),
+                        CHECK_OK(lm_dev_random_drop(d1, t[i], cnt, 77 + (uint64_t)i, first, lm_rng_threshold(0.3),
+                                                    &err),
                                  &err);
                 }
                 const float *tp[K] = {t[0], t[1], t[2]};
