@@ -25,6 +25,8 @@
 
 typedef struct lm_dev lm_dev;
 
+#define LM_DEV_KEEP_SEGMENT 4096  // lm_dev_dense's kept values: elements per segment
+
 // Sign election rule of lm_dev_combine.
 typedef enum lm_dev_sign {
     LM_DEV_SIGN_NONE,   // no election: Δ = Σ W_i
@@ -46,6 +48,18 @@ typedef struct lm_dev_dense {
     const float *lora_a;  // [lora_r, cols]
     int64_t lora_r, cols, col0;
     float scale;
+    // A LoRA pair's candidates, kept so that the merge need not make the product again. The
+    // arrays cover the whole tensor, indexed from its first element (`first` is the call's
+    // first element there, on a segment of LM_DEV_KEEP_SEGMENT elements). lm_dev_dense_hist
+    // sets bit e % 16 of keep_bits[e / 16] for each element e at or above its window's lowest
+    // bin and puts their values in keep_vals, in order, those of segment s from
+    // keep_vals[keep_off[s]] (each task's at the index of its own first element, so at most
+    // as many as its elements); given them, lm_dev_dense_merge reads τ there (zero where no
+    // bit is set) instead of making it, which is exact when its threshold is at or above that
+    // bin.
+    uint16_t *keep_bits;  // (numel / 16 rounded up)
+    int64_t *keep_off;    // (segments)
+    float *keep_vals;     // (numel + 16)
     // lm_dev_dense_hist: the window counts of |τ| as lm_dev_hist_window adds them (win NULL:
     // this part is not counted).
     uint64_t *above, *win;

@@ -1216,6 +1216,7 @@ typedef struct dense_job {
     // across the rows), each task's in its own k × span values of lora
     float *lora;
     int64_t span;
+    bool read_kept;  // dense_merge: parts with keep_bits are read from there, not made
 } dense_job;
 
 static void dense_load(float *dst, const void *src, lm_dtype dt, int64_t lo, int64_t cnt)
@@ -1264,6 +1265,7 @@ static int64_t lora_span_elems(const lm_dev_dense *parts, int k)
             continue;
         int64_t want = LORA_SPAN_ROWS * parts[i].cols;
         want = want < LORA_SPAN_MIN ? LORA_SPAN_MIN : want > LORA_SPAN_MAX ? LORA_SPAN_MAX : want;
+        want = (want + CHUNK - 1) / CHUNK * CHUNK;  // chunks then never cross a kept-value segment
         span = want > span ? want : span;
     }
     return span;
@@ -1299,16 +1301,100 @@ static float *span_of(const dense_job *j, int64_t t, int i)
 static void lora_fill(const dense_job *j, int64_t t, int64_t s0, int64_t len, const bool *use)
 {
     for (int i = 0; j->span && i < j->k; i++)
-        if (j->parts[i].lora_a && (!use || use[i]))
+        if (j->parts[i].lora_a && (!use || use[i]) && !(j->read_kept && j->parts[i].keep_bits))
             lora_span(span_of(j, t, i), &j->parts[i], s0, len);
+}
+
+// ---- kept LoRA candidates (lm_dev_dense's keep_bits, keep_off and keep_vals) ---------------
+// Chunks never cross a segment (they start on multiples of CHUNK from a segment's start). *pos
+// is the index in keep_vals of the next value; the element indices here are the tensor's.
+
+// Keeps chunk x's values (elements [e0, e0 + cnt) of the tensor) whose magnitude bits are at
+// least lo; end bounds what the task may write (its own elements' room).
+#ifdef HAVE_AVX512_PATH
+__attribute__((target("avx512f"))) static void keep_chunk_avx512(const lm_dev_dense *p, const float *x, int64_t e0,
+                                                                int64_t cnt, uint32_t lo, int64_t *pos, int64_t end)
+{
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), low = _mm512_set1_epi32((int)lo);
+    for (int64_t e = 0; e < cnt; e += 16) {
+        __mmask16 valid = cnt - e >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cnt - e)) - 1);
+        __m512 v = _mm512_maskz_loadu_ps(valid, x + e);
+        __mmask16 m = _mm512_mask_cmpge_epu32_mask(valid, _mm512_and_si512(_mm512_castps_si512(v), abs_mask), low);
+        if (*pos + 16 <= end) {  // stored whole (a compressing store to memory is slow)
+            _mm512_storeu_ps(p->keep_vals + *pos, _mm512_maskz_compress_ps(m, v));
+        } else {
+            float tmp[16];
+            _mm512_storeu_ps(tmp, _mm512_maskz_compress_ps(m, v));
+            memcpy(p->keep_vals + *pos, tmp, (size_t)__builtin_popcount(m) * sizeof *tmp);
+        }
+        p->keep_bits[(e0 + e) / 16] = (uint16_t)m;
+        *pos += __builtin_popcount(m);
+    }
+}
+
+// The kept values back in place: τ at elements [e0, e0 + cnt), zero where none was kept.
+__attribute__((target("avx512f"))) static void kept_chunk_avx512(float *t, const lm_dev_dense *p, int64_t e0,
+                                                                int64_t cnt, int64_t *pos)
+{
+    for (int64_t e = 0; e < cnt; e += 16) {
+        __mmask16 valid = cnt - e >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (cnt - e)) - 1);
+        __mmask16 m = p->keep_bits[(e0 + e) / 16];
+        // (keep_vals has 16 values of room past its end for this load)
+        _mm512_mask_storeu_ps(t + e, valid, _mm512_maskz_expand_ps(m, _mm512_loadu_ps(p->keep_vals + *pos)));
+        *pos += __builtin_popcount(m);
+    }
+}
+#endif
+
+static void keep_chunk(const lm_dev_dense *p, const float *x, int64_t e0, int64_t cnt, uint32_t lo, int64_t *pos,
+                       int64_t end)
+{
+    if (e0 % LM_DEV_KEEP_SEGMENT == 0)
+        p->keep_off[e0 / LM_DEV_KEEP_SEGMENT] = *pos;
+#ifdef HAVE_AVX512_PATH
+    if (__builtin_cpu_supports("avx512f")) {
+        keep_chunk_avx512(p, x, e0, cnt, lo, pos, end);
+        return;
+    }
+#endif
+    for (int64_t e = 0; e < cnt; e += 16) {
+        unsigned m = 0;
+        for (int64_t u = 0; u < 16 && e + u < cnt; u++)
+            if (lm_abs_bits(x[e + u]) >= lo) {
+                m |= 1u << u;
+                p->keep_vals[(*pos)++] = x[e + u];
+            }
+        p->keep_bits[(e0 + e) / 16] = (uint16_t)m;
+    }
+}
+
+static void kept_chunk(float *t, const lm_dev_dense *p, int64_t e0, int64_t cnt, int64_t *pos)
+{
+    if (e0 % LM_DEV_KEEP_SEGMENT == 0)
+        *pos = p->keep_off[e0 / LM_DEV_KEEP_SEGMENT];
+#ifdef HAVE_AVX512_PATH
+    if (__builtin_cpu_supports("avx512f")) {
+        kept_chunk_avx512(t, p, e0, cnt, pos);
+        return;
+    }
+#endif
+    for (int64_t e = 0; e < cnt; e += 16) {
+        unsigned m = p->keep_bits[(e0 + e) / 16];
+        for (int64_t u = 0; u < 16 && e + u < cnt; u++)
+            t[e + u] = m >> u & 1 ? p->keep_vals[(*pos)++] : 0.0f;
+    }
 }
 
 // Part i's τ at chunk [c, c + cnt) of the span from s0 that task t is in: a LoRA part's where
 // lora_fill made it (changed in place by whoever trims it), any other's made into buf.
 static float *chunk_tau(const dense_job *j, int64_t t, int i, float *buf, const float *b, int64_t s0, int64_t c,
-                        int64_t cnt)
+                        int64_t cnt, int64_t *kpos)
 {
     const lm_dev_dense *p = &j->parts[i];
+    if (j->read_kept && p->keep_bits) {
+        kept_chunk(buf, p, p->first + c, cnt, &kpos[i]);
+        return buf;
+    }
     if (p->lora_a)
         return span_of(j, t, i) + (c - s0);
     dense_tau(buf, p, b, c, cnt);
@@ -1327,12 +1413,14 @@ static void dense_hist_task(void *ctx, int64_t t)
     l.mu = j->mu;
     l.m = 0;
     uint64_t above[j->k];
+    int64_t kpos[j->k];  // each part's kept values go from the index of the task's first element
     float b[CHUNK], tau[CHUNK];
     bool use[j->k], base = false;
     memset(above, 0, sizeof above);
     for (int i = 0; i < j->k; i++) {
         use[i] = j->parts[i].win != NULL;
         base = base || (use[i] && !j->parts[i].lora_a);
+        kpos[i] = j->parts[i].first + lo;
     }
     int64_t span = j->span ? j->span : hi - lo;
     for (int64_t s0 = lo; s0 < hi; s0 += span) {
@@ -1344,9 +1432,12 @@ static void dense_hist_task(void *ctx, int64_t t)
                 dense_load(b, j->base, j->base_dt, c, cnt);
             for (int i = 0; i < j->k; i++) {
                 const lm_dev_dense *p = &j->parts[i];
-                if (use[i])
-                    above[i] += hist_win(&l, (uint32_t)i << WIN_PART_SHIFT, chunk_tau(j, t, i, tau, b, s0, c, cnt),
-                                         cnt, p->lo_bin, (uint32_t)p->n_win);
+                if (!use[i])
+                    continue;
+                const float *x = chunk_tau(j, t, i, tau, b, s0, c, cnt, kpos);
+                above[i] += hist_win(&l, (uint32_t)i << WIN_PART_SHIFT, x, cnt, p->lo_bin, (uint32_t)p->n_win);
+                if (p->keep_bits)
+                    keep_chunk(p, x, p->first + c, cnt, p->lo_bin << 16, &kpos[i], p->first + hi);
             }
         }
     }
@@ -1376,8 +1467,11 @@ static lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, l
         tasks = n_blocks(n);
     if (tasks < 1 || !any)
         return LM_OK;
-    dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n,
-                   .per_task = (n + tasks - 1) / tasks, .mu = &c->hist_mu};
+    // tasks start on a segment of the kept values
+    int64_t per_task = ((n + tasks - 1) / tasks + LM_DEV_KEEP_SEGMENT - 1) / LM_DEV_KEEP_SEGMENT * LM_DEV_KEEP_SEGMENT;
+    tasks = (n + per_task - 1) / per_task;
+    dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .per_task = per_task,
+                   .mu = &c->hist_mu};
     lm_status s = lora_scratch(d, &j, tasks, err);
     if (s != LM_OK)
         return s;
@@ -1432,7 +1526,7 @@ static void dense_merge_task(void *ctx, int64_t task)
     float (*t)[CHUNK] = (float (*)[CHUNK])(j->scratch + (size_t)blk * (size_t)k * CHUNK);
     float *tp[k];
     int keep[k];
-    int64_t left[k];
+    int64_t left[k], kpos[k];
     for (int i = 0; i < k; i++) {
         const lm_dev_dense *p = &j->parts[i];
         const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 2 * j->nb : NULL;  // NULL: none counted
@@ -1459,7 +1553,7 @@ static void dense_merge_task(void *ctx, int64_t task)
             for (int i = 0; j->first && j->ties && i < k; i++) {
                 if (!j->counted[i])
                     continue;
-                tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt);
+                tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos);
                 int64_t n = count_ties(tp[i], 0, cnt, j->parts[i].thr_bits);
                 j->ties[(size_t)i * 2 * j->nb + blk] += n;
                 deferred = deferred || n > 0;
@@ -1469,7 +1563,7 @@ static void dense_merge_task(void *ctx, int64_t task)
             for (int i = 0; i < k; i++) {
                 const lm_dev_dense *p = &j->parts[i];
                 if (!(j->first && j->ties && j->counted[i]))
-                    tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt);
+                    tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos);
                 dense_sparsify(tp[i], p, keep[i], &left[i], p->first + c, cnt);
             }
             if (j->how.linear) {
@@ -1498,7 +1592,7 @@ static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const vo
 {
     int64_t nb = n_blocks(n);
     dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .out = out, .out_dt = out_dt,
-                   .how = how, .nb = nb, .first = true};
+                   .how = how, .nb = nb, .first = true, .read_kept = true};
     bool counted[k > 0 ? k : 1], any = false;
     for (int i = 0; i < k; i++) {
         // Counting is needed only where some ties are kept and some not; a budget of 0 keeps

@@ -212,6 +212,8 @@ typedef struct part {
     lm_topk topk;                 // per-tensor threshold (magnitude, --topk tensor)
     double rescale;               // factor applied to kept entries
     bool dropped;                 // tau (kept whole) already has its random mask applied
+    bool keeps;                   // a fused LoRA part whose selection pass keeps its candidates
+    bool kept;                    // ... and they hold every value the merge keeps (its window held)
     const uint8_t *mask;          // a stored top-k mask (o->mask_load, host bitmap), or NULL
     uint8_t *bits;                // the top-k mask being recorded for o->mask_store, or NULL
 } part;
@@ -261,6 +263,12 @@ typedef struct engine {
     // --topk global: per FT thresholds and the ties budget left
     lm_topk *global;      // (n_ft) or NULL
     uint64_t *sel_block;  // select_tensor's histograms, reused from tensor to tensor
+    // fused LoRA parts' candidates from the selection pass (lm_dev_dense's keep_bits and
+    // keep_vals), per FT, for tensors of up to keep_caps elements
+    uint16_t **keep_bits;
+    int64_t **keep_off;
+    float **keep_vals;
+    int64_t *keep_caps;
     size_t sel_cells;
     uint64_t bytes_in, bytes_out;
     lm_merge_result *res;
@@ -737,6 +745,12 @@ static size_t dense_source(const engine *e, const part *p, const lm_st_tensor *b
     }
     const resident *rs = resident_for(e, p->ft);
     int64_t cols = bt->numel / tensor_rows(bt), r = p->mod->r;
+    if (p->keeps) {  // the whole tensor's; `first`, the call's first element, is on a segment
+        d->keep_bits = e->keep_bits[p->ft];
+        d->keep_off = e->keep_off[p->ft];
+        d->keep_vals = e->keep_vals[p->ft];
+    }
+    d->first = first;
     d->lora_a = rs->data + rs->a_off[p->mod_index];
     d->lora_b = rs->data + rs->b_off[p->mod_index] + first / cols * r;
     d->lora_r = r;
@@ -858,6 +872,41 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
 // Exact top-k of each part over the whole tensor: one pass counting the values beyond a window
 // of bins guessed from a sample, and the window's level-1 histograms; for the
 // parts whose threshold fell outside their window (rare), the two full histogram passes.
+// Makes room in FT ft's candidate store for a tensor of numel elements. False when memory runs
+// out: the part then makes its product again in the merge pass, as without a store.
+static bool keep_store(engine *e, int ft, int64_t numel)
+{
+    if (!e->keep_bits) {
+        e->keep_bits = calloc((size_t)e->o->n_ft, sizeof *e->keep_bits);
+        e->keep_off = calloc((size_t)e->o->n_ft, sizeof *e->keep_off);
+        e->keep_vals = calloc((size_t)e->o->n_ft, sizeof *e->keep_vals);
+        e->keep_caps = calloc((size_t)e->o->n_ft, sizeof *e->keep_caps);
+        if (!e->keep_bits || !e->keep_off || !e->keep_vals || !e->keep_caps) {
+            free(e->keep_bits);
+            free(e->keep_off);
+            free(e->keep_vals);
+            free(e->keep_caps);
+            e->keep_bits = NULL;
+            e->keep_off = NULL;
+            e->keep_vals = NULL;
+            e->keep_caps = NULL;
+            return false;
+        }
+    }
+    if (numel <= e->keep_caps[ft])
+        return true;
+    free(e->keep_bits[ft]);
+    free(e->keep_off[ft]);
+    free(e->keep_vals[ft]);
+    int64_t segs = (numel + LM_DEV_KEEP_SEGMENT - 1) / LM_DEV_KEEP_SEGMENT;
+    e->keep_bits[ft] = malloc((size_t)(segs * (LM_DEV_KEEP_SEGMENT / 16)) * sizeof(uint16_t));
+    e->keep_off[ft] = malloc((size_t)segs * sizeof(int64_t));
+    e->keep_vals[ft] = malloc((size_t)(segs * LM_DEV_KEEP_SEGMENT + 16) * sizeof(float));
+    bool ok = e->keep_bits[ft] && e->keep_off[ft] && e->keep_vals[ft];
+    e->keep_caps[ft] = ok ? segs * LM_DEV_KEEP_SEGMENT : 0;
+    return ok;
+}
+
 static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
 {
     const lm_merge_opts *o = e->o;
@@ -884,7 +933,12 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
     // A dense task vector's values are alike from row to row, and a fused pass samples a LoRA
     // product over the whole tensor: a narrow window then suffices (see guess_window).
     bool fuse = fused(e, e->ws->dev, bt, parts, k);
+    // The fused passes keep a LoRA part's candidates when every slab starts on a segment.
+    int64_t cols = bt->numel / tensor_rows(bt);
+    bool aligned = one_slab || slab_rows_of(e, e->ws->dev, bt, parts, k) * cols % LM_DEV_KEEP_SEGMENT == 0;
     for (int i = 0; i < k; i++) {
+        parts[i].keeps = fuse && aligned && parts[i].src == SRC_LORA && !parts[i].mask &&
+                         keep_store(e, parts[i].ft, bt->numel);
         // a part with a stored mask selects nothing (k = 0 makes every pass skip it)
         lm_topk_init(&parts[i].topk, parts[i].mask ? 0 : (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel),
                      bt->numel);
@@ -901,6 +955,8 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
         missed[i] = parts[i].topk;
         e->res->windows += !parts[i].topk.none;
         missed[i].none = lm_topk_window(&parts[i].topk, above[i], wins[i].win, wins[i].n, wins[i].lo);
+        // the candidates hold every value the merge keeps when the threshold is in the window
+        parts[i].keeps = parts[i].keeps && !parts[i].topk.none && missed[i].none;
         again = again || !missed[i].none;
         e->res->window_misses += !missed[i].none;
     }
@@ -1655,6 +1711,15 @@ static void engine_free(engine *e)
     free(e->cpu_ws.ucc2_buf);
     free(e->out_host);
     free(e->out_slab);
+    for (int i = 0; e->keep_bits && i < e->o->n_ft; i++) {
+        free(e->keep_bits[i]);
+        free(e->keep_off[i]);
+        free(e->keep_vals[i]);
+    }
+    free(e->keep_bits);
+    free(e->keep_off);
+    free(e->keep_vals);
+    free(e->keep_caps);
     for (int i = 0; e->res_dev && i < e->o->n_ft; i++)
         lm_dev_release(e->dev, e->res_dev[i].data);
     for (int i = 0; e->res_cpu && i < e->o->n_ft; i++) {
@@ -1886,6 +1951,16 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
             int bins = 1 + (parts[i].src == SRC_FULL || fuse ? DENSE_WINDOW : LM_HIST_WINDOW);
             need->hist_touched += (uint64_t)bins * LM_HIST_BINS * sizeof(uint64_t);
         }
+        // a fused LoRA part's kept candidates (select_tensor, keep_store): the bitmap, the
+        // segments' offsets, and the values at or above the window, about the density's share
+        int64_t cols = bt->numel / rows;
+        bool aligned = need->one_slab || slab_rows_of(&e, &dev, bt, parts, k) * cols % LM_DEV_KEEP_SEGMENT == 0;
+        for (int i = 0; fuse && aligned && i < k; i++)
+            if (parts[i].src == SRC_LORA) {
+                double share = o->densities[parts[i].ft] + 0.02 < 1.0 ? o->densities[parts[i].ft] + 0.02 : 1.0;
+                need->hist_touched += (uint64_t)bt->numel / 8 + (uint64_t)bt->numel / LM_DEV_KEEP_SEGMENT * 8 +
+                                      (uint64_t)((double)bt->numel * share) * sizeof(float);
+            }
     }
     return LM_OK;
 }

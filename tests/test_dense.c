@@ -386,10 +386,20 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
             }
         }
 
-        // the merge, ties sum with partial budgets (the product's values tie often), and dare
+        // the merge, ties sum with partial budgets (the product's values tie often), and dare;
+        // ties also from the candidates kept by a counting pass whose windows hold the
+        // thresholds (from segment starts only)
+        uint16_t *kbits[K];
+        int64_t *koff[K];
+        float *kvals[K];
+        for (int i = 0; i < K; i++) {
+            kbits[i] = malloc((size_t)(n / 16 + 1) * sizeof *kbits[i]);
+            koff[i] = malloc((size_t)(n / LM_DEV_KEEP_SEGMENT + 1) * sizeof *koff[i]);
+            kvals[i] = malloc((size_t)(n + 16) * sizeof *kvals[i]);
+        }
         for (int mc = 0; mc < 2; mc++) {
-            const int64_t firsts[] = {0, n / 2 + 7};
-            for (int fi = 0; fi < 2; fi++) {
+            const int64_t firsts[] = {0, n / 2 + 7, n / 2 / LM_DEV_KEEP_SEGMENT * LM_DEV_KEEP_SEGMENT};
+            for (int fi = 0; fi < 3; fi++) {
                 int64_t first = firsts[fi], cnt = n - first;
                 float w[K] = {1.0f, 0.5f, 2.0f}, *o = malloc((size_t)cnt * sizeof *o), *t[K];
                 uint32_t thr[K];
@@ -410,10 +420,40 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                 const float *tp[K] = {t[0], t[1], t[2]};
                 CHECK_OK(lm_dev_combine(d1, o, b + first, tp, w, K, cnt, LM_DEV_SIGN_SUM, true, 1.0f, &err), &err);
                 CHECK_OK(lm_dev_from_f32(d1, want, LM_DTYPE_BF16, o, cnt, &err), &err);
-                for (int th = 0; th < 2; th++) {
+                for (int run = 0; run < 4; run++) {
+                    int th = run & 1;
+                    bool kept = run >= 2;
+                    if (kept && (mc == 1 || first % LM_DEV_KEEP_SEGMENT != 0))
+                        continue;
+                    if (kept) {  // the counting pass over the whole tensor, keeping candidates
+                        lm_dev_dense hp[K];
+                        uint64_t above[K] = {0}, *win[K];
+                        for (int i = 0; i < K; i++) {
+                            win[i] = calloc((size_t)4 * LM_HIST_BINS, sizeof(uint64_t));
+                            hp[i] = lora_part(&l[i], ft, i, 0);
+                            hp[i].above = &above[i];
+                            hp[i].win = win[i];
+                            hp[i].lo_bin = (thr[i] >> 16) > 1 ? (thr[i] >> 16) - 1 : 0;
+                            hp[i].n_win = 4;
+                            if (i != 1) {
+                                hp[i].keep_bits = kbits[i];
+                                hp[i].keep_off = koff[i];
+                                hp[i].keep_vals = kvals[i];
+                                memset(kvals[i], 0xFF, (size_t)(n + 16) * sizeof *kvals[i]);  // NaNs: nothing stale
+                            }
+                        }
+                        CHECK_OK(lm_dev_dense_hist(th ? d3 : d1, base, LM_DTYPE_BF16, hp, K, n, &err), &err);
+                        for (int i = 0; i < K; i++)
+                            free(win[i]);
+                    }
                     lm_dev_dense parts[K];
                     for (int i = 0; i < K; i++) {
                         parts[i] = lora_part(&l[i], ft, i, first);
+                        if (kept && i != 1) {
+                            parts[i].keep_bits = kbits[i];
+                            parts[i].keep_off = koff[i];
+                            parts[i].keep_vals = kvals[i];
+                        }
                         parts[i].trim = mc == 0;
                         parts[i].thr_bits = thr[i];
                         parts[i].ties_allowed = ties[i];
@@ -428,9 +468,9 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                     CHECK_OK(lm_dev_dense_merge(th ? d3 : d1, got, LM_DTYPE_BF16, base + first, LM_DTYPE_BF16, parts, K,
                                                 cnt, how, &err),
                              &err);
-                    CHECK_MSG(memcmp(want, got, (size_t)cnt * 2) == 0, "lora %lldx%lld %s from %lld, %d threads: "
+                    CHECK_MSG(memcmp(want, got, (size_t)cnt * 2) == 0, "lora %lldx%lld %s from %lld, %d threads%s: "
                               "differs from the separate operations", (long long)rows, (long long)cols,
-                              mc ? "dare" : "ties", (long long)first, th ? 3 : 1);
+                              mc ? "dare" : "ties", (long long)first, th ? 3 : 1, kept ? ", kept candidates" : "");
                     for (int i = 0; mc == 0 && i < K; i++)
                         CHECK_MSG(parts[i].ties_used == used[i], "lora part %d: ties used %lld, wanted %lld", i,
                                   (long long)parts[i].ties_used, (long long)used[i]);
@@ -445,6 +485,11 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                 for (int i = 0; i < K; i++)
                     free(t[i]);
             }
+        }
+        for (int i = 0; i < K; i++) {
+            free(kbits[i]);
+            free(koff[i]);
+            free(kvals[i]);
         }
         free_lora(&l[0]);
         free_lora(&l[2]);
