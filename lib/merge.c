@@ -699,7 +699,7 @@ LM_VECTOR_CLONES static void sample_run(float *dst, const float *brow, const flo
 
 // τ of LoRA part p (a dense_part) at a sample spread over the whole of tensor bt, into
 // p->tau[0..*got), at most `want` values: runs of SAMPLE_RUN columns, the runs' rows evenly
-// spaced over the tensor and their columns scattered (a product's rows scale with B's rows and
+// spaced over the tensor and their columns sweeping it (a product's rows scale with B's rows and
 // its columns with A's columns, so a stretch of either would not do). Only a guess is made
 // from it, so it is computed here, plainly: the fused operations, which run on the CPU alone
 // (where the factors are host memory), count the exact values.
@@ -727,7 +727,8 @@ static void lora_sample(engine *e, part *p, const lm_st_tensor *bt, int64_t want
     float scale = (float)m->scale;
     for (int64_t s = 0; s < n_runs; s++) {
         int64_t i = (int64_t)((double)s * (double)rows / (double)n_runs);
-        int64_t j0 = (int64_t)(lm_mix64((uint64_t)s) % (uint64_t)(cols - SAMPLE_RUN + 1));
+        // the runs sweep the columns in order (A read as it lies) while the rows advance
+        int64_t j0 = s * SAMPLE_RUN % (cols - SAMPLE_RUN + 1);
         sample_run(p->tau + s * SAMPLE_RUN, b + i * r, a + j0, cols, r, scale);
     }
     *got = n_runs * SAMPLE_RUN;
