@@ -324,18 +324,11 @@ static void lowrank_tile(float *c, int64_t ldc, const float *x, int64_t ldx, con
     lowrank_plain(c, ldc, x, ldx, y, ldy, m, k, 0, n, alpha, beta);
 }
 
-typedef struct lowrank_job {
-    int64_t m, n, k, rows_per_task;
-    float alpha, beta;
-    const float *a, *b;
-    float *c;
-    int64_t lda, ldb, ldc;
-} lowrank_job;
-
+// A gemm_job's rows [t · tile_rows, (t + 1) · tile_rows), every column.
 static void lowrank_task(void *ctx, int64_t t)
 {
-    lowrank_job *j = ctx;
-    int64_t r0 = t * j->rows_per_task, r1 = r0 + j->rows_per_task < j->m ? r0 + j->rows_per_task : j->m;
+    gemm_job *j = ctx;
+    int64_t r0 = t * j->tile_rows, r1 = r0 + j->tile_rows < j->m ? r0 + j->tile_rows : j->m;
     lowrank_tile(j->c + r0 * j->ldc, j->ldc, j->a + r0 * j->lda, j->lda, j->b, j->ldb, r1 - r0, j->k, j->n, j->alpha,
                  j->beta);
 }
@@ -350,9 +343,9 @@ static lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int
     if (m == 0 || n == 0)
         return LM_OK;
     if (!ta && !tb && k <= LM_DEV_LOWRANK_MAX) {
-        lowrank_job j = {.m = m, .n = n, .k = k, .rows_per_task = BLOCK / n > 0 ? BLOCK / n : 1, .alpha = alpha,
-                         .beta = beta, .a = a, .b = b, .c = c, .lda = lda, .ldb = ldb, .ldc = ldc};
-        lm_pool_run(pool_of(d), ceil_div(m, j.rows_per_task), lowrank_task, &j);
+        gemm_job j = {.m = m, .n = n, .k = k, .tile_rows = BLOCK / n > 0 ? BLOCK / n : 1, .alpha = alpha,
+                      .beta = beta, .a = a, .b = b, .c = c, .lda = lda, .ldb = ldb, .ldc = ldc};
+        lm_pool_run(pool_of(d), ceil_div(m, j.tile_rows), lowrank_task, &j);
         return LM_OK;
     }
     // OpenBLAS runs single-threaded (its spinning workers would compete with the pool); the
