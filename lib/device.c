@@ -366,9 +366,19 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
                              lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err)
 {
-    if (!lm_dev_has_dense(d))
+    return lm_dev_dense_merge_side(d, out, out_dt, base, base_dt, parts, k, n, how, NULL, err);
+}
+
+lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
+                                  lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
+                                  const lm_dev_side *side, lm_err *err)
+{
+    if (!lm_dev_has_dense(d)) {
+        if (side)
+            side->fn(side->ctx);
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense operations", lm_dev_name(d));
-    return d->iface->dense_merge(d, out, out_dt, base, base_dt, parts, k, n, how, err);
+    }
+    return d->iface->dense_merge(d, out, out_dt, base, base_dt, parts, k, n, how, side, err);
 }
 
 // ==== forward-pass operations =================================================================

@@ -82,6 +82,14 @@ typedef struct lm_dev_dense {
 // How lm_dev_dense_merge combines: as lm_dev_combine with sign, normalize and lambda, or (linear)
 // as task arithmetic's sequence out = base, then out = 1·out + weight_i·τ_i for each part in turn
 // (lm_dev_axpby), whose rounding differs.
+// The caller's own work, done on the calling thread while an operation that takes it runs (on
+// the CPU the other threads start on the operation's tasks meanwhile): fn(ctx) is called
+// exactly once before the operation returns, whatever it returns.
+typedef struct lm_dev_side {
+    void (*fn)(void *ctx);
+    void *ctx;
+} lm_dev_side;
+
 typedef struct lm_dev_combine_how {
     lm_dev_sign sign;
     bool normalize;
@@ -138,7 +146,7 @@ typedef struct lm_dev_i {
     lm_status (*dense_hist)(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
                             lm_err *err);
     lm_status (*dense_merge)(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err);
+                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, const lm_dev_side *side, lm_err *err);
 
     // The forward pass (forward.h). Optional: a device without them answers
     // LM_ERR_UNSUPPORTED naming the operation, and lm_fwd_device_ok tells beforehand.
@@ -343,6 +351,10 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 // the axpby sequence of how.linear) and lm_dev_from_f32 give.
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
                              lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err);
+// lm_dev_dense_merge, with the caller's work `side` (NULL: none) done meanwhile.
+lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
+                                  lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
+                                  const lm_dev_side *side, lm_err *err);
 
 // ---- forward-pass operations (forward.h) -----------------------------------------------------
 // Activations are row-major float32 matrices in device memory, one row per token of a packed

@@ -1581,7 +1581,8 @@ static void dense_merge_task(void *ctx, int64_t task)
 // block that finds one stops merging and only counts. The budgets are then shared out in block
 // order, and those few blocks run again.
 static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                                 lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err)
+                                 lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
+                                 const lm_dev_side *side, lm_err *err)
 {
     int64_t nb = n_blocks(n);
     dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .out = out, .out_dt = out_dt,
@@ -1595,9 +1596,8 @@ static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const vo
         parts[i].ties_used = 0;
     }
     j.counted = counted;
-    lm_status s = lora_scratch(d, &j, nb, err);
-    if (s != LM_OK)
-        return s;
+    lm_err own = {0};
+    lm_status s = lora_scratch(d, &j, nb, &own);
     size_t nb1 = (size_t)(nb ? nb : 1);
     j.scratch = malloc(nb1 * (size_t)(k > 0 ? k : 1) * CHUNK * sizeof(float));
     if (any) {
@@ -1605,11 +1605,13 @@ static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const vo
         j.redo = calloc(nb1, sizeof(bool));
         j.redo_list = malloc(nb1 * sizeof(int64_t));
     }
-    if (!j.scratch || (any && (!j.ties || !j.redo || !j.redo_list))) {
-        s = lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+    if (s != LM_OK || !j.scratch || (any && (!j.ties || !j.redo || !j.redo_list))) {
+        if (side)  // (its errors are the caller's; this one is set after it, and wins)
+            side->fn(side->ctx);
+        s = s != LM_OK ? lm_err_set(err, s, "%s", own.msg) : lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
         goto done;
     }
-    lm_pool_run(pool_of(d), nb, dense_merge_task, &j);
+    lm_pool_run_side(pool_of(d), nb, dense_merge_task, &j, side ? side->fn : NULL, side ? side->ctx : NULL);
     if (any) {
         // The ties each block may keep: the budget goes to the lowest indices first.
         for (int i = 0; i < k; i++) {

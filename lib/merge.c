@@ -256,7 +256,7 @@ typedef struct engine {
     wset cpu_ws;          // the CPU's buffers, kept for the whole run (slab_max elements)
     wset dev_ws;          // an accelerator's, allocated per tensor (that tensor's slab)
     wset *ws;             // the buffers of the unit now running
-    unsigned char *out_host;  // OUT_PIECE bytes
+    unsigned char *out_host;  // 2 × OUT_PIECE bytes
     unsigned char *out_slab;  // a slab's output from an accelerator (slab_max float32), or NULL
     resident *res_cpu;    // (n_ft) every adapter's factors in host memory
     resident *res_dev;    // (n_ft) on an accelerator, data NULL where they did not fit
@@ -1134,6 +1134,26 @@ static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, c
 // output at a time: τ, trimmed or dropped, rescaled, combined with the base read where it is
 // mapped, converted, hashed and written in one pass. With from_buf each part's τ is in its
 // buffer (the slab from first0), else it is computed from the part's mapped input.
+// A piece of output waiting to be hashed and written: put_pending does it on the merge's thread
+// while the device merges the next piece into the other half of out_host.
+typedef struct pending_piece {
+    engine *e;
+    int64_t idx;
+    XXH64_state_t *hash;
+    const void *data;  // NULL: nothing waiting
+    size_t nbytes;
+    uint64_t offset;
+    lm_status s;
+} pending_piece;
+
+static void put_pending(void *ctx)
+{
+    pending_piece *pp = ctx;
+    if (pp->data && pp->s == LM_OK)
+        pp->s = put_piece(pp->e, pp->idx, pp->data, pp->nbytes, pp->offset, pp->hash);
+    pp->data = NULL;
+}
+
 static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
                               int k, lm_dev_dense *d, lm_dev_combine_how how, int64_t first0, int64_t cnt,
                               bool from_buf, int64_t *ties_left, XXH64_state_t *hash)
@@ -1142,7 +1162,10 @@ static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, co
     size_t es = esize(desc->dtype);
     int64_t per_piece = (int64_t)(OUT_PIECE / es);
     lm_status s = LM_OK;
+    pending_piece pp = {.e = e, .idx = idx, .hash = hash};
+    lm_dev_side side = {put_pending, &pp};
     for (int64_t off = 0; off < cnt && s == LM_OK; off += per_piece) {
+        unsigned char *out = e->out_host + (off / per_piece % 2) * OUT_PIECE;
         int64_t n = cnt - off < per_piece ? cnt - off : per_piece, first = first0 + off;
         e->bytes_in += (uint64_t)n * esize(bt->dtype);
         for (int i = 0; i < k; i++) {
@@ -1153,22 +1176,30 @@ static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, co
             d[i].first = first;
             d[i].ties_allowed = ties_left[i];
         }
-        s = lm_dev_dense_merge(e->ws->dev, e->out_host, desc->dtype,
-                               (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, d, k, n, how,
-                               e->err);
+        s = lm_dev_dense_merge_side(e->ws->dev, out, desc->dtype,
+                                    (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, d, k, n, how,
+                                    &side, e->err);
+        if (s == LM_OK)
+            s = pp.s;
         for (int i = 0; s == LM_OK && i < k; i++) {
             ties_left[i] -= d[i].ties_used;
             if (o->topk_global && e->global)
                 e->global[parts[i].ft].ties_allowed -= d[i].ties_used;
         }
-        if (s == LM_OK)
-            s = put_piece(e, idx, e->out_host, (size_t)n * es, (uint64_t)first * es, hash);
+        if (s == LM_OK) {
+            pp.data = out;
+            pp.nbytes = (size_t)n * es;
+            pp.offset = (uint64_t)first * es;
+        }
     }
-    return s;
+    if (s != LM_OK)
+        return s;
+    put_pending(&pp);
+    return pp.s;
 }
 
-// The merge pass of a tensor whose passes are fused (full models' parts only): τ is computed
-// from the mapped inputs as each piece is merged, slab by slab.
+// The merge pass of a tensor whose passes are fused (full models and plain LoRA pairs): τ is made
+// (or read back from the kept candidates) as each piece is merged, slab by slab.
 static lm_status merge_dense(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
                              int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash)
 {
@@ -1791,7 +1822,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     }
     e.res_cpu = calloc((size_t)o->n_ft, sizeof *e.res_cpu);
     e.res_dev = calloc((size_t)o->n_ft, sizeof *e.res_dev);
-    e.out_host = malloc(OUT_PIECE);
+    e.out_host = malloc(2 * OUT_PIECE);  // merge_pieces fills one half while the other is written
     if (o->topk_global && uses_magnitude(o->method))
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();
@@ -1882,7 +1913,7 @@ uint64_t lm_merge_plan_resident_bytes(const lm_ft *ft)
 
 uint64_t lm_merge_plan_out_piece(void)
 {
-    return OUT_PIECE;
+    return 2 * OUT_PIECE;
 }
 
 lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,

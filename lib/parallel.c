@@ -115,9 +115,15 @@ int lm_pool_threads(const lm_pool *p)
 
 void lm_pool_run(lm_pool *p, int64_t n, void (*fn)(void *ctx, int64_t i), void *ctx)
 {
-    if (n <= 0)
-        return;
-    if (p->n_workers == 0 || n == 1) {
+    lm_pool_run_side(p, n, fn, ctx, NULL, NULL);
+}
+
+void lm_pool_run_side(lm_pool *p, int64_t n, void (*fn)(void *ctx, int64_t i), void *ctx, void (*side)(void *ctx),
+                      void *side_ctx)
+{
+    if (p->n_workers == 0 || n <= 1) {
+        if (side)
+            side(side_ctx);
         for (int64_t i = 0; i < n; i++)
             fn(ctx, i);
         return;
@@ -131,6 +137,8 @@ void lm_pool_run(lm_pool *p, int64_t n, void (*fn)(void *ctx, int64_t i), void *
     p->generation++;
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
+    if (side)
+        side(side_ctx);
     run_tasks(p);
     pthread_mutex_lock(&p->mu);
     while (p->busy > 0)

@@ -26,6 +26,12 @@ int lm_pool_threads(const lm_pool *p);
 // fn must not call lm_pool_run on the same pool.
 void lm_pool_run(lm_pool *p, int64_t n, void (*fn)(void *ctx, int64_t i), void *ctx);
 
+// lm_pool_run, with side(side_ctx) run first on the calling thread while the pool's other
+// threads start on the tasks (the calling thread then joins them): the caller's own work
+// overlaps the job's. side may be NULL.
+void lm_pool_run_side(lm_pool *p, int64_t n, void (*fn)(void *ctx, int64_t i), void *ctx, void (*side)(void *ctx),
+                      void *side_ctx);
+
 // The number of online cores.
 int lm_cpu_count(void);
 

@@ -500,6 +500,57 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
     }
 }
 
+// The caller's work given to lm_dev_dense_merge_side runs exactly once, on every path, and the
+// merge is the same as without it.
+static void count_side(void *ctx)
+{
+    ++*(int *)ctx;
+}
+
+static void test_side(lm_dev *d1, lm_dev *d3, const inputs *in)
+{
+    lm_err err = {0};
+    uint32_t thr[K];
+    for (int i = 0; i < K; i++)
+        thr[i] = lm_abs_bits((float)(i + 2) / 256.0f);
+    const merge_case c = {"ties with the caller's work", true, false, false, {5000, 20000, 12345}, 1.0f,
+                          LM_DEV_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16};
+    size_t bytes = (size_t)N * 2;
+    void *want = malloc(bytes), *got = malloc(bytes);
+    int64_t used[K];
+    merge_fused(d1, in, &c, thr, 0, N, want, used, false);
+    for (int th = 0; th < 2; th++) {
+        int ran = 0;
+        lm_dev_side side = {count_side, &ran};
+        lm_dev_dense parts[K];
+        float w[K] = {1.0f, 0.5f, 2.0f};
+        for (int i = 0; i < K; i++)
+            parts[i] = (lm_dev_dense){.src = in->src[i], .dt = in->dt[i], .trim = true, .thr_bits = thr[i],
+                                      .ties_allowed = c.ties[i], .rescale = 1.0f, .weight = w[i]};
+        lm_dev_combine_how how = {c.sign, c.normalize, c.lambda, c.linear};
+        CHECK_OK(lm_dev_dense_merge_side(th ? d3 : d1, got, LM_DTYPE_BF16, in->base, LM_DTYPE_BF16, parts, K, N, how,
+                                         &side, &err),
+                 &err);
+        CHECK_MSG(ran == 1 && memcmp(want, got, bytes) == 0, "%d threads: the caller's work ran %d times, output %s",
+                  th ? 3 : 1, ran, memcmp(want, got, bytes) ? "differs" : "same");
+    }
+    lm_dev *sim = NULL;
+    CHECK_OK(lm_dev_sim_create(&sim, 1 << 20, NULL, 1, &err), &err);
+    if (sim) {
+        int ran = 0;
+        lm_dev_side side = {count_side, &ran};
+        lm_dev_dense p = {.src = in->base, .dt = LM_DTYPE_BF16, .weight = 1.0f, .rescale = 1.0f};
+        lm_dev_combine_how how = {LM_DEV_SIGN_SUM, true, 1.0f, false};
+        CHECK_FAILS(lm_dev_dense_merge_side(sim, got, LM_DTYPE_BF16, in->base, LM_DTYPE_BF16, &p, 1, 4, how, &side,
+                                            &err),
+                    LM_ERR_UNSUPPORTED, "no fused dense operations", &err);
+        CHECK_MSG(ran == 1, "a device without the operation ran the caller's work %d times", ran);
+        lm_dev_free(sim);
+    }
+    free(want);
+    free(got);
+}
+
 static void test_refusals(void)
 {
     lm_err err = {0};
@@ -533,6 +584,7 @@ int main(void)
     test_lowrank_gemm(d1);
     test_lowrank_gemm(d3);
     test_lora(d1, d3);
+    test_side(d1, d3, &in);
     test_refusals();
     free_inputs(&in);
     lm_dev_free(d1);
