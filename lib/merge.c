@@ -212,8 +212,8 @@ typedef struct part {
     lm_topk topk;                 // per-tensor threshold (magnitude, --topk tensor)
     double rescale;               // factor applied to kept entries
     bool dropped;                 // tau (kept whole) already has its random mask applied
-    bool keeps;                   // a fused LoRA part whose selection pass keeps its candidates
-    bool kept;                    // ... and they hold every value the merge keeps (its window held)
+    bool keeps;                   // a fused LoRA part whose selection pass keeps its candidates for
+                                  // the merge (after selection: and they hold all it keeps)
     const uint8_t *mask;          // a stored top-k mask (o->mask_load, host bitmap), or NULL
     uint8_t *bits;                // the top-k mask being recorded for o->mask_store, or NULL
 } part;
@@ -908,6 +908,15 @@ static bool keep_store(engine *e, int ft, int64_t numel)
     return ok;
 }
 
+// Whether a fused tensor's LoRA parts may keep their candidates on dev: the kept values are
+// laid out by segments, so every slab must start on one.
+static bool keeps_fit(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k,
+                      bool one_slab)
+{
+    int64_t cols = bt->numel / tensor_rows(bt);
+    return one_slab || slab_rows_of(e, dev, bt, parts, k) * cols % LM_DEV_KEEP_SEGMENT == 0;
+}
+
 static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
 {
     const lm_merge_opts *o = e->o;
@@ -934,9 +943,7 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
     // A dense task vector's values are alike from row to row, and a fused pass samples a LoRA
     // product over the whole tensor: a narrow window then suffices (see guess_window).
     bool fuse = fused(e, e->ws->dev, bt, parts, k);
-    // The fused passes keep a LoRA part's candidates when every slab starts on a segment.
-    int64_t cols = bt->numel / tensor_rows(bt);
-    bool aligned = one_slab || slab_rows_of(e, e->ws->dev, bt, parts, k) * cols % LM_DEV_KEEP_SEGMENT == 0;
+    bool aligned = keeps_fit(e, e->ws->dev, bt, parts, k, one_slab);
     for (int i = 0; i < k; i++) {
         parts[i].keeps = fuse && aligned && parts[i].src == SRC_LORA && !parts[i].mask &&
                          keep_store(e, parts[i].ft, bt->numel);
@@ -1985,8 +1992,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
         }
         // a fused LoRA part's kept candidates (select_tensor, keep_store): the bitmap, the
         // segments' offsets, and the values at or above the window, about the density's share
-        int64_t cols = bt->numel / rows;
-        bool aligned = need->one_slab || slab_rows_of(&e, &dev, bt, parts, k) * cols % LM_DEV_KEEP_SEGMENT == 0;
+        bool aligned = keeps_fit(&e, &dev, bt, parts, k, need->one_slab);
         for (int i = 0; fuse && aligned && i < k; i++)
             if (parts[i].src == SRC_LORA) {
                 double share = o->densities[parts[i].ft] + 0.02 < 1.0 ? o->densities[parts[i].ft] + 0.02 : 1.0;
