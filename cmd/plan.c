@@ -216,6 +216,11 @@ static void print_capture(const lm_plan *p, const lm_plan_capture *c, const char
     const lm_plan_capture_cpu *u = &c->cpu;
     if (p->dev_accelerator && c->weights_on_device)
         printf("capture: %s %s: peak about %s\n", w, dev_name, fmt(a, c->dev_peak));
+    if (p->dev_accelerator && c->factor_dev_peak)
+        printf("capture: %s Hessian factors on %s: peak about %s\n", w, dev_name, fmt(a, c->factor_dev_peak));
+    if (c->factor_fallbacks)
+        printf("capture: %s fallback: %" PRId64 " Hessian factor%s on cpu (the damped matrix does not fit)\n", w,
+               c->factor_fallbacks, c->factor_fallbacks == 1 ? "" : "s");
     printf("capture: %s cpu: peak about %s (placing %s, capturing %s: weights %s, Hessians %s, activations %s; "
            "finishing %s)\n", w, fmt(a, u->peak), fmt(b, u->placing), fmt(d, u->capturing),
            fmt((char[32]){0}, u->weights + u->device_host), fmt((char[32]){0}, u->accumulators),
@@ -422,6 +427,8 @@ static cJSON *capture_json(const lm_plan *p, const lm_plan_capture *c, const cha
         else
             cJSON_AddNullToObject(o, "device_peak_bytes");
     }
+    cJSON_AddNumberToObject(o, "factor_device_peak_bytes", (double)c->factor_dev_peak);
+    cJSON_AddNumberToObject(o, "factor_fallbacks", (double)c->factor_fallbacks);
     const lm_plan_capture_cpu *u = &c->cpu;
     static const char *keys[] = {"peak_bytes", "held", "weights", "device_host", "activations", "accumulators",
                                  "stage", "placing", "capturing", "finishing"};
@@ -575,7 +582,8 @@ int lm_cmd_plan(int argc, char **argv)
     lm_plan_device dev = {.name = dev_name, .host_memory = pr.dev->host_memory, .free_bytes = free_b,
                           .total_bytes = total_b, .cap = pr.gpu_mem,
                           .forward_ops = lm_fwd_device_ok(pr.dev, &err) == LM_OK,
-                          .importance_ops = pr.dev->iface->importance && pr.dev->iface->topk_apply_by};
+                          .importance_ops = pr.dev->iface->importance && pr.dev->iface->topk_apply_by,
+                          .factor_op = lm_dev_has_potrf(pr.dev)};
     lm_plan_hess_in hin = {.calib = pr.calib, .n_calib = pr.n_calib, .from_base = pr.hessian_from_base,
                            .sticky = pr.sticky, .keep_hessians = lm_cache_keeps_hessians()};
     bool looked = false;

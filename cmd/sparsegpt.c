@@ -245,8 +245,8 @@ static lm_status ucc2_from_hessians(lm_cmd_sgpt *g, int i, const char *label, bo
             break;
         }
         if ((s = lm_cache_read(e, H, &rerr)) == LM_OK)
-            bad_h = (s = lm_hess_ucc2_raised(set[q], H, dim, SGPT_DAMP, want, note_line, g->in.progress, &rerr)) !=
-                    LM_OK;
+            bad_h = (s = lm_hess_ucc2_raised(g->in.dev, set[q], H, dim, SGPT_DAMP, want, note_line, g->in.progress,
+                                             &rerr)) != LM_OK;
     }
     if (s == LM_OK && (s = lm_cache_next(e, name, sizeof name, &count, &bytes, &end, &rerr)) == LM_OK && !end)
         s = lm_cache_reject(e, "more Hessians than this model has", &rerr);

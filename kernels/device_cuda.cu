@@ -20,6 +20,7 @@
 // without a lock. Every entry point makes the device current for the calling thread.
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#include <cusolverDn.h>
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -39,6 +40,7 @@ extern "C" {
 }
 
 #include "cuda_check.h"
+#include "cuda_libs.h"
 #include "kernels.h"
 
 #define STAGE_BYTES ((size_t)8 << 20)   // each of the two pinned staging buffers
@@ -62,7 +64,10 @@ typedef struct cuda_ctx {
     cuda_buf *bufs;           // (n_bufs) live buffers from alloc, in no order
     size_t n_bufs, cap_bufs;
     cudaStream_t stream;      // everything runs on it (non-blocking: no implicit sync with stream 0)
+    const lm_cublas_fns *cublas;  // cuBLAS, loaded when the device was opened
     cublasHandle_t blas;      // bound to stream
+    const lm_cusolver_fns *cusolver;  // cuSOLVER, loaded by the first factorisation (potrf)
+    cusolverDnHandle_t solver;  // bound to stream; NULL until then
     void *pinned[2];          // (STAGE_BYTES each) staging buffers; both NULL when pinned memory
                               // could not be had, and copies go straight from pageable memory
     cudaEvent_t staged[2];    // recorded after the last copy into or out of pinned[i]
@@ -387,7 +392,9 @@ static void cuda_destroy(lm_dev *d)
                 cudaEventDestroy(c->staged[b]);
         }
         if (c->blas)
-            cublasDestroy(c->blas);
+            c->cublas->destroy(c->blas);
+        if (c->solver)
+            c->cusolver->destroy(c->solver);
         if (c->stream)
             cudaStreamDestroy(c->stream);
         cudaGetLastError();
@@ -460,6 +467,77 @@ static lm_status cuda_importance(lm_dev *d, float *key, const float *tau, const 
 {
     lm_status s = begin(d, err);
     return s != LM_OK ? s : lm_cuda_importance(key, tau, ucc2, rows, cols, ctx_of(d)->stream, err);
+}
+
+// cuSOLVER's handle on the device's stream, made (and the library loaded) by the first call.
+static lm_status solver_ready(lm_dev *d, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    cusolverStatus_t ss;
+    if (c->solver)
+        return LM_OK;
+    if (lm_cuda_load_cusolver(&c->cusolver, err) != LM_OK)
+        return lm_err_prefix(err, "%s", c->name);
+    if ((ss = c->cusolver->create(&c->solver)) != CUSOLVER_STATUS_SUCCESS) {
+        c->solver = NULL;
+        cudaGetLastError();
+        return lm_err_set(err, ss == CUSOLVER_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
+                          "%s: cusolverDnCreate: cuSOLVER status %d", c->name, (int)ss);
+    }
+    if ((ss = c->cusolver->set_stream(c->solver, c->stream)) != CUSOLVER_STATUS_SUCCESS) {
+        c->cusolver->destroy(c->solver);
+        c->solver = NULL;
+        cudaGetLastError();
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnSetStream: cuSOLVER status %d", c->name, (int)ss);
+    }
+    return LM_OK;
+}
+
+// cuSOLVER's dpotrf on the stream, with a workspace allocated for the call (which is where the
+// factorisation runs out of memory, and falls back, when the matrix itself fits) and the
+// factor's info in the device scratch; the diagonal is gathered by one strided copy. The host
+// waits for the info, to tell a matrix that is not positive definite.
+static lm_status cuda_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status status = begin(d, err);
+    cusolverStatus_t ss;
+    int lwork = 0, info = 0;
+    double *work = NULL;
+    size_t work_bytes = 0;
+    if (status != LM_OK || (status = solver_ready(d, err)) != LM_OK ||
+        (status = scratch_reserve(d, sizeof(int), err)) != LM_OK ||
+        (status = host_reserve(c, sizeof(int), err)) != LM_OK)
+        return status;
+    ss = c->cusolver->dpotrf_buffer_size(c->solver, CUBLAS_FILL_MODE_UPPER, (int)n, a, (int)n, &lwork);
+    if (ss != CUSOLVER_STATUS_SUCCESS) {
+        cudaGetLastError();
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnDpotrf_bufferSize (n %lld): cuSOLVER status %d", c->name,
+                          (long long)n, (int)ss);
+    }
+    work_bytes = (size_t)(lwork > 0 ? lwork : 1) * sizeof(double);
+    if ((status = dev_malloc(d, work_bytes, (void **)&work, err)) != LM_OK)
+        return status;
+    ss = c->cusolver->dpotrf(c->solver, CUBLAS_FILL_MODE_UPPER, (int)n, a, (int)n, work, lwork, (int *)c->scratch);
+    if (ss != CUSOLVER_STATUS_SUCCESS) {
+        cudaGetLastError();
+        status = lm_err_set(err, ss == CUSOLVER_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
+                            "%s: cusolverDnDpotrf (n %lld): cuSOLVER status %d", c->name, (long long)n, (int)ss);
+        goto fail;
+    }
+    CUDA_TRY(cudaMemcpy2DAsync(diag, sizeof(double), a, (size_t)(n + 1) * sizeof(double), sizeof(double), (size_t)n,
+                               cudaMemcpyDeviceToDevice, c->stream));
+    if ((status = copy_home(c, c->host_scratch, c->scratch, sizeof(int), err)) != LM_OK)
+        goto fail;
+    memcpy(&info, c->host_scratch, sizeof info);
+    if (info > 0)
+        status = lm_err_set(err, LM_ERR_FORMAT, "%s: the %lld x %lld matrix is not positive definite (cuSOLVER "
+                            "dpotrf info %d)", c->name, (long long)n, (long long)n, info);
+    else if (info < 0)
+        status = lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnDpotrf refused argument %d", c->name, -info);
+fail:
+    dev_free(c, work, work_bytes);
+    return status;
 }
 
 // The histogram is built in device scratch, fetched home and added to the host's.
@@ -729,6 +807,7 @@ static lm_dev_i make_iface(void)
     i.topk_apply = cuda_topk_apply;
     i.topk_apply_by = cuda_topk_apply_by;
     i.importance = cuda_importance;
+    i.potrf = cuda_potrf;
     i.random_drop = cuda_random_drop;
     i.l1 = cuda_l1;
     i.combine = cuda_combine;
@@ -786,18 +865,22 @@ extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_
     CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     for (int b = 0; b < 2; b++)
         CUDA_TRY(cudaEventCreateWithFlags(&c->staged[b], cudaEventDisableTiming));
-    if ((bs = cublasCreate(&c->blas)) != CUBLAS_STATUS_SUCCESS) {
+    if ((status = lm_cuda_load_cublas(&c->cublas, err)) != LM_OK) {
+        lm_err_prefix(err, "%s", c->name);
+        goto fail;
+    }
+    if ((bs = c->cublas->create(&c->blas)) != CUBLAS_STATUS_SUCCESS) {
         c->blas = NULL;
         status = lm_err_set(err, bs == CUBLAS_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
-                            "%s: cublasCreate: %s", c->name, cublasGetStatusString(bs));
+                            "%s: cublasCreate: %s", c->name, c->cublas->status_string(bs));
         cudaGetLastError();
         goto fail;
     }
     // Plain FP32 arithmetic: CUBLAS_DEFAULT_MATH never uses TF32 (only CUBLAS_TF32_TENSOR_OP_MATH
     // or a TF32 compute type would), so the GEMM agrees with the CPU's to float32 rounding.
-    if ((bs = cublasSetStream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
-        (bs = cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
-        status = lm_err_set(err, LM_ERR_DEVICE, "%s: setting up cuBLAS: %s", c->name, cublasGetStatusString(bs));
+    if ((bs = c->cublas->set_stream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
+        (bs = c->cublas->set_math_mode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
+        status = lm_err_set(err, LM_ERR_DEVICE, "%s: setting up cuBLAS: %s", c->name, c->cublas->status_string(bs));
         cudaGetLastError();
         goto fail;
     }

@@ -33,6 +33,10 @@ lm_status lm_cuda_convert_from_f32(void *d_dst, lm_dtype dt, const float *d_src,
 // copies the results home and compares them bit for bit with the CPU conversions.
 lm_status lm_cuda_selftest(int device, lm_err *err);
 
+// Loads cuBLAS and cuSOLVER as a CUDA device does when it needs them (cuda_libs.h), without a
+// device: LM_ERR_DEVICE naming the library that cannot be opened or the function it lacks.
+lm_status lm_cuda_load_libs(lm_err *err);
+
 // ---- merge operations (merge_ops.cu) --------------------------------------------------------
 // The arithmetic of device_cpu.c per element, in the same order, so results match the CPU
 // backend bit for bit wherever it can (everything but the GEMM). Each function only enqueues

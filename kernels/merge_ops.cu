@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "cuda_check.h"
+#include "cuda_libs.h"
 #include "kernels.h"
 #include "seq_sum.cuh"
 
@@ -399,7 +400,10 @@ extern "C" lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int6
         }
         return LM_OK;
     }
-    bs = cublasSgemm((cublasHandle_t)blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n,
+    const lm_cublas_fns *f;
+    if ((status = lm_cuda_load_cublas(&f, err)) != LM_OK)  // loaded already: the handle came from it
+        return status;
+    bs = f->sgemm((cublasHandle_t)blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, (int)n,
                      (int)m, (int)k, &alpha, d_b, (int)ldb, d_a, (int)lda, &beta, d_c, (int)ldc);
     if (bs != CUBLAS_STATUS_SUCCESS) {
         // A workspace cuBLAS could not allocate is the device being full, like any allocation.
@@ -407,7 +411,7 @@ extern "C" lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int6
                             "cuda: cublasSgemm (ta %d, tb %d, m %lld, n %lld, k %lld, lda %lld, ldb %lld, "
                             "ldc %lld): %s",
                             (int)ta, (int)tb, (long long)m, (long long)n, (long long)k, (long long)lda,
-                            (long long)ldb, (long long)ldc, cublasGetStatusString(bs));
+                            (long long)ldb, (long long)ldc, f->status_string(bs));
         cudaGetLastError();  // whatever CUDA error lay behind it must not fail the next launch check
     }
     return status;

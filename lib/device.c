@@ -2,6 +2,7 @@
 // optional entries, and open a device from a --device value. See device.h.
 #include "device.h"
 
+#include <inttypes.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -248,6 +249,20 @@ lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n,
     if (!d->iface->topk_apply_by)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no topk_apply_by (selection by importance)", lm_dev_name(d));
     return d->iface->topk_apply_by(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
+}
+
+bool lm_dev_has_potrf(const lm_dev *d)
+{
+    return d->iface->potrf != NULL;
+}
+
+lm_status lm_dev_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
+{
+    if (!d->iface->potrf)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no Cholesky factorisation", lm_dev_name(d));
+    if (n < 0 || n > INT32_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: a Cholesky factorisation of order %" PRId64, lm_dev_name(d), n);
+    return n == 0 ? LM_OK : d->iface->potrf(d, a, n, diag, err);
 }
 
 lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols,

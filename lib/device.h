@@ -131,6 +131,7 @@ typedef struct lm_dev_i {
                                int64_t ties_allowed, int64_t *ties_used, lm_err *err);  // optional
     lm_status (*importance)(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
                             int64_t cols, lm_err *err);  // optional
+    lm_status (*potrf)(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err);  // optional
     lm_status (*mask_get)(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n,
                           lm_err *err);  // optional: x brought to the host in pieces
     lm_status (*mask_apply)(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n,
@@ -292,6 +293,16 @@ lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n,
 // Cholesky factor U of the damped H⁻¹ (lm_hess_ucc2).
 lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols,
                             lm_err *err);
+
+// The Cholesky factorisation of an n × n symmetric positive definite matrix of doubles, in
+// place, as LAPACK's dpotrf with uplo 'U' (LAPACKE on the CPU, cuSOLVER on CUDA): `a` is read
+// column-major, its upper triangle only, and that triangle becomes U with a = Uᵀ U (the strict
+// lower triangle is undefined afterwards); diag (n doubles, device memory) gets U's diagonal. A
+// matrix that is not positive definite is LM_ERR_FORMAT; LM_ERR_UNSUPPORTED on a device without
+// the operation, and when n does not fit in an int. Devices block their factorisations
+// differently: U agrees between them to rounding, not bit for bit.
+lm_status lm_dev_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err);
+bool lm_dev_has_potrf(const lm_dev *d);
 
 // Stored top-k masks (the sparsegpt cache): bitmaps in host memory, bit b of a tensor in byte
 // b / 8 at bit b % 8, set where the entry is kept. A slab starting at element `first` of its

@@ -11,6 +11,8 @@
 #define HAVE_AVX512_PATH 1  // kernels with AVX-512 or AVX2 and FMA, chosen when the processor has them
 #define HAVE_FMA_PATH 1
 #endif
+#include <inttypes.h>
+#include <lapacke.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -922,6 +924,19 @@ static void importance_task(void *ctx, int64_t r)
     }
 }
 
+static lm_status cpu_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
+{
+    lapack_int N = (lapack_int)n, info = LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', N, a, N);
+    if (info > 0)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: the %" PRId64 " x %" PRId64 " matrix is not positive definite "
+                          "(LAPACK dpotrf info %d)", lm_dev_name(d), n, n, (int)info);
+    if (info < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "%s: LAPACK dpotrf refused argument %d", lm_dev_name(d), (int)-info);
+    for (int64_t c = 0; c < n; c++)
+        diag[c] = a[c * n + c];
+    return LM_OK;
+}
+
 static lm_status cpu_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
                                 int64_t cols, lm_err *err)
 {
@@ -1675,6 +1690,7 @@ static const lm_dev_i cpu_iface = {
     .topk_apply = cpu_topk_apply,
     .topk_apply_by = cpu_topk_apply_by,
     .importance = cpu_importance,
+    .potrf = cpu_potrf,
     .mask_get = cpu_mask_get,
     .mask_apply = cpu_mask_apply,
     .random_drop = cpu_random_drop,

@@ -353,6 +353,15 @@ static lm_status sim_importance(lm_dev *d, float *key, const float *tau, const d
     return cpu_of(d)->iface->importance(cpu_of(d), key, tau, ucc2, rows, cols, err);
 }
 
+static lm_status sim_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "potrf", err)) || (s = need_n(d, "a", a, n * n, 64, err)) ||
+        (s = need_n(d, "diag", diag, n, 64, err)))
+        return s;
+    return cpu_of(d)->iface->potrf(cpu_of(d), a, n, diag, err);
+}
+
 // bits are host memory, x device memory.
 static lm_status sim_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
 {
@@ -454,6 +463,7 @@ static const lm_dev_i sim_iface = {
     .topk_apply = sim_topk_apply,
     .topk_apply_by = sim_topk_apply_by,
     .importance = sim_importance,
+    .potrf = sim_potrf,
     .mask_get = sim_mask_get,
     .mask_apply = sim_mask_apply,
     .random_drop = sim_random_drop,

@@ -344,27 +344,15 @@ void lm_hess_release(lm_hess *h, int64_t layer, lm_fwd_point p)
 
 // ==== importance ==============================================================================
 
-lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, lm_err *err)
+// A = J H J damped, for the factorisation: its lower triangle, row-major (see lm_hess_ucc2_on).
+static void damped_reversed(double *A, const float *H, size_t n, double damp)
 {
-    if (cols <= 0 || cols > INT32_MAX)
-        return lm_err_set(err, LM_ERR_USAGE, "importance of a weight with %" PRId64 " inputs", cols);
-    size_t n = (size_t)cols;
-    double *A = malloc(n * n * sizeof *A);
-    if (!A)
-        return lm_err_set(err, LM_ERR_NOMEM, "out of memory (%zu bytes)", n * n * sizeof(double));
     // The damping: a dead input's zero diagonal becomes 1 (its weights are free to drop), then
     // every diagonal entry gets damp × the diagonal's mean.
     double mean = 0;
     for (size_t c = 0; c < n; c++)
         mean += H[c * n + c] != 0 ? (double)H[c * n + c] : 1.0;
     mean /= (double)n;
-    // U, the upper Cholesky factor of H⁻¹, without H⁻¹: with J the reversal of the inputs'
-    // order and J H J = L Lᵀ, H⁻¹ = J L⁻ᵀ L⁻¹ J = Mᵀ M for M = J L⁻¹ J, which is upper
-    // triangular with a positive diagonal, so U = M and U_cc = 1 / L_jj, j = n − 1 − c. One
-    // factorisation, where inverting H and factoring the inverse took three times the work.
-    // A holds J H J, damped: its lower triangle, row-major, which is the upper triangle of the
-    // same matrix column-major, so LAPACK factors it in place as Uᵀ U with U = Lᵀ (the same
-    // diagonal), without the transposed copy LAPACKE's row-major interface would make.
     for (size_t r = 0; r < n; r++) {
         const float *h = H + (n - 1 - r) * n + (n - 1);  // H's row n − 1 − r, read backwards
         for (size_t c = 0; c <= r; c++)
@@ -372,18 +360,75 @@ lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, 
         double d = A[r * n + r];
         A[r * n + r] = (d != 0 ? d : 1.0) + damp * mean;
     }
-    lapack_int N = (lapack_int)cols, info = LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', N, A, N);
-    if (info != 0) {
+}
+
+// The factorisation of A (n × n) on dev, which does not have host memory: copied there and its
+// factor's diagonal copied back into diag. LM_ERR_DEVICE_OOM when the matrix, or the
+// factorisation's workspace, does not fit.
+static lm_status potrf_on(lm_dev *dev, double *A, size_t n, double *diag, lm_err *err)
+{
+    double *dA = NULL, *dd = NULL;
+    lm_status s = lm_dev_alloc(dev, n * n * sizeof *dA, (void **)&dA, err);
+    if (s == LM_OK)
+        s = lm_dev_alloc(dev, n * sizeof *dd, (void **)&dd, err);
+    if (s == LM_OK)
+        s = lm_dev_upload(dev, dA, A, n * n * sizeof *dA, err);
+    if (s == LM_OK)
+        s = lm_dev_potrf(dev, dA, (int64_t)n, dd, err);
+    if (s == LM_OK)
+        s = lm_dev_download(dev, diag, dd, n * sizeof *dd, err);
+    lm_dev_release(dev, dA);
+    lm_dev_release(dev, dd);
+    return s;
+}
+
+lm_status lm_hess_ucc2_on(lm_dev *dev, double *ucc2, const float *H, int64_t cols, double damp, lm_err *err)
+{
+    if (cols <= 0 || cols > INT32_MAX)
+        return lm_err_set(err, LM_ERR_USAGE, "importance of a weight with %" PRId64 " inputs", cols);
+    size_t n = (size_t)cols;
+    double *A = malloc(n * n * sizeof *A), *diag = malloc(n * sizeof *diag);
+    if (!A || !diag) {
         free(A);
-        return lm_err_set(err, LM_ERR_FORMAT, "the damped Hessian (%" PRId64 " x %" PRId64 ") is not positive "
-                          "definite (LAPACK info %d)", cols, cols, (int)info);
+        free(diag);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory (%zu bytes)", n * n * sizeof(double));
     }
-    for (size_t c = 0; c < n; c++) {
-        double l = A[(n - 1 - c) * n + (n - 1 - c)];
+    // U, the upper Cholesky factor of H⁻¹, without H⁻¹: with J the reversal of the inputs'
+    // order and J H J = L Lᵀ, H⁻¹ = J L⁻ᵀ L⁻¹ J = Mᵀ M for M = J L⁻¹ J, which is upper
+    // triangular with a positive diagonal, so U = M and U_cc = 1 / L_jj, j = n − 1 − c. One
+    // factorisation, where inverting H and factoring the inverse took three times the work.
+    // A holds J H J, damped: its lower triangle, row-major, which is the upper triangle of the
+    // same matrix column-major, so dpotrf factors it in place as Uᵀ U with U = Lᵀ (the same
+    // diagonal), without the transposed copy LAPACKE's row-major interface would make.
+    damped_reversed(A, H, n, damp);
+    lm_status s = LM_OK;
+    if (dev && !dev->host_memory) {
+        s = potrf_on(dev, A, n, diag, err);
+    } else {
+        lapack_int N = (lapack_int)cols, info = LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', N, A, N);
+        if (info != 0)
+            s = lm_err_set(err, LM_ERR_FORMAT, "LAPACK dpotrf info %d", (int)info);
+        for (size_t c = 0; s == LM_OK && c < n; c++)
+            diag[c] = A[c * n + c];
+    }
+    if (s == LM_ERR_FORMAT) {
+        char why[LM_ERR_MSG_MAX];
+        snprintf(why, sizeof why, "%s", err->msg);
+        lm_err_set(err, s, "the damped Hessian (%" PRId64 " x %" PRId64 ") is not positive definite (%s)", cols, cols,
+                   why);
+    }
+    for (size_t c = 0; s == LM_OK && c < n; c++) {
+        double l = diag[n - 1 - c];
         ucc2[c] = 1.0 / (l * l);
     }
     free(A);
-    return LM_OK;
+    free(diag);
+    return s;
+}
+
+lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, lm_err *err)
+{
+    return lm_hess_ucc2_on(NULL, ucc2, H, cols, damp, err);
 }
 
 lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t cols, const float *H, double damp,
@@ -413,12 +458,24 @@ void lm_hess_ucc2_free(double **ucc2, int64_t n)
     free(ucc2);
 }
 
-lm_status lm_hess_ucc2_raised(double *ucc2, const float *H, int64_t cols, double damp, const char *name,
+lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t cols, double damp, const char *name,
                               lm_fwd_note_fn note, void *note_ctx, lm_err *err)
 {
     double d = damp;
     lm_status s;
-    for (int tries = 0; (s = lm_hess_ucc2(ucc2, H, cols, d, err)) == LM_ERR_FORMAT && tries < 6; tries++) {
+    for (int tries = 0;; tries++) {
+        s = lm_hess_ucc2_on(dev, ucc2, H, cols, d, err);
+        if (s == LM_ERR_DEVICE_OOM) {
+            // the factorisation is the unit that falls back: this one runs on the CPU
+            char line[LM_ERR_MSG_MAX + 256];
+            snprintf(line, sizeof line, "fallback: hessian factor of %s on cpu (%s)", name, err->msg);
+            if (note)
+                note(note_ctx, line);
+            dev = NULL;
+            s = lm_hess_ucc2_on(NULL, ucc2, H, cols, d, err);
+        }
+        if (s != LM_ERR_FORMAT || tries == 6)
+            break;
         char line[256];
         snprintf(line, sizeof line, "the Hessian of %s is not positive definite with damping %g: trying %g", name, d,
                  d * 10);
@@ -485,7 +542,8 @@ lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev
         if (each && (s = each(each_ctx, layer, pt, H, dim, h.n_tokens, err)) != LM_OK)
             break;
         char name[128];
-        s = lm_hess_ucc2_raised(ucc2[i], H, dim, damp, lm_hess_name(name, sizeof name, layer, pt), note, note_ctx, err);
+        s = lm_hess_ucc2_raised(dev, ucc2[i], H, dim, damp, lm_hess_name(name, sizeof name, layer, pt), note,
+                                note_ctx, err);
     }
     free(H);
     lm_hess_free(&h);
@@ -573,7 +631,8 @@ lm_status lm_hess_plan_make(lm_hess_plan *p, const lm_model *m, bool on_device, 
     return LM_OK;
 }
 
-uint64_t lm_hess_plan_finish(const lm_hess_plan *p, const lm_model *m, bool count_dev, bool host_copies)
+uint64_t lm_hess_plan_finish(const lm_hess_plan *p, const lm_model *m, bool count_dev, bool host_copies,
+                             lm_hess_plan_factor *f)
 {
     // no accumulators (n_acc 0): the Hessians come one at a time, only the scratch counts
     int64_t dim[LM_FWD_N_POINTS];
@@ -585,14 +644,32 @@ uint64_t lm_hess_plan_finish(const lm_hess_plan *p, const lm_model *m, bool coun
         bool on_dev = i < p->n_dev;
         left += (on_dev ? (count_dev ? acc : 0) + (host_copies ? acc : 0) : acc);
     }
+    uint64_t dev_left = 0;  // the accumulators on an accelerator
+    for (int64_t i = 0; f && f->budget && i < p->n_dev && i < p->n_acc; i++)
+        dev_left += (uint64_t)dim[i % LM_FWD_N_POINTS] * (uint64_t)dim[i % LM_FWD_N_POINTS] * sizeof(float);
+    if (f) {
+        f->dev_peak = 0;
+        f->fallbacks = 0;
+    }
     // lm_hess_ucc2_model, per Hessian in index order: it is read into H (the widest, float32),
-    // its accumulators are released, then lm_hess_ucc2 factors a double copy in place
+    // its accumulators are released, then lm_hess_ucc2_raised factors a double copy (with its
+    // diagonal) in place, or on the accelerator when it fits there
     for (int64_t i = 0; i < n; i++) {
         uint64_t d = (uint64_t)dim[i % LM_FWD_N_POINTS], acc = d * d * sizeof(float);
         bool on_dev = i < p->n_dev;
-        if (i < p->n_acc)
+        if (i < p->n_acc) {
             left -= (on_dev ? (count_dev ? acc : 0) + (host_copies ? acc : 0) : acc);
-        uint64_t now = left + h + d * d * sizeof(double);
+            dev_left -= f && f->budget && on_dev ? acc : 0;
+        }
+        uint64_t now = left + h + d * d * sizeof(double) + d * sizeof(double), factor = (d * d + d) * sizeof(double);
+        if (f && f->budget) {
+            if (dev_left + factor <= f->budget) {
+                f->dev_peak = dev_left + factor > f->dev_peak ? dev_left + factor : f->dev_peak;
+                now += f->host_copy ? factor : 0;
+            } else {
+                f->fallbacks++;
+            }
+        }
         most = now > most ? now : most;
     }
     return most;

@@ -114,10 +114,18 @@ lm_status lm_hess_importance(float *imp, const float *tau, int64_t rows, int64_t
 // merge engine computes on the device (lm_dev_importance).
 lm_status lm_hess_ucc2(double *ucc2, const float *H, int64_t cols, double damp, lm_err *err);
 
-// lm_hess_ucc2 with the damping raised tenfold (up to 10⁶ times `damp`) while the damped H is
-// not positive definite, each raise said through note (may be NULL) naming the Hessian `name`.
-// The error, when even that fails, is prefixed with name.
-lm_status lm_hess_ucc2_raised(double *ucc2, const float *H, int64_t cols, double damp, const char *name,
+// lm_hess_ucc2 with the factorisation run on dev (lm_dev_potrf: cuSOLVER on CUDA) when dev is
+// an accelerator; on the host (LAPACKE) when dev is NULL or has host memory. The damped
+// matrix is made in host memory either way and copied over; LM_ERR_DEVICE_OOM when it, or the
+// factorisation's workspace, does not fit on dev. U_cc² agrees between devices to rounding.
+lm_status lm_hess_ucc2_on(lm_dev *dev, double *ucc2, const float *H, int64_t cols, double damp, lm_err *err);
+
+// lm_hess_ucc2_on with the damping raised tenfold (up to 10⁶ times `damp`) while the damped H
+// is not positive definite, each raise said through note (may be NULL) naming the Hessian
+// `name`. The factorisation is a unit of DESIGN.md's fallback: when it does not fit on dev it
+// runs on the CPU, said through note as "fallback: hessian factor of NAME on cpu (REASON)".
+// The error, when even the largest damping fails, is prefixed with name.
+lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t cols, double damp, const char *name,
                               lm_fwd_note_fn note, void *note_ctx, lm_err *err);
 
 // Called by lm_hess_ucc2_model with each finished Hessian H ([dim, dim], host memory, valid
@@ -170,12 +178,25 @@ typedef struct lm_hess_plan {
 lm_status lm_hess_plan_make(lm_hess_plan *p, const lm_model *m, bool on_device, bool host_memory, uint64_t dev_free,
                             uint64_t reserve, lm_err *err);
 
+// Where the factorisations of the finishing pass run (lm_hess_ucc2_raised): on an accelerator
+// with `budget` bytes (the forward pass's weights and activations freed by then), each beside
+// the accumulators still held there, or on the CPU when it does not fit.
+typedef struct lm_hess_plan_factor {
+    uint64_t budget;     // in: the accelerator's bytes (0: no accelerator, they run on the host)
+    bool host_copy;      // in: the accelerator's memory is the process's (the sim device)
+    uint64_t dev_peak;   // out: the most device memory in use while factoring (cuSOLVER's
+                         // workspace, a small fraction of the matrix, is not counted)
+    int64_t fallbacks;   // out: the factorisations that do not fit and run on the CPU
+} lm_hess_plan_factor;
+
 // The most memory lm_hess_ucc2_model's finishing pass holds at once for the accumulators of p
 // (those on the device counted when count_dev; host_copies: the host-side accumulators that
 // batches run on the CPU add beside those on the device) and its scratch: each Hessian is read
 // into a float32 matrix of the widest size, its accumulators released, and its U_cc² computed
-// from a double copy, factored in place. With p->n_acc 0 (Hessians read one
-// at a time from elsewhere) only the scratch counts.
-uint64_t lm_hess_plan_finish(const lm_hess_plan *p, const lm_model *m, bool count_dev, bool host_copies);
+// from a double copy, factored in place there or, on an accelerator (f not NULL, with a
+// budget), copied to it when it fits; f's outputs are filled. With p->n_acc 0 (Hessians read
+// one at a time from elsewhere) only the scratch counts.
+uint64_t lm_hess_plan_finish(const lm_hess_plan *p, const lm_model *m, bool count_dev, bool host_copies,
+                             lm_hess_plan_factor *f);
 
 #endif

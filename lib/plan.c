@@ -183,6 +183,8 @@ static lm_status plan_capture(lm_plan_capture *c, const lm_model *m, const lm_ad
     }
     lm_status s;
     bool accel = !dev->host_memory;
+    // the factorisations try the accelerator once the forward pass has let go of it
+    lm_hess_plan_factor f = {.budget = accel && dev->factor_op ? budget : 0, .host_copy = accel && is_sim(dev)};
     if ((s = lm_fwd_plan_make(&c->fwd_cpu, m, a, true, err)) != LM_OK ||
         (s = lm_fwd_plan_make(&c->fwd, m, a, dev->host_memory, err)) != LM_OK) {
         free(lens);
@@ -204,7 +206,9 @@ static lm_status plan_capture(lm_plan_capture *c, const lm_model *m, const lm_ad
             return s;
         c->hess.n_acc = 0;  // no accumulators: each Hessian comes from the cache in turn
         c->hess.host_bytes = 0;
-        u->finishing = held + lm_hess_plan_finish(&c->hess, m, false, false);
+        u->finishing = held + lm_hess_plan_finish(&c->hess, m, false, false, &f);
+        c->factor_dev_peak = f.dev_peak;
+        c->factor_fallbacks = f.fallbacks;
         u->peak = u->finishing;
         return LM_OK;
     }
@@ -282,7 +286,9 @@ static lm_status plan_capture(lm_plan_capture *c, const lm_model *m, const lm_ad
     u->capturing = held + u->weights + u->device_host + u->activations + u->accumulators + u->stage;
     // finishing: the runner's weights and arenas are freed; the accumulators go one by one
     u->finishing = held + u->stage +
-                   lm_hess_plan_finish(&c->hess, m, !accel || is_sim(dev), on_accel && c->run.n_seq_cpu > 0);
+                   lm_hess_plan_finish(&c->hess, m, !accel || is_sim(dev), on_accel && c->run.n_seq_cpu > 0, &f);
+    c->factor_dev_peak = f.dev_peak;
+    c->factor_fallbacks = f.fallbacks;
     u->peak = max_u64(u->placing, max_u64(u->capturing, u->finishing));
     return LM_OK;
 }

@@ -33,6 +33,7 @@ typedef struct lm_plan_device {
     uint64_t cap;          // --gpu-mem, 0 for none
     bool forward_ops;      // it has the forward pass's operations (lm_fwd_device_ok)
     bool importance_ops;   // it has sparsegpt's importance operations (else that merge runs on the CPU)
+    bool factor_op;        // it has the Cholesky factorisation (lm_dev_potrf; else the CPU's is used)
 } lm_plan_device;
 
 // What the cache holds for one model's Hessians (sparsegpt).
@@ -96,6 +97,8 @@ typedef struct lm_plan_capture {
     lm_plan_capture_note *notes;  // (n_notes) its fallbacks, in order
     int64_t n_notes;
     uint64_t dev_peak;            // device bytes at most (an accelerator)
+    uint64_t factor_dev_peak;     // device bytes at most while the Hessians are factored there
+    int64_t factor_fallbacks;     // factorisations that do not fit on the accelerator (on the CPU)
     lm_plan_capture_cpu cpu;
 } lm_plan_capture;
 

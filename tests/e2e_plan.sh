@@ -49,6 +49,8 @@ capture_want() {
       fi
     done
     [ "$("$jsonq" "$1" capture.$i.sticky)" = true ] && echo "$i sticky"
+    k=$("$jsonq" "$1" capture.$i.factor_fallbacks)
+    [ "$k" -gt 0 ] && echo "$i factors $k"
   done
   return 0
 }
@@ -56,12 +58,15 @@ capture_want() {
 # capture_got MERGE_OUTPUT: the same from what the merge said, each Hessian set's lines after its
 # "Hessians of" line.
 capture_got() {
-  local i=-1 line re_h re_c
+  local i=-1 line re_h re_c factors=0
   re_h='fallback: hessian sequences ([0-9]+)-([0-9]+) \(([0-9]+) tokens\) halved'
   re_c='fallback: hessian sequence ([0-9]+) \(([0-9]+) tokens\) on cpu'
   while IFS= read -r line; do
     case $line in
-      *": Hessians of "*) i=$((i + 1)) ;;
+      *": Hessians of "*)
+        [ "$factors" -gt 0 ] && echo "$i factors $factors"
+        i=$((i + 1)) factors=0 ;;
+      *"fallback: hessian factor of "*) factors=$((factors + 1)) ;;
       *"fallback: hessian weights of "*) echo "$i weights" ;;
       *"--sticky-fallback"*) echo "$i sticky" ;;
       *)
@@ -69,6 +74,8 @@ capture_got() {
         elif [[ $line =~ $re_c ]]; then echo "$i cpu ${BASH_REMATCH[1]} ${BASH_REMATCH[2]}"; fi ;;
     esac
   done <"$1"
+  [ "$factors" -gt 0 ] && echo "$i factors $factors"
+  return 0
 }
 
 # compare NAME ARGS...: plan and merge with ARGS (the method first, then BASE FT... and options);

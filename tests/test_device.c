@@ -573,6 +573,65 @@ static void h_syrk(harness *h, int64_t n, int64_t k, float alpha, float beta)
     free(got);
 }
 
+// The Cholesky factorisation of an n × n positive definite matrix, against the textbook
+// algorithm in double written out here: U's upper triangle and the diagonal returned beside it
+// to 1e-12 of the largest entry (the devices block the factorisation differently: bit for bit
+// only on the sim, which runs the CPU's). A matrix with a negative pivot is refused.
+static void h_potrf(harness *h, int64_t n)
+{
+    size_t nn = (size_t)(n * n);
+    double *a = hmalloc(nn * 8), *want = hmalloc(nn * 8), *got = hmalloc(nn * 8), *diag = hmalloc((size_t)n * 8);
+    float *g = hmalloc(nn * 4);
+    // a = G Gᵀ + n·I: symmetric, positive definite, well conditioned
+    fill(g, (int64_t)nn);
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t c = 0; c < n; c++) {
+            double v = r == c ? (double)n : 0.0;
+            for (int64_t k = 0; k < n; k++)
+                v += (double)g[r * n + k] * g[c * n + k];
+            a[c * n + r] = v;
+        }
+    memset(want, 0, nn * 8);
+    double most = 0;
+    for (int64_t j = 0; j < n; j++) {
+        double d = a[j * n + j];
+        for (int64_t k = 0; k < j; k++)
+            d -= want[j * n + k] * want[j * n + k];
+        want[j * n + j] = sqrt(d);
+        for (int64_t i = j + 1; i < n; i++) {
+            double v = a[i * n + j];
+            for (int64_t k = 0; k < j; k++)
+                v -= want[j * n + k] * want[i * n + k];
+            want[i * n + j] = v / want[j * n + j];
+        }
+    }
+    for (size_t i = 0; i < nn; i++)
+        most = fmax(most, fabs(want[i]));
+    double *da = put(h, a, nn * 8), *dd = put(h, NULL, (size_t)n * 8);
+    if (da && dd && DEV_OK(h, lm_dev_potrf(h->dev, da, n, dd, &h->err)) && get(h, got, da, nn * 8) &&
+        get(h, diag, dd, (size_t)n * 8)) {
+        int64_t bad = 0;
+        for (int64_t c = 0; c < n; c++) {
+            for (int64_t r = 0; r <= c; r++)
+                bad += !(fabs(got[c * n + r] - want[c * n + r]) <= 1e-12 * most);
+            bad += diag[c] != got[c * n + c];
+        }
+        CHECK_MSG(bad == 0, "potrf n=%lld on %s: %lld entries of U or its diagonal differ from the reference",
+                  (long long)n, lm_dev_name(h->dev), (long long)bad);
+    }
+    // a negative pivot in the middle: the factorisation fails there, as a bad input
+    a[(n / 2) * n + n / 2] = -1.0;
+    if (da && n > 1 && lm_dev_upload(h->dev, da, a, nn * 8, &h->err) == LM_OK)
+        CHECK_FAILS(lm_dev_potrf(h->dev, da, n, dd, &h->err), LM_ERR_FORMAT, "not positive definite", &h->err);
+    lm_dev_release(h->dev, da);
+    lm_dev_release(h->dev, dd);
+    free(a);
+    free(want);
+    free(got);
+    free(diag);
+    free(g);
+}
+
 // delta from every readable dtype: bit-identical to to_f32 then axpby(1, base, -1) on the CPU,
 // which is its contract.
 static void h_delta(harness *h, int64_t n)
@@ -1215,6 +1274,9 @@ static void test_against_cpu(lm_dev *dev)
     h_dora(&h, 3, 23335);
     h_dora(&h, 70, 3);
     h_dora(&h, 1, 1);
+    h_potrf(&h, 1);
+    h_potrf(&h, 7);
+    h_potrf(&h, 200);
     forward_against_cpu(&h);
     CHECK(lm_dev_sync(dev, &h.err) == LM_OK);
 
@@ -1541,6 +1603,11 @@ int main(void)
         }
         lm_dev_free(dev);
     }
+#ifdef LLMERGE_HAVE_CUDA
+    // the CUDA backend's libraries, opened as a device opens them: every function it looks up
+    // is there (this machine has the toolkit the build used, if not a GPU)
+    CHECK_OK(lm_cuda_load_libs(&err), &err);
+#endif
     test_sim_budget();
     test_sim_open();
     test_sim_faults();

@@ -517,7 +517,7 @@ static void test_each_hessian(lm_dev *cpu)
         CHECK_MSG(e.got.h[i] && memcmp(e.got.h[i], ref.h[i], (size_t)(d * d) * sizeof(float)) == 0,
                   "the Hessian handed over %lld differs from lm_hess_get's", (long long)i);
         double *u = malloc((size_t)d * sizeof *u);
-        CHECK_OK(lm_hess_ucc2_raised(u, ref.h[i], d, 0.01, "H", NULL, NULL, &err), &err);
+        CHECK_OK(lm_hess_ucc2_raised(NULL, u, ref.h[i], d, 0.01, "H", NULL, NULL, &err), &err);
         CHECK_MSG(memcmp(u, ucc2[i], (size_t)d * sizeof *u) == 0, "U_cc² %lld differs", (long long)i);
         free(u);
     }
@@ -706,6 +706,104 @@ static void test_ucc2_blocks(void)
     free(inv);
 }
 
+// Collects the notes of lm_hess_ucc2_raised.
+typedef struct notes {
+    int n;
+    char text[1024];
+} notes;
+
+static void collect_note(void *ctx, const char *line)
+{
+    notes *o = ctx;
+    size_t used = strlen(o->text);
+    snprintf(o->text + used, sizeof o->text - used, "%s\n", line);
+    o->n++;
+}
+
+// The factorisation as a unit of the fallback: on a device with room it runs there (the sim
+// runs the CPU's LAPACK, so U_cc² is bit for bit the host's); on one without room for the
+// matrix it runs on the CPU, said as a fallback, with the same result; the damping raised for a
+// Hessian that is not positive definite is the host's too. Nothing is left on the device.
+static void test_ucc2_devices(void)
+{
+    lm_err err = {0};
+    enum { N = 48, T = 90 };
+    static float H[N * N];
+    double want[N], got[N];
+    uint64_t st = 5;
+    static double X[T][N];
+    for (int t = 0; t < T; t++)
+        for (int c = 0; c < N; c++) {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            X[t][c] = (double)(st >> 11) / 9007199254740992.0 - 0.5;
+        }
+    for (int r = 0; r < N; r++)
+        for (int c = 0; c < N; c++) {
+            double sum = 0;
+            for (int t = 0; t < T; t++)
+                sum += X[t][r] * X[t][c];
+            H[r * N + c] = (float)(2 * sum / T);
+        }
+    CHECK_OK(lm_hess_ucc2(want, H, N, 0.01, &err), &err);
+    const char *specs[] = {"sim:1MiB", "sim:16KiB"};  // the damped matrix takes 18 KiB
+    for (int i = 0; i < 2; i++) {
+        lm_dev *sim = NULL;
+        lm_dev_opts o = {.threads = 2};
+        CHECK_OK(lm_dev_open(&sim, specs[i], &o, NULL, 0, &err), &err);
+        if (!sim)
+            continue;
+        notes seen = {0};
+        memset(got, 0, sizeof got);
+        CHECK_OK(lm_hess_ucc2_raised(sim, got, H, N, 0.01, "model.layers.3.mlp.down_proj", collect_note, &seen, &err),
+                 &err);
+        CHECK_MSG(memcmp(got, want, sizeof want) == 0, "%s: U_cc² differs from the host's", specs[i]);
+        if (i == 0)
+            CHECK_MSG(seen.n == 0, "%s: notes where none were due: %s", specs[i], seen.text);
+        else
+            CHECK_MSG(seen.n == 1 && strstr(seen.text, "fallback: hessian factor of model.layers.3.mlp.down_proj on "
+                                                       "cpu (sim:16KiB: out of memory allocating 18.00 KiB"),
+                      "%s: the fallback is not said as expected: %s", specs[i], seen.text);
+        size_t fr = 0, tot = 0;
+        lm_dev_mem_info(sim, &fr, &tot);
+        CHECK_MSG(fr == tot, "%s: %zu of %zu bytes free after the factorisation", specs[i], fr, tot);
+        // input 7 with a negative curvature: damping 0.01 and 0.1 are not enough, 1 is
+        float bad = H[7 * N + 7];
+        H[7 * N + 7] = -0.5f * bad;
+        double raised[N];
+        CHECK_OK(lm_hess_ucc2(raised, H, N, 1.0, &err), &err);
+        memset(&seen, 0, sizeof seen);
+        CHECK_OK(lm_hess_ucc2_raised(sim, got, H, N, 0.01, "H", collect_note, &seen, &err), &err);
+        CHECK_MSG(memcmp(got, raised, sizeof raised) == 0, "%s: U_cc² with the damping raised differs from the host's",
+                  specs[i]);
+        CHECK_MSG(strstr(seen.text, "not positive definite with damping 0.01: trying 0.1") &&
+                  strstr(seen.text, "with damping 0.1: trying 1\n") && !strstr(seen.text, "trying 10"),
+                  "%s: the damping was not raised as expected: %s", specs[i], seen.text);
+        // beyond any damping: an error naming the Hessian
+        H[7 * N + 7] = -1e9f;
+        CHECK_FAILS(lm_hess_ucc2_raised(sim, got, H, N, 0.01, "model.layers.0.self_attn.q_proj", NULL, NULL, &err),
+                    LM_ERR_FORMAT, "model.layers.0.self_attn.q_proj: the damped Hessian (48 x 48) is not positive "
+                    "definite", &err);
+        H[7 * N + 7] = bad;
+        lm_dev_free(sim);
+    }
+    // the device LLMERGE_TEST_DEVICE names (cuda on a GPU machine): its own factorisation,
+    // which agrees with LAPACK's to double rounding
+    const char *spec = getenv("LLMERGE_TEST_DEVICE");
+    lm_dev *dev = NULL;
+    lm_dev_opts o = {.threads = 2};
+    if (spec && *spec && lm_dev_open(&dev, spec, &o, NULL, 0, &err) == LM_OK) {
+        notes seen = {0};
+        CHECK_OK(lm_hess_ucc2_raised(dev, got, H, N, 0.01, "H", collect_note, &seen, &err), &err);
+        double worst = 0;
+        for (int c = 0; c < N; c++)
+            worst = fmax(worst, fabs(got[c] - want[c]) / want[c]);
+        CHECK_MSG(worst < 1e-12 && seen.n == 0, "%s: U_cc² within %g of the host's, notes: %s", spec, worst,
+                  seen.text);
+        printf("U_cc² on %s: max relative difference from LAPACK's %.2e\n", spec, worst);
+    }
+    lm_dev_free(dev);
+}
+
 static void test_importance(void)
 {
     lm_err err = {0};
@@ -782,6 +880,7 @@ int main(void)
         test_each_hessian(cpu);
         test_importance();
         test_ucc2_blocks();
+        test_ucc2_devices();
     }
     lm_dev_free(cpu);
     return check_report("test_hessian");

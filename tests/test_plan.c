@@ -170,11 +170,29 @@ static void test_accumulators(void)
     CHECK_OK(lm_hess_plan_make(&p, base, false, false, 1u << 30, 0, &err), &err);
     CHECK(p.n_dev == 0 && p.host_bytes == 2 * (3 * 64 * 64 + 128 * 128) * sizeof(float) && p.max_dim == 128);
     // the finishing pass holds, at its worst, what is left of the accumulators, the float32
-    // Hessian and the double copy of the widest (factored in place)
-    uint64_t fin = lm_hess_plan_finish(&p, base, false, false);
-    CHECK(fin > (uint64_t)128 * 128 * (4 + 8) && fin < p.host_bytes + (uint64_t)128 * 128 * (4 + 8));
+    // Hessian and the double copy of the widest (factored in place) with its diagonal
+    const uint64_t f128 = (128 * 128 + 128) * 8, f64 = (64 * 64 + 64) * 8;
+    uint64_t fin = lm_hess_plan_finish(&p, base, false, false, NULL);
+    CHECK(fin > 128 * 128 * 4 + f128 && fin < p.host_bytes + 128 * 128 * 4 + f128);
+    // factored on an accelerator: each Hessian's copy there when it fits, beside nothing else
+    // (the accumulators are in host memory); one byte short for the widest, those two go to
+    // the CPU; on the sim, the copy there is host memory too
+    lm_hess_plan_factor f = {.budget = f128};
+    CHECK(lm_hess_plan_finish(&p, base, false, false, &f) == fin && f.fallbacks == 0 && f.dev_peak == f128);
+    f = (lm_hess_plan_factor){.budget = f128 - 1};
+    CHECK(lm_hess_plan_finish(&p, base, false, false, &f) == fin && f.fallbacks == 2 && f.dev_peak == f64);
+    f = (lm_hess_plan_factor){.budget = f128, .host_copy = true};
+    uint64_t sim_fin = lm_hess_plan_finish(&p, base, false, false, &f);
+    CHECK_MSG(sim_fin > fin && sim_fin <= fin + f128, "finishing on the sim %llu, on the host %llu",
+              (unsigned long long)sim_fin, (unsigned long long)fin);
+    // with the accumulators on the accelerator, those not yet finished are beside the copy: at
+    // layer 0's widest, layer 1's four (3·64² + 128² floats)
+    CHECK_OK(lm_hess_plan_make(&p, base, true, false, 1u << 30, 0, &err), &err);
+    f = (lm_hess_plan_factor){.budget = 1u << 30};
+    lm_hess_plan_finish(&p, base, false, false, &f);
+    CHECK(p.n_dev == 8 && f.fallbacks == 0 && f.dev_peak == f128 + (3 * 64 * 64 + 128 * 128) * 4);
     p.n_acc = 0;
-    CHECK(lm_hess_plan_finish(&p, base, false, false) == (uint64_t)128 * 128 * (4 + 8));
+    CHECK(lm_hess_plan_finish(&p, base, false, false, NULL) == 128 * 128 * 4 + f128);
     lm_model_free(base);
 }
 
