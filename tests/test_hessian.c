@@ -654,6 +654,26 @@ static void invert(const double *A, int n, double *inv)
     free(M);
 }
 
+// H = (2/t) Σ x xᵀ over t random input rows x of width n (at most 48); with `shaped`, input 5
+// is dead and every third input leans on input 0, so that H has structure and a zero row.
+static void sample_hessian(float *H, int n, int t, uint64_t st, bool shaped)
+{
+    static double X[128][48];
+    for (int i = 0; i < t; i++)
+        for (int c = 0; c < n; c++) {
+            st = st * 6364136223846793005ull + 1442695040888963407ull;
+            double v = (double)(st >> 11) / 9007199254740992.0 - 0.5;
+            X[i][c] = !shaped ? v : c == 5 ? 0 : v + (c % 3 == 0 ? X[i][0] : 0);
+        }
+    for (int r = 0; r < n; r++)
+        for (int c = 0; c < n; c++) {
+            double sum = 0;
+            for (int i = 0; i < t; i++)
+                sum += X[i][r] * X[i][c];
+            H[r * n + c] = (float)(2 * sum / t);
+        }
+}
+
 // lm_hess_ucc2 on a 48-input Hessian with a dead input, against U_cc² found another way: the
 // Cholesky factor U of H⁻¹ (Uᵀ U = H⁻¹, U upper) has U_cc² = the first diagonal entry of the
 // inverse of H's trailing block from input c on (the Schur complement of the inputs after c,
@@ -665,20 +685,7 @@ static void test_ucc2_blocks(void)
     float *H = calloc(N * N, sizeof *H);
     double *A = malloc(N * N * sizeof *A), *B = malloc(N * N * sizeof *B), *inv = malloc(N * N * sizeof *inv);
     double ucc2[N], mean = 0, worst = 0;
-    uint64_t st = 99;
-    static double X[T][N];
-    for (int t = 0; t < T; t++)
-        for (int c = 0; c < N; c++) {
-            st = st * 6364136223846793005ull + 1442695040888963407ull;
-            X[t][c] = c == 5 ? 0 : (double)(st >> 11) / 9007199254740992.0 - 0.5 + (c % 3 == 0 ? X[t][0] : 0);
-        }
-    for (int r = 0; r < N; r++)
-        for (int c = 0; c < N; c++) {
-            double sum = 0;
-            for (int t = 0; t < T; t++)
-                sum += X[t][r] * X[t][c];
-            H[r * N + c] = (float)(2 * sum / T);
-        }
+    sample_hessian(H, N, T, 99, true);
     CHECK_OK(lm_hess_ucc2(ucc2, H, N, 0.01, &err), &err);
     for (int i = 0; i < N * N; i++)
         A[i] = H[i];
@@ -730,20 +737,7 @@ static void test_ucc2_devices(void)
     enum { N = 48, T = 90 };
     static float H[N * N];
     double want[N], got[N];
-    uint64_t st = 5;
-    static double X[T][N];
-    for (int t = 0; t < T; t++)
-        for (int c = 0; c < N; c++) {
-            st = st * 6364136223846793005ull + 1442695040888963407ull;
-            X[t][c] = (double)(st >> 11) / 9007199254740992.0 - 0.5;
-        }
-    for (int r = 0; r < N; r++)
-        for (int c = 0; c < N; c++) {
-            double sum = 0;
-            for (int t = 0; t < T; t++)
-                sum += X[t][r] * X[t][c];
-            H[r * N + c] = (float)(2 * sum / T);
-        }
+    sample_hessian(H, N, T, 5, false);
     CHECK_OK(lm_hess_ucc2(want, H, N, 0.01, &err), &err);
     const char *specs[] = {"sim:1MiB", "sim:16KiB"};  // the damped matrix takes 18 KiB
     for (int i = 0; i < 2; i++) {
