@@ -42,9 +42,12 @@ static const char *find_all(void *h, const char *const *syms, void **slots)
     return NULL;
 }
 
-// Loads `soname` and its `syms` into `slots` once; *loaded says it is done.
+// Loads `soname` and its `syms` into `slots` once; *loaded says it is done. Once it is, no lock
+// is taken: the GEMM asks on every call.
 static lm_status load(const char *soname, const char *const *syms, void **slots, bool *loaded, lm_err *err)
 {
+    if (__atomic_load_n(loaded, __ATOMIC_ACQUIRE))
+        return LM_OK;
     lm_status s = LM_OK;
     pthread_mutex_lock(&load_lock);
     if (!*loaded) {
@@ -57,7 +60,7 @@ static lm_status load(const char *soname, const char *const *syms, void **slots,
             s = lm_err_set(err, LM_ERR_DEVICE, "%s has no %s", soname, missing);
             dlclose(h);
         } else {
-            *loaded = true;  // the handle stays open for the life of the process
+            __atomic_store_n(loaded, true, __ATOMIC_RELEASE);  // the handle stays open for good
         }
     }
     pthread_mutex_unlock(&load_lock);

@@ -194,6 +194,11 @@ lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char
 // The CPU backend (OpenBLAS for GEMM, a thread pool for the element-wise work).
 lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err);
 
+// The CPU backend's factorisation (lm_dev_potrf's on the CPU) of host memory, for callers that
+// have no CPU device at hand: LAPACKE's dpotrf in place, U's diagonal to diag. LM_ERR_FORMAT
+// with *info the order of the leading minor that is not positive definite; err is not touched.
+lm_status lm_cpu_potrf(double *a, int64_t n, double *diag, int *info);
+
 // The simulated accelerator (device_sim.c): buffers of its own in host memory, reachable only
 // through upload and download (host_memory is false), a hard budget of `budget` bytes of live
 // allocations beyond which lm_dev_alloc is LM_ERR_DEVICE_OOM, and the operations of the CPU

@@ -952,16 +952,25 @@ static void importance_task(void *ctx, int64_t r)
     }
 }
 
-static lm_status cpu_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
+lm_status lm_cpu_potrf(double *a, int64_t n, double *diag, int *info)
 {
-    lapack_int N = (lapack_int)n, info = LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', N, a, N);
-    if (info > 0)
-        return lm_err_set(err, LM_ERR_FORMAT, "%s: the %" PRId64 " x %" PRId64 " matrix is not positive definite "
-                          "(LAPACK dpotrf info %d)", lm_dev_name(d), n, n, (int)info);
-    if (info < 0)
-        return lm_err_set(err, LM_ERR_USAGE, "%s: LAPACK dpotrf refused argument %d", lm_dev_name(d), (int)-info);
+    lapack_int N = (lapack_int)n;
+    *info = (int)LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', N, a, N);
+    // a negative info is an argument LAPACK refused: n and the leading dimension are the only
+    // ones that vary, and lm_dev_potrf has checked them
+    if (*info != 0)
+        return LM_ERR_FORMAT;
     for (int64_t c = 0; c < n; c++)
         diag[c] = a[c * n + c];
+    return LM_OK;
+}
+
+static lm_status cpu_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
+{
+    int info;
+    if (lm_cpu_potrf(a, n, diag, &info) != LM_OK)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: the %" PRId64 " x %" PRId64 " matrix is not positive definite "
+                          "(LAPACK dpotrf info %d)", lm_dev_name(d), n, n, info);
     return LM_OK;
 }
 

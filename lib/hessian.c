@@ -3,7 +3,6 @@
 #include "hessian.h"
 
 #include <inttypes.h>
-#include <lapacke.h>
 #include <stdio.h>
 #include <stddef.h>
 #include <stdlib.h>
@@ -405,11 +404,9 @@ lm_status lm_hess_ucc2_on(lm_dev *dev, double *ucc2, const float *H, int64_t col
     if (dev && !dev->host_memory) {
         s = potrf_on(dev, A, n, diag, err);
     } else {
-        lapack_int N = (lapack_int)cols, info = LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', N, A, N);
-        if (info != 0)
-            s = lm_err_set(err, LM_ERR_FORMAT, "LAPACK dpotrf info %d", (int)info);
-        for (size_t c = 0; s == LM_OK && c < n; c++)
-            diag[c] = A[c * n + c];
+        int info;
+        if (lm_cpu_potrf(A, cols, diag, &info) != LM_OK)
+            s = lm_err_set(err, LM_ERR_FORMAT, "LAPACK dpotrf info %d", info);
     }
     if (s == LM_ERR_FORMAT) {
         char why[LM_ERR_MSG_MAX];

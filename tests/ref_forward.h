@@ -72,8 +72,11 @@ static double *st_d(const lm_st_tensor *t)
 }
 
 // The DoRA weight of METHODS.md merged explicitly, in place over W (out, in):
-// W ← m ⊙ (W + s·B@A) / ‖W + s·B@A‖, the norm per output row.
-static void ref_dora_merge(const lm_lora_module *mod, double *W, int64_t out, int64_t in)
+// W ← m ⊙ (W + s·B@A) / ‖W + s·B@A‖, the norm per row o of B@A ([out, in]), whose element
+// (o, i) is at W[o·so + i·si] (a linear weight: so = in, si = 1; an embedding table stored
+// transposed: so = 1, si = out).
+static void ref_dora_merge_strided(const lm_lora_module *mod, double *W, int64_t out, int64_t in, int64_t so,
+                                   int64_t si)
 {
     double *A = st_d(mod->a), *B = st_d(mod->b), *m = st_d(mod->magnitude);
     for (int64_t o = 0; o < out; o++) {
@@ -82,15 +85,20 @@ static void ref_dora_merge(const lm_lora_module *mod, double *W, int64_t out, in
             double d = 0;
             for (int64_t j = 0; j < mod->r; j++)
                 d += B[o * mod->r + j] * A[j * in + i];
-            W[o * in + i] += mod->scale * d;
-            ss += W[o * in + i] * W[o * in + i];
+            W[o * so + i * si] += mod->scale * d;
+            ss += W[o * so + i * si] * W[o * so + i * si];
         }
         for (int64_t i = 0; i < in; i++)
-            W[o * in + i] *= ss > 0 ? m[o] / sqrt(ss) : 0.0;
+            W[o * so + i * si] *= ss > 0 ? m[o] / sqrt(ss) : 0.0;
     }
     free(A);
     free(B);
     free(m);
+}
+
+static void ref_dora_merge(const lm_lora_module *mod, double *W, int64_t out, int64_t in)
+{
+    ref_dora_merge_strided(mod, W, out, in, in, 1);
 }
 
 // y (T, out) = x (T, in) · Wᵀ + b + s·((x Aᵀ) Bᵀ + lora_B.bias) for the module `path`; with
@@ -249,23 +257,8 @@ static void ref_forward(const ref_ctx *c, const int32_t *ids, int64_t T, ref_out
         const lm_lora_module *mod = &c->a->modules[i];
         if (mod->kind != LM_LORA_EMBEDDING || !mod->magnitude)
             continue;
-        double *A = st_d(mod->a), *B = st_d(mod->b), *m = st_d(mod->magnitude);  // A (r, V), B (H, r)
-        Ein = dup_d(E, V * H);
-        for (int64_t e = 0; e < H; e++) {
-            double ss = 0;
-            for (int64_t t = 0; t < V; t++) {
-                double d = 0;
-                for (int64_t j = 0; j < mod->r; j++)
-                    d += B[e * mod->r + j] * A[j * V + t];
-                Ein[t * H + e] += mod->scale * d;
-                ss += Ein[t * H + e] * Ein[t * H + e];
-            }
-            for (int64_t t = 0; t < V; t++)
-                Ein[t * H + e] *= ss > 0 ? m[e] / sqrt(ss) : 0.0;
-        }
-        free(A);
-        free(B);
-        free(m);
+        Ein = dup_d(E, V * H);  // A (r, V), B (H, r): B@A is E transposed
+        ref_dora_merge_strided(mod, Ein, H, V, 1, H);
     }
     for (int64_t t = 0; t < T; t++)
         memcpy(h + t * H, Ein + ids[t] * H, (size_t)H * sizeof *h);
