@@ -282,6 +282,14 @@ void lm_cmd_run_notes(lm_progress *p, const lm_run_args *a, const lm_calib *data
         lm_progress_note(p, "note: --gpu-mem has no effect on the cpu device");
 }
 
+void lm_cmd_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
+{
+    if (fb)
+        lm_progress_fallback(ctx, fb->phase, fb->unit, fb->from, fb->to, fb->reason);
+    else
+        lm_progress_note(ctx, "%s", line);
+}
+
 void lm_cmd_run_fallbacks(lm_progress *p, const lm_fwd_runner *u)
 {
     if (u->n_halved || u->n_seq_cpu)

@@ -120,6 +120,10 @@ lm_status lm_cmd_run_device(const lm_run_args *a, lm_dev **dev, char *why, size_
 // The notes before the work: sequences cut to --seq-len, --gpu-mem without effect on the CPU.
 void lm_cmd_run_notes(lm_progress *p, const lm_run_args *a, const lm_calib *data, int64_t seq_len, lm_dev *dev);
 
+// The commands' lm_fwd_note_fn (ctx: the lm_progress): a fallback as lm_progress_fallback says
+// it (a line, a --log-json event, the count), any other line as a note.
+void lm_cmd_note(void *ctx, const char *line, const lm_fwd_fallback *fb);
+
 // The note after the work when batches were halved or sequences ran on the CPU.
 void lm_cmd_run_fallbacks(lm_progress *p, const lm_fwd_runner *u);
 

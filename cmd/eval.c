@@ -65,6 +65,8 @@ static void usage(FILE *out)
             "  --threads N       CPU threads (default 0: all cores)\n"
             "  --json            print one JSON object instead: perplexity, nll_mean, tokens,\n"
             "                    sequences, the inputs, the device and the fallbacks\n"
+            "  --log-json FILE   write one JSON object per event to FILE (JSON Lines): progress,\n"
+            "                    fallbacks, errors (default: none)\n"
             "  --sticky-fallback once a sequence has gone to the CPU, run every later batch there\n"
             "                    too instead of trying the device again (default: try again)\n"
             "  -q, --quiet       nothing on stderr but errors\n"
@@ -78,12 +80,13 @@ static void usage(FILE *out)
 
 // eval's own options; the rest are those of every command that runs a model (args.h).
 typedef enum opt_id {
-    OPT_DATA, OPT_JSON,
+    OPT_DATA, OPT_JSON, OPT_LOG_JSON,
 } opt_id;
 
 static const lm_opt opt_defs[] = {
     {"data", 0, true, OPT_DATA},
     {"json", 0, false, OPT_JSON},
+    {"log-json", 0, true, OPT_LOG_JSON},  // opened before parsing (lm_cmd_find_log_json)
     LM_RUN_OPTS("samples"),
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
@@ -106,6 +109,10 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
         return LM_OK;
     case OPT_JSON:
         a->json = true;
+        return LM_OK;
+    case OPT_LOG_JSON:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
         return LM_OK;
     }
     return lm_cmd_run_option(&a->run, d, shown, v, err);
@@ -175,11 +182,6 @@ static lm_status prepare(eval_run *r, lm_err *err)
     return lm_cmd_run_device(&a->run, &r->dev, r->dev_why, sizeof r->dev_why, err);
 }
 
-static void on_note(void *ctx, const char *line)
-{
-    lm_progress_note(ctx, "%s", line);
-}
-
 static void on_progress(void *ctx, int64_t done)
 {
     lm_progress_update(ctx, done, 0, NULL);
@@ -243,7 +245,7 @@ static int work(eval_run *r)
 
     double t0 = lm_progress_now();
     lm_signals_install();  // Ctrl-C stops at the next layer: exit 128 + the signal, no result
-    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "eval", a->run.model, 0, on_note, p,
+    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "eval", a->run.model, 0, lm_cmd_note, p,
                                      &err);
     r->runner.sticky = a->run.sticky;
     if (s != LM_OK) {
@@ -304,6 +306,13 @@ int lm_cmd_eval(int argc, char **argv)
     int rc;
     if (argc < 2) {
         usage(stderr);
+        rc = 2;
+        goto done;
+    }
+    // opened first, so that even a usage error is logged
+    const char *log_json = lm_cmd_find_log_json(argc, argv);
+    if (log_json && *log_json && lm_progress_log_open(&r.progress, log_json, &err) != LM_OK) {
+        lm_progress_error(&r.progress, 2, "--log-json: %s", err.msg);
         rc = 2;
         goto done;
     }

@@ -227,11 +227,6 @@ static lm_status prepare(hess_run *r, lm_err *err)
     return lm_cmd_run_device(&a->run, &r->dev, r->dev_why, sizeof r->dev_why, err);
 }
 
-static void on_note(void *ctx, const char *line)
-{
-    lm_progress_note(ctx, "%s", line);
-}
-
 static void on_progress(void *ctx, int64_t done)
 {
     lm_progress_update(ctx, done, 0, NULL);
@@ -350,8 +345,8 @@ static int work(hess_run *r)
     lm_cmd_run_notes(p, &a->run, &r->data, r->seq_len, r->dev);
 
     double t0 = lm_progress_now();
-    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "hessian", a->run.model, 0, on_note, p,
-                                     &err);
+    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "hessian", a->run.model, 0, lm_cmd_note,
+                                     p, &err);
     r->runner.sticky = a->run.sticky;
     if (s == LM_OK)
         s = place_accumulators(r, &err);

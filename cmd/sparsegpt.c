@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "args.h"
 #include "device.h"
 #include "hessian.h"
 #include "util.h"
@@ -29,11 +30,6 @@ static void cache_free(sgpt_cache *c)
     free(c->mask_out);
     free(c->mask_failed);
     memset(c, 0, sizeof *c);
-}
-
-static void note_line(void *ctx, const char *line)
-{
-    lm_progress_note(ctx, "%s", line);
 }
 
 // An event for --log-json: what happened to a cache entry ("hit", "miss", "damaged", "stored",
@@ -245,7 +241,7 @@ static lm_status ucc2_from_hessians(lm_cmd_sgpt *g, int i, const char *label, bo
             break;
         }
         if ((s = lm_cache_read(e, H, &rerr)) == LM_OK)
-            bad_h = (s = lm_hess_ucc2_raised(g->in.dev, set[q], H, dim, SGPT_DAMP, want, note_line, g->in.progress,
+            bad_h = (s = lm_hess_ucc2_raised(g->in.dev, set[q], H, dim, SGPT_DAMP, want, lm_cmd_note, g->in.progress,
                                              &rerr)) != LM_OK;
     }
     if (s == LM_OK && (s = lm_cache_next(e, name, sizeof name, &count, &bytes, &end, &rerr)) == LM_OK && !end)
@@ -374,8 +370,9 @@ static lm_status ucc2_set(lm_cmd_sgpt *g, int i, lm_err *err)
                      cal->n_seqs, cal->n_tokens);
     hess_sink sink = {.g = g, .key = c->dir ? c->hess_key[i] : 0, .label = label};
     bool keep = c->dir && lm_cache_keeps_hessians();
-    s = lm_hess_ucc2_model(m, ad, g->in.dev, label, seqs, cal->n_seqs, g->in.threads, SGPT_DAMP, g->in.sticky, note_line,
-                           g->in.progress, keep ? keep_hessian : NULL, &sink, &g->ucc2[i], &g->n_ucc2, err);
+    s = lm_hess_ucc2_model(m, ad, g->in.dev, label, seqs, cal->n_seqs, g->in.threads, SGPT_DAMP, g->in.sticky,
+                           lm_cmd_note, g->in.progress, keep ? keep_hessian : NULL, &sink, &g->ucc2[i], &g->n_ucc2,
+                           err);
     free(seqs);
     if (s != LM_OK) {
         lm_cache_close(sink.e);

@@ -948,7 +948,16 @@ static void say(lm_fwd_runner *r, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
-    r->note(r->note_ctx, line);
+    r->note(r->note_ctx, line, NULL);
+}
+
+void lm_fwd_say_fallback(lm_fwd_note_fn note, void *ctx, const lm_fwd_fallback *fb)
+{
+    if (!note)
+        return;
+    char line[LM_ERR_MSG_MAX + 512];
+    snprintf(line, sizeof line, "fallback: %s %s on %s (%s)", fb->phase, fb->unit, fb->to, fb->reason);
+    note(ctx, line, fb);
 }
 
 // The model on the CPU, placed when first needed.
@@ -992,7 +1001,10 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
     // the weights do not fit, or the device cannot run the forward pass: the model runs on the CPU
     double t0 = now_s();
     r->weights_fell_back = true;
-    say(r, "fallback: %s weights of %s on cpu (%s)", phase, label, why.msg);
+    char unit[512];
+    snprintf(unit, sizeof unit, "weights of %s", label);
+    lm_fwd_say_fallback(r->note, r->note_ctx,
+                        &(lm_fwd_fallback){phase, unit, lm_dev_name(dev), "cpu", why.msg});
     lm_fwd *f;
     s = cpu_fwd(r, &f, err);
     r->fallback_s += now_s() - t0;
@@ -1061,16 +1073,21 @@ static lm_status run_batch(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n, 
         if (n > 1) {
             int64_t h = n / 2;
             r->n_halved++;
-            say(r, "fallback: %s sequences %" PRId64 "-%" PRId64 " (%" PRId64 " tokens) halved on %s (%s)", r->phase,
-                first + 1, first + n, T, lm_dev_name(r->dev), err->msg);
+            char unit[128];
+            snprintf(unit, sizeof unit, "sequences %" PRId64 "-%" PRId64 " (%" PRId64 " tokens) halved", first + 1,
+                     first + n, T);
+            lm_fwd_say_fallback(r->note, r->note_ctx,
+                                &(lm_fwd_fallback){r->phase, unit, lm_dev_name(r->dev), lm_dev_name(r->dev), err->msg});
             lm_fwd_req second = req_at(req, tokens_of(seqs, h), r->on_dev->vocab);
             if ((s = run_batch(r, seqs, h, first, req, done, err)) != LM_OK)
                 return s;
             return run_batch(r, seqs + h, n - h, first + h, &second, done, err);
         }
         r->n_seq_cpu++;
-        say(r, "fallback: %s sequence %" PRId64 " (%" PRId64 " tokens) on cpu (%s)", r->phase, first + 1, T,
-            err->msg);
+        char unit[96];
+        snprintf(unit, sizeof unit, "sequence %" PRId64 " (%" PRId64 " tokens)", first + 1, T);
+        lm_fwd_say_fallback(r->note, r->note_ctx,
+                            &(lm_fwd_fallback){r->phase, unit, lm_dev_name(r->dev), "cpu", err->msg});
         if (r->sticky) {
             r->stuck = true;
             say(r, "fallback: %s: every later sequence runs on cpu too (--sticky-fallback)", r->phase);

@@ -113,8 +113,19 @@ lm_status lm_fwd_run(lm_fwd *f, const lm_fwd_seq *seqs, int64_t n_seqs, const lm
 
 // ==== with fallbacks ==========================================================================
 
-// Says one line (what fell back, and why); ctx is the runner's note_ctx.
-typedef void (*lm_fwd_note_fn)(void *ctx, const char *line);
+// A unit of DESIGN.md's fallback that went elsewhere: the runner's weights or batches, a
+// Hessian's factorisation. Its line reads "fallback: PHASE UNIT on TO (REASON)".
+typedef struct lm_fwd_fallback {
+    const char *phase, *unit, *from, *to, *reason;
+} lm_fwd_fallback;
+
+// Says one line (what fell back, and why, or what was done about a unit); ctx is the runner's
+// note_ctx. For a fallback, fb describes it (the line is made from it); otherwise fb is NULL.
+typedef void (*lm_fwd_note_fn)(void *ctx, const char *line, const lm_fwd_fallback *fb);
+
+// Makes fb's line and says it through note (which may be NULL).
+void lm_fwd_say_fallback(lm_fwd_note_fn note, void *ctx, const lm_fwd_fallback *fb);
+
 // Reports progress: `done` sequences of the current lm_fwd_runner_run are finished.
 typedef void (*lm_fwd_progress_fn)(void *ctx, int64_t done);
 

@@ -464,10 +464,9 @@ lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t
         s = lm_hess_ucc2_on(dev, ucc2, H, cols, d, err);
         if (s == LM_ERR_DEVICE_OOM) {
             // the factorisation is the unit that falls back: this one runs on the CPU
-            char line[LM_ERR_MSG_MAX + 256];
-            snprintf(line, sizeof line, "fallback: hessian factor of %s on cpu (%s)", name, err->msg);
-            if (note)
-                note(note_ctx, line);
+            char unit[512];
+            snprintf(unit, sizeof unit, "factor of %s", name);
+            lm_fwd_say_fallback(note, note_ctx, &(lm_fwd_fallback){"hessian", unit, lm_dev_name(dev), "cpu", err->msg});
             dev = NULL;
             s = lm_hess_ucc2_on(NULL, ucc2, H, cols, d, err);
         }
@@ -477,7 +476,7 @@ lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t
         snprintf(line, sizeof line, "the Hessian of %s is not positive definite with damping %g: trying %g", name, d,
                  d * 10);
         if (note)
-            note(note_ctx, line);
+            note(note_ctx, line, NULL);
         d *= 10;
     }
     return s != LM_OK ? lm_err_prefix(err, "%s", name) : LM_OK;

@@ -100,16 +100,24 @@ fi
 run sim_big eval "$fx/base" --data "$data" --device sim:64MiB
 same base sim_big
 lacks sim_big.err fallback
-run sim_weights eval "$fx/base" --data "$data" --device sim:100KiB
+run sim_weights eval "$fx/base" --data "$data" --device sim:100KiB --log-json "$work/sim_weights.log"
 same base sim_weights
 has sim_weights.err "fallback: eval weights of $fx/base on cpu (sim:100KiB: out of memory"
+has sim_weights.log '"event":"fallback",'
+has sim_weights.log '"phase":"eval","unit":"weights of '"$fx/base"'","from":"sim:100KiB","to":"cpu","reason":"sim:100KiB: out of memory'
 run gpu_mem eval "$fx/base" --data "$data" --device sim:1GiB --gpu-mem 100KiB --json
 json "$work/gpu_mem.out" fallbacks.weights_on_cpu true
 # 500 KiB holds the weights (about 420 KiB) and the activations of a few short sequences only
-run sim_small eval "$fx/base" --data "$data" --device sim:500KiB
+run sim_small eval "$fx/base" --data "$data" --device sim:500KiB --log-json "$work/sim_small.log"
 same base sim_small
 has sim_small.err "fallback: eval sequences 1-8 (155 tokens) halved on sim:500KiB (activations of a batch of 155 tokens"
 has sim_small.err "on cpu (activations of a batch of"
+has sim_small.log '"unit":"sequences 1-8 (155 tokens) halved","from":"sim:500KiB","to":"sim:500KiB"'
+# one event per fallback line
+n_lines=$(grep -c "fallback: " "$work/sim_small.err") n_events=$(grep -c '"event":"fallback"' "$work/sim_small.log")
+if [ "$n_lines" -gt 1 ] && [ "$n_lines" = "$n_events" ]; then ok; else
+  bad "sim_small: $n_lines fallback lines, $n_events fallback events in --log-json"
+fi
 run sim_small_json eval "$fx/base" --data "$data" --device sim:500KiB --json
 close "$("$jsonq" "$work/sim_small_json.out" perplexity)" "$ppl" 1e-6 "(fallbacks vs cpu)"
 # 450 KiB sends sequence 1 to the CPU; --sticky-fallback keeps every later one there instead of

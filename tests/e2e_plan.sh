@@ -93,9 +93,16 @@ compare() {
     return
   fi
   ok
-  if ! "$llmerge" "$@" -o "$out" --threads 2 >"$work/$name.merge.out" 2>&1; then
+  if ! "$llmerge" "$@" -o "$out" --threads 2 --log-json "$work/$name.log" >"$work/$name.merge.out" 2>&1; then
     bad "$name: merge $* failed: $(head -c 600 "$work/$name.merge.out")"
     return
+  fi
+  # every fallback line is a --log-json event too (the sticky note is no unit's)
+  local n_lines n_events
+  n_lines=$(grep "fallback: " "$work/$name.merge.out" | grep -vc -- "--sticky-fallback")
+  n_events=$(grep -c '"event":"fallback"' "$work/$name.log")
+  if [ "$n_lines" = "$n_events" ]; then ok; else
+    bad "$name: $n_lines fallback lines, $n_events fallback events in --log-json"
   fi
   # merge units
   jq_list "$work/$name.plan.json" merge.fallbacks >"$work/$name.want"

@@ -658,8 +658,9 @@ typedef struct notes {
     int n;
 } notes;
 
-static void on_note(void *ctx, const char *line)
+static void on_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
 {
+    (void)fb;
     notes *n = ctx;
     size_t len = strlen(n->text);
     snprintf(n->text + len, sizeof n->text - len, "%s\n", line);

@@ -56,8 +56,9 @@ static void hset_free(hset *s)
     memset(s, 0, sizeof *s);
 }
 
-static void on_note(void *ctx, const char *line)
+static void on_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
 {
+    (void)fb;
     (void)ctx;
     printf("  note: %s\n", line);
 }
@@ -719,8 +720,9 @@ typedef struct notes {
     char text[1024];
 } notes;
 
-static void collect_note(void *ctx, const char *line)
+static void collect_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
 {
+    (void)fb;
     notes *o = ctx;
     size_t used = strlen(o->text);
     snprintf(o->text + used, sizeof o->text - used, "%s\n", line);
