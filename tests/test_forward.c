@@ -33,6 +33,7 @@
 #include "device.h"
 #include "forward.h"
 #include "model.h"
+#include "notes.h"
 #include "safetensors.h"
 #include "st_writer.h"
 #include "testfs.h"
@@ -653,20 +654,6 @@ static void test_batches(lm_dev *cpu1, lm_dev *cpu3, lm_dev *sim)
 
 // ==== fallbacks ===============================================================================
 
-typedef struct notes {
-    char text[8192];
-    int n;
-} notes;
-
-static void on_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
-{
-    (void)fb;
-    notes *n = ctx;
-    size_t len = strlen(n->text);
-    snprintf(n->text + len, sizeof n->text - len, "%s\n", line);
-    n->n++;
-}
-
 // Synthetic sequences of the given lengths (ids from a fixed stream).
 static void make_seqs(lm_fwd_seq *s, int32_t *ids, const int64_t *lens, int n)
 {
@@ -694,7 +681,7 @@ static lm_fwd_runner run_on_budget(const lm_model *m, const lm_adapter *a, uint6
     if (!sim)
         return r;
     memset(nt, 0, sizeof *nt);
-    lm_status st = lm_fwd_runner_init(&r, m, a, sim, "test", "MODEL", max_tokens, on_note, nt, &err);
+    lm_status st = lm_fwd_runner_init(&r, m, a, sim, "test", "MODEL", max_tokens, collect_note, nt, &err);
     CHECK_OK(st, &err);
     if (st == LM_OK) {
         float *nll = calloc((size_t)T, sizeof *nll);
@@ -785,12 +772,19 @@ static void test_fallbacks(lm_dev *cpu)
     CHECK(r.weights_fell_back && r.tokens_cpu == T && r.tokens_dev == 0 && r.n_halved == 0);
     CHECK_MSG(nt.n == 1 && strstr(nt.text, "fallback: test weights of MODEL on cpu (sim:") &&
               strstr(nt.text, "out of memory"), "notes: %s", nt.text);
+    // said with its description, for the commands' --log-json event
+    CHECK_MSG(nt.fallbacks == 1 && !strcmp(nt.phase, "test") && !strcmp(nt.unit, "weights of MODEL") &&
+              !strncmp(nt.from, "sim:", 4) && !strcmp(nt.to, "cpu"), "fallback %d: %s %s from %s to %s", nt.fallbacks,
+              nt.phase, nt.unit, nt.from, nt.to);
 
     // [6 10 10 10] (36 tokens) does not fit, its halves [6 10] and [10 10] do
     r = run_on_budget(m, a, W + A35, NULL, s, N, 40, want, T, &nt, LM_OK);
     CHECK_MSG(!r.weights_fell_back && r.n_halved == 1 && r.n_seq_cpu == 0 && r.tokens_dev == T,
               "halved %lld, cpu %lld, dev %lld", (long long)r.n_halved, (long long)r.n_seq_cpu, (long long)r.tokens_dev);
     CHECK_MSG(strstr(nt.text, "fallback: test sequences 3-6 (36 tokens) halved on sim:") != NULL, "notes: %s", nt.text);
+    CHECK_MSG(nt.fallbacks == 1 && !strcmp(nt.unit, "sequences 3-6 (36 tokens) halved") &&
+              !strcmp(nt.from, nt.to) && !strncmp(nt.to, "sim:", 4), "fallback %d: %s from %s to %s", nt.fallbacks,
+              nt.unit, nt.from, nt.to);
 
     // 30 tokens do not fit even alone: [30 5] halves, 30 goes to the CPU, and 5 and everything
     // after run on the device again ([6 10 10 10] halved into [6 10] and [10 10])
@@ -800,6 +794,7 @@ static void test_fallbacks(lm_dev *cpu)
               (long long)r.tokens_cpu, (long long)r.tokens_dev);
     CHECK_MSG(strstr(nt.text, "fallback: test sequence 1 (30 tokens) on cpu (activations of a batch of 30 tokens: "
                               "sim:") != NULL, "notes: %s", nt.text);
+    CHECK_MSG(nt.fallbacks == nt.n && nt.n == 3, "%d of %d lines said as fallbacks: %s", nt.fallbacks, nt.n, nt.text);
 
     // a device failure that is not out of memory stops the run: no fallback
     r = run_on_budget(m, a, W + A36, "launch:100", s, N, 40, want, T, &nt, LM_ERR_DEVICE);
@@ -887,7 +882,7 @@ static void test_ops(lm_dev *cpu, lm_dev *sim)
         CHECK_FAILS(lm_fwd_create(&f, m, NULL, &fake, &err), LM_ERR_UNSUPPORTED, "rope", &err);
         notes nt = {0};
         lm_fwd_runner r;
-        CHECK_OK(lm_fwd_runner_init(&r, m, NULL, &fake, "eval", "qwen", 0, on_note, &nt, &err), &err);
+        CHECK_OK(lm_fwd_runner_init(&r, m, NULL, &fake, "eval", "qwen", 0, collect_note, &nt, &err), &err);
         CHECK(r.weights_fell_back && r.on_dev == NULL && r.on_cpu != NULL);
         CHECK_MSG(strstr(nt.text, "fallback: eval weights of qwen on cpu (cpu: the operation rope") != NULL, "%s",
                   nt.text);

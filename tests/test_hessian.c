@@ -28,6 +28,7 @@
 #include "forward.h"
 #include "hessian.h"
 #include "model.h"
+#include "notes.h"
 #include "safetensors.h"
 #include "testfs.h"
 #include "util.h"
@@ -714,21 +715,6 @@ static void test_ucc2_blocks(void)
     free(inv);
 }
 
-// Collects the notes of lm_hess_ucc2_raised.
-typedef struct notes {
-    int n;
-    char text[1024];
-} notes;
-
-static void collect_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
-{
-    (void)fb;
-    notes *o = ctx;
-    size_t used = strlen(o->text);
-    snprintf(o->text + used, sizeof o->text - used, "%s\n", line);
-    o->n++;
-}
-
 // The factorisation as a unit of the fallback: on a device with room it runs there (the sim
 // runs the CPU's LAPACK, so U_cc² is bit for bit the host's); on one without room for the
 // matrix it runs on the CPU, said as a fallback, with the same result; the damping raised for a
@@ -759,6 +745,11 @@ static void test_ucc2_devices(void)
             CHECK_MSG(seen.n == 1 && strstr(seen.text, "fallback: hessian factor of model.layers.3.mlp.down_proj on "
                                                        "cpu (sim:16KiB: out of memory allocating 18.00 KiB"),
                       "%s: the fallback is not said as expected: %s", specs[i], seen.text);
+        if (i == 1)
+            CHECK_MSG(seen.fallbacks == 1 && !strcmp(seen.phase, "hessian") &&
+                      !strcmp(seen.unit, "factor of model.layers.3.mlp.down_proj") && !strcmp(seen.from, specs[i]) &&
+                      !strcmp(seen.to, "cpu"), "%s: fallback %d: %s %s from %s to %s", specs[i], seen.fallbacks,
+                      seen.phase, seen.unit, seen.from, seen.to);
         size_t fr = 0, tot = 0;
         lm_dev_mem_info(sim, &fr, &tot);
         CHECK_MSG(fr == tot, "%s: %zu of %zu bytes free after the factorisation", specs[i], fr, tot);
