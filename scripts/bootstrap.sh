@@ -5,7 +5,7 @@
 set -euo pipefail
 
 pkgs=(cmake make gcc clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev
-      gnuplot-nox)  # gnuplot: the plot of examples/sweep
+      libpcre2-dev gnuplot-nox)  # gnuplot: the plot of examples/sweep
 
 missing=()
 for p in "${pkgs[@]}"; do
