@@ -245,6 +245,8 @@ lm_status lm_cmd_run_open(const lm_run_args *a, lm_model **m, lm_adapter **ad, l
         free(dir);
         if (s != LM_OK)
             return s;
+        if ((s = lm_adapter_select(*ad, *m, err)) != LM_OK)
+            return lm_err_prefix(err, "--adapter %s", a->adapter);
         if ((s = lm_adapter_validate(*ad, *m, err)) != LM_OK)
             return lm_err_prefix(err, "--adapter %s does not fit MODEL %s", a->adapter, a->model);
     }
@@ -280,6 +282,23 @@ void lm_cmd_run_notes(lm_progress *p, const lm_run_args *a, const lm_calib *data
                          data->n_cut == 1 ? "" : "s", seq_len);
     if (a->gpu_mem && strcmp(lm_dev_name(dev), "cpu") == 0)
         lm_progress_note(p, "note: --gpu-mem has no effect on the cpu device");
+}
+
+void lm_cmd_adapter_warnings(lm_progress *p, const char *who, const lm_adapter *a, const char *verb,
+                             const char *base)
+{
+    for (int64_t i = 0; a && i < a->n_ignored; i++) {
+        if (i == LM_CMD_MAX_IGNORED_WARNINGS) {
+            int64_t more = a->n_ignored - i;
+            lm_progress_note(p, "warning: %s: the keys of %" PRId64 " more module%s are not %s either "
+                             "(llmerge inspect %s --base %s lists them all)", who, more, more == 1 ? "" : "s",
+                             verb, a->dir, base);
+            break;
+        }
+        char msg[LM_ERR_MSG_MAX];
+        lm_adapter_ignored_msg(a, i, verb, msg, sizeof msg);
+        lm_progress_note(p, "warning: %s: %s", who, msg);
+    }
 }
 
 void lm_cmd_note(void *ctx, const char *line, const lm_fwd_fallback *fb)

@@ -120,6 +120,14 @@ lm_status lm_cmd_run_device(const lm_run_args *a, lm_dev **dev, char *why, size_
 // The notes before the work: sequences cut to --seq-len, --gpu-mem without effect on the CPU.
 void lm_cmd_run_notes(lm_progress *p, const lm_run_args *a, const lm_calib *data, int64_t seq_len, lm_dev *dev);
 
+// The warnings for adapter a's modules that PEFT would not load (lm_adapter_select), one per
+// module, "WHO: keys ... are not VERB, ...", at most LM_CMD_MAX_IGNORED_WARNINGS of them, then
+// how many more and how to list them (llmerge inspect ADAPTER --base BASE). Nothing when a is
+// NULL or sets nothing aside.
+#define LM_CMD_MAX_IGNORED_WARNINGS 10
+void lm_cmd_adapter_warnings(lm_progress *p, const char *who, const lm_adapter *a, const char *verb,
+                             const char *base);
+
 // The commands' lm_fwd_note_fn (ctx: the lm_progress): a fallback as lm_progress_fallback says
 // it (a line, a --log-json event, the count), any other line as a note.
 void lm_cmd_note(void *ctx, const char *line, const lm_fwd_fallback *fb);

@@ -242,6 +242,11 @@ static int work(eval_run *r)
                      a->run.adapter ? " with " : "", a->run.adapter ? a->run.adapter : "", a->data, r->data.n_seqs,
                      r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);
     lm_cmd_run_notes(p, &a->run, &r->data, r->seq_len, r->dev);
+    if (r->adapter) {
+        char who[LM_ERR_MSG_MAX / 2];
+        snprintf(who, sizeof who, "--adapter %s", a->run.adapter);
+        lm_cmd_adapter_warnings(p, who, r->adapter, "applied", a->run.model);
+    }
 
     double t0 = lm_progress_now();
     lm_signals_install();  // Ctrl-C stops at the next layer: exit 128 + the signal, no result

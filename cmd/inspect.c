@@ -458,6 +458,15 @@ static cJSON *json_lora_config(const lm_lora_config *c)
         break;
     }
     }
+    if (c->targets_default_for)
+        cJSON_AddStringToObject(o, "target_modules_default_for", c->targets_default_for);
+    if (c->exclude_regex)
+        cJSON_AddStringToObject(o, "exclude_modules", c->exclude_regex);
+    else if (c->exclude_modules) {
+        cJSON *a = cJSON_AddArrayToObject(o, "exclude_modules");
+        for (int64_t i = 0; i < c->n_exclude_modules; i++)
+            cJSON_AddItemToArray(a, cJSON_CreateString(c->exclude_modules[i]));
+    }
     cJSON *rp = cJSON_AddObjectToObject(o, "rank_pattern");
     for (int64_t i = 0; i < c->n_rank_pattern; i++)
         cJSON_AddNumberToObject(rp, c->rank_pattern[i].key, (double)c->rank_pattern[i].r);
@@ -470,6 +479,11 @@ static cJSON *json_lora_config(const lm_lora_config *c)
     cJSON *lt = cJSON_AddArrayToObject(o, "layers_to_transform");
     for (int64_t i = 0; i < c->n_layers_to_transform; i++)
         cJSON_AddItemToArray(lt, cJSON_CreateNumber((double)c->layers_to_transform[i]));
+    if (c->n_layers_pattern) {
+        cJSON *lp = cJSON_AddArrayToObject(o, "layers_pattern");
+        for (int64_t i = 0; i < c->n_layers_pattern; i++)
+            cJSON_AddItemToArray(lp, cJSON_CreateString(c->layers_pattern[i]));
+    }
     if (c->base_model_name_or_path)
         cJSON_AddStringToObject(o, "base_model_name_or_path", c->base_model_name_or_path);
     else
@@ -496,7 +510,17 @@ static void print_lora_config(const lm_lora_config *c)
             printf("%s%s", i ? ", " : "", c->target_modules[i]);
         break;
     }
+    if (c->targets_default_for)
+        printf(" (null in the file: PEFT's default for model_type %s)", c->targets_default_for);
     printf("\n");
+    if (c->exclude_regex)
+        printf("exclude_modules: regex '%s' (full match)\n", c->exclude_regex);
+    else if (c->exclude_modules) {
+        printf("exclude_modules:");
+        for (int64_t i = 0; i < c->n_exclude_modules; i++)
+            printf("%s %s", i ? "," : "", c->exclude_modules[i]);
+        printf("%s\n", c->n_exclude_modules ? "" : " (none)");
+    }
     if (c->n_rank_pattern) {
         printf("rank_pattern:");
         for (int64_t i = 0; i < c->n_rank_pattern; i++)
@@ -519,6 +543,12 @@ static void print_lora_config(const lm_lora_config *c)
             printf("%s %" PRId64, i ? "," : "", c->layers_to_transform[i]);
         printf("\n");
     }
+    if (c->n_layers_pattern) {
+        printf("layers_pattern:");
+        for (int64_t i = 0; i < c->n_layers_pattern; i++)
+            printf("%s %s", i ? "," : "", c->layers_pattern[i]);
+        printf("\n");
+    }
 }
 
 static int inspect_adapter(const char *path, const char *base_dir, bool json)
@@ -534,7 +564,15 @@ static int inspect_adapter(const char *path, const char *base_dir, bool json)
         lm_err_prefix(&err, "--base");
         return fail(s, &err);
     }
-    lm_status bs = base ? lm_adapter_validate(a, base, &base_err) : LM_OK;
+    // Without --base only what the config decides alone sets modules aside.
+    lm_status bs = lm_adapter_select(a, base, &base_err);
+    if (bs != LM_OK && !base) {
+        lm_model_free(base);
+        lm_adapter_free(a);
+        return fail(bs, &base_err);
+    }
+    if (base && bs == LM_OK)
+        bs = lm_adapter_validate(a, base, &base_err);
 
     int64_t params = 0;
     for (int64_t i = 0; i < a->st->n_tensors; i++)
@@ -575,6 +613,22 @@ static int inspect_adapter(const char *path, const char *base_dir, bool json)
             cJSON_AddStringToObject(e, "base_tensor", a->saved[i].base_name);
             cJSON_AddItemToArray(sv, e);
         }
+        if (a->n_ignored) {
+            cJSON *ig = cJSON_AddArrayToObject(o, "not_loaded");
+            for (int64_t i = 0; i < a->n_ignored; i++) {
+                const lm_lora_ignored *g = &a->ignored[i];
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddStringToObject(e, "module", g->path);
+                cJSON_AddStringToObject(e, "reason", lm_lora_select_reason(g->why));
+                if (g->layer >= 0)
+                    cJSON_AddNumberToObject(e, "layer", (double)g->layer);
+                cJSON *k = cJSON_AddArrayToObject(e, "keys");
+                for (int j = 0; j < 4; j++)
+                    if (g->keys[j])
+                        cJSON_AddItemToArray(k, cJSON_CreateString(g->keys[j]->name));
+                cJSON_AddItemToArray(ig, e);
+            }
+        }
         if (base) {
             cJSON *b = cJSON_AddObjectToObject(o, "base");
             cJSON_AddStringToObject(b, "path", base_dir);
@@ -613,6 +667,14 @@ static int inspect_adapter(const char *path, const char *base_dir, bool json)
                 const lm_st_tensor *t = a->saved[i].t;
                 printf("  %s  %s  %s  (key %s)\n", a->saved[i].base_name, lm_dtype_name(t->dtype),
                        lm_st_shape_str(t->shape, t->ndim, sa, sizeof sa), t->name);
+            }
+        }
+        if (a->n_ignored) {
+            printf("not loaded (PEFT would not load them; not merged): %" PRId64 "\n", a->n_ignored);
+            for (int64_t i = 0; i < a->n_ignored; i++) {
+                char msg[LM_ERR_MSG_MAX];
+                lm_adapter_ignored_msg(a, i, "merged", msg, sizeof msg);
+                printf("  %s\n", msg);
             }
         }
         if (base) {

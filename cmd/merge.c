@@ -722,6 +722,11 @@ static lm_status prepare(merge_run *r, lm_err *err)
     for (int i = 0; i < a->n_ft; i++)
         if ((s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
             return lm_err_prefix(err, "FT %d", i + 1);
+    for (int i = 0; i < a->n_ft; i++) {
+        char who[LM_ERR_MSG_MAX / 2];
+        snprintf(who, sizeof who, "FT %d %s", i + 1, r->fts[i]->path);
+        lm_cmd_adapter_warnings(&r->progress, who, r->fts[i]->adapter, "merged", a->base);
+    }
 
     // OUT must not be (or hold) an input: --force would delete it
     char out_real[PATH_MAX];

@@ -170,6 +170,8 @@ lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err
     } else if (ft->kind == LM_INPUT_ADAPTER) {
         if ((s = lm_adapter_open(&ft->adapter, ft->path, err)) != LM_OK)
             goto fail;
+        if ((s = lm_adapter_select(ft->adapter, base, err)) != LM_OK)
+            goto fail;
         if ((s = lm_adapter_validate(ft->adapter, base, err)) != LM_OK)
             goto fail;
         for (int64_t m = 0; m < ft->adapter->n_modules; m++) {

@@ -3,7 +3,8 @@
 # `perplexity P tokens N` with N counted here from the data file; .jsonl and .txt agree;
 # --json carries the same numbers (perplexity = exp(nll_mean)); --samples and --seq-len change
 # the count as they should; an adapter changes the perplexity, and the model merged from it
-# (task-arithmetic, f32) evaluates to the same perplexity as the adapter applied at run time;
+# (task-arithmetic, f32) evaluates to the same perplexity as the adapter applied at run time,
+# also when its config leaves some of its modules out (a warning names their keys);
 # on sim devices too small for the weights or for a batch the fallbacks are printed and the
 # result is the CPU's; a device failure that is not out-of-memory is exit status 1; bad usage
 # and bad data are exit status 2 with a message naming the option, or the file and line.
@@ -94,6 +95,25 @@ if "$llmerge" task-arithmetic "$fx/base" "$fx/lora_plain" -o "$work/merged" --dt
   far "$("$jsonq" "$work/merged.out" perplexity)" "$ppl" 1e-4 "(the merged model vs the base)"
 else
   bad "task-arithmetic merge failed: $(head -c 600 "$work/merge.log")"
+fi
+
+# ---- an adapter's modules that PEFT would not load are not applied ---------------------------
+# lora_plain's factors (q_proj and v_proj) under target_modules ["q_proj"]: the v_proj keys are
+# named in a warning and left out, at run time as in the merged model.
+mkdir -p "$work/sel_q" && cp "$fx/lora_plain/adapter_model.safetensors" "$work/sel_q/"
+echo '{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}' >"$work/sel_q/adapter_config.json"
+run sel_q eval "$fx/base" --adapter "$work/sel_q" --data "$data" --json
+has sel_q.err "warning: --adapter $work/sel_q: keys 'base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight', "
+has sel_q.err "are not applied, as PEFT would not load them: module model.layers.1.self_attn.v_proj: target_modules"
+if "$llmerge" task-arithmetic "$fx/base" "$work/sel_q" -o "$work/merged_q" --dtype f32 -q >"$work/merge.log" 2>&1; then
+  ok
+  run merged_q eval "$work/merged_q" --data "$data" --json
+  close "$("$jsonq" "$work/merged_q.out" perplexity)" "$("$jsonq" "$work/sel_q.out" perplexity)" 1e-5 \
+    "(merged q_proj-only model vs the adapter at run time)"
+  far "$("$jsonq" "$work/sel_q.out" perplexity)" "$("$jsonq" "$work/plain_json.out" perplexity)" 1e-6 \
+    "(q_proj only vs q_proj and v_proj)"
+else
+  bad "task-arithmetic merge of sel_q failed: $(head -c 600 "$work/merge.log")"
 fi
 
 # ---- fallbacks on the simulated device ------------------------------------------------------

@@ -13,6 +13,11 @@
 # byte-identical to the same merge without any cache (--topk tensor and global, the simulated
 # device with fallbacks); damaged and truncated entries are said and computed again;
 # LLMERGE_CACHE_HESSIANS=0 keeps no Hessians; a cache that cannot be written is a warning.
+# An adapter's modules that its adapter_config.json does not select (target_modules as names
+# or a Python regex, layers_to_transform, exclude_modules) are not merged, a warning names
+# their keys and `inspect` lists them; a target_modules that selects no layer of the base, or
+# a regex that does not compile or runs past its limits, is exit status 2 naming the file and
+# the key.
 # Usage: e2e_merge.sh LLMERGE FIXTURES JSONQ ST_HASH
 set -u
 llmerge=$1 fx=$2 jsonq=$3 st_hash=$4
@@ -281,6 +286,104 @@ expect 2 "tpu" ties "$B" "$lp" -o "$x" --device tpu
 expect 2 "takes no value" ties "$B" "$lp" -o "$x" --force=yes
 expect 2 "needs a value" ties "$B" "$lp" -o "$x" --weights
 expect 2 "parent directory" ties "$B" "$lp" -o "$work/no-such-dir/out"
+no_output "$x"
+
+# ---- which modules of an adapter are merged -------------------------------------------------
+# As PEFT loads an adapter: target_modules (names or a Python regex), exclude_modules and
+# layers_to_transform decide which modules of the base get LoRA; the keys of any other module
+# are not merged, and a warning names them. A target_modules that selects no layer of the base
+# is exit status 2 naming adapter_config.json and the key, before any work. Each adapter here
+# holds lora_plain's factors (q_proj and v_proj of layers 0 and 1) under another config; each
+# tensor of the output is either the one lora_plain alone gives or the base's, bit for bit.
+thash() { "$st_hash" "$1"/model*.safetensors | awk -v n="$2" '$1 == n { print $2 }'; }
+# sel_adapter NAME: lora_plain's factors under the adapter_config.json read from stdin
+sel_adapter() {
+  mkdir -p "$work/$1" && cp "$lp/adapter_model.safetensors" "$work/$1/" && cat >"$work/$1/adapter_config.json"
+}
+# changed NAME MODULES...: merged from adapter NAME, exactly the q/v projections named
+# (layer.q or layer.v) are lora_plain's, the others the base's
+sel_all=$work/sel_all
+merge task-arithmetic "$B" "$lp" -o "$sel_all"
+changed() {
+  local name=$1 l p t want got
+  shift
+  merge task-arithmetic "$B" "$work/$name" -o "$work/${name}_out"
+  cp "$work/out" "$work/$name.log"
+  for l in 0 1; do
+    for p in q v; do
+      t=model.layers.$l.self_attn.${p}_proj.weight
+      if [[ " $* " == *" $l.$p "* ]]; then want=$(thash "$sel_all" "$t"); else want=$(thash "$B" "$t"); fi
+      got=$(thash "$work/${name}_out" "$t")
+      [ -n "$got" ] && [ "$got" = "$want" ] && ok || bad "$name: $t is $got, wanted $want ($*)"
+    done
+  done
+}
+warned() {
+  if grep -qF -- "warning: FT 1 $work/$1: $2" "$work/$1.log"; then ok; else
+    bad "$1: no warning '$2': $(head -c 800 "$work/$1.log")"
+  fi
+}
+sel_adapter sel_q <<'EOF'
+{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+EOF
+changed sel_q 0.q 1.q
+warned sel_q "keys 'base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight', 'base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight' are not merged"
+check 'grep -qF "model.layers.1.self_attn.v_proj: target_modules does not select it" "$work/sel_q.log"' "sel_q: no reason: $(head -c 800 "$work/sel_q.log")"
+# llmerge inspect lists what is set aside and why, with --base and without
+run sel_q_inspect inspect "$work/sel_q" --base "$B"
+check 'grep -qF "not loaded (PEFT would not load them; not merged): 2" "$work/sel_q_inspect.out"' \
+  "inspect sel_q: $(head -c 1200 "$work/sel_q_inspect.out")"
+check 'grep -qF "module model.layers.0.self_attn.v_proj: target_modules does not select it" "$work/sel_q_inspect.out"' \
+  "inspect sel_q: no reason"
+check 'grep -qF "base $B: ok" "$work/sel_q_inspect.out"' "inspect sel_q: base not ok"
+run sel_q_json inspect --json "$work/sel_q"
+json "$work/sel_q_json.out" modules.# 2
+json "$work/sel_q_json.out" not_loaded.# 2
+json "$work/sel_q_json.out" not_loaded.1.module model.layers.1.self_attn.v_proj
+json "$work/sel_q_json.out" not_loaded.1.reason "target_modules does not select it"
+json "$work/sel_q_json.out" not_loaded.1.keys.1 base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight
+sel_adapter sel_layer1 <<'EOF'
+{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "layers_to_transform": [1]}
+EOF
+changed sel_layer1 1.q 1.v
+warned sel_layer1 "keys 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'"
+check 'grep -qF "its layer 0 is not in layers_to_transform" "$work/sel_layer1.log"' "sel_layer1: no reason: $(head -c 800 "$work/sel_layer1.log")"
+sel_adapter sel_exclude <<'EOF'
+{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "exclude_modules": ["model.layers.0.self_attn.q_proj"]}
+EOF
+changed sel_exclude 0.v 1.q 1.v
+check 'grep -qF "exclude_modules excludes it" "$work/sel_exclude.log"' "sel_exclude: no reason: $(head -c 800 "$work/sel_exclude.log")"
+# Python's regex syntax, matched as Python matches it: a look-ahead, (?i), \b, \d
+sel_adapter sel_regex <<'EOF'
+{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": "(?i).*\\.LAYERS\\.(?!0\\b)\\d+\\.self_attn\\.[qv]_proj"}
+EOF
+changed sel_regex 1.q 1.v
+sel_adapter sel_rank <<'EOF'
+{"peft_type": "LORA", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "rank_pattern": {"(?<=self_attn\\.)[qv]_proj": 8}, "alpha_pattern": {"^(?!model\\.layers\\.9)\\w+\\.layers\\.\\d\\.self_attn\\.(q|v)_proj": 16}}
+EOF
+changed sel_rank 0.q 0.v 1.q 1.v
+# nothing selected, or a regex that does not compile or runs past its limits: exit 2, no output
+x=$work/sel_x
+sel_adapter sel_none <<'EOF'
+{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["xq_proj"]}
+EOF
+expect 2 "$work/sel_none/adapter_config.json: key 'target_modules' ([\"xq_proj\"]) selects no layer of the base model" task-arithmetic "$B" "$work/sel_none" -o "$x"
+no_output "$x"
+expect 2 "selects no layer of the base model" inspect "$work/sel_none" --base "$B"
+sel_adapter sel_none2 <<'EOF'
+{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "layers_to_transform": [5]}
+EOF
+expect 2 "selects no layer of the base model" ties "$B" "$lp" "$work/sel_none2" -o "$x"
+no_output "$x"
+sel_adapter sel_bad_re <<'EOF'
+{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ".*(q_proj"}
+EOF
+expect 2 "$work/sel_bad_re/adapter_config.json: key 'target_modules': regex '.*(q_proj' does not compile" ties "$B" "$work/sel_bad_re" -o "$x"
+no_output "$x"
+sel_adapter sel_slow_re <<'EOF'
+{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"], "rank_pattern": {"(.*.*)*[.]{2}": 4}}
+EOF
+expect 2 "key 'rank_pattern': regex '(.*.*)*[.]{2}' runs past its limits matching module" ties "$B" "$work/sel_slow_re" -o "$x"
 no_output "$x"
 
 # options that do not apply are accepted with a note

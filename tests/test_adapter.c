@@ -2,13 +2,19 @@
 // rules (alpha / r, alpha / sqrt(r) with rslora), rank_pattern / alpha_pattern taking the first
 // key in file order whose `(.*\.)?(K)$` matches (a suffix such as "v_proj" matches, "proj" does
 // not match "...v_proj" because "v_" is not followed by a dot), target_modules as a list, a
-// full-match regex or "all-linear"; grouping of keys into linear, DoRA, bias and embedding
+// full-match regex or "all-linear", with exclude_modules, modules_to_save, layers_to_transform
+// and layers_pattern as PEFT applies them, and lm_adapter_select setting aside the modules PEFT
+// would not load (or refusing a target_modules that selects no layer of the base); Python regex
+// syntax (look-arounds, \b, inline flags, named groups) matched as Python matches it, and
+// patterns that would run away (nested repeats, 40 KB long, catastrophic backtracking) failing
+// at once, naming the file, key and pattern; grouping of keys into linear, DoRA, bias and embedding
 // modules and modules_to_save tensors; every open and validation error naming the key (and,
 // against a base, the base tensor and both shapes); adapter_model.bin; and what lm_input_detect
 // says about files, model and adapter directories, and the nested layout. Each test writes its
 // own files into a fresh directory under /tmp with a small safetensors writer of its own.
 #include <stdint.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "adapter.h"
@@ -151,6 +157,45 @@ static lm_status parse(lm_lora_config *c, const char *json, lm_err *err)
     return lm_lora_config_parse(c, json, strlen(json), "test/adapter_config.json", err);
 }
 
+// lm_lora_config_rank, which must succeed.
+static void rank(const lm_lora_config *c, const char *path, int64_t *r, double *alpha, const char **rk,
+                 const char **ak)
+{
+    lm_err err = {0};
+    CHECK_OK(lm_lora_config_rank(c, path, r, alpha, rk, ak, &err), &err);
+}
+
+// lm_lora_config_select, which must succeed: whether it selects `path`.
+static bool sel(const lm_lora_config *c, const char *path)
+{
+    lm_err err = {0};
+    lm_lora_select why = LM_LORA_NOT_TARGETED;
+    CHECK_OK(lm_lora_config_select(c, path, &why, NULL, &err), &err);
+    return why == LM_LORA_SELECTED;
+}
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+// JSON text of {"peft_type": "LORA", KEY: <"pattern" as a JSON string>}: `pattern` escaped.
+static char *config_with(const char *key, const char *pattern, bool in_object)
+{
+    size_t n = strlen(pattern);
+    char *out = malloc(2 * n + 128), *o = out;
+    o += sprintf(o, "{\"peft_type\": \"LORA\", \"%s\": %s\"", key, in_object ? "{" : "");
+    for (size_t i = 0; i < n; i++) {
+        if (pattern[i] == '"' || pattern[i] == '\\')
+            *o++ = '\\';
+        *o++ = pattern[i];
+    }
+    sprintf(o, "\"%s}", in_object ? ": 4}" : "");
+    return out;
+}
+
 // ==== adapter_config.json =====================================================================
 
 static void test_config_fields(void)
@@ -209,9 +254,9 @@ static void test_config_patterns(void)
                    "\"rank_pattern\": {\"v_proj\": 4, \"model.layers.0.self_attn.v_proj\": 2}, "
                    "\"alpha_pattern\": {\"q_proj\": 32}}", &err), &err);
     CHECK(c.n_rank_pattern == 2 && strcmp(c.rank_pattern[0].key, "v_proj") == 0);
-    lm_lora_config_rank(&c, v0, &r, &alpha, &rk, &ak);
+    rank(&c, v0, &r, &alpha, &rk, &ak);
     CHECK(r == 4 && alpha == 16 && rk && strcmp(rk, "v_proj") == 0 && ak == NULL);
-    lm_lora_config_rank(&c, "model.layers.0.self_attn.q_proj", &r, &alpha, &rk, &ak);
+    rank(&c, "model.layers.0.self_attn.q_proj", &r, &alpha, &rk, &ak);
     CHECK(r == 8 && alpha == 32 && rk == NULL && ak && strcmp(ak, "q_proj") == 0);
     CHECK(lm_lora_config_scale(&c, 8, 32) == 4.0);
     lm_lora_config_free(&c);
@@ -220,9 +265,9 @@ static void test_config_patterns(void)
     CHECK_OK(parse(&c,
                    "{\"peft_type\": \"LORA\", \"r\": 8, "
                    "\"rank_pattern\": {\"model.layers.0.self_attn.v_proj\": 2, \"v_proj\": 4}}", &err), &err);
-    lm_lora_config_rank(&c, v0, &r, &alpha, NULL, NULL);
+    rank(&c, v0, &r, &alpha, NULL, NULL);
     CHECK(r == 2);
-    lm_lora_config_rank(&c, v1, &r, &alpha, NULL, NULL);
+    rank(&c, v1, &r, &alpha, NULL, NULL);
     CHECK(r == 4);
     lm_lora_config_free(&c);
 
@@ -232,11 +277,11 @@ static void test_config_patterns(void)
                    "{\"peft_type\": \"LORA\", \"r\": 8, "
                    "\"rank_pattern\": {\"proj\": 1, \"_proj\": 2, \"layers.0\": 3, \"self_attn.v_proj\": 5}}",
                    &err), &err);
-    lm_lora_config_rank(&c, v0, &r, &alpha, &rk, NULL);
+    rank(&c, v0, &r, &alpha, &rk, NULL);
     CHECK_MSG(r == 5 && rk && strcmp(rk, "self_attn.v_proj") == 0, "r = %lld", (long long)r);
-    lm_lora_config_rank(&c, "model.layers.0.mlp.down_proj", &r, &alpha, &rk, NULL);
+    rank(&c, "model.layers.0.mlp.down_proj", &r, &alpha, &rk, NULL);
     CHECK(r == 8 && rk == NULL);
-    lm_lora_config_rank(&c, "proj", &r, &alpha, &rk, NULL);  // the whole path may be the key
+    rank(&c, "proj", &r, &alpha, &rk, NULL);  // the whole path may be the key
     CHECK(r == 1);
     lm_lora_config_free(&c);
 
@@ -247,33 +292,145 @@ static void test_config_patterns(void)
                    "\"(?:q|k)_proj\": 6, "
                    "\"layers\\\\.\\\\d{2,}\\\\..*?\": 7, "
                    "\"gate_proj|up_proj\": 9}}", &err), &err);
-    lm_lora_config_rank(&c, "model.layers.2.mlp.up_proj", &r, &alpha, NULL, NULL);
+    rank(&c, "model.layers.2.mlp.up_proj", &r, &alpha, NULL, NULL);
     CHECK(r == 3);
-    lm_lora_config_rank(&c, "model.layers.0.mlp.up_proj", &r, &alpha, NULL, NULL);
+    rank(&c, "model.layers.0.mlp.up_proj", &r, &alpha, NULL, NULL);
     CHECK(r == 9);
-    lm_lora_config_rank(&c, "model.layers.0.self_attn.k_proj", &r, &alpha, NULL, NULL);
+    rank(&c, "model.layers.0.self_attn.k_proj", &r, &alpha, NULL, NULL);
     CHECK(r == 6);
-    lm_lora_config_rank(&c, "model.layers.0.self_attn.v_proj", &r, &alpha, NULL, NULL);
+    rank(&c, "model.layers.0.self_attn.v_proj", &r, &alpha, NULL, NULL);
     CHECK(r == 8);
-    lm_lora_config_rank(&c, "model.layers.12.self_attn.v_proj", &r, &alpha, NULL, NULL);
+    rank(&c, "model.layers.12.self_attn.v_proj", &r, &alpha, NULL, NULL);
     CHECK(r == 7);
     lm_lora_config_free(&c);
 
-    // Python constructs with no POSIX equivalent are refused, naming the key.
-    CHECK_FAILS(parse(&c, "{\"peft_type\": \"LORA\", \"rank_pattern\": {\"(?!q)_proj\": 2}}", &err),
-                LM_ERR_UNSUPPORTED, "rank_pattern key regex '(?!q)_proj'", &err);
-    CHECK_FAILS(parse(&c, "{\"peft_type\": \"LORA\", \"alpha_pattern\": {\"\\\\bq\": 2}}", &err),
-                LM_ERR_UNSUPPORTED, "alpha_pattern key regex", &err);
+    // Python's own constructs mean what they mean in Python: look-aheads and look-behinds, \b,
+    // inline flags, named groups and backreferences, \w and \s.
+    CHECK_OK(parse(&c,
+                   "{\"peft_type\": \"LORA\", \"r\": 8, \"rank_pattern\": {"
+                   "\"(?<!self_attn\\\\.)q_proj\": 1, "
+                   "\"(?!layers\\\\.1\\\\b)\\\\w+\\\\.\\\\d+\\\\.self_attn\\\\.(?=k)\\\\w+\": 2, "
+                   "\"(?i:MLP\\\\.UP_PROJ)\": 3, "
+                   "\"(?P<x>e)xperts\\\\.\\\\d+\\\\.(?P=x)\\\\w*\": 4, "
+                   "\"\\\\bdown_proj\\\\b\": 5, "
+                   "\"\\\\S+\\\\s?gate_proj\": 6}, "
+                   "\"alpha_pattern\": {\"(?<=\\\\.)(q|v)_proj(?!\\\\.)\": 32}}", &err), &err);
+    rank(&c, "model.layers.0.self_attn.q_proj", &r, &alpha, NULL, NULL);
+    CHECK_MSG(r == 8 && alpha == 32, "r %lld alpha %g", (long long)r, alpha);  // look-behind fails
+    rank(&c, "model.layers.0.cross.q_proj", &r, &alpha, NULL, NULL);
+    CHECK(r == 1 && alpha == 32);
+    rank(&c, "model.layers.0.self_attn.k_proj", &r, &alpha, NULL, NULL);
+    CHECK(r == 2 && alpha == 8);
+    rank(&c, "model.layers.1.self_attn.k_proj", &r, &alpha, NULL, NULL);
+    CHECK(r == 8);  // the negative look-ahead, with \b: layer 1 but not layer 12
+    rank(&c, "model.layers.12.self_attn.k_proj", &r, &alpha, NULL, NULL);
+    CHECK(r == 2);
+    rank(&c, "model.layers.3.mlp.up_proj", &r, &alpha, NULL, NULL);
+    CHECK(r == 3);  // (?i:...)
+    rank(&c, "model.layers.3.mlp.experts.7.expert_up", &r, &alpha, NULL, NULL);
+    CHECK(r == 4);  // a named group and its backreference
+    rank(&c, "model.layers.3.mlp.experts.7.fc", &r, &alpha, NULL, NULL);
+    CHECK(r == 8);
+    rank(&c, "model.layers.3.mlp.down_proj", &r, &alpha, NULL, NULL);
+    CHECK(r == 5);
+    rank(&c, "model.layers.3.mlp.gate_proj", &r, &alpha, NULL, NULL);
+    CHECK(r == 6);
+    lm_lora_config_free(&c);
+
+    // A pattern that does not compile names the file, the key and the pattern.
     CHECK_FAILS(parse(&c, "{\"peft_type\": \"LORA\", \"rank_pattern\": {\"q[_proj\": 2}}", &err),
-                LM_ERR_UNSUPPORTED, "'q[_proj'", &err);
+                LM_ERR_FORMAT, "test/adapter_config.json: key 'rank_pattern': regex 'q[_proj' does not compile",
+                &err);
     CHECK_FAILS(parse(&c, "{\"peft_type\": \"LORA\", \"rank_pattern\": {\"q(_proj\": 2}}", &err),
-                LM_ERR_FORMAT, "rank_pattern key regex 'q(_proj' is not valid", &err);
+                LM_ERR_FORMAT, "key 'rank_pattern': regex 'q(_proj' does not compile: missing closing parenthesis",
+                &err);
+    // A key that closes PEFT's own group reads as Python reads the whole: "(.*\.)?(layers)|(x)$",
+    // whose first branch needs no end of the path.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"rank_pattern\": {\"layers)|(x\": 2}}", &err), &err);
+    rank(&c, "model.layers.0.self_attn.q_proj", &r, &alpha, NULL, NULL);
+    CHECK(r == 2);
+    lm_lora_config_free(&c);
+    // Python reads {,n} as {0,n}; PCRE2 before 10.43 as text: refused, not read otherwise.
+    CHECK_FAILS(parse(&c, "{\"peft_type\": \"LORA\", \"alpha_pattern\": {\"q{,2}_proj\": 2}}", &err),
+                LM_ERR_FORMAT, "key 'alpha_pattern': regex 'q{,2}_proj' uses the quantifier", &err);
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"alpha_pattern\": {\"[{,2}]q\\\\{,2}_proj\": 2}}", &err), &err);
+    lm_lora_config_free(&c);
     CHECK_FAILS(parse(&c, "{\"peft_type\": \"LORA\", \"rank_pattern\": {\"q_proj\": 0}}", &err),
                 LM_ERR_FORMAT, "rank_pattern['q_proj'] must be a positive integer, not 0", &err);
     CHECK_FAILS(parse(&c, "{\"peft_type\": \"LORA\", \"rank_pattern\": {\"q_proj\": \"4\"}}", &err),
                 LM_ERR_FORMAT, "rank_pattern['q_proj'] must be a positive integer, not a string", &err);
     CHECK_FAILS(parse(&c, "{\"peft_type\": \"LORA\", \"alpha_pattern\": [1]}", &err),
                 LM_ERR_FORMAT, "key 'alpha_pattern' must be an object", &err);
+}
+
+// Patterns that would take unbounded time or memory fail at once, naming the file, the key and
+// the pattern: nested bounded repeats (too large to compile), a pattern over the length limit,
+// and catastrophic backtracking (past the match limit on the first module path).
+static void test_config_regex_limits(void)
+{
+    lm_lora_config c;
+    lm_err err;
+    const char *q0 = "model.layers.0.self_attn.q_proj";
+
+    double t0 = now_s();
+    char *json = config_with("rank_pattern", "(((.{0,255}){0,255}){0,255})", true);
+    CHECK_FAILS(parse(&c, json, &err), LM_ERR_FORMAT,
+                "test/adapter_config.json: key 'rank_pattern': regex '(((.{0,255}){0,255}){0,255})' does not compile",
+                &err);
+    free(json);
+    double t1 = now_s();
+    CHECK_MSG(t1 - t0 < 2.0, "nested repeats took %.2f s", t1 - t0);
+
+    // ".*" × 20000 + "q_proj": over the length limit before PCRE2 sees it
+    char *big = malloc(40100);
+    big[0] = '\0';
+    for (int i = 0; i < 20000; i++)
+        memcpy(big + 2 * i, ".*", 3);
+    strcat(big, "q_proj");
+    json = config_with("target_modules", big, false);
+    CHECK_FAILS(parse(&c, json, &err), LM_ERR_FORMAT,
+                "test/adapter_config.json: key 'target_modules': regex '.*.*", &err);
+    CHECK(strstr(err.msg, "is 40006 bytes long, over the limit of 4096") != NULL);
+    free(json);
+    double t2 = now_s();
+    CHECK_MSG(t2 - t1 < 2.0, "a 40006-byte pattern took %.2f s", t2 - t1);
+
+    // Under the length limit, the same shape compiles and runs into the match limit.
+    big[2 * 200] = '\0';
+    strcat(big, "z_proj");
+    json = config_with("target_modules", big, false);
+    CHECK_OK(parse(&c, json, &err), &err);
+    lm_lora_select why;
+    CHECK_FAILS(lm_lora_config_select(&c, q0, &why, NULL, &err), LM_ERR_FORMAT,
+                "test/adapter_config.json: key 'target_modules': regex '.*.*.*", &err);
+    CHECK(strstr(err.msg, "z_proj' runs past its limits matching module 'model.layers.0.self_attn.q_proj' "
+                          "(PCRE2: match limit exceeded)") != NULL);
+    lm_lora_config_free(&c);
+    free(json);
+    double t3 = now_s();
+    CHECK_MSG(t3 - t2 < 2.0, "200 nested .* took %.2f s", t3 - t2);
+
+    // Exponential backtracking in a rank_pattern key, in exclude_modules and in a layers_pattern.
+    json = config_with("rank_pattern", "(\\w|.)*(\\w|.)*(\\w|.)*\\.\\.", true);
+    CHECK_OK(parse(&c, json, &err), &err);
+    int64_t r;
+    double alpha;
+    CHECK_FAILS(lm_lora_config_rank(&c, q0, &r, &alpha, NULL, NULL, &err), LM_ERR_FORMAT,
+                "key 'rank_pattern': regex '(\\w|.)*(\\w|.)*(\\w|.)*\\.\\.' runs past its limits", &err);
+    lm_lora_config_free(&c);
+    free(json);
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\"], "
+                       "\"exclude_modules\": \"(.*.*)*[.]{2}\"}", &err), &err);
+    CHECK_FAILS(lm_lora_config_select(&c, q0, &why, NULL, &err), LM_ERR_FORMAT,
+                "key 'exclude_modules': regex '(.*.*)*[.]{2}' runs past its limits", &err);
+    lm_lora_config_free(&c);
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\"], \"layers_to_transform\": [0], "
+                       "\"layers_pattern\": \"(?:(?:.*)*)*[.]{2}\"}", &err), &err);
+    CHECK_FAILS(lm_lora_config_select(&c, q0, &why, NULL, &err), LM_ERR_FORMAT,
+                "key 'layers_pattern': regex '(?:(?:.*)*)*[.]{2}' runs past its limits", &err);
+    lm_lora_config_free(&c);
+    CHECK_MSG(now_s() - t3 < 2.0, "the backtracking patterns took %.2f s", now_s() - t3);
+    free(big);
 }
 
 static void test_config_targets(void)
@@ -284,29 +441,103 @@ static void test_config_targets(void)
     const char *q1 = "model.layers.1.self_attn.q_proj";
 
     CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\", \"v_proj\"]}", &err), &err);
-    CHECK(lm_lora_config_targets(&c, q0) && !lm_lora_config_targets(&c, k0));
-    CHECK(lm_lora_config_targets(&c, "q_proj"));
-    CHECK(!lm_lora_config_targets(&c, "model.layers.0.self_attn.xq_proj"));
+    CHECK(sel(&c, q0) && !sel(&c, k0));
+    CHECK(sel(&c, "q_proj"));
+    CHECK(!sel(&c, "model.layers.0.self_attn.xq_proj"));
     lm_lora_config_free(&c);
 
     // A regex string is a full match: "q_proj" alone does not select the full path.
     CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": \".*\\\\.(q|v)_proj\"}", &err), &err);
     CHECK(c.targets == LM_LORA_TARGETS_REGEX && strcmp(c.target_regex, ".*\\.(q|v)_proj") == 0);
-    CHECK(lm_lora_config_targets(&c, q0) && !lm_lora_config_targets(&c, k0));
+    CHECK(sel(&c, q0) && !sel(&c, k0));
+    CHECK(!sel(&c, "model.layers.0.self_attn.q_proj.x"));
     lm_lora_config_free(&c);
     CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": \"q_proj\"}", &err), &err);
-    CHECK(!lm_lora_config_targets(&c, q0) && lm_lora_config_targets(&c, "q_proj"));
+    CHECK(!sel(&c, q0) && sel(&c, "q_proj"));
+    lm_lora_config_free(&c);
+    // A full match backtracks into alternatives as Python's re.fullmatch does.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": \"q|q_proj\"}", &err), &err);
+    CHECK(sel(&c, "q_proj") && sel(&c, "q") && !sel(&c, "q_pro"));
+    lm_lora_config_free(&c);
+    // Look-arounds, \b and (?i) as Python reads them.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": "
+                       "\"(?i)MODEL\\\\.LAYERS\\\\.(?!1\\\\b)\\\\d+\\\\..*(?<=self_attn\\\\.)[QK]_PROJ\"}",
+                   &err), &err);
+    CHECK(sel(&c, q0) && sel(&c, k0) && !sel(&c, q1));
+    CHECK(sel(&c, "model.layers.10.self_attn.q_proj") && !sel(&c, "model.layers.0.mlp.k_proj"));
     lm_lora_config_free(&c);
 
     CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": \"all-linear\"}", &err), &err);
     CHECK(c.targets == LM_LORA_TARGETS_ALL_LINEAR);
-    CHECK(lm_lora_config_targets(&c, q0) && !lm_lora_config_targets(&c, "lm_head"));
+    CHECK(sel(&c, q0) && !sel(&c, "lm_head"));
     lm_lora_config_free(&c);
 
-    // layers_to_transform narrows a list to the named layers.
-    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\"], "
+    // layers_to_transform narrows a list to the named layers: the layer index is the first
+    // number after a component (after layers_pattern when given), as PEFT reads it.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\", \"up_proj\"], "
                        "\"layers_to_transform\": [1]}", &err), &err);
-    CHECK(!lm_lora_config_targets(&c, q0) && lm_lora_config_targets(&c, q1));
+    CHECK(!sel(&c, q0) && sel(&c, q1));
+    CHECK(sel(&c, "model.layers.1.mlp.experts.0.up_proj") && !sel(&c, "model.layers.0.mlp.experts.1.up_proj"));
+    lm_lora_select why;
+    int64_t layer = -2;
+    CHECK_OK(lm_lora_config_select(&c, "model.layers.0.mlp.experts.1.up_proj", &why, &layer, &err), &err);
+    CHECK(why == LM_LORA_OTHER_LAYER && layer == 0);
+    CHECK_OK(lm_lora_config_select(&c, "layers.1.q_proj", &why, &layer, &err), &err);
+    CHECK(why == LM_LORA_NO_LAYER && layer == -1);  // no component before "layers"
+    CHECK_OK(lm_lora_config_select(&c, "model.layers.01.q_proj", &why, &layer, &err), &err);
+    CHECK(why == LM_LORA_SELECTED && layer == 1);
+    CHECK_OK(lm_lora_config_select(&c, "model.layers.99999999999999999999999.q_proj", &why, &layer, &err), &err);
+    CHECK(why == LM_LORA_OTHER_LAYER);
+    lm_lora_config_free(&c);
+    // A module named in full is selected whatever its layer (PEFT checks layers on suffixes only).
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"model.layers.0.self_attn.q_proj\", "
+                       "\"k_proj\"], \"layers_to_transform\": 1}", &err), &err);
+    CHECK(sel(&c, q0) && !sel(&c, k0) && sel(&c, "model.layers.1.self_attn.k_proj"));
+    lm_lora_config_free(&c);
+    // layers_pattern: the number after one of the names, tried in order.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\"], \"layers_to_transform\": [2], "
+                       "\"layers_pattern\": [\"blocks\", \"h\"]}", &err), &err);
+    CHECK(sel(&c, "transformer.h.2.attn.q_proj") && !sel(&c, "transformer.h.1.attn.q_proj"));
+    CHECK(sel(&c, "model.blocks.2.h.5.q_proj") && !sel(&c, "model.layers.2.self_attn.q_proj"));
+    lm_lora_config_free(&c);
+    // An empty layers_pattern is PEFT's default.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\"], \"layers_to_transform\": [0], "
+                       "\"layers_pattern\": \"\"}", &err), &err);
+    CHECK(sel(&c, q0) && !sel(&c, q1) && c.n_layers_pattern == 0);
+    lm_lora_config_free(&c);
+    // A layers_pattern whose own group PEFT would take as the index fails as PEFT does.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\"], \"layers_to_transform\": [0], "
+                       "\"layers_pattern\": \"(layers)\"}", &err), &err);
+    CHECK_FAILS(lm_lora_config_select(&c, q0, &why, NULL, &err), LM_ERR_FORMAT,
+                "key 'layers_pattern': regex '(layers)' takes 'layers' from module 'model.layers.0.self_attn.q_proj' "
+                "as its layer index", &err);
+    lm_lora_config_free(&c);
+
+    // exclude_modules (a list of names, or a full-match regex) and modules_to_save come first.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": [\"q_proj\", \"k_proj\", \"lm_head\"], "
+                       "\"exclude_modules\": [\"model.layers.0.self_attn.q_proj\"], "
+                       "\"modules_to_save\": [\"lm_head\"]}",
+                   &err), &err);
+    CHECK_OK(lm_lora_config_select(&c, q0, &why, NULL, &err), &err);
+    CHECK(why == LM_LORA_EXCLUDED);
+    CHECK(sel(&c, q1) && sel(&c, k0));
+    CHECK_OK(lm_lora_config_select(&c, "lm_head", &why, NULL, &err), &err);
+    CHECK(why == LM_LORA_SAVED_MODULE);
+    CHECK_OK(lm_lora_config_select(&c, "model.lm_head.proj", &why, NULL, &err), &err);
+    CHECK(why == LM_LORA_SAVED_MODULE);
+    CHECK_OK(lm_lora_config_select(&c, "model.xlm_head", &why, NULL, &err), &err);
+    CHECK(why == LM_LORA_NOT_TARGETED);
+    lm_lora_config_free(&c);
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\", \"target_modules\": \"all-linear\", "
+                       "\"exclude_modules\": \".*\\\\.1\\\\..*\"}", &err), &err);
+    CHECK(sel(&c, q0) && !sel(&c, q1));
+    CHECK(strcmp(lm_lora_select_reason(LM_LORA_EXCLUDED), "exclude_modules excludes it") == 0);
+    lm_lora_config_free(&c);
+
+    // Without target_modules (PEFT's default comes with the base: lm_adapter_select) nothing is
+    // left out.
+    CHECK_OK(parse(&c, "{\"peft_type\": \"LORA\"}", &err), &err);
+    CHECK(sel(&c, q0) && sel(&c, "anything"));
     lm_lora_config_free(&c);
 }
 
@@ -328,7 +559,22 @@ static void test_config_errors(void)
         {"{\"peft_type\": \"LORA\", \"modules_to_save\": \"lm_head\"}", LM_ERR_FORMAT, "key 'modules_to_save' must be a list"},
         {"{\"peft_type\": \"LORA\", \"layers_to_transform\": [\"0\"]}", LM_ERR_FORMAT, "'layers_to_transform'"},
         {"{\"peft_type\": \"LORA\", \"base_model_name_or_path\": 3}", LM_ERR_FORMAT, "'base_model_name_or_path'"},
-        {"{\"peft_type\": \"LORA\", \"target_modules\": \"(?<=x)q\"}", LM_ERR_UNSUPPORTED, "target_modules regex"},
+        {"{\"peft_type\": \"LORA\", \"target_modules\": \"(?<=x)q(\"}", LM_ERR_FORMAT,
+         "key 'target_modules': regex '(?<=x)q(' does not compile"},
+        {"{\"peft_type\": \"LORA\", \"target_modules\": \"q\", \"layers_to_transform\": []}", LM_ERR_FORMAT,
+         "key 'layers_to_transform' cannot be used with a target_modules string ('q')"},
+        {"{\"peft_type\": \"LORA\", \"target_modules\": \"all-linear\", \"layers_pattern\": \"h\"}", LM_ERR_FORMAT,
+         "key 'layers_pattern' cannot be used with a target_modules string ('all-linear')"},
+        {"{\"peft_type\": \"LORA\", \"target_modules\": [\"q\"], \"layers_pattern\": [\"h\"]}", LM_ERR_FORMAT,
+         "key 'layers_pattern' needs layers_to_transform"},
+        {"{\"peft_type\": \"LORA\", \"target_modules\": [\"q\"], \"layers_pattern\": 1}", LM_ERR_FORMAT,
+         "key 'layers_pattern' must be a list of names or a regex string"},
+        {"{\"peft_type\": \"LORA\", \"exclude_modules\": {}}", LM_ERR_FORMAT, "key 'exclude_modules' must be"},
+        {"{\"peft_type\": \"LORA\", \"exclude_modules\": \"[\"}", LM_ERR_FORMAT, "key 'exclude_modules': regex '['"},
+        {"{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head(\"]}", LM_ERR_FORMAT,
+         "key 'modules_to_save': regex 'lm_head(' does not compile"},
+        {"{\"peft_type\": \"LORA\", \"target_parameters\": [\"experts.w1\"]}", LM_ERR_UNSUPPORTED,
+         "key 'target_parameters' is not supported"},
         {"[]", LM_ERR_FORMAT, "expected a JSON object"},
         {"{", LM_ERR_FORMAT, "not valid JSON"},
     };
@@ -399,6 +645,170 @@ static void test_adapter_linear(void)
     lm_model_free(base);
     free(base_dir);
     free(ad);
+    remove_tmpdir(root);
+}
+
+// lm_adapter_select: the modules PEFT would not put LoRA on are set aside and change nothing; a
+// target_modules that selects no layer of the base is an error naming adapter_config.json and
+// the key; a null target_modules is PEFT's default for the base's model_type.
+static void test_adapter_select(void)
+{
+    char *root = make_tmpdir();
+    char *base_dir = subdir(root, "base"), *ad = subdir(root, "adapter"), *other = subdir(root, "other");
+    write_base(base_dir, false);
+    // the same weights under a model_type PEFT has no default for
+    write_text(other, "config.json", "{\"architectures\": [\"TestForCausalLM\"], \"model_type\": \"test\"}");
+    {
+        char *from = lm_path_join(base_dir, "model.safetensors"), *to = lm_path_join(other, "model.safetensors");
+        CHECK(link(from, to) == 0);
+        free(from);
+        free(to);
+    }
+    lm_model *base = NULL, *obase = NULL;
+    lm_err err;
+    CHECK_OK(lm_model_open(&base, base_dir, &err), &err);
+    CHECK_OK(lm_model_open(&obase, other, &err), &err);
+    tt ts[] = {
+        T2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8), T2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+        T2(K(0, "self_attn.k_proj", ".lora_A.weight"), 2, 8), T2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
+        T2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8), T2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+        T2(K(1, "self_attn.v_proj", ".lora_A.weight"), 2, 8), T2(K(1, "self_attn.v_proj", ".lora_B.weight"), 4, 2),
+        // for a layer the base does not have: set aside, not a mismatch, when not selected
+        T2(K(7, "self_attn.k_proj", ".lora_A.weight"), 2, 8), T2(K(7, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
+        T2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 16),
+        T2("base_model.model.model.embed_tokens.lora_embedding_B", 8, 2),
+    };
+    const char *q0 = "model.layers.0.self_attn.q_proj.weight", *k0 = "model.layers.0.self_attn.k_proj.weight";
+    const char *q1 = "model.layers.1.self_attn.q_proj.weight", *v1 = "model.layers.1.self_attn.v_proj.weight";
+    const char *emb = "model.embed_tokens.weight";
+    static const struct {
+        const char *config;
+        int n_kept;                  // modules left
+        const char *kept[5];         // their base tensors, in file order
+        lm_lora_select first_why;    // why the first module set aside was
+        const char *first_msg;       // part of its message
+    } cases[] = {
+        {"\"target_modules\": [\"q_proj\", \"embed_tokens\"]", 3, {"0q", "1q", "emb"}, LM_LORA_NOT_TARGETED,
+         "keys 'base_model.model.model.layers.0.self_attn.k_proj.lora_A.weight', "
+         "'base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight' are not merged, as PEFT would not load "
+         "them: module model.layers.0.self_attn.k_proj: target_modules does not select it"},
+        {"\"target_modules\": [\"q_proj\", \"k_proj\", \"v_proj\"], \"layers_to_transform\": [1]", 2, {"1q", "1v"},
+         LM_LORA_OTHER_LAYER, "module model.layers.0.self_attn.q_proj: its layer 0 is not in layers_to_transform"},
+        {"\"target_modules\": \".*\\\\.(?![07]\\\\.)\\\\d\\\\.self_attn\\\\.[qk]_proj\"", 1, {"1q"},
+         LM_LORA_NOT_TARGETED,
+         "module model.layers.0.self_attn.q_proj: target_modules does not select it"},
+        {"\"target_modules\": [\"q_proj\", \"k_proj\", \"v_proj\"], "
+         "\"exclude_modules\": [\"model.layers.1.self_attn.q_proj\", \"k_proj\"]",
+         2, {"0q", "1v"}, LM_LORA_EXCLUDED, "module model.layers.0.self_attn.k_proj: exclude_modules excludes it"},
+        {"\"target_modules\": [\"q_proj\", \"v_proj\"], \"modules_to_save\": [\"v_proj\"]", 2, {"0q", "1q"},
+         LM_LORA_NOT_TARGETED, "module model.layers.0.self_attn.k_proj"},
+        // all-linear: every linear layer but the output layer; an embedding is not one
+        {"\"target_modules\": \"ALL-LINEAR\", \"exclude_modules\": \".*\\\\.7\\\\..*\"", 4, {"0q", "0k", "1q", "1v"},
+         LM_LORA_EXCLUDED, "module model.layers.7.self_attn.k_proj: exclude_modules excludes it"},
+        // null: PEFT's default for Llama, q_proj and v_proj
+        {"\"target_modules\": null", 3, {"0q", "1q", "1v"}, LM_LORA_NOT_TARGETED, "self_attn.k_proj: target_modules"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        char cfg[512];
+        snprintf(cfg, sizeof cfg, "{\"peft_type\": \"LORA\", \"r\": 2, %s}", cases[c].config);
+        write_adapter(ad, cfg, ts, 12);
+        lm_adapter *a = NULL;
+        CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+        if (!a || !base)
+            continue;
+        CHECK(a->n_modules == 6 && a->n_ignored == 0 && !a->selected);
+        CHECK_OK(lm_adapter_select(a, base, &err), &err);
+        CHECK_MSG(a->n_modules == cases[c].n_kept && a->n_ignored == 6 - cases[c].n_kept, "case %zu: %lld kept",
+                  c, (long long)a->n_modules);
+        for (int i = 0; i < a->n_modules && i < cases[c].n_kept; i++) {
+            const char *k = cases[c].kept[i];
+            const char *want = strcmp(k, "0q") == 0 ? q0 : strcmp(k, "0k") == 0 ? k0 : strcmp(k, "1q") == 0 ? q1
+                               : strcmp(k, "1v") == 0 ? v1 : emb;
+            CHECK_MSG(strcmp(a->modules[i].base_name, want) == 0, "case %zu: module %d is %s", c, i,
+                      a->modules[i].base_name);
+            int64_t idx = -1;
+            CHECK(lm_adapter_lookup(a, want, &idx) == LM_TOUCH_LORA && idx == i);
+        }
+        for (int64_t i = 0; i < a->n_ignored; i++) {
+            char *w = lm_strfmt("%s.weight", a->ignored[i].path);
+            CHECK_MSG(lm_adapter_lookup(a, w, NULL) == LM_TOUCH_NONE, "case %zu: %s still changed", c, w);
+            free(w);
+        }
+        if (a->n_ignored) {
+            char msg[LM_ERR_MSG_MAX];
+            lm_adapter_ignored_msg(a, 0, "merged", msg, sizeof msg);
+            CHECK_MSG(a->ignored[0].why == cases[c].first_why && strstr(msg, cases[c].first_msg), "case %zu: %s",
+                      c, msg);
+        }
+        // what is left fits the base; a second call changes nothing
+        CHECK_OK(lm_adapter_validate(a, base, &err), &err);
+        int64_t n = a->n_modules;
+        CHECK_OK(lm_adapter_select(a, base, &err), &err);
+        CHECK(a->n_modules == n);
+        if (c == sizeof cases / sizeof cases[0] - 1)
+            CHECK(a->config.targets == LM_LORA_TARGETS_LIST && a->config.n_target_modules == 2 &&
+                  strcmp(a->config.targets_default_for, "llama") == 0);
+        lm_adapter_free(a);
+    }
+
+    // Selected by the config but absent from the base: still the mismatch it was.
+    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": [\"k_proj\"]}", ts, 12);
+    lm_adapter *a = NULL;
+    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    if (a && base) {
+        CHECK_OK(lm_adapter_select(a, base, &err), &err);
+        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH,
+                    "changes 'model.layers.7.self_attn.k_proj.weight', which the base model", &err);
+    }
+    lm_adapter_free(a);
+    a = NULL;
+
+    // Without a base only the config decides: null keeps everything.
+    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", ts, 12);
+    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    if (a) {
+        CHECK_OK(lm_adapter_select(a, NULL, &err), &err);
+        CHECK(a->n_modules == 6 && a->n_ignored == 0);
+    }
+    lm_adapter_free(a);
+    a = NULL;
+
+    // Errors: no layer of the base selected (with the rule that left them out), no default for
+    // the model_type, a regex past its limits while matching; the modules stay as opened.
+    static const struct { const char *config; bool other; const char *needle; } bad[] = {
+        {"\"target_modules\": [\"xq_proj\"]", false,
+         "adapter/adapter_config.json: key 'target_modules' ([\"xq_proj\"]) selects no layer of the base model "},
+        {"\"target_modules\": [\"q_proj\"], \"layers_to_transform\": [5]", false,
+         "key 'target_modules' ([\"q_proj\"]) selects no layer of the base model"},
+        {"\"target_modules\": [\"q_proj\"], \"layers_to_transform\": [5]", false,
+         " once layers_to_transform is applied"},
+        {"\"target_modules\": [\"q_proj\", \"v_proj\"], \"exclude_modules\": [\"q_proj\"], "
+         "\"modules_to_save\": [\"v_proj\"]",
+         false, " once exclude_modules and modules_to_save are applied: PEFT refuses to load such an adapter"},
+        {"\"target_modules\": \"q_proj\"", false, "key 'target_modules' ('q_proj') selects no layer"},
+        {"\"target_modules\": null", true,
+         "key 'target_modules' is null, and PEFT has no default target modules for model_type 'test' of the "
+         "base model"},
+        {"\"target_modules\": \"(.*.*)*[.]{2}\"", false,
+         "key 'target_modules': regex '(.*.*)*[.]{2}' runs past its limits"},
+    };
+    for (size_t c = 0; c < sizeof bad / sizeof bad[0]; c++) {
+        char cfg[512];
+        snprintf(cfg, sizeof cfg, "{\"peft_type\": \"LORA\", \"r\": 2, %s}", bad[c].config);
+        write_adapter(ad, cfg, ts, 12);
+        CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+        if (a && base && obase) {
+            CHECK_FAILS(lm_adapter_select(a, bad[c].other ? obase : base, &err), LM_ERR_FORMAT, bad[c].needle, &err);
+            CHECK_MSG(a->n_modules == 6 && a->n_ignored == 0, "case %zu", c);
+        }
+        lm_adapter_free(a);
+        a = NULL;
+    }
+    lm_model_free(base);
+    lm_model_free(obase);
+    free(base_dir);
+    free(ad);
+    free(other);
     remove_tmpdir(root);
 }
 
@@ -839,9 +1249,11 @@ int main(void)
 {
     test_config_fields();
     test_config_patterns();
+    test_config_regex_limits();
     test_config_targets();
     test_config_errors();
     test_adapter_linear();
+    test_adapter_select();
     test_adapter_dora_bias();
     test_adapter_embedding_and_saved();
     test_adapter_fan_in_fan_out();

@@ -2154,7 +2154,7 @@ static void test_ft_open(void)
         tset a = {0};
         ts_add2(&a, "base_model.model.layer.q_proj.lora_A.weight", 2, 4);
         ts_add2(&a, "base_model.model.layer.q_proj.lora_B.weight", 6, 2);
-        write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4}", &a);
+        write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\"]}", &a);
         CHECK_FAILS(lm_ft_open(&ft, ad, base, &err), LM_ERR_MISMATCH,
                     "base_model.model.layer.q_proj.lora_A.weight", &err);
         CHECK(strstr(err.msg, "layer.q_proj.weight") != NULL);
@@ -2163,7 +2163,7 @@ static void test_ft_open(void)
 
         // A fitting one opens as an adapter.
         add_lora(&a, "layer.q_proj", 2, 5, 6);
-        write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4}", &a);
+        write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"target_modules\": [\"q_proj\"]}", &a);
         CHECK_OK(lm_ft_open(&ft, ad, base, &err), &err);
         CHECK(ft && ft->kind == LM_INPUT_ADAPTER && ft->adapter && !ft->model);
         lm_ft_free(ft);
