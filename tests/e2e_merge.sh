@@ -438,6 +438,16 @@ merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-sticky" --calib "$cj" --density 
 same_shards "$o" "$work/sgpt-sticky"
 check 'grep -q "every later sequence runs on cpu too (--sticky-fallback)" "$work/out"' \
   "sparsegpt --sticky-fallback on sim:450KiB: $(head -c 600 "$work/out")"
+# A device fault in the second FT's capture, the first FT's U_cc² already computed (a fresh
+# cache, so both are captured): exit 1 naming that FT, nothing left at OUT, and nothing of the
+# first FT's U_cc² leaked (the sanitizer build's leak check reports into the output).
+for fault in alloc:61 launch:126; do
+  x=$work/sgpt-fault
+  LLMERGE_SIM_FAIL=$fault expect 1 "Hessians of $ff: " sparsegpt "$B" "$lp" "$ff" -o "$x" --calib "$cj" \
+    --device sim:1GiB --cache-dir "$work/fault-cache-${fault%%:*}"
+  check '! grep -q "Sanitizer" "$work/out"' "sparsegpt with LLMERGE_SIM_FAIL=$fault: $(grep -A3 Sanitizer "$work/out" | head -c 600)"
+  no_output "$x"
+done
 
 # ---- devices: the simulated accelerator and its fallbacks ------------------------------------
 # An ample budget: every merged tensor on the device, the same output as the CPU's.
