@@ -448,6 +448,10 @@ for fault in alloc:61 launch:126; do
   check '! grep -q "Sanitizer" "$work/out"' "sparsegpt with LLMERGE_SIM_FAIL=$fault: $(grep -A3 Sanitizer "$work/out" | head -c 600)"
   no_output "$x"
 done
+# a fault while a capture places the weights names them, with the adapter and the tensor
+LLMERGE_SIM_FAIL=alloc:1 expect 1 "error: Hessians of $lp: placing the weights of $B with adapter $lp on sim:1GiB: tensor 'model.embed_tokens.weight': sim: injected failure of allocation 1" \
+  sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-fault" --calib "$cj" --device sim:1GiB --cache-dir "$work/fault-cache-place"
+no_output "$work/sgpt-fault"
 
 # ---- devices: the simulated accelerator and its fallbacks ------------------------------------
 # An ample budget: every merged tensor on the device, the same output as the CPU's.
