@@ -273,6 +273,12 @@ expect 2 "use inv or l1" dare "$B" "$lp" -o "$x" --rescale l2
 expect 2 "--seed" dare "$B" "$lp" -o "$x" --seed -1
 expect 2 "--threads" ties "$B" "$lp" -o "$x" --threads many
 expect 2 "unknown suffix" ties "$B" "$lp" -o "$x" --shard-size 5XB
+# mergekit's --out-shard-size 1B counts parameters: refused, not taken as one byte per shard
+expect 2 "--shard-size: size '1B' is 1 byte" ties "$B" "$lp" -o "$x" --shard-size 1B
+check 'grep -q "billion parameters" "$work/out" && grep -q "2GB" "$work/out"' "--shard-size 1B: $(cat "$work/out")"
+no_output "$x"
+expect 2 "size '5B' is 5 bytes" ties "$B" "$lp" -o "$x" --gpu-mem 5B
+expect 2 "size '64B'" ties "$B" "$lp" -o "$x" --device sim:64B
 expect 2 "--gpu-mem" ties "$B" "$lp" -o "$x" --gpu-mem lots
 expect 2 "cuda:99" ties "$B" "$lp" -o "$x" --device cuda:99
 expect 2 "size above 0" ties "$B" "$lp" -o "$x" --device sim:0
