@@ -823,7 +823,7 @@ static void describe_run(merge_run *r)
     const lm_merge_opts *o = &r->opts;
     char shard[32];
     lm_format_bytes(shard, sizeof shard, a->shard_size);
-    lm_progress_note(&r->progress, "merging %d input%s into %s -> %s (%s, %s, %d thread%s)",
+    lm_progress_note(&r->progress, "merging %d fine-tune%s onto %s into %s (%s, %s, %d thread%s)",
                      a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, dtype_flag(o->out_dtype),
                      lm_dev_name(r->dev), o->threads, o->threads == 1 ? "" : "s");
     if (strncmp(r->dev_why, "auto:", 5) == 0 || a->verbose)
@@ -1127,7 +1127,11 @@ static int work(merge_run *r, double t_loaded)
     // OUT is complete and in place: a signal from now on is not undone by us
     lm_signals_restore();
 
-    lm_progress_summary(p, "merged");
+    // both counts, as llmerge.json's stats give them: a tensor no FT changes is copied, not merged
+    char what[128];
+    snprintf(what, sizeof what, "merged %" PRId64 " tensor%s, copied %" PRId64 " from the base", r->res.n_merged,
+             r->res.n_merged == 1 ? "" : "s", r->res.n_copied);
+    lm_progress_summary_as(p, what);
     device_summary(r);
     lm_progress_note(p, "wrote %s: %d shard%s%s, config.json, %d tokenizer/generation file%s, %s",
                      a->out, n_shards, n_shards == 1 ? "" : "s",

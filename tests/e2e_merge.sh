@@ -135,9 +135,14 @@ for k in load_s merge_s write_s total_s; do
 done
 hashes_match "$o"
 inputs_match "$o"
-# a summary line on stderr (not a terminal: the final progress line and the summary)
-check 'grep -q "tensor 21/21" "$work/out" && grep -q "merged 21 tensors" "$work/out" && grep -q "peak memory" "$work/out"' \
+# a summary line on stderr (not a terminal: the final progress line and the summary), with the
+# tensors merged and copied as llmerge.json counts them, and sizes and rates in binary units only
+check 'grep -q "tensor 21/21" "$work/out" && grep -q "merged 21 tensors, copied 0 from the base (" "$work/out" && grep -q "peak memory" "$work/out"' \
   "ties: no progress or summary on stderr: $(cat "$work/out")"
+check 'grep -qF "llmerge ties: merging 3 fine-tunes onto $B into $o (bf16, " "$work/out"' "ties: no 'merging' line: $(head -3 "$work/out")"
+check 'grep -qE "tensor 21/21, [0-9.]+ KiB/[0-9.]+ KiB, [0-9.]+ MiB/s, took" "$work/out" &&
+  grep -qE "\([0-9.]+ KiB\) in [0-9.]+ s \([0-9.]+ MiB/s\), peak memory [0-9.]+ MiB" "$work/out" && ! grep -qE "[0-9] ?[KMGT]B\b|[KMGT]B/s" "$work/out"' \
+  "ties: units of two systems on stderr: $(cat "$work/out")"
 
 # The same merge on 1 and 2 threads: byte-identical.
 merge ties "$B" "$lp" "$lr" "$ff" -o "$work/ties_t1" --threads 1 -q
@@ -179,6 +184,11 @@ inputs_match "$o"
 
 # ties in f32 updates the dtype too; f16 likewise
 merge ties "$B" "$lp" -o "$work/ties_f16" --dtype f16
+# an adapter leaves most tensors alone: the summary says how many were merged and how many copied
+n_m=$("$jsonq" "$work/ties_f16/llmerge.json" stats.tensors_merged) n_c=$("$jsonq" "$work/ties_f16/llmerge.json" stats.tensors_copied)
+check '[ "$n_c" -gt 0 ] && [ $((n_m + n_c)) -eq 21 ] && grep -q "llmerge ties: merged $n_m tensors, copied $n_c from the base (" "$work/out"' \
+  "ties of one adapter: the summary does not say $n_m merged and $n_c copied: $(cat "$work/out")"
+check 'grep -qF "merging 1 fine-tune onto $B into $work/ties_f16 (f16, " "$work/out"' "ties of one adapter: $(head -2 "$work/out")"
 json "$work/ties_f16/config.json" torch_dtype float16
 loads "$work/ties_f16"
 
