@@ -1234,8 +1234,11 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         if (strcmp(argv[0], methods[i].name) == 0)
             r->args.m = &methods[i];
     if (!r->args.m) {
-        fprintf(stderr, "%s: '%s' is not a merge method (ties, dare, dare-ties, task-arithmetic, sparsegpt)\n",
-                prefix, argv[0]);
+        char hint[256];
+        bool mk = lm_cmd_mergekit_hint(argv[0], hint, sizeof hint);
+        fprintf(stderr, "%s: error: '%s' is not a merge method of llmerge (ties, dare, dare-ties, task-arithmetic, "
+                "sparsegpt)%s%s\n%s: docs/mergekit.md says which of mergekit's methods llmerge has and what it calls "
+                "them\n", prefix, argv[0], mk ? ": " : "", mk ? hint : "", prefix);
         return 2;
     }
     snprintf(r->prefix, sizeof r->prefix, "%s", prefix);

@@ -529,6 +529,30 @@ expect 0 "default for dare: off" dare --help
 expect 0 "default for task-arithmetic: off" task-arithmetic -h
 expect 0 "default for dare-ties: off" dare-ties --help
 expect 0 "task-arithmetic" --help
-expect 2 "did you mean 'dare'" daer "$B" "$lp" -o "$x"
+expect 2 "llmerge: error: unknown command 'daer'; did you mean 'dare'" daer "$B" "$lp" -o "$x"
+# mergekit's method names: what llmerge calls the method, or that it has no such method yet, with
+# llmerge's methods and the page that maps mergekit's to them
+methods="ties, dare, dare-ties, task-arithmetic, sparsegpt"
+expect 2 "llmerge: error: unknown command 'slerp': mergekit's slerp is not in llmerge (yet)" slerp "$B" "$lp" "$lp" -o "$x"
+check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "slerp: $(cat "$work/out")"
+for m in linear nuslerp della della_linear breadcrumbs breadcrumbs_ties model_stock passthrough sce karcher \
+  multislerp nearswap dare_linear dare_ties task_arithmetic breadcrumbs-ties; do
+  expect 2 "llmerge: error: unknown command '$m': mergekit's ${m//-/_} " "$m" "$B" "$lp" -o "$x"
+  check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "$m: $(cat "$work/out")"
+done
+expect 2 "mergekit's dare_ties is llmerge's dare-ties: llmerge dare-ties BASE FT" dare_ties "$B" "$lp" -o "$x"
+expect 2 "mergekit's task_arithmetic is llmerge's task-arithmetic" task_arithmetic "$B" "$lp" -o "$x"
+expect 2 "mergekit's dare_linear is llmerge's dare" dare_linear "$B" "$lp" -o "$x"
+expect 2 "llmerge task-arithmetic BASE FT [FT...] -o OUT --normalize" linear "$B" "$lp" -o "$x"
+expect 2 "mergekit's model_stock is not in llmerge (yet)" model_stock "$B" "$lp" -o "$x"
+# any other unknown command: the error, the commands and the methods
+expect 2 "llmerge: error: unknown command 'frobnicate'" frobnicate "$B"
+check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "llmerge --help" "$work/out"' "frobnicate: $(cat "$work/out")"
+# llmerge plan takes a method too
+expect 2 "llmerge plan: error: 'slerp' is not a merge method of llmerge ($methods): mergekit's slerp is not in llmerge (yet)" \
+  plan slerp "$B" "$lp" -o "$x"
+check 'grep -qF "docs/mergekit.md" "$work/out"' "plan slerp: $(cat "$work/out")"
+expect 2 "mergekit's dare_ties is llmerge's dare-ties" plan dare_ties "$B" "$lp" -o "$x"
+no_output "$x"
 
 e2e_end
