@@ -2,7 +2,9 @@
 # End-to-end tests of the merge commands (ties, dare, dare-ties, task-arithmetic) through the
 # binary, on the fixtures: each method runs and its output loads (`llmerge inspect`: check ok);
 # the output directory carries what FORMATS.md lists (shards and index, config.json with the
-# dtype updated, the base's tokenizer and generation files, llmerge.json); llmerge.json's
+# dtype updated, the base's tokenizer and generation files, the model card README.md, whose front
+# matter quotes awkward paths and whose command line makes the same merge again, llmerge.json,
+# and no card with --no-card); llmerge.json's
 # per-tensor and input-file hashes equal xxHash64 of the data, computed here by st_hash; the
 # same seed gives byte-identical shards on 1 and 2 threads and another seed changes dare's
 # output; --log-json writes valid JSON Lines; every bad input is exit status 2 with a message
@@ -96,8 +98,30 @@ same_shards() {
   [ $diff -eq 0 ] && ok || bad "$1 and $2 differ"
 }
 
+# card_cmd DIR: the command line DIR/README.md gives for making the same merge (its ```sh block),
+# with llmerge as this test runs it.
+card_cmd() {
+  awk '/^```+sh$/ { on = 1; next } on && /^```+$/ { exit } on' "$1/README.md" | sed "s|^llmerge |'$llmerge' |"
+}
+
+# card_again DIR AGAIN: runs the card's command line of DIR into AGAIN (a later -o wins), which must
+# give the same shards.
+card_again() {
+  local cmd
+  cmd=$(card_cmd "$1")
+  if [ -n "$cmd" ] && eval "$cmd -o '$2' -q" >"$work/again.out" 2>&1; then ok; else
+    bad "the command line of $1/README.md failed: $cmd: $(head -c 600 "$work/again.out")"
+    return
+  fi
+  same_shards "$1" "$2"
+}
+
+# front DIR: the YAML front matter of DIR/README.md, without its --- lines.
+front() { awk 'NR == 1 && $0 == "---" { on = 1; next } on && $0 == "---" { exit } on' "$1/README.md"; }
+
 B=$fx/base
 lp=$fx/lora_plain lr=$fx/lora_rslora ff=$fx/ft_full
+version=$("$llmerge" --version | awk '{ print $2 }')
 
 # ---- ties of two adapters and a full fine-tune -----------------------------------------------
 o=$work/ties
@@ -135,6 +159,31 @@ for k in load_s merge_s write_s total_s; do
 done
 hashes_match "$o"
 inputs_match "$o"
+# the model card: README.md with the Hub's front matter, the method, the inputs with their weights
+# and densities, the options, the version, and a command line that makes the same merge
+check '[ -f "$o/README.md" ] && [ "$(head -1 "$o/README.md")" = "---" ]' "ties: no README.md with front matter: $(ls "$o")"
+front "$o" >"$work/front"
+check 'diff "$work/front" - >/dev/null <<EOF
+base_model:
+- "$B"
+- "$lp"
+- "$lr"
+- "$ff"
+base_model_relation: merge
+library_name: transformers
+tags:
+- merge
+- llmerge
+EOF' "ties: README.md front matter: $(cat "$work/front")"
+check 'grep -qF "llmerge $version" "$o/README.md" && grep -qiF "ties" "$o/README.md"' "ties: README.md lacks the version or method"
+check 'grep -qF "\`$lr\` (LoRA adapter): weight 1, density 0.2" "$o/README.md" && grep -qF "\`$ff\` (model): weight 1, density 0.2" "$o/README.md"' \
+  "ties: README.md lacks the inputs: $(cat "$o/README.md")"
+check 'card_cmd "$o" | grep -qF -- " --densities 0.2,0.2,0.2 --lambda 1 --normalize --sign sum --topk tensor --dtype bf16"' \
+  "ties: README.md's command line: $(card_cmd "$o")"
+json "$m" outputs.card README.md
+card_again "$o" "$work/ties_again"
+check 'grep -qF "wrote $o: 1 shard, config.json, 3 tokenizer/generation files, README.md, llmerge.json" "$work/out"' \
+  "ties: the wrote line: $(tail -1 "$work/out")"
 # a summary line on stderr (not a terminal: the final progress line and the summary), with the
 # tensors merged and copied as llmerge.json counts them, and sizes and rates in binary units only
 check 'grep -q "tensor 21/21" "$work/out" && grep -q "merged 21 tensors, copied 0 from the base (" "$work/out" && grep -q "peak memory" "$work/out"' \
@@ -161,6 +210,21 @@ check '! cmp -s "$work/dare1/model.safetensors" "$work/dare3/model.safetensors"'
 json "$work/dare1/llmerge.json" options.seed 7
 json "$work/dare1/llmerge.json" options.normalize false
 json "$work/dare1/llmerge.json" options.densities '[0.5,0.5]'
+check 'card_cmd "$work/dare1" | grep -qF -- " --seed 7 " && card_cmd "$work/dare1" | grep -qF -- " --rescale inv "' \
+  "dare: README.md's command line: $(card_cmd "$work/dare1")"
+card_again "$work/dare1" "$work/dare1_again"
+# --no-card: no README.md, and llmerge.json says so
+merge dare "$B" "$lp" "$ff" -o "$work/dare_nocard" --seed 7 --density 0.5 --no-card
+check '[ ! -e "$work/dare_nocard/README.md" ] && ! grep -q README.md "$work/out"' "--no-card wrote a card: $(ls "$work/dare_nocard")"
+json "$work/dare_nocard/llmerge.json" outputs.card null
+same_shards "$work/dare1" "$work/dare_nocard"
+# paths YAML and the shell must quote: a colon and space, a double quote, a hash, a backslash, a quote
+odd="$work/ba se: \"x\" #1 \\ it's"
+ln -s "$B" "$odd"
+merge task-arithmetic "$odd" "$lp" -o "$work/odd-out" --weights 0.3
+front "$work/odd-out" >"$work/front"
+check 'grep -qxF -- "- \"$work/ba se: \\\"x\\\" #1 \\\\ it'"'"'s\"" "$work/front"' "quoting in the front matter: $(cat "$work/front")"
+card_again "$work/odd-out" "$work/odd-again"
 hashes_match "$work/dare1"
 
 # ---- task-arithmetic in f32, sharded ---------------------------------------------------------
@@ -325,6 +389,8 @@ json "$o/llmerge.json" method sparsegpt
 json "$o/llmerge.json" options.normalize true
 json "$o/llmerge.json" options.hessian_from ft
 json "$o/llmerge.json" options.calib.0.xxh64 "$("$st_hash" --file "$cj" | cut -d' ' -f1)"
+check 'card_cmd "$o" | grep -qF -- " --calib $cj --hessian-from ft"' "sparsegpt: README.md's command line: $(card_cmd "$o")"
+card_again "$o" "$work/sgpt_again"
 check 'grep -q "Hessians of .*lora_plain on .*calib.jsonl" "$work/out"' "sparsegpt: no Hessian line: $(head -c 400 "$work/out")"
 merge ties "$B" "$lp" "$ff" -o "$work/sgpt-ties" --density 0.3
 check '! cmp -s "$o/model.safetensors" "$work/sgpt-ties/model.safetensors"' "sparsegpt gave the same output as ties"
@@ -521,7 +587,7 @@ expect 0 "device auto: " ties "$B" "$lp" -o "$work/dev-auto" --device auto
 check '[ $? -eq 0 ]' "ties --help failed"
 for opt in -o, --output --weights --density --densities --lambda --normalize --no-normalize --sign \
   --topk --rescale --seed --dtype --shard-size --device --gpu-mem --threads --cache-dir --log-json \
-  -q, --quiet -v --force -h, --help; do
+  -q, --quiet -v --force --no-card -h, --help; do
   check 'grep -qF -- "$opt" "$work/help"' "ties --help does not explain $opt"
 done
 expect 0 "default for ties: on" ties --help
