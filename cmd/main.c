@@ -49,15 +49,14 @@ static void usage(FILE *out)
 
 // ==== mergekit's method names =================================================================
 
-// mergekit's merge_method values (docs/mergekit.md): what llmerge calls the method, with what to
-// add, or NULL where llmerge has no such method.
+// mergekit's merge_method values (docs/mergekit.md) that are not llmerge commands (ties is both):
+// what llmerge calls the method, with what to add, or NULL where llmerge has no such method.
 static const struct {
     const char *name;
     const char *ours;  // the command, or NULL
     const char *how;   // options to add and when the two agree, or NULL
 } mergekit_methods[] = {
     {"task_arithmetic", "task-arithmetic", NULL},
-    {"ties", "ties", NULL},
     {"dare_ties", "dare-ties", "add --rescale l1 for mergekit's rescaling"},
     {"dare_linear", "dare", "add --rescale l1 for mergekit's rescaling"},
     {"linear", "task-arithmetic", "for fine-tunes of one base, the base not among the averaged models"},

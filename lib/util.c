@@ -63,7 +63,7 @@ lm_status lm_parse_size(const char *text, uint64_t *out, lm_err *err)
                               "size '%s' is %.*s byte%s, and a size under 1 MiB written with B is refused: llmerge "
                               "counts bytes (B or no suffix), K, M, G, T and KiB, MiB, GiB, TiB are powers of 1024, "
                               "KB, MB, GB, TB powers of 1000. If you meant %.*s billion parameters (mergekit's "
-                              "--out-shard-size %s), give their bytes: %gGB in bf16 or f16, %gGB in f32%s%.*s%s",
+                              "--out-shard-size %s), give their bytes: %.15gGB in bf16 or f16, %.15gGB in f32%s%.*s%s",
                               text, n, text, params == 1.0 ? "" : "s", n, text, text, 2 * params, 4 * params,
                               frac > 0 ? "" : "; for bytes, write ", frac > 0 ? 0 : n, text,
                               frac > 0 ? "" : " without B");

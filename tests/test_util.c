@@ -35,6 +35,7 @@ static void test_sizes(void)
     CHECK_FAILS(lm_parse_size("5B", &v, &err), LM_ERR_USAGE, "10GB", &err);
     CHECK_FAILS(lm_parse_size("1.5B", &v, &err), LM_ERR_USAGE, "3GB", &err);
     CHECK_FAILS(lm_parse_size("1234B", &v, &err), LM_ERR_USAGE, "1234 without B", &err);
+    CHECK_FAILS(lm_parse_size("900000B", &v, &err), LM_ERR_USAGE, "1800000GB in bf16", &err);
     CHECK_FAILS(lm_parse_size("1048575B", &v, &err), LM_ERR_USAGE, "billion", &err);
     CHECK(v == 7);
     char buf[32];
