@@ -35,6 +35,17 @@ int lm_cmd_hessian(int argc, char **argv);
 // you mean" suggestions.
 size_t lm_cmd_edit_distance(const char *a, const char *b);
 
+// When `name` is one of mergekit's merge methods (its merge_method values, with - or _ between
+// words), writes into buf (cap bytes) what llmerge calls it ("mergekit's dare_ties is llmerge's
+// dare-ties: llmerge dare-ties BASE FT [FT...] -o OUT ...") or that llmerge does not have it, and
+// returns true; returns false for any other name. Allocates nothing.
+bool lm_cmd_mergekit_hint(const char *name, char *buf, size_t cap);
+
+// The line that follows an unknown method: llmerge's methods and where mergekit's are mapped.
+#define LM_CMD_METHODS_LINE                                                                                   \
+    "merge methods: ties, dare, dare-ties, task-arithmetic, sparsegpt (llmerge METHOD --help); "            \
+    "docs/mergekit.md says which of mergekit's methods llmerge has and what it calls them"
+
 
 // `llmerge plan METHOD BASE FT [FT...] -o OUT [merge options] [--json]`: what a merge with
 // these arguments will need in memory on each device and on disk, from the inputs' headers

@@ -1,5 +1,6 @@
-// The llmerge command line: dispatches the subcommand, answers --help and --version, and
-// suggests the nearest command for a typo. Each subcommand lives in its own file and parses
+// The llmerge command line: dispatches the subcommand, answers --help and --version, suggests
+// the nearest command for a typo, and answers a mergekit method's name with llmerge's name for
+// it or the news that llmerge does not have it. Each subcommand lives in its own file and parses
 // its own options (cmd.h).
 #include <signal.h>
 #include <stdio.h>
@@ -44,6 +45,61 @@ static void usage(FILE *out)
             "  --version        the version and how it was built\n"
             "\n"
             "Exit status: 0 done, 1 the work failed, 2 bad usage or bad input.\n");
+}
+
+// ==== mergekit's method names =================================================================
+
+// mergekit's merge_method values (docs/mergekit.md) that are not llmerge commands (ties is both):
+// what llmerge calls the method, with what to add, or NULL where llmerge has no such method.
+static const struct {
+    const char *name;
+    const char *ours;  // the command, or NULL
+    const char *how;   // options to add and when the two agree, or NULL
+} mergekit_methods[] = {
+    {"task_arithmetic", "task-arithmetic", NULL},
+    {"dare_ties", "dare-ties", "add --rescale l1 for mergekit's rescaling"},
+    {"dare_linear", "dare", "add --rescale l1 for mergekit's rescaling"},
+    {"linear", "task-arithmetic", "for fine-tunes of one base, the base not among the averaged models"},
+    {"slerp", NULL, NULL},
+    {"nuslerp", NULL, NULL},
+    {"multislerp", NULL, NULL},
+    {"karcher", NULL, NULL},
+    {"della", NULL, NULL},
+    {"della_linear", NULL, NULL},
+    {"breadcrumbs", NULL, NULL},
+    {"breadcrumbs_ties", NULL, NULL},
+    {"model_stock", NULL, NULL},
+    {"passthrough", NULL, NULL},
+    {"sce", NULL, NULL},
+    {"nearswap", NULL, NULL},
+};
+
+// Whether `name` is mergekit's `mk`, written with - or _ between words.
+static bool mergekit_name_is(const char *name, const char *mk)
+{
+    for (; *name && *mk; name++, mk++)
+        if (*name != *mk && !(*name == '-' && *mk == '_'))
+            return false;
+    return *name == *mk;
+}
+
+bool lm_cmd_mergekit_hint(const char *name, char *buf, size_t cap)
+{
+    for (size_t i = 0; i < sizeof mergekit_methods / sizeof mergekit_methods[0]; i++) {
+        const char *mk = mergekit_methods[i].name, *ours = mergekit_methods[i].ours, *how = mergekit_methods[i].how;
+        if (!mergekit_name_is(name, mk))
+            continue;
+        if (!ours)
+            snprintf(buf, cap, "mergekit's %s is not in llmerge (yet)", mk);
+        else if (strcmp(mk, "linear") == 0)
+            snprintf(buf, cap, "mergekit's linear (%s) is llmerge's task-arithmetic with --normalize: "
+                     "llmerge task-arithmetic BASE FT [FT...] -o OUT --normalize", how);
+        else
+            snprintf(buf, cap, "mergekit's %s is llmerge's %s: llmerge %s BASE FT [FT...] -o OUT%s%s%s", mk, ours, ours,
+                     how ? " (" : "", how ? how : "", how ? ")" : "");
+        return true;
+    }
+    return false;
 }
 
 // Levenshtein distance, for "did you mean" (cmd.h).
@@ -99,6 +155,13 @@ int main(int argc, char **argv)
         if (strcmp(cmd, commands[i].name) == 0)
             return commands[i].run(argc - 1, argv + 1);
 
+    // a method named as mergekit names it: what llmerge calls it, or that it has none
+    char hint[256];
+    if (lm_cmd_mergekit_hint(cmd, hint, sizeof hint)) {
+        fprintf(stderr, "llmerge: error: unknown command '%s': %s\n", cmd, hint);
+        fprintf(stderr, "llmerge: %s\n", LM_CMD_METHODS_LINE);
+        return 2;
+    }
     const char *best = NULL;
     size_t best_d = 3;
     for (size_t i = 0; i < N_COMMANDS; i++) {
@@ -108,9 +171,11 @@ int main(int argc, char **argv)
             best = commands[i].name;
         }
     }
-    if (best)
-        fprintf(stderr, "llmerge: unknown command '%s'; did you mean '%s'?\n", cmd, best);
-    else
-        fprintf(stderr, "llmerge: unknown command '%s' (see llmerge --help)\n", cmd);
+    if (best) {
+        fprintf(stderr, "llmerge: error: unknown command '%s'; did you mean '%s'?\n", cmd, best);
+    } else {
+        fprintf(stderr, "llmerge: error: unknown command '%s' (the commands: see llmerge --help)\n", cmd);
+        fprintf(stderr, "llmerge: %s\n", LM_CMD_METHODS_LINE);
+    }
     return 2;
 }

@@ -29,6 +29,7 @@
 #include "args.h"
 #include "cmd.h"
 #include "cache.h"
+#include "card.h"
 #include "calib.h"
 #include "device.h"
 #include "hessian.h"
@@ -102,7 +103,7 @@ typedef enum opt_id {
     OPT_OUTPUT, OPT_WEIGHTS, OPT_DENSITY, OPT_DENSITIES, OPT_LAMBDA, OPT_NORMALIZE,
     OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
-    OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_HELP,
+    OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD, OPT_HELP,
 } opt_id;
 
 typedef lm_opt opt_def;
@@ -134,6 +135,7 @@ static const opt_def opt_defs[] = {
     {"seq-len", 0, true, OPT_SEQ_LEN},
     {"hessian-from", 0, true, OPT_HESSIAN_FROM},
     {"sticky-fallback", 0, false, OPT_STICKY},
+    {"no-card", 0, false, OPT_NO_CARD},
     {"help", 'h', false, OPT_HELP},
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
@@ -168,6 +170,7 @@ typedef struct merge_args {
     const char *cache_dir;
     const char *log_json;
     bool quiet, force, help;
+    bool no_card;              // --no-card: no README.md in OUT
     int verbose;
     const char **calib;        // (n_calib) sparsegpt's calibration files
     int n_calib;
@@ -217,7 +220,9 @@ static void usage(FILE *out, const method_info *m)
             "                         else its tensors)\n"
             "  --shard-size SIZE      most tensor bytes per output shard (default 5GB); SIZE is\n"
             "                         bytes with K, M, G, KiB, MiB, GiB (powers of 1024) or KB,\n"
-            "                         MB, GB (powers of 1000, as transformers)\n"
+            "                         MB, GB (powers of 1000, as transformers). Not mergekit's\n"
+            "                         parameter count: 1B (under 1 MiB with a bare B) is refused;\n"
+            "                         a billion bf16 parameters take 2GB\n"
             "  --device DEV           where the work runs (default auto): cpu; cuda or cuda:N, GPU\n"
             "                         N; sim:SIZE, a simulated GPU of SIZE bytes (for tests); auto,\n"
             "                         GPU 0 when it passes a self-test, else the CPU. A unit of work\n"
@@ -234,13 +239,17 @@ static void usage(FILE *out, const method_info *m)
             "  -q, --quiet            nothing on stderr but errors\n"
             "  -v, --verbose          also the resolved settings and each input\n"
             "  --force                replace OUT if it exists (it is replaced only at the end)\n"
+            "  --no-card              do not write README.md, the model card (the Hub's metadata,\n"
+            "                         the inputs, the options, a command line making the same\n"
+            "                         merge), into OUT\n"
             "  -h, --help             this help\n"
             "%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
-            "tokenizer and generation files, and llmerge.json: inputs with xxHash64 of their files,\n"
-            "options, per-tensor xxHash64 of the output, timings.\n",
+            "tokenizer and generation files, README.md (the model card, unless --no-card), and\n"
+            "llmerge.json: inputs with xxHash64 of their files, options, per-tensor xxHash64 of the\n"
+            "output, timings.\n",
             m->name, m->summary, m->formula, m->density ? "" : "; no effect on this method",
             m->name, lm_merge_default_normalize(m->method) ? "on" : "off",
             m->sign ? "" : ";\n                         no effect on this method",
@@ -447,6 +456,9 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
         return LM_OK;
     case OPT_VERBOSE:
         a->verbose++;
+        return LM_OK;
+    case OPT_NO_CARD:
+        a->no_card = true;
         return LM_OK;
     case OPT_FORCE:
         a->force = true;
@@ -826,7 +838,7 @@ static void describe_run(merge_run *r)
     const lm_merge_opts *o = &r->opts;
     char shard[32];
     lm_format_bytes(shard, sizeof shard, a->shard_size);
-    lm_progress_note(&r->progress, "merging %d input%s into %s -> %s (%s, %s, %d thread%s)",
+    lm_progress_note(&r->progress, "merging %d fine-tune%s onto %s into %s (%s, %s, %d thread%s)",
                      a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, dtype_flag(o->out_dtype),
                      lm_dev_name(r->dev), o->threads, o->threads == 1 ? "" : "s");
     if (strncmp(r->dev_why, "auto:", 5) == 0 || a->verbose)
@@ -970,6 +982,8 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
     if ((s = lm_manifest_set_outputs(m, r->od.tmp, plan, r->descs, r->n_descs,
                                      r->res.tensor_xxh64, err)) != LM_OK)
         return s;
+    if (!(a->no_card ? cJSON_AddNullToObject(m->outputs, "card") : cJSON_AddStringToObject(m->outputs, "card", LM_CARD_NAME)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     // Tensors per device: merged ones where they ran, copied ones on the CPU.
     const lm_merge_result *res = &r->res;
     if (res->tensors_on_device &&
@@ -995,6 +1009,170 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     return lm_manifest_set_stats(m, r->res.bytes_in, r->res.bytes_out, r->res.n_merged,
                                  r->res.n_copied, err);
+}
+
+// ---- the model card -------------------------------------------------------------------------
+
+// An operand as a word of the card's command line: a path starting with '-' would read as an
+// option there.
+static const char *operand_word(const char *path, char *buf, size_t cap)
+{
+    if (path[0] != '-')
+        return path;
+    snprintf(buf, cap, "./%s", path);
+    return buf;
+}
+
+// "1,0.5,2": the n values, each as lm_card_number writes it, into b.
+static void number_list(lm_buf *b, const double *v, int n)
+{
+    char num[40];
+    for (int i = 0; i < n; i++) {
+        lm_card_number(num, sizeof num, v[i]);
+        if (i)
+            lm_buf_put(b, ",", 1);
+        lm_buf_str(b, num);
+    }
+}
+
+// Writes OUT's model card (card.h) into the temporary directory: the inputs as given, the
+// resolved options, and a command line with every option that shapes the result spelled out.
+static lm_status write_card(merge_run *r, lm_err *err)
+{
+    const merge_args *a = &r->args;
+    const lm_merge_opts *o = &r->opts;
+    const method_info *m = a->m;
+    int n = a->n_ft;
+    lm_card_input inputs[n];
+    for (int i = 0; i < n; i++)
+        inputs[i] = (lm_card_input){a->fts[i], r->fts[i]->adapter ? "LoRA adapter" : "model", o->weights[i],
+                                    m->density ? o->densities[i] : -1};
+
+    lm_buf weights = {0}, densities = {0};
+    number_list(&weights, o->weights, n);
+    number_list(&densities, o->densities, n);
+    char lambda[40], seed[24], shard[24], shard_h[64], samples[24], seq_len[24], damp[40];
+    lm_card_number(lambda, sizeof lambda, o->lambda);
+    snprintf(seed, sizeof seed, "%" PRIu64, o->seed);
+    snprintf(shard, sizeof shard, "%" PRIu64, a->shard_size);
+    char h[32];
+    snprintf(shard_h, sizeof shard_h, "%s (%s bytes)", lm_format_bytes(h, sizeof h, a->shard_size), shard);
+    snprintf(samples, sizeof samples, "%" PRId64, a->calib_samples);
+    snprintf(seq_len, sizeof seq_len, "%" PRId64, a->seq_len);
+    lm_card_number(damp, sizeof damp, SGPT_DAMP);
+    const char *sign = o->sign == LM_SIGN_COUNT ? "count" : "sum", *topk = o->topk_global ? "global" : "tensor";
+    const char *rescale = o->rescale == LM_RESCALE_L1 ? "l1" : "inv", *dtype = dtype_flag(o->out_dtype);
+    bool sgpt = m->method == LM_MERGE_SPARSEGPT;
+
+    // the options shown in the body, those the method uses
+    lm_card_option opts[16 + a->n_calib];
+    int k = 0;
+    opts[k++] = (lm_card_option){"lambda", lambda, false};
+    opts[k++] = (lm_card_option){"normalize", o->normalize ? "on" : "off", false};
+    if (m->sign)
+        opts[k++] = (lm_card_option){"sign election", sign, false};
+    if (m->topk)
+        opts[k++] = (lm_card_option){"top-k", topk, false};
+    if (m->rescale)
+        opts[k++] = (lm_card_option){"rescale", rescale, false};
+    if (m->seed)
+        opts[k++] = (lm_card_option){"seed", seed, false};
+    opts[k++] = (lm_card_option){"dtype", dtype, false};
+    opts[k++] = (lm_card_option){"shard size", shard_h, false};
+    for (int i = 0; sgpt && i < a->n_calib; i++)
+        opts[k++] = (lm_card_option){a->n_calib == 1 ? "calibration data" : "calibration data (in FT order)",
+                                     a->calib[i], true};
+    if (sgpt) {
+        opts[k++] = (lm_card_option){"Hessians from", a->hessian_from_base ? "the base" : "each FT's own model",
+                                     false};
+        opts[k++] = (lm_card_option){"calibration sequences", a->calib_samples ? samples : "all", false};
+        opts[k++] = (lm_card_option){"sequence length", a->seq_len ? seq_len : "the model's max_position_embeddings",
+                                     false};
+        opts[k++] = (lm_card_option){"damping", damp, false};
+    }
+
+    // the command line: every option that shapes the result, whatever its default
+    char base_w[PATH_MAX + 3];
+    char (*ft_w)[PATH_MAX + 3] = malloc((size_t)(n ? n : 1) * sizeof *ft_w);
+    const char **argv = malloc((size_t)(40 + n + 2 * a->n_calib) * sizeof *argv);
+    lm_status s = LM_OK;
+    if (!ft_w || !argv || weights.oom || densities.oom) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    int c = 0;
+    argv[c++] = "llmerge";
+    argv[c++] = m->name;
+    argv[c++] = operand_word(a->base, base_w, sizeof base_w);
+    for (int i = 0; i < n; i++)
+        argv[c++] = operand_word(a->fts[i], ft_w[i], sizeof ft_w[i]);
+    argv[c++] = "-o";
+    argv[c++] = a->out;
+    argv[c++] = "--weights";
+    argv[c++] = weights.p;
+    if (m->density) {
+        argv[c++] = "--densities";
+        argv[c++] = densities.p;
+    }
+    argv[c++] = "--lambda";
+    argv[c++] = lambda;
+    argv[c++] = o->normalize ? "--normalize" : "--no-normalize";
+    if (m->sign) {
+        argv[c++] = "--sign";
+        argv[c++] = sign;
+    }
+    if (m->topk) {
+        argv[c++] = "--topk";
+        argv[c++] = topk;
+    }
+    if (m->rescale) {
+        argv[c++] = "--rescale";
+        argv[c++] = rescale;
+    }
+    if (m->seed) {
+        argv[c++] = "--seed";
+        argv[c++] = seed;
+    }
+    argv[c++] = "--dtype";
+    argv[c++] = dtype;
+    argv[c++] = "--shard-size";
+    argv[c++] = shard;
+    for (int i = 0; sgpt && i < a->n_calib; i++) {
+        argv[c++] = "--calib";
+        argv[c++] = a->calib[i];
+    }
+    if (sgpt) {
+        argv[c++] = "--hessian-from";
+        argv[c++] = a->hessian_from_base ? "base" : "ft";
+        if (a->calib_samples) {
+            argv[c++] = "--calib-samples";
+            argv[c++] = samples;
+        }
+        if (a->seq_len) {
+            argv[c++] = "--seq-len";
+            argv[c++] = seq_len;
+        }
+    }
+
+    char name[PATH_MAX];  // OUT's last component names the model
+    snprintf(name, sizeof name, "%s", a->out);
+    for (size_t len = strlen(name); len > 1 && name[len - 1] == '/'; len--)
+        name[len - 1] = '\0';
+    const char *title = lm_path_base(name);
+    lm_card card = {
+        .title = *title ? title : "merged model", .version = LLMERGE_VERSION, .method = m->name,
+        .method_summary = m->summary, .base = a->base, .inputs = inputs, .n_inputs = n, .options = opts,
+        .n_options = k, .argv = argv, .argc = c,
+    };
+    char *path = lm_path_join(r->od.tmp, LM_CARD_NAME);
+    s = path ? lm_card_write(path, &card, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    free(path);
+done:
+    free(argv);
+    free(ft_w);
+    free(weights.p);
+    free(densities.p);
+    return s;
 }
 
 // The run was stopped by SIGINT or SIGTERM: removes the temporary directory, says so on stderr
@@ -1096,6 +1274,8 @@ static int work(merge_run *r, double t_loaded)
     path = NULL;
     if ((s = lm_manifest_copy_side_files(r->base->dir, r->od.tmp, &n_side, &err)) != LM_OK)
         goto fail;
+    if (!a->no_card && (s = write_card(r, &err)) != LM_OK)
+        goto fail;
     t_written = lm_progress_now();
 
     if ((s = build_manifest(r, &hash_s, &err)) != LM_OK)
@@ -1130,12 +1310,16 @@ static int work(merge_run *r, double t_loaded)
     // OUT is complete and in place: a signal from now on is not undone by us
     lm_signals_restore();
 
-    lm_progress_summary(p, "merged");
+    // both counts, as llmerge.json's stats give them: a tensor no FT changes is copied, not merged
+    char what[128];
+    snprintf(what, sizeof what, "merged %" PRId64 " tensor%s, copied %" PRId64 " from the base", r->res.n_merged,
+             r->res.n_merged == 1 ? "" : "s", r->res.n_copied);
+    lm_progress_summary_as(p, what);
     device_summary(r);
-    lm_progress_note(p, "wrote %s: %d shard%s%s, config.json, %d tokenizer/generation file%s, %s",
+    lm_progress_note(p, "wrote %s: %d shard%s%s, config.json, %d tokenizer/generation file%s, %s%s",
                      a->out, n_shards, n_shards == 1 ? "" : "s",
                      n_shards > 1 ? " + model.safetensors.index.json" : "", n_side,
-                     n_side == 1 ? "" : "s", LM_MANIFEST_NAME);
+                     n_side == 1 ? "" : "s", a->no_card ? "" : LM_CARD_NAME ", ", LM_MANIFEST_NAME);
     cJSON *f = cJSON_CreateObject();
     cJSON_AddStringToObject(f, "status", "ok");
     cJSON_AddStringToObject(f, "output", a->out);
@@ -1233,8 +1417,11 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         if (strcmp(argv[0], methods[i].name) == 0)
             r->args.m = &methods[i];
     if (!r->args.m) {
-        fprintf(stderr, "%s: '%s' is not a merge method (ties, dare, dare-ties, task-arithmetic, sparsegpt)\n",
-                prefix, argv[0]);
+        char hint[256];
+        bool mk = lm_cmd_mergekit_hint(argv[0], hint, sizeof hint);
+        fprintf(stderr, "%s: error: '%s' is not a merge method of llmerge (ties, dare, dare-ties, task-arithmetic, "
+                "sparsegpt)%s%s\n%s: docs/mergekit.md says which of mergekit's methods llmerge has and what it calls "
+                "them\n", prefix, argv[0], mk ? ": " : "", mk ? hint : "", prefix);
         return 2;
     }
     snprintf(r->prefix, sizeof r->prefix, "%s", prefix);

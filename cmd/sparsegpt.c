@@ -370,14 +370,17 @@ static lm_status ucc2_set(lm_cmd_sgpt *g, int i, lm_err *err)
                      cal->n_seqs, cal->n_tokens);
     hess_sink sink = {.g = g, .key = c->dir ? c->hess_key[i] : 0, .label = label};
     bool keep = c->dir && lm_cache_keeps_hessians();
+    // The count goes to g->n_ucc2 only on success: lm_hess_ucc2_model zeroes it on entry, and the
+    // sets already made are freed with it (lm_cmd_sgpt_free), also when this capture fails.
+    int64_t n_ucc2 = 0;
     s = lm_hess_ucc2_model(m, ad, g->in.dev, label, seqs, cal->n_seqs, g->in.threads, SGPT_DAMP, g->in.sticky,
-                           lm_cmd_note, g->in.progress, keep ? keep_hessian : NULL, &sink, &g->ucc2[i], &g->n_ucc2,
-                           err);
+                           lm_cmd_note, g->in.progress, keep ? keep_hessian : NULL, &sink, &g->ucc2[i], &n_ucc2, err);
     free(seqs);
     if (s != LM_OK) {
         lm_cache_close(sink.e);
         return lm_err_prefix(err, "Hessians of %s", label);
     }
+    g->n_ucc2 = n_ucc2;
     if (sink.e) {
         char *path = lm_strdup(lm_cache_path(sink.e));
         lm_err cerr = {0};

@@ -190,6 +190,13 @@ static lm_status put_host(lm_fwd *f, const float *host, int64_t n, const float *
     return s;
 }
 
+// Names the tensor a failure to place it concerns. Out of memory is left as the device said it:
+// that is the reason a fallback line gives, and the runner names the weights there.
+static lm_status placing(lm_status s, const char *tensor, lm_err *err)
+{
+    return s == LM_OK || s == LM_ERR_DEVICE_OOM ? s : lm_err_prefix(err, "tensor '%s'", tensor);
+}
+
 // A tensor as float32 in new host memory (caller frees).
 static lm_status read_host(const lm_st_tensor *t, float **out, lm_err *err)
 {
@@ -228,7 +235,7 @@ static lm_status put_tensor(lm_fwd *f, const lm_st_tensor *t, const float **out,
         return s;
     s = put_host(f, host, t->numel, out, err);
     free(host);
-    return s;
+    return placing(s, t->name, err);
 }
 
 // The tensor the forward pass uses for base tensor `name`: the adapter's saved replacement when
@@ -510,7 +517,7 @@ static lm_status put_linear(fwd_loader *L, const lm_arch_desc *desc, int layer, 
         float sc = (float)bm->scale;
         for (int64_t i = 0; i < base_bias->numel; i++)
             b[i] += sc * db[i];
-        s = put_host(f, b, base_bias->numel, &lin->b, err);
+        s = placing(put_host(f, b, base_bias->numel, &lin->b, err), bt->name, err);
     }
     free(b);
     free(db);
@@ -547,7 +554,7 @@ static lm_status put_embedding(fwd_loader *L, const lm_arch_desc *desc, lm_err *
             for (int64_t j = 0; j < r; j++)
                 for (int64_t t = 0; t < v; t++)
                     at[t * r + j] = a[j * v + t];
-            s = put_host(f, at, r * v, &f->emb_at, err);
+            s = placing(put_host(f, at, r * v, &f->emb_at, err), mod->a->name, err);
         }
     }
     if (s == LM_OK && !mod->magnitude)
@@ -584,6 +591,8 @@ static lm_status put_rope(lm_fwd *f, const lm_config *cfg, lm_err *err)
         for (int64_t i = 0; i < half; i++)
             fv[i] = (float)dv[i];  // Hugging Face keeps inv_freq in float32
         s = put_host(f, fv, half, &f->inv_freq, err);
+        if (s != LM_OK && s != LM_ERR_DEVICE_OOM)
+            lm_err_prefix(err, "the rotary frequencies (inv_freq)");
     }
     free(dv);
     free(fv);
@@ -974,6 +983,15 @@ static lm_status cpu_fwd(lm_fwd_runner *r, lm_fwd **out, lm_err *err)
     return LM_OK;
 }
 
+// Puts "placing the weights of MODEL [with adapter DIR] on DEVICE: " before the message in err (as
+// a merge names the tensor it was merging) and returns its status. The directories are the ones
+// opened: the runner's label may name an adapter alone (sparsegpt's FTs).
+static lm_status placing_weights(const lm_fwd_runner *r, lm_dev *dev, lm_err *err)
+{
+    return lm_err_prefix(err, "placing the weights of %s%s%s on %s", r->model->dir, r->adapter ? " with adapter " : "",
+                         r->adapter ? r->adapter->dir : "", dev ? lm_dev_name(dev) : "cpu");
+}
+
 lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapter *a, lm_dev *dev,
                              const char *phase, const char *label, int64_t max_tokens, lm_fwd_note_fn note,
                              void *note_ctx, lm_err *err)
@@ -993,7 +1011,7 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
         s = lm_fwd_create(&r->on_dev, m, a, dev, &why);
         if (s != LM_OK && s != LM_ERR_DEVICE_OOM) {
             *err = why;
-            return s;
+            return placing_weights(r, dev, err);
         }
     }
     if (s == LM_OK)
@@ -1008,8 +1026,10 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
     lm_fwd *f;
     s = cpu_fwd(r, &f, err);
     r->fallback_s += now_s() - t0;
-    if (s != LM_OK)
+    if (s != LM_OK) {
+        placing_weights(r, r->cpu, err);
         lm_fwd_runner_free(r);
+    }
     return s;
 }
 

@@ -162,7 +162,9 @@ typedef struct lm_fwd_runner {
 // weights there, or, when they do not fit (LM_ERR_DEVICE_OOM) or dev lacks a forward-pass
 // operation, on the CPU, saying so through `note` as "fallback: PHASE weights of LABEL on cpu
 // (REASON)". max_tokens <= 0 means 4096. Any other failure is returned with nothing left to
-// free. Free with lm_fwd_runner_free.
+// free, its message starting "placing the weights of MODEL_DIR [with adapter ADAPTER_DIR] on
+// DEVICE: " (with "tensor 'NAME': " next when one tensor was being placed). Free with
+// lm_fwd_runner_free.
 lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapter *a, lm_dev *dev,
                              const char *phase, const char *label, int64_t max_tokens, lm_fwd_note_fn note,
                              void *note_ctx, lm_err *err);

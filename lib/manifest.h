@@ -9,6 +9,7 @@
 //    "base": {"path", "files": [{"name", "bytes", "xxh64"}]},
 //    "inputs": [{"path", "kind": "model"|"adapter", "files": [...]}],
 //    "outputs": {"shards": [{"name", "n_tensors", "data_bytes", "bytes"}], "index",
+//                "card" (the model card's name, or null: added by the merge command),
 //                "tensors": [{"name", "shard", "dtype", "shape", "xxh64"}]},
 //    "devices": {"cpu": units run there, ...},
 //    "timings": {"load_s", "merge_s", "write_s", "hash_s", "total_s"},

@@ -14,6 +14,7 @@
 
 #define TTY_INTERVAL_S 0.1   // a terminal line is redrawn at most ten times a second
 #define LOG_INTERVAL_S 5.0   // elsewhere one line every five seconds
+#define MIB 1048576.0         // rates in MiB/s: lm_format_bytes writes sizes in binary units
 
 double lm_progress_now(void)
 {
@@ -159,14 +160,14 @@ static void draw_locked(lm_progress *p)
     double now = lm_progress_now();
     double el = now - p->t_start;
     char line[256], done[32], total[32], eta[32];
-    double rate = el > 0 ? (double)p->bytes_done / el / 1e6 : 0.0;  // MB/s
+    double rate = el > 0 ? (double)p->bytes_done / el / MIB : 0.0;  // MiB/s, as the sizes are binary
     bool finished = p->n_done >= p->n_total;
     bool units_only = p->bytes_total == 0;  // work counted in units alone (an evaluation's sequences)
     if (finished)
         format_duration(eta, sizeof eta, el);
     else if (rate > 0 && p->bytes_done > 0 && p->bytes_done <= p->bytes_total)
         format_duration(eta, sizeof eta,
-                        (double)(p->bytes_total - p->bytes_done) / (rate * 1e6));
+                        (double)(p->bytes_total - p->bytes_done) / (rate * MIB));
     else if (units_only && p->n_done > 0 && el > 0)
         format_duration(eta, sizeof eta, el * (double)(p->n_total - p->n_done) / (double)p->n_done);
     else
@@ -174,7 +175,7 @@ static void draw_locked(lm_progress *p)
     int n = units_only
                 ? snprintf(line, sizeof line, "%s: %s %" PRId64 "/%" PRId64 ", %s %s", p->prefix,
                            p->unit ? p->unit : "unit", p->n_done, p->n_total, finished ? "took" : "ETA", eta)
-                : snprintf(line, sizeof line, "%s: %s %" PRId64 "/%" PRId64 ", %s/%s, %.1f MB/s, %s %s",
+                : snprintf(line, sizeof line, "%s: %s %" PRId64 "/%" PRId64 ", %s/%s, %.1f MiB/s, %s %s",
                            p->prefix, p->unit ? p->unit : "unit", p->n_done, p->n_total,
                            lm_format_bytes(done, sizeof done, p->bytes_done),
                            lm_format_bytes(total, sizeof total, p->bytes_total), rate,
@@ -264,7 +265,7 @@ void lm_progress_end(lm_progress *p)
     unlock(p);
 }
 
-void lm_progress_summary(lm_progress *p, const char *verb)
+void lm_progress_summary_as(lm_progress *p, const char *what)
 {
     lock(p);
     if (!p->quiet) {
@@ -275,14 +276,23 @@ void lm_progress_summary(lm_progress *p, const char *verb)
             fputc('\n', stderr);
             p->line_open = false;
         }
-        fprintf(stderr, "%s: %s %" PRId64 " %s%s (%s) in %.2f s (%.1f MB/s), peak memory %s\n",
-                p->prefix, verb, p->n_done, p->unit ? p->unit : "unit", p->n_done == 1 ? "" : "s",
+        fprintf(stderr, "%s: %s (%s) in %.2f s (%.1f MiB/s), peak memory %s\n", p->prefix, what,
                 lm_format_bytes(bytes, sizeof bytes, p->bytes_done), el,
-                el > 0 ? (double)p->bytes_done / el / 1e6 : 0.0,
+                el > 0 ? (double)p->bytes_done / el / MIB : 0.0,
                 lm_format_bytes(peak, sizeof peak, lm_peak_rss_bytes()));
         fflush(stderr);
     }
     unlock(p);
+}
+
+void lm_progress_summary(lm_progress *p, const char *verb)
+{
+    char what[128];
+    lock(p);
+    snprintf(what, sizeof what, "%s %" PRId64 " %s%s", verb, p->n_done, p->unit ? p->unit : "unit",
+             p->n_done == 1 ? "" : "s");
+    unlock(p);
+    lm_progress_summary_as(p, what);
 }
 
 // ==== messages ================================================================================

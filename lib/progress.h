@@ -80,10 +80,14 @@ void lm_progress_update(lm_progress *p, int64_t n_done, uint64_t bytes_done, con
 // lm_progress_summary reports.
 void lm_progress_end(lm_progress *p);
 
-// Prints the summary line "PREFIX: VERB N units (BYTES) in T s (R MB/s), peak memory M" unless
-// quiet, e.g. "llmerge ties: merged 21 tensors (213.6 KiB) in 0.04 s (5.3 MB/s), peak memory
-// 9.8 MiB".
+// Prints the summary line "PREFIX: VERB N units (BYTES) in T s (R MiB/s), peak memory M" unless
+// quiet, e.g. "PREFIX: wrote 21 tensors (208.62 KiB) in 0.04 s (5.09 MiB/s), peak memory 9.80 MiB".
+// Sizes and the rate are in binary units (KiB, MiB/s), as lm_format_bytes writes them.
 void lm_progress_summary(lm_progress *p, const char *verb);
+
+// The same line with the caller's words for what was done in place of "VERB N units", e.g.
+// "llmerge ties: merged 4 tensors, copied 17 from the base (208.62 KiB) in ...".
+void lm_progress_summary_as(lm_progress *p, const char *what);
 
 // Prints "PREFIX: MESSAGE" on stderr unless quiet, first ending a progress line that is on
 // screen so the two do not run together. For notes and warnings while work goes on.

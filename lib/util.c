@@ -54,6 +54,20 @@ lm_status lm_parse_size(const char *text, uint64_t *out, lm_err *err)
         uint64_t v;
         if (!lm_mul_u64(whole, units[i].mult, &v))
             return lm_err_set(err, LM_ERR_USAGE, "size '%s' is too large", text);
+        // mergekit's --out-shard-size 1B counts parameters, a billion of them: taken as bytes it
+        // would make a shard of every tensor. No one means a few bytes and writes B.
+        if (strcmp(p, "B") == 0 && v < ((uint64_t)1 << 20)) {
+            int n = (int)(p - text);
+            double params = (double)whole + frac;
+            return lm_err_set(err, LM_ERR_USAGE,
+                              "size '%s' is %.*s byte%s, and a size under 1 MiB written with B is refused: llmerge "
+                              "counts bytes (B or no suffix), K, M, G, T and KiB, MiB, GiB, TiB are powers of 1024, "
+                              "KB, MB, GB, TB powers of 1000. If you meant %.*s billion parameters (mergekit's "
+                              "--out-shard-size %s), give their bytes: %.15gGB in bf16 or f16, %.15gGB in f32%s%.*s%s",
+                              text, n, text, params == 1.0 ? "" : "s", n, text, text, 2 * params, 4 * params,
+                              frac > 0 ? "" : "; for bytes, write ", frac > 0 ? 0 : n, text,
+                              frac > 0 ? "" : " without B");
+        }
         double extra = frac * (double)units[i].mult;
         if (frac > 0 && units[i].mult == 1)
             return lm_err_set(err, LM_ERR_USAGE, "size '%s' has a fraction of a byte", text);

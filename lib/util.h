@@ -55,8 +55,10 @@ static inline bool lm_add_u64(uint64_t a, uint64_t b, uint64_t *out)
 
 // Parses a byte count with an optional suffix: K, M, G, T or KiB, MiB, GiB, TiB (powers of
 // 1024), KB, MB, GB, TB (powers of 1000, as transformers reads "5GB"), B or none (bytes).
-// Fractions are allowed before a suffix ("1.5GiB"). On failure returns LM_ERR_USAGE with a
-// message quoting the text.
+// Fractions are allowed before a suffix ("1.5GiB"). A size under 1 MiB written with a bare B
+// ("1B", "5B") is refused: it is mergekit's count of parameters (a billion), and the message
+// says so and what to give instead. On failure returns LM_ERR_USAGE with a message quoting the
+// text, and leaves *out alone.
 lm_status lm_parse_size(const char *text, uint64_t *out, lm_err *err);
 
 // Writes a short human form of `bytes` ("1.50 GiB", "512 B") into buf; returns buf.

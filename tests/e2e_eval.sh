@@ -6,7 +6,8 @@
 # (task-arithmetic, f32) evaluates to the same perplexity as the adapter applied at run time,
 # also when its config leaves some of its modules out (a warning names their keys);
 # on sim devices too small for the weights or for a batch the fallbacks are printed and the
-# result is the CPU's; a device failure that is not out-of-memory is exit status 1; bad usage
+# result is the CPU's; a device failure that is not out-of-memory is exit status 1 naming the
+# batch, or the model, adapter and tensor while the weights are placed; bad usage
 # and bad data are exit status 2 with a message naming the option, or the file and line.
 # Usage: e2e_eval.sh LLMERGE FIXTURES JSONQ
 set -u
@@ -155,6 +156,13 @@ if [ "$n_sticky" -lt "$n_retry" ] && [ "$n_sticky" -ge 1 ]; then ok; else
 fi
 # a device failure that is not out of memory stops the run
 LLMERGE_SIM_FAIL=launch:30 expect 1 "eval sequences 1-8 on sim:64MiB: layer 0: sim: injected failure of operation 30" eval "$fx/base" --data "$data" --device sim:64MiB
+# one while the weights are placed: the phase, the model (and adapter) and the tensor are named
+LLMERGE_SIM_FAIL=alloc:1 expect 1 "error: placing the weights of $fx/base on sim:64MiB: tensor 'model.embed_tokens.weight': sim: injected failure of allocation 1" \
+  eval "$fx/base" --data "$data" --device sim:64MiB
+LLMERGE_SIM_FAIL=launch:1 expect 1 "error: placing the weights of $fx/base on sim:64MiB: tensor 'model.embed_tokens.weight': sim: injected failure of operation 1, upload" \
+  eval "$fx/base" --data "$data" --device sim:64MiB
+LLMERGE_SIM_FAIL=alloc:3 expect 1 "error: placing the weights of $fx/base with adapter $fx/lora_plain on sim:64MiB: tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': sim: injected failure of allocation 3" \
+  eval "$fx/base" --adapter "$fx/lora_plain" --data "$data" --device sim:64MiB
 
 # ---- usage and bad input: exit status 2 ------------------------------------------------------
 expect 0 "--seq-len L" eval --help

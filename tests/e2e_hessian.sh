@@ -5,7 +5,7 @@
 # give the same file; an adapter changes the Hessians; the sim device, also too small for the
 # weights, gives the CPU's values, and accumulators that do not fit are said as a fallback; --log-json records the run; a failed run
 # (a device failure that is not out-of-memory) is exit status 1 and leaves nothing at the output
-# path; bad usage, a bad calibration file (naming file and line) and an existing output without
+# path, and one while the weights are placed names the model, the adapter and the tensor; bad usage, a bad calibration file (naming file and line) and an existing output without
 # --force are exit status 2 before any work.
 # Usage: e2e_hessian.sh LLMERGE FIXTURES JSONQ
 set -u
@@ -85,6 +85,10 @@ done
 
 # a device failure that is not out of memory: exit 1, nothing left at the output path
 LLMERGE_SIM_FAIL=launch:40 expect 1 "injected failure" hessian "$fx/base" --calib "$data" -o "$work/f.safetensors" --device sim:1GiB
+if [ ! -e "$work/f.safetensors" ] && ! ls "$work" | grep -q 'f.safetensors.tmp'; then ok; else bad "a failed run left output: $(ls "$work")"; fi
+# one while the weights are placed names the phase, the model and adapter, and the tensor
+LLMERGE_SIM_FAIL=alloc:1 expect 1 "error: placing the weights of $fx/base with adapter $fx/lora_plain on sim:1GiB: tensor 'model.embed_tokens.weight': sim: injected failure of allocation 1" \
+  hessian "$fx/base" --adapter "$fx/lora_plain" --calib "$data" -o "$work/f.safetensors" --device sim:1GiB
 if [ ! -e "$work/f.safetensors" ] && ! ls "$work" | grep -q 'f.safetensors.tmp'; then ok; else bad "a failed run left output: $(ls "$work")"; fi
 
 # ---- usage and bad input: exit status 2, before any work ------------------------------------

@@ -2,7 +2,9 @@
 # End-to-end tests of the merge commands (ties, dare, dare-ties, task-arithmetic) through the
 # binary, on the fixtures: each method runs and its output loads (`llmerge inspect`: check ok);
 # the output directory carries what FORMATS.md lists (shards and index, config.json with the
-# dtype updated, the base's tokenizer and generation files, llmerge.json); llmerge.json's
+# dtype updated, the base's tokenizer and generation files, the model card README.md, whose front
+# matter quotes awkward paths and whose command line makes the same merge again, llmerge.json,
+# and no card with --no-card); llmerge.json's
 # per-tensor and input-file hashes equal xxHash64 of the data, computed here by st_hash; the
 # same seed gives byte-identical shards on 1 and 2 threads and another seed changes dare's
 # output; --log-json writes valid JSON Lines; every bad input is exit status 2 with a message
@@ -101,8 +103,30 @@ same_shards() {
   [ $diff -eq 0 ] && ok || bad "$1 and $2 differ"
 }
 
+# card_cmd DIR: the command line DIR/README.md gives for making the same merge (its ```sh block),
+# with llmerge as this test runs it.
+card_cmd() {
+  awk '/^```+sh$/ { on = 1; next } on && /^```+$/ { exit } on' "$1/README.md" | sed "s|^llmerge |'$llmerge' |"
+}
+
+# card_again DIR AGAIN: runs the card's command line of DIR into AGAIN (a later -o wins), which must
+# give the same shards.
+card_again() {
+  local cmd
+  cmd=$(card_cmd "$1")
+  if [ -n "$cmd" ] && eval "$cmd -o '$2' -q" >"$work/again.out" 2>&1; then ok; else
+    bad "the command line of $1/README.md failed: $cmd: $(head -c 600 "$work/again.out")"
+    return
+  fi
+  same_shards "$1" "$2"
+}
+
+# front DIR: the YAML front matter of DIR/README.md, without its --- lines.
+front() { awk 'NR == 1 && $0 == "---" { on = 1; next } on && $0 == "---" { exit } on' "$1/README.md"; }
+
 B=$fx/base
 lp=$fx/lora_plain lr=$fx/lora_rslora ff=$fx/ft_full
+version=$("$llmerge" --version | awk '{ print $2 }')
 
 # ---- ties of two adapters and a full fine-tune -----------------------------------------------
 o=$work/ties
@@ -140,9 +164,39 @@ for k in load_s merge_s write_s total_s; do
 done
 hashes_match "$o"
 inputs_match "$o"
-# a summary line on stderr (not a terminal: the final progress line and the summary)
-check 'grep -q "tensor 21/21" "$work/out" && grep -q "merged 21 tensors" "$work/out" && grep -q "peak memory" "$work/out"' \
+# the model card: README.md with the Hub's front matter, the method, the inputs with their weights
+# and densities, the options, the version, and a command line that makes the same merge
+check '[ -f "$o/README.md" ] && [ "$(head -1 "$o/README.md")" = "---" ]' "ties: no README.md with front matter: $(ls "$o")"
+front "$o" >"$work/front"
+check 'diff "$work/front" - >/dev/null <<EOF
+base_model:
+- "$B"
+- "$lp"
+- "$lr"
+- "$ff"
+base_model_relation: merge
+library_name: transformers
+tags:
+- merge
+- llmerge
+EOF' "ties: README.md front matter: $(cat "$work/front")"
+check 'grep -qF "llmerge $version" "$o/README.md" && grep -qiF "ties" "$o/README.md"' "ties: README.md lacks the version or method"
+check 'grep -qF "\`$lr\` (LoRA adapter): weight 1, density 0.2" "$o/README.md" && grep -qF "\`$ff\` (model): weight 1, density 0.2" "$o/README.md"' \
+  "ties: README.md lacks the inputs: $(cat "$o/README.md")"
+check 'card_cmd "$o" | grep -qF -- " --densities 0.2,0.2,0.2 --lambda 1 --normalize --sign sum --topk tensor --dtype bf16"' \
+  "ties: README.md's command line: $(card_cmd "$o")"
+json "$m" outputs.card README.md
+card_again "$o" "$work/ties_again"
+check 'grep -qF "wrote $o: 1 shard, config.json, 3 tokenizer/generation files, README.md, llmerge.json" "$work/out"' \
+  "ties: the wrote line: $(tail -1 "$work/out")"
+# a summary line on stderr (not a terminal: the final progress line and the summary), with the
+# tensors merged and copied as llmerge.json counts them, and sizes and rates in binary units only
+check 'grep -q "tensor 21/21" "$work/out" && grep -q "merged 21 tensors, copied 0 from the base (" "$work/out" && grep -q "peak memory" "$work/out"' \
   "ties: no progress or summary on stderr: $(cat "$work/out")"
+check 'grep -qF "llmerge ties: merging 3 fine-tunes onto $B into $o (bf16, " "$work/out"' "ties: no 'merging' line: $(head -3 "$work/out")"
+check 'grep -qE "tensor 21/21, [0-9.]+ KiB/[0-9.]+ KiB, [0-9.]+ MiB/s, took" "$work/out" &&
+  grep -qE "\([0-9.]+ KiB\) in [0-9.]+ s \([0-9.]+ MiB/s\), peak memory [0-9.]+ MiB" "$work/out" && ! grep -qE "[0-9] ?[KMGT]B\b|[KMGT]B/s" "$work/out"' \
+  "ties: units of two systems on stderr: $(cat "$work/out")"
 
 # The same merge on 1 and 2 threads: byte-identical.
 merge ties "$B" "$lp" "$lr" "$ff" -o "$work/ties_t1" --threads 1 -q
@@ -161,6 +215,21 @@ check '! cmp -s "$work/dare1/model.safetensors" "$work/dare3/model.safetensors"'
 json "$work/dare1/llmerge.json" options.seed 7
 json "$work/dare1/llmerge.json" options.normalize false
 json "$work/dare1/llmerge.json" options.densities '[0.5,0.5]'
+check 'card_cmd "$work/dare1" | grep -qF -- " --seed 7 " && card_cmd "$work/dare1" | grep -qF -- " --rescale inv "' \
+  "dare: README.md's command line: $(card_cmd "$work/dare1")"
+card_again "$work/dare1" "$work/dare1_again"
+# --no-card: no README.md, and llmerge.json says so
+merge dare "$B" "$lp" "$ff" -o "$work/dare_nocard" --seed 7 --density 0.5 --no-card
+check '[ ! -e "$work/dare_nocard/README.md" ] && ! grep -q README.md "$work/out"' "--no-card wrote a card: $(ls "$work/dare_nocard")"
+json "$work/dare_nocard/llmerge.json" outputs.card null
+same_shards "$work/dare1" "$work/dare_nocard"
+# paths YAML and the shell must quote: a colon and space, a double quote, a hash, a backslash, a quote
+odd="$work/ba se: \"x\" #1 \\ it's"
+ln -s "$B" "$odd"
+merge task-arithmetic "$odd" "$lp" -o "$work/odd-out" --weights 0.3
+front "$work/odd-out" >"$work/front"
+check 'grep -qxF -- "- \"$work/ba se: \\\"x\\\" #1 \\\\ it'"'"'s\"" "$work/front"' "quoting in the front matter: $(cat "$work/front")"
+card_again "$work/odd-out" "$work/odd-again"
 hashes_match "$work/dare1"
 
 # ---- task-arithmetic in f32, sharded ---------------------------------------------------------
@@ -184,6 +253,11 @@ inputs_match "$o"
 
 # ties in f32 updates the dtype too; f16 likewise
 merge ties "$B" "$lp" -o "$work/ties_f16" --dtype f16
+# an adapter leaves most tensors alone: the summary says how many were merged and how many copied
+n_m=$("$jsonq" "$work/ties_f16/llmerge.json" stats.tensors_merged) n_c=$("$jsonq" "$work/ties_f16/llmerge.json" stats.tensors_copied)
+check '[ "$n_c" -gt 0 ] && [ $((n_m + n_c)) -eq 21 ] && grep -q "llmerge ties: merged $n_m tensors, copied $n_c from the base (" "$work/out"' \
+  "ties of one adapter: the summary does not say $n_m merged and $n_c copied: $(cat "$work/out")"
+check 'grep -qF "merging 1 fine-tune onto $B into $work/ties_f16 (f16, " "$work/out"' "ties of one adapter: $(head -2 "$work/out")"
 json "$work/ties_f16/config.json" torch_dtype float16
 loads "$work/ties_f16"
 
@@ -278,6 +352,12 @@ expect 2 "use inv or l1" dare "$B" "$lp" -o "$x" --rescale l2
 expect 2 "--seed" dare "$B" "$lp" -o "$x" --seed -1
 expect 2 "--threads" ties "$B" "$lp" -o "$x" --threads many
 expect 2 "unknown suffix" ties "$B" "$lp" -o "$x" --shard-size 5XB
+# mergekit's --out-shard-size 1B counts parameters: refused, not taken as one byte per shard
+expect 2 "--shard-size: size '1B' is 1 byte" ties "$B" "$lp" -o "$x" --shard-size 1B
+check 'grep -q "billion parameters" "$work/out" && grep -q "2GB" "$work/out"' "--shard-size 1B: $(cat "$work/out")"
+no_output "$x"
+expect 2 "size '5B' is 5 bytes" ties "$B" "$lp" -o "$x" --gpu-mem 5B
+expect 2 "size '64B'" ties "$B" "$lp" -o "$x" --device sim:64B
 expect 2 "--gpu-mem" ties "$B" "$lp" -o "$x" --gpu-mem lots
 expect 2 "cuda:99" ties "$B" "$lp" -o "$x" --device cuda:99
 expect 2 "size above 0" ties "$B" "$lp" -o "$x" --device sim:0
@@ -412,6 +492,8 @@ json "$o/llmerge.json" method sparsegpt
 json "$o/llmerge.json" options.normalize true
 json "$o/llmerge.json" options.hessian_from ft
 json "$o/llmerge.json" options.calib.0.xxh64 "$("$st_hash" --file "$cj" | cut -d' ' -f1)"
+check 'card_cmd "$o" | grep -qF -- " --calib $cj --hessian-from ft"' "sparsegpt: README.md's command line: $(card_cmd "$o")"
+card_again "$o" "$work/sgpt_again"
 check 'grep -q "Hessians of .*lora_plain on .*calib.jsonl" "$work/out"' "sparsegpt: no Hessian line: $(head -c 400 "$work/out")"
 merge ties "$B" "$lp" "$ff" -o "$work/sgpt-ties" --density 0.3
 check '! cmp -s "$o/model.safetensors" "$work/sgpt-ties/model.safetensors"' "sparsegpt gave the same output as ties"
@@ -541,6 +623,20 @@ merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-sticky" --calib "$cj" --density 
 same_shards "$o" "$work/sgpt-sticky"
 check 'grep -q "every later sequence runs on cpu too (--sticky-fallback)" "$work/out"' \
   "sparsegpt --sticky-fallback on sim:450KiB: $(head -c 600 "$work/out")"
+# A device fault in the second FT's capture, the first FT's U_cc² already computed (a fresh
+# cache, so both are captured): exit 1 naming that FT, nothing left at OUT, and nothing of the
+# first FT's U_cc² leaked (the sanitizer build's leak check reports into the output).
+for fault in alloc:61 launch:126; do
+  x=$work/sgpt-fault
+  LLMERGE_SIM_FAIL=$fault expect 1 "Hessians of $ff: " sparsegpt "$B" "$lp" "$ff" -o "$x" --calib "$cj" \
+    --device sim:1GiB --cache-dir "$work/fault-cache-${fault%%:*}"
+  check '! grep -q "Sanitizer" "$work/out"' "sparsegpt with LLMERGE_SIM_FAIL=$fault: $(grep -A3 Sanitizer "$work/out" | head -c 600)"
+  no_output "$x"
+done
+# a fault while a capture places the weights names them, with the adapter and the tensor
+LLMERGE_SIM_FAIL=alloc:1 expect 1 "error: Hessians of $lp: placing the weights of $B with adapter $lp on sim:1GiB: tensor 'model.embed_tokens.weight': sim: injected failure of allocation 1" \
+  sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-fault" --calib "$cj" --device sim:1GiB --cache-dir "$work/fault-cache-place"
+no_output "$work/sgpt-fault"
 
 # ---- devices: the simulated accelerator and its fallbacks ------------------------------------
 # An ample budget: every merged tensor on the device, the same output as the CPU's.
@@ -594,7 +690,7 @@ expect 0 "device auto: " ties "$B" "$lp" -o "$work/dev-auto" --device auto
 check '[ $? -eq 0 ]' "ties --help failed"
 for opt in -o, --output --weights --density --densities --lambda --normalize --no-normalize --sign \
   --topk --rescale --seed --dtype --shard-size --device --gpu-mem --threads --cache-dir --log-json \
-  -q, --quiet -v --force -h, --help; do
+  -q, --quiet -v --force --no-card -h, --help; do
   check 'grep -qF -- "$opt" "$work/help"' "ties --help does not explain $opt"
 done
 expect 0 "default for ties: on" ties --help
@@ -602,6 +698,30 @@ expect 0 "default for dare: off" dare --help
 expect 0 "default for task-arithmetic: off" task-arithmetic -h
 expect 0 "default for dare-ties: off" dare-ties --help
 expect 0 "task-arithmetic" --help
-expect 2 "did you mean 'dare'" daer "$B" "$lp" -o "$x"
+expect 2 "llmerge: error: unknown command 'daer'; did you mean 'dare'" daer "$B" "$lp" -o "$x"
+# mergekit's method names: what llmerge calls the method, or that it has no such method yet, with
+# llmerge's methods and the page that maps mergekit's to them
+methods="ties, dare, dare-ties, task-arithmetic, sparsegpt"
+expect 2 "llmerge: error: unknown command 'slerp': mergekit's slerp is not in llmerge (yet)" slerp "$B" "$lp" "$lp" -o "$x"
+check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "slerp: $(cat "$work/out")"
+for m in linear nuslerp della della_linear breadcrumbs breadcrumbs_ties model_stock passthrough sce karcher \
+  multislerp nearswap dare_linear dare_ties task_arithmetic breadcrumbs-ties; do
+  expect 2 "llmerge: error: unknown command '$m': mergekit's ${m//-/_} " "$m" "$B" "$lp" -o "$x"
+  check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "$m: $(cat "$work/out")"
+done
+expect 2 "mergekit's dare_ties is llmerge's dare-ties: llmerge dare-ties BASE FT" dare_ties "$B" "$lp" -o "$x"
+expect 2 "mergekit's task_arithmetic is llmerge's task-arithmetic" task_arithmetic "$B" "$lp" -o "$x"
+expect 2 "mergekit's dare_linear is llmerge's dare" dare_linear "$B" "$lp" -o "$x"
+expect 2 "llmerge task-arithmetic BASE FT [FT...] -o OUT --normalize" linear "$B" "$lp" -o "$x"
+expect 2 "mergekit's model_stock is not in llmerge (yet)" model_stock "$B" "$lp" -o "$x"
+# any other unknown command: the error, the commands and the methods
+expect 2 "llmerge: error: unknown command 'frobnicate'" frobnicate "$B"
+check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "llmerge --help" "$work/out"' "frobnicate: $(cat "$work/out")"
+# llmerge plan takes a method too
+expect 2 "llmerge plan: error: 'slerp' is not a merge method of llmerge ($methods): mergekit's slerp is not in llmerge (yet)" \
+  plan slerp "$B" "$lp" -o "$x"
+check 'grep -qF "docs/mergekit.md" "$work/out"' "plan slerp: $(cat "$work/out")"
+expect 2 "mergekit's dare_ties is llmerge's dare-ties" plan dare_ties "$B" "$lp" -o "$x"
+no_output "$x"
 
 e2e_end

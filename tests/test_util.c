@@ -16,7 +16,8 @@ static void test_sizes(void)
     CHECK(lm_parse_size("10KB", &v, &err) == LM_OK && v == 10000);
     CHECK(lm_parse_size("3K", &v, &err) == LM_OK && v == 3072);
     CHECK(lm_parse_size("1234", &v, &err) == LM_OK && v == 1234);
-    CHECK(lm_parse_size("1234B", &v, &err) == LM_OK && v == 1234);
+    CHECK(lm_parse_size("1048576B", &v, &err) == LM_OK && v == 1048576);
+    CHECK(lm_parse_size("2000000B", &v, &err) == LM_OK && v == 2000000);
     CHECK(lm_parse_size("1.5GiB", &v, &err) == LM_OK && v == 3ull << 29);
     CHECK(lm_parse_size("2T", &v, &err) == LM_OK && v == 2ull << 40);
     CHECK_FAILS(lm_parse_size("5XB", &v, &err), LM_ERR_USAGE, "5XB", &err);
@@ -25,6 +26,18 @@ static void test_sizes(void)
     CHECK_FAILS(lm_parse_size("99999999999999999999", &v, &err), LM_ERR_USAGE, "too large", &err);
     CHECK_FAILS(lm_parse_size("20000000000GB", &v, &err), LM_ERR_USAGE, "too large", &err);
     CHECK_FAILS(lm_parse_size("1.5", &v, &err), LM_ERR_USAGE, "fraction", &err);
+    // A bare B under 1 MiB is mergekit's count of parameters ("1B": a billion), not bytes: refused
+    // with what llmerge's units are and the bytes that many bf16 parameters take.
+    v = 7;
+    CHECK_FAILS(lm_parse_size("1B", &v, &err), LM_ERR_USAGE, "billion parameters", &err);
+    CHECK_MSG(strstr(err.msg, "'1B'") && strstr(err.msg, "2GB") && strstr(err.msg, "powers of 1024") && v == 7,
+              "%s", err.msg);
+    CHECK_FAILS(lm_parse_size("5B", &v, &err), LM_ERR_USAGE, "10GB", &err);
+    CHECK_FAILS(lm_parse_size("1.5B", &v, &err), LM_ERR_USAGE, "3GB", &err);
+    CHECK_FAILS(lm_parse_size("1234B", &v, &err), LM_ERR_USAGE, "1234 without B", &err);
+    CHECK_FAILS(lm_parse_size("900000B", &v, &err), LM_ERR_USAGE, "1800000GB in bf16", &err);
+    CHECK_FAILS(lm_parse_size("1048575B", &v, &err), LM_ERR_USAGE, "billion", &err);
+    CHECK(v == 7);
     char buf[32];
     CHECK(strcmp(lm_format_bytes(buf, sizeof buf, 512), "512 B") == 0);
     CHECK(strcmp(lm_format_bytes(buf, sizeof buf, 3ull << 29), "1.50 GiB") == 0);
