@@ -146,16 +146,15 @@ void lm_card_number(char *buf, size_t cap, double v)
     }
 }
 
-// Appends one base_model entry: the Hub id when the model is in the Hub's cache, else the path.
-// Returns whether it was a Hub id.
-static bool put_model_id(lm_buf *b, const char *path)
+// The Hub id of each model (the base, then the FTs) found in the Hub's cache, into ids[]
+// (cap bytes each); returns how many were found. Local paths are not ids: the Hub refuses a
+// base_model that names no repository.
+static int hub_ids(const lm_card *c, char (*ids)[256])
 {
-    char id[256];
-    bool hub = lm_card_hub_id(path, id, sizeof id);
-    lm_buf_str(b, "- ");
-    lm_card_yaml_str(b, hub ? id : path);
-    lm_buf_str(b, "\n");
-    return hub;
+    int n = 0;
+    for (int i = -1; i < c->n_inputs; i++)
+        n += lm_card_hub_id(i < 0 ? c->base : c->inputs[i].path, ids[n], sizeof ids[n]);
+    return n;
 }
 
 // Appends s with line breaks as spaces (a paragraph of running text).
@@ -170,11 +169,23 @@ char *lm_card_text(const lm_card *c)
     lm_buf b = {0};
     char num[40];
 
-    lm_buf_str(&b, "---\nbase_model:\n");
-    bool all_hub = put_model_id(&b, c->base);
-    for (int i = 0; i < c->n_inputs; i++)
-        all_hub &= put_model_id(&b, c->inputs[i].path);
-    lm_buf_str(&b, "base_model_relation: merge\nlibrary_name: transformers\ntags:\n- merge\n- llmerge\n---\n\n");
+    char (*ids)[256] = calloc((size_t)c->n_inputs + 1, sizeof *ids);
+    if (!ids)
+        return NULL;
+    int n_ids = hub_ids(c, ids);
+    lm_buf_str(&b, "---\n");
+    if (n_ids > 0) {
+        lm_buf_str(&b, "base_model:\n");
+        for (int i = 0; i < n_ids; i++) {
+            lm_buf_str(&b, "- ");
+            lm_card_yaml_str(&b, ids[i]);
+            lm_buf_str(&b, "\n");
+        }
+        lm_buf_str(&b, "base_model_relation: merge\n");
+    }
+    bool all_hub = n_ids == c->n_inputs + 1;
+    free(ids);
+    lm_buf_str(&b, "library_name: transformers\ntags:\n- merge\n- llmerge\n---\n\n");
 
     lm_buf_str(&b, "# ");
     for (const char *t = c->title; *t; t++)
@@ -242,8 +253,9 @@ char *lm_card_text(const lm_card *c)
     lm_buf_str(&b, "\n\n`llmerge.json`, beside this card, records the inputs with the xxHash64 of their files, "
                    "every option's resolved value and the xxHash64 of each output tensor.\n");
     if (!all_hub)
-        lm_buf_str(&b, "\nThe `base_model` entries above that are paths name the models as they were given to "
-                       "llmerge: replace them with the models' Hub ids before uploading this model.\n");
+        lm_buf_str(&b, "\nSome of the models above were given to llmerge as local paths, which the front matter's "
+                       "`base_model` list leaves out (it takes Hub ids only): before uploading this model, add "
+                       "their Hub ids there, and `base_model_relation: merge` if it is missing.\n");
     bool oom = b.oom || cmd.oom;
     free(cmd.p);
     if (oom) {

@@ -1,14 +1,15 @@
 // The model card of a merged model: OUT/README.md, the file the Hugging Face Hub shows as a
 // repository's page and reads its metadata from. It starts with YAML front matter between two
-// "---" lines: base_model (the base, then each fine-tune), base_model_relation: merge (so the
-// Hub files the model under its parents' merges), library_name: transformers and tags: [merge,
-// llmerge]. A Markdown body follows: what was merged onto what by which method, each input with
+// "---" lines: base_model (the Hub ids of the base, then of each fine-tune) with
+// base_model_relation: merge (so the Hub files the model under its parents' merges), then
+// library_name: transformers and tags: [merge, llmerge]. A Markdown body follows: what was merged onto what by which method, each input with
 // its kind, weight and density, the options that shape the result, the llmerge version, and a
 // command line that makes the same merge again.
 //
 // A model in the Hub's local cache (.../models--ORG--NAME/snapshots/REVISION/...) is named by its
-// Hub id ORG/NAME in base_model; any other input by its path as the user gave it, which has to be
-// replaced by the model's Hub id before the card is uploaded (the body says so). Every string in
+// Hub id ORG/NAME in base_model. Any other input is a local path, which the Hub would refuse as
+// a base_model: it is named in the body only, and the body says to add its Hub id before the
+// card is uploaded (with no id at all, base_model and base_model_relation are left out). Every string in
 // the front matter is a double-quoted YAML scalar, escaped, so that a path holding ": ", "#",
 // quotes or control characters stays one string; paths in the body are Markdown code spans, and
 // the command line is quoted for a POSIX shell.

@@ -164,17 +164,12 @@ for k in load_s merge_s write_s total_s; do
 done
 hashes_match "$o"
 inputs_match "$o"
-# the model card: README.md with the Hub's front matter, the method, the inputs with their weights
+# the model card: README.md with the Hub's front matter (no base_model: the fixtures are local
+# paths, not Hub ids, and the body says to add them), the method, the inputs with their weights
 # and densities, the options, the version, and a command line that makes the same merge
 check '[ -f "$o/README.md" ] && [ "$(head -1 "$o/README.md")" = "---" ]' "ties: no README.md with front matter: $(ls "$o")"
 front "$o" >"$work/front"
 check 'diff "$work/front" - >/dev/null <<EOF
-base_model:
-- "$B"
-- "$lp"
-- "$lr"
-- "$ff"
-base_model_relation: merge
 library_name: transformers
 tags:
 - merge
@@ -228,8 +223,23 @@ odd="$work/ba se: \"x\" #1 \\ it's"
 ln -s "$B" "$odd"
 merge task-arithmetic "$odd" "$lp" -o "$work/odd-out" --weights 0.3
 front "$work/odd-out" >"$work/front"
-check 'grep -qxF -- "- \"$work/ba se: \\\"x\\\" #1 \\\\ it'"'"'s\"" "$work/front"' "quoting in the front matter: $(cat "$work/front")"
+check '! grep -q "ba se" "$work/front" && grep -qF -- "Base model: \`$odd\`" "$work/odd-out/README.md" &&
+  grep -qF "add their Hub ids there" "$work/odd-out/README.md"' "a local path in the card: $(cat "$work/odd-out/README.md")"
 card_again "$work/odd-out" "$work/odd-again"
+# a base in the Hub's cache layout is named by its Hub id in base_model; the local adapter is not
+hub=$work/hub/models--org--tiny-base/snapshots/0123abc
+mkdir -p "$hub" && cp -r "$B"/. "$hub"
+merge task-arithmetic "$hub" "$lp" -o "$work/hub-out"
+front "$work/hub-out" >"$work/front"
+check 'diff "$work/front" - >/dev/null <<EOF
+base_model:
+- "org/tiny-base"
+base_model_relation: merge
+library_name: transformers
+tags:
+- merge
+- llmerge
+EOF' "a Hub-cache base in the front matter: $(cat "$work/front")"
 hashes_match "$work/dare1"
 
 # ---- task-arithmetic in f32, sharded ---------------------------------------------------------
