@@ -27,6 +27,7 @@
 #include "forward.h"
 #include "hessian.h"
 #include "model.h"
+#include "outdir.h"
 #include "progress.h"
 #include "st_writer.h"
 #include "status.h"
@@ -316,8 +317,11 @@ static lm_status write_hessians(hess_run *r, lm_err *err)
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto out;
     }
+    // the file was fsynced by the writer; after the rename, the directory that now holds it
     if (rename(file, a->output) != 0)
         s = lm_err_set(err, LM_ERR_IO, "%s: renaming %s into place: %s", a->output, file, strerror(errno));
+    else
+        s = lm_outdir_sync_parent(a->output, err);
 out:
     lm_st_writer_free(w);
     if (tmp && tmp[0]) {

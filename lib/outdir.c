@@ -7,9 +7,11 @@
 // one in, and only then removes the old one, so at every moment OUT is either the old output
 // or the new one. The lock protocol (outdir.h) is the classic one for lock files that are
 // removed: unlink only while holding the lock, and after locking check that the path still
-// names the file locked.
+// names the file locked. Durability is the classic recipe too: fsync each file and the directory
+// that holds them, rename, fsync the directory the rename changed.
 #include "outdir.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdatomic.h>
@@ -210,12 +212,70 @@ fail:
     return s;
 }
 
+// ==== durability ==============================================================================
+
+// Fsyncs `path` (a directory when dir). A filesystem that cannot sync directories (EINVAL) is
+// not an error.
+static lm_status sync_path(const char *path, bool dir, lm_err *err)
+{
+    int fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | (dir ? O_DIRECTORY : 0));
+    if (fd < 0)
+        return lm_err_set(err, LM_ERR_IO, "%s: opening it to sync it: %s", path, strerror(errno));
+    int e = fsync(fd) != 0 ? errno : 0;
+    close(fd);
+    if (e && !(dir && e == EINVAL))
+        return lm_err_set(err, LM_ERR_IO, "%s: fsync: %s", path, strerror(e));
+    return LM_OK;
+}
+
+// Fsyncs every regular file under the directory `path`, its subdirectories, and `path` itself.
+static lm_status sync_tree(const char *path, int depth, lm_err *err)
+{
+    DIR *d = opendir(path);
+    if (!d)
+        return lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
+    lm_status s = LM_OK;
+    struct dirent *e;
+    while (s == LM_OK && (e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+            continue;
+        char *child = lm_path_join(path, e->d_name);
+        struct stat st;
+        if (!child)
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        else if (lstat(child, &st) != 0)
+            s = lm_err_set(err, LM_ERR_IO, "%s: %s", child, strerror(errno));
+        else if (S_ISDIR(st.st_mode) && depth < 32)
+            s = sync_tree(child, depth + 1, err);
+        else if (S_ISREG(st.st_mode))
+            s = sync_path(child, false, err);
+        free(child);
+    }
+    closedir(d);
+    return s == LM_OK ? sync_path(path, true, err) : s;
+}
+
+lm_status lm_outdir_sync_parent(const char *path, lm_err *err)
+{
+    char *parent = lm_path_parent(path);
+    if (!parent)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = sync_path(parent, true, err);
+    free(parent);
+    return s;
+}
+
 // On failure the paths are kept, so that the caller's lm_outdir_abort removes the temporary
 // directory; on success they are freed and abort does nothing.
 lm_status lm_outdir_commit(lm_outdir *od, lm_err *err)
 {
     if (!od->tmp || !od->final)
         return lm_err_set(err, LM_ERR_USAGE, "output directory: nothing to commit");
+    // Every file of the new output, and its directory, on disk before the rename makes it OUT:
+    // otherwise a power cut could leave an OUT that looks complete and is not.
+    lm_status s = sync_tree(od->tmp, 0, err);
+    if (s != LM_OK)
+        return s;
     struct stat st;
     char *aside = NULL;
     if (lstat(od->final, &st) == 0) {
@@ -244,10 +304,13 @@ lm_status lm_outdir_commit(lm_outdir *od, lm_err *err)
         free(aside);
         return LM_ERR_IO;
     }
-    lm_status s = LM_OK;
+    // the renames on disk too
+    s = lm_outdir_sync_parent(od->final, err);
+    if (s != LM_OK)
+        lm_err_prefix(err, "%s: renamed into place, but not yet safe on disk", od->final);
     if (aside) {
         lm_err old;
-        if (lm_rm_rf(aside, &old) != LM_OK)
+        if (lm_rm_rf(aside, &old) != LM_OK && s == LM_OK)
             s = lm_err_set(err, LM_ERR_IO, "%s: written, but the old output moved to %s could "
                            "not be removed: %s", od->final, aside, old.msg);
         free(aside);

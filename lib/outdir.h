@@ -2,6 +2,9 @@
 // ("OUT.tmp-XXXXXX" in the same parent, so the final rename stays on one filesystem) and
 // renames it into place at the very end; on any failure the temporary directory is removed,
 // so a failed or interrupted run leaves nothing behind and never half-replaces an old output.
+// Before the rename every file in the temporary directory and the directory itself are
+// fsynced, and after it the parent directory, so that after a power cut OUT is either absent
+// (or the old output) or complete.
 //
 // Two runs naming the same OUT at once are kept apart by an advisory lock: lm_outdir_begin
 // takes flock(LOCK_EX) on "OUT.lock" beside OUT, writes its pid there, and holds it until
@@ -32,14 +35,18 @@ typedef struct lm_outdir {
 // the caller need not call lm_outdir_abort (it is harmless).
 lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *err);
 
-// Renames the temporary directory to `final`; with force an existing `final` is moved aside
-// first and removed after the rename (without force an existing `final` is LM_ERR_USAGE: the
-// rename never replaces an output silently). Then removes the lock file and lets the lock go.
-// Frees the paths. On failure everything is kept for lm_outdir_abort.
+// Fsyncs every file in the temporary directory and the directory itself, renames it to `final`
+// (with force an existing `final` is moved aside first and removed after the rename; without
+// force an existing `final` is LM_ERR_USAGE: the rename never replaces an output silently),
+// and fsyncs the parent directory. Then removes the lock file and lets the lock go. Frees the
+// paths. On failure before the rename everything is kept for lm_outdir_abort.
 lm_status lm_outdir_commit(lm_outdir *od, lm_err *err);
 
 // Removes the temporary directory and everything in it, removes the lock file and lets the
 // lock go, and frees the paths. Safe to call after a commit, twice, or on a zeroed object.
 void lm_outdir_abort(lm_outdir *od);
+
+// Fsyncs the directory that holds `path` (after a rename into it). LM_ERR_IO naming it.
+lm_status lm_outdir_sync_parent(const char *path, lm_err *err);
 
 #endif

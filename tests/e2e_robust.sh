@@ -5,7 +5,9 @@
 # left beside OUT (no OUT, no OUT.tmp-*, no OUT.lock); `llmerge eval` stops the same way; two
 # runs writing one OUT at once: the second is refused with exit status 2 naming the first's
 # pid, also with --force, and the first's output is whole; a lock file left by a killed run
-# does not block the next one, and no run that ends leaves OUT.lock.
+# does not block the next one, and no run that ends leaves OUT.lock. Where strace can trace,
+# every file of OUT and OUT itself are fsynced before the rename and the parent directory after
+# it (also for `llmerge hessian -o FILE`).
 #
 # The fixtures merge in a fraction of a second, so the runs that must be caught in the middle
 # set LLMERGE_TEST_DELAY_MS (a testing aid of lib/signals.h: a pause after each tensor or
@@ -137,6 +139,50 @@ check '[ -e "$x.lock" ] && [ -n "$(ls -d "$x".tmp-* 2>/dev/null)" ]' "SIGKILL le
 if "$llmerge" ties "$B" "$lp" -o "$x" >"$work/out" 2>&1; then ok; else bad "after a SIGKILL: $(head -c 600 "$work/out")"; fi
 loads "$x"
 check '[ ! -e "$x.lock" ]' "after a SIGKILL: OUT.lock is still there"
+
+# ---- durability ---------------------------------------------------------------------------------
+# A power cut cannot be tested; the order of the calls that make a rename durable can: each file
+# of OUT and the temporary directory itself fsynced before it is renamed to OUT, the parent
+# directory after (also for `llmerge hessian -o FILE`).
+if ! command -v strace >/dev/null 2>&1 || ! strace -o /dev/null true >/dev/null 2>&1; then
+  echo "e2e_robust: NOTE: strace is missing or cannot trace here; the fsync checks were skipped" >&2
+else
+  real=$(cd "$work" && pwd -P)
+  # LeakSanitizer cannot run under ptrace: the traced runs of the sanitizer build go without it
+  # (the same runs are checked for leaks elsewhere).
+  traced() { ASAN_OPTIONS=${ASAN_OPTIONS:+$ASAN_OPTIONS:}detect_leaks=0 strace -f -y -e trace=fsync,fdatasync,rename,renameat,renameat2 "$@"; }
+  # synced TRACE TMP OUT FILES...: in strace's TRACE, each of TMP/FILE and TMP is fsynced before
+  # the rename of TMP (or TMP/FILE) to OUT, and OUT's directory after it.
+  synced() {
+    local trace=$1 tmp=$2 out=$3 f n ren par
+    shift 3
+    ren=$(grep -n "rename[a-z0-9]*(.*\"$tmp[^\"]*\", .*\"$out\"" "$trace" | head -1 | cut -d: -f1)
+    if [ -z "$ren" ]; then bad "no rename of $tmp to $out in the trace: $(grep rename "$trace" | head -5)"; return; fi
+    for f in "$@"; do
+      n=$(grep -n "fsync(.*<$f>" "$trace" | head -1 | cut -d: -f1)
+      check '[ -n "$n" ] && [ "$n" -lt "$ren" ]' "$f: fsync at line ${n:-none}, the rename at line $ren"
+    done
+    par=$(grep -n "fsync(.*<$(dirname "$out")>" "$trace" | awk -F: -v r="$ren" '$1 > r { print $1; exit }')
+    check '[ -n "$par" ]' "$(dirname "$out") is not fsynced after the rename (line $ren): $(grep fsync "$trace" | tail -3)"
+  }
+  x=$real/durable
+  mkdir "$x" && echo old >"$x/marker"  # replaced with --force
+  if traced -o "$work/trace" \
+    "$llmerge" ties "$B" "$lp" "$fx/ft_full" -o "$x" --force --shard-size 100K >"$work/out" 2>&1; then ok; else
+    bad "durable: $(head -c 600 "$work/out")"
+  fi
+  tmp=$(grep -o "\"$x\.tmp-[A-Za-z0-9]*\"" "$work/trace" | head -1 | tr -d '"')
+  files=()
+  for f in "$x"/*; do files+=("$tmp/$(basename "$f")"); done
+  check '[ ${#files[@]} -ge 6 ]' "durable: OUT holds only ${#files[@]} files"
+  synced "$work/trace" "$tmp" "$x" "${files[@]}" "$tmp"
+  if traced -o "$work/trace-h" \
+    "$llmerge" hessian "$B" --calib "$fx/calib/calib.jsonl" -o "$real/durable.safetensors" >"$work/out" 2>&1; then ok; else
+    bad "durable hessian: $(head -c 600 "$work/out")"
+  fi
+  tmp=$(grep -o "\"$real/durable.safetensors\.tmp-[A-Za-z0-9]*/[^\"]*\"" "$work/trace-h" | head -1 | tr -d '"')
+  synced "$work/trace-h" "$tmp" "$real/durable.safetensors" "$tmp"
+fi
 
 # ---- eval -------------------------------------------------------------------------------------
 # Stopped after its batch (the fixtures' data is one batch): 130, no result on stdout.
