@@ -63,8 +63,13 @@ static char *unique_path(const char *base, const char *tag, bool make_dir, int *
     return NULL;
 }
 
+// The lock file's open flags: never through a symbolic link, never a terminal, never waiting
+// on a FIFO.
+#define LOCK_OPEN_FLAGS (O_RDWR | O_NOFOLLOW | O_NOCTTY | O_NONBLOCK | O_CLOEXEC)
+
 // Takes the lock "<final>.lock" for od (od->lock and od->lock_fd set on success). LM_ERR_BUSY
-// when another process holds it, naming its pid when the file says it.
+// when another process holds it, naming its pid when the file says it; LM_ERR_USAGE when the
+// path is a symbolic link or not a regular file of one link.
 static lm_status lock_take(lm_outdir *od, lm_err *err)
 {
     char *path = lm_strfmt("%s.lock", od->final);
@@ -72,10 +77,42 @@ static lm_status lock_take(lm_outdir *od, lm_err *err)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     lm_status s = LM_OK;
     for (int attempt = 0; attempt < 100; attempt++) {
-        int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+        int fd = open(path, LOCK_OPEN_FLAGS | O_CREAT | O_EXCL, 0666);
+        if (fd < 0 && errno == EEXIST) {
+            fd = open(path, LOCK_OPEN_FLAGS);
+            if (fd < 0 && errno == ENOENT)
+                continue;  // removed between the two opens: start over
+        }
         if (fd < 0) {
-            s = lm_err_set(err, LM_ERR_IO, "%s: cannot create the lock file %s: %s", od->final, path,
-                           strerror(errno));
+            int e = errno;
+            if (e == ELOOP)
+                s = lm_err_set(err, LM_ERR_USAGE, "%s: its lock file %s is a symbolic link, which llmerge does "
+                               "not follow (writing through it would overwrite another file); remove it or "
+                               "choose another output", od->final, path);
+            else if (e == EISDIR)
+                s = lm_err_set(err, LM_ERR_USAGE, "%s: its lock file %s is not a regular file (a directory); "
+                               "remove it or choose another output", od->final, path);
+            else
+                s = lm_err_set(err, LM_ERR_IO, "%s: cannot create the lock file %s: %s", od->final, path,
+                               strerror(e));
+            break;
+        }
+        struct stat held, now;
+        if (fstat(fd, &held) != 0) {
+            s = lm_err_set(err, LM_ERR_IO, "%s: %s: %s", od->final, path, strerror(errno));
+            close(fd);
+            break;
+        }
+        if (!S_ISREG(held.st_mode) || held.st_nlink > 1) {
+            // Truncating it would write through to whatever else it is.
+            if (!S_ISREG(held.st_mode))
+                s = lm_err_set(err, LM_ERR_USAGE, "%s: its lock file %s is not a regular file; remove it or "
+                               "choose another output", od->final, path);
+            else
+                s = lm_err_set(err, LM_ERR_USAGE, "%s: its lock file %s has %lu links (another name of the "
+                               "same file would be overwritten); remove it or choose another output",
+                               od->final, path, (unsigned long)held.st_nlink);
+            close(fd);
             break;
         }
         if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
@@ -101,9 +138,7 @@ static lm_status lock_take(lm_outdir *od, lm_err *err)
             close(fd);
             break;
         }
-        struct stat held, now;
-        if (fstat(fd, &held) == 0 && stat(path, &now) == 0 && held.st_dev == now.st_dev &&
-            held.st_ino == now.st_ino) {
+        if (lstat(path, &now) == 0 && held.st_dev == now.st_dev && held.st_ino == now.st_ino) {
             // ours: the pid is for the message of a run that finds it locked
             char pid[32];
             int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());

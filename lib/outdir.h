@@ -11,9 +11,12 @@
 // commit or abort, which unlink the file while still holding the lock. The second run fails at
 // once (LM_ERR_BUSY, exit status 2, naming the pid). Unlinking a lock file races with a run
 // that has opened it but not yet locked it; that run therefore checks, once it holds the lock,
-// that the file it locked is still the one at the path, and starts over when it is not. A run
-// killed outright leaves OUT.lock (unlocked: the kernel drops flock locks with the process) and
-// its temporary directory; the next run takes the stale lock file over and removes it.
+// that the file it locked is still the one at the path, and starts over when it is not. The
+// lock file is opened without following a symbolic link, and one that is not a regular file of
+// one link is refused (LM_ERR_USAGE), so OUT.lock can never be made to overwrite another file.
+// A run killed outright leaves OUT.lock (unlocked: the kernel drops flock locks with the
+// process) and its temporary directory; the next run takes the stale lock file over and removes
+// it.
 #ifndef LM_OUTDIR_H
 #define LM_OUTDIR_H
 
@@ -31,7 +34,8 @@ typedef struct lm_outdir {
 
 // Checks `final` (exists without force: LM_ERR_USAGE naming it and --force; its parent missing:
 // LM_ERR_NOT_FOUND), takes the lock (another run holds it: LM_ERR_BUSY naming `final` and that
-// run's pid) and creates the temporary directory. On failure nothing is created or held and
+// run's pid; OUT.lock a symbolic link or not a regular file: LM_ERR_USAGE naming it) and
+// creates the temporary directory. On failure nothing is created or held and
 // the caller need not call lm_outdir_abort (it is harmless).
 lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *err);
 

@@ -5,7 +5,8 @@
 # left beside OUT (no OUT, no OUT.tmp-*, no OUT.lock); `llmerge eval` stops the same way; two
 # runs writing one OUT at once: the second is refused with exit status 2 naming the first's
 # pid, also with --force, and the first's output is whole; a lock file left by a killed run
-# does not block the next one, and no run that ends leaves OUT.lock. Where strace can trace,
+# does not block the next one, and no run that ends leaves OUT.lock; OUT.lock is never followed
+# when it is a symbolic link, nor used when it is not a regular file. Where strace can trace,
 # every file of OUT and OUT itself are fsynced before the rename and the parent directory after
 # it (also for `llmerge hessian -o FILE`).
 #
@@ -139,6 +140,37 @@ check '[ -e "$x.lock" ] && [ -n "$(ls -d "$x".tmp-* 2>/dev/null)" ]' "SIGKILL le
 if "$llmerge" ties "$B" "$lp" -o "$x" >"$work/out" 2>&1; then ok; else bad "after a SIGKILL: $(head -c 600 "$work/out")"; fi
 loads "$x"
 check '[ ! -e "$x.lock" ]' "after a SIGKILL: OUT.lock is still there"
+
+# ---- OUT.lock is not followed -----------------------------------------------------------------
+# A symbolic link at OUT.lock (to someone's file, or to nowhere) is refused, not written through;
+# so is a lock path that is not a regular file, or a file with other links.
+x=$work/linked
+echo precious >"$work/precious"
+locked_out() {  # locked_out WHAT NEEDLE: the merge is refused naming OUT.lock, nothing written
+  local what=$1 needle=$2 rc
+  "$llmerge" ties "$B" "$lp" -o "$x" >"$work/out" 2>&1
+  rc=$?
+  check '[ $rc -eq 2 ] && grep -qF "$x.lock" "$work/out" && grep -qF "$needle" "$work/out"' "$what: exit $rc: $(head -c 600 "$work/out")"
+  check '[ ! -e "$x" ] && [ -z "$(ls -d "$x".tmp-* 2>/dev/null)" ]' "$1: the merge went on: $(ls -d "$x"* 2>&1)"
+  check '[ "$(cat "$work/precious")" = precious ]' "$1: the file was written: $(cat "$work/precious")"
+  rm -rf "$x"
+}
+ln -s "$work/precious" "$x.lock"
+locked_out "a symlink to a file" "symbolic link"
+rm "$x.lock"
+ln -s "$work/nowhere" "$x.lock"
+locked_out "a dangling symlink" "symbolic link"
+check '[ ! -e "$work/nowhere" ]' "a dangling OUT.lock symlink: its target was created"
+rm "$x.lock"
+ln "$work/precious" "$x.lock"
+locked_out "a hard link" "links"
+rm "$x.lock"
+mkfifo "$x.lock"
+locked_out "a fifo" "not a regular file"
+rm "$x.lock"
+mkdir "$x.lock"
+locked_out "a directory" "not a regular file"
+rmdir "$x.lock"
 
 # ---- durability ---------------------------------------------------------------------------------
 # A power cut cannot be tested; the order of the calls that make a rename durable can: each file
