@@ -29,6 +29,7 @@
 #include "model.h"
 #include "outdir.h"
 #include "progress.h"
+#include "signals.h"
 #include "st_writer.h"
 #include "status.h"
 #include "util.h"
@@ -289,12 +290,22 @@ static lm_status write_hessians(hess_run *r, lm_err *err)
     float *H = malloc((size_t)(most * most) * sizeof *H);
     lm_st_writer *w = NULL;
     lm_status s = LM_OK;
+    int tmp_id = 0;
     if (!tmp || !H) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory for a Hessian of %" PRId64 " x %" PRId64, most, most);
         goto out;
     }
-    if (!mkdtemp(tmp)) {
-        s = lm_err_set(err, LM_ERR_IO, "%s: %s", tmp, strerror(errno));
+    // From here a signal ends the run at once (nothing polls while the file is written), and
+    // the handler removes the temporary directory first; so does SIGBUS.
+    lm_signals_install_fatal();
+    lm_signals_hold();
+    bool made = mkdtemp(tmp) != NULL;
+    int e = errno;
+    if (made)
+        tmp_id = lm_signals_remove_on_exit(tmp, true);
+    lm_signals_release();
+    if (!made) {
+        s = lm_err_set(err, LM_ERR_IO, "%s: %s", tmp, strerror(e));
         tmp[0] = '\0';  // nothing of ours to remove
         goto out;
     }
@@ -328,6 +339,8 @@ out:
         lm_err rerr = {0};
         lm_rm_rf(tmp, &rerr);
     }
+    lm_signals_forget(tmp_id);
+    lm_signals_restore();
     free(file);
     free(tmp);
     free(H);

@@ -12,9 +12,11 @@
 // streams tensor by tensor into the writer), config.json with the dtype updated, the base's
 // tokenizer and generation files and llmerge.json (manifest.h), and is renamed into place.
 // A failure from then on removes the temporary directory and is exit status 1. From the start
-// of the work until OUT is in place, SIGINT and SIGTERM stop the run at the next tensor (or
-// slab of a large one), remove the temporary directory, and exit with 128 + the signal
-// (130, 143); another run writing the same OUT is refused with exit status 2 (outdir.h).
+// of the work until OUT is in place, SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the run at the
+// next tensor (or slab of a large one), remove the temporary directory, and exit with 128 + the
+// signal (130, 143, 129, 131); a second signal, or an input truncated under the run (SIGBUS),
+// ends it at once after the same cleanup (signals.h); another run writing the same OUT is
+// refused with exit status 2 (outdir.h).
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -270,12 +272,14 @@ static void usage(FILE *out, const method_info *m)
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
             "keeps a second llmerge from writing the same OUT (it exits with status 2 naming the\n"
-            "first one's pid). Ctrl-C (SIGINT) or SIGTERM stops the merge at the next tensor and\n"
-            "removes the partial output; a second Ctrl-C ends it at once.\n"
+            "first one's pid). Ctrl-C (SIGINT), SIGTERM, SIGHUP or SIGQUIT stops the merge at the\n"
+            "next tensor and removes the partial output; a second signal ends it at once, after\n"
+            "removing it too. A run after one that was killed removes what that one left.\n"
             "\n"
-            "Exit status: 0 done; 1 the merge failed (nothing is left at OUT); 2 bad usage or bad\n"
-            "input, found before any work started, or OUT being written by another run; 130 or 143\n"
-            "stopped by SIGINT or SIGTERM (nothing is left at OUT).\n");
+            "Exit status: 0 done; 1 the merge failed, or an input changed while it was read (nothing\n"
+            "is left at OUT); 2 bad usage or bad input, found before any work started, or OUT being\n"
+            "written by another run; 128 + the signal (130 SIGINT, 143 SIGTERM, 129 SIGHUP, 131\n"
+            "SIGQUIT) stopped by a signal (nothing is left at OUT).\n");
 }
 
 // ---- value parsers --------------------------------------------------------------------------
@@ -1028,6 +1032,12 @@ static int work(merge_run *r, double t_loaded)
         int code = lm_status_exit_code(s);
         lm_progress_error(p, code, "%s", err.msg);
         return code;
+    }
+    // what runs that died left beside OUT, and what was done with it
+    for (const char *line = r->od.note; line && *line;) {
+        size_t n = strcspn(line, "\n");
+        lm_progress_note(p, "note: %.*s", (int)n, line);
+        line += n + (line[n] == '\n');
     }
     lm_progress_event(p, "start", start_event(r));
     describe_run(r);

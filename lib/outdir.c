@@ -1,14 +1,15 @@
-// Atomic output directories: see outdir.h. The temporary directory is "OUT.tmp-XXXXXX" beside
-// OUT (same parent, so the final rename never crosses filesystems, and a leftover from a
-// killed run sits next to what the user named, where they will see it). It is made with
-// mkdir under a fresh name rather than mkdtemp, because mkdtemp's mode 0700 would become the
-// output's mode: mkdir's 0777 minus the umask gives what any other directory the user creates
-// gets. Replacing with --force moves the old OUT aside to "OUT.old-XXXXXX", renames the new
-// one in, and only then removes the old one, so at every moment OUT is either the old output
-// or the new one. The lock protocol (outdir.h) is the classic one for lock files that are
-// removed: unlink only while holding the lock, and after locking check that the path still
-// names the file locked. Durability is the classic recipe too: fsync each file and the directory
-// that holds them, rename, fsync the directory the rename changed.
+// Atomic, durable output directories: see outdir.h. The temporary
+// directory is "OUT.tmp-XXXXXX" beside OUT (same parent, so the final rename never crosses
+// filesystems, and a leftover from a killed run sits next to what the user named, where they
+// will see it and where the next run finds it). It is made with mkdir under a fresh name rather
+// than mkdtemp, because mkdtemp's mode 0700 would become the output's mode: mkdir's 0777 minus
+// the umask gives what any other directory the user creates gets. Replacing with --force moves
+// the old OUT aside to "OUT.old-XXXXXX", renames the new one in, and only then removes the old
+// one, so at every moment OUT is either the old output or the new one; the two renames happen
+// inside an lm_signals_hold section, so a dying signal handler never sees the moment between
+// them. The lock protocol (outdir.h) is the classic one for lock files that are removed: unlink
+// only while holding the lock, and after locking check that the path still names the file
+// locked.
 #include "outdir.h"
 
 #include <dirent.h>
@@ -22,6 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "signals.h"
 #include "util.h"
 
 // Returns a new path "<base><tag>XXXXXX" that does not exist yet (caller frees), or NULL when
@@ -69,16 +71,22 @@ static char *unique_path(const char *base, const char *tag, bool make_dir, int *
 
 // Takes the lock "<final>.lock" for od (od->lock and od->lock_fd set on success). LM_ERR_BUSY
 // when another process holds it, naming its pid when the file says it; LM_ERR_USAGE when the
-// path is a symbolic link or not a regular file of one link.
-static lm_status lock_take(lm_outdir *od, lm_err *err)
+// path is a symbolic link or not a regular file of one link. *stale is set when the lock file
+// was there already and nobody held it: a run that wrote it died; *stale_pid is the pid it
+// wrote (0 when none).
+static lm_status lock_take(lm_outdir *od, bool *stale, long *stale_pid, lm_err *err)
 {
+    *stale = false;
+    *stale_pid = 0;
     char *path = lm_strfmt("%s.lock", od->final);
     if (!path)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     lm_status s = LM_OK;
     for (int attempt = 0; attempt < 100; attempt++) {
+        bool created = true;
         int fd = open(path, LOCK_OPEN_FLAGS | O_CREAT | O_EXCL, 0666);
         if (fd < 0 && errno == EEXIST) {
+            created = false;
             fd = open(path, LOCK_OPEN_FLAGS);
             if (fd < 0 && errno == ENOENT)
                 continue;  // removed between the two opens: start over
@@ -139,6 +147,15 @@ static lm_status lock_take(lm_outdir *od, lm_err *err)
             break;
         }
         if (lstat(path, &now) == 0 && held.st_dev == now.st_dev && held.st_ino == now.st_ino) {
+            if (!created) {
+                // nobody held it: the run that wrote it is gone
+                char buf[32];
+                ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+                buf[n > 0 ? n : 0] = '\0';
+                long pid = strtol(buf, NULL, 10);
+                *stale = true;
+                *stale_pid = pid > 0 ? pid : 0;
+            }
             // ours: the pid is for the message of a run that finds it locked
             char pid[32];
             int len = snprintf(pid, sizeof pid, "%ld\n", (long)getpid());
@@ -147,6 +164,7 @@ static lm_status lock_take(lm_outdir *od, lm_err *err)
             }
             od->lock = path;
             od->lock_fd = fd;
+            od->lock_id = lm_signals_remove_on_exit(path, false);
             return LM_OK;
         }
         // The run that held it removed it between our open and our flock: what we locked is
@@ -165,6 +183,8 @@ static void lock_drop(lm_outdir *od)
     if (!od->lock)
         return;
     unlink(od->lock);
+    lm_signals_forget(od->lock_id);
+    od->lock_id = 0;
     close(od->lock_fd);
     free(od->lock);
     od->lock = NULL;
@@ -176,8 +196,102 @@ static void outdir_clear(lm_outdir *od)
     lock_drop(od);
     free(od->final);
     free(od->tmp);
+    free(od->note);
     od->final = NULL;
     od->tmp = NULL;
+    od->note = NULL;
+}
+
+// Appends one line to od->note (lines are separated by '\n').
+static void add_note(lm_outdir *od, const char *line)
+{
+    char *n = od->note ? lm_strfmt("%s\n%s", od->note, line) : lm_strdup(line);
+    if (n) {
+        free(od->note);
+        od->note = n;
+    }
+}
+
+// Whether `name` is "<base><tag>" and six letters or digits, as unique_path makes them.
+static bool is_ours(const char *name, const char *base, const char *tag)
+{
+    size_t lb = strlen(base), lt = strlen(tag);
+    if (strncmp(name, base, lb) != 0 || strncmp(name + lb, tag, lt) != 0)
+        return false;
+    const char *rest = name + lb + lt;
+    for (int i = 0; i < 6; i++)
+        if (!((rest[i] >= 'a' && rest[i] <= 'z') || (rest[i] >= 'A' && rest[i] <= 'Z') ||
+              (rest[i] >= '0' && rest[i] <= '9')))
+            return false;
+    return rest[6] == '\0';
+}
+
+// The lock was stale: removes what the dead run (pid, 0 when unknown) left beside OUT, each said
+// in od->note. Its OUT.tmp-XXXXXX directories are removed. An OUT.old-XXXXXX is an old output
+// that a replace moved aside: removed when OUT is there (the replace got that far), put back
+// when OUT is missing and it is the only one. Only directories of this user with exactly those
+// names are touched; nothing that fails here stops the run.
+static void clear_leftovers(lm_outdir *od, const char *parent, long pid)
+{
+    DIR *d = opendir(parent);
+    if (!d)
+        return;
+    const char *base = lm_path_base(od->final);
+    char who[64] = "a run that did not finish";
+    if (pid > 0)
+        snprintf(who, sizeof who, "pid %ld", pid);
+    char *olds[8];
+    int n_old = 0, more_old = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        bool tmp = is_ours(e->d_name, base, ".tmp-"), old = is_ours(e->d_name, base, ".old-");
+        if (!tmp && !old)
+            continue;
+        // named as the user named OUT: "out.tmp-AbC123" beside "out"
+        char *path = lm_strfmt("%s%s", od->final, e->d_name + strlen(base));
+        struct stat st;
+        if (!path || lstat(path, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != geteuid()) {
+            free(path);
+            continue;
+        }
+        if (old) {
+            if (n_old < 8)
+                olds[n_old++] = path;
+            else {
+                more_old++;
+                free(path);
+            }
+            continue;
+        }
+        char line[2 * 4096 + 64];
+        if (lm_rm_rf(path, NULL) == LM_OK)
+            snprintf(line, sizeof line, "removed %s, left by %s", path, who);
+        else
+            snprintf(line, sizeof line, "could not remove %s, left by %s", path, who);
+        add_note(od, line);
+        free(path);
+    }
+    closedir(d);
+    struct stat st;
+    bool have_final = lstat(od->final, &st) == 0;
+    for (int i = 0; i < n_old; i++) {
+        char line[3 * 4096 + 128];
+        if (have_final) {
+            snprintf(line, sizeof line, "%s %s, an old output that a replace by %s had moved aside",
+                     lm_rm_rf(olds[i], NULL) == LM_OK ? "removed" : "could not remove", olds[i], who);
+        } else if (n_old == 1 && !more_old) {
+            if (rename(olds[i], od->final) == 0)
+                snprintf(line, sizeof line, "put back %s as %s: a replace (--force) by %s moved it aside and "
+                         "did not finish", olds[i], od->final, who);
+            else
+                snprintf(line, sizeof line, "could not put back %s as %s: %s", olds[i], od->final, strerror(errno));
+        } else {
+            snprintf(line, sizeof line, "kept %s: %s is missing, and a replace by %s left more than one old "
+                     "output aside", olds[i], od->final, who);
+        }
+        add_note(od, line);
+        free(olds[i]);
+    }
 }
 
 lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *err)
@@ -202,11 +316,7 @@ lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *
         goto fail;
     }
 
-    const char *slash = strrchr(od->final, '/');
-    parent = !slash ? lm_strdup(".")
-             : slash == od->final ? lm_strdup("/")
-                                  : lm_strfmt("%.*s", (int)(slash - od->final), od->final);
-    if (!parent) {
+    if (!(parent = lm_path_parent(od->final))) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto fail;
     }
@@ -221,17 +331,31 @@ lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *
                        od->final);
         goto fail;
     }
-    if ((s = lock_take(od, err)) != LM_OK)
+    // The lock file and the temporary directory are registered for a dying signal handler in
+    // the same breath as they are made.
+    lm_signals_hold();
+    bool stale;
+    long stale_pid;
+    s = lock_take(od, &stale, &stale_pid, err);
+    lm_signals_release();
+    if (s != LM_OK)
         goto fail;
+    if (stale)
+        clear_leftovers(od, parent, stale_pid);
     // again, now that no other run can be writing it: one may have finished since
     if (lstat(od->final, &st) == 0 && !force) {
-        s = lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it)",
-                       od->final);
+        s = od->note ? lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it); %s",
+                                  od->final, od->note)
+                     : lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it)", od->final);
         goto fail;
     }
 
     int e;
+    lm_signals_hold();
     od->tmp = unique_path(od->final, ".tmp-", true, &e);
+    if (od->tmp)
+        od->tmp_id = lm_signals_remove_on_exit(od->tmp, true);
+    lm_signals_release();
     if (!od->tmp) {
         s = e ? lm_err_set(err, LM_ERR_IO, "%s: cannot create a temporary directory beside it: "
                            "%s", od->final, strerror(e))
@@ -322,23 +446,31 @@ lm_status lm_outdir_commit(lm_outdir *od, lm_err *err)
         if (!aside)
             return e ? lm_err_set(err, LM_ERR_IO, "%s: no free name to move it aside", od->final)
                      : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-        if (rename(od->final, aside) != 0) {
-            lm_err_set(err, LM_ERR_IO, "%s: moving the old output aside to %s: %s", od->final,
-                       aside, strerror(errno));
-            free(aside);
-            return LM_ERR_IO;
-        }
+    }
+    lm_signals_hold();
+    if (aside && rename(od->final, aside) != 0) {
+        lm_signals_release();
+        lm_err_set(err, LM_ERR_IO, "%s: moving the old output aside to %s: %s", od->final,
+                   aside, strerror(errno));
+        free(aside);
+        return LM_ERR_IO;
     }
     if (rename(od->tmp, od->final) != 0) {
         int e = errno;
         // put the old output back where it was, so a failed commit replaces nothing
         bool restored = !aside || rename(aside, od->final) == 0;
+        lm_signals_release();
         lm_err_set(err, LM_ERR_IO, "%s: renaming %s into place: %s%s%s", od->final, od->tmp,
                    strerror(e), restored ? "" : "; the old output is now at ",
                    restored ? "" : aside);
         free(aside);
         return LM_ERR_IO;
     }
+    // OUT is the new output: what a dying handler removes is the old one, no longer `tmp`
+    lm_signals_forget(od->tmp_id);
+    od->tmp_id = 0;
+    int aside_id = aside ? lm_signals_remove_on_exit(aside, false) : 0;
+    lm_signals_release();
     // the renames on disk too
     s = lm_outdir_sync_parent(od->final, err);
     if (s != LM_OK)
@@ -348,6 +480,7 @@ lm_status lm_outdir_commit(lm_outdir *od, lm_err *err)
         if (lm_rm_rf(aside, &old) != LM_OK && s == LM_OK)
             s = lm_err_set(err, LM_ERR_IO, "%s: written, but the old output moved to %s could "
                            "not be removed: %s", od->final, aside, old.msg);
+        lm_signals_forget(aside_id);
         free(aside);
     }
     outdir_clear(od);
@@ -358,7 +491,10 @@ void lm_outdir_abort(lm_outdir *od)
 {
     if (!od)
         return;
+    // removed first, forgotten after: a handler that comes meanwhile removes it too
     if (od->tmp)
         lm_rm_rf(od->tmp, NULL);
+    lm_signals_forget(od->tmp_id);
+    od->tmp_id = 0;
     outdir_clear(od);
 }

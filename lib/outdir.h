@@ -1,10 +1,13 @@
-// Atomic output directories. A run writes into a fresh temporary directory beside the output
-// ("OUT.tmp-XXXXXX" in the same parent, so the final rename stays on one filesystem) and
-// renames it into place at the very end; on any failure the temporary directory is removed,
-// so a failed or interrupted run leaves nothing behind and never half-replaces an old output.
-// Before the rename every file in the temporary directory and the directory itself are
-// fsynced, and after it the parent directory, so that after a power cut OUT is either absent
-// (or the old output) or complete.
+// Atomic, durable output directories.
+//
+// A run writes into a fresh temporary directory beside the output ("OUT.tmp-XXXXXX" in the same
+// parent, so the final rename stays on one filesystem) and renames it into place at the very
+// end; on any failure the temporary directory is removed, so a failed or interrupted run leaves
+// nothing behind and never half-replaces an old output. Before the rename every file in the
+// temporary directory and the directory itself are fsynced, and after it the parent directory,
+// so that after a power cut OUT is either absent or complete. While the run works, the
+// temporary directory and the lock file are registered with lib/signals.h, so that a signal
+// that ends the process (a second Ctrl-C, SIGBUS) removes them too.
 //
 // Two runs naming the same OUT at once are kept apart by an advisory lock: lm_outdir_begin
 // takes flock(LOCK_EX) on "OUT.lock" beside OUT, writes its pid there, and holds it until
@@ -14,9 +17,10 @@
 // that the file it locked is still the one at the path, and starts over when it is not. The
 // lock file is opened without following a symbolic link, and one that is not a regular file of
 // one link is refused (LM_ERR_USAGE), so OUT.lock can never be made to overwrite another file.
-// A run killed outright leaves OUT.lock (unlocked: the kernel drops flock locks with the
-// process) and its temporary directory; the next run takes the stale lock file over and removes
-// it.
+// A run killed outright (SIGKILL, a power cut) leaves OUT.lock (unlocked: the kernel drops
+// flock locks with the process) and its temporary directory; the next run takes the stale lock
+// file over and removes what the dead run left beside OUT (its OUT.tmp-XXXXXX, and the
+// OUT.old-XXXXXX of a replace that did not finish), saying so in od->note.
 #ifndef LM_OUTDIR_H
 #define LM_OUTDIR_H
 
@@ -30,13 +34,17 @@ typedef struct lm_outdir {
     bool force;    // replace an existing `final`
     char *lock;    // "final.lock", held while `tmp` is being filled; NULL when not held
     int lock_fd;   // the open, flock'ed lock file (meaningful only while `lock` is set)
+    int tmp_id;    // `tmp` and `lock` as registered with lm_signals_remove_on_exit (0: not)
+    int lock_id;
+    char *note;    // what lm_outdir_begin found and cleaned up, one line per thing (or NULL);
+                   // for the caller to print; freed by commit and abort
 } lm_outdir;
 
 // Checks `final` (exists without force: LM_ERR_USAGE naming it and --force; its parent missing:
 // LM_ERR_NOT_FOUND), takes the lock (another run holds it: LM_ERR_BUSY naming `final` and that
-// run's pid; OUT.lock a symbolic link or not a regular file: LM_ERR_USAGE naming it) and
-// creates the temporary directory. On failure nothing is created or held and
-// the caller need not call lm_outdir_abort (it is harmless).
+// run's pid; OUT.lock a symbolic link or not a regular file: LM_ERR_USAGE naming it), removes
+// what a dead run left (said in od->note) and creates the temporary directory. On failure
+// nothing is created or held and the caller need not call lm_outdir_abort (it is harmless).
 lm_status lm_outdir_begin(lm_outdir *od, const char *final, bool force, lm_err *err);
 
 // Fsyncs every file in the temporary directory and the directory itself, renames it to `final`
