@@ -154,6 +154,7 @@ typedef struct hess_run {
     int64_t n_out;        // tensors written: n_layers · LM_FWD_N_POINTS
     lm_st_desc *desc;     // (n_out)
     char **names;         // (n_out)
+    lm_guard guard;       // the inputs, which neither -o nor --log-json may be, hold or lie inside
 } hess_run;
 
 static void run_free(hess_run *r)
@@ -169,6 +170,7 @@ static void run_free(hess_run *r)
     lm_calib_free(&r->data);
     lm_adapter_free(r->adapter);
     lm_model_free(r->model);
+    lm_guard_free(&r->guard);
     lm_progress_free(&r->progress);
 }
 
@@ -206,8 +208,15 @@ static lm_status prepare(hess_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "no calibration data: give --calib FILE (.jsonl or .txt)");
     if (!a->output)
         return lm_err_set(err, LM_ERR_USAGE, "no output: give -o H.safetensors");
-    if ((s = check_output(a, err)) != LM_OK ||
-        (s = lm_cmd_run_open(&a->run, &r->model, &r->adapter, err)) != LM_OK ||
+    // never an input (checked again once the inputs' files are known), whatever --force says
+    if ((s = lm_guard_check(&r->guard, "-o", a->output, err)) != LM_OK || (s = check_output(a, err)) != LM_OK)
+        return s;
+    s = lm_cmd_run_open(&a->run, &r->model, &r->adapter, err);
+    lm_err gerr;
+    if (lm_cmd_guard_model(&r->guard, "MODEL", r->model, &gerr) != LM_OK ||
+        lm_cmd_guard_adapter(&r->guard, "--adapter", r->adapter, &gerr) != LM_OK)
+        return s != LM_OK ? s : lm_err_set(err, LM_ERR_NOMEM, "%s", gerr.msg);
+    if (s != LM_OK || (s = lm_guard_check(&r->guard, "-o", a->output, err)) != LM_OK ||
         (s = lm_cmd_run_tokens(&a->run, r->model, a->calib, &r->data, &r->seq_len, &r->seqs, err)) != LM_OK)
         return s;
 
@@ -407,7 +416,7 @@ int lm_cmd_hessian(int argc, char **argv)
     hess_run r;
     memset(&r, 0, sizeof r);
     lm_progress_init(&r.progress, "llmerge hessian", false);
-    lm_err err = {0};
+    lm_err err = {0}, log_err = {0};
     int rc;
     if (argc < 2) {
         usage(stderr);
@@ -415,13 +424,30 @@ int lm_cmd_hessian(int argc, char **argv)
         goto done;
     }
     const char *log_json = lm_cmd_find_log_json(argc, argv);
-    if (log_json && *log_json && lm_progress_log_open(&r.progress, log_json, &err) != LM_OK) {
-        lm_progress_error(&r.progress, 2, "--log-json: %s", err.msg);
-        rc = 2;
+    lm_status ps = parse_args(&r.args, argc, argv, &err), s = ps;
+    // the inputs the command line names, which no output may be: also when it does not parse
+    static const int inputs[] = {LM_RUN_OPT_ADAPTER, OPT_CALIB};
+    if (lm_cmd_guard_args(&r.guard, argc, argv, opt_defs, N_OPTS, inputs, 2, "MODEL", "MODEL", &log_err) != LM_OK) {
+        lm_progress_error(&r.progress, 1, "%s", log_err.msg);
+        rc = 1;
         goto done;
     }
-    lm_status s = parse_args(&r.args, argc, argv, &err);
-    if (s != LM_OK) {
+    if (ps == LM_OK && !r.args.run.help) {
+        r.progress.quiet = r.args.run.quiet;
+        s = prepare(&r, &err);
+    }
+    // opened whether or not the rest was good, so that a usage error is logged too, but only once
+    // it is known not to be (or lie inside) an input
+    lm_status ls = log_json && *log_json ? lm_cmd_log_open(&r.progress, &r.guard, log_json, &log_err) : LM_OK;
+    if (ls != LM_OK) {
+        if (s != LM_OK)
+            lm_progress_error(&r.progress, lm_status_exit_code(s), "%s%s", err.msg,
+                              ps != LM_OK ? " (see llmerge hessian --help)" : "");
+        lm_progress_error(&r.progress, 2, "%s%s", ls == LM_ERR_USAGE ? "" : "--log-json: ", log_err.msg);
+        rc = s != LM_OK ? lm_status_exit_code(s) : 2;
+        goto done;
+    }
+    if (ps != LM_OK) {
         lm_progress_error(&r.progress, 2, "%s (see llmerge hessian --help)", err.msg);
         rc = 2;
         goto done;
@@ -431,8 +457,7 @@ int lm_cmd_hessian(int argc, char **argv)
         rc = 0;
         goto done;
     }
-    r.progress.quiet = r.args.run.quiet;
-    if ((s = prepare(&r, &err)) != LM_OK) {
+    if (s != LM_OK) {
         rc = lm_status_exit_code(s);
         lm_progress_error(&r.progress, rc, "%s", err.msg);
         goto done;

@@ -1,4 +1,4 @@
-// Atomic, durable output directories: see outdir.h. The temporary
+// Atomic, durable output directories, and the guard of inputs: see outdir.h. The temporary
 // directory is "OUT.tmp-XXXXXX" beside OUT (same parent, so the final rename never crosses
 // filesystems, and a leftover from a killed run sits next to what the user named, where they
 // will see it and where the next run finds it). It is made with mkdir under a fresh name rather
@@ -497,4 +497,167 @@ void lm_outdir_abort(lm_outdir *od)
     lm_signals_forget(od->tmp_id);
     od->tmp_id = 0;
     outdir_clear(od);
+}
+
+// ==== outputs clear of the inputs =============================================================
+
+char *lm_guard_resolve(const char *path)
+{
+    char *abs;
+    if (path[0] == '/') {
+        abs = lm_strdup(path);
+    } else {
+        char *cwd = getcwd(NULL, 0);
+        abs = cwd ? lm_path_join(cwd, path) : NULL;
+        free(cwd);
+    }
+    if (!abs)
+        return NULL;
+    // the deepest ancestor that resolves; "/" always does
+    size_t cut = strlen(abs);
+    char *real = NULL;
+    for (;;) {
+        char save = abs[cut];
+        abs[cut] = '\0';
+        real = realpath(cut ? abs : "/", NULL);
+        abs[cut] = save;
+        if (real || cut == 0)
+            break;
+        while (cut > 0 && abs[cut - 1] != '/')
+            cut--;
+        while (cut > 0 && abs[cut - 1] == '/')
+            cut--;
+    }
+    if (!real) {
+        free(abs);
+        return NULL;
+    }
+    // then the rest, component by component: it does not exist, so "." and ".." are only text
+    lm_buf b = {0};
+    lm_buf_str(&b, strcmp(real, "/") == 0 ? "" : real);
+    free(real);
+    for (char *c = abs + cut; *c;) {
+        while (*c == '/')
+            c++;
+        size_t n = strcspn(c, "/");
+        if (n == 0)
+            break;
+        if (n == 1 && c[0] == '.') {
+        } else if (n == 2 && c[0] == '.' && c[1] == '.') {
+            while (b.len > 0 && b.p[b.len - 1] != '/')
+                b.len--;
+            if (b.len > 0)
+                b.len--;
+            if (b.p)
+                b.p[b.len] = '\0';
+        } else {
+            lm_buf_put(&b, "/", 1);
+            lm_buf_put(&b, c, n);
+        }
+        c += n;
+    }
+    free(abs);
+    if (b.len == 0)
+        lm_buf_put(&b, "/", 1);
+    if (b.oom) {
+        free(b.p);
+        return NULL;
+    }
+    return b.p;
+}
+
+lm_status lm_guard_add(lm_guard *g, const char *what, const char *path, lm_err *err)
+{
+    if (g->n == g->cap) {
+        int cap = g->cap ? 2 * g->cap : 16;
+        lm_guard_input *in = realloc(g->in, (size_t)cap * sizeof *in);
+        if (!in)
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        g->in = in;
+        g->cap = cap;
+    }
+    lm_guard_input *e = &g->in[g->n];
+    memset(e, 0, sizeof *e);
+    e->what = lm_strdup(what);
+    e->shown = lm_strdup(path);
+    e->real = lm_guard_resolve(path);
+    if (!e->what || !e->shown || !e->real) {
+        free(e->what);
+        free(e->shown);
+        free(e->real);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    struct stat st;
+    if (stat(path, &st) == 0) {
+        e->have_id = true;
+        e->dev = (uint64_t)st.st_dev;
+        e->ino = (uint64_t)st.st_ino;
+    }
+    g->n++;
+    return LM_OK;
+}
+
+// Whether the resolved path `a` lies inside the directory `b` (both from lm_guard_resolve).
+static bool inside(const char *a, const char *b)
+{
+    size_t n = strlen(b);
+    if (n == 1)  // "/"
+        return a[1] != '\0';
+    return strncmp(a, b, n) == 0 && a[n] == '/';
+}
+
+lm_status lm_guard_check(const lm_guard *g, const char *opt, const char *path, lm_err *err)
+{
+    char *real = lm_guard_resolve(path);
+    if (!real)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    struct stat st;
+    bool exists = stat(path, &st) == 0;
+    lm_status s = LM_OK;
+    for (int i = 0; i < g->n && s == LM_OK; i++) {
+        const lm_guard_input *in = &g->in[i];
+        const char *rel = NULL;
+        if ((exists && in->have_id && in->dev == (uint64_t)st.st_dev && in->ino == (uint64_t)st.st_ino) ||
+            strcmp(real, in->real) == 0)
+            rel = "is";
+        else if (inside(real, in->real))
+            rel = "is inside";
+        else if (inside(in->real, real))
+            rel = "holds";
+        if (rel)
+            s = lm_err_set(err, LM_ERR_USAGE, "%s %s %s %s %s: refusing to write there (an output must not be, "
+                           "hold or lie inside an input, even with --force)", opt, path, rel, in->what, in->shown);
+    }
+    free(real);
+    return s;
+}
+
+lm_status lm_guard_check_outdir(const lm_guard *g, const char *out, lm_err *err)
+{
+    lm_status s = lm_guard_check(g, "-o", out, err);
+    if (s != LM_OK)
+        return s;
+    // the lock file goes beside OUT as lm_outdir_begin names it: "out/" is "out"
+    size_t len = strlen(out);
+    while (len > 1 && out[len - 1] == '/')
+        len--;
+    char *lock = lm_strfmt("%.*s.lock", (int)len, out), *opt = lm_strfmt("-o %s: its lock file", out);
+    if (!lock || !opt)
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    else
+        s = lm_guard_check(g, opt, lock, err);
+    free(lock);
+    free(opt);
+    return s;
+}
+
+void lm_guard_free(lm_guard *g)
+{
+    for (int i = 0; i < g->n; i++) {
+        free(g->in[i].what);
+        free(g->in[i].shown);
+        free(g->in[i].real);
+    }
+    free(g->in);
+    memset(g, 0, sizeof *g);
 }

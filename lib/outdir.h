@@ -1,4 +1,4 @@
-// Atomic, durable output directories.
+// Atomic, durable output directories, and the check that keeps outputs away from inputs.
 //
 // A run writes into a fresh temporary directory beside the output ("OUT.tmp-XXXXXX" in the same
 // parent, so the final rename stays on one filesystem) and renames it into place at the very
@@ -21,10 +21,19 @@
 // flock locks with the process) and its temporary directory; the next run takes the stale lock
 // file over and removes what the dead run left beside OUT (its OUT.tmp-XXXXXX, and the
 // OUT.old-XXXXXX of a replace that did not finish), saying so in od->note.
+//
+// lm_guard: the inputs of a command (its model directories, adapter directories, data files,
+// with each file it opened in them), against which every path the command will write (-o,
+// OUT.lock, --log-json, --cache-dir) is checked before anything is created or truncated: an
+// output that is, holds or lies inside an input is refused (LM_ERR_USAGE naming both), whatever
+// --force says. Paths are compared resolved (symbolic links and "..": the realpath of the
+// deepest existing ancestor, then the rest), and existing files also by device and inode, so
+// neither a symbolic nor a hard link gets past it.
 #ifndef LM_OUTDIR_H
 #define LM_OUTDIR_H
 
 #include <stdbool.h>
+#include <stdint.h>
 
 #include "status.h"
 
@@ -60,5 +69,41 @@ void lm_outdir_abort(lm_outdir *od);
 
 // Fsyncs the directory that holds `path` (after a rename into it). LM_ERR_IO naming it.
 lm_status lm_outdir_sync_parent(const char *path, lm_err *err);
+
+// ==== outputs clear of the inputs =============================================================
+
+typedef struct lm_guard_input {
+    char *what;      // how the messages call it: "BASE", "FT 2", "--calib", "MODEL"
+    char *shown;     // its path as given (or the path of one of its files)
+    char *real;      // that path resolved (lm_guard_resolve)
+    bool have_id;    // it exists: dev and ino are its device and inode
+    uint64_t dev, ino;
+} lm_guard_input;
+
+typedef struct lm_guard {
+    lm_guard_input *in;  // (n) in the order added; zero-initialise the struct
+    int n, cap;
+} lm_guard;
+
+// Adds the input `path` (a directory or a file; need not exist) under the name `what`. Both
+// strings are copied. LM_ERR_NOMEM only.
+lm_status lm_guard_add(lm_guard *g, const char *what, const char *path, lm_err *err);
+
+// Checks the output `path`, which the messages call `opt` ("-o", "--log-json"): LM_ERR_USAGE
+// "OPT PATH is [inside] WHAT INPUT" (or "holds") when it is, lies inside or holds an input,
+// naming the first such input; LM_OK when it is clear of all of them.
+lm_status lm_guard_check(const lm_guard *g, const char *opt, const char *path, lm_err *err);
+
+// The output directory `out` of lm_outdir_begin and its lock file OUT.lock, checked as
+// lm_guard_check does ("-o OUT", "-o OUT: its lock file OUT.lock").
+lm_status lm_guard_check_outdir(const lm_guard *g, const char *out, lm_err *err);
+
+// Frees what the guard holds; safe on a zeroed object and twice.
+void lm_guard_free(lm_guard *g);
+
+// `path` made absolute, with every symbolic link and "." or ".." resolved as far as it exists:
+// the realpath of its deepest existing ancestor, then the rest with "." and ".." folded. A new
+// string the caller frees; NULL when memory runs out.
+char *lm_guard_resolve(const char *path);
 
 #endif

@@ -1,10 +1,11 @@
-// Tests of lib/outdir.c and lib/signals.c: the lock file never followed through a symbolic
-// link nor used when it is not a regular file of one link; what a dead run left beside OUT
-// removed (or an old output put back) and said; commit fsyncing and leaving nothing registered;
-// and, in child processes, what a signal that ends the process does: a second SIGINT, any
-// signal in fatal mode, and SIGBUS from a truncated mapped file each remove the registered
-// temporary directory (however full) and the lock file, say so on stderr, and end the process
-// as a shell expects.
+// Tests of lib/outdir.c and lib/signals.c: the guard that keeps outputs out of inputs (paths
+// resolved through symbolic links and "..", hard links caught by inode, is / holds / lies
+// inside); the lock file never followed through a symbolic link nor used when it is not a
+// regular file of one link; what a dead run left beside OUT removed (or an old output put back)
+// and said; commit fsyncing and leaving nothing registered; and, in child processes, what a
+// signal that ends the process does: a second SIGINT, any signal in fatal mode, and SIGBUS from
+// a truncated mapped file each remove the registered temporary directory (however full) and
+// the lock file, say so on stderr, and end the process as a shell expects.
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -58,6 +59,124 @@ static const char *slurp(const char *path)
     buf[n > 0 ? n : 0] = '\0';
     close(fd);
     return buf;
+}
+
+// ==== the guard ===============================================================================
+
+static void test_resolve(void)
+{
+    char *dir = make_tmpdir();
+    char *real = realpath(dir, NULL);
+    char *sub = subdir(dir, "a/b");
+    char *link = path_in(dir, "ln");
+    CHECK(symlink(sub, link) == 0);
+
+    char *want = lm_strfmt("%s/a/b", real), *got = lm_guard_resolve(link);
+    CHECK_MSG(got && strcmp(got, want) == 0, "%s -> %s, wanted %s", link, got, want);
+    free(got);
+    free(want);
+    // below the deepest existing ancestor, "." and ".." are folded as text
+    char *p = lm_strfmt("%s/ln/new/./x/../y/", dir);
+    want = lm_strfmt("%s/a/b/new/y", real);
+    got = lm_guard_resolve(p);
+    CHECK_MSG(got && strcmp(got, want) == 0, "%s -> %s, wanted %s", p, got, want);
+    free(got);
+    free(want);
+    free(p);
+    // relative to the working directory
+    char *cwd = getcwd(NULL, 0);
+    CHECK(chdir(sub) == 0);
+    got = lm_guard_resolve("../b/c");
+    want = lm_strfmt("%s/a/b/c", real);
+    CHECK_MSG(got && strcmp(got, want) == 0, "../b/c -> %s, wanted %s", got, want);
+    free(got);
+    free(want);
+    CHECK(chdir(cwd) == 0);
+    free(cwd);
+    got = lm_guard_resolve("/");
+    CHECK(got && strcmp(got, "/") == 0);
+    free(got);
+    got = lm_guard_resolve("/no-such-dir-here/../etc");
+    CHECK(got && strcmp(got, "/etc") == 0);
+    free(got);
+
+    free(link);
+    free(sub);
+    free(real);
+    remove_tmpdir(dir);
+}
+
+static void test_guard(void)
+{
+    lm_err err;
+    char *dir = make_tmpdir();
+    char *base = subdir(dir, "base"), *ft = subdir(dir, "ft");
+    write_text(base, "config.json", "{}");
+    write_text(dir, "calib.jsonl", "{}");
+    char *config = path_in(base, "config.json"), *calib = path_in(dir, "calib.jsonl");
+    lm_guard g = {0};
+    CHECK_OK(lm_guard_add(&g, "BASE", base, &err), &err);
+    CHECK_OK(lm_guard_add(&g, "FT 1", ft, &err), &err);
+    CHECK_OK(lm_guard_add(&g, "--calib", calib, &err), &err);
+    CHECK_OK(lm_guard_add(&g, "BASE", config, &err), &err);
+
+    // clear: beside the inputs, or not existing yet beside them
+    char *out = path_in(dir, "out"), *log = path_in(dir, "run.jsonl");
+    CHECK_OK(lm_guard_check(&g, "-o", out, &err), &err);
+    CHECK_OK(lm_guard_check(&g, "--log-json", log, &err), &err);
+    CHECK_OK(lm_guard_check_outdir(&g, out, &err), &err);
+    // a name that only starts like an input's is not inside it
+    char *near = path_in(dir, "base2");
+    CHECK_OK(lm_guard_check(&g, "-o", near, &err), &err);
+
+    // is, is inside, holds
+    CHECK_FAILS(lm_guard_check(&g, "-o", base, &err), LM_ERR_USAGE, "is BASE", &err);
+    CHECK(strstr(err.msg, "refusing") && strstr(err.msg, "--force"));
+    CHECK_FAILS(lm_guard_check(&g, "--log-json", config, &err), LM_ERR_USAGE, "is inside BASE", &err);
+    CHECK(strstr(err.msg, config) != NULL);
+    char *deep = lm_strfmt("%s/not/yet/there", ft);
+    CHECK_FAILS(lm_guard_check(&g, "--cache-dir", deep, &err), LM_ERR_USAGE, "is inside FT 1", &err);
+    CHECK_FAILS(lm_guard_check(&g, "-o", dir, &err), LM_ERR_USAGE, "holds BASE", &err);
+    CHECK_FAILS(lm_guard_check(&g, "-o", "/", &err), LM_ERR_USAGE, "holds BASE", &err);
+    CHECK_FAILS(lm_guard_check(&g, "-o", calib, &err), LM_ERR_USAGE, "is --calib", &err);
+    // through "..", a trailing slash, a symbolic link, a hard link
+    char *dotted = lm_strfmt("%s/../../%s/ft/", base, lm_path_base(dir));
+    CHECK_FAILS(lm_guard_check(&g, "-o", dotted, &err), LM_ERR_USAGE, "is FT 1", &err);
+    char *sym = path_in(dir, "sym"), *hard = path_in(dir, "hard");
+    CHECK(symlink(base, sym) == 0);
+    CHECK_FAILS(lm_guard_check(&g, "-o", sym, &err), LM_ERR_USAGE, "is BASE", &err);
+    char *through = path_in(sym, "merged");
+    CHECK_FAILS(lm_guard_check(&g, "-o", through, &err), LM_ERR_USAGE, "is inside BASE", &err);
+    CHECK(link(calib, hard) == 0);
+    CHECK_FAILS(lm_guard_check(&g, "--log-json", hard, &err), LM_ERR_USAGE, "is --calib", &err);
+    // the lock file of OUT is checked with OUT
+    char *locked = path_in(dir, "x"), *lockfile = path_in(dir, "x.lock");
+    write_text(dir, "x.lock", "1 2 3\n");
+    CHECK_OK(lm_guard_add(&g, "--calib", lockfile, &err), &err);
+    CHECK_FAILS(lm_guard_check_outdir(&g, locked, &err), LM_ERR_USAGE, "its lock file", &err);
+    char *slashed = lm_strfmt("%s/", locked);
+    CHECK_FAILS(lm_guard_check_outdir(&g, slashed, &err), LM_ERR_USAGE, "its lock file", &err);
+    CHECK(strcmp(slurp(lockfile), "1 2 3\n") == 0);
+
+    lm_guard_free(&g);
+    lm_guard_free(&g);  // twice is harmless
+    CHECK_OK(lm_guard_check(&g, "-o", base, &err), &err);  // an empty guard refuses nothing
+    free(slashed);
+    free(locked);
+    free(lockfile);
+    free(through);
+    free(sym);
+    free(hard);
+    free(dotted);
+    free(deep);
+    free(near);
+    free(out);
+    free(log);
+    free(config);
+    free(calib);
+    free(base);
+    free(ft);
+    remove_tmpdir(dir);
 }
 
 // ==== the lock file ===========================================================================
@@ -348,6 +467,8 @@ static void test_tables(void)
 
 int main(void)
 {
+    test_resolve();
+    test_guard();
     test_lock_refused();
     test_leftovers();
     test_signals();
