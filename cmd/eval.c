@@ -66,14 +66,15 @@ static void usage(FILE *out)
             "  --json            print one JSON object instead: perplexity, nll_mean, tokens,\n"
             "                    sequences, the inputs, the device and the fallbacks\n"
             "  --log-json FILE   write one JSON object per event to FILE (JSON Lines): progress,\n"
-            "                    fallbacks, errors (default: none)\n"
+            "                    fallbacks, errors (default: none); not inside an input\n"
             "  --sticky-fallback once a sequence has gone to the CPU, run every later batch there\n"
             "                    too instead of trying the device again (default: try again)\n"
             "  -q, --quiet       nothing on stderr but errors\n"
             "  -h, --help        this help\n"
             "\n"
-            "Exit status: 0 done; 1 the evaluation failed; 2 bad usage or bad input (a broken\n"
-            "model, adapter or data file), found before any work started.\n");
+            "Exit status: 0 done; 1 the evaluation failed, or an input changed while it was read; 2\n"
+            "bad usage or bad input (a broken model, adapter or data file, a log inside an input),\n"
+            "found before any work started; 128 + the signal (130 for SIGINT) when one stopped it.\n");
 }
 
 // ==== options =================================================================================

@@ -52,7 +52,8 @@ static void usage(FILE *out)
             "  -o, --output FILE   the safetensors file to write (required); written in a\n"
             "                      temporary directory beside it (FILE.tmp-XXXXXX) and\n"
             "                      renamed into place\n"
-            "  --force             overwrite FILE when it exists (default: refuse)\n"
+            "  --force             overwrite FILE when it exists (default: refuse); never a file\n"
+            "                      of MODEL or the adapter, nor the calibration file\n"
             "  --adapter DIR       apply the PEFT LoRA adapter DIR to MODEL (not merged): the\n"
             "                      Hessians of the fine-tuned model (DoRA too)\n"
             "  --calib FILE        the calibration tokens (required): FILE.jsonl with one\n"
@@ -72,15 +73,16 @@ static void usage(FILE *out)
             "                      with K, M, G, KiB, MiB, GiB (powers of 1024) or KB, MB, GB\n"
             "  --threads N         CPU threads (default 0: all cores)\n"
             "  --log-json FILE     write one JSON object per event to FILE (JSON Lines): progress,\n"
-            "                      fallbacks, errors (default: none)\n"
+            "                      fallbacks, errors (default: none); not inside an input\n"
             "  --sticky-fallback   once a sequence has gone to the CPU, run every later batch\n"
             "                      there too instead of trying the device again (default: try)\n"
             "  -q, --quiet         nothing on stderr but errors\n"
             "  -h, --help          this help\n"
             "\n"
-            "Exit status: 0 done; 1 the work failed (nothing is left at the output path); 2 bad\n"
-            "usage or bad input (a broken model, adapter or calibration file, an existing output\n"
-            "without --force), found before any work started.\n");
+            "Exit status: 0 done; 1 the work failed, or an input changed while it was read (nothing\n"
+            "is left at the output path); 2 bad usage or bad input (a broken model, adapter or\n"
+            "calibration file, an existing output without --force, an output or log inside an\n"
+            "input), found before any work started; 128 + the signal when one stopped it.\n");
 }
 
 // ==== options =================================================================================
