@@ -153,6 +153,93 @@ const char *lm_cmd_find_log_json(int argc, char **argv)
     return v;
 }
 
+// ==== outputs clear of the inputs =============================================================
+
+lm_status lm_cmd_guard_args(lm_guard *g, int argc, char **argv, const lm_opt *opts, size_t n, const int *input_ids,
+                            size_t n_ids, const char *first, const char *rest, lm_err *err)
+{
+    bool options_done = false;
+    int n_operands = 0;
+    lm_status s = LM_OK;
+    for (int i = 1; i < argc && s == LM_OK; i++) {
+        const char *arg = argv[i], *v = NULL;
+        const lm_opt *d = NULL;
+        if (options_done || arg[0] != '-' || arg[1] == '\0') {
+            char what[64];
+            if (n_operands++ == 0)
+                snprintf(what, sizeof what, "%s", first);
+            else
+                snprintf(what, sizeof what, "%s %d", rest, n_operands - 1);
+            s = lm_guard_add(g, what, arg, err);
+            continue;
+        }
+        if (strcmp(arg, "--") == 0) {
+            options_done = true;
+            continue;
+        }
+        if (arg[1] == '-') {  // --name or --name=value
+            const char *name = arg + 2, *eq = strchr(name, '=');
+            size_t len = eq ? (size_t)(eq - name) : strlen(name);
+            for (size_t k = 0; k < n && !d; k++)
+                if (strlen(opts[k].name) == len && strncmp(opts[k].name, name, len) == 0)
+                    d = &opts[k];
+            if (d && d->value)
+                v = eq ? eq + 1 : i + 1 < argc ? argv[++i] : NULL;
+        } else {  // -o OUT, -oOUT, bundled flags
+            for (const char *c = arg + 1; *c && !v; c++) {
+                d = NULL;
+                for (size_t k = 0; k < n && !d; k++)
+                    if (opts[k].short_name == *c)
+                        d = &opts[k];
+                if (!d)
+                    break;
+                if (d->value)
+                    v = c[1] ? c + 1 : i + 1 < argc ? argv[++i] : NULL;
+            }
+        }
+        for (size_t k = 0; d && v && k < n_ids; k++)
+            if (d->id == input_ids[k]) {
+                char what[72];
+                snprintf(what, sizeof what, "--%s", d->name);
+                s = lm_guard_add(g, what, v, err);
+            }
+    }
+    return s;
+}
+
+lm_status lm_cmd_guard_model(lm_guard *g, const char *what, const lm_model *m, lm_err *err)
+{
+    if (!m)
+        return LM_OK;
+    lm_status s = lm_guard_add(g, what, m->dir, err);
+    if (s == LM_OK && m->config.path)
+        s = lm_guard_add(g, what, m->config.path, err);
+    if (s == LM_OK && m->index_path)
+        s = lm_guard_add(g, what, m->index_path, err);
+    for (int i = 0; s == LM_OK && i < m->n_shards; i++)
+        if (m->shards[i].path)
+            s = lm_guard_add(g, what, m->shards[i].path, err);
+    return s;
+}
+
+lm_status lm_cmd_guard_adapter(lm_guard *g, const char *what, const lm_adapter *a, lm_err *err)
+{
+    if (!a)
+        return LM_OK;
+    lm_status s = lm_guard_add(g, what, a->dir, err);
+    if (s == LM_OK && a->config.path)
+        s = lm_guard_add(g, what, a->config.path, err);
+    if (s == LM_OK && a->weights_path)
+        s = lm_guard_add(g, what, a->weights_path, err);
+    return s;
+}
+
+lm_status lm_cmd_log_open(lm_progress *p, const lm_guard *g, const char *path, lm_err *err)
+{
+    lm_status s = lm_guard_check(g, "--log-json", path, err);
+    return s != LM_OK ? s : lm_progress_log_open(p, path, err);
+}
+
 // ==== commands that run a model: eval, hessian ================================================
 
 void lm_cmd_run_init(lm_run_args *a)

@@ -15,6 +15,7 @@
 #include "device.h"
 #include "forward.h"
 #include "model.h"
+#include "outdir.h"
 #include "progress.h"
 #include "status.h"
 
@@ -48,10 +49,31 @@ lm_status lm_cmd_opt_threads(const char *shown, const char *v, int *out, lm_err 
 lm_status lm_cmd_scan(int argc, char **argv, const lm_opt *opts, size_t n, lm_opt_fn on_opt, lm_operand_fn on_operand,
                       void *ctx, lm_err *err);
 
-// The last --log-json value in argv (before "--"), or NULL: a command opens its log before it
-// parses the rest, so that errors of the parsing itself are logged too (the scan checks the
+// The last --log-json value in argv (before "--"), or NULL: a command opens its log whether or
+// not the rest parses, so that errors of the parsing itself are logged too (the scan checks the
 // value properly).
 const char *lm_cmd_find_log_json(int argc, char **argv);
+
+// ==== outputs clear of the inputs (outdir.h) ==================================================
+
+// Adds to g the inputs argv names: its operands (the first called `first`, "BASE" or "MODEL",
+// the others `rest` and their number, "FT 1", ...) and the values of the options whose ids are
+// in input_ids (n_ids of them; "--calib FILE" is called "--calib"). argv is read as
+// lm_cmd_scan reads it, but also when it does not parse (an unknown option counts as a flag),
+// so that a command line with a usage error still cannot log over one of its inputs.
+// LM_ERR_NOMEM only.
+lm_status lm_cmd_guard_args(lm_guard *g, int argc, char **argv, const lm_opt *opts, size_t n, const int *input_ids,
+                            size_t n_ids, const char *first, const char *rest, lm_err *err);
+
+// Adds the files of an opened model (config.json, the index, every shard) or adapter
+// (adapter_config.json, adapter_model.safetensors) as more of the input `what`, so that a hard
+// link or a symbolic link to one of them is caught too. NULL adds nothing.
+lm_status lm_cmd_guard_model(lm_guard *g, const char *what, const lm_model *m, lm_err *err);
+lm_status lm_cmd_guard_adapter(lm_guard *g, const char *what, const lm_adapter *a, lm_err *err);
+
+// Opens the JSON Lines log `path` for p (lm_progress_log_open) once lm_guard_check has found it
+// clear of g's inputs; LM_ERR_USAGE naming both when it is not, and then nothing is created.
+lm_status lm_cmd_log_open(lm_progress *p, const lm_guard *g, const char *path, lm_err *err);
 
 // ==== commands that run a model: eval, hessian ================================================
 

@@ -66,14 +66,15 @@ static void usage(FILE *out)
             "  --json            print one JSON object instead: perplexity, nll_mean, tokens,\n"
             "                    sequences, the inputs, the device and the fallbacks\n"
             "  --log-json FILE   write one JSON object per event to FILE (JSON Lines): progress,\n"
-            "                    fallbacks, errors (default: none)\n"
+            "                    fallbacks, errors (default: none); not inside an input\n"
             "  --sticky-fallback once a sequence has gone to the CPU, run every later batch there\n"
             "                    too instead of trying the device again (default: try again)\n"
             "  -q, --quiet       nothing on stderr but errors\n"
             "  -h, --help        this help\n"
             "\n"
-            "Exit status: 0 done; 1 the evaluation failed; 2 bad usage or bad input (a broken\n"
-            "model, adapter or data file), found before any work started.\n");
+            "Exit status: 0 done; 1 the evaluation failed, or an input changed while it was read; 2\n"
+            "bad usage or bad input (a broken model, adapter or data file, a log inside an input),\n"
+            "found before any work started; 128 + the signal (130 for SIGINT) when one stopped it.\n");
 }
 
 // ==== options =================================================================================
@@ -86,7 +87,7 @@ typedef enum opt_id {
 static const lm_opt opt_defs[] = {
     {"data", 0, true, OPT_DATA},
     {"json", 0, false, OPT_JSON},
-    {"log-json", 0, true, OPT_LOG_JSON},  // opened before parsing (lm_cmd_find_log_json)
+    {"log-json", 0, true, OPT_LOG_JSON},  // opened whether or not the rest parses (lm_cmd_find_log_json)
     LM_RUN_OPTS("samples"),
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
@@ -146,6 +147,7 @@ typedef struct eval_run {
     char dev_why[512];
     lm_fwd_runner runner;
     float *nll;           // (data.n_tokens)
+    lm_guard guard;       // the inputs, which --log-json may not be, hold or lie inside
 } eval_run;
 
 static void run_free(eval_run *r)
@@ -157,6 +159,7 @@ static void run_free(eval_run *r)
     lm_calib_free(&r->data);
     lm_adapter_free(r->adapter);
     lm_model_free(r->model);
+    lm_guard_free(&r->guard);
     lm_progress_free(&r->progress);
 }
 
@@ -307,22 +310,42 @@ int lm_cmd_eval(int argc, char **argv)
     eval_run r;
     memset(&r, 0, sizeof r);
     lm_progress_init(&r.progress, "llmerge eval", false);
-    lm_err err = {0};
+    lm_err err = {0}, log_err = {0};
     int rc;
     if (argc < 2) {
         usage(stderr);
         rc = 2;
         goto done;
     }
-    // opened first, so that even a usage error is logged
     const char *log_json = lm_cmd_find_log_json(argc, argv);
-    if (log_json && *log_json && lm_progress_log_open(&r.progress, log_json, &err) != LM_OK) {
-        lm_progress_error(&r.progress, 2, "--log-json: %s", err.msg);
-        rc = 2;
+    lm_status ps = parse_args(&r.args, argc, argv, &err), s = ps;
+    // the inputs the command line names, which the log may not be: also when it does not parse
+    static const int inputs[] = {LM_RUN_OPT_ADAPTER, OPT_DATA};
+    if (lm_cmd_guard_args(&r.guard, argc, argv, opt_defs, N_OPTS, inputs, 2, "MODEL", "MODEL", &log_err) != LM_OK) {
+        lm_progress_error(&r.progress, 1, "%s", log_err.msg);
+        rc = 1;
         goto done;
     }
-    lm_status s = parse_args(&r.args, argc, argv, &err);
-    if (s != LM_OK) {
+    if (ps == LM_OK && !r.args.run.help) {
+        r.progress.quiet = r.args.run.quiet;
+        s = prepare(&r, &err);
+        // and the files they were read from
+        if (lm_cmd_guard_model(&r.guard, "MODEL", r.model, &log_err) != LM_OK ||
+            lm_cmd_guard_adapter(&r.guard, "--adapter", r.adapter, &log_err) != LM_OK)
+            log_json = NULL;  // out of memory: no log rather than an unchecked one
+    }
+    // opened whether or not the rest was good, so that even a usage error is logged, but only
+    // once it is known not to be (or lie inside) an input
+    lm_status ls = log_json && *log_json ? lm_cmd_log_open(&r.progress, &r.guard, log_json, &log_err) : LM_OK;
+    if (ls != LM_OK) {
+        if (s != LM_OK)
+            lm_progress_error(&r.progress, lm_status_exit_code(s), "%s%s", err.msg,
+                              ps != LM_OK ? " (see llmerge eval --help)" : "");
+        lm_progress_error(&r.progress, 2, "%s%s", ls == LM_ERR_USAGE ? "" : "--log-json: ", log_err.msg);
+        rc = s != LM_OK ? lm_status_exit_code(s) : 2;
+        goto done;
+    }
+    if (ps != LM_OK) {
         lm_progress_error(&r.progress, 2, "%s (see llmerge eval --help)", err.msg);
         rc = 2;
         goto done;
@@ -332,8 +355,7 @@ int lm_cmd_eval(int argc, char **argv)
         rc = 0;
         goto done;
     }
-    r.progress.quiet = r.args.run.quiet;
-    if ((s = prepare(&r, &err)) != LM_OK) {
+    if (s != LM_OK) {
         rc = lm_status_exit_code(s);
         lm_progress_error(&r.progress, rc, "%s", err.msg);
         goto done;

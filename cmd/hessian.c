@@ -27,7 +27,9 @@
 #include "forward.h"
 #include "hessian.h"
 #include "model.h"
+#include "outdir.h"
 #include "progress.h"
+#include "signals.h"
 #include "st_writer.h"
 #include "status.h"
 #include "util.h"
@@ -50,7 +52,8 @@ static void usage(FILE *out)
             "  -o, --output FILE   the safetensors file to write (required); written in a\n"
             "                      temporary directory beside it (FILE.tmp-XXXXXX) and\n"
             "                      renamed into place\n"
-            "  --force             overwrite FILE when it exists (default: refuse)\n"
+            "  --force             overwrite FILE when it exists (default: refuse); never a file\n"
+            "                      of MODEL or the adapter, nor the calibration file\n"
             "  --adapter DIR       apply the PEFT LoRA adapter DIR to MODEL (not merged): the\n"
             "                      Hessians of the fine-tuned model (DoRA too)\n"
             "  --calib FILE        the calibration tokens (required): FILE.jsonl with one\n"
@@ -70,15 +73,16 @@ static void usage(FILE *out)
             "                      with K, M, G, KiB, MiB, GiB (powers of 1024) or KB, MB, GB\n"
             "  --threads N         CPU threads (default 0: all cores)\n"
             "  --log-json FILE     write one JSON object per event to FILE (JSON Lines): progress,\n"
-            "                      fallbacks, errors (default: none)\n"
+            "                      fallbacks, errors (default: none); not inside an input\n"
             "  --sticky-fallback   once a sequence has gone to the CPU, run every later batch\n"
             "                      there too instead of trying the device again (default: try)\n"
             "  -q, --quiet         nothing on stderr but errors\n"
             "  -h, --help          this help\n"
             "\n"
-            "Exit status: 0 done; 1 the work failed (nothing is left at the output path); 2 bad\n"
-            "usage or bad input (a broken model, adapter or calibration file, an existing output\n"
-            "without --force), found before any work started.\n");
+            "Exit status: 0 done; 1 the work failed, or an input changed while it was read (nothing\n"
+            "is left at the output path); 2 bad usage or bad input (a broken model, adapter or\n"
+            "calibration file, an existing output without --force, an output or log inside an\n"
+            "input), found before any work started; 128 + the signal when one stopped it.\n");
 }
 
 // ==== options =================================================================================
@@ -152,6 +156,7 @@ typedef struct hess_run {
     int64_t n_out;        // tensors written: n_layers · LM_FWD_N_POINTS
     lm_st_desc *desc;     // (n_out)
     char **names;         // (n_out)
+    lm_guard guard;       // the inputs, which neither -o nor --log-json may be, hold or lie inside
 } hess_run;
 
 static void run_free(hess_run *r)
@@ -167,6 +172,7 @@ static void run_free(hess_run *r)
     lm_calib_free(&r->data);
     lm_adapter_free(r->adapter);
     lm_model_free(r->model);
+    lm_guard_free(&r->guard);
     lm_progress_free(&r->progress);
 }
 
@@ -204,8 +210,15 @@ static lm_status prepare(hess_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "no calibration data: give --calib FILE (.jsonl or .txt)");
     if (!a->output)
         return lm_err_set(err, LM_ERR_USAGE, "no output: give -o H.safetensors");
-    if ((s = check_output(a, err)) != LM_OK ||
-        (s = lm_cmd_run_open(&a->run, &r->model, &r->adapter, err)) != LM_OK ||
+    // never an input (checked again once the inputs' files are known), whatever --force says
+    if ((s = lm_guard_check(&r->guard, "-o", a->output, err)) != LM_OK || (s = check_output(a, err)) != LM_OK)
+        return s;
+    s = lm_cmd_run_open(&a->run, &r->model, &r->adapter, err);
+    lm_err gerr;
+    if (lm_cmd_guard_model(&r->guard, "MODEL", r->model, &gerr) != LM_OK ||
+        lm_cmd_guard_adapter(&r->guard, "--adapter", r->adapter, &gerr) != LM_OK)
+        return s != LM_OK ? s : lm_err_set(err, LM_ERR_NOMEM, "%s", gerr.msg);
+    if (s != LM_OK || (s = lm_guard_check(&r->guard, "-o", a->output, err)) != LM_OK ||
         (s = lm_cmd_run_tokens(&a->run, r->model, a->calib, &r->data, &r->seq_len, &r->seqs, err)) != LM_OK)
         return s;
 
@@ -288,12 +301,22 @@ static lm_status write_hessians(hess_run *r, lm_err *err)
     float *H = malloc((size_t)(most * most) * sizeof *H);
     lm_st_writer *w = NULL;
     lm_status s = LM_OK;
+    int tmp_id = 0;
     if (!tmp || !H) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory for a Hessian of %" PRId64 " x %" PRId64, most, most);
         goto out;
     }
-    if (!mkdtemp(tmp)) {
-        s = lm_err_set(err, LM_ERR_IO, "%s: %s", tmp, strerror(errno));
+    // From here a signal ends the run at once (nothing polls while the file is written), and
+    // the handler removes the temporary directory first; so does SIGBUS.
+    lm_signals_install_fatal();
+    lm_signals_hold();
+    bool made = mkdtemp(tmp) != NULL;
+    int e = errno;
+    if (made)
+        tmp_id = lm_signals_remove_on_exit(tmp, true);
+    lm_signals_release();
+    if (!made) {
+        s = lm_err_set(err, LM_ERR_IO, "%s: %s", tmp, strerror(e));
         tmp[0] = '\0';  // nothing of ours to remove
         goto out;
     }
@@ -316,14 +339,19 @@ static lm_status write_hessians(hess_run *r, lm_err *err)
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto out;
     }
+    // the file was fsynced by the writer; after the rename, the directory that now holds it
     if (rename(file, a->output) != 0)
         s = lm_err_set(err, LM_ERR_IO, "%s: renaming %s into place: %s", a->output, file, strerror(errno));
+    else
+        s = lm_outdir_sync_parent(a->output, err);
 out:
     lm_st_writer_free(w);
     if (tmp && tmp[0]) {
         lm_err rerr = {0};
         lm_rm_rf(tmp, &rerr);
     }
+    lm_signals_forget(tmp_id);
+    lm_signals_restore();
     free(file);
     free(tmp);
     free(H);
@@ -395,7 +423,7 @@ int lm_cmd_hessian(int argc, char **argv)
     hess_run r;
     memset(&r, 0, sizeof r);
     lm_progress_init(&r.progress, "llmerge hessian", false);
-    lm_err err = {0};
+    lm_err err = {0}, log_err = {0};
     int rc;
     if (argc < 2) {
         usage(stderr);
@@ -403,13 +431,30 @@ int lm_cmd_hessian(int argc, char **argv)
         goto done;
     }
     const char *log_json = lm_cmd_find_log_json(argc, argv);
-    if (log_json && *log_json && lm_progress_log_open(&r.progress, log_json, &err) != LM_OK) {
-        lm_progress_error(&r.progress, 2, "--log-json: %s", err.msg);
-        rc = 2;
+    lm_status ps = parse_args(&r.args, argc, argv, &err), s = ps;
+    // the inputs the command line names, which no output may be: also when it does not parse
+    static const int inputs[] = {LM_RUN_OPT_ADAPTER, OPT_CALIB};
+    if (lm_cmd_guard_args(&r.guard, argc, argv, opt_defs, N_OPTS, inputs, 2, "MODEL", "MODEL", &log_err) != LM_OK) {
+        lm_progress_error(&r.progress, 1, "%s", log_err.msg);
+        rc = 1;
         goto done;
     }
-    lm_status s = parse_args(&r.args, argc, argv, &err);
-    if (s != LM_OK) {
+    if (ps == LM_OK && !r.args.run.help) {
+        r.progress.quiet = r.args.run.quiet;
+        s = prepare(&r, &err);
+    }
+    // opened whether or not the rest was good, so that a usage error is logged too, but only once
+    // it is known not to be (or lie inside) an input
+    lm_status ls = log_json && *log_json ? lm_cmd_log_open(&r.progress, &r.guard, log_json, &log_err) : LM_OK;
+    if (ls != LM_OK) {
+        if (s != LM_OK)
+            lm_progress_error(&r.progress, lm_status_exit_code(s), "%s%s", err.msg,
+                              ps != LM_OK ? " (see llmerge hessian --help)" : "");
+        lm_progress_error(&r.progress, 2, "%s%s", ls == LM_ERR_USAGE ? "" : "--log-json: ", log_err.msg);
+        rc = s != LM_OK ? lm_status_exit_code(s) : 2;
+        goto done;
+    }
+    if (ps != LM_OK) {
         lm_progress_error(&r.progress, 2, "%s (see llmerge hessian --help)", err.msg);
         rc = 2;
         goto done;
@@ -419,8 +464,7 @@ int lm_cmd_hessian(int argc, char **argv)
         rc = 0;
         goto done;
     }
-    r.progress.quiet = r.args.run.quiet;
-    if ((s = prepare(&r, &err)) != LM_OK) {
+    if (s != LM_OK) {
         rc = lm_status_exit_code(s);
         lm_progress_error(&r.progress, rc, "%s", err.msg);
         goto done;

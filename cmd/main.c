@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cmd.h"
+#include "signals.h"
 
 typedef struct command {
     const char *name;
@@ -152,8 +153,13 @@ int main(int argc, char **argv)
         return 0;
     }
     for (size_t i = 0; i < N_COMMANDS; i++)
-        if (strcmp(cmd, commands[i].name) == 0)
+        if (strcmp(cmd, commands[i].name) == 0) {
+            // An input truncated while it is mapped raises SIGBUS: named, output removed, exit 1.
+            static char prefix[64];
+            snprintf(prefix, sizeof prefix, "llmerge %s", commands[i].name);
+            lm_signals_init(prefix);
             return commands[i].run(argc - 1, argv + 1);
+        }
 
     // a method named as mergekit names it: what llmerge calls it, or that it has none
     char hint[256];

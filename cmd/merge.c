@@ -12,9 +12,13 @@
 // streams tensor by tensor into the writer), config.json with the dtype updated, the base's
 // tokenizer and generation files and llmerge.json (manifest.h), and is renamed into place.
 // A failure from then on removes the temporary directory and is exit status 1. From the start
-// of the work until OUT is in place, SIGINT and SIGTERM stop the run at the next tensor (or
-// slab of a large one), remove the temporary directory, and exit with 128 + the signal
-// (130, 143); another run writing the same OUT is refused with exit status 2 (outdir.h).
+// of the work until OUT is in place, SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the run at the
+// next tensor (or slab of a large one), remove the temporary directory, and exit with 128 + the
+// signal (130, 143, 129, 131); a second signal, or an input truncated under the run (SIGBUS),
+// ends it at once after the same cleanup (signals.h); another run writing the same OUT is
+// refused with exit status 2 (outdir.h). No output (OUT, OUT.lock, --log-json, --cache-dir)
+// may be, hold or lie inside an input (outdir.h's lm_guard), which is checked before anything is
+// created or truncated: the log is opened only after the inputs are.
 #include <errno.h>
 #include <inttypes.h>
 #include <limits.h>
@@ -279,12 +283,16 @@ static void usage(FILE *out, const method_info *m)
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
             "keeps a second llmerge from writing the same OUT (it exits with status 2 naming the\n"
-            "first one's pid). Ctrl-C (SIGINT) or SIGTERM stops the merge at the next tensor and\n"
-            "removes the partial output; a second Ctrl-C ends it at once.\n"
+            "first one's pid). Ctrl-C (SIGINT), SIGTERM, SIGHUP or SIGQUIT stops the merge at the\n"
+            "next tensor and removes the partial output; a second signal ends it at once, after\n"
+            "removing it too. A run after one that was killed removes what that one left. OUT,\n"
+            "OUT.lock, --log-json and --cache-dir may not be, hold or lie inside BASE, an FT or a\n"
+            "--calib file, even with --force.\n"
             "\n"
-            "Exit status: 0 done; 1 the merge failed (nothing is left at OUT); 2 bad usage or bad\n"
-            "input, found before any work started, or OUT being written by another run; 130 or 143\n"
-            "stopped by SIGINT or SIGTERM (nothing is left at OUT).\n");
+            "Exit status: 0 done; 1 the merge failed, or an input changed while it was read (nothing\n"
+            "is left at OUT); 2 bad usage or bad input, found before any work started, or OUT being\n"
+            "written by another run; 128 + the signal (130 SIGINT, 143 SIGTERM, 129 SIGHUP, 131\n"
+            "SIGQUIT) stopped by a signal (nothing is left at OUT).\n");
 }
 
 // ---- value parsers --------------------------------------------------------------------------
@@ -544,6 +552,7 @@ typedef struct merge_run {
     lm_merge_result res;
     lm_manifest manifest;
     lm_hasher *hasher;         // hashes the input files for llmerge.json while the merge runs
+    lm_guard guard;            // the inputs, which no output may be, hold or lie inside
 } merge_run;
 
 static void run_free(merge_run *r)
@@ -571,6 +580,7 @@ static void run_free(merge_run *r)
         lm_calib_free(&r->calib[i]);
     free(r->calib);
     lm_cmd_sgpt_free(&r->sgpt);
+    lm_guard_free(&r->guard);
     lm_progress_free(&r->progress);
 }
 
@@ -599,15 +609,22 @@ static const char *dtype_flag(lm_dtype dt)
     return dt == LM_DTYPE_BF16 ? "bf16" : dt == LM_DTYPE_F16 ? "f16" : "f32";
 }
 
-// Whether the existing path `out` is `in` or a directory holding it (realpaths compared).
-static bool holds(const char *out_real, const char *in)
+// The inputs the command line names, for r->guard: BASE, the FTs, sparsegpt's --calib files.
+static lm_status guard_args(merge_run *r, int argc, char **argv, lm_err *err)
 {
-    char in_real[PATH_MAX];
-    if (!realpath(in, in_real))
-        return false;
-    size_t n = strlen(out_real);
-    return strncmp(in_real, out_real, n) == 0 &&
-           (in_real[n] == '\0' || in_real[n] == '/' || (n == 1 && out_real[0] == '/'));
+    static const int inputs[] = {OPT_CALIB};
+    return lm_cmd_guard_args(&r->guard, argc, argv, opt_defs, N_OPTS, inputs, 1, "BASE", "FT", err);
+}
+
+// What the merge writes, checked against the inputs known so far (r->guard): OUT and OUT.lock,
+// and sparsegpt's --cache-dir. --log-json is checked when it is opened.
+static lm_status check_outputs(merge_run *r, lm_err *err)
+{
+    const merge_args *a = &r->args;
+    lm_status s = lm_guard_check_outdir(&r->guard, a->out, err);
+    if (s == LM_OK && a->m->method == LM_MERGE_SPARSEGPT && a->cache_dir)
+        s = lm_guard_check(&r->guard, "--cache-dir", a->cache_dir, err);
+    return s;
 }
 
 // Checks that the directory OUT goes into exists (lm_outdir_begin checks again at the start of
@@ -701,10 +718,12 @@ static lm_status prepare(merge_run *r, lm_err *err)
                           "one for all)", a->density_opt, a->n_densities, a->n_ft,
                           a->n_ft == 1 ? "" : "s");
 
-    // OUT: refused now, before the inputs are read, rather than after the work
+    // OUT: refused now, before the inputs are read, rather than after the work; never an input
+    // (nor OUT.lock or --cache-dir), whatever --force says
+    if ((s = check_outputs(r, err)) != LM_OK)
+        return s;
     struct stat st;
-    bool out_exists = lstat(a->out, &st) == 0;
-    if (out_exists && !a->force)
+    if (lstat(a->out, &st) == 0 && !a->force)
         return lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it)",
                           a->out);
     if ((s = check_parent(a->out, err)) != LM_OK)
@@ -724,32 +743,30 @@ static lm_status prepare(merge_run *r, lm_err *err)
     }
     s = lm_model_open(&r->base, resolved, err);
     free(resolved);
-    if (s != LM_OK)
+    if (s != LM_OK || (s = lm_cmd_guard_model(&r->guard, "BASE", r->base, err)) != LM_OK)
         return s;
 
     // each FT, checked against BASE
     r->fts = calloc((size_t)a->n_ft, sizeof *r->fts);
     if (!r->fts)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    for (int i = 0; i < a->n_ft; i++)
+    for (int i = 0; i < a->n_ft; i++) {
         if ((s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
             return lm_err_prefix(err, "FT %d", i + 1);
+        char what[32];
+        snprintf(what, sizeof what, "FT %d", i + 1);
+        if ((s = lm_cmd_guard_model(&r->guard, what, r->fts[i]->model, err)) != LM_OK ||
+            (s = lm_cmd_guard_adapter(&r->guard, what, r->fts[i]->adapter, err)) != LM_OK)
+            return s;
+    }
+
+    // again, with every file the inputs were read from: a link to one of them is caught too
+    if ((s = check_outputs(r, err)) != LM_OK)
+        return s;
     for (int i = 0; i < a->n_ft; i++) {
         char who[LM_ERR_MSG_MAX / 2];
         snprintf(who, sizeof who, "FT %d %s", i + 1, r->fts[i]->path);
         lm_cmd_adapter_warnings(&r->progress, who, r->fts[i]->adapter, "merged", a->base);
-    }
-
-    // OUT must not be (or hold) an input: --force would delete it
-    char out_real[PATH_MAX];
-    if (out_exists && realpath(a->out, out_real)) {
-        if (holds(out_real, r->base->dir))
-            return lm_err_set(err, LM_ERR_USAGE, "-o %s: that is (or holds) BASE %s; refusing to "
-                              "replace it", a->out, a->base);
-        for (int i = 0; i < a->n_ft; i++)
-            if (holds(out_real, r->fts[i]->path))
-                return lm_err_set(err, LM_ERR_USAGE, "-o %s: that is (or holds) FT %s; refusing "
-                                  "to replace it", a->out, a->fts[i]);
     }
 
     // options, resolved
@@ -1212,6 +1229,12 @@ static int work(merge_run *r, double t_loaded)
         lm_progress_error(p, code, "%s", err.msg);
         return code;
     }
+    // what runs that died left beside OUT, and what was done with it
+    for (const char *line = r->od.note; line && *line;) {
+        size_t n = strcspn(line, "\n");
+        lm_progress_note(p, "note: %.*s", (int)n, line);
+        line += n + (line[n] == '\n');
+    }
     lm_progress_event(p, "start", start_event(r));
     describe_run(r);
 
@@ -1360,23 +1383,37 @@ int lm_cmd_merge(int argc, char **argv)
     snprintf(r.prefix, sizeof r.prefix, "llmerge %s", r.args.m->name);
     lm_progress_init(&r.progress, r.prefix, false);
 
-    lm_err err = {0};
+    lm_err err = {0}, log_err = {0};
     int rc;
     if (argc < 2) {
         usage(stderr, r.args.m);
         rc = 2;
         goto done;
     }
-    // The log opens before the rest is parsed, so that a usage error is logged too.
     const char *log_json = lm_cmd_find_log_json(argc, argv);
-    if (log_json && *log_json &&
-        lm_progress_log_open(&r.progress, log_json, &err) != LM_OK) {
-        lm_progress_error(&r.progress, 2, "%s", err.msg);
-        rc = 2;
+    lm_status ps = parse_args(&r.args, argc, argv, &err), s = ps;
+    // the inputs the command line names, which no output may be: also when it does not parse
+    if (guard_args(&r, argc, argv, &log_err) != LM_OK) {
+        lm_progress_error(&r.progress, 1, "%s", log_err.msg);
+        rc = 1;
         goto done;
     }
-    lm_status s = parse_args(&r.args, argc, argv, &err);
-    if (s != LM_OK) {
+    if (ps == LM_OK && !r.args.help) {
+        r.progress.quiet = r.args.quiet;
+        s = prepare(&r, &err);
+    }
+    // The log opens whether or not the rest was good, so that a usage error is logged too, but
+    // only once it is known not to be (or lie inside) an input.
+    if (log_json && *log_json && lm_cmd_log_open(&r.progress, &r.guard, log_json, &log_err) != LM_OK) {
+        if (ps != LM_OK)
+            lm_progress_error(&r.progress, 2, "%s (see llmerge %s --help)", err.msg, r.args.m->name);
+        else if (s != LM_OK)
+            lm_progress_error(&r.progress, lm_status_exit_code(s), "%s", err.msg);
+        lm_progress_error(&r.progress, 2, "%s", log_err.msg);
+        rc = s != LM_OK ? lm_status_exit_code(s) : 2;
+        goto done;
+    }
+    if (ps != LM_OK) {
         lm_progress_error(&r.progress, 2, "%s (see llmerge %s --help)", err.msg, r.args.m->name);
         rc = 2;
         goto done;
@@ -1386,8 +1423,7 @@ int lm_cmd_merge(int argc, char **argv)
         rc = 0;
         goto done;
     }
-    r.progress.quiet = r.args.quiet;
-    if ((s = prepare(&r, &err)) != LM_OK) {
+    if (s != LM_OK) {
         rc = lm_status_exit_code(s);
         lm_progress_error(&r.progress, rc, "%s", err.msg);
         goto done;
@@ -1432,6 +1468,10 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     if (s != LM_OK) {
         lm_progress_error(&r->progress, 2, "%s (see llmerge %s --help)", err.msg, r->args.m->name);
         return 2;
+    }
+    if ((s = guard_args(r, argc, argv, &err)) != LM_OK) {
+        lm_progress_error(&r->progress, 1, "%s", err.msg);
+        return 1;
     }
     if (r->args.help) {
         usage(stdout, r->args.m);

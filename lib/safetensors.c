@@ -14,6 +14,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "signals.h"
+
 // ==== errors ==================================================================================
 
 static lm_status st_fail(lm_err *err, const char *label, const char *defect, const char *fmt, ...)
@@ -624,6 +626,9 @@ lm_status lm_st_open(lm_st_file **out, const char *path, lm_err *err)
         }
         f->map_size = (size_t)f->size;
         f->bytes = f->map;
+        // A file truncated under the mapping raises SIGBUS on reading what is gone: the
+        // handler names the file from this.
+        f->map_id = lm_signals_map_add(f->map, f->map_size, f->path);
     }
     close(fd);
     if ((s = st_load(f, err)) != LM_OK)
@@ -656,8 +661,10 @@ void lm_st_close(lm_st_file *f)
 {
     if (!f)
         return;
-    if (f->map)
+    if (f->map) {
+        lm_signals_map_remove(f->map_id);
         munmap(f->map, f->map_size);
+    }
     lm_strmap_free(&f->index);
     free(f->tensors);
     free(f->meta_keys);

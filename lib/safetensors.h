@@ -37,6 +37,7 @@ typedef struct lm_st_file {
     char *path;               // as given to lm_st_open, or the label of lm_st_parse
     void *map;                // the mapping (NULL for lm_st_parse)
     size_t map_size;
+    int map_id;               // the mapping as registered for SIGBUS messages (signals.h), or 0
     const uint8_t *bytes;     // (size) the whole file
     uint64_t size;
     uint64_t header_len;      // N, the JSON length

@@ -13,6 +13,8 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "signals.h"
+
 // ==== sizes =================================================================================
 
 lm_status lm_parse_size(const char *text, uint64_t *out, lm_err *err)
@@ -320,7 +322,9 @@ lm_status lm_xxh64_mapped(void *state, int fd, uint64_t offset, size_t len, cons
     if (p == MAP_FAILED)
         return lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
     madvise(p, len, MADV_SEQUENTIAL);
+    int id = lm_signals_map_add(p, len, path);  // a file truncated meanwhile: SIGBUS names it
     XXH64_update(state, p, len);
+    lm_signals_map_remove(id);
     munmap(p, len);
     return LM_OK;
 }

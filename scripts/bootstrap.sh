@@ -5,7 +5,9 @@
 set -euo pipefail
 
 pkgs=(cmake make gcc clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev
-      libpcre2-dev gnuplot-nox)  # gnuplot: the plot of examples/sweep
+      libpcre2-dev
+      gnuplot-nox  # gnuplot: the plot of examples/sweep
+      strace)      # strace: tests/e2e_robust.sh checks the order of fsync and rename with it
 
 missing=()
 for p in "${pkgs[@]}"; do

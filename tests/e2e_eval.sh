@@ -7,8 +7,9 @@
 # also when its config leaves some of its modules out (a warning names their keys);
 # on sim devices too small for the weights or for a batch the fallbacks are printed and the
 # result is the CPU's; a device failure that is not out-of-memory is exit status 1 naming the
-# batch, or the model, adapter and tensor while the weights are placed; bad usage
-# and bad data are exit status 2 with a message naming the option, or the file and line.
+# batch, or the model, adapter and tensor while the weights are placed; bad usage and bad data
+# are exit status 2 with a message naming the option, or the file and line; a --log-json that
+# is or lies inside an input is refused (exit status 2) and the input kept.
 # Usage: e2e_eval.sh LLMERGE FIXTURES JSONQ
 set -u
 llmerge=$1 fx=$2 jsonq=$3
@@ -203,5 +204,16 @@ expect 2 "unknown data format" eval "$fx/base" --data "$work/data.csv"
 printf '1 2 3\nnot ids\n' >"$work/late.txt"
 run late eval "$fx/base" --data "$work/late.txt" --samples 1
 has late.out "tokens 2"
+
+# --log-json never over an input: the data file, a file of MODEL or of the adapter
+cp "$data" "$work/g-data.jsonl" && cp -r "$fx/base" "$work/g-base" && cp -r "$fx/lora_plain" "$work/g-lora"
+g_before=$(cat "$work/g-data.jsonl" "$work/g-base"/* "$work/g-lora"/* | md5sum)
+expect 2 "--log-json $work/g-data.jsonl is --data $work/g-data.jsonl" \
+  eval "$work/g-base" --data "$work/g-data.jsonl" --log-json "$work/g-data.jsonl"
+expect 2 "--log-json $work/g-base/config.json is inside MODEL $work/g-base" \
+  eval "$work/g-base" --data "$work/g-data.jsonl" --log-json "$work/g-base/config.json"
+expect 2 "--log-json $work/g-lora/adapter_config.json is inside --adapter $work/g-lora" eval "$work/g-base" \
+  --adapter "$work/g-lora" --data "$work/g-data.jsonl" --log-json "$work/g-lora/adapter_config.json"
+if [ "$(cat "$work/g-data.jsonl" "$work/g-base"/* "$work/g-lora"/* | md5sum)" = "$g_before" ]; then ok; else bad "eval's --log-json changed an input"; fi
 
 e2e_end

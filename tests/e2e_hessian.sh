@@ -5,8 +5,9 @@
 # give the same file; an adapter changes the Hessians; the sim device, also too small for the
 # weights, gives the CPU's values, and accumulators that do not fit are said as a fallback; --log-json records the run; a failed run
 # (a device failure that is not out-of-memory) is exit status 1 and leaves nothing at the output
-# path, and one while the weights are placed names the model, the adapter and the tensor; bad usage, a bad calibration file (naming file and line) and an existing output without
-# --force are exit status 2 before any work.
+# path, and one while the weights are placed names the model, the adapter and the tensor; bad
+# usage, a bad calibration file (naming file and line), an existing output without --force and
+# an output or log inside an input (even with --force) are exit status 2 before any work.
 # Usage: e2e_hessian.sh LLMERGE FIXTURES JSONQ
 set -u
 llmerge=$1 fx=$2 jsonq=$3
@@ -106,5 +107,22 @@ expect 2 "its directory does not exist" hessian "$fx/base" --calib "$data" -o "$
 expect 2 "did you mean '--calib-samples'" hessian "$fx/base" --calib "$data" -o "$work/b.safetensors" --calib-sample 3
 expect 2 "is an adapter directory" hessian "$fx/lora_plain" --calib "$data" -o "$work/b.safetensors"
 expect 2 "--seq-len" hessian "$fx/base" --calib "$data" -o "$work/b.safetensors" --seq-len 0
+
+# ---- no output or log inside an input, even with --force: exit 2, the inputs as they were ----
+gb=$work/g-base gc=$work/g-calib.jsonl gl=$work/g-lora
+cp -r "$fx/base" "$gb" && cp "$data" "$gc" && cp -r "$fx/lora_plain" "$gl"
+g_before=$(cat "$gb"/* "$gc" | md5sum)
+expect 2 "-o $gb/model-00001-of-00002.safetensors is inside MODEL $gb" \
+  hessian "$gb" --calib "$gc" -o "$gb/model-00001-of-00002.safetensors" --force
+expect 2 "-o $gc is --calib $gc" hessian "$gb" --calib "$gc" -o "$gc" --force
+expect 2 "-o $gl/h.safetensors is inside --adapter $gl" hessian "$gb" --adapter "$gl" --calib "$gc" -o "$gl/h.safetensors"
+expect 2 "--log-json $gb/config.json is inside MODEL $gb" \
+  hessian "$gb" --calib "$gc" -o "$work/g.safetensors" --log-json "$gb/config.json"
+expect 2 "--log-json $gc is --calib $gc" hessian "$gb" --calib "$gc" -o "$work/g.safetensors" --log-json "$gc"
+if [ "$(cat "$gb"/* "$gc" | md5sum)" = "$g_before" ] && [ ! -e "$work/g.safetensors" ] && [ ! -e "$gl/h.safetensors" ]; then
+  ok
+else
+  bad "an output inside an input changed it: $(ls -l "$gb" "$gc")"
+fi
 
 e2e_end

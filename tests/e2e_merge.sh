@@ -322,6 +322,57 @@ check '[ -z "$(ls "$work" | grep -e "\.tmp-" -e "\.old-")" ]' "--force left $(ls
 expect 2 "refusing" ties "$B" "$lp" -o "$B" --force
 loads "$B"
 
+# ---- no output, log or cache inside an input ------------------------------------------------
+# -o, --log-json, --cache-dir (and OUT.lock) must not be, hold or lie inside BASE, an FT or a
+# calibration file, whatever --force says: exit 2 naming both, and every input as it was. On
+# copies, so that a run that gets this wrong damages nothing the other tests read.
+gb=$work/g-base gl=$work/g-lora gc=$work/g-calib.jsonl
+cp -r "$B" "$gb" && cp -r "$lp" "$gl" && cp "$fx/calib/calib.jsonl" "$gc"
+ln "$gb/model-00001-of-00002.safetensors" "$work/g-hardlink"
+ln -s "$gl" "$work/g-symlink"
+inputs_state() { (cd "$work" && find g-base g-lora g-calib.jsonl g-hardlink -exec stat -c '%n %F %s %Y' {} + | sort &&
+  cat g-base/* g-lora/* g-calib.jsonl | md5sum); }
+g_before=$(inputs_state)
+# guarded NEEDLE ARGS...: llmerge ARGS exits 2 saying NEEDLE and "refusing", and no input changed
+guarded() {
+  local needle=$1
+  shift
+  expect 2 "$needle" "$@"
+  check 'grep -q "refusing" "$work/out"' "llmerge $*: no 'refusing': $(head -c 400 "$work/out")"
+  local now
+  now=$(inputs_state)
+  check '[ "$now" = "$g_before" ]' "llmerge $*: an input changed: $(diff <(echo "$g_before") <(echo "$now") | head -5)"
+}
+guarded "-o $gb/config.json is inside BASE $gb" ties "$gb" "$gl" -o "$gb/config.json" --force
+guarded "-o $gb/merged is inside BASE $gb" ties "$gb" "$gl" -o "$gb/merged"
+check '[ ! -e "$gb/merged" ] && [ -z "$(ls -d "$gb"/merged.* 2>/dev/null)" ]' "-o inside BASE created something there"
+guarded "is inside FT 1 $gl" dare "$gb" "$gl" -o "$gl/../g-lora/out" --force
+guarded "-o $work/g-symlink is FT 2 $work/g-symlink" ties "$gb" "$fx/lora_rslora" "$work/g-symlink" -o "$work/g-symlink" --force
+guarded "-o $work/g-hardlink is" ties "$gb" "$gl" -o "$work/g-hardlink" --force
+guarded "holds BASE" ties "$gb" "$gl" -o "$work" --force
+guarded "--log-json $gb/config.json is inside BASE $gb" ties "$gb" "$gl" -o "$work/g-out" --log-json "$gb/config.json"
+guarded "--log-json $work/g-hardlink is BASE" task-arithmetic "$gb" "$gl" -o "$work/g-out" --log-json "$work/g-hardlink"
+guarded "--log-json $gc is --calib $gc" sparsegpt "$gb" "$gl" -o "$work/g-out" --calib "$gc" --log-json "$gc"
+# a command line that does not parse: its log is not opened over an input either
+expect 2 "(0, 1]" ties "$gb" "$gl" -o "$work/g-out" --density 2 --log-json "$gb/config.json"
+check '[ "$(inputs_state)" = "$g_before" ]' "a usage error's --log-json emptied an input"
+guarded "-o $gc is --calib $gc" sparsegpt "$gb" "$gl" -o "$gc" --calib "$gc" --force
+guarded "--cache-dir $gb/cache is inside BASE $gb" sparsegpt "$gb" "$gl" -o "$work/g-out" --calib "$gc" --cache-dir "$gb/cache"
+guarded "--cache-dir $work holds BASE" sparsegpt "$gb" "$gl" -o "$work/g-out" --calib "$gc" --cache-dir "$work"
+# OUT.lock is written too: a calibration file called OUT.lock is refused, not truncated
+cp "$gc" "$work/g-out.lock"
+g_lock=$(md5sum <"$work/g-out.lock")
+expect 2 "$work/g-out.lock is --calib" sparsegpt "$gb" "$gl" -o "$work/g-out" --calib "$work/g-out.lock"
+check '[ "$(md5sum <"$work/g-out.lock")" = "$g_lock" ]' "the calibration file called OUT.lock was changed"
+rm -f "$work/g-out.lock"
+no_output "$work/g-out"
+# plan reads the same command line and refuses the same
+expect 2 "refusing" plan ties "$gb" "$gl" -o "$gb/config.json" --force
+# a merge beside the inputs is fine, and its log beside them too
+merge ties "$gb" "$gl" -o "$work/g-out" --log-json "$work/g-out.jsonl"
+loads "$work/g-out"
+rm -rf "$work/g-out" "$work/g-out.jsonl" "$work/g-symlink" "$work/g-hardlink"
+
 # ---- bad input: exit 2, a message naming it, nothing written ---------------------------------
 x=$work/bad
 expect 2 "--weights gives 2 weights for 3 FTs" ties "$B" "$lp" "$lr" "$ff" -o "$x" --weights 1,2
