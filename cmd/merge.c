@@ -617,13 +617,18 @@ static lm_status guard_args(merge_run *r, int argc, char **argv, lm_err *err)
 }
 
 // What the merge writes, checked against the inputs known so far (r->guard): OUT and OUT.lock,
-// and sparsegpt's --cache-dir. --log-json is checked when it is opened.
+// and sparsegpt's cache directory (--cache-dir, or the default one). --log-json is checked when
+// it is opened.
 static lm_status check_outputs(merge_run *r, lm_err *err)
 {
     const merge_args *a = &r->args;
     lm_status s = lm_guard_check_outdir(&r->guard, a->out, err);
-    if (s == LM_OK && a->m->method == LM_MERGE_SPARSEGPT && a->cache_dir)
-        s = lm_guard_check(&r->guard, "--cache-dir", a->cache_dir, err);
+    if (s != LM_OK || a->m->method != LM_MERGE_SPARSEGPT)
+        return s;
+    char *dir = lm_cache_dir(a->cache_dir);
+    if (dir)  // no directory at all (no HOME) is said when the cache is opened
+        s = lm_guard_check(&r->guard, a->cache_dir ? "--cache-dir" : "the cache directory", dir, err);
+    free(dir);
     return s;
 }
 

@@ -359,6 +359,8 @@ check '[ "$(inputs_state)" = "$g_before" ]' "a usage error's --log-json emptied 
 guarded "-o $gc is --calib $gc" sparsegpt "$gb" "$gl" -o "$gc" --calib "$gc" --force
 guarded "--cache-dir $gb/cache is inside BASE $gb" sparsegpt "$gb" "$gl" -o "$work/g-out" --calib "$gc" --cache-dir "$gb/cache"
 guarded "--cache-dir $work holds BASE" sparsegpt "$gb" "$gl" -o "$work/g-out" --calib "$gc" --cache-dir "$work"
+# the default cache directory ($XDG_CACHE_HOME/llmerge) is checked as --cache-dir is
+XDG_CACHE_HOME=$gb guarded "the cache directory $gb/llmerge is inside BASE $gb" sparsegpt "$gb" "$gl" -o "$work/g-out" --calib "$gc"
 # OUT.lock is written too: a calibration file called OUT.lock is refused, not truncated
 cp "$gc" "$work/g-out.lock"
 g_lock=$(md5sum <"$work/g-out.lock")
