@@ -5,8 +5,9 @@
 // magnitude [out], with its own r, alpha and scale from rank_pattern / alpha_pattern (first key
 // in file order whose regex `(.*\.)?(K)$` matches the module path) and use_rslora. Full tensors
 // saved through modules_to_save replace base tensors whole. Keys map to base names by dropping
-// "base_model.model." and the LoRA suffix (METHODS.md). Nothing is expanded: the factors stay
-// views into the mapped file, and a delta is computed only when its tensor is merged.
+// "base_model.model." and the LoRA suffix (docs/formats.md "Adapter keys"). Nothing is
+// expanded: the factors stay views into the mapped file, and a delta is computed only when its
+// tensor is merged.
 //
 // This module also decides what kind of input a command-line path is (lm_input_detect).
 #ifndef LM_ADAPTER_H

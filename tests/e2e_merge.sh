@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # End-to-end tests of the merge commands (ties, dare, dare-ties, task-arithmetic) through the
 # binary, on the fixtures: each method runs and its output loads (`llmerge inspect`: check ok);
-# the output directory carries what FORMATS.md lists (shards and index, config.json with the
+# the output directory carries what docs/formats.md "Files a merged model directory carries"
+# lists (shards and index, config.json with the
 # dtype updated, the base's tokenizer and generation files, llmerge.json); llmerge.json's
 # per-tensor and input-file hashes equal xxHash64 of the data, computed here by st_hash; the
 # same seed gives byte-identical shards on 1 and 2 threads and another seed changes dare's
