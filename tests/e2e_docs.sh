@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# End-to-end checks of the documentation against the source tree: no file points at a document
-# the repository does not hold; every `docs/FILE.md "Heading"` pointer in the code, tests and
-# docs names a file of docs/ and a heading in it; every relative Markdown link of the docs and
-# READMEs reaches a file and, with #anchor, a heading there.
+# End-to-end checks of the documentation against the source tree and the binary: no file points
+# at a document the repository does not hold; every `docs/FILE.md "Heading"` pointer in the code,
+# tests and docs names a file of docs/ and a heading in it; every relative Markdown link of the
+# docs and READMEs reaches a file and, with #anchor, a heading there; the man page has every
+# command `llmerge --help` lists, in its synopsis and its command list, and renders the same
+# notation in an ASCII and a UTF-8 terminal (no glyph either cannot show), without groff
+# warnings.
 # Usage: e2e_docs.sh LLMERGE FIXTURES SOURCE_DIR ST_DIFF
 set -u
 llmerge=$1 fx=$2 src=$3 st_diff=$4
@@ -70,5 +73,37 @@ for md in $(grep '\.md$' "$work/files"); do
   done <"$work/links"
 done
 check '[ "$nlinks" -ge 30 ]' "only $nlinks relative Markdown links found"
+
+# ---- the man page -------------------------------------------------------------------------------
+man=$src/docs/llmerge.1
+"$llmerge" --help >"$work/help" 2>&1
+sed -n '/^Commands:/,/^$/p' "$work/help" | sed -n 's/^  \([a-z][a-z-]*\) .*/\1/p' >"$work/commands"
+check '[ "$(wc -l <"$work/commands")" -ge 9 ]' "llmerge --help lists too few commands: $(cat "$work/help")"
+# the page's source with \- as -
+sed 's/\\-/-/g' "$man" >"$work/man.src"
+while IFS= read -r c; do
+  check 'grep -qx "\.B llmerge $c" "$work/man.src"' "the man page's SYNOPSIS lacks 'llmerge $c'"
+  check 'awk -v c="$c" "/^\\.SH COMMANDS/ { in_c = 1; next } /^\\.SH / { in_c = 0 }
+           in_c && prev == \".TP\" && \$0 == \".B \" c { found = 1 } { prev = \$0 } END { exit !found }" "$work/man.src"' \
+    "the man page's COMMANDS lack an entry for $c"
+done <"$work/commands"
+# Only glyphs that an ASCII terminal shows too: no non-ASCII bytes, no Greek letters or arrows.
+grep -nP "[^\x00-\x7f]" "$man" >"$work/nonascii"
+check '[ ! -s "$work/nonascii" ]' "non-ASCII bytes in $man: $(head -c 400 "$work/nonascii")"
+grep -nE '\\\((\*.|ua|da|<-|->|lA|rA|uA|dA)' "$man" >"$work/glyphs"
+check '[ ! -s "$work/glyphs" ]' "glyphs an ASCII terminal shows as <name> in $man: $(head -c 400 "$work/glyphs")"
+if command -v groff >/dev/null; then
+  groff -man -ww -z "$man" >"$work/groff.warn" 2>&1
+  check '[ ! -s "$work/groff.warn" ]' "groff warns about $man: $(head -c 600 "$work/groff.warn")"
+  for dev in ascii utf8; do
+    groff -man -T"$dev" "$man" 2>/dev/null | sed 's/.\x08//g' >"$work/man.$dev"
+    check 'grep -q "H = (2 / n_tokens) sum(x x^T)" "$work/man.$dev"' \
+      "the Hessian's formula as -T$dev renders it: $(grep -A1 'input Hessians' "$work/man.$dev")"
+    grep -nE '<[A-Za-z]+>|'$'\xe2\x86\x91' "$work/man.$dev" >"$work/bad.$dev"
+    check '[ ! -s "$work/bad.$dev" ]' "glyphs -T$dev cannot show: $(head -c 400 "$work/bad.$dev")"
+  done
+else
+  echo "e2e_docs: groff is not installed: the man page's rendering is not checked"
+fi
 
 e2e_end
