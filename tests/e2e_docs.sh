@@ -5,7 +5,9 @@
 # docs and READMEs reaches a file and, with #anchor, a heading there; the man page has every
 # command `llmerge --help` lists, in its synopsis and its command list, and renders the same
 # notation in an ASCII and a UTF-8 terminal (no glyph either cannot show), without groff
-# warnings.
+# warnings; docs/mergekit.md says before its first section that mergekit's default density is
+# 1.0 and llmerge's 0.2, and its recipe for mergekit's `linear` holds on the fixtures, where
+# `task-arithmetic --normalize` does not give it.
 # Usage: e2e_docs.sh LLMERGE FIXTURES SOURCE_DIR ST_DIFF
 set -u
 llmerge=$1 fx=$2 src=$3 st_diff=$4
@@ -105,5 +107,30 @@ if command -v groff >/dev/null; then
 else
   echo "e2e_docs: groff is not installed: the man page's rendering is not checked"
 fi
+
+# ---- docs/mergekit.md ---------------------------------------------------------------------------
+mk=$src/docs/mergekit.md
+# what a mergekit user reads first: the page up to its first section
+sed '/^## /,$d' "$mk" | tr '\n' ' ' | sed 's/\. /.\n/g' >"$work/mk.top"
+check 'grep -q "density. defaults to \*\*0\.2\*\*" "$work/mk.top" && grep -q "mergekit.s .density. defaults to \*\*1\.0\*\*" "$work/mk.top"' \
+  "docs/mergekit.md does not say before its first section that llmerge's density defaults to 0.2 and mergekit's to 1.0"
+check '"$llmerge" ties --help | grep -A1 -- "--density D" | grep -q "(default 0\.2)"' \
+  "llmerge ties --help does not say --density defaults to 0.2, as docs/mergekit.md says"
+check 'grep -qF -- "--weights w_1/W,w_2/W" "$mk"' "docs/mergekit.md gives no recipe for mergekit's linear"
+# The recipe on the fixtures: mergekit's linear average of the adapter applied to the base and
+# of the full fine-tune is, both being full models that hold every tensor, task-arithmetic
+# --normalize of the two; the recipe (weights divided by their sum) on the adapter itself must
+# give it, and --normalize on the adapter (which touches only q_proj and v_proj) must not.
+B=$fx/base
+run lora_full task-arithmetic "$B" "$fx/lora_plain" -o "$work/lora_full" --dtype f32 -q
+run linear task-arithmetic "$B" "$work/lora_full" "$fx/ft_full" -o "$work/linear" --normalize --dtype f32 -q
+run recipe task-arithmetic "$B" "$fx/lora_plain" "$fx/ft_full" -o "$work/recipe" --weights 0.5,0.5 --dtype f32 -q
+run normalized task-arithmetic "$B" "$fx/lora_plain" "$fx/ft_full" -o "$work/normalized" --normalize --dtype f32 -q
+check '"$st_diff" --rel 1e-6 "$work/linear/model.safetensors" "$work/recipe/model.safetensors" >"$work/diff1" 2>&1' \
+  "the recipe of docs/mergekit.md is not mergekit's linear: $(tail -n 5 "$work/diff1" 2>/dev/null)"
+"$st_diff" --rel 1e-3 "$work/linear/model.safetensors" "$work/normalized/model.safetensors" >"$work/diff2" 2>&1
+rc=$?
+check '[ "$rc" -eq 1 ] && grep -q "mlp.down_proj.weight:" "$work/diff2" && ! grep -q "self_attn.q_proj.weight:" "$work/diff2"' \
+  "task-arithmetic --normalize should differ from linear on the tensors the adapter leaves alone only (st_diff exit $rc): $(tail -n 8 "$work/diff2")"
 
 e2e_end
