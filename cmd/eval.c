@@ -1,14 +1,14 @@
 // `llmerge eval MODEL [--adapter DIR] --data FILE [options]`: perplexity of a model (with a LoRA
 // adapter applied, not merged, when --adapter is given) on token data, exp of the mean negative
-// log-likelihood over every next-token prediction of every sequence (METHODS.md "Perplexity").
+// log-likelihood over every next-token prediction of every sequence (docs/eval.md).
 // The result goes to stdout as `perplexity P tokens N` or, with --json, one JSON object; notes,
 // fallbacks, progress and errors go to stderr.
 //
 // Everything that can be checked is checked before the work starts (exit status 2): the
 // options, MODEL (a model directory of a known architecture), the adapter against MODEL, every
 // line of the data file against the vocabulary, the device. The forward pass then runs in
-// packed batches through lm_fwd_runner, which falls back to the CPU as DESIGN.md says; a failure
-// from then on is exit status 1.
+// packed batches through lm_fwd_runner, which falls back to the CPU as
+// docs/design.md "Devices and the fallback contract" says; a failure from then on is exit status 1.
 #include <cJSON.h>
 #include <errno.h>
 #include <inttypes.h>

@@ -1,9 +1,9 @@
 // `llmerge hessian MODEL [--adapter DIR] --calib FILE -o H.safetensors [options]`: the input
 // Hessians H = (2 / n_tokens) Σ x xᵀ of every distinct linear input of MODEL (with a LoRA adapter
-// applied, not merged, when --adapter is given) over the calibration tokens (METHODS.md
-// "Hessians (activation capture)"), written as one safetensors file: a float32 [in, in] tensor
-// per input, named after its first consumer (model.layers.L.self_attn.q_proj, ...o_proj,
-// ...mlp.gate_proj, ...mlp.down_proj), with n_tokens and the inputs in __metadata__.
+// applied, not merged, when --adapter is given) over the calibration tokens (docs/hessian.md),
+// written as one safetensors file: a float32 [in, in] tensor per input, named after its first
+// consumer (model.layers.L.self_attn.q_proj, ...o_proj, ...mlp.gate_proj, ...mlp.down_proj),
+// with n_tokens and the inputs in __metadata__.
 //
 // As in `llmerge eval`: everything that can be checked is checked before the work (exit status
 // 2): the options, MODEL, the adapter, every line of the calibration file, the device, and the

@@ -1,6 +1,6 @@
 // `llmerge ties | dare | dare-ties | task-arithmetic BASE FT [FT...] -o OUT [options]`: the merge
 // commands. One file serves the four methods; argv[0] says which. The command line is the
-// contract of DESIGN.md ("Options every merge takes"): every option there is parsed, also in
+// contract of docs/design.md "Options every merge takes": every option there is parsed, also in
 // the --name=value form, and an unknown one gets a "did you mean".
 //
 // Everything that can be checked is checked before any work starts, and a problem found then

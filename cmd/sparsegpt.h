@@ -26,8 +26,8 @@
 #include "progress.h"
 #include "status.h"
 
-// The damping of METHODS.md: 0.01 · mean(diag H) added to the diagonal (raised tenfold where a
-// Hessian needs it, lm_hess_ucc2_raised).
+// The damping of docs/merging.md "The methods" (sparsegpt): 0.01 · mean(diag H) added to the
+// diagonal (raised tenfold where a Hessian needs it, lm_hess_ucc2_raised).
 #define SGPT_DAMP 0.01
 
 // What the merge command resolved; nothing is copied, all must outlive the lm_cmd_sgpt.

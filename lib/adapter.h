@@ -5,8 +5,9 @@
 // magnitude [out], with its own r, alpha and scale from rank_pattern / alpha_pattern (first key
 // in file order whose regex `(.*\.)?(K)$` matches the module path) and use_rslora. Full tensors
 // saved through modules_to_save replace base tensors whole. Keys map to base names by dropping
-// "base_model.model." and the LoRA suffix. Nothing is expanded: the factors stay views into
-// the mapped file, and a delta is computed only when its tensor is merged.
+// "base_model.model." and the LoRA suffix (docs/formats.md "Adapter keys"). Nothing is
+// expanded: the factors stay views into the mapped file, and a delta is computed only when its
+// tensor is merged.
 //
 // Which modules of a base get LoRA is decided as PEFT decides it when it loads the adapter
 // (lm_adapter_select): target_modules, exclude_modules, modules_to_save, layers_to_transform and

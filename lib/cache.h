@@ -1,4 +1,4 @@
-// The cache under --cache-dir (DESIGN.md: "where Hessians and masks are kept between runs"), so
+// The cache under --cache-dir (docs/hessian.md "The cache": where sparsegpt keeps them), so
 // that a sweep captures each model's Hessians once and selects each FT's top-k masks once. It
 // keeps three kinds of entry, one file each, named KIND-KEY.bin with KEY in hex:
 //
@@ -10,10 +10,10 @@
 //         per input): all sparsegpt's importance needs, a thousandth of the Hessians' size.
 //   mask  one FT's final top-k mask of every tensor it changes, as a bitmap (a bit an element).
 //
-// KEY is xxHash64 of everything the entry depends on (METHODS.md "Hessians and masks are
-// cached ... keyed by xxHash64 of everything they depend on"): the bytes of every model, adapter
-// and calibration file, the caps, and for U_cc² the damping, for masks also the base, the FT,
-// the density and the top-k mode, each with this format's version. A changed input gives
+// KEY is xxHash64 of everything the entry depends on (docs/hessian.md "The cache" lists it per
+// kind): the bytes of every model, adapter and calibration file, the caps, and for U_cc² the
+// damping, for masks also the base, the FT, the density and the top-k mode, each with this
+// format's version. A changed input gives
 // another key, so it can never reach a stale entry; the key is also in the entry's header, so
 // a file renamed to another key is refused.
 //

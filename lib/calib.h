@@ -1,4 +1,4 @@
-// Token data for evaluation and activation capture (METHODS.md "Calibration files"): a `.jsonl`
+// Token data for evaluation and activation capture (docs/eval.md "The data"): a `.jsonl`
 // file with one {"input_ids": [...]} object per line, or a `.txt` file with one sequence per
 // line of token ids separated by spaces or tabs. The format is chosen by the file's extension.
 // Reading is strict, since a silently skipped or mangled sequence would change every result

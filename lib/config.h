@@ -29,7 +29,7 @@ typedef enum lm_arch {
 typedef enum lm_rope_kind {
     LM_ROPE_DEFAULT = 0,  // no scaling (absent, null, or rope_type "default")
     LM_ROPE_LINEAR,       // inv_freq / factor
-    LM_ROPE_LLAMA3,       // Llama 3 frequency-dependent scaling (FORMATS.md)
+    LM_ROPE_LLAMA3,       // Llama 3 frequency-dependent scaling (docs/formats.md "config.json")
     LM_ROPE_OTHER,        // recorded by name (dynamic, yarn, longrope, ...), not computed
 } lm_rope_kind;
 
@@ -99,7 +99,7 @@ const char *lm_arch_name(lm_arch arch);
 
 // The rotary inverse frequencies, in double: inv_freq[i] = rope_theta^(-2i/head_dim) for
 // i < head_dim/2, then scaled as rope_scaling says (linear: / factor; llama3: the formula in
-// FORMATS.md). Writes head_dim/2 values into `out` (the caller's array). Returns
+// docs/formats.md "config.json"). Writes head_dim/2 values into `out` (the caller's array). Returns
 // LM_ERR_UNSUPPORTED naming the rope type for kinds it does not compute, LM_ERR_FORMAT when
 // head_dim is not a positive even number.
 lm_status lm_config_rope_inv_freq(const lm_config *cfg, double *out /* (head_dim/2) */,

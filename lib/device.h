@@ -293,9 +293,9 @@ lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, i
 lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
                                int64_t ties_allowed, int64_t *ties_used, lm_err *err);
 
-// The Hessian importance of METHODS.md for a rows × cols task vector: key[r, c] = float32 of
-// τ[r, c]² / ucc2[c] computed in double, ucc2 (cols doubles, device memory) being U_cc² of the
-// Cholesky factor U of the damped H⁻¹ (lm_hess_ucc2).
+// sparsegpt's Hessian importance (docs/merging.md "The methods") for a rows × cols task vector:
+// key[r, c] = float32 of τ[r, c]² / ucc2[c] computed in double, ucc2 (cols doubles, device
+// memory) being U_cc² of the Cholesky factor U of the damped H⁻¹ (lm_hess_ucc2).
 lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols,
                             lm_err *err);
 
@@ -336,9 +336,9 @@ lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64
 // *out = Σ |x[j]| in double, summed in fixed blocks in a fixed order.
 lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
 
-// The combination of METHODS.md for k task vectors w_tau[i] (each already sparsified and
-// rescaled, not yet weighted) with weights[i]: W_i = weights[i]·w_tau[i]; with an election,
-// Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,
+// The combination of docs/merging.md "The methods" for k task vectors w_tau[i] (each already
+// sparsified and rescaled, not yet weighted) with weights[i]: W_i = weights[i]·w_tau[i]; with an
+// election, Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,
 // Δ = Σ_i W_i and the divisor Σ_i weights[i]; with normalize Δ /= divisor where it is not 0.
 // out = base + lambda·Δ. out may equal base.
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
@@ -399,7 +399,7 @@ lm_status lm_dev_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, 
 // a_i = float32(float32(pos[r]) · inv_freq[i]) for i < head_dim/2 (inv_freq a device array of
 // head_dim/2 floats), c_i = cos a_i, s_i = sin a_i (rounded to float32),
 // x_h[i] ← x_h[i]·c_i − x_h[i + half]·s_i and x_h[i + half] ← x_h[i + half]·c_i + x_h[i]·s_i
-// (q·cos + rotate_half(q)·sin of FORMATS.md).
+// (q·cos + rotate_half(q)·sin of docs/formats.md "The forward pass").
 lm_status lm_dev_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
                       const float *inv_freq, lm_err *err);
 

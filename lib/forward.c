@@ -276,8 +276,9 @@ static lm_status put_arch(fwd_loader *L, const lm_arch_desc *desc, int layer, lm
 
 // ---- DoRA ------------------------------------------------------------------------------------
 // A DoRA layer computes m ⊙ (x Wᵀ + s·(x Aᵀ) Bᵀ) / ‖W + s·B@A‖ per output feature, its bias
-// added after (PEFT's DoraLinearLayer without dropout; the merged weight of METHODS.md). That is
-// the plain LoRA layer with W and B each multiplied row by row by c = m / ‖W + s·B@A‖_row, so c
+// added after (PEFT's DoraLinearLayer without dropout; the merged weight of
+// docs/merging.md "Task vectors"). That is the plain LoRA layer with W and B each multiplied
+// row by row by c = m / ‖W + s·B@A‖_row, so c
 // is computed once while the layer is placed and folded into the placed W and B: the pass itself
 // has no extra step, and a device needs no operation for DoRA besides GEMM. For the embedding
 // (PEFT's DoraEmbeddingLayer) the norm runs down each hidden feature, over the vocabulary, and c

@@ -1,5 +1,5 @@
 // The forward pass of LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM with Hugging
-// Face semantics (FORMATS.md "The forward pass"), written once over the device interface: the
+// Face semantics (docs/formats.md "The forward pass"), written once over the device interface: the
 // same code runs on the CPU, on the simulated device and on any accelerator that fills in the
 // forward-pass operations of lm_dev_i. A model's weights are converted to float32 and placed on
 // the device once (lm_fwd_create); a LoRA adapter is applied without merging, y = x Wᵀ + b +
@@ -19,9 +19,10 @@
 // hidden state that q/k/v read, the attention output that o_proj reads, the normed hidden state
 // that gate/up read and the product that down_proj reads, one row per real token.
 //
-// lm_fwd_runner adds the fallbacks of DESIGN.md on top: weights that do not fit on the device
-// make that model run on the CPU; a batch that does not fit is halved, and a single sequence
-// that still does not fit runs on the CPU while the next batch tries the device again.
+// lm_fwd_runner adds the fallbacks of docs/design.md "Devices and the fallback contract" on top:
+// weights that do not fit on the device make that model run on the CPU; a batch that does not
+// fit is halved, and a single sequence that still does not fit runs on the CPU while the next
+// batch tries the device again.
 #ifndef LM_FORWARD_H
 #define LM_FORWARD_H
 
@@ -113,8 +114,9 @@ lm_status lm_fwd_run(lm_fwd *f, const lm_fwd_seq *seqs, int64_t n_seqs, const lm
 
 // ==== with fallbacks ==========================================================================
 
-// A unit of DESIGN.md's fallback that went elsewhere: the runner's weights or batches, a
-// Hessian's factorisation. Its line reads "fallback: PHASE UNIT on TO (REASON)".
+// A unit of docs/design.md "Devices and the fallback contract" that went elsewhere: the
+// runner's weights or batches, a Hessian's factorisation. Its line reads
+// "fallback: PHASE UNIT on TO (REASON)".
 typedef struct lm_fwd_fallback {
     const char *phase, *unit, *from, *to, *reason;
 } lm_fwd_fallback;

@@ -1,7 +1,7 @@
-// Hessians of the linear layers' inputs, from activation capture (METHODS.md "Hessians
-// (activation capture)"). For every distinct linear input of a model (per layer the input of
-// self_attn.q_proj, shared with k/v; of self_attn.o_proj; of mlp.gate_proj, shared with up; of
-// mlp.down_proj) H = (2 / n_tokens) Σ x xᵀ over every real token of the calibration data (the
+// Hessians of the linear layers' inputs, from activation capture (docs/hessian.md). For every
+// distinct linear input of a model (per layer the input of self_attn.q_proj, shared with k/v;
+// of self_attn.o_proj; of mlp.gate_proj, shared with up; of mlp.down_proj)
+// H = (2 / n_tokens) Σ x xᵀ over every real token of the calibration data (the
 // forward pass packs sequences without padding, so no padding token ever enters a sum).
 //
 // An lm_hess holds one accumulator Σ x xᵀ per (layer, point) and fills it from the hook of the
@@ -12,7 +12,7 @@
 // into a host-side accumulator of its own, and the two are summed in double when the result is
 // read. Accumulation is float32 (the GEMM's), the final sum, scaling and symmetrisation double.
 //
-// The second half is the importance of METHODS.md "Sparsification" (hessian): from H, damped,
+// The second half is sparsegpt's importance (docs/merging.md "The methods"): from H, damped,
 // the upper Cholesky factor U of H⁻¹, and τ_jc² / U_cc² per weight entry (LAPACKE, CPU).
 #ifndef LM_HESSIAN_H
 #define LM_HESSIAN_H
@@ -98,11 +98,11 @@ void lm_hess_release(lm_hess *h, int64_t layer, lm_fwd_point p);
 // feeds (lm_fwd_point_module). Writes into buf; returns buf.
 char *lm_hess_name(char *buf, size_t cap, int64_t layer, lm_fwd_point p);
 
-// ==== importance (METHODS.md "Sparsification", hessian) =======================================
+// ==== importance (docs/merging.md "The methods", sparsegpt) ===================================
 
 // For a linear weight's task vector tau (rows × cols, row-major; cols = the input width) and
 // its input Hessian H (cols × cols, symmetric): a copy of H has its zero diagonal entries set
-// to 1 and damp · mean(diag H) added to its diagonal (METHODS.md: damp = 0.01); U is the upper
+// to 1 and damp · mean(diag H) added to its diagonal (sparsegpt: damp = 0.01); U is the upper
 // Cholesky factor of its inverse (H⁻¹ = Uᵀ U), and imp[j, c] = tau[j, c]² / U[c, c]², in float32
 // (computed in double). Allocates only scratch. LM_ERR_FORMAT when the damped H is not positive
 // definite (its Cholesky factorisation fails), LM_ERR_NOMEM when scratch cannot be allocated.
@@ -122,8 +122,9 @@ lm_status lm_hess_ucc2_on(lm_dev *dev, double *ucc2, const float *H, int64_t col
 
 // lm_hess_ucc2_on with the damping raised tenfold (up to 10⁶ times `damp`) while the damped H
 // is not positive definite, each raise said through note (may be NULL) naming the Hessian
-// `name`. The factorisation is a unit of DESIGN.md's fallback: when it does not fit on dev it
-// runs on the CPU, said through note as "fallback: hessian factor of NAME on cpu (REASON)".
+// `name`. The factorisation is a unit of docs/design.md "Devices and the fallback contract":
+// when it does not fit on dev it runs on the CPU, said through note as
+// "fallback: hessian factor of NAME on cpu (REASON)".
 // The error, when even the largest damping fails, is prefixed with name.
 lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t cols, double damp, const char *name,
                               lm_fwd_note_fn note, void *note_ctx, lm_err *err);

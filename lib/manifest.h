@@ -1,5 +1,5 @@
-// What a merged model directory carries besides its weights (FORMATS.md, "Files a merged model
-// directory carries"): llmerge.json, the record of the run; config.json, the base's with the
+// What a merged model directory carries besides its weights (docs/formats.md "Files a merged
+// model directory carries"): llmerge.json, the record of the run; config.json, the base's with the
 // dtype updated; and the base's tokenizer and generation files, copied.
 //
 // llmerge.json says what was merged and how, so a result can be traced and reproduced:

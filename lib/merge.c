@@ -1,4 +1,4 @@
-// The merge engine: see merge.h for what it does; METHODS.md for the exact semantics.
+// The merge engine: see merge.h for what it does; docs/merging.md for the exact semantics.
 //
 // Per output tensor the engine finds the FTs that touch it (its "parts"), then works in slabs
 // of whole rows through up to three phases:

@@ -1,5 +1,5 @@
 // Merging: task vectors of several fine-tuned inputs (full models or LoRA adapters) against one
-// base, sparsified and combined per METHODS.md, streamed tensor by tensor into a safetensors
+// base, sparsified and combined per docs/merging.md, streamed tensor by tensor into a safetensors
 // writer. The engine never holds a whole model: each base tensor is processed on its own, and a
 // tensor larger than the slab limit is processed in slabs of whole rows (magnitude thresholds
 // then come from exact histogram selection over all slabs, so the result is the same as for
@@ -23,7 +23,7 @@ typedef enum lm_merge_method {
     LM_MERGE_DARE,             // random drop and rescale, summed
     LM_MERGE_DARE_TIES,        // DARE masks with TIES sign election
     LM_MERGE_TASK_ARITHMETIC,  // weighted sum of task vectors
-    LM_MERGE_SPARSEGPT,        // TIES with entries kept by Hessian importance (METHODS.md)
+    LM_MERGE_SPARSEGPT,        // TIES with entries kept by Hessian importance (docs/merging.md)
 } lm_merge_method;
 
 typedef enum lm_sign_rule {
@@ -40,8 +40,8 @@ typedef enum lm_rescale {
 // "sparsegpt").
 const char *lm_merge_method_name(lm_merge_method m);
 
-// Whether the method divides by the sum of weights unless told otherwise (METHODS.md): on for
-// ties and sparsegpt, off for dare, dare-ties and task-arithmetic.
+// Whether the method divides by the sum of weights unless told otherwise (docs/merging.md
+// "Defaults"): on for ties and sparsegpt, off for dare, dare-ties and task-arithmetic.
 bool lm_merge_default_normalize(lm_merge_method m);
 
 typedef struct lm_merge_opts {

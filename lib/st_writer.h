@@ -1,12 +1,13 @@
 // The safetensors writer. Output is laid out exactly as the reference writer and transformers'
 // save_pretrained lay it out: tensors split into shards of at most `max_shard_size` bytes of
-// data with the huggingface_hub rule (FORMATS.md), shard files named model.safetensors or
-// model-00001-of-00003.safetensors, in each shard the tensors sorted by descending dtype (the
-// reference's Dtype order) then by name, compact JSON header with __metadata__ first, padded
-// with spaces to a multiple of 8, and model.safetensors.index.json when there is more than
-// one shard. Because every offset is known from the plan, each shard's header is written when
-// the writer opens and tensor data may then arrive in any order, whole or in parts (pwrite at
-// its offset): a merge streams tensor by tensor and never holds a shard in memory.
+// data with the huggingface_hub rule (docs/formats.md "What llmerge writes"), shard files named
+// model.safetensors or model-00001-of-00003.safetensors, in each shard the tensors sorted by
+// descending dtype (the reference's Dtype order) then by name, compact JSON header with
+// __metadata__ first, padded with spaces to a multiple of 8, and model.safetensors.index.json
+// when there is more than one shard. Because every offset is known from the plan, each shard's
+// header is written when the writer opens and tensor data may then arrive in any order, whole or
+// in parts (pwrite at its offset): a merge streams tensor by tensor and never holds a shard in
+// memory.
 //
 // Tensor data is written with direct I/O (O_DIRECT) by a writer thread: a put copies the bytes
 // into page-aligned blocks of 2 MiB and returns, and the thread writes complete blocks. Copying

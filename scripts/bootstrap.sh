@@ -7,7 +7,8 @@ set -euo pipefail
 pkgs=(cmake make gcc clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev
       libpcre2-dev
       gnuplot-nox  # gnuplot: the plot of examples/sweep
-      strace)      # strace: tests/e2e_robust.sh checks the order of fsync and rename with it
+      strace       # strace: tests/e2e_robust.sh checks the order of fsync and rename with it
+      groff-base)  # groff: tests/e2e_docs.sh renders the man page
 
 missing=()
 for p in "${pkgs[@]}"; do

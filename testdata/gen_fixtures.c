@@ -837,31 +837,44 @@ fail:
     return s;
 }
 
-// calib/: the same 8 sequences (lengths 8 to 32, ids below 256, each starting with BOS = 1)
-// as JSON Lines and as text.
+// `n` token sequences drawn from the stream `seed` (lengths 8 to 32, ids below 256, each
+// starting with BOS = 1), appended as JSON Lines to jl and, when txt is not NULL, as text.
+static void add_sequences(fx_text *jl, fx_text *txt, uint64_t seed, int n)
+{
+    fx_rng r = {seed};
+    for (int line = 0; line < n; line++) {
+        int len = 8 + (int)(rng_u64(&r) % 25);
+        text_add(jl, "{\"input_ids\": [");
+        for (int i = 0; i < len; i++) {
+            int id = i == 0 ? 1 : 3 + (int)(rng_u64(&r) % 253);
+            text_add(jl, i ? ", %d" : "%d", id);
+            if (txt)
+                text_add(txt, i ? " %d" : "%d", id);
+        }
+        text_add(jl, "]}\n");
+        if (txt)
+            text_add(txt, "\n");
+    }
+}
+
+// calib/: the same 8 sequences as JSON Lines and as text (calib.jsonl, calib.txt), and 8 other
+// sequences of the same kind from another stream (heldout.jsonl), to evaluate on data that no
+// calibration saw.
 static lm_status gen_calib(const char *root, lm_err *err)
 {
     lm_status s = LM_OK;
-    fx_text jl = {0}, txt = {0};
+    fx_text jl = {0}, txt = {0}, held = {0};
     char *dir = NULL;
-    fx_rng r = {30};
-    for (int line = 0; line < 8; line++) {
-        int len = 8 + (int)(rng_u64(&r) % 25);
-        text_add(&jl, "{\"input_ids\": [");
-        for (int i = 0; i < len; i++) {
-            int id = i == 0 ? 1 : 3 + (int)(rng_u64(&r) % 253);
-            text_add(&jl, i ? ", %d" : "%d", id);
-            text_add(&txt, i ? " %d" : "%d", id);
-        }
-        text_add(&jl, "]}\n");
-        text_add(&txt, "\n");
-    }
+    add_sequences(&jl, &txt, 30, 8);
+    add_sequences(&held, NULL, 31, 8);
     TRY(fresh_dir(root, "calib", &dir, err));
     TRY(text_save(&jl, dir, "calib.jsonl", err));
     TRY(text_save(&txt, dir, "calib.txt", err));
+    TRY(text_save(&held, dir, "heldout.jsonl", err));
 fail:
     free(jl.p);
     free(txt.p);
+    free(held.p);
     free(dir);
     return s;
 }

@@ -1,6 +1,8 @@
 // A minimal test harness shared by the test programs: CHECK-style assertions that record a
 // failure and go on, and a closing line "N passed, N failed" that ctest's log shows. A test
-// program returns check_report() from main.
+// program returns check_report() from main: it fails when a check failed, and also when no
+// check ran at all, since a test that checked nothing (an early return, a loop over nothing)
+// proves nothing.
 #ifndef LM_TEST_CHECK_H
 #define LM_TEST_CHECK_H
 
@@ -60,6 +62,10 @@ static int check_passed, check_failed;
 static inline int check_report(const char *name)
 {
     printf("%s: %d passed, %d failed\n", name, check_passed, check_failed);
+    if (check_passed + check_failed == 0) {
+        fprintf(stderr, "%s: no check ran: a test that checks nothing fails\n", name);
+        return 1;
+    }
     return check_failed ? 1 : 0;
 }
 

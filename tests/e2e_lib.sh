@@ -6,7 +6,8 @@
 #   expect STATUS NEEDLE ARGS...   llmerge ARGS exits with STATUS and prints NEEDLE
 #   run NAME ARGS... llmerge ARGS succeeds; its stdout in $work/NAME.out, stderr NAME.err
 #   json FILE PATH WANT            the value at PATH of the JSON in FILE is WANT
-#   e2e_end          prints "NAME: P passed, F failed" and fails when F > 0 (the last command)
+#   e2e_end          prints "NAME: P passed, F failed" and fails when F > 0, or when P and F
+#                    are both 0: a test that checked nothing fails (the last command)
 
 e2e_start() {
   e2e_name=$1
@@ -48,5 +49,9 @@ json() {
 
 e2e_end() {
   echo "$e2e_name: $passed passed, $failed failed"
+  if [ $((passed + failed)) -eq 0 ]; then
+    echo "$e2e_name: no check ran: a test that checks nothing fails" >&2
+    return 1
+  fi
   [ "$failed" -eq 0 ]
 }

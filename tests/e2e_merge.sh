@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # End-to-end tests of the merge commands (ties, dare, dare-ties, task-arithmetic) through the
 # binary, on the fixtures: each method runs and its output loads (`llmerge inspect`: check ok);
-# the output directory carries what FORMATS.md lists (shards and index, config.json with the
-# dtype updated, the base's tokenizer and generation files, the model card README.md, whose front
-# matter quotes awkward paths and whose command line makes the same merge again, llmerge.json,
-# and no card with --no-card); llmerge.json's
+# the output directory carries what docs/formats.md "Files a merged model directory carries"
+# lists (shards and index, config.json with the dtype updated, the base's tokenizer and
+# generation files, llmerge.json) and the model card README.md, whose front matter names Hub ids
+# only and whose command line makes the same merge again (no card with --no-card); llmerge.json's
 # per-tensor and input-file hashes equal xxHash64 of the data, computed here by st_hash; the
 # same seed gives byte-identical shards on 1 and 2 threads and another seed changes dare's
 # output; --log-json writes valid JSON Lines; every bad input is exit status 2 with a message

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # End-to-end test of examples/sweep/Makefile on the fixtures, at small size (ties and dare-ties
 # at densities 0.2 and 0.5) with `make -j2`: results.csv has the header and one row per point
-# with a finite positive perplexity and a positive token count; the plot is a PNG (when gnuplot
-# is installed); a second make does nothing and touches no file; a point whose model directory
-# is removed (as after an interrupted run) is redone alone. Then `make install DESTDIR=...`
-# from the top-level Makefile puts the binary and the man page in place.
+# with a finite positive perplexity and a positive token count; the evaluations use the held-out
+# tokens, none of whose sequences is in the calibration file; each llmerge gets the cores
+# divided among make's jobs as --threads; references.csv holds the base's and each input's own
+# perplexity, as `llmerge eval` gives it, and gnuplot is given them as level lines; the plot is
+# a PNG (when gnuplot is installed); a second make does nothing and touches no file; a point
+# whose model directory is removed (as after an interrupted run) is redone alone; the Makefile
+# copied alone into a directory of models runs there, with llmerge from the PATH. Then
+# `make install DESTDIR=...` from the top-level Makefile puts the binary and the man page in
+# place.
 # Usage: e2e_sweep.sh LLMERGE FIXTURES SOURCE_DIR
 set -u
 llmerge=$1 fx=$2 src=$3
@@ -50,6 +55,63 @@ if [ "$(awk -F, 'NR > 1 { print $4 }' "$csv" 2>/dev/null | sort -u | wc -l)" -gt
 fi
 if grep -q '^ties  *0.2  *1 1 1 ' "$work/run1.log"; then ok; else bad "no summary table printed: $(tail -c 800 "$work/run1.log")"; fi
 
+# ---- held-out data: not the calibration tokens -------------------------------------------------
+heldout=$fx/calib/heldout.jsonl
+for p in $points; do
+  m=${p%,*} d=${p#*,}
+  f=$out/eval/$m-d$d-w1_1_1.json
+  check 'grep -qF "\"data\":\"$heldout\"" "$f"' "$f does not evaluate on $heldout: $(cat "$f" 2>&1)"
+done
+# the sequences of a .jsonl file as space-separated ids, one a line, as calib.txt has them
+ids() { sed 's/[^0-9 ,]//g; s/,//g; s/^ *//; s/ *$//' "$1"; }
+check '[ "$(ids "$heldout" | wc -l)" -ge 8 ] && [ -z "$(ids "$heldout" | grep -Fxf "$fx/calib/calib.txt")" ]' \
+  "$heldout does not hold 8 or more sequences, none of them in $fx/calib/calib.txt"
+
+# ---- threads: the cores shared among make's jobs -------------------------------------------------
+cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN)
+# threads_of LOG: the --threads values of the llmerge commands LOG shows, distinct
+threads_of() { grep "^$llmerge " "$1" | sed -n 's/.* --threads \([^ ]*\) .*/\1/p' | sort -u | tr '\n' ' '; }
+want=$((cores / 2)); [ "$want" -ge 1 ] || want=1
+check '[ "$(threads_of "$work/run1.log")" = "$want " ] &&
+       [ "$(grep -c "^$llmerge .* --threads " "$work/run1.log")" -eq 12 ]' \
+  "make -j2 on $cores cores: --threads '$(threads_of "$work/run1.log")' in $(grep -c "^$llmerge .* --threads " \
+  "$work/run1.log") of its commands, wanted $want in each of 12 (4 merges, 4 evaluations, 4 references)"
+
+# ---- references: the base and each input alone, on the same data ---------------------------------
+refs=$out/references.csv
+check '[ "$(head -n 1 "$refs" 2>/dev/null)" = "model,path,perplexity,tokens" ] && [ "$(wc -l <"$refs")" -eq 5 ]' \
+  "references.csv is not a header and 4 rows: $(cat "$refs" 2>&1)"
+# ref NAME PATH EVAL-ARGS...: its row names PATH and has the perplexity and tokens llmerge eval gives
+ref() {
+  local name=$1 path=$2 got want wp wt
+  shift 2
+  got=$(grep "^$name,$path," "$refs" 2>/dev/null)
+  want=$("$llmerge" eval "$@" --data "$heldout" --json -q 2>&1)
+  wp=$(printf '%s' "$want" | sed -n 's/.*"perplexity":\([^,}]*\).*/\1/p')
+  wt=$(printf '%s' "$want" | sed -n 's/.*"tokens":\([^,}]*\).*/\1/p')
+  if [ -n "$got" ] && awk -v row="$got" -v p="$wp" -v t="$wt" 'BEGIN { n = split(row, f, ",")
+        d = f[3] - p; if (d < 0) d = -d; exit !(n == 4 && p > 0 && d <= 1e-6 * p && f[4] == t) }'; then ok; else
+    bad "references.csv row for $name ($path): '$got', where llmerge eval gives $want"
+  fi
+}
+ref base "$fx/base" "$fx/base"
+ref ft1 "$fx/lora_plain" "$fx/base" --adapter "$fx/lora_plain"
+ref ft2 "$fx/lora_rslora" "$fx/base" --adapter "$fx/lora_rslora"
+ref ft3 "$fx/ft_full" "$fx/ft_full"
+check 'grep -q "^base .* $fx/base\$" "$out/summary.txt"' "the summary has no reference rows: $(cat "$out/summary.txt" 2>&1)"
+# the plot draws every reference as a level line: a stand-in gnuplot records how it is called
+printf '%s\n' '#!/bin/sh' 'printf "%s\n" "$@" >"${0%/*}/gnuplot.args"' \
+  'out=$(printf "%s\n" "$2" | sed -n "s/^out='"'"'\([^'"'"']*\)'"'"'.*/\1/p")' 'printf PNG >"$out"' >"$work/gnuplot"
+chmod +x "$work/gnuplot"
+if sweep OUT="$work/sweep-gp" METHODS=ties DENSITIES=0.5 GNUPLOT="$work/gnuplot" >"$work/gp.log" 2>&1; then ok; else
+  bad "the sweep with a stand-in gnuplot failed: $(tail -c 800 "$work/gp.log")"
+fi
+want=$(awk -F, 'NR > 1 { printf "%s%s", s, $3; s = " " }' "$work/sweep-gp/references.csv" 2>/dev/null)
+check 'grep -q "refnames=.base lora_plain lora_rslora ft_full *.;" "$work/gnuplot.args" &&
+       grep -q "refvals=.$want *.\$" "$work/gnuplot.args" && [ -n "$want" ]' \
+  "gnuplot was not given the references ($want): $(cat "$work/gnuplot.args" 2>&1)"
+check 'grep -q "word(refvals, i)" "$(tail -n 1 "$work/gnuplot.args")"' "the plot script draws no refvals"
+
 if command -v gnuplot >/dev/null; then
   if [ "$(head -c 8 "$out/perplexity.png" 2>/dev/null | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ]; then ok; else
     bad "$out/perplexity.png is missing or not a PNG"
@@ -90,6 +152,36 @@ cached=$(grep -c "Hessians of .* from the cache" "$work/sg.log")
 check '[ "$captured" -eq 3 ] && [ "$cached" -eq 3 ]' "sparsegpt sweep: $captured captures and $cached cache reads (want 3 and 3)"
 check '[ "$(grep -c "^sparsegpt," "$sg/results.csv")" -eq 2 ]' "sparsegpt sweep: $(cat "$sg/results.csv" 2>&1)"
 check '[ -n "$(ls "$sg/cache"/ucc2-*.bin 2>/dev/null)" ]' "sparsegpt sweep: no cache entries in $sg/cache"
+# without -j, one job: each llmerge gets every core; THREADS overrides
+check '[ "$(threads_of "$work/sg.log")" = "$cores " ]' "make -j1 on $cores cores: --threads '$(threads_of "$work/sg.log")'"
+if sweep OUT="$work/sweep-t3" METHODS=ties DENSITIES=0.5 THREADS=3 -j2 >"$work/t3.log" 2>&1; then ok; else
+  bad "the sweep with THREADS=3 failed: $(tail -c 800 "$work/t3.log")"
+fi
+check '[ "$(threads_of "$work/t3.log")" = "3 " ]' "THREADS=3: --threads '$(threads_of "$work/t3.log")'"
+
+# ---- the Makefile copied alone next to models ----------------------------------------------------
+copy=$work/mine
+mkdir -p "$copy"
+cp "$src/examples/sweep/Makefile" "$copy/"
+ln -s "$fx/base" "$copy/base" && ln -s "$fx/lora_plain" "$copy/lora" && ln -s "$fx/ft_full" "$copy/full"
+cp "$heldout" "$copy/heldout.jsonl" && cp "$fx/calib/calib.txt" "$copy/calib.txt"
+if (cd "$copy" && PATH="$(dirname "$llmerge"):$PATH" make --no-print-directory -j2 BASE=base FTS="lora full" \
+      DATA=heldout.jsonl CALIB=calib.txt METHODS="ties sparsegpt" DENSITIES=0.5) >"$work/copy.log" 2>&1; then ok; else
+  bad "the Makefile copied to $copy failed: $(tail -c 1500 "$work/copy.log")"
+fi
+check '[ "$(grep -c "^\(ties\|sparsegpt\),0.5,1 1," "$copy/out/results.csv" 2>/dev/null)" -eq 2 ] &&
+       [ "$(grep -c "^\(base,base\|ft1,lora\|ft2,full\)," "$copy/out/references.csv" 2>/dev/null)" -eq 3 ]' \
+  "the copied Makefile's results: $(cat "$copy/out/results.csv" "$copy/out/references.csv" 2>&1)"
+check 'grep -q "^llmerge ties base lora full -o out/models/ties-d0.5-w1_1 " "$work/copy.log"' \
+  "the copied Makefile did not run llmerge from the PATH on the models beside it: $(grep llmerge "$work/copy.log" | head -3)"
+if command -v gnuplot >/dev/null; then
+  check '[ -s "$copy/out/perplexity.png" ]' "the copied Makefile drew no plot: $(tail -c 600 "$work/copy.log")"
+fi
+# a copy that is not told where the models are says so before it runs anything
+(cd "$copy" && make --no-print-directory OUT=out2 >"$work/copy2.log" 2>&1)
+rc=$?
+check '[ "$rc" -ne 0 ] && grep -q "does not exist: set BASE, FTS, DATA" "$work/copy2.log" && [ ! -e "$copy/out2" ]' \
+  "a copy told nothing: $(cat "$work/copy2.log")"
 
 # ---- make install ----------------------------------------------------------------------------
 dest=$work/dest

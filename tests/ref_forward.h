@@ -1,6 +1,7 @@
 // The reference forward pass the forward-pass and Hessian tests compare with: Hugging Face's
 // semantics written out in double precision, one sequence at a time, with plain loops straight
-// from FORMATS.md and nothing shared with lib/forward.c, so the two cannot agree by sharing a
+// from docs/formats.md "The forward pass" and nothing shared with lib/forward.c, so the two
+// cannot agree by sharing a
 // mistake. Also the fixture helpers both tests use. For test programs only (static functions;
 // each includes it once). The program sets `fixtures` to the fixtures directory before calling
 // fx.
@@ -71,7 +72,7 @@ static double *st_d(const lm_st_tensor *t)
     return d;
 }
 
-// The DoRA weight of METHODS.md merged explicitly, in place over W (out, in):
+// The DoRA weight of docs/merging.md "Task vectors" merged explicitly, in place over W (out, in):
 // W ← m ⊙ (W + s·B@A) / ‖W + s·B@A‖, the norm per row o of B@A ([out, in]), whose element
 // (o, i) is at W[o·so + i·si] (a linear weight: so = in, si = 1; an embedding table stored
 // transposed: so = 1, si = out).

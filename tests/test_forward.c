@@ -1,6 +1,7 @@
 // Tests of the forward pass (lib/forward.c) and its device operations. The reference is a naive
-// forward pass written here in double, loop by loop from FORMATS.md ("config.json", "The forward
-// pass") and the PEFT rules of adapter.h, sharing no code with lib/forward.c: it reads the
+// forward pass written here in double, loop by loop from docs/formats.md "config.json" and
+// docs/formats.md "The forward pass", and the PEFT rules of adapter.h, sharing no code with
+// lib/forward.c: it reads the
 // tensors itself and computes its own rotary frequencies (also the Llama 3 scaling). Against it,
 // on the generated fixtures (LLMERGE_FIXTURES): the Llama base (BF16, two shards) alone and
 // with three adapters (plain LoRA; rsLoRA on all seven linears with rank and alpha patterns;

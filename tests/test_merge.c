@@ -1,4 +1,4 @@
-// Tests of the merge engine (lib/merge.c) against METHODS.md, computed here independently in
+// Tests of the merge engine (lib/merge.c) against docs/merging.md, computed here independently in
 // double with naive loops: every task-vector rule of LoRA adapters (alpha / r, rslora,
 // rank_pattern / alpha_pattern first match in file order, fan_in_fan_out, lora_bias, DoRA,
 // embedding LoRA, modules_to_save) and of full models; a tensor an FT does not touch taking no
@@ -485,7 +485,7 @@ static bool same_output(const lm_st_file *a, const lm_st_file *b)
     return true;
 }
 
-// ==== the reference: METHODS.md in double =====================================================
+// ==== the reference: docs/merging.md in double ================================================
 
 // τ = s · B @ A with A [r, in], B [out, r] as [out, in], or its transpose [in, out] (fan_in_fan_out,
 // embeddings). mag gets s · Σ|B||A|, the scale of float32 rounding.

@@ -386,7 +386,7 @@ static void test_config_errors(void)
 
 // ==== rope ====================================================================================
 
-// The reference, written from FORMATS.md independently of the code under test.
+// The reference, written from docs/formats.md "config.json" independently of the code under test.
 static double ref_llama3(double theta, int d, int i, double factor, double low, double high, double orig)
 {
     double f = 1.0 / pow(theta, 2.0 * i / d);

@@ -1,5 +1,6 @@
 // Tests of the safetensors reader. Valid files of every kind are accepted; then each defect of
-// FORMATS.md is made by editing one valid seed file (its header text or its byte counts), and
+// docs/formats.md "safetensors files" is made by editing one valid seed file (its header text
+// or its byte counts), and
 // each broken file must fail with LM_ERR_FORMAT and a message naming the defect, both from
 // memory and from a file on disk. `test_safetensors --write-corpus DIR` writes the broken
 // files out instead, as the fuzzer's seed corpus.
