@@ -666,6 +666,12 @@ static lm_status read_calib(merge_run *r, lm_err *err)
         if (s != LM_OK)
             return lm_err_prefix(err, "FT %d (%s)", i + 1, r->fts[i]->path);
     }
+    // with --hessian-from base the forward pass runs BASE itself, whatever the FTs are
+    if (a->hessian_from_base) {
+        lm_status s = lm_fwd_check(r->base, NULL, err);
+        if (s != LM_OK)
+            return lm_err_prefix(err, "BASE %s (--hessian-from base)", a->base);
+    }
     return LM_OK;
 }
 

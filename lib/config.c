@@ -166,9 +166,12 @@ static lm_status parse_rope_scaling(cfg_ctx *c, lm_config *cfg, const cJSON *obj
                                     const char *prefix)
 {
     lm_rope_scaling *rs = &cfg->rope_scaling;
+    bool params = strcmp(prefix, "rope_parameters.") == 0;
     lm_status s = get_str(c, obj, prefix, "rope_type", &rs->type);
-    if (s == LM_OK && !rs->type)
-        s = get_str(c, obj, prefix, "type", &rs->type);
+    if (s == LM_OK && rs->type)
+        rs->type_key = params ? "rope_parameters.rope_type" : "rope_scaling.rope_type";
+    if (s == LM_OK && !rs->type && (s = get_str(c, obj, prefix, "type", &rs->type)) == LM_OK && rs->type)
+        rs->type_key = params ? "rope_parameters.type" : "rope_scaling.type";
     if (s != LM_OK)
         return s;
     if (!rs->type || strcmp(rs->type, "default") == 0)
@@ -260,16 +263,26 @@ static lm_status parse_rope(cfg_ctx *c, lm_config *cfg, const cJSON *root)
     return LM_OK;
 }
 
+lm_status lm_config_rope_check(const lm_config *cfg, lm_err *err)
+{
+    const lm_rope_scaling *rs = &cfg->rope_scaling;
+    if (rs->kind != LM_ROPE_OTHER)
+        return LM_OK;
+    return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: key '%s': rope scaling type '%s' is not supported "
+                      "(the forward pass computes default, linear and llama3)", cfg->path ? cfg->path : "config",
+                      rs->type_key ? rs->type_key : "rope_scaling.rope_type", rs->type ? rs->type : "?");
+}
+
 lm_status lm_config_rope_inv_freq(const lm_config *cfg, double *out, lm_err *err)
 {
     int64_t d = cfg->head_dim;
     if (d <= 0 || d % 2 != 0)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: head_dim %lld is not a positive even number",
                           cfg->path ? cfg->path : "config", (long long)d);
+    lm_status s = lm_config_rope_check(cfg, err);
+    if (s != LM_OK)
+        return s;
     const lm_rope_scaling *rs = &cfg->rope_scaling;
-    if (rs->kind == LM_ROPE_OTHER)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: rope scaling type '%s' is not supported",
-                          cfg->path ? cfg->path : "config", rs->type ? rs->type : "?");
     for (int64_t i = 0; i < d / 2; i++)
         out[i] = 1.0 / pow(cfg->rope_theta, (double)(2 * i) / (double)d);
     if (rs->kind == LM_ROPE_LINEAR) {

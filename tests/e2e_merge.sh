@@ -429,6 +429,20 @@ expect 2 "one --calib file" sparsegpt "$B" "$lp" "$ff" -o "$x" --calib "$cj" --c
 expect 2 "use ft or base" sparsegpt "$B" "$lp" -o "$x" --calib "$cj" --hessian-from mine
 expect 2 "--seq-len" sparsegpt "$B" "$lp" -o "$x" --calib "$cj" --seq-len 0
 no_output "$x"
+# a rope scaling the forward pass does not compute (yarn): refused before any work, naming the
+# file and the key, whichever model the Hessians come from; merges that run no model take it
+copy() { rm -rf "$2" && cp -r "$1" "$2"; }
+yarn='"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}'
+copy "$ff" "$work/yarn_ft" && sed -i "s/\"rope_scaling\": null/$yarn/" "$work/yarn_ft/config.json"
+copy "$B" "$work/yarn_base" && sed -i "s/\"rope_scaling\": null/$yarn/" "$work/yarn_base/config.json"
+for args in "$B $work/yarn_ft" "$work/yarn_base $lp" "$work/yarn_base $ff --hessian-from base"; do
+  set -- $args
+  expect 2 "config.json: key 'rope_scaling.rope_type': rope scaling type 'yarn' is not supported" \
+    sparsegpt "$@" -o "$x" --calib "$cj" --cache-dir "$work/yarn-cache"
+  check '! grep -q "Hessians of" "$work/out"' "sparsegpt $args: the yarn config was refused after the work started"
+  no_output "$x"
+done
+merge ties "$B" "$work/yarn_ft" -o "$work/yarn_merged"
 expect 0 "--calib has no effect on ties" ties "$B" "$lp" -o "$work/sgpt-note" --calib "$cj"
 expect 0 "--hessian-from ft|base" sparsegpt --help
 check 'grep -q -- "--sticky-fallback" "$work/out"' "sparsegpt --help lacks --sticky-fallback"
