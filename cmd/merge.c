@@ -256,8 +256,8 @@ static void usage(FILE *out, const method_info *m)
             m->method != LM_MERGE_SPARSEGPT ? "" :
             "\nHessians (sparsegpt):\n"
             "  --calib FILE           calibration data, .jsonl ({\"input_ids\": [...]} per line) or\n"
-            "                         .txt (space-separated ids per line): once for every FT, or\n"
-            "                         once per FT in FT order (required)\n"
+            "                         .txt (space-separated ids per line), a regular file: once for\n"
+            "                         every FT, or once per FT in FT order (required)\n"
             "  --calib-samples N      at most the first N sequences of each file (default: all)\n"
             "  --seq-len L            longer sequences are cut to L tokens (default: the model's\n"
             "                         max_position_embeddings)\n"

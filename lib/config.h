@@ -6,8 +6,10 @@
 // architecture still parses: what is present is recorded and type-checked, the architecture is
 // marked unknown, and merging (which works on whatever tensors a model has) goes on. Both the
 // old key names (torch_dtype, top-level rope_theta/rope_scaling) and the new ones of recent
-// transformers (dtype, rope_parameters) are read. Errors are LM_ERR_FORMAT naming the file and
-// the key.
+// transformers (dtype, rope_parameters) are read. The text goes through the one JSON reader
+// (json.h). Errors are LM_ERR_FORMAT naming the file and the key: a wrong type, or a number
+// beyond what the key takes ("key 'hidden_size': 9223372036854775808 is out of range (at most
+// 9007199254740992)").
 #ifndef LM_CONFIG_H
 #define LM_CONFIG_H
 
