@@ -269,8 +269,8 @@ static void usage(FILE *out, const method_info *m)
             m->method != LM_MERGE_SPARSEGPT ? "" :
             "\nHessians (sparsegpt):\n"
             "  --calib FILE           calibration data, .jsonl ({\"input_ids\": [...]} per line) or\n"
-            "                         .txt (space-separated ids per line): once for every FT, or\n"
-            "                         once per FT in FT order (required)\n"
+            "                         .txt (space-separated ids per line), a regular file: once for\n"
+            "                         every FT, or once per FT in FT order (required)\n"
             "  --calib-samples N      at most the first N sequences of each file (default: all)\n"
             "  --seq-len L            longer sequences are cut to L tokens (default: the model's\n"
             "                         max_position_embeddings)\n"
@@ -699,6 +699,12 @@ static lm_status read_calib(merge_run *r, lm_err *err)
         lm_status s = lm_fwd_check(r->fts[i]->model ? r->fts[i]->model : r->base, r->fts[i]->adapter, err);
         if (s != LM_OK)
             return lm_err_prefix(err, "FT %d (%s)", i + 1, r->fts[i]->path);
+    }
+    // with --hessian-from base the forward pass runs BASE itself, whatever the FTs are
+    if (a->hessian_from_base) {
+        lm_status s = lm_fwd_check(r->base, NULL, err);
+        if (s != LM_OK)
+            return lm_err_prefix(err, "BASE %s (--hessian-from base)", a->base);
     }
     return LM_OK;
 }

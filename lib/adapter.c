@@ -18,6 +18,8 @@
 #include <strings.h>
 #include <sys/stat.h>
 
+#include "json.h"
+
 #define ADAPTER_CONFIG_MAX_BYTES (16u << 20)
 
 static const char *const KEY_PREFIX = "base_model.model.";
@@ -479,26 +481,13 @@ lm_status lm_lora_config_parse(lm_lora_config *cfg, const char *json, size_t len
     memset(cfg, 0, sizeof *cfg);
     if (!(cfg->path = lm_strdup(label)))
         return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", label);
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(json, len, &end, false);
-    lm_status s = LM_OK;
-    if (!root) {
-        size_t at = end && end >= json ? (size_t)(end - json) : 0;
-        s = lm_err_set(err, LM_ERR_FORMAT, "%s: not valid JSON (near byte %zu)", label, at);
-    } else if (!cJSON_IsObject(root)) {
+    cJSON *root = NULL;
+    lm_status s = lm_json_parse(&root, json, len, label, err);
+    if (s == LM_OK && !cJSON_IsObject(root))
         s = lm_err_set(err, LM_ERR_FORMAT, "%s: expected a JSON object, found %s", label,
                        json_kind(root));
-    } else {
-        for (const char *p = end; p && p < json + len; p++) {
-            if (*p != ' ' && *p != '\n' && *p != '\r' && *p != '\t') {
-                s = lm_err_set(err, LM_ERR_FORMAT, "%s: text after the JSON value (byte %td)",
-                               label, p - json);
-                break;
-            }
-        }
-        if (s == LM_OK)
-            s = parse_lora_root(cfg, root, label, err);
-    }
+    else if (s == LM_OK)
+        s = parse_lora_root(cfg, root, label, err);
     cJSON_Delete(root);
     if (s != LM_OK)
         lm_lora_config_free(cfg);

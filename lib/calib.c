@@ -8,7 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <unistd.h>
 
+#include "json.h"
 #include "util.h"
 
 typedef struct reader {
@@ -125,22 +127,27 @@ static lm_status parse_txt(reader *r, const char *s, size_t len)
 static lm_status parse_jsonl(reader *r, const char *s, size_t len)
 {
     const char *path = r->c->path;
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(s, len, &end, false);
-    lm_status st = LM_OK;
-    if (!root) {
-        const char *at = cJSON_GetErrorPtr();
-        size_t col = at && at >= s && at <= s + len ? (size_t)(at - s) + 1 : 1;
-        return lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": invalid JSON near column %zu (" JSONL_SHAPE ")",
-                          path, r->line, col);
+    cJSON *root = NULL;
+    lm_json_error e;
+    lm_status st = lm_json_parse_detail(&root, s, len, &e);
+    if (st == LM_ERR_NOMEM)
+        return oom(r);
+    if (st != LM_OK) {
+        // the line is one JSON text: its column is the file's
+        if (e.defect == LM_JSON_SYNTAX)
+            return lm_err_set(r->err, st, "%s:%" PRId64 ": invalid JSON near column %" PRId64 ": %s (" JSONL_SHAPE ")",
+                              path, r->line, e.column, e.what);
+        if (e.defect == LM_JSON_TRAILING)
+            return lm_err_set(r->err, st, "%s:%" PRId64 ": text after the JSON value at column %" PRId64 " (one object "
+                              "per line)", path, r->line, e.column);
+        char first[48] = "";
+        if (e.first_column)
+            snprintf(first, sizeof first, " (first at column %" PRId64 ")", e.first_column);
+        return lm_err_set(r->err, st, "%s:%" PRId64 ": column %" PRId64 ": %s%s", path, r->line, e.column, e.what,
+                          first);
     }
-    while (end && end < s + len && (*end == ' ' || *end == '\t'))
-        end++;
     const cJSON *ids = cJSON_GetObjectItemCaseSensitive(root, "input_ids");
-    if (end && end < s + len) {
-        st = lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": text after the JSON value at column %zu (one object "
-                        "per line)", path, r->line, (size_t)(end - s) + 1);
-    } else if (!cJSON_IsObject(root)) {
+    if (!cJSON_IsObject(root)) {
         st = lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": not a JSON object (" JSONL_SHAPE ")", path, r->line);
     } else if (!ids) {
         st = lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": no \"input_ids\" key (" JSONL_SHAPE ")", path,
@@ -189,9 +196,17 @@ lm_status lm_calib_load(lm_calib *c, const char *path, const lm_calib_opts *o, l
         return lm_err_set(err, LM_ERR_FORMAT, "%s: unknown data format: expected a .jsonl file (one "
                           "{\"input_ids\": [...]} per line) or a .txt file (one sequence of token ids per line)",
                           path);
-    FILE *fp = fopen(path, "rb");
-    if (!fp)
-        return lm_err_set(err, errno == ENOENT ? LM_ERR_NOT_FOUND : LM_ERR_IO, "%s: %s", path, strerror(errno));
+    // a FIFO, socket or device is refused before anything is read (a FIFO would block an open)
+    int fd;
+    lm_status os = lm_open_regular(path, &fd, err);
+    if (os != LM_OK)
+        return os;
+    FILE *fp = fdopen(fd, "rb");
+    if (!fp) {
+        lm_status fs = lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
+        close(fd);
+        return fs;
+    }
     if (!(c->path = lm_strdup(path))) {
         fclose(fp);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");

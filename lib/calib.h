@@ -1,6 +1,7 @@
 // Token data for evaluation and activation capture (docs/eval.md "The data"): a `.jsonl`
-// file with one {"input_ids": [...]} object per line, or a `.txt` file with one sequence per
-// line of token ids separated by spaces or tabs. The format is chosen by the file's extension.
+// file with one {"input_ids": [...]} object per line (each line read by the one JSON reader,
+// json.h), or a `.txt` file with one sequence per line of token ids separated by spaces or
+// tabs. The format is chosen by the file's extension.
 // Reading is strict, since a silently skipped or mangled sequence would change every result
 // computed from the file: a malformed line, an empty sequence, an id that is not a whole
 // number in [0, 2^31) or, when the vocabulary size is given, not below it, is LM_ERR_FORMAT
@@ -37,7 +38,9 @@ typedef struct lm_calib {
 // lm_calib_free; on failure nothing needs freeing (lm_calib_free is still safe) and err says
 // what is wrong: LM_ERR_FORMAT "PATH:LINE: ..." for bad content (also a file without any
 // sequence or with an extension other than .jsonl or .txt), LM_ERR_NOT_FOUND for a missing
-// file, LM_ERR_USAGE for a directory, LM_ERR_IO when reading fails.
+// file, LM_ERR_USAGE for a directory, FIFO, socket or device ("PATH is a FIFO, not a regular
+// file": refused before anything is read, without waiting on a FIFO), LM_ERR_IO when reading
+// fails.
 lm_status lm_calib_load(lm_calib *c, const char *path, const lm_calib_opts *o, lm_err *err);
 
 // Frees and zeroes; safe on a zeroed calib and twice.

@@ -1,5 +1,6 @@
-// config.json parsing: see config.h. The JSON is parsed with cJSON; each key goes through one
-// typed getter that turns a wrong type into an LM_ERR_FORMAT naming the file and key. For an
+// config.json parsing: see config.h. The JSON is read by the one JSON reader (json.h) into a
+// cJSON tree; each key goes through one typed getter that turns a wrong type, or a number out
+// of the key's range, into an LM_ERR_FORMAT naming the file and key. For an
 // unknown architecture the getters are lenient (a key of an unexpected type is skipped as if
 // absent), because such configs may use the same names for other things (lists of per-layer
 // sizes, for instance) and merging must still work on their tensors.
@@ -11,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "json.h"
 #include "util.h"
 
 #define CONFIG_MAX_BYTES (16u << 20)  // a config.json is a few KiB; refuse absurd files
@@ -23,22 +25,25 @@ typedef struct cfg_ctx {
     lm_err *err;
 } cfg_ctx;
 
-static const char *json_kind(const cJSON *v)
-{
-    if (cJSON_IsNull(v)) return "null";
-    if (cJSON_IsBool(v)) return "a boolean";
-    if (cJSON_IsNumber(v)) return "a number";
-    if (cJSON_IsString(v)) return "a string";
-    if (cJSON_IsArray(v)) return "an array";
-    if (cJSON_IsObject(v)) return "an object";
-    return "invalid";
-}
-
 static lm_status bad_key(cfg_ctx *c, const char *prefix, const char *key, const char *want,
                          const cJSON *v)
 {
     return lm_err_set(c->err, LM_ERR_FORMAT, "%s: key '%s%s' must be %s, not %s", c->label,
-                      prefix, key, want, json_kind(v));
+                      prefix, key, want, lm_json_kind(v));
+}
+
+#define INT_LIMIT 9007199254740992.0  // 2^53: beyond it a double skips integers
+
+// A whole number beyond what an integer key takes: said as out of range, quoting the file.
+static lm_status out_of_range(cfg_ctx *c, const char *prefix, const char *key, const cJSON *v)
+{
+    char shown[64];
+    const char *text = lm_json_number_text(v);
+    if (!text)
+        snprintf(shown, sizeof shown, "%.17g", v->valuedouble);
+    return lm_err_set(c->err, LM_ERR_FORMAT, "%s: key '%s%s': %s is out of range (%s %.0f)", c->label, prefix,
+                      key, text ? text : shown, v->valuedouble > 0 ? "at most" : "at least",
+                      v->valuedouble > 0 ? INT_LIMIT : -INT_LIMIT);
 }
 
 // The item for `key` in `obj`, or NULL when absent or null.
@@ -53,7 +58,7 @@ static bool is_integer(const cJSON *v)
     if (!cJSON_IsNumber(v))
         return false;
     double d = v->valuedouble;
-    return isfinite(d) && d == floor(d) && fabs(d) <= 9007199254740992.0;  // 2^53
+    return isfinite(d) && d == floor(d) && fabs(d) <= INT_LIMIT;
 }
 
 // Reads an integer key. *present says whether it was there (not null); *out is left alone
@@ -65,6 +70,8 @@ static lm_status get_int(cfg_ctx *c, const cJSON *obj, const char *prefix, const
     const cJSON *v = item(obj, key);
     if (!v)
         return LM_OK;
+    if (!is_integer(v) && cJSON_IsNumber(v) && fabs(v->valuedouble) > INT_LIMIT)
+        return c->strict ? out_of_range(c, prefix, key, v) : LM_OK;
     if (!is_integer(v))
         return c->strict ? bad_key(c, prefix, key, "an integer", v) : LM_OK;
     *out = (int64_t)v->valuedouble;
@@ -166,9 +173,12 @@ static lm_status parse_rope_scaling(cfg_ctx *c, lm_config *cfg, const cJSON *obj
                                     const char *prefix)
 {
     lm_rope_scaling *rs = &cfg->rope_scaling;
+    bool params = strcmp(prefix, "rope_parameters.") == 0;
     lm_status s = get_str(c, obj, prefix, "rope_type", &rs->type);
-    if (s == LM_OK && !rs->type)
-        s = get_str(c, obj, prefix, "type", &rs->type);
+    if (s == LM_OK && rs->type)
+        rs->type_key = params ? "rope_parameters.rope_type" : "rope_scaling.rope_type";
+    if (s == LM_OK && !rs->type && (s = get_str(c, obj, prefix, "type", &rs->type)) == LM_OK && rs->type)
+        rs->type_key = params ? "rope_parameters.type" : "rope_scaling.type";
     if (s != LM_OK)
         return s;
     if (!rs->type || strcmp(rs->type, "default") == 0)
@@ -260,16 +270,26 @@ static lm_status parse_rope(cfg_ctx *c, lm_config *cfg, const cJSON *root)
     return LM_OK;
 }
 
+lm_status lm_config_rope_check(const lm_config *cfg, lm_err *err)
+{
+    const lm_rope_scaling *rs = &cfg->rope_scaling;
+    if (rs->kind != LM_ROPE_OTHER)
+        return LM_OK;
+    return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: key '%s': rope scaling type '%s' is not supported "
+                      "(the forward pass computes default, linear and llama3)", cfg->path ? cfg->path : "config",
+                      rs->type_key ? rs->type_key : "rope_scaling.rope_type", rs->type ? rs->type : "?");
+}
+
 lm_status lm_config_rope_inv_freq(const lm_config *cfg, double *out, lm_err *err)
 {
     int64_t d = cfg->head_dim;
     if (d <= 0 || d % 2 != 0)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: head_dim %lld is not a positive even number",
                           cfg->path ? cfg->path : "config", (long long)d);
+    lm_status s = lm_config_rope_check(cfg, err);
+    if (s != LM_OK)
+        return s;
     const lm_rope_scaling *rs = &cfg->rope_scaling;
-    if (rs->kind == LM_ROPE_OTHER)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: rope scaling type '%s' is not supported",
-                          cfg->path ? cfg->path : "config", rs->type ? rs->type : "?");
     for (int64_t i = 0; i < d / 2; i++)
         out[i] = 1.0 / pow(cfg->rope_theta, (double)(2 * i) / (double)d);
     if (rs->kind == LM_ROPE_LINEAR) {
@@ -433,25 +453,13 @@ lm_status lm_config_parse(lm_config *cfg, const char *json, size_t len, const ch
     if (!(cfg->path = lm_strdup(label)))
         return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", label);
 
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(json, len, &end, false);
-    lm_status s = LM_OK;
-    if (!root) {
-        size_t at = end && end >= json ? (size_t)(end - json) : 0;
-        s = lm_err_set(err, LM_ERR_FORMAT, "%s: not valid JSON (near byte %zu)", label, at);
+    cJSON *root = NULL;
+    lm_status s = lm_json_parse(&root, json, len, label, err);
+    if (s != LM_OK)
         goto fail;
-    }
-    // Only whitespace may follow the value.
-    for (const char *p = end; p && p < json + len; p++) {
-        if (*p != ' ' && *p != '\n' && *p != '\r' && *p != '\t') {
-            s = lm_err_set(err, LM_ERR_FORMAT, "%s: text after the JSON value (byte %td)", label,
-                           p - json);
-            goto fail;
-        }
-    }
     if (!cJSON_IsObject(root)) {
         s = lm_err_set(err, LM_ERR_FORMAT, "%s: expected a JSON object, found %s", label,
-                       json_kind(root));
+                       lm_json_kind(root));
         goto fail;
     }
     cfg_ctx c = {.label = label, .strict = false, .err = err};

@@ -6,8 +6,10 @@
 // architecture still parses: what is present is recorded and type-checked, the architecture is
 // marked unknown, and merging (which works on whatever tensors a model has) goes on. Both the
 // old key names (torch_dtype, top-level rope_theta/rope_scaling) and the new ones of recent
-// transformers (dtype, rope_parameters) are read. Errors are LM_ERR_FORMAT naming the file and
-// the key.
+// transformers (dtype, rope_parameters) are read. The text goes through the one JSON reader
+// (json.h). Errors are LM_ERR_FORMAT naming the file and the key: a wrong type, or a number
+// beyond what the key takes ("key 'hidden_size': 9223372036854775808 is out of range (at most
+// 9007199254740992)").
 #ifndef LM_CONFIG_H
 #define LM_CONFIG_H
 
@@ -36,6 +38,8 @@ typedef enum lm_rope_kind {
 typedef struct lm_rope_scaling {
     lm_rope_kind kind;
     char *type;                    // the "rope_type" (or older "type") as written; NULL if none
+    const char *type_key;          // the key it came from ("rope_scaling.rope_type", ...; a
+                                   // static string), NULL if none
     double factor;                 // 0 when absent
     double low_freq_factor;        // llama3
     double high_freq_factor;       // llama3
@@ -96,6 +100,12 @@ void lm_config_free(lm_config *cfg);
 
 // The architectures[0] name of a known architecture ("LlamaForCausalLM"), or "unknown".
 const char *lm_arch_name(lm_arch arch);
+
+// Checks that the rope scaling is one lm_config_rope_inv_freq computes (none, linear or
+// llama3): LM_ERR_UNSUPPORTED naming the file and the key that gives its type otherwise (yarn,
+// dynamic, longrope, ...). A model is checked with this when it is opened for a forward pass,
+// before any work (lm_fwd_check).
+lm_status lm_config_rope_check(const lm_config *cfg, lm_err *err);
 
 // The rotary inverse frequencies, in double: inv_freq[i] = rope_theta^(-2i/head_dim) for
 // i < head_dim/2, then scaled as rope_scaling says (linear: / factor; llama3: the formula in

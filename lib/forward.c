@@ -635,6 +635,8 @@ lm_status lm_fwd_check(const lm_model *m, const lm_adapter *a, lm_err *err)
     if (cfg->arch == LM_ARCH_QWEN2 && cfg->use_sliding_window && cfg->sliding_window > 0)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: use_sliding_window (Qwen2's sliding window from layer "
                           "max_window_layers on) is not supported by the forward pass", cfg->path);
+    if ((s = lm_config_rope_check(cfg, err)) != LM_OK)
+        return s;
     if (a && (s = check_adapter(a, NULL, NULL, true, err)) == LM_OK)
         s = lm_adapter_validate(a, m, err);
     return s;

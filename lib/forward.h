@@ -80,8 +80,9 @@ lm_status lm_fwd_device_ok(lm_dev *d, lm_err *err);
 // Checks, allocating nothing, that the forward pass can run model `m` with adapter `a` (may be
 // NULL): m is a known architecture whose tensors pass lm_model_check, a fits m
 // (lm_adapter_validate) and is not DoRA with fan_in_fan_out, and m does not use Qwen2's
-// per-layer sliding window (LM_ERR_UNSUPPORTED; Mistral's sliding window is applied).
-// lm_fwd_create checks the same.
+// per-layer sliding window or a rope scaling other than linear and llama3 (LM_ERR_UNSUPPORTED
+// naming config.json and the key; Mistral's sliding window is applied). lm_fwd_create checks
+// the same.
 lm_status lm_fwd_check(const lm_model *m, const lm_adapter *a, lm_err *err);
 
 // Places model `m` (a known architecture whose tensors pass lm_model_check) and, when `a` is not

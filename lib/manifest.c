@@ -14,6 +14,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "json.h"
 #include "util.h"
 
 static lm_status nomem(lm_err *err) { return lm_err_set(err, LM_ERR_NOMEM, "out of memory"); }
@@ -498,6 +499,14 @@ lm_status lm_manifest_write_config(const char *base_path, const char *out_path, 
     lm_status s = lm_read_file(base_path, 64u << 20, &text, &n, err);
     if (s != LM_OK)
         return s;
+    // The splice below finds the members of text that is JSON: the one reader says so first
+    // (opening the model read the same file with it already).
+    cJSON *parsed = NULL;
+    if ((s = lm_json_parse(&parsed, text, n, base_path, err)) != LM_OK) {
+        free(text);
+        return s;
+    }
+    cJSON_Delete(parsed);
     json_member *mem = NULL;
     size_t n_mem = 0, cap = 0;
     lm_buf out = {0};
@@ -595,9 +604,11 @@ lm_status lm_manifest_write_config(const char *base_path, const char *out_path, 
         goto done;
     }
     // The splice keeps the text valid JSON; check it all the same before writing.
-    cJSON *check = cJSON_ParseWithLength(out.p, out.len);
-    if (!check) {
-        s = lm_err_set(err, LM_ERR_FORMAT, "%s: the updated config is not valid JSON", base_path);
+    cJSON *check = NULL;
+    lm_err cerr = {0};
+    if ((s = lm_json_parse(&check, out.p, out.len, out_path, &cerr)) != LM_OK) {
+        s = s == LM_ERR_NOMEM ? nomem(err)
+                              : lm_err_set(err, s, "%s: the updated config is not valid JSON: %s", base_path, cerr.msg);
         goto done;
     }
     cJSON_Delete(check);

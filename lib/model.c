@@ -4,9 +4,13 @@
 #include "model.h"
 
 #include <cJSON.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+
+#include "json.h"
 
 #define INDEX_MAX_BYTES (256u << 20)  // an index of a huge model is a few MiB
 
@@ -15,8 +19,10 @@ static const char *const INDEX_NAME = "model.safetensors.index.json";
 
 // ==== opening the weights =====================================================================
 
-// Appends one shard (file name and path copied) and opens it; a missing file is LM_ERR_FORMAT
-// when an index named it (`listed_by`, holding `example` tensor), as the index is then wrong.
+// Appends one shard (file name and path copied) and opens it. When an index named it
+// (`listed_by`, holding `example` tensor) a file that is missing, or is not a regular file (a
+// directory, a FIFO: named as what it is, and never opened), is LM_ERR_FORMAT, as the index is
+// then wrong.
 static lm_status add_shard(lm_model *m, const char *file, const char *listed_by,
                            const char *example, lm_err *err)
 {
@@ -27,10 +33,22 @@ static lm_status add_shard(lm_model *m, const char *file, const char *listed_by,
     m->n_shards++;
     if (!sh->file || !sh->path)
         return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", m->dir);
-    if (listed_by && !lm_is_file(sh->path))
-        return lm_err_set(err, LM_ERR_FORMAT,
-                          "%s: shard '%s' (holding tensor '%s') is missing: %s does not exist",
-                          listed_by, file, example, sh->path);
+    struct stat st;
+    if (listed_by) {
+        if (stat(sh->path, &st) != 0) {
+            if (errno == ENOENT)
+                return lm_err_set(err, LM_ERR_FORMAT,
+                                  "%s: shard '%s' (holding tensor '%s') is missing: %s does not exist",
+                                  listed_by, file, example, sh->path);
+        } else if (S_ISDIR(st.st_mode)) {
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: shard '%s' (holding tensor '%s') is a directory: %s",
+                              listed_by, file, example, sh->path);
+        } else if (!S_ISREG(st.st_mode)) {
+            return lm_err_set(err, LM_ERR_FORMAT,
+                              "%s: shard '%s' (holding tensor '%s') is not a regular file (%s): %s", listed_by,
+                              file, example, lm_file_kind(st.st_mode), sh->path);
+        }
+    }
     return lm_st_open(&sh->st, sh->path, err);
 }
 
@@ -98,33 +116,57 @@ static lm_status open_single(lm_model *m, lm_err *err)
     return s;
 }
 
+lm_status lm_model_index_parse(cJSON **out, const cJSON **weight_map, const char *text, size_t len,
+                               const char *label, lm_err *err)
+{
+    *out = NULL;
+    *weight_map = NULL;
+    cJSON *root = NULL;
+    lm_status s = lm_json_parse(&root, text, len, label, err);
+    if (s != LM_OK)
+        return s;
+    const cJSON *map = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
+    if (!cJSON_IsObject(root))
+        s = lm_err_set(err, LM_ERR_FORMAT, "%s: not a JSON object (found %s)", label, lm_json_kind(root));
+    else if (!map)
+        s = lm_err_set(err, LM_ERR_FORMAT, "%s: key 'weight_map' is missing", label);
+    else if (!cJSON_IsObject(map))
+        s = lm_err_set(err, LM_ERR_FORMAT, "%s: key 'weight_map' must be an object", label);
+    // each value a plain file name in the model directory (each key is there once: the reader
+    // refuses a key given twice)
+    for (const cJSON *e = s == LM_OK ? map->child : NULL; e && s == LM_OK; e = e->next) {
+        const char *f = cJSON_IsString(e) ? e->valuestring : NULL;
+        if (!f)
+            s = lm_err_set(err, LM_ERR_FORMAT, "%s: weight_map['%s'] must be a file name string", label,
+                           e->string);
+        else if (!*f || strchr(f, '/') || strcmp(f, ".") == 0 || strcmp(f, "..") == 0)
+            s = lm_err_set(err, LM_ERR_FORMAT,
+                           "%s: weight_map['%s'] = '%s' is not a file name in the model directory", label,
+                           e->string, f);
+    }
+    if (s != LM_OK) {
+        cJSON_Delete(root);
+        return s;
+    }
+    *out = root;
+    *weight_map = map;
+    return LM_OK;
+}
+
 static lm_status open_sharded(lm_model *m, lm_err *err)
 {
     const char *ip = m->index_path;
     char *text = NULL;
     size_t len = 0;
     cJSON *root = NULL;
+    const cJSON *map = NULL;
     lm_strmap wmap = {0}, files = {0};
     const char **wfiles = NULL, **wnames = NULL, **unique = NULL;
     int64_t n_entries = 0, n_unique = 0;
 
     lm_status s = lm_read_file(ip, INDEX_MAX_BYTES, &text, &len, err);
-    if (s != LM_OK)
+    if (s != LM_OK || (s = lm_model_index_parse(&root, &map, text, len, ip, err)) != LM_OK)
         goto fail;
-    root = cJSON_ParseWithLength(text, len);
-    if (!root || !cJSON_IsObject(root)) {
-        s = lm_err_set(err, LM_ERR_FORMAT, "%s: not a JSON object", ip);
-        goto fail;
-    }
-    const cJSON *map = cJSON_GetObjectItemCaseSensitive(root, "weight_map");
-    if (!map) {
-        s = lm_err_set(err, LM_ERR_FORMAT, "%s: key 'weight_map' is missing", ip);
-        goto fail;
-    }
-    if (!cJSON_IsObject(map)) {
-        s = lm_err_set(err, LM_ERR_FORMAT, "%s: key 'weight_map' must be an object", ip);
-        goto fail;
-    }
     n_entries = cJSON_GetArraySize(map);
     wfiles = calloc((size_t)n_entries + 1, sizeof *wfiles);
     wnames = calloc((size_t)n_entries + 1, sizeof *wnames);
@@ -135,21 +177,10 @@ static lm_status open_sharded(lm_model *m, lm_err *err)
         goto fail;
     }
 
-    // Entries: each tensor once, each value a plain file name in this directory.
+    // Entries: each tensor once, each value a file name (lm_model_index_parse checked both).
     int64_t k = 0;
     for (const cJSON *e = map->child; e; e = e->next, k++) {
-        if (!cJSON_IsString(e)) {
-            s = lm_err_set(err, LM_ERR_FORMAT, "%s: weight_map['%s'] must be a file name string",
-                           ip, e->string);
-            goto fail;
-        }
         const char *f = e->valuestring;
-        if (!*f || strchr(f, '/') || strcmp(f, ".") == 0 || strcmp(f, "..") == 0) {
-            s = lm_err_set(err, LM_ERR_FORMAT,
-                           "%s: weight_map['%s'] = '%s' is not a file name in the model directory",
-                           ip, e->string, f);
-            goto fail;
-        }
         int put = lm_strmap_put(&wmap, e->string, k);
         if (put == 0) {
             s = lm_err_set(err, LM_ERR_FORMAT, "%s: tensor '%s' is listed twice in weight_map "

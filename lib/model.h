@@ -2,14 +2,16 @@
 // or shards listed by model.safetensors.index.json. Each shard is opened (mmapped) once and
 // every tensor is a view into its shard; a name-to-tensor map spans all shards. Tensors are
 // listed in a state-dict-like order: shards in file-name order, and within a shard by data
-// offset. The index must agree with the shards: a tensor listed but absent from its shard, a
-// shard file missing, a tensor present in two shards or missing from the index is
-// LM_ERR_FORMAT naming the file and the tensor. Opening does not require a known
+// offset. The index (read by the one JSON reader, json.h) must agree with the shards: a tensor
+// listed but absent from its shard, a shard file missing or not a regular file (a directory, a
+// FIFO: named as such, never opened), a tensor present in two shards or missing from the index
+// is LM_ERR_FORMAT naming the file and the tensor. Opening does not require a known
 // architecture (merging works on any model's tensors); lm_model_check compares a model of a
 // known architecture with its description (arch.h).
 #ifndef LM_MODEL_H
 #define LM_MODEL_H
 
+#include <cJSON.h>
 #include <stdint.h>
 
 #include "arch.h"
@@ -43,6 +45,14 @@ typedef struct lm_model {
 // LM_ERR_UNSUPPORTED (convert to safetensors); no config.json or no weights is
 // LM_ERR_NOT_FOUND.
 lm_status lm_model_open(lm_model **out, const char *dir, lm_err *err);
+
+// Parses the `len` bytes of a model.safetensors.index.json at `text` (`label` names it in
+// messages) with the one JSON reader (json.h): an object whose weight_map maps each tensor name
+// (once) to a plain file name in the model directory. On success *out is the tree, which the
+// caller frees with cJSON_Delete, and *weight_map points into it; on failure both are NULL and
+// the result is LM_ERR_FORMAT naming the file and the entry (or LM_ERR_NOMEM).
+lm_status lm_model_index_parse(cJSON **out, const cJSON **weight_map, const char *text, size_t len,
+                               const char *label, lm_err *err);
 
 // Unmaps the shards and frees everything; safe on NULL and on a half-built model.
 void lm_model_free(lm_model *m);

@@ -104,19 +104,15 @@ char *lm_format_bytes(char *buf, size_t cap, uint64_t bytes)
 lm_status lm_read_file(const char *path, size_t max_bytes, char **out, size_t *len, lm_err *err)
 {
     *out = NULL;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return lm_err_set(err, errno == ENOENT ? LM_ERR_NOT_FOUND : LM_ERR_IO, "%s: %s", path,
-                          strerror(errno));
+    int fd;
+    lm_status os = lm_open_regular(path, &fd, err);
+    if (os != LM_OK)
+        return os;
     struct stat st;
     if (fstat(fd, &st) != 0) {
         lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
         close(fd);
         return LM_ERR_IO;
-    }
-    if (!S_ISREG(st.st_mode)) {
-        close(fd);
-        return lm_err_set(err, LM_ERR_IO, "%s: not a regular file", path);
     }
     if ((uint64_t)st.st_size > max_bytes) {
         close(fd);
@@ -563,4 +559,47 @@ int64_t lm_strmap_get(const lm_strmap *m, const char *key)
         return -1;
     size_t i = strmap_slot(m, key);
     return m->keys[i] ? m->vals[i] : -1;
+}
+
+// ==== regular files =========================================================================
+
+const char *lm_file_kind(unsigned mode)
+{
+    if (S_ISREG(mode)) return "a regular file";
+    if (S_ISDIR(mode)) return "a directory";
+    if (S_ISFIFO(mode)) return "a FIFO";
+    if (S_ISSOCK(mode)) return "a socket";
+    if (S_ISCHR(mode)) return "a character device";
+    if (S_ISBLK(mode)) return "a block device";
+    return "a special file";
+}
+
+static lm_status not_regular(const char *path, unsigned mode, lm_err *err)
+{
+    return lm_err_set(err, LM_ERR_USAGE, "%s is %s, not a regular file", path, lm_file_kind(mode));
+}
+
+lm_status lm_open_regular(const char *path, int *fd, lm_err *err)
+{
+    *fd = -1;
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return lm_err_set(err, errno == ENOENT ? LM_ERR_NOT_FOUND : LM_ERR_IO, "%s: %s", path, strerror(errno));
+    if (!S_ISREG(st.st_mode))
+        return not_regular(path, st.st_mode, err);
+    int f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (f < 0)
+        return lm_err_set(err, errno == ENOENT ? LM_ERR_NOT_FOUND : LM_ERR_IO, "%s: %s", path, strerror(errno));
+    int flags;
+    if (fstat(f, &st) != 0 || (flags = fcntl(f, F_GETFL)) < 0 || fcntl(f, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        lm_err_set(err, LM_ERR_IO, "%s: %s", path, strerror(errno));
+        close(f);
+        return LM_ERR_IO;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(f);
+        return not_regular(path, st.st_mode, err);
+    }
+    *fd = f;
+    return LM_OK;
 }

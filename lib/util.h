@@ -67,7 +67,8 @@ char *lm_format_bytes(char *buf, size_t cap, uint64_t bytes);
 // ---- files and paths ------------------------------------------------------------------------
 
 // Reads the whole file at `path` (at most max_bytes) into a new NUL-terminated buffer that the
-// caller frees with free(). Sets *len to the byte count (without the NUL).
+// caller frees with free(). Sets *len to the byte count (without the NUL). The file is opened
+// with lm_open_regular: a directory, FIFO or device is refused without blocking on it.
 lm_status lm_read_file(const char *path, size_t max_bytes, char **out, size_t *len, lm_err *err);
 
 // Writes `len` bytes to `path` (created or truncated, mode 0644). The message names the path.
@@ -162,5 +163,19 @@ int lm_strmap_put(lm_strmap *m, const char *key, int64_t val);
 
 // Returns the value for `key`, or -1 when absent.
 int64_t lm_strmap_get(const lm_strmap *m, const char *key);
+
+// ---- regular files --------------------------------------------------------------------------
+
+// What a file of mode `mode` (st_mode) is, for messages: "a regular file", "a directory", "a
+// FIFO", "a socket", "a character device", "a block device" or "a special file" (a static string).
+const char *lm_file_kind(unsigned mode);
+
+// Opens `path` read-only when it is a regular file (a symlink to one is one), without ever
+// blocking on it: a FIFO would block a plain open until a writer came, so the kind is checked
+// first and the file opened with O_NONBLOCK (and checked again, in case it was swapped), then
+// O_NONBLOCK is cleared. A directory, FIFO, socket or device is LM_ERR_USAGE "PATH is a FIFO,
+// not a regular file"; a missing file LM_ERR_NOT_FOUND; others LM_ERR_IO. On success *fd is
+// the caller's to close.
+lm_status lm_open_regular(const char *path, int *fd, lm_err *err);
 
 #endif

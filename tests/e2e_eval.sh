@@ -200,6 +200,22 @@ printf '5\n7\n' >"$work/single.txt"
 expect 2 "no next-token predictions" eval "$fx/base" --data "$work/single.txt"
 printf '1 2\n' >"$work/data.csv"
 expect 2 "unknown data format" eval "$fx/base" --data "$work/data.csv"
+# a FIFO or a device as --data: refused without blocking on it (the bound turns a hang into
+# a failure; a correct run ends at once)
+timed() { timeout 60 "$real_llmerge" "$@"; }
+real_llmerge=$llmerge llmerge=timed
+mkfifo "$work/fifo.jsonl"
+expect 2 "$work/fifo.jsonl is a FIFO, not a regular file" eval "$fx/base" --data "$work/fifo.jsonl"
+ln -s /dev/null "$work/null.txt"
+expect 2 "$work/null.txt is a character device, not a regular file" eval "$fx/base" --data "$work/null.txt"
+llmerge=$real_llmerge
+# a rope scaling the forward pass does not compute: refused before any work, naming the key
+cp -r "$fx/base" "$work/yarn"
+sed -i 's/"rope_scaling": null/"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}/' \
+  "$work/yarn/config.json"
+expect 2 "$work/yarn/config.json: key 'rope_scaling.rope_type': rope scaling type 'yarn' is not supported" \
+  eval "$work/yarn" --data "$data"
+lacks out "evaluating"
 # a bad line after --samples is not read
 printf '1 2 3\nnot ids\n' >"$work/late.txt"
 run late eval "$fx/base" --data "$work/late.txt" --samples 1

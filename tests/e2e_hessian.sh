@@ -107,6 +107,20 @@ expect 2 "its directory does not exist" hessian "$fx/base" --calib "$data" -o "$
 expect 2 "did you mean '--calib-samples'" hessian "$fx/base" --calib "$data" -o "$work/b.safetensors" --calib-sample 3
 expect 2 "is an adapter directory" hessian "$fx/lora_plain" --calib "$data" -o "$work/b.safetensors"
 expect 2 "--seq-len" hessian "$fx/base" --calib "$data" -o "$work/b.safetensors" --seq-len 0
+# a FIFO as --calib: refused without blocking on it (the bound turns a hang into a failure)
+timed() { timeout 60 "$real_llmerge" "$@"; }
+real_llmerge=$llmerge llmerge=timed
+mkfifo "$work/fifo.txt"
+expect 2 "$work/fifo.txt is a FIFO, not a regular file" hessian "$fx/base" --calib "$work/fifo.txt" -o "$work/b.safetensors"
+llmerge=$real_llmerge
+# a rope scaling the forward pass does not compute: refused before any work, naming the key
+cp -r "$fx/base" "$work/yarn"
+sed -i 's/"rope_scaling": null/"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}/' \
+  "$work/yarn/config.json"
+expect 2 "$work/yarn/config.json: key 'rope_scaling.rope_type': rope scaling type 'yarn' is not supported" \
+  hessian "$work/yarn" --calib "$data" -o "$work/b.safetensors"
+if ! grep -q "capturing" "$work/out"; then ok; else bad "hessian: the yarn config was refused after the work started"; fi
+if [ ! -e "$work/b.safetensors" ]; then ok; else bad "bad input left an output"; fi
 
 # ---- no output or log inside an input, even with --force: exit 2, the inputs as they were ----
 gb=$work/g-base gc=$work/g-calib.jsonl gl=$work/g-lora

@@ -529,6 +529,48 @@ EOF
 expect 2 "key 'rank_pattern': regex '(.*.*)*[.]{2}' runs past its limits matching module" ties "$B" "$work/sel_slow_re" -o "$x"
 no_output "$x"
 
+# ---- the JSON files and the files they name, checked when the inputs are opened ---------------
+# timed ARGS...: llmerge with a bound, so that a command that would block on a FIFO fails the
+# test instead of hanging it (a correct run ends at once)
+timed() { timeout 60 "$real_llmerge" "$@"; }
+real_llmerge=$llmerge
+copy() { rm -rf "$2" && cp -r "$1" "$2"; }
+bom() { { printf '\357\273\277'; cat "$1"; } >"$1.new" && mv "$1.new" "$1"; }
+# a UTF-8 byte order mark (transformers and PEFT refuse one): refused at the start, naming the file
+copy "$B" "$work/bom_base" && bom "$work/bom_base/config.json"
+expect 2 "$work/bom_base/config.json: starts with a UTF-8 byte order mark" ties "$work/bom_base" "$lp" -o "$x"
+check '! grep -q "merging" "$work/out"' "a BOM in BASE's config.json was found after the work started: $(cat "$work/out")"
+no_output "$x"
+copy "$ff" "$work/bom_ft" && bom "$work/bom_ft/config.json"
+expect 2 "$work/bom_ft/config.json: starts with a UTF-8 byte order mark" ties "$B" "$work/bom_ft" -o "$x"
+copy "$lp" "$work/bom_lora" && bom "$work/bom_lora/adapter_config.json"
+expect 2 "$work/bom_lora/adapter_config.json: starts with a UTF-8 byte order mark" ties "$B" "$work/bom_lora" -o "$x"
+no_output "$x"
+# the index: nothing but whitespace after its object, as in every other JSON file
+copy "$B" "$work/idx_tail" && printf '}\n' >>"$work/idx_tail/model.safetensors.index.json"
+expect 2 "$work/idx_tail/model.safetensors.index.json: text after the JSON value (line" ties "$work/idx_tail" "$lp" -o "$x"
+copy "$B" "$work/idx_dup" && sed -i '0,/"weight_map": {/s//"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors",/' \
+  "$work/idx_dup/model.safetensors.index.json"
+expect 2 "key 'lm_head.weight' in 'weight_map' appears twice" ties "$work/idx_dup" "$lp" -o "$x"
+# a shard that is a directory or a FIFO is named as such, not as missing (and never opened)
+s2=model-00002-of-00002.safetensors
+copy "$B" "$work/shard_dir" && rm "$work/shard_dir/$s2" && mkdir "$work/shard_dir/$s2"
+expect 2 "shard '$s2' (holding tensor 'lm_head.weight') is a directory: $work/shard_dir/$s2" \
+  ties "$work/shard_dir" "$lp" -o "$x"
+copy "$B" "$work/shard_fifo" && rm "$work/shard_fifo/$s2" && mkfifo "$work/shard_fifo/$s2"
+llmerge=timed
+expect 2 "shard '$s2' (holding tensor 'lm_head.weight') is not a regular file (a FIFO)" \
+  ties "$work/shard_fifo" "$lp" -o "$x"
+llmerge=$real_llmerge
+no_output "$x"
+# numbers beyond range say so
+copy "$lp" "$work/alpha_big" && sed -i 's/"lora_alpha": 16/"lora_alpha": 1e400/' "$work/alpha_big/adapter_config.json"
+expect 2 "$work/alpha_big/adapter_config.json: key 'lora_alpha': 1e400 is out of range" ties "$B" "$work/alpha_big" -o "$x"
+copy "$B" "$work/hidden_big" && sed -i 's/"hidden_size": 64/"hidden_size": 9223372036854775808/' "$work/hidden_big/config.json"
+expect 2 "key 'hidden_size': 9223372036854775808 is out of range (at most 9007199254740992)" \
+  ties "$work/hidden_big" "$lp" -o "$x"
+no_output "$x"
+
 # options that do not apply are accepted with a note
 expect 0 "--sign has no effect on dare" dare "$B" "$lp" -o "$work/noted" --sign count --gpu-mem 1GiB --cache-dir "$work"
 check 'grep -q "gpu-mem has no effect" "$work/out"' "no note for --gpu-mem on the cpu"
@@ -677,6 +719,25 @@ expect 2 "one --calib file" sparsegpt "$B" "$lp" "$ff" -o "$x" --calib "$cj" --c
 expect 2 "use ft or base" sparsegpt "$B" "$lp" -o "$x" --calib "$cj" --hessian-from mine
 expect 2 "--seq-len" sparsegpt "$B" "$lp" -o "$x" --calib "$cj" --seq-len 0
 no_output "$x"
+# a FIFO as --calib is refused without blocking on it
+mkfifo "$work/fifo.jsonl"
+llmerge=timed
+expect 2 "$work/fifo.jsonl is a FIFO, not a regular file" sparsegpt "$B" "$lp" -o "$x" --calib "$work/fifo.jsonl"
+llmerge=$real_llmerge
+no_output "$x"
+# a rope scaling the forward pass does not compute (yarn): refused before any work, naming the
+# file and the key, whichever model the Hessians come from; merges that run no model take it
+yarn='"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}'
+copy "$ff" "$work/yarn_ft" && sed -i "s/\"rope_scaling\": null/$yarn/" "$work/yarn_ft/config.json"
+copy "$B" "$work/yarn_base" && sed -i "s/\"rope_scaling\": null/$yarn/" "$work/yarn_base/config.json"
+for args in "$B $work/yarn_ft" "$work/yarn_base $lp" "$work/yarn_base $ff --hessian-from base"; do
+  set -- $args
+  expect 2 "config.json: key 'rope_scaling.rope_type': rope scaling type 'yarn' is not supported" \
+    sparsegpt "$@" -o "$x" --calib "$cj" --cache-dir "$work/yarn-cache"
+  check '! grep -q "Hessians of" "$work/out"' "sparsegpt $args: the yarn config was refused after the work started"
+  no_output "$x"
+done
+merge ties "$B" "$work/yarn_ft" -o "$work/yarn_merged"
 expect 0 "--calib has no effect on ties" ties "$B" "$lp" -o "$work/sgpt-note" --calib "$cj"
 expect 0 "--hessian-from ft|base" sparsegpt --help
 check 'grep -q -- "--sticky-fallback" "$work/out"' "sparsegpt --help lacks --sticky-fallback"

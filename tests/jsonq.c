@@ -2,12 +2,14 @@
 // build. `jsonq FILE PATH` prints the value at PATH, a dot-separated list of object keys and
 // array indices ("modules.0.scale"); a final "#" prints an array's or object's length.
 // Numbers print as %.17g, strings raw, booleans and null as in JSON, containers as compact
-// JSON. Exit status: 0 found, 1 no such path, 2 the file is not JSON.
+// JSON. The file is read with llmerge's own reader (json.h), so what llmerge writes is held to
+// what it asks of what it reads. Exit status: 0 found, 1 no such path, 2 the file is not JSON.
 #include <cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "json.h"
 #include "util.h"
 
 int main(int argc, char **argv)
@@ -16,11 +18,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: jsonq FILE|- PATH\n");
         return 2;
     }
-    char *text = NULL;
-    size_t len = 0;
+    // llmerge's reader, as strict with what llmerge writes as with what it reads
+    cJSON *root = NULL;
+    lm_err err = {0};
+    lm_status s;
     if (strcmp(argv[1], "-") == 0) {
-        size_t cap = 1 << 16;
-        text = malloc(cap);
+        size_t cap = 1 << 16, len = 0;
+        char *text = malloc(cap);
         size_t r;
         while (text && (r = fread(text + len, 1, cap - len - 1, stdin)) > 0) {
             len += r;
@@ -29,19 +33,13 @@ int main(int argc, char **argv)
                 text = realloc(text, cap);
             }
         }
-        if (text)
-            text[len] = '\0';
+        s = text ? lm_json_parse(&root, text, len, "stdin", &err) : lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
+        free(text);
     } else {
-        lm_err err = {0};
-        if (lm_read_file(argv[1], 1u << 30, &text, &len, &err) != LM_OK) {
-            fprintf(stderr, "jsonq: %s\n", err.msg);
-            return 2;
-        }
+        s = lm_json_load(&root, argv[1], 1u << 30, &err);
     }
-    cJSON *root = text ? cJSON_ParseWithLength(text, len) : NULL;
-    free(text);
-    if (!root) {
-        fprintf(stderr, "jsonq: %s is not JSON\n", argv[1]);
+    if (s != LM_OK) {
+        fprintf(stderr, "jsonq: %s\n", err.msg);
         return 2;
     }
     cJSON *node = root;

@@ -577,6 +577,12 @@ static void test_config_errors(void)
          "key 'target_parameters' is not supported"},
         {"[]", LM_ERR_FORMAT, "expected a JSON object"},
         {"{", LM_ERR_FORMAT, "not valid JSON"},
+        // A number a double cannot hold is out of range, not "not a number".
+        {"{\"peft_type\": \"LORA\", \"lora_alpha\": 1e400}", LM_ERR_FORMAT,
+         "key 'lora_alpha': 1e400 is out of range"},
+        {"\xEF\xBB\xBF{\"peft_type\": \"LORA\"}", LM_ERR_FORMAT, "starts with a UTF-8 byte order mark"},
+        {"{\"peft_type\": \"LORA\", \"r\": 8, \"r\": 16}", LM_ERR_FORMAT, "key 'r' appears twice"},
+        {"{\"peft_type\": \"LORA\"} {}", LM_ERR_FORMAT, "text after the JSON value (line 1, column 23)"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         lm_lora_config c;

@@ -2,11 +2,14 @@
 // seed in both formats read back exactly (also with CRLF line ends, a byte-order mark, tabs,
 // extra JSON keys and no final newline); the sample cap, the length cut and the vocabulary
 // check; and a table of broken files, each of which must fail with LM_ERR_FORMAT (or the
-// status for a missing file or a directory) and a message naming the file and the line, also
-// when the defect is put on a random line of an otherwise good file.
+// status for a missing file, a directory, a FIFO or a device, refused without blocking) and a
+// message naming the file and the line, also when the defect is put on a random line of an
+// otherwise good file.
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "calib.h"
 #include "check.h"
@@ -157,6 +160,13 @@ static const bad_case bad_cases[] = {
     {"json.txt", "{\"input_ids\": [1]}\n", 0, LM_ERR_FORMAT, ":1: column 1:"},
     {"empty.txt", "", 0, LM_ERR_FORMAT, ": no sequences"},
     {"data.csv", "1,2\n", 0, LM_ERR_FORMAT, ": unknown data format"},
+    // each line goes through the one JSON reader: duplicate keys, bad UTF-8, huge numbers
+    {"dup.jsonl", "{\"input_ids\": [1, 2], \"input_ids\": [3]}\n", 0, LM_ERR_FORMAT,
+     ":1: column 23: key 'input_ids' appears twice"},
+    {"utf8.jsonl", "{\"input_ids\": [1], \"text\": \"caf\xE9\"}\n", 0, LM_ERR_FORMAT,
+     ":1: column 32: a string is not valid UTF-8 (byte 0xE9)"},
+    {"huge.jsonl", "{\"input_ids\": [1, 1e400]}\n", 0, LM_ERR_FORMAT,
+     ":1: column 19: input_ids[1]: 1e400 is out of range"},
 };
 
 // Writes n bytes (the table's texts may hold a NUL) to dir/name.
@@ -201,6 +211,20 @@ static void test_broken(const char *dir)
     free(path);
     path = subdir(dir, "dir.jsonl");
     CHECK_FAILS(lm_calib_load(&c, path, &all, &err), LM_ERR_USAGE, "is a directory", &err);
+    free(path);
+    // A FIFO would block a plain open until a writer came: it is refused without waiting (the
+    // alarm turns a hang into a failure of this test), as is a device.
+    path = lm_path_join(dir, "fifo.jsonl");
+    CHECK(mkfifo(path, 0644) == 0);
+    alarm(60);
+    CHECK_FAILS(lm_calib_load(&c, path, &all, &err), LM_ERR_USAGE, "is a FIFO, not a regular file", &err);
+    alarm(0);
+    CHECK(strstr(err.msg, path) != NULL && c.path == NULL);
+    free(path);
+    path = lm_path_join(dir, "null.txt");
+    CHECK(symlink("/dev/null", path) == 0);
+    CHECK_FAILS(lm_calib_load(&c, path, &all, &err), LM_ERR_USAGE, "is a character device, not a regular file",
+                &err);
     free(path);
 }
 

@@ -250,6 +250,38 @@ static void test_reference(lm_dev *cpu)
     }
     free(b0);
 
+    // A rope scaling the pass does not compute (yarn) is refused by the check that runs when a
+    // model is opened for a forward pass, naming config.json and the key, not when placing it.
+    {
+        char *src = fx("base"), *cp = lm_path_join(src, "config.json"), *text = NULL;
+        size_t len;
+        CHECK_OK(lm_read_file(cp, 1 << 20, &text, &len, &err), &err);
+        char *at = text ? strstr(text, "\"rope_scaling\": null") : NULL;
+        CHECK(at != NULL);
+        if (at) {
+            lm_buf b = {0};
+            lm_buf_put(&b, text, (size_t)(at - text));
+            lm_buf_str(&b, "\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                           "\"original_max_position_embeddings\": 64}");
+            lm_buf_str(&b, at + strlen("\"rope_scaling\": null"));
+            lm_config yarn, kept = base->config;
+            CHECK_OK(lm_config_parse(&yarn, b.p, b.len, cp, &err), &err);
+            base->config = yarn;
+            CHECK_FAILS(lm_fwd_check(base, NULL, &err), LM_ERR_UNSUPPORTED,
+                        "config.json: key 'rope_scaling.rope_type': rope scaling type 'yarn' is not supported", &err);
+            CHECK_MSG(strstr(err.msg, cp) != NULL, "%s", err.msg);
+            lm_fwd *y = NULL;
+            CHECK_FAILS(lm_fwd_create(&y, base, NULL, cpu, &err), LM_ERR_UNSUPPORTED, "'yarn'", &err);
+            CHECK(y == NULL);
+            base->config = kept;
+            lm_config_free(&yarn);
+            free(b.p);
+        }
+        free(text);
+        free(cp);
+        free(src);
+    }
+
     lm_fwd *f = NULL;
     // an adapter of another base does not fit
     lm_adapter *lb2 = open_adapter("lora_bias");

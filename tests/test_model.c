@@ -1,10 +1,13 @@
 // Tests of config.json parsing (lib/config.c), the architecture description (lib/arch.c) and
 // model directories (lib/model.c): old and new key names, defaults, derived biases, head_dim
-// given or not, every config error naming its key, Llama 3 rope frequencies against values
-// computed here in double from the formula, the tensor list of each architecture, single and
-// sharded checkpoints with lookups across shards, and each way an index and its shards can
-// disagree. Every test writes its own files (config.json text, and safetensors bytes laid out by
-// a small writer here, independent of lib/st_writer.c) into a fresh directory under /tmp.
+// given or not, every config error naming its key (numbers out of a key's range among them, and
+// the JSON reader's refusals: a byte order mark, a key twice), Llama 3 rope frequencies against
+// values computed here in double from the formula, the tensor list of each architecture, single
+// and sharded checkpoints with lookups across shards, each way an index and its shards can
+// disagree (text after the index's object, a shard that is a directory or a FIFO), and a
+// config.json with a byte order mark refused when the model is opened. Every test writes its
+// own files (config.json text, and safetensors bytes laid out by a small writer here,
+// independent of lib/st_writer.c) into a fresh directory under /tmp.
 #include <math.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -367,6 +370,22 @@ static void test_config_errors(void)
         {"{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"intermediate_size\": 128, "
          "\"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"vocab_size\": 10, \"torch_dtype\": 16}",
          LM_ERR_FORMAT, "'torch_dtype' must be a string"},
+        // Numbers beyond what the key can hold are out of range, not of the wrong type.
+        {"{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 9223372036854775808, "
+         "\"intermediate_size\": 128, \"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"vocab_size\": 10}",
+         LM_ERR_FORMAT, "key 'hidden_size': 9223372036854775808 is out of range (at most 9007199254740992)"},
+        {"{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"intermediate_size\": 128, "
+         "\"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"vocab_size\": -1e19}",
+         LM_ERR_FORMAT, "key 'vocab_size': -1e19 is out of range"},
+        {"{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 64, \"intermediate_size\": 128, "
+         "\"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"vocab_size\": 10, \"rms_norm_eps\": 1e400}",
+         LM_ERR_FORMAT, "'rms_norm_eps': 1e400 is out of range"},
+        // The one JSON reader's rules: a byte order mark, a duplicate key, bad UTF-8.
+        {"\xEF\xBB\xBF{\"architectures\": [\"LlamaForCausalLM\"]}", LM_ERR_FORMAT,
+         "starts with a UTF-8 byte order mark"},
+        {"{\"hidden_size\": 64,\n \"hidden_size\": 32}", LM_ERR_FORMAT,
+         "key 'hidden_size' appears twice (line 2, column 2"},
+        {"{\"model_type\": \"llama\xff\"}", LM_ERR_FORMAT, "not valid UTF-8"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         lm_config c;
@@ -775,14 +794,59 @@ static void test_model_sharded(void)
         {"{\"weight_map\": {\"model.norm.weight\": 3}}", "weight_map['model.norm.weight'] must be a file name"},
         {"{\"weight_map\": {\"model.norm.weight\": \"../x.safetensors\"}}", "is not a file name in the model directory"},
         {"{\"weight_map\": {\"model.norm.weight\": \"model-00002-of-00002.safetensors\", "
-         "\"model.norm.weight\": \"model-00001-of-00002.safetensors\"}}", "'model.norm.weight' is listed twice"},
+         "\"model.norm.weight\": \"model-00001-of-00002.safetensors\"}}",
+         "key 'model.norm.weight' in 'weight_map' appears twice"},
+        // Only whitespace after the value, as in every other JSON file.
+        {"{\"weight_map\": {\"model.norm.weight\": \"model-00002-of-00002.safetensors\"}}\n}garbage",
+         "text after the JSON value (line 2, column 1)"},
+        {"{\"weight_map\": {\"model.norm.weight\": \"model-00002-of-00002.safetensors\"},}",
+         "not valid JSON"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         write_text(dir, "model.safetensors.index.json", bad[i].json);
         CHECK_FAILS(lm_model_open(&m, dir, &err), LM_ERR_FORMAT, bad[i].needle, &err);
         CHECK(m == NULL);
     }
+    write_sharded(dir, ts);
+    CHECK_OK(lm_model_open(&m, dir, &err), &err);
+    lm_model_free(m);
+
+    // A shard that is not a regular file is named as what it is, not as missing.
+    unlink(s2);
+    CHECK(mkdir(s2, 0755) == 0);
+    CHECK_FAILS(lm_model_open(&m, dir, &err), LM_ERR_FORMAT,
+                "shard 'model-00002-of-00002.safetensors' (holding tensor '", &err);
+    CHECK_MSG(strstr(err.msg, "is a directory") && !strstr(err.msg, "missing"), "%s", err.msg);
+    CHECK(m == NULL);
+    rmdir(s2);
+    CHECK(mkfifo(s2, 0644) == 0);
+    CHECK_FAILS(lm_model_open(&m, dir, &err), LM_ERR_FORMAT, "is not a regular file (a FIFO)", &err);
+    CHECK(strstr(err.msg, "missing") == NULL);
+    CHECK(m == NULL);
+    unlink(s2);
     free(s2);
+    remove_tmpdir(dir);
+}
+
+// config.json is read by the one JSON reader when the model is opened: a byte order mark is
+// refused there (as transformers refuses it), naming the file, not after the work.
+static void test_model_config_bom(void)
+{
+    char *dir = make_tmpdir();
+    write_text(dir, "config.json", "\xEF\xBB\xBF" TINY_LLAMA_CONFIG);
+    tt ts[64];
+    int n = tiny_llama_tensors(ts);
+    write_st(dir, "model.safetensors", ts, n);
+    lm_model *m = NULL;
+    lm_err err;
+    char *cfg = lm_path_join(dir, "config.json");
+    CHECK_FAILS(lm_model_open(&m, dir, &err), LM_ERR_FORMAT, cfg, &err);
+    CHECK_MSG(strstr(err.msg, "byte order mark") != NULL, "%s", err.msg);
+    CHECK(m == NULL);
+    write_text(dir, "config.json", TINY_LLAMA_CONFIG);
+    CHECK_OK(lm_model_open(&m, dir, &err), &err);
+    lm_model_free(m);
+    free(cfg);
     remove_tmpdir(dir);
 }
 
@@ -839,6 +903,7 @@ int main(void)
     test_model_single();
     test_model_missing_files();
     test_model_sharded();
+    test_model_config_bom();
     test_model_compare();
     return check_report("test_model");
 }

@@ -1,0 +1,100 @@
+// libFuzzer target for the JSON side files: any byte string goes through the one JSON reader
+// and through the parsers of config.json, adapter_config.json and model.safetensors.index.json.
+// Each must either accept it or refuse it with LM_ERR_FORMAT or LM_ERR_UNSUPPORTED and a
+// message; never a crash, a leak or an out-of-bounds read (run under ASan and UBSan). What the
+// reader accepts, cJSON prints, and the reader reads that back to a tree that prints the same.
+//
+// An adapter config that parses is also asked which modules it selects and their rank and alpha,
+// on a few module paths: its regexes (target_modules, exclude_modules, rank_pattern, ...) run
+// under PCRE2's limits, so a pattern may fail with a message but never run away.
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adapter.h"
+#include "config.h"
+#include "json.h"
+#include "model.h"
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
+
+// A refusal must say what is wrong, as a format (or unsupported) error.
+static void check_refusal(lm_status s, const lm_err *err)
+{
+    if (s != LM_ERR_FORMAT && s != LM_ERR_UNSUPPORTED && s != LM_ERR_NOMEM)
+        abort();
+    if (err->msg[0] == '\0')
+        abort();
+}
+
+int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
+{
+    const char *text = (const char *)data;
+
+    // The reader: a tree, or a defect inside the text with a position.
+    cJSON *root = NULL;
+    lm_json_error e;
+    lm_status s = lm_json_parse_detail(&root, text, size, &e);
+    if (s == LM_OK) {
+        char *printed = cJSON_PrintUnformatted(root);
+        cJSON *again = NULL;
+        if (printed) {
+            if (lm_json_parse_detail(&again, printed, strlen(printed), &e) != LM_OK)
+                abort();
+            char *reprinted = cJSON_PrintUnformatted(again);
+            if (reprinted && strcmp(printed, reprinted) != 0)
+                abort();
+            free(reprinted);
+        }
+        free(printed);
+        cJSON_Delete(again);
+        cJSON_Delete(root);
+    } else if (s != LM_ERR_NOMEM &&
+               (s != LM_ERR_FORMAT || root || e.offset > size || e.line < 1 || e.column < 1 || !e.what[0])) {
+        abort();
+    }
+
+    // The side files' parsers on the same text.
+    lm_err err = {0};
+    lm_config cfg;
+    s = lm_config_parse(&cfg, text, size, "config.json", &err);
+    if (s != LM_OK)
+        check_refusal(s, &err);
+    lm_config_free(&cfg);
+
+    lm_lora_config lc;
+    s = lm_lora_config_parse(&lc, text, size, "adapter_config.json", &err);
+    if (s != LM_OK) {
+        check_refusal(s, &err);
+    } else {
+        static const char *const paths[] = {"model.layers.0.self_attn.q_proj", "model.layers.17.mlp.down_proj",
+                                            "lm_head", "model.embed_tokens"};
+        for (size_t i = 0; i < sizeof paths / sizeof paths[0]; i++) {
+            lm_lora_select why;
+            int64_t layer, r;
+            double alpha;
+            if ((s = lm_lora_config_select(&lc, paths[i], &why, &layer, &err)) != LM_OK)
+                check_refusal(s, &err);
+            if ((s = lm_lora_config_rank(&lc, paths[i], &r, &alpha, NULL, NULL, &err)) != LM_OK)
+                check_refusal(s, &err);
+        }
+    }
+    lm_lora_config_free(&lc);
+
+    const cJSON *map = NULL;
+    s = lm_model_index_parse(&root, &map, text, size, "model.safetensors.index.json", &err);
+    if (s != LM_OK) {
+        check_refusal(s, &err);
+        if (root || map)
+            abort();
+    } else {
+        if (!cJSON_IsObject(map))
+            abort();
+        for (const cJSON *m = map->child; m; m = m->next)
+            if (!cJSON_IsString(m) || !m->valuestring[0] || strchr(m->valuestring, '/'))
+                abort();
+        cJSON_Delete(root);
+    }
+    return 0;
+}
