@@ -153,6 +153,27 @@ void lm_ft_free(lm_ft *ft)
     free(ft);
 }
 
+// A full fine-tune's tensors in a dtype llmerge cannot compute with (integers, FP8): one equal
+// to the base's (same dtype, same bytes) is copied with the base, one that differs cannot be
+// merged and is refused (it would otherwise be dropped, the base's value taking its place).
+static lm_status check_dtypes(const lm_ft *ft, const lm_model *base, lm_err *err)
+{
+    for (int64_t i = 0; i < base->n_tensors; i++) {
+        const lm_st_tensor *b = base->tensors[i], *t = lm_model_find(ft->model, b->name);
+        if (!t || (lm_dtype_readable(b->dtype) && lm_dtype_readable(t->dtype)))
+            continue;
+        if (t->dtype == b->dtype && t->nbytes == b->nbytes && memcmp(t->data, b->data, (size_t)b->nbytes) == 0)
+            continue;
+        lm_dtype odd = lm_dtype_readable(t->dtype) ? b->dtype : t->dtype;
+        return lm_err_set(err, LM_ERR_UNSUPPORTED,
+                          "%s: tensor '%s' is %s here and %s in the base %s, and the two differ: llmerge cannot "
+                          "compute with %s (it reads F32, F16, BF16 and F64; a tensor equal in both is copied)",
+                          ft->path, b->name, lm_dtype_name(t->dtype), lm_dtype_name(b->dtype), base->dir,
+                          lm_dtype_name(odd));
+    }
+    return LM_OK;
+}
+
 lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err *err)
 {
     *out = NULL;
@@ -165,7 +186,8 @@ lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err
     if (ft->kind == LM_INPUT_MODEL) {
         if ((s = lm_model_open(&ft->model, ft->path, err)) != LM_OK)
             goto fail;
-        if ((s = lm_model_compare(ft->model, base, NULL, err)) != LM_OK)
+        if ((s = lm_model_compare(ft->model, base, NULL, err)) != LM_OK ||
+            (s = check_dtypes(ft, base, err)) != LM_OK)
             goto fail;
     } else if (ft->kind == LM_INPUT_ADAPTER) {
         if ((s = lm_adapter_open(&ft->adapter, ft->path, err)) != LM_OK)

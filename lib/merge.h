@@ -88,9 +88,11 @@ typedef struct lm_ft {
 } lm_ft;
 
 // Opens FT `path` (a full model directory or an adapter directory, nested layout included) and
-// checks it against `base`: a full model must hold every base tensor with the base's shape; an
-// adapter must fit (lm_adapter_validate). On failure *out is NULL and err names the file, key
-// and both shapes (LM_ERR_MISMATCH, exit status 2). Free with lm_ft_free.
+// checks it against `base`: a full model must hold every base tensor with the base's shape, and
+// a tensor that is not F32, F16, BF16 or F64 in it or in the base must be equal in both (same
+// dtype and bytes: it is copied); an adapter must fit (lm_adapter_validate). On failure *out is
+// NULL and err names the file, key and both shapes (LM_ERR_MISMATCH), or the tensor and both
+// dtypes (LM_ERR_UNSUPPORTED), exit status 2. Free with lm_ft_free.
 lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err *err);
 
 // Frees the FT and what it opened; safe on NULL.

@@ -12,7 +12,9 @@
 # masks computes them from the kept Hessians, another calibration file misses; every output is
 # byte-identical to the same merge without any cache (--topk tensor and global, the simulated
 # device with fallbacks); damaged and truncated entries are said and computed again;
-# LLMERGE_CACHE_HESSIANS=0 keeps no Hessians; a cache that cannot be written is a warning.
+# LLMERGE_CACHE_HESSIANS=0 keeps no Hessians; a cache that cannot be written is a warning. A
+# tensor in a dtype llmerge cannot compute with is refused where base and FT differ (or an
+# adapter changes it) and copied where they are equal.
 # Usage: e2e_merge.sh LLMERGE FIXTURES JSONQ ST_HASH
 set -u
 llmerge=$1 fx=$2 jsonq=$3 st_hash=$4
@@ -298,6 +300,29 @@ check '[ $rc -eq 1 ] && grep -q "llmerge ties: error: " "$work/out"' "file size 
 check 'grep -q "error: $x\.tmp-[A-Za-z0-9]*/model\.safetensors: .*File too large" "$work/out"' \
   "file size limit: the message does not name the file and the reason: $(cat "$work/out")"
 no_output "$x"  # nor OUT.lock
+
+# ---- tensors llmerge cannot compute with: refused where they differ, copied where equal ------
+od=$fx/odd x=$work/odd-bad
+expect 2 "model.norm.weight" ties "$B" "$od/ft_i32" -o "$x"
+check 'grep -q "I32" "$work/out" && grep -q "odd/ft_i32" "$work/out"' "an I32 norm: dtype or input not named: $(cat "$work/out")"
+no_output "$x"
+expect 2 "model.norm.weight" task-arithmetic "$B" "$lp" "$od/ft_f8" -o "$x"
+check 'grep -q "F8_E4M3" "$work/out" && grep -q "FT 2" "$work/out"' "an F8 norm: dtype or input not named: $(cat "$work/out")"
+no_output "$x"
+expect 2 "model.layers.0.self_attn.q_proj.weight" ties "$od/base_u8" "$lp" -o "$x"
+check 'grep -q "U8" "$work/out" && grep -q "lora_plain" "$work/out"' "a LoRA on a U8 base tensor: $(cat "$work/out")"
+no_output "$x"
+expect 2 "model.layers.0.self_attn.q_proj.weight" dare "$od/base_u8" "$ff" -o "$x"
+expect 2 "model.norm.weight" plan ties "$B" "$od/ft_i32" -o "$x"
+expect 2 "model.norm.weight" sparsegpt "$B" "$od/ft_i32" -o "$x" --calib "$fx/calib/calib.jsonl"
+no_output "$x"
+# equal in base and FT: copied as it is
+merge ties "$od/base_u8" "$od/ft_u8" -o "$work/odd-u8"
+q0=model.layers.0.self_attn.q_proj.weight
+check '[ "$("$st_hash" "$work/odd-u8/model.safetensors" | grep "^$q0 ")" = "$("$st_hash" "$od/base_u8/model.safetensors" | grep "^$q0 ")" ]' \
+  "the equal U8 tensor was not copied as it is"
+"$llmerge" inspect --json "$work/odd-u8" >"$work/json" 2>/dev/null
+json "$work/json" dtypes.U8 1
 
 # ---- sparsegpt: Hessian importance from calibration data ---------------------------------------
 cj=$fx/calib/calib.jsonl ct=$fx/calib/calib.txt

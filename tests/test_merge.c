@@ -2196,6 +2196,62 @@ static void test_ft_open(void)
     fx_close(&f);
 }
 
+// Tensors in a dtype llmerge does not compute with (here I32, its raw values in the floats'
+// storage): one that differs between base and FT is refused when the FT is opened, naming the
+// tensor, both dtypes and the FT; one equal in both is copied as it is.
+static void odd_base(tset *b)
+{
+    rng_seed(12);
+    fill_q(ts_add2(b, "w.weight", 4, 6), 24, 2.0, 12);
+    fill_q(ts_add1(b, "norm.weight", 6), 6, 2.0, 12);
+    int32_t *steps = (int32_t *)ts_add(b, "steps", LM_DTYPE_I32, 1, 3, 0);
+    for (int i = 0; i < 3; i++)
+        steps[i] = 1000 + i;
+}
+
+static void test_ft_dtypes(void)
+{
+    fixture f;
+    fx_open(&f, odd_base, "float32");
+    lm_err err = {0};
+    lm_model *base = NULL;
+    CHECK_OK(lm_model_open(&base, f.base_dir, &err), &err);
+    char *same = subdir(f.root, "same"), *other = subdir(f.root, "other"), *norm = subdir(f.root, "norm");
+    lm_ft *ft = NULL;
+    if (base) {
+        tset m = ts_copy(&f.base);
+        for (int64_t j = 0; j < m.t[0].n; j++)
+            m.t[0].v[j] += 0.5f;
+        write_model(same, &m, "float32");
+        ((int32_t *)m.t[2].v)[1] = 7;
+        write_model(other, &m, "float32");
+        CHECK_FAILS(lm_ft_open(&ft, other, base, &err), LM_ERR_UNSUPPORTED, "tensor 'steps' is I32 here and I32 in",
+                    &err);
+        CHECK(ft == NULL && strstr(err.msg, other) != NULL);
+        ts_free(&m);
+        m = ts_copy(&f.base);
+        m.t[1].dt = LM_DTYPE_I32;  // the same bits, but no longer floats
+        write_model(norm, &m, "float32");
+        CHECK_FAILS(lm_ft_open(&ft, norm, base, &err), LM_ERR_UNSUPPORTED,
+                    "tensor 'norm.weight' is I32 here and F32 in the base", &err);
+        ts_free(&m);
+
+        // equal: the FT opens, and the merge copies the tensor
+        const char *dirs[1] = {same};
+        double w = 1.0, d = 1.0;
+        lm_merge_opts o = opts_for(LM_MERGE_TASK_ARITHMETIC, 1, &w, &d);
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+        const lm_st_tensor *t = st ? lm_st_find(st, "steps") : NULL;
+        CHECK(t && t->dtype == LM_DTYPE_I32 && t->nbytes == 12 && memcmp(t->data, f.base.t[2].v, 12) == 0);
+        lm_st_close(st);
+    }
+    lm_model_free(base);
+    free(same);
+    free(other);
+    free(norm);
+    fx_close(&f);
+}
+
 // ==== sparsegpt: selection by Hessian importance =============================================
 // Two full FTs on a base with two matrices and a vector. The engine is given U_cc² per column
 // (as lm_hess_ucc2 would compute them from Hessians) for both matrices of FT 0 and for t of
@@ -2296,6 +2352,7 @@ int main(void)
 {
     test_options();
     test_ft_open();
+    test_ft_dtypes();
     test_lora_alpha_over_r();
     test_lora_rslora();
     test_lora_patterns();
