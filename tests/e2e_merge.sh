@@ -14,7 +14,8 @@
 # device with fallbacks); damaged and truncated entries are said and computed again;
 # LLMERGE_CACHE_HESSIANS=0 keeps no Hessians; a cache that cannot be written is a warning. A
 # tensor in a dtype llmerge cannot compute with is refused where base and FT differ (or an
-# adapter changes it) and copied where they are equal.
+# adapter changes it) and copied where they are equal. A full FT's tensor the base does not have
+# is left out with a warning and counted in llmerge.json, and refused with --strict.
 # Usage: e2e_merge.sh LLMERGE FIXTURES JSONQ ST_HASH
 set -u
 llmerge=$1 fx=$2 jsonq=$3 st_hash=$4
@@ -324,6 +325,30 @@ check '[ "$("$st_hash" "$work/odd-u8/model.safetensors" | grep "^$q0 ")" = "$("$
 "$llmerge" inspect --json "$work/odd-u8" >"$work/json" 2>/dev/null
 json "$work/json" dtypes.U8 1
 
+# ---- FT tensors the base does not have: a warning each, counted, refused with --strict --------
+merge ties "$B" "$od/ft_extra" -o "$work/odd-extra"
+check 'grep -q "warning: FT 1 (.*odd/ft_extra): tensor '"'"'model.layers.0.self_attn.rotary_emb.inv_freq'"'"' is not in the base" "$work/out"' \
+  "no warning for the FT's extra tensor: $(head -c 600 "$work/out")"
+json "$work/odd-extra/llmerge.json" dropped.tensors 1
+json "$work/odd-extra/llmerge.json" dropped.list.0.ft 1
+json "$work/odd-extra/llmerge.json" dropped.list.0.tensor model.layers.0.self_attn.rotary_emb.inv_freq
+merge ties "$B" "$ff" -o "$work/odd-extra-ref" -q
+same_shards "$work/odd-extra" "$work/odd-extra-ref"
+json "$work/odd-extra-ref/llmerge.json" dropped.tensors 0
+expect 2 "rotary_emb.inv_freq" ties "$B" "$lp" "$od/ft_extra" -o "$x" --strict
+check 'grep -q "FT 2" "$work/out" && grep -q -- "--strict" "$work/out"' "--strict: the FT or the option is not named: $(cat "$work/out")"
+no_output "$x"
+expect 2 "rotary_emb.inv_freq" plan task-arithmetic "$B" "$od/ft_extra" -o "$x" --strict
+expect 2 "rotary_emb.inv_freq" sparsegpt "$B" "$od/ft_extra" -o "$x" --strict --calib "$fx/calib/calib.jsonl"
+no_output "$x"
+# an FT with an lm_head of its own over a base that ties it to the embeddings
+merge ties "$fx/qwen" "$od/qwen_head" -o "$work/odd-head"
+check 'grep -q "warning: FT 1 .*'"'"'lm_head.weight'"'"' is not in the base .*tie_word_embeddings" "$work/out"' \
+  "no warning for the FT's own lm_head: $(head -c 600 "$work/out")"
+json "$work/odd-head/llmerge.json" dropped.tensors 1
+expect 2 "lm_head.weight" dare "$fx/qwen" "$od/qwen_head" -o "$x" --strict
+no_output "$x"
+
 # ---- sparsegpt: Hessian importance from calibration data ---------------------------------------
 cj=$fx/calib/calib.jsonl ct=$fx/calib/calib.txt
 o=$work/sgpt
@@ -516,7 +541,7 @@ expect 0 "device auto: " ties "$B" "$lp" -o "$work/dev-auto" --device auto
 check '[ $? -eq 0 ]' "ties --help failed"
 for opt in -o, --output --weights --density --densities --lambda --normalize --no-normalize --sign \
   --topk --rescale --seed --dtype --shard-size --device --gpu-mem --threads --cache-dir --log-json \
-  -q, --quiet -v --force -h, --help; do
+  -q, --quiet -v --force --strict -h, --help; do
   check 'grep -qF -- "$opt" "$work/help"' "ties --help does not explain $opt"
 done
 expect 0 "default for ties: on" ties --help
