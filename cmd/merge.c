@@ -1062,6 +1062,8 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
             !cJSON_AddStringToObject(o, "tensor", r->dropped[i].name))
             return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     }
+    if ((s = lm_manifest_set_nonfinite(m, res, a->n_ft, err)) != LM_OK)
+        return s;
     cJSON *sel = cJSON_AddObjectToObject(m->root, "selection");
     if (!sel || !cJSON_AddNumberToObject(sel, "windows", (double)res->windows) ||
         !cJSON_AddNumberToObject(sel, "window_misses", (double)res->window_misses))
@@ -1072,6 +1074,46 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     return lm_manifest_set_stats(m, r->res.bytes_in, r->res.bytes_out, r->res.n_merged,
                                  r->res.n_copied, err);
+}
+
+// Says which inputs and whether the output hold NaN or Inf (res->nonfinite): a warning line each,
+// on stderr and in the log, naming the first few tensors (llmerge.json lists them all).
+static void warn_nonfinite(merge_run *r)
+{
+    const lm_merge_result *res = &r->res;
+    for (int input = 0; input <= r->args.n_ft + 1; input++) {
+        int who = input <= r->args.n_ft ? input : -1;  // the base, the FTs, then the output
+        uint64_t nan = 0, inf = 0;
+        int64_t tensors = 0;
+        char names[512] = "";
+        size_t len = 0;
+        for (int64_t i = 0; i < res->n_nonfinite; i++) {
+            const lm_merge_nonfinite *n = &res->nonfinite[i];
+            if (n->input != who)
+                continue;
+            nan += n->nan;
+            inf += n->inf;
+            if (++tensors <= 3 && len < sizeof names)
+                len += (size_t)snprintf(names + len, sizeof names - len, "%s%s", tensors > 1 ? ", " : "", n->tensor);
+        }
+        if (tensors == 0)
+            continue;
+        if (tensors > 3 && len < sizeof names)
+            snprintf(names + len, sizeof names - len, " and %lld more", (long long)(tensors - 3));
+        char what[LM_ERR_MSG_MAX], msg[sizeof what + sizeof names + 128];
+        if (who == 0)
+            snprintf(what, sizeof what, "the base (%s):", r->base->dir);
+        else if (who > 0)
+            snprintf(what, sizeof what, "FT %d (%s):", who, r->fts[who - 1]->path);
+        else
+            snprintf(what, sizeof what, "the output holds");
+        snprintf(msg, sizeof msg, "%s %" PRIu64 " NaN and %" PRIu64 " Inf value%s in %lld tensor%s (%s)", what, nan,
+                 inf, nan + inf == 1 ? "" : "s", (long long)tensors, tensors == 1 ? "" : "s", names);
+        lm_progress_note(&r->progress, "warning: %s", msg);
+        cJSON *f = cJSON_CreateObject();
+        cJSON_AddStringToObject(f, "message", msg);
+        lm_progress_event(&r->progress, "warning", f);
+    }
 }
 
 // The run was stopped by SIGINT or SIGTERM: removes the temporary directory, says so on stderr
@@ -1156,6 +1198,7 @@ static int work(merge_run *r, double t_loaded)
     lm_progress_end(p);
     if (s != LM_OK)
         goto fail;
+    warn_nonfinite(r);
     if (a->m->method == LM_MERGE_SPARSEGPT)
         lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
     double t_merged = lm_progress_now();
