@@ -107,7 +107,8 @@ typedef enum opt_id {
     OPT_OUTPUT, OPT_WEIGHTS, OPT_DENSITY, OPT_DENSITIES, OPT_LAMBDA, OPT_NORMALIZE,
     OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
-    OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD, OPT_HELP,
+    OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD,
+    OPT_STRICT, OPT_HELP,
 } opt_id;
 
 typedef lm_opt opt_def;
@@ -140,6 +141,7 @@ static const opt_def opt_defs[] = {
     {"hessian-from", 0, true, OPT_HESSIAN_FROM},
     {"sticky-fallback", 0, false, OPT_STICKY},
     {"no-card", 0, false, OPT_NO_CARD},
+    {"strict", 0, false, OPT_STRICT},
     {"help", 'h', false, OPT_HELP},
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
@@ -182,6 +184,7 @@ typedef struct merge_args {
     int64_t seq_len;           // 0: the model's max_position_embeddings
     bool hessian_from_base;
     bool sticky;               // --sticky-fallback, for the Hessians' forward pass
+    bool strict;               // --strict: an FT tensor the base does not have is an error
     bool given[OPT_HELP + 1];  // which options appeared
 } merge_args;
 
@@ -236,24 +239,7 @@ static void usage(FILE *out, const method_info *m)
             "                         the CPU)\n"
             "  --threads N            CPU threads (default: all cores)\n"
             "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
-            "                         $XDG_CACHE_HOME/llmerge;%s)\n"
-            "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
-            "                         start, each tensor, end, error or interrupted (default:\n"
-            "                         none)\n"
-            "  -q, --quiet            nothing on stderr but errors\n"
-            "  -v, --verbose          also the resolved settings and each input\n"
-            "  --force                replace OUT if it exists (it is replaced only at the end)\n"
-            "  --no-card              do not write README.md, the model card (the Hub's metadata,\n"
-            "                         the inputs, the options, a command line making the same\n"
-            "                         merge), into OUT\n"
-            "  -h, --help             this help\n"
-            "%s"
-            "\n"
-            "OUT gets the merged weights (model.safetensors, or shards and\n"
-            "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
-            "tokenizer and generation files, README.md (the model card, unless --no-card), and\n"
-            "llmerge.json: inputs with xxHash64 of their files, options, per-tensor xxHash64 of the\n"
-            "output, timings.\n",
+            "                         $XDG_CACHE_HOME/llmerge;%s)\n",
             m->name, m->summary, m->formula, m->density ? "" : "; no effect on this method",
             m->name, lm_merge_default_normalize(m->method) ? "on" : "off",
             m->sign ? "" : ";\n                         no effect on this method",
@@ -265,7 +251,27 @@ static void usage(FILE *out, const method_info *m)
                                               "                         and each FT's top-k masks there, so a rerun skips the\n"
                                               "                         capture and the selection; LLMERGE_CACHE_HESSIANS=0:\n"
                                               "                         not the Hessians, about 5 GB per model for a 1B Llama"
-                                            : " this method keeps nothing there",
+                                            : " this method keeps nothing there");
+    fprintf(out,
+            "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
+            "                         start, warnings, each tensor, end, error or interrupted\n"
+            "                         (default: none)\n"
+            "  -q, --quiet            nothing on stderr but errors\n"
+            "  -v, --verbose          also the resolved settings and each input\n"
+            "  --force                replace OUT if it exists (it is replaced only at the end)\n"
+            "  --no-card              do not write README.md, the model card (the Hub's metadata,\n"
+            "                         the inputs, the options, a command line making the same\n"
+            "                         merge), into OUT\n"
+            "  --strict               refuse a full FT holding a tensor the base does not have\n"
+            "                         (default: such a tensor is left out, with a warning)\n"
+            "  -h, --help             this help\n"
+            "%s"
+            "\n"
+            "OUT gets the merged weights (model.safetensors, or shards and\n"
+            "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
+            "tokenizer and generation files, README.md (the model card, unless --no-card), and\n"
+            "llmerge.json: inputs with xxHash64 of their files, options, per-tensor xxHash64 of the\n"
+            "output, timings.\n",
             m->method != LM_MERGE_SPARSEGPT ? "" :
             "\nHessians (sparsegpt):\n"
             "  --calib FILE           calibration data, .jsonl ({\"input_ids\": [...]} per line) or\n"
@@ -489,6 +495,9 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
     case OPT_STICKY:
         a->sticky = true;
         return LM_OK;
+    case OPT_STRICT:
+        a->strict = true;
+        return LM_OK;
     case OPT_HESSIAN_FROM:
         if (strcmp(v, "ft") != 0 && strcmp(v, "base") != 0)
             return lm_err_set(err, LM_ERR_USAGE, "%s %s: use ft or base", shown, v);
@@ -528,6 +537,12 @@ static lm_status parse_args(merge_args *a, int argc, char **argv, lm_err *err)
 
 // ==== the run =================================================================================
 
+// A tensor of a full FT that the base does not have: no output tensor takes it.
+typedef struct dropped_tensor {
+    int ft;            // the FT's index
+    const char *name;  // points into the FT's model
+} dropped_tensor;
+
 typedef struct merge_run {
     merge_args args;
     char prefix[64];           // "llmerge ties"
@@ -553,6 +568,8 @@ typedef struct merge_run {
     lm_manifest manifest;
     lm_hasher *hasher;         // hashes the input files for llmerge.json while the merge runs
     lm_guard guard;            // the inputs, which no output may be, hold or lie inside
+    dropped_tensor *dropped;   // (n_dropped) full FTs' tensors the base does not have, left out
+    int64_t n_dropped;
 } merge_run;
 
 static void run_free(merge_run *r)
@@ -581,6 +598,7 @@ static void run_free(merge_run *r)
     free(r->calib);
     lm_cmd_sgpt_free(&r->sgpt);
     lm_guard_free(&r->guard);
+    free(r->dropped);
     lm_progress_free(&r->progress);
 }
 
@@ -709,6 +727,55 @@ static lm_status read_calib(merge_run *r, lm_err *err)
     return LM_OK;
 }
 
+// Why a dropped tensor is not in the base, when there is a known reason.
+static const char *dropped_why(const merge_run *r, const char *name)
+{
+    return strcmp(name, "lm_head.weight") == 0 && r->base->config.tie_word_embeddings
+           ? " (the base has tie_word_embeddings: its lm_head is model.embed_tokens.weight)" : "";
+}
+
+// Lists the full FTs' tensors the base does not have (no output tensor takes them); with
+// --strict the first is an error naming it (LM_ERR_MISMATCH), else each gets a warning later.
+static lm_status find_dropped(merge_run *r, lm_err *err)
+{
+    for (int i = 0; i < r->args.n_ft; i++) {
+        const lm_model *m = r->fts[i]->model;
+        for (int64_t t = 0; m && t < m->n_tensors; t++) {
+            if (lm_model_find(r->base, m->tensors[t]->name))
+                continue;
+            dropped_tensor *d = realloc(r->dropped, (size_t)(r->n_dropped + 1) * sizeof *d);
+            if (!d)
+                return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+            r->dropped = d;
+            r->dropped[r->n_dropped++] = (dropped_tensor){i, m->tensors[t]->name};
+        }
+    }
+    if (!r->args.strict || r->n_dropped == 0)
+        return LM_OK;
+    const dropped_tensor *d = &r->dropped[0];
+    char more[64] = "";
+    if (r->n_dropped > 1)
+        snprintf(more, sizeof more, " (and %lld more)", (long long)(r->n_dropped - 1));
+    return lm_err_set(err, LM_ERR_MISMATCH, "FT %d (%s): tensor '%s' is not in the base %s%s, so it cannot be "
+                      "merged%s; without --strict it is left out with a warning", d->ft + 1, r->fts[d->ft]->path,
+                      d->name, r->base->dir, dropped_why(r, d->name), more);
+}
+
+// A warning for each tensor find_dropped listed, on stderr and in the log.
+static void note_dropped(merge_run *r)
+{
+    for (int64_t i = 0; i < r->n_dropped; i++) {
+        const dropped_tensor *d = &r->dropped[i];
+        char msg[LM_ERR_MSG_MAX];
+        snprintf(msg, sizeof msg, "FT %d (%s): tensor '%s' is not in the base%s: left out of the merge "
+                 "(--strict refuses it)", d->ft + 1, r->fts[d->ft]->path, d->name, dropped_why(r, d->name));
+        lm_progress_note(&r->progress, "warning: %s", msg);
+        cJSON *f = cJSON_CreateObject();
+        cJSON_AddStringToObject(f, "message", msg);
+        lm_progress_event(&r->progress, "warning", f);
+    }
+}
+
 // Everything before the work: inputs opened and checked, options resolved, the device opened.
 // Returns the status; err says what is wrong.
 static lm_status prepare(merge_run *r, lm_err *err)
@@ -770,9 +837,10 @@ static lm_status prepare(merge_run *r, lm_err *err)
             (s = lm_cmd_guard_adapter(&r->guard, what, r->fts[i]->adapter, err)) != LM_OK)
             return s;
     }
-
     // again, with every file the inputs were read from: a link to one of them is caught too
     if ((s = check_outputs(r, err)) != LM_OK)
+        return s;
+    if ((s = find_dropped(r, err)) != LM_OK)
         return s;
     for (int i = 0; i < a->n_ft; i++) {
         char who[LM_ERR_MSG_MAX / 2];
@@ -967,7 +1035,8 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
               (a->gpu_mem ? cJSON_AddNumberToObject(opt, "gpu_mem", (double)a->gpu_mem)
                           : cJSON_AddNullToObject(opt, "gpu_mem")) &&
               (a->cache_dir ? cJSON_AddStringToObject(opt, "cache_dir", a->cache_dir)
-                            : cJSON_AddNullToObject(opt, "cache_dir"));
+                            : cJSON_AddNullToObject(opt, "cache_dir")) &&
+              cJSON_AddBoolToObject(opt, "strict", a->strict);
     if (!ok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     if (a->m->method == LM_MERGE_SPARSEGPT) {
@@ -1027,6 +1096,21 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     cJSON_AddItemToObject(fb, "units", r->fallbacks ? r->fallbacks : cJSON_CreateArray());
     r->fallbacks = NULL;  // the manifest owns it now
+    // the FT tensors the base does not have, left out
+    cJSON *drop = cJSON_AddObjectToObject(m->root, "dropped"), *list = cJSON_CreateArray();
+    if (!drop || !list || !cJSON_AddNumberToObject(drop, "tensors", (double)r->n_dropped) ||
+        !cJSON_AddItemToObject(drop, "list", list)) {
+        cJSON_Delete(list);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    for (int64_t i = 0; i < r->n_dropped; i++) {
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(list, o) || !cJSON_AddNumberToObject(o, "ft", r->dropped[i].ft + 1) ||
+            !cJSON_AddStringToObject(o, "tensor", r->dropped[i].name))
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    if ((s = lm_manifest_set_nonfinite(m, res, a->n_ft, err)) != LM_OK)
+        return s;
     cJSON *sel = cJSON_AddObjectToObject(m->root, "selection");
     if (!sel || !cJSON_AddNumberToObject(sel, "windows", (double)res->windows) ||
         !cJSON_AddNumberToObject(sel, "window_misses", (double)res->window_misses))
@@ -1203,6 +1287,46 @@ done:
     return s;
 }
 
+// Says which inputs and whether the output hold NaN or Inf (res->nonfinite): a warning line each,
+// on stderr and in the log, naming the first few tensors (llmerge.json lists them all).
+static void warn_nonfinite(merge_run *r)
+{
+    const lm_merge_result *res = &r->res;
+    for (int input = 0; input <= r->args.n_ft + 1; input++) {
+        int who = input <= r->args.n_ft ? input : -1;  // the base, the FTs, then the output
+        uint64_t nan = 0, inf = 0;
+        int64_t tensors = 0;
+        char names[512] = "";
+        size_t len = 0;
+        for (int64_t i = 0; i < res->n_nonfinite; i++) {
+            const lm_merge_nonfinite *n = &res->nonfinite[i];
+            if (n->input != who)
+                continue;
+            nan += n->nan;
+            inf += n->inf;
+            if (++tensors <= 3 && len < sizeof names)
+                len += (size_t)snprintf(names + len, sizeof names - len, "%s%s", tensors > 1 ? ", " : "", n->tensor);
+        }
+        if (tensors == 0)
+            continue;
+        if (tensors > 3 && len < sizeof names)
+            snprintf(names + len, sizeof names - len, " and %lld more", (long long)(tensors - 3));
+        char what[LM_ERR_MSG_MAX], msg[sizeof what + sizeof names + 128];
+        if (who == 0)
+            snprintf(what, sizeof what, "the base (%s):", r->base->dir);
+        else if (who > 0)
+            snprintf(what, sizeof what, "FT %d (%s):", who, r->fts[who - 1]->path);
+        else
+            snprintf(what, sizeof what, "the output holds");
+        snprintf(msg, sizeof msg, "%s %" PRIu64 " NaN and %" PRIu64 " Inf value%s in %lld tensor%s (%s)", what, nan,
+                 inf, nan + inf == 1 ? "" : "s", (long long)tensors, tensors == 1 ? "" : "s", names);
+        lm_progress_note(&r->progress, "warning: %s", msg);
+        cJSON *f = cJSON_CreateObject();
+        cJSON_AddStringToObject(f, "message", msg);
+        lm_progress_event(&r->progress, "warning", f);
+    }
+}
+
 // The run was stopped by SIGINT or SIGTERM: removes the temporary directory, says so on stderr
 // and in the log ({"event": "interrupted", "signal", "removed", "exit_status"}, then the error
 // event), and returns 128 + the signal.
@@ -1291,6 +1415,7 @@ static int work(merge_run *r, double t_loaded)
     lm_progress_end(p);
     if (s != LM_OK)
         goto fail;
+    warn_nonfinite(r);
     if (a->m->method == LM_MERGE_SPARSEGPT)
         lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
     double t_merged = lm_progress_now();
@@ -1440,6 +1565,7 @@ int lm_cmd_merge(int argc, char **argv)
         goto done;
     }
     note_unused(&r);
+    note_dropped(&r);
     if (r.args.gpu_mem && strcmp(lm_dev_name(r.dev), "cpu") == 0)
         lm_progress_note(&r.progress, "note: --gpu-mem has no effect on the cpu device");
     rc = work(&r, lm_progress_now());

@@ -1314,6 +1314,18 @@ static lm_status need_readable(const lm_st_tensor *t, const char *wp, lm_err *er
                       "compute with (F32, F16, BF16 or F64)", wp, t->name, lm_dtype_name(t->dtype));
 }
 
+// A base tensor the adapter changes (through `key`) must be one llmerge computes with: an
+// integer or FP8 tensor would otherwise be copied and the change lost.
+static lm_status need_readable_base(const lm_adapter *a, const lm_model *base, const lm_st_tensor *b,
+                                    const lm_st_tensor *key, lm_err *err)
+{
+    if (lm_dtype_readable(b->dtype))
+        return LM_OK;
+    return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: adapter key '%s' changes '%s', which is %s in the base %s: "
+                      "llmerge cannot compute with %s (F32, F16, BF16 or F64)", a->weights_path, key->name, b->name,
+                      lm_dtype_name(b->dtype), base->dir, lm_dtype_name(b->dtype));
+}
+
 // The MISMATCH message for adapter tensor `t` against base tensor `b`, saying what was needed.
 static lm_status shape_mismatch(const lm_adapter *a, const lm_model *base, const lm_st_tensor *t,
                                 const lm_st_tensor *b, const char *need, lm_err *err)
@@ -1382,6 +1394,9 @@ static lm_status validate_module(const lm_adapter *a, const lm_lora_module *m,
         }
     }
     lm_status s;
+    if ((s = need_readable_base(a, base, w, m->a, err)) != LM_OK ||
+        (m->bias && (s = need_readable_base(a, base, lm_model_find(base, m->bias_name), m->bias, err)) != LM_OK))
+        return s;
     if ((s = need_readable(m->a, wp, err)) != LM_OK || (s = need_readable(m->b, wp, err)) != LM_OK ||
         (s = need_readable(m->bias, wp, err)) != LM_OK ||
         (s = need_readable(m->magnitude, wp, err)) != LM_OK)
@@ -1407,7 +1422,8 @@ lm_status lm_adapter_validate(const lm_adapter *a, const lm_model *base, lm_err 
             same = b->shape[d] == sv->t->shape[d];
         if (!same)
             return shape_mismatch(a, base, sv->t, b, "a modules_to_save tensor must have the base's shape", err);
-        if ((s = need_readable(sv->t, a->weights_path, err)) != LM_OK)
+        if ((s = need_readable(sv->t, a->weights_path, err)) != LM_OK ||
+            (s = need_readable_base(a, base, b, sv->t, err)) != LM_OK)
             return s;
     }
     return LM_OK;

@@ -227,9 +227,10 @@ void lm_adapter_ignored_msg(const lm_adapter *a, int64_t i, const char *verb, ch
 // Checks the adapter against base model `base`: every base tensor it names exists and every
 // shape fits (linear A [r, in], B [out, r] against base [out, in], transposed base with
 // fan_in_fan_out; embedding A [r, vocab], B [hidden, r] against base [vocab, hidden]; magnitude
-// and bias [out], a bias needing a base bias; saved tensors the base's shape), and the factors
-// have a dtype llmerge computes with. The first problem is LM_ERR_MISMATCH naming the adapter
-// key, the base tensor and both shapes (LM_ERR_UNSUPPORTED for a dtype).
+// and bias [out], a bias needing a base bias; saved tensors the base's shape), and the factors,
+// saved tensors and the base tensors they change have a dtype llmerge computes with. The first
+// problem is LM_ERR_MISMATCH naming the adapter key, the base tensor and both shapes
+// (LM_ERR_UNSUPPORTED naming the key, the tensor and its dtype for a dtype).
 lm_status lm_adapter_validate(const lm_adapter *a, const lm_model *base, lm_err *err);
 
 typedef enum lm_adapter_touch {

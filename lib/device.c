@@ -396,6 +396,36 @@ lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const v
     return d->iface->dense_merge(d, out, out_dt, base, base_dt, parts, k, n, how, side, err);
 }
 
+// ==== counting conversions ====================================================================
+
+bool lm_dev_has_counts(const lm_dev *d)
+{
+    return d->host_memory && d->iface->to_f32_count && d->iface->delta_count && d->iface->from_f32_count;
+}
+
+static lm_status no_counts(lm_dev *d, lm_err *err)
+{
+    return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no counting conversions", lm_dev_name(d));
+}
+
+lm_status lm_dev_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
+                              lm_err *err)
+{
+    return lm_dev_has_counts(d) ? d->iface->to_f32_count(d, dst, src, dt, n, nf, err) : no_counts(d, err);
+}
+
+lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
+                             lm_nonfinite *nf, lm_err *err)
+{
+    return lm_dev_has_counts(d) ? d->iface->delta_count(d, tau, src, dt, base, n, nf, err) : no_counts(d, err);
+}
+
+lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
+                                lm_err *err)
+{
+    return lm_dev_has_counts(d) ? d->iface->from_f32_count(d, dst, dt, src, n, nf, err) : no_counts(d, err);
+}
+
 // ==== forward-pass operations =================================================================
 // Optional entries: a device without one says which operation it lacks.
 

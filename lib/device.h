@@ -77,6 +77,9 @@ typedef struct lm_dev_dense {
     int64_t first;
     float rescale;
     float weight;
+    // lm_dev_dense_merge: when not NULL, the NaN and Inf among the src values it reads (a full
+    // model's part) are added here.
+    lm_nonfinite *nf;
 } lm_dev_dense;
 
 // How lm_dev_dense_merge combines: as lm_dev_combine with sign, normalize and lambda, or (linear)
@@ -95,6 +98,9 @@ typedef struct lm_dev_combine_how {
     bool normalize;
     float lambda;
     bool linear;
+    // when not NULL, lm_dev_dense_merge adds the NaN and Inf among the base values it reads to
+    // *base_nf, and among the output values it writes (in out_dt) to *out_nf
+    lm_nonfinite *base_nf, *out_nf;
 } lm_dev_combine_how;
 
 // The operations a device provides. Entries marked optional may be NULL; the dispatcher
@@ -148,6 +154,15 @@ typedef struct lm_dev_i {
                             lm_err *err);
     lm_status (*dense_merge)(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
                              lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, const lm_dev_side *side, lm_err *err);
+    // Conversions that also count NaN and Inf, on devices with host memory only (optional: the
+    // merge counts on the host, from what it copies to and from the device, where they are
+    // NULL).
+    lm_status (*to_f32_count)(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
+                              lm_err *err);
+    lm_status (*delta_count)(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
+                             lm_nonfinite *nf, lm_err *err);
+    lm_status (*from_f32_count)(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
+                                lm_err *err);
 
     // The forward pass (forward.h). Optional: a device without them answers
     // LM_ERR_UNSUPPORTED naming the operation, and lm_fwd_device_ok tells beforehand.
@@ -364,13 +379,29 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 // out (n elements of out_dt, host memory) = the combination of the k parts' τ, each trimmed or
 // dropped and rescaled as its fields say, with `base`: bit for bit what lm_dev_to_f32 of base,
 // lm_dev_delta, lm_dev_topk_apply or lm_dev_random_drop, lm_dev_axpby, then lm_dev_combine (or
-// the axpby sequence of how.linear) and lm_dev_from_f32 give.
+// the axpby sequence of how.linear) and lm_dev_from_f32 give. The NaN and Inf among the values
+// read and written are counted where how.base_nf, how.out_nf and each part's nf ask.
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
                              lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err);
 // lm_dev_dense_merge, with the caller's work `side` (NULL: none) done meanwhile.
 lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
                                   lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
                                   const lm_dev_side *side, lm_err *err);
+
+// ---- counting conversions ---------------------------------------------------------------------
+// lm_dev_to_f32, lm_dev_delta and lm_dev_from_f32 that also add to *nf the NaN and Inf among the
+// values they convert (as lm_convert_to_f32_nf and lm_convert_from_f32_nf count them: the src
+// values read, the dst values written), counted in the loops that convert. On devices whose
+// memory is the host's (the CPU); lm_dev_has_counts says whether d has them, the others are
+// LM_ERR_UNSUPPORTED where it does not.
+
+bool lm_dev_has_counts(const lm_dev *d);
+lm_status lm_dev_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
+                              lm_err *err);
+lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
+                             lm_nonfinite *nf, lm_err *err);
+lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
+                                lm_err *err);
 
 // ---- forward-pass operations (forward.h) -----------------------------------------------------
 // Activations are row-major float32 matrices in device memory, one row per token of a packed

@@ -108,35 +108,67 @@ typedef struct conv_job {
     lm_dtype dt;
     int64_t n;
     bool to_f32;
+    lm_nonfinite *nf;  // the counting conversions' sums, or NULL
 } conv_job;
+
+// Adds one task's counts to an operation's sums, from any thread (integer sums: the order the
+// tasks finish in does not matter).
+static void nf_add(lm_nonfinite *to, const lm_nonfinite *c)
+{
+    if (c->nan)
+        __atomic_fetch_add(&to->nan, c->nan, __ATOMIC_RELAXED);
+    if (c->inf)
+        __atomic_fetch_add(&to->inf, c->inf, __ATOMIC_RELAXED);
+}
 
 static void conv_task(void *ctx, int64_t b)
 {
     conv_job *j = ctx;
     int64_t lo = b * BLOCK, cnt = j->n - lo < BLOCK ? j->n - lo : BLOCK;
     size_t esz = lm_dtype_bits(j->dt) / 8;
-    if (j->to_f32)
-        lm_convert_to_f32((float *)j->dst + lo, (const char *)j->src + (size_t)lo * esz, j->dt, cnt, NULL);
+    void *wide = (float *)(j->to_f32 ? j->dst : (void *)j->src) + lo;
+    void *narrow = (char *)(j->to_f32 ? (void *)j->src : j->dst) + (size_t)lo * esz;
+    lm_nonfinite c = {0, 0};
+    if (j->to_f32 && j->nf)
+        lm_convert_to_f32_nf(wide, narrow, j->dt, cnt, &c, NULL);
+    else if (j->to_f32)
+        lm_convert_to_f32(wide, narrow, j->dt, cnt, NULL);
+    else if (j->nf)
+        lm_convert_from_f32_nf(narrow, j->dt, wide, cnt, &c, NULL);
     else
-        lm_convert_from_f32((char *)j->dst + (size_t)lo * esz, j->dt, (const float *)j->src + lo, cnt, NULL);
+        lm_convert_from_f32(narrow, j->dt, wide, cnt, NULL);
+    if (j->nf)
+        nf_add(j->nf, &c);
+}
+
+static lm_status cpu_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
+                                  lm_err *err)
+{
+    if (!lm_dtype_readable(dt))
+        return lm_convert_to_f32(dst, src, dt, 0, err);
+    conv_job j = {dst, src, dt, n, true, nf};
+    lm_pool_run(pool_of(d), n_blocks(n), conv_task, &j);
+    return LM_OK;
 }
 
 static lm_status cpu_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err)
 {
-    if (!lm_dtype_readable(dt))
-        return lm_convert_to_f32(dst, src, dt, 0, err);
-    conv_job j = {dst, src, dt, n, true};
+    return cpu_to_f32_count(d, dst, src, dt, n, NULL, err);
+}
+
+static lm_status cpu_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
+                                    lm_err *err)
+{
+    if (!lm_dtype_writable(dt))
+        return lm_convert_from_f32(dst, dt, src, 0, err);
+    conv_job j = {dst, src, dt, n, false, nf};
     lm_pool_run(pool_of(d), n_blocks(n), conv_task, &j);
     return LM_OK;
 }
 
 static lm_status cpu_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err)
 {
-    if (!lm_dtype_writable(dt))
-        return lm_convert_from_f32(dst, dt, src, 0, err);
-    conv_job j = {dst, src, dt, n, false};
-    lm_pool_run(pool_of(d), n_blocks(n), conv_task, &j);
-    return LM_OK;
+    return cpu_from_f32_count(d, dst, dt, src, n, NULL, err);
 }
 
 // ==== GEMM and element-wise arithmetic ========================================================
@@ -529,6 +561,7 @@ typedef struct delta_job {
     lm_dtype dt;
     const float *base;
     int64_t n;
+    lm_nonfinite *nf;  // the NaN and Inf of src, or NULL
 } delta_job;
 
 LM_VECTOR_CLONES static void subtract(float *restrict t, const float *restrict b, int64_t n)
@@ -545,18 +578,31 @@ static void delta_task(void *ctx, int64_t blk)
     int64_t lo = blk * BLOCK, cnt = j->n - lo < BLOCK ? j->n - lo : BLOCK;
     float *t = j->tau + lo;
     const float *b = j->base + lo;
-    lm_convert_to_f32(t, (const char *)j->src + (size_t)lo * (lm_dtype_bits(j->dt) / 8), j->dt, cnt, NULL);
+    const char *src = (const char *)j->src + (size_t)lo * (lm_dtype_bits(j->dt) / 8);
+    lm_nonfinite c = {0, 0};
+    if (j->nf)
+        lm_convert_to_f32_nf(t, src, j->dt, cnt, &c, NULL);
+    else
+        lm_convert_to_f32(t, src, j->dt, cnt, NULL);
     subtract(t, b, cnt);
+    if (j->nf)
+        nf_add(j->nf, &c);
+}
+
+static lm_status cpu_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
+                                 lm_nonfinite *nf, lm_err *err)
+{
+    if (!lm_dtype_readable(dt))
+        return lm_convert_to_f32(tau, src, dt, 0, err);
+    delta_job j = {tau, src, dt, base, n, nf};
+    lm_pool_run(pool_of(d), n_blocks(n), delta_task, &j);
+    return LM_OK;
 }
 
 static lm_status cpu_delta(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
                            lm_err *err)
 {
-    if (!lm_dtype_readable(dt))
-        return lm_convert_to_f32(tau, src, dt, 0, err);
-    delta_job j = {tau, src, dt, base, n};
-    lm_pool_run(pool_of(d), n_blocks(n), delta_task, &j);
-    return LM_OK;
+    return cpu_delta_count(d, tau, src, dt, base, n, NULL, err);
 }
 
 typedef struct dora_job {
@@ -1264,9 +1310,15 @@ typedef struct dense_job {
     bool read_kept;  // dense_merge: parts with keep_bits are read from there, not made
 } dense_job;
 
-static void dense_load(float *dst, const void *src, lm_dtype dt, int64_t lo, int64_t cnt)
+// dst = float32 of elements [lo, lo + cnt) of src, their NaN and Inf added to *nf when it is
+// not NULL.
+static void dense_load(float *dst, const void *src, lm_dtype dt, int64_t lo, int64_t cnt, lm_nonfinite *nf)
 {
-    lm_convert_to_f32(dst, (const char *)src + (size_t)lo * (lm_dtype_bits(dt) / 8), dt, cnt, NULL);
+    const char *at = (const char *)src + (size_t)lo * (lm_dtype_bits(dt) / 8);
+    if (nf)
+        lm_convert_to_f32_nf(dst, at, dt, cnt, nf, NULL);
+    else
+        lm_convert_to_f32(dst, at, dt, cnt, NULL);
 }
 
 // t = τ of LoRA part p at elements [lo, lo + cnt): the first row's stretch, the whole rows
@@ -1285,14 +1337,15 @@ static void lora_span(float *t, const lm_dev_dense *p, int64_t lo, int64_t cnt)
     }
 }
 
-// t = τ of part p at elements [lo, lo + cnt), b holding the base's values there.
-static void dense_tau(float *t, const lm_dev_dense *p, const float *b, int64_t lo, int64_t cnt)
+// t = τ of part p at elements [lo, lo + cnt), b holding the base's values there; the NaN and Inf
+// among the src values read go to *nf (when not NULL).
+static void dense_tau(float *t, const lm_dev_dense *p, const float *b, int64_t lo, int64_t cnt, lm_nonfinite *nf)
 {
     if (p->tau) {
         memcpy(t, p->tau + lo, (size_t)cnt * sizeof *t);
         return;
     }
-    dense_load(t, p->src, p->dt, lo, cnt);
+    dense_load(t, p->src, p->dt, lo, cnt, nf);
     subtract(t, b, cnt);
 }
 
@@ -1433,7 +1486,7 @@ static void kept_chunk(float *t, const lm_dev_dense *p, int64_t e0, int64_t cnt,
 // Part i's τ at chunk [c, c + cnt) of the span from s0 that task t is in: a LoRA part's where
 // lora_fill made it (changed in place by whoever trims it), any other's made into buf.
 static float *chunk_tau(const dense_job *j, int64_t t, int i, float *buf, const float *b, int64_t s0, int64_t c,
-                        int64_t cnt, int64_t *kpos)
+                        int64_t cnt, int64_t *kpos, lm_nonfinite *nf)
 {
     const lm_dev_dense *p = &j->parts[i];
     if (j->read_kept && p->keep_bits) {
@@ -1442,7 +1495,7 @@ static float *chunk_tau(const dense_job *j, int64_t t, int i, float *buf, const 
     }
     if (p->lora_a)
         return span_of(j, t, i) + (c - s0);
-    dense_tau(buf, p, b, c, cnt);
+    dense_tau(buf, p, b, c, cnt, nf);
     return buf;
 }
 
@@ -1474,12 +1527,12 @@ static void dense_hist_task(void *ctx, int64_t t)
         for (int64_t c = s0; c < s1; c += CHUNK) {
             int64_t cnt = s1 - c < CHUNK ? s1 - c : CHUNK;
             if (base)
-                dense_load(b, j->base, j->base_dt, c, cnt);
+                dense_load(b, j->base, j->base_dt, c, cnt, NULL);
             for (int i = 0; i < j->k; i++) {
                 const lm_dev_dense *p = &j->parts[i];
                 if (!use[i])
                     continue;
-                const float *x = chunk_tau(j, t, i, tau, b, s0, c, cnt, kpos);
+                const float *x = chunk_tau(j, t, i, tau, b, s0, c, cnt, kpos, NULL);
                 above[i] += hist_win(&l, (uint32_t)i << WIN_PART_SHIFT, x, cnt, p->lo_bin, (uint32_t)p->n_win);
                 if (p->keep_bits)
                     keep_chunk(p, x, p->first + c, cnt, p->lo_bin << 16, &kpos[i], p->first + hi);
@@ -1572,6 +1625,14 @@ static void dense_merge_task(void *ctx, int64_t task)
     float *tp[k];
     int keep[k];
     int64_t left[k], kpos[k];
+    // The block's NaN and Inf: added to the operation's sums by the run that merges the whole
+    // block (a block the first run defers is counted again from the start in the second).
+    lm_nonfinite nb_base = {0, 0}, nb_out = {0, 0}, nb_src[k];
+    lm_nonfinite *c_base = j->how.base_nf ? &nb_base : NULL, *c_out = j->how.out_nf ? &nb_out : NULL, *c_src[k];
+    for (int i = 0; i < k; i++) {
+        nb_src[i] = (lm_nonfinite){0, 0};
+        c_src[i] = j->parts[i].nf ? &nb_src[i] : NULL;
+    }
     for (int i = 0; i < k; i++) {
         const lm_dev_dense *p = &j->parts[i];
         const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 2 * j->nb : NULL;  // NULL: none counted
@@ -1594,11 +1655,11 @@ static void dense_merge_task(void *ctx, int64_t task)
         lora_fill(j, blk, s0, s1 - s0, deferred ? j->counted : NULL);
         for (int64_t c = s0; c < s1; c += CHUNK) {
             int64_t cnt = s1 - c < CHUNK ? s1 - c : CHUNK;
-            dense_load(b, j->base, j->base_dt, c, cnt);
+            dense_load(b, j->base, j->base_dt, c, cnt, c_base);
             for (int i = 0; j->first && j->ties && i < k; i++) {
                 if (!j->counted[i])
                     continue;
-                tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos);
+                tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos, c_src[i]);
                 int64_t n = count_ties(tp[i], 0, cnt, j->parts[i].thr_bits);
                 j->ties[(size_t)i * 2 * j->nb + blk] += n;
                 deferred = deferred || n > 0;
@@ -1608,7 +1669,7 @@ static void dense_merge_task(void *ctx, int64_t task)
             for (int i = 0; i < k; i++) {
                 const lm_dev_dense *p = &j->parts[i];
                 if (!(j->first && j->ties && j->counted[i]))
-                    tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos);
+                    tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos, c_src[i]);
                 dense_sparsify(tp[i], p, keep[i], &left[i], p->first + c, cnt);
             }
             if (j->how.linear) {
@@ -1620,11 +1681,23 @@ static void dense_merge_task(void *ctx, int64_t task)
                 combine_values(o, b, (const float *const *)tp, w, k, cnt, j->how.sign, j->how.normalize,
                                j->how.lambda);
             }
-            lm_convert_from_f32((char *)j->out + (size_t)c * es, j->out_dt, o, cnt, NULL);
+            if (c_out)
+                lm_convert_from_f32_nf((char *)j->out + (size_t)c * es, j->out_dt, o, cnt, c_out, NULL);
+            else
+                lm_convert_from_f32((char *)j->out + (size_t)c * es, j->out_dt, o, cnt, NULL);
         }
     }
-    if (deferred)
+    if (deferred) {
         j->redo[blk] = true;
+        return;
+    }
+    if (c_base)
+        nf_add(j->how.base_nf, c_base);
+    if (c_out)
+        nf_add(j->how.out_nf, c_out);
+    for (int i = 0; i < k; i++)
+        if (c_src[i])
+            nf_add(j->parts[i].nf, c_src[i]);
 }
 
 // Parts whose ties are counted keep the first ties_allowed of them in index order, so a block's
@@ -1735,6 +1808,9 @@ static const lm_dev_i cpu_iface = {
     .combine = cpu_combine,
     .dense_hist = cpu_dense_hist,
     .dense_merge = cpu_dense_merge,
+    .to_f32_count = cpu_to_f32_count,
+    .delta_count = cpu_delta_count,
+    .from_f32_count = cpu_from_f32_count,
     .gather_rows = cpu_gather_rows,
     .add_rows = cpu_add_rows,
     .rmsnorm = cpu_rmsnorm,

@@ -142,3 +142,156 @@ LM_VECTOR_CLONES lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const flo
                           lm_dtype_name(dt));
     }
 }
+
+// ---- counting NaN and Inf ---------------------------------------------------------------------
+// A value is ±Inf when its magnitude bits (the sign cleared) equal the Inf pattern of its dtype,
+// NaN when they exceed it. The conversion loops keep only the largest magnitude of a run of
+// NF_RUN values, one vector maximum beside the conversion, and a run whose largest is Inf or NaN
+// (rare) is counted exactly by a pass of its own, while it is still in cache.
+
+#define NF_RUN (1 << 14)
+
+// The exact counts of n values whose magnitude bits are those of F32 (16-bit: F16, BF16) values
+// at s, any alignment.
+static void exact_f32(const unsigned char *s, int64_t n, lm_nonfinite *nf)
+{
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, s + 4 * i, 4);
+        u &= 0x7FFFFFFFu;
+        nf->nan += u > 0x7F800000u;
+        nf->inf += u == 0x7F800000u;
+    }
+}
+
+static void exact_16(const unsigned char *s, int64_t n, uint32_t inf_bits, lm_nonfinite *nf)
+{
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t a = load16(s, i) & 0x7FFFu;
+        nf->nan += a > inf_bits;
+        nf->inf += a == inf_bits;
+    }
+}
+
+#define NF_TOP(top, a) ((top) = (a) > (top) ? (a) : (top))
+
+LM_VECTOR_CLONES static void count_f32_bits(const unsigned char *s, int64_t n, lm_nonfinite *nf)
+{
+    for (int64_t lo = 0; lo < n; lo += NF_RUN) {
+        int64_t hi = n - lo < NF_RUN ? n : lo + NF_RUN;
+        uint32_t top = 0;
+        for (int64_t i = lo; i < hi; i++) {
+            uint32_t u;
+            memcpy(&u, s + 4 * i, 4);
+            NF_TOP(top, u & 0x7FFFFFFFu);
+        }
+        if (top >= 0x7F800000u)
+            exact_f32(s + 4 * lo, hi - lo, nf);
+    }
+}
+
+LM_VECTOR_CLONES static void count_16_bits(const unsigned char *s, int64_t n, uint32_t inf_bits, lm_nonfinite *nf)
+{
+    for (int64_t lo = 0; lo < n; lo += NF_RUN) {
+        int64_t hi = n - lo < NF_RUN ? n : lo + NF_RUN;
+        uint32_t top = 0;
+        for (int64_t i = lo; i < hi; i++)
+            NF_TOP(top, (uint32_t)(load16(s, i) & 0x7FFFu));
+        if (top >= inf_bits)
+            exact_16(s + 2 * lo, hi - lo, inf_bits, nf);
+    }
+}
+
+void lm_count_nonfinite(const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf)
+{
+    const unsigned char *s = src;
+    switch (dt) {
+    case LM_DTYPE_F32:
+        count_f32_bits(s, n, nf);
+        return;
+    case LM_DTYPE_BF16:
+        count_16_bits(s, n, 0x7F80u, nf);
+        return;
+    case LM_DTYPE_F16:
+        count_16_bits(s, n, 0x7C00u, nf);
+        return;
+    case LM_DTYPE_F64:
+        for (int64_t i = 0; i < n; i++) {
+            double d;
+            memcpy(&d, s + 8 * i, 8);
+            uint32_t a = lm_f32_bits((float)d) & 0x7FFFFFFFu;
+            nf->nan += a > 0x7F800000u;
+            nf->inf += a == 0x7F800000u;
+        }
+        return;
+    default:
+        return;
+    }
+}
+
+LM_VECTOR_CLONES lm_status lm_convert_to_f32_nf(float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
+                                                lm_err *err)
+{
+    const unsigned char *s = src;
+    if (dt == LM_DTYPE_F32 || dt == LM_DTYPE_F64 || !lm_dtype_readable(dt)) {
+        // a copy, or a conversion whose count is by far the smaller part
+        lm_status st = lm_convert_to_f32(dst, src, dt, n, err);
+        if (st == LM_OK)
+            count_f32_bits((const unsigned char *)dst, n, nf);
+        return st;
+    }
+    uint32_t inf_bits = dt == LM_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+    for (int64_t lo = 0; lo < n; lo += NF_RUN) {
+        int64_t hi = n - lo < NF_RUN ? n : lo + NF_RUN;
+        uint32_t top = 0;
+        if (dt == LM_DTYPE_BF16) {
+            for (int64_t i = lo; i < hi; i++) {
+                uint16_t h = load16(s, i);
+                dst[i] = lm_bf16_to_f32(h);
+                NF_TOP(top, (uint32_t)(h & 0x7FFFu));
+            }
+        } else {
+            for (int64_t i = lo; i < hi; i++) {
+                uint16_t h = load16(s, i);
+                dst[i] = lm_f16_to_f32(h);
+                NF_TOP(top, (uint32_t)(h & 0x7FFFu));
+            }
+        }
+        if (top >= inf_bits)
+            exact_16(s + 2 * lo, hi - lo, inf_bits, nf);
+    }
+    return LM_OK;
+}
+
+LM_VECTOR_CLONES lm_status lm_convert_from_f32_nf(void *dst, lm_dtype dt, const float *src, int64_t n,
+                                                  lm_nonfinite *nf, lm_err *err)
+{
+    unsigned char *d = dst;
+    if (dt != LM_DTYPE_BF16 && dt != LM_DTYPE_F16) {
+        lm_status st = lm_convert_from_f32(dst, dt, src, n, err);
+        if (st == LM_OK)
+            count_f32_bits(d, n, nf);
+        return st;
+    }
+    uint32_t inf_bits = dt == LM_DTYPE_BF16 ? 0x7F80u : 0x7C00u;
+    for (int64_t lo = 0; lo < n; lo += NF_RUN) {
+        int64_t hi = n - lo < NF_RUN ? n : lo + NF_RUN;
+        uint32_t top = 0;
+        if (dt == LM_DTYPE_BF16) {
+            for (int64_t i = lo; i < hi; i++) {
+                uint16_t h = lm_f32_to_bf16(src[i]);
+                store16(d, i, h);
+                NF_TOP(top, (uint32_t)(h & 0x7FFFu));
+            }
+        } else {
+            for (int64_t i = lo; i < hi; i++) {
+                uint16_t h = lm_f32_to_f16(src[i]);
+                store16(d, i, h);
+                NF_TOP(top, (uint32_t)(h & 0x7FFFu));
+            }
+        }
+        if (top >= inf_bits)
+            exact_16(d + 2 * lo, hi - lo, inf_bits, nf);
+    }
+    return LM_OK;
+}

@@ -120,6 +120,12 @@ LM_HD static inline uint16_t lm_f32_to_f16(float f)
 
 // ---- bulk conversions -----------------------------------------------------------------------
 
+// How many of some values are NaN and how many are ±Inf.
+typedef struct lm_nonfinite {
+    uint64_t nan;
+    uint64_t inf;
+} lm_nonfinite;
+
 // Converts n elements of `src` (type `dt`, little-endian, any alignment) to float32 in `dst`.
 // Returns LM_ERR_UNSUPPORTED (message naming the dtype) when dt is not readable.
 lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
@@ -127,6 +133,20 @@ lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n,
 // Converts n float32 values to `dt` (F32, F16 or BF16) into `dst` (any alignment), rounding
 // to nearest even. Returns LM_ERR_UNSUPPORTED when dt is not writable.
 lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
+
+// lm_convert_to_f32, also adding to *nf the NaN and Inf among the float32 values written (an
+// F64 value beyond float32's range counts as the Inf it becomes). The loop that converts keeps
+// the largest magnitude it meets beside; only a run of values holding NaN or Inf is read again
+// to count them, so clean data costs no pass of its own.
+lm_status lm_convert_to_f32_nf(float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf, lm_err *err);
+
+// lm_convert_from_f32, also adding to *nf the NaN and Inf among the values written in `dt` (a
+// finite float32 that rounds to Inf in F16 or BF16 counts as Inf).
+lm_status lm_convert_from_f32_nf(void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf, lm_err *err);
+
+// Adds to *nf the NaN and Inf among n elements of `src` (dtype dt, any alignment) as
+// lm_convert_to_f32_nf counts them; nothing for a dtype that is not readable.
+void lm_count_nonfinite(const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf);
 
 #ifdef __cplusplus
 }

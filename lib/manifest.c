@@ -287,6 +287,51 @@ lm_status lm_manifest_set_stats(lm_manifest *m, uint64_t bytes_in, uint64_t byte
     return ok ? LM_OK : nomem(err);
 }
 
+// One "nonfinite" entry: the sums over the tensors of res->nonfinite from `input`, and those
+// tensors. NULL when memory runs out.
+static cJSON *nonfinite_of(const lm_merge_result *res, int input)
+{
+    uint64_t nan = 0, inf = 0;
+    for (int64_t i = 0; i < res->n_nonfinite; i++)
+        if (res->nonfinite[i].input == input) {
+            nan += res->nonfinite[i].nan;
+            inf += res->nonfinite[i].inf;
+        }
+    cJSON *o = cJSON_CreateObject(), *list = NULL;
+    bool ok = o && cJSON_AddNumberToObject(o, "nan", (double)nan) && cJSON_AddNumberToObject(o, "inf", (double)inf) &&
+              (list = cJSON_AddArrayToObject(o, "tensors"));
+    for (int64_t i = 0; ok && i < res->n_nonfinite; i++) {
+        const lm_merge_nonfinite *n = &res->nonfinite[i];
+        if (n->input != input)
+            continue;
+        cJSON *t = cJSON_CreateObject();
+        if (!t || !cJSON_AddItemToArray(list, t)) {
+            cJSON_Delete(t);
+            ok = false;
+            break;
+        }
+        ok = cJSON_AddStringToObject(t, "name", n->tensor) && cJSON_AddNumberToObject(t, "nan", (double)n->nan) &&
+             cJSON_AddNumberToObject(t, "inf", (double)n->inf);
+    }
+    if (!ok) {
+        cJSON_Delete(o);
+        return NULL;
+    }
+    return o;
+}
+
+lm_status lm_manifest_set_nonfinite(lm_manifest *m, const lm_merge_result *res, int n_ft, lm_err *err)
+{
+    cJSON *nf = cJSON_AddObjectToObject(m->root, "nonfinite"), *inputs = NULL;
+    if (!nf || !cJSON_AddItemToObject(nf, "base", nonfinite_of(res, 0)) ||
+        !(inputs = cJSON_AddArrayToObject(nf, "inputs")))
+        return nomem(err);
+    for (int i = 0; i < n_ft; i++)
+        if (!cJSON_AddItemToArray(inputs, nonfinite_of(res, 1 + i)))
+            return nomem(err);
+    return cJSON_AddItemToObject(nf, "output", nonfinite_of(res, -1)) ? LM_OK : nomem(err);
+}
+
 // ==== printing ================================================================================
 
 static void pb_indent(lm_buf *b, int depth)

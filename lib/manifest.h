@@ -12,6 +12,8 @@
 //                "card" (the model card's name, or null: added by the merge command),
 //                "tensors": [{"name", "shard", "dtype", "shape", "xxh64"}]},
 //    "devices": {"cpu": units run there, ...},
+//    "nonfinite": {"base", "inputs": [...], "output"}, each {"nan", "inf",
+//                  "tensors": [{"name", "nan", "inf"}]} (the tensors holding any),
 //    "timings": {"load_s", "merge_s", "write_s", "hash_s", "total_s"},
 //    "stats": {"bytes_in", "bytes_out", "tensors_merged", "tensors_copied"}}
 //
@@ -84,6 +86,11 @@ lm_status lm_manifest_add_input(lm_manifest *m, const lm_model *model, const lm_
 lm_status lm_manifest_set_outputs(lm_manifest *m, const char *dir, const lm_shard_plan *plan,
                                   const lm_st_desc *t, int64_t n, const uint64_t *xxh64,
                                   lm_err *err);
+
+// Records the NaN and Inf the merge counted (res->nonfinite) under "nonfinite": for the base,
+// each of the n_ft FTs (in "inputs", in FT order) and the output, the totals and each tensor that
+// holds any, in the order the merge met them.
+lm_status lm_manifest_set_nonfinite(lm_manifest *m, const lm_merge_result *res, int n_ft, lm_err *err);
 
 // Adds `units` to the count of work units that ran on `device` ("cpu", "cuda:0").
 lm_status lm_manifest_add_device_units(lm_manifest *m, const char *device, int64_t units,

@@ -137,6 +137,9 @@ void lm_merge_result_free(lm_merge_result *res)
 {
     if (res) {
         free(res->tensor_xxh64);
+        for (int64_t i = 0; i < res->n_nonfinite; i++)
+            free(res->nonfinite[i].tensor);
+        free(res->nonfinite);
         memset(res, 0, sizeof *res);
     }
 }
@@ -153,6 +156,27 @@ void lm_ft_free(lm_ft *ft)
     free(ft);
 }
 
+// A full fine-tune's tensors in a dtype llmerge cannot compute with (integers, FP8): one equal
+// to the base's (same dtype, same bytes) is copied with the base, one that differs cannot be
+// merged and is refused (it would otherwise be dropped, the base's value taking its place).
+static lm_status check_dtypes(const lm_ft *ft, const lm_model *base, lm_err *err)
+{
+    for (int64_t i = 0; i < base->n_tensors; i++) {
+        const lm_st_tensor *b = base->tensors[i], *t = lm_model_find(ft->model, b->name);
+        if (!t || (lm_dtype_readable(b->dtype) && lm_dtype_readable(t->dtype)))
+            continue;
+        if (t->dtype == b->dtype && t->nbytes == b->nbytes && memcmp(t->data, b->data, (size_t)b->nbytes) == 0)
+            continue;
+        lm_dtype odd = lm_dtype_readable(t->dtype) ? b->dtype : t->dtype;
+        return lm_err_set(err, LM_ERR_UNSUPPORTED,
+                          "%s: tensor '%s' is %s here and %s in the base %s, and the two differ: llmerge cannot "
+                          "compute with %s (it reads F32, F16, BF16 and F64; a tensor equal in both is copied)",
+                          ft->path, b->name, lm_dtype_name(t->dtype), lm_dtype_name(b->dtype), base->dir,
+                          lm_dtype_name(odd));
+    }
+    return LM_OK;
+}
+
 lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err *err)
 {
     *out = NULL;
@@ -165,7 +189,8 @@ lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err
     if (ft->kind == LM_INPUT_MODEL) {
         if ((s = lm_model_open(&ft->model, ft->path, err)) != LM_OK)
             goto fail;
-        if ((s = lm_model_compare(ft->model, base, NULL, err)) != LM_OK)
+        if ((s = lm_model_compare(ft->model, base, NULL, err)) != LM_OK ||
+            (s = check_dtypes(ft, base, err)) != LM_OK)
             goto fail;
     } else if (ft->kind == LM_INPUT_ADAPTER) {
         if ((s = lm_adapter_open(&ft->adapter, ft->path, err)) != LM_OK)
@@ -275,6 +300,13 @@ typedef struct engine {
     uint64_t bytes_in, bytes_out;
     lm_merge_result *res;
     long page;
+    // NaN and Inf of the tensor being merged (see first_read): in the base's values (in[0]), in
+    // each FT's tensor (in[1 + ft]: a full model's, or an adapter's saved one) and in the output.
+    // Off while --topk global selects, whose passes precede the tensors' own.
+    bool counting;
+    int64_t *counted;     // (1 + n_ft) elements of each input counted so far
+    lm_nonfinite *in;     // (1 + n_ft)
+    lm_nonfinite out;
 } engine;
 
 // Tells the kernel the pages of `t` may leave this process's memory: they stay in the page
@@ -302,11 +334,72 @@ static size_t esize(lm_dtype dt)
     return lm_dtype_bits(dt) / 8;
 }
 
+// ==== counting NaN and Inf ====================================================================
+// Each input of a tensor is counted in the first pass that reads it whole, the pass being
+// whatever the tensor's method and device make first (a selection, the L1 norms, the merge):
+// a read of elements [first, first + n) counts them when it continues that input's count from
+// where it stands (counted[who] == first), and a later pass, which starts again from 0, counts
+// nothing. The samples that place a selection's window are not counted. The CPU counts in the
+// loops that convert (lm_dev_to_f32_count, lm_dev_delta_count, lm_dev_from_f32_count and the
+// fused operations); an accelerator's inputs are counted on the host as they are copied to it,
+// its output as it comes back, so every device gives the same counts.
+
+// Where the read of elements [first, first + n) of input `who` (0 the base, 1 + ft an FT's
+// tensor) is to add its NaN and Inf, or NULL when it is not to count them.
+static lm_nonfinite *first_read(engine *e, int who, int64_t first, int64_t n)
+{
+    if (!e->counting || e->counted[who] != first)
+        return NULL;
+    e->counted[who] = first + n;
+    return &e->in[who];
+}
+
+// Where the output's NaN and Inf go, or NULL while nothing is counted.
+static lm_nonfinite *out_count(engine *e)
+{
+    return e->counting ? &e->out : NULL;
+}
+
+// Starts the counts of a tensor afresh (also when a unit is redone on the CPU).
+static void count_reset(engine *e)
+{
+    memset(e->counted, 0, (size_t)(1 + e->o->n_ft) * sizeof *e->counted);
+    memset(e->in, 0, (size_t)(1 + e->o->n_ft) * sizeof *e->in);
+    e->out = (lm_nonfinite){0, 0};
+}
+
+// Whether the device of the current unit counts while it converts (the CPU); elsewhere the
+// engine counts on the host.
+static bool dev_counts(const engine *e)
+{
+    return lm_dev_has_counts(e->ws->dev);
+}
+
+// Appends input `input`'s tensor `name` to res->nonfinite when it holds NaN or Inf.
+static lm_status note_nonfinite(engine *e, int input, const char *name, const lm_nonfinite *c)
+{
+    if (!c->nan && !c->inf)
+        return LM_OK;
+    lm_merge_result *r = e->res;
+    lm_merge_nonfinite *n = realloc(r->nonfinite, (size_t)(r->n_nonfinite + 1) * sizeof *n);
+    if (!n)
+        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    r->nonfinite = n;
+    n[r->n_nonfinite] = (lm_merge_nonfinite){input, lm_strdup(name), c->nan, c->inf};
+    if (!n[r->n_nonfinite].tensor)
+        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    r->n_nonfinite++;
+    return LM_OK;
+}
+
 // Makes n elements of host input src (dtype dt) readable by the device: src itself on a
-// host-memory device, else a copy in the staging buffer.
-static lm_status stage(engine *e, const void *src, lm_dtype dt, int64_t n, const void **on_dev)
+// host-memory device, else a copy in the staging buffer. With nf (not NULL) on a device that
+// does not count, their NaN and Inf are counted here, as they are copied.
+static lm_status stage(engine *e, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf, const void **on_dev)
 {
     e->bytes_in += (uint64_t)n * esize(dt);
+    if (nf && !dev_counts(e))
+        lm_count_nonfinite(src, dt, n, nf);
     if (e->ws->dev->host_memory) {
         *on_dev = src;
         return LM_OK;
@@ -316,12 +409,21 @@ static lm_status stage(engine *e, const void *src, lm_dtype dt, int64_t n, const
     return lm_dev_upload(e->ws->dev, e->ws->stage_dev, src, (size_t)n * esize(dt), e->err);
 }
 
-// dst[0..n) = float32 of host data src (dtype dt).
-static lm_status load_f32(engine *e, float *dst, const void *src, lm_dtype dt, int64_t n)
+// dst[0..n) = float32 of host data src (dtype dt), their NaN and Inf added to *nf when nf is not
+// NULL.
+static lm_status load_f32_nf(engine *e, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf)
 {
     const void *in;
-    lm_status s = stage(e, src, dt, n, &in);
-    return s != LM_OK ? s : lm_dev_to_f32(e->ws->dev, dst, in, dt, n, e->err);
+    lm_status s = stage(e, src, dt, n, nf, &in);
+    if (s != LM_OK)
+        return s;
+    return nf && dev_counts(e) ? lm_dev_to_f32_count(e->ws->dev, dst, in, dt, n, nf, e->err)
+                               : lm_dev_to_f32(e->ws->dev, dst, in, dt, n, e->err);
+}
+
+static lm_status load_f32(engine *e, float *dst, const void *src, lm_dtype dt, int64_t n)
+{
+    return load_f32_nf(e, dst, src, dt, n, NULL);
 }
 
 // ==== task vectors ============================================================================
@@ -329,6 +431,14 @@ static lm_status load_f32(engine *e, float *dst, const void *src, lm_dtype dt, i
 static int64_t tensor_rows(const lm_st_tensor *t)
 {
     return t->ndim >= 1 ? t->shape[0] : 1;
+}
+
+// load_f32 of rows [r0, r0 + rows) of base tensor bt into base_buf, counted as the base's read.
+static lm_status load_base(engine *e, const lm_st_tensor *bt, int64_t r0, int64_t rows)
+{
+    int64_t cols = bt->numel / tensor_rows(bt), first = r0 * cols, cnt = rows * cols;
+    return load_f32_nf(e, e->ws->base_buf, (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, cnt,
+                       first_read(e, 0, first, cnt));
 }
 
 static lm_status cpu_ready(engine *e);
@@ -391,8 +501,12 @@ static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t
     if (p->src == SRC_FULL) {
         const lm_st_tensor *t = p->full;
         const void *in;
-        s = stage(e, (const char *)t->data + (size_t)(r0 * cols) * esize(t->dtype), t->dtype, cnt, &in);
-        return s != LM_OK ? s : lm_dev_delta(e->ws->dev, p->tau, in, t->dtype, base_slab, cnt, e->err);
+        lm_nonfinite *nf = first_read(e, 1 + p->ft, r0 * cols, cnt);
+        s = stage(e, (const char *)t->data + (size_t)(r0 * cols) * esize(t->dtype), t->dtype, cnt, nf, &in);
+        if (s != LM_OK)
+            return s;
+        return nf && dev_counts(e) ? lm_dev_delta_count(e->ws->dev, p->tau, in, t->dtype, base_slab, cnt, nf, e->err)
+                                   : lm_dev_delta(e->ws->dev, p->tau, in, t->dtype, base_slab, cnt, e->err);
     }
     const lm_lora_module *m = p->mod;
     float scale = (float)m->scale;
@@ -446,6 +560,19 @@ static lm_status place_residents(engine *e)
                 return lm_err_prefix(e->err, "%s", mod->a->name);
             if (mod->b && (s = load_f32(e, rs->data + rs->b_off[m], mod->b->data, mod->b->dtype, mod->b->numel)) != LM_OK)
                 return lm_err_prefix(e->err, "%s", mod->b->name);
+            // the adapter's own tensors are small: counted here, once, from the host's copy
+            const lm_st_tensor *own[] = {mod->a, mod->b, mod->bias, mod->magnitude};
+            for (size_t t = 0; t < sizeof own / sizeof own[0]; t++) {
+                lm_nonfinite c = {0, 0};
+                if (!own[t])
+                    continue;
+                if (t < 2)  // the factors as float32, as the merge uses them
+                    lm_count_nonfinite(rs->data + (t ? rs->b_off[m] : rs->a_off[m]), LM_DTYPE_F32, own[t]->numel, &c);
+                else
+                    lm_count_nonfinite(own[t]->data, own[t]->dtype, own[t]->numel, &c);
+                if ((s = note_nonfinite(e, 1 + i, own[t]->name, &c)) != LM_OK)
+                    return s;
+            }
         }
         if (e->dev == e->cpu)
             continue;
@@ -851,8 +978,7 @@ static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int
             continue;
         }
         if (!have_tau && needs_base(parts, k))
-            s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),
-                         bt->dtype, cnt);
+            s = load_base(e, bt, r0, nr);
         for (int i = 0; s == LM_OK && i < k; i++) {
             if (!have_tau && (s = tau_for(e, &parts[i], bt, r0, nr, e->ws->base_buf)) != LM_OK)
                 break;
@@ -1008,13 +1134,16 @@ static lm_status put_piece(engine *e, int64_t idx, const void *piece, size_t nby
 // On the CPU this goes in pieces of OUT_PIECE bytes: the converted piece is still in cache when
 // the hash and the writer's copy read it (one large write from a buffer that no longer fits in
 // cache copies several times slower). From an accelerator the slab comes home in one download
-// (whose copies overlap) and is then hashed and written by pieces.
+// (whose copies overlap) and is then hashed and written by pieces. The output's NaN and Inf are
+// counted as it is converted, or (where the device does not count) in each piece before the
+// hash reads it.
 static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
                             uint64_t offset, XXH64_state_t *hash)
 {
     size_t es = esize(out_dt), total = (size_t)cnt * es;
     int64_t per_piece = (int64_t)(OUT_PIECE / es);
     bool host = e->ws->dev->host_memory;
+    lm_nonfinite *nf = out_count(e);
     lm_status s = LM_OK;
     if (!host) {
         if (!e->out_slab && !(e->out_slab = malloc((size_t)e->slab_max * sizeof(float))))
@@ -1028,8 +1157,13 @@ static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float
         int64_t n = cnt - off < per_piece ? cnt - off : per_piece;
         size_t nbytes = (size_t)n * es;
         const unsigned char *piece = host ? e->out_host : e->out_slab + (size_t)off * es;
-        if (host && (s = lm_dev_from_f32(e->ws->dev, e->out_host, out_dt, out_f32 + off, n, e->err)) != LM_OK)
+        if (host && (s = nf && dev_counts(e) ? lm_dev_from_f32_count(e->ws->dev, e->out_host, out_dt, out_f32 + off, n,
+                                                                     nf, e->err)
+                                             : lm_dev_from_f32(e->ws->dev, e->out_host, out_dt, out_f32 + off, n,
+                                                               e->err)) != LM_OK)
             break;
+        if (nf && !dev_counts(e))
+            lm_count_nonfinite(piece, out_dt, n, nf);
         s = put_piece(e, idx, piece, nbytes, offset + (uint64_t)off * es, hash);
     }
     return s;
@@ -1044,6 +1178,16 @@ static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_
         for (uint64_t off = 0; off < bt->nbytes; off += piece) {
             uint64_t len = bt->nbytes - off < piece ? bt->nbytes - off : piece;
             const char *src = (const char *)bt->data + off;
+            // the base's values are the output's: counted once for both, before the hash reads
+            // them (an integer or FP8 tensor is not counted)
+            if (e->counting && lm_dtype_readable(bt->dtype)) {
+                lm_nonfinite c = {0, 0};
+                lm_count_nonfinite(src, bt->dtype, (int64_t)(len / esize(bt->dtype)), &c);
+                e->in[0].nan += c.nan;
+                e->in[0].inf += c.inf;
+                e->out.nan += c.nan;
+                e->out.inf += c.inf;
+            }
             XXH64_update(hash, src, len);
             lm_status s = lm_st_writer_put_part(e->w, idx, off, src, len, e->err);
             if (s != LM_OK)
@@ -1057,7 +1201,7 @@ static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_
     for (int64_t off = 0; off < bt->numel; off += e->slab_max) {
         int64_t cnt = bt->numel - off < e->slab_max ? bt->numel - off : e->slab_max;
         const char *src = (const char *)bt->data + (size_t)off * esize(bt->dtype);
-        lm_status s = load_f32(e, e->ws->base_buf, src, bt->dtype, cnt);
+        lm_status s = load_f32_nf(e, e->ws->base_buf, src, bt->dtype, cnt, first_read(e, 0, off, cnt));
         if (s == LM_OK)
             s = write_slab(e, idx, out_dt, e->ws->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
         if (s != LM_OK)
@@ -1085,7 +1229,7 @@ static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, co
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
             return lm_interrupted_err(e->err);
-        s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
+        s = load_base(e, bt, r0, nr);
         // Task vectors that need the base's values (full models, DoRA, biases) first, while
         // base_buf still holds them; then everything is added in.
         for (int i = 0; s == LM_OK && i < k; i++)
@@ -1134,9 +1278,9 @@ static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, c
             .weight = linear ? (float)(o->lambda * o->weights[p->ft] / div) : (float)o->weights[p->ft],
         };
     }
-    return (lm_dev_combine_how){!uses_election(o->method) ? LM_DEV_SIGN_NONE
-                                : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM,
-                                o->normalize, (float)o->lambda, linear};
+    return (lm_dev_combine_how){.sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
+                                        : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM,
+                                .normalize = o->normalize, .lambda = (float)o->lambda, .linear = linear};
 }
 
 // Merges elements [first0, first0 + cnt) of tensor idx with lm_dev_dense_merge, an OUT_PIECE of
@@ -1177,6 +1321,8 @@ static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, co
         unsigned char *out = e->out_host + (off / per_piece % 2) * OUT_PIECE;
         int64_t n = cnt - off < per_piece ? cnt - off : per_piece, first = first0 + off;
         e->bytes_in += (uint64_t)n * esize(bt->dtype);
+        how.base_nf = first_read(e, 0, first, n);
+        how.out_nf = out_count(e);
         for (int i = 0; i < k; i++) {
             if (from_buf)
                 d[i].tau = parts[i].tau + off;
@@ -1184,6 +1330,8 @@ static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, co
                 e->bytes_in += (uint64_t)n * dense_source(e, &parts[i], bt, first, &d[i]);
             d[i].first = first;
             d[i].ties_allowed = ties_left[i];
+            // a full model's values are read here unless τ is in its buffer already
+            d[i].nf = !from_buf && parts[i].src == SRC_FULL ? first_read(e, 1 + parts[i].ft, first, n) : NULL;
         }
         s = lm_dev_dense_merge_side(e->ws->dev, out, desc->dtype,
                                     (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, d, k, n, how,
@@ -1272,7 +1420,7 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
         for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
             int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
-            s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype, cnt);
+            s = load_base(e, bt, r0, nr);
             for (int i = 0; s == LM_OK && i < k; i++) {
                 double a, b;
                 part *p = &parts[i];
@@ -1329,8 +1477,7 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
             return lm_interrupted_err(e->err);
         if (!have_base && (!pieces || needs_base(parts, k)))
-            s = load_f32(e, e->ws->base_buf, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype), bt->dtype,
-                         cnt);
+            s = load_base(e, bt, r0, nr);
         for (int i = 0; s == LM_OK && pieces && !have_tau && i < k; i++)
             s = tau_for(e, &parts[i], bt, r0, nr, e->ws->base_buf);
         if (pieces) {
@@ -1581,7 +1728,18 @@ typedef struct merge_ctx {
 static lm_status merge_fn(engine *e, int64_t idx, part *parts, int k, void *ctx)
 {
     merge_ctx *c = ctx;
+    count_reset(e);  // a redo on the CPU counts from the start
     return merge_tensor(e, idx, c->desc, c->hash, parts, k);
+}
+
+// Records the NaN and Inf counted in tensor bt's inputs and output (res->nonfinite).
+static lm_status note_counts(engine *e, const lm_st_tensor *bt, const part *parts, int k)
+{
+    lm_status s = note_nonfinite(e, 0, bt->name, &e->in[0]);
+    for (int i = 0; s == LM_OK && i < k; i++)
+        if (parts[i].src == SRC_FULL)
+            s = note_nonfinite(e, 1 + parts[i].ft, parts[i].full->name, &e->in[1 + parts[i].ft]);
+    return s != LM_OK ? s : note_nonfinite(e, -1, bt->name, &e->out);
 }
 
 static void merge_restart(void *ctx)
@@ -1599,10 +1757,11 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
     int k = lm_dtype_readable(bt->dtype) ? find_parts(e, bt->name, parts) : 0;
     *merged = k > 0;
     lm_status s;
+    count_reset(e);
     if (k == 0 || bt->numel == 0) {
-        if ((s = cpu_ready(e)) != LM_OK)
+        if ((s = cpu_ready(e)) != LM_OK || (s = copy_tensor(e, idx, bt, desc->dtype, hash)) != LM_OK)
             return s;
-        return copy_tensor(e, idx, bt, desc->dtype, hash);
+        return note_counts(e, bt, parts, 0);
     }
     // the masks the trim selects, recorded for o->mask_store (a redo on the CPU rewrites them)
     s = LM_OK;
@@ -1620,6 +1779,8 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
             s = e->o->mask_store(e->o->mask_ctx, parts[i].ft, bt->name, parts[i].bits, bt->numel, e->err);
     for (int i = 0; i < k; i++)
         free(parts[i].bits);
+    if (s == LM_OK)
+        s = note_counts(e, bt, parts, k);
     if (s == LM_OK && on_device)
         e->res->tensors_on_device++;
     else if (s == LM_OK)
@@ -1772,6 +1933,8 @@ static void engine_free(engine *e)
     free(e->res_cpu);
     free(e->global);
     free(e->sel_block);
+    free(e->counted);
+    free(e->in);
     if (e->cpu != e->dev)
         lm_dev_free(e->cpu);
 }
@@ -1831,11 +1994,14 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     }
     e.res_cpu = calloc((size_t)o->n_ft, sizeof *e.res_cpu);
     e.res_dev = calloc((size_t)o->n_ft, sizeof *e.res_dev);
+    e.counted = calloc((size_t)o->n_ft + 1, sizeof *e.counted);
+    e.in = calloc((size_t)o->n_ft + 1, sizeof *e.in);
     e.out_host = malloc(2 * OUT_PIECE);  // merge_pieces fills one half while the other is written
     if (o->topk_global && uses_magnitude(o->method))
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();
     if (!res->tensor_xxh64 || !e.cpu_ws.tau_buf || !e.dev_ws.tau_buf || !e.res_cpu || !e.res_dev || !e.out_host ||
+        !e.counted || !e.in ||
         !hash || (o->topk_global && uses_magnitude(o->method) && !e.global) ||
         (sparsegpt && (!e.cpu_ws.key_buf || !e.dev_ws.key_buf || !e.cpu_ws.ucc2_buf || !e.dev_ws.ucc2_buf))) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
@@ -1847,6 +2013,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
         goto fail;
     if (e.global && (s = select_global(&e, base->n_tensors)) != LM_OK)
         goto fail;
+    e.counting = true;  // from here each tensor's own passes
 
     lm_st_desc *descs = NULL;
     int64_t n_out = 0;

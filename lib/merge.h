@@ -88,9 +88,11 @@ typedef struct lm_ft {
 } lm_ft;
 
 // Opens FT `path` (a full model directory or an adapter directory, nested layout included) and
-// checks it against `base`: a full model must hold every base tensor with the base's shape; an
-// adapter must fit (lm_adapter_validate). On failure *out is NULL and err names the file, key
-// and both shapes (LM_ERR_MISMATCH, exit status 2). Free with lm_ft_free.
+// checks it against `base`: a full model must hold every base tensor with the base's shape, and
+// a tensor that is not F32, F16, BF16 or F64 in it or in the base must be equal in both (same
+// dtype and bytes: it is copied); an adapter must fit (lm_adapter_validate). On failure *out is
+// NULL and err names the file, key and both shapes (LM_ERR_MISMATCH), or the tensor and both
+// dtypes (LM_ERR_UNSUPPORTED), exit status 2. Free with lm_ft_free.
 lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err *err);
 
 // Frees the FT and what it opened; safe on NULL.
@@ -122,6 +124,13 @@ typedef struct lm_merge_hooks {
     void *ctx;
 } lm_merge_hooks;
 
+// NaN and Inf in one tensor of an input or of the output (lm_merge_result's nonfinite).
+typedef struct lm_merge_nonfinite {
+    int input;     // 0 the base, i + 1 FT i, -1 the output
+    char *tensor;  // the tensor's name in that input (an adapter's own key for its factors)
+    uint64_t nan, inf;
+} lm_merge_nonfinite;
+
 typedef struct lm_merge_result {
     int64_t n_tensors;
     uint64_t *tensor_xxh64;   // (n_tensors) xxh64 of each output tensor's data, output order
@@ -142,6 +151,13 @@ typedef struct lm_merge_result {
     int64_t windows;            // exact top-k selections made from one windowed pass (a part of a tensor)
     int64_t window_misses;      // of those, the ones whose k-th value fell outside the guessed window
                                 // and took two more passes over the tensor
+    // Every tensor that holds NaN or Inf, among those the merge read (the base's, whether merged
+    // or copied; each full FT's tensors that take part; each adapter's factors, bias deltas, DoRA
+    // magnitudes and saved tensors) and those it wrote, in the order met: an adapter's at the
+    // start, then per output tensor the base's, the FTs' and the output's. Values are counted as
+    // float32 when read, in the output dtype when written, each once.
+    lm_merge_nonfinite *nonfinite;  // (n_nonfinite)
+    int64_t n_nonfinite;
 } lm_merge_result;
 
 // Merges `fts` into `base` on `dev` and writes every output tensor (lm_merge_outputs' order
@@ -152,7 +168,9 @@ typedef struct lm_merge_result {
 // the same wherever units run. On success fills *res (free its array with
 // lm_merge_result_free). On failure the writer holds a partial output that the caller
 // removes; err names the tensor. After SIGINT or SIGTERM (lm_interrupted, signals.h) it stops
-// before the next tensor or slab with LM_ERR_INTERRUPTED. hooks may be NULL.
+// before the next tensor or slab with LM_ERR_INTERRUPTED. hooks may be NULL. The NaN and Inf
+// counts (res->nonfinite) are the same on every device: the CPU counts in the loops that convert
+// the values, an accelerator's merge on the host, in the bytes it copies to and from the device.
 lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base,
                        lm_ft *const *fts, lm_st_writer *w, const lm_merge_hooks *hooks,
                        lm_merge_result *res, lm_err *err);

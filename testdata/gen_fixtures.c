@@ -129,6 +129,8 @@ typedef struct fx_tensor {
     int64_t shape[2];  // (ndim)
     int64_t numel;
     float *v;          // (numel) row-major
+    bool own_dtype;    // written as `dtype` (odd_bytes), not as the rest of its set
+    lm_dtype dtype;
 } fx_tensor;
 
 // A state dict in the order it is built, as torch's state_dict() would list it.
@@ -218,8 +220,33 @@ static lm_status set_round(fx_set *s, lm_dtype dt, lm_err *err)
     return LM_OK;
 }
 
-// Writes the set in `dt`: into directory `dir` split at shard_size (expecting want_shards
-// shards) when `file` is NULL, else as the single file dir/file.
+// The bytes of t->v in a dtype llmerge does not write (I32, U8, F8_E4M3), for the fixtures whose
+// tensors must be refused or copied: I32 the values times 1000 truncated, U8 128 + the values
+// times 2000 (clamped), F8_E4M3 the sign, exponent and top three mantissa bits (truncated,
+// never the NaN pattern). dst holds numel elements.
+static void odd_bytes(void *dst, const fx_tensor *t)
+{
+    for (int64_t i = 0; i < t->numel; i++) {
+        float v = t->v[i];
+        if (t->dtype == LM_DTYPE_I32) {
+            int32_t x = (int32_t)(v * 1000.0f);
+            memcpy((char *)dst + 4 * i, &x, 4);
+        } else if (t->dtype == LM_DTYPE_U8) {
+            int x = 128 + (int)(v * 2000.0f);
+            ((uint8_t *)dst)[i] = (uint8_t)(x < 0 ? 0 : x > 255 ? 255 : x);
+        } else {  // F8_E4M3: bias 7
+            uint32_t u = lm_f32_bits(v);
+            int e = (int)((u >> 23) & 0xFF) - 127 + 7, m = (int)((u >> 20) & 7);
+            e = e < 1 ? 1 : e > 15 ? 15 : e;
+            m = e == 15 && m == 7 ? 6 : m;
+            ((uint8_t *)dst)[i] = (uint8_t)((u >> 31) << 7 | (uint32_t)e << 3 | (uint32_t)m);
+        }
+    }
+}
+
+// Writes the set in `dt` (a tensor with own_dtype in its own): into directory `dir` split at
+// shard_size (expecting want_shards shards) when `file` is NULL, else as the single file
+// dir/file.
 static lm_status set_save(const fx_set *set, lm_dtype dt, const char *dir, const char *file,
                           uint64_t shard_size, int want_shards, lm_err *err)
 {
@@ -234,15 +261,19 @@ static lm_status set_save(const fx_set *set, lm_dtype dt, const char *dir, const
     }
     for (int i = 0; i < set->n; i++) {
         const fx_tensor *t = &set->t[i];
-        d[i] = (lm_st_desc){.name = t->name, .dtype = dt, .ndim = t->ndim};
+        lm_dtype tdt = t->own_dtype ? t->dtype : dt;
+        d[i] = (lm_st_desc){.name = t->name, .dtype = tdt, .ndim = t->ndim};
         d[i].shape[0] = t->shape[0];
         d[i].shape[1] = t->shape[1];
-        data[i] = malloc((size_t)t->numel * (lm_dtype_bits(dt) / 8) + 1);
+        data[i] = malloc((size_t)t->numel * (lm_dtype_bits(tdt) / 8) + 1);
         if (!data[i]) {
             s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
             goto fail;
         }
-        TRY(lm_convert_from_f32(data[i], dt, t->v, t->numel, err));
+        if (lm_dtype_writable(tdt))
+            TRY(lm_convert_from_f32(data[i], tdt, t->v, t->numel, err));
+        else
+            odd_bytes(data[i], t);
     }
     if (file) {
         path = lm_path_join(dir, file);
@@ -259,7 +290,7 @@ static lm_status set_save(const fx_set *set, lm_dtype dt, const char *dir, const
             goto fail;
         }
         for (int i = 0; i < set->n; i++) {
-            uint64_t bytes = (uint64_t)set->t[i].numel * (lm_dtype_bits(dt) / 8);
+            uint64_t bytes = (uint64_t)set->t[i].numel * (lm_dtype_bits(d[i].dtype) / 8);
             TRY(lm_st_writer_put(w, i, data[i], bytes, err));
         }
         TRY(lm_st_writer_finish(w, err));
@@ -837,6 +868,142 @@ fail:
     return s;
 }
 
+// odd/: inputs with tensors llmerge cannot compute with, tensors the base does not have, and
+// NaN or Inf values (testdata/README.md lists each). Built from the same streams as base/,
+// ft_full/, qwen/ and lora_plain/, so each differs from its model only where it says.
+static lm_status odd_model(const char *root, const char *name, fx_set *set, const fx_arch *a, const char *torch_dtype,
+                           lm_dtype dt, lm_err *err)
+{
+    char *dir = NULL;
+    lm_status s = fresh_dir(root, name, &dir, err);
+    if (s == LM_OK)
+        s = save_config(dir, a, torch_dtype, err);
+    if (s == LM_OK)
+        s = set_save(set, dt, dir, NULL, 5000000000ull, 1, err);
+    free(dir);
+    return s;
+}
+
+// Gives tensor `name` of `set` its own dtype; false when the set has no such tensor.
+static bool odd_dtype(fx_set *set, const char *name, lm_dtype dt)
+{
+    fx_tensor *t = set_find(set, name);
+    if (t) {
+        t->own_dtype = true;
+        t->dtype = dt;
+    }
+    return t != NULL;
+}
+
+// Sets element i of tensor `name` to the float whose bits are `bits` (a NaN or an Inf).
+static bool odd_value(fx_set *set, const char *name, int64_t i, uint32_t bits)
+{
+    fx_tensor *t = set_find(set, name);
+    if (t && i < t->numel)
+        t->v[i] = lm_bits_f32(bits);
+    return t && i < t->numel;
+}
+
+#define NAN_BITS 0x7FC00000u
+#define INF_BITS 0x7F800000u
+#define NINF_BITS 0xFF800000u
+#define Q0 "model.layers.0.self_attn.q_proj.weight"
+
+static lm_status gen_odd(const char *root, lm_err *err)
+{
+    lm_status s = LM_OK;
+    fx_set base = {0}, ft = {0}, ad = {0}, q = {0};
+    char *dir = NULL;
+    TRY(fresh_dir(root, "odd", &dir, err));
+    free(dir);
+    dir = NULL;
+    TRY(make_model(&base, &LLAMA, 1, err));
+    TRY(set_round(&base, LM_DTYPE_BF16, err));
+
+    // ft_i32/, ft_f8/: ft_full/ with its final norm in a dtype llmerge cannot compute with
+    TRY(make_finetune(&ft, &base, 2, 0.002, err));
+    TRY(set_round(&ft, LM_DTYPE_BF16, err));
+    if (!odd_dtype(&ft, "model.norm.weight", LM_DTYPE_I32))
+        goto missing;
+    TRY(odd_model(root, "odd/ft_i32", &ft, &LLAMA, "bfloat16", LM_DTYPE_BF16, err));
+    odd_dtype(&ft, "model.norm.weight", LM_DTYPE_F8_E4M3);
+    TRY(odd_model(root, "odd/ft_f8", &ft, &LLAMA, "bfloat16", LM_DTYPE_BF16, err));
+    set_free(&ft);
+
+    // base_u8/: base/ in one shard with layer 0's q_proj in U8 (lora_plain/ changes it);
+    // ft_u8/: ft_full/ with the same U8 q_proj, equal to the base's
+    if (!odd_dtype(&base, Q0, LM_DTYPE_U8))
+        goto missing;
+    TRY(odd_model(root, "odd/base_u8", &base, &LLAMA, "bfloat16", LM_DTYPE_BF16, err));
+    TRY(make_finetune(&ft, &base, 2, 0.002, err));
+    TRY(set_round(&ft, LM_DTYPE_BF16, err));
+    memcpy(set_find(&ft, Q0)->v, set_find(&base, Q0)->v, (size_t)set_find(&base, Q0)->numel * sizeof(float));
+    odd_dtype(&ft, Q0, LM_DTYPE_U8);
+    TRY(odd_model(root, "odd/ft_u8", &ft, &LLAMA, "bfloat16", LM_DTYPE_BF16, err));
+    set_free(&ft);
+    set_find(&base, Q0)->own_dtype = false;
+
+    // ft_extra/: ft_full/ plus a rotary buffer the base does not have
+    TRY(make_finetune(&ft, &base, 2, 0.002, err));
+    fx_tensor *t = set_add(&ft, LLAMA.head_dim / 2, -1, "model.layers.0.self_attn.rotary_emb.inv_freq");
+    if (!t) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    for (int64_t i = 0; i < t->numel; i++)
+        t->v[i] = 1.0f / (float)(1 << i);
+    TRY(odd_model(root, "odd/ft_extra", &ft, &LLAMA, "bfloat16", LM_DTYPE_BF16, err));
+    set_free(&ft);
+
+    // ft_nonfinite/: ft_full/ with 3 NaN in layer 0's down_proj and +Inf, -Inf in layer 1's o_proj
+    TRY(make_finetune(&ft, &base, 2, 0.002, err));
+    for (int64_t i = 0; i < 3; i++)
+        if (!odd_value(&ft, "model.layers.0.mlp.down_proj.weight", 10 * i, NAN_BITS))
+            goto missing;
+    if (!odd_value(&ft, "model.layers.1.self_attn.o_proj.weight", 5, INF_BITS) ||
+        !odd_value(&ft, "model.layers.1.self_attn.o_proj.weight", 6, NINF_BITS))
+        goto missing;
+    TRY(odd_model(root, "odd/ft_nonfinite", &ft, &LLAMA, "bfloat16", LM_DTYPE_BF16, err));
+    set_free(&ft);
+
+    // lora_nan/: lora_plain/ with a NaN in layer 0's q_proj lora_A (a whole column of its delta)
+    fx_adapter_cfg plain = {.base = "llmerge-fixtures/base", .peft_type = "LORA", .r = 8,
+                            .alpha = 16, .targets = QV, .n_targets = 2};
+    TRY(add_lora_linears(&ad, &LLAMA, &base, &plain, 10, 0, err));
+    if (!odd_value(&ad, "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight", 3, NAN_BITS))
+        goto missing;
+    TRY(fresh_dir(root, "odd/lora_nan", &dir, err));
+    TRY(save_adapter(dir, &ad, LM_DTYPE_F32, &plain, err));
+    free(dir);
+    dir = NULL;
+
+    // base_inf/: base/ in one shard with +Inf in layer 0's up_proj
+    if (!odd_value(&base, "model.layers.0.mlp.up_proj.weight", 7, INF_BITS))
+        goto missing;
+    TRY(odd_model(root, "odd/base_inf", &base, &LLAMA, "bfloat16", LM_DTYPE_BF16, err));
+
+    // qwen_head/: a fine-tune of qwen/ (tied embeddings) that saved an lm_head of its own
+    TRY(make_model(&q, &QWEN, 20, err));
+    TRY(make_finetune(&ft, &q, 22, 0.002, err));
+    t = set_add(&ft, QWEN.vocab, QWEN.hidden, "lm_head.weight");
+    if (!t) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        goto fail;
+    }
+    fill_normal(t, 22, 0, 0.02);
+    TRY(odd_model(root, "odd/qwen_head", &ft, &QWEN, "float32", LM_DTYPE_F32, err));
+    goto fail;
+missing:
+    s = lm_err_set(err, LM_ERR_NOT_FOUND, "odd/: a tensor the fixtures change is missing");
+fail:
+    free(dir);
+    set_free(&base);
+    set_free(&ft);
+    set_free(&ad);
+    set_free(&q);
+    return s;
+}
+
 // `n` token sequences drawn from the stream `seed` (lengths 8 to 32, ids below 256, each
 // starting with BOS = 1), appended as JSON Lines to jl and, when txt is not NULL, as text.
 static void add_sequences(fx_text *jl, fx_text *txt, uint64_t seed, int n)
@@ -896,6 +1063,8 @@ int main(int argc, char **argv)
         s = gen_calib(root, &err);
     if (s == LM_OK)
         s = gen_llama3(root, &err);
+    if (s == LM_OK)
+        s = gen_odd(root, &err);
     if (s != LM_OK) {
         fprintf(stderr, "gen_fixtures: %s\n", err.msg);
         return 1;

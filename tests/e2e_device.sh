@@ -4,10 +4,13 @@
 # ULPS units in the last place where the device's arithmetic may round differently, as cuBLAS
 # may), with an ample budget and with a small one that makes units fall back to the CPU (each
 # fallback announced). ctest runs it on the simulated device; scripts/gpu-check.sh on CUDA.
+# The NaN and Inf counts of llmerge.json are the CPU's too (read with the jsonq built beside
+# st_diff).
 # Usage: e2e_device.sh LLMERGE FIXTURES ST_DIFF ULPS DEVICE-ARGS -- SMALL-DEVICE-ARGS
 #   e.g. e2e_device.sh build/llmerge build/fixtures build/st_diff 0 --device sim:1GiB -- --device sim:96KiB
 set -u
 llmerge=$1 fx=$2 st_diff=$3 ulps=$4
+jsonq=$(dirname "$st_diff")/jsonq
 shift 4
 ample=() small=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do ample+=("$1"); shift; done
@@ -48,6 +51,10 @@ same_as_cpu() {
     else
       bad "$name with ${args[*]} differs from the cpu: $(tail -5 "$work/diff")"
     fi
+    # the NaN and Inf counted in the inputs and the output: the same as on the cpu
+    local want got
+    want=$("$jsonq" "$work/$name-cpu/llmerge.json" nonfinite 2>&1) got=$("$jsonq" "$work/$name-$label/llmerge.json" nonfinite 2>&1)
+    if [ "$want" = "$got" ]; then ok; else bad "$name with ${args[*]}: nonfinite $got, on the cpu $want"; fi
     rm -rf "$work/$name-$label"
   done
   rm -rf "$work/$name-cpu"
@@ -70,5 +77,10 @@ same_as_cpu ties-full ties "$B" "$ff" "$ff2" --densities 0.3,0.5
 same_as_cpu dare-ties-full dare-ties "$B" "$ff" "$ff2" --seed 9 --dtype f32
 same_as_cpu task-arithmetic-full task-arithmetic "$B" "$ff" "$ff2" --weights 0.7,0.4
 same_as_cpu sparsegpt sparsegpt "$B" "$lp" "$lr" "$ff" --calib "$fx/calib/calib.jsonl" --density 0.3
+# NaN and Inf in the base, a full FT and a LoRA factor
+od=$fx/odd
+same_as_cpu nonfinite-ties ties "$od/base_inf" "$od/ft_nonfinite" "$od/lora_nan" "$lr" --densities 0.3,0.5,0.4
+same_as_cpu nonfinite-dare dare "$od/base_inf" "$od/lora_nan" "$ld" "$od/ft_nonfinite" --seed 4 --rescale l1 --dtype f16
+same_as_cpu nonfinite-ta task-arithmetic "$B" "$od/ft_nonfinite" "$od/lora_nan" "$lm"
 
 e2e_end

@@ -20,6 +20,11 @@
 # their keys and `inspect` lists them; a target_modules that selects no layer of the base, or
 # a regex that does not compile or runs past its limits, is exit status 2 naming the file and
 # the key.
+# A tensor in a dtype llmerge cannot compute with is refused where base and FT differ (or an
+# adapter changes it) and copied where they are equal. A full FT's tensor the base does not have
+# is left out with a warning and counted in llmerge.json, and refused with --strict. NaN and Inf
+# in the base, a full FT and a LoRA factor are counted per input and in the output, said in a
+# warning and recorded in llmerge.json, the same on the simulated device as on the CPU.
 # Usage: e2e_merge.sh LLMERGE FIXTURES JSONQ ST_HASH
 set -u
 llmerge=$1 fx=$2 jsonq=$3 st_hash=$4
@@ -587,6 +592,106 @@ check 'grep -q "error: $x\.tmp-[A-Za-z0-9]*/model\.safetensors: .*File too large
   "file size limit: the message does not name the file and the reason: $(cat "$work/out")"
 no_output "$x"  # nor OUT.lock
 
+# ---- tensors llmerge cannot compute with: refused where they differ, copied where equal ------
+od=$fx/odd x=$work/odd-bad
+expect 2 "model.norm.weight" ties "$B" "$od/ft_i32" -o "$x"
+check 'grep -q "I32" "$work/out" && grep -q "odd/ft_i32" "$work/out"' "an I32 norm: dtype or input not named: $(cat "$work/out")"
+no_output "$x"
+expect 2 "model.norm.weight" task-arithmetic "$B" "$lp" "$od/ft_f8" -o "$x"
+check 'grep -q "F8_E4M3" "$work/out" && grep -q "FT 2" "$work/out"' "an F8 norm: dtype or input not named: $(cat "$work/out")"
+no_output "$x"
+expect 2 "model.layers.0.self_attn.q_proj.weight" ties "$od/base_u8" "$lp" -o "$x"
+check 'grep -q "U8" "$work/out" && grep -q "lora_plain" "$work/out"' "a LoRA on a U8 base tensor: $(cat "$work/out")"
+no_output "$x"
+expect 2 "model.layers.0.self_attn.q_proj.weight" dare "$od/base_u8" "$ff" -o "$x"
+expect 2 "model.norm.weight" plan ties "$B" "$od/ft_i32" -o "$x"
+expect 2 "model.norm.weight" sparsegpt "$B" "$od/ft_i32" -o "$x" --calib "$fx/calib/calib.jsonl"
+no_output "$x"
+# equal in base and FT: copied as it is
+merge ties "$od/base_u8" "$od/ft_u8" -o "$work/odd-u8"
+q0=model.layers.0.self_attn.q_proj.weight
+check '[ "$("$st_hash" "$work/odd-u8/model.safetensors" | grep "^$q0 ")" = "$("$st_hash" "$od/base_u8/model.safetensors" | grep "^$q0 ")" ]' \
+  "the equal U8 tensor was not copied as it is"
+"$llmerge" inspect --json "$work/odd-u8" >"$work/json" 2>/dev/null
+json "$work/json" dtypes.U8 1
+
+# ---- FT tensors the base does not have: a warning each, counted, refused with --strict --------
+merge ties "$B" "$od/ft_extra" -o "$work/odd-extra"
+check 'grep -q "warning: FT 1 (.*odd/ft_extra): tensor '"'"'model.layers.0.self_attn.rotary_emb.inv_freq'"'"' is not in the base" "$work/out"' \
+  "no warning for the FT's extra tensor: $(head -c 600 "$work/out")"
+json "$work/odd-extra/llmerge.json" dropped.tensors 1
+json "$work/odd-extra/llmerge.json" dropped.list.0.ft 1
+json "$work/odd-extra/llmerge.json" dropped.list.0.tensor model.layers.0.self_attn.rotary_emb.inv_freq
+merge ties "$B" "$ff" -o "$work/odd-extra-ref" -q
+same_shards "$work/odd-extra" "$work/odd-extra-ref"
+json "$work/odd-extra-ref/llmerge.json" dropped.tensors 0
+expect 2 "rotary_emb.inv_freq" ties "$B" "$lp" "$od/ft_extra" -o "$x" --strict
+check 'grep -q "FT 2" "$work/out" && grep -q -- "--strict" "$work/out"' "--strict: the FT or the option is not named: $(cat "$work/out")"
+no_output "$x"
+expect 2 "rotary_emb.inv_freq" plan task-arithmetic "$B" "$od/ft_extra" -o "$x" --strict
+expect 2 "rotary_emb.inv_freq" sparsegpt "$B" "$od/ft_extra" -o "$x" --strict --calib "$fx/calib/calib.jsonl"
+no_output "$x"
+# an FT with an lm_head of its own over a base that ties it to the embeddings
+merge ties "$fx/qwen" "$od/qwen_head" -o "$work/odd-head"
+check 'grep -q "warning: FT 1 .*'"'"'lm_head.weight'"'"' is not in the base .*tie_word_embeddings" "$work/out"' \
+  "no warning for the FT's own lm_head: $(head -c 600 "$work/out")"
+json "$work/odd-head/llmerge.json" dropped.tensors 1
+expect 2 "lm_head.weight" dare "$fx/qwen" "$od/qwen_head" -o "$x" --strict
+no_output "$x"
+
+# ---- NaN and Inf: counted in every input and in the output, said, recorded ---------------------
+# ties: a NaN entry of a task vector never agrees with the elected sign, an Inf one wins it
+m=$work/nf-ties/llmerge.json
+merge ties "$B" "$lp" "$od/ft_nonfinite" -o "$work/nf-ties"
+json "$m" nonfinite.inputs.1.nan 3
+json "$m" nonfinite.inputs.1.inf 2
+json "$m" nonfinite.inputs.1.tensors.0.name model.layers.0.mlp.down_proj.weight
+json "$m" nonfinite.inputs.1.tensors.1.inf 2
+json "$m" nonfinite.inputs.0.nan 0
+json "$m" nonfinite.base.nan 0
+json "$m" nonfinite.output.nan 0
+json "$m" nonfinite.output.inf 2
+json "$m" nonfinite.output.tensors.0.name model.layers.1.self_attn.o_proj.weight
+check 'grep -q "warning: FT 2 (.*odd/ft_nonfinite): 3 NaN and 2 Inf values in 2 tensors" "$work/out" &&
+  grep -q "warning: the output holds 0 NaN and 2 Inf values in 1 tensor" "$work/out"' \
+  "no NaN/Inf warnings: $(head -c 800 "$work/out")"
+# task arithmetic: they reach the output
+merge task-arithmetic "$B" "$od/ft_nonfinite" -o "$work/nf-ta"
+json "$work/nf-ta/llmerge.json" nonfinite.output.nan 3
+json "$work/nf-ta/llmerge.json" nonfinite.output.inf 2
+# Inf in the base: the FT's finite value makes its task vector -Inf there, and the sum NaN
+merge ties "$od/base_inf" "$ff" -o "$work/nf-base"
+json "$work/nf-base/llmerge.json" nonfinite.base.inf 1
+json "$work/nf-base/llmerge.json" nonfinite.base.tensors.0.name model.layers.0.mlp.up_proj.weight
+json "$work/nf-base/llmerge.json" nonfinite.output.nan 1
+check 'grep -q "warning: the base (.*odd/base_inf): 0 NaN and 1 Inf value in 1 tensor" "$work/out"' \
+  "no warning for the base's Inf: $(head -c 800 "$work/out")"
+# a NaN in a LoRA factor: counted in the factor; its column of s·B@A vanishes under ties, 64 NaN
+# under task arithmetic
+merge ties "$B" "$od/lora_nan" -o "$work/nf-lora"
+json "$work/nf-lora/llmerge.json" nonfinite.inputs.0.nan 1
+json "$work/nf-lora/llmerge.json" nonfinite.inputs.0.tensors.0.name \
+  base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight
+json "$work/nf-lora/llmerge.json" nonfinite.output.nan 0
+merge task-arithmetic "$B" "$od/lora_nan" -o "$work/nf-lora-ta"
+json "$work/nf-lora-ta/llmerge.json" nonfinite.output.nan 64
+# clean inputs: zeros and no warning
+merge ties "$B" "$lp" "$ff" -o "$work/nf-clean"
+json "$work/nf-clean/llmerge.json" nonfinite.output.nan 0
+json "$work/nf-clean/llmerge.json" nonfinite.inputs.1.inf 0
+json "$work/nf-clean/llmerge.json" nonfinite.inputs.# 2
+check '! grep -q "NaN\|warning" "$work/out"' "a clean merge warned: $(head -c 400 "$work/out")"
+# the same counts on the simulated device, with and without fallbacks
+for dev in sim:1GiB sim:96KiB; do
+  for c in "ties $B $lp $od/ft_nonfinite" "task-arithmetic $od/base_inf $ff $od/lora_nan" "dare $B $od/lora_nan $od/ft_nonfinite --seed 3"; do
+    # shellcheck disable=SC2086
+    "$llmerge" $c -o "$work/nf-cpu" --device cpu -q && "$llmerge" $c -o "$work/nf-dev" --device $dev -q
+    want=$("$jsonq" "$work/nf-cpu/llmerge.json" nonfinite) got=$("$jsonq" "$work/nf-dev/llmerge.json" nonfinite)
+    check '[ -n "$want" ] && [ "$want" = "$got" ]' "$c on $dev: nonfinite $got, the cpu's $want"
+    rm -rf "$work/nf-cpu" "$work/nf-dev"
+  done
+done
+
 # ---- sparsegpt: Hessian importance from calibration data ---------------------------------------
 cj=$fx/calib/calib.jsonl ct=$fx/calib/calib.txt
 o=$work/sgpt
@@ -814,7 +919,7 @@ expect 0 "device auto: " ties "$B" "$lp" -o "$work/dev-auto" --device auto
 check '[ $? -eq 0 ]' "ties --help failed"
 for opt in -o, --output --weights --density --densities --lambda --normalize --no-normalize --sign \
   --topk --rescale --seed --dtype --shard-size --device --gpu-mem --threads --cache-dir --log-json \
-  -q, --quiet -v --force --no-card -h, --help; do
+  -q, --quiet -v --force --no-card --strict -h, --help; do
   check 'grep -qF -- "$opt" "$work/help"' "ties --help does not explain $opt"
 done
 expect 0 "default for ties: on" ties --help

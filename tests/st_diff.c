@@ -1,8 +1,8 @@
 // st_diff: compares the tensors of two safetensors files for the device tests, where outputs
 // made on different devices must agree to float32 rounding. `st_diff [--ulps N] A B` checks
 // that both files hold the same tensor names, dtypes and shapes, and that every element of a
-// floating tensor is within N units in the last place of its dtype (default 0: identical bits);
-// other dtypes must be identical. With `--rel R` an element also passes when it differs by at
+// floating tensor is within N units in the last place of its dtype (default 0: identical bits;
+// with N > 0 two NaN agree whatever their payloads); other dtypes must be identical. With `--rel R` an element also passes when it differs by at
 // most R times the largest magnitude of its tensor in A: for sums such as Hessians, whose small
 // entries are differences of large terms, float32 rounding is relative to the terms, not to the
 // entry. Prints one line per tensor that differs and a summary.
@@ -95,6 +95,9 @@ int main(int argc, char **argv)
             const unsigned char *py = (const unsigned char *)y->data + i * es;
             int64_t d = ordinal(px, x->dtype) - ordinal(py, x->dtype);
             d = d < 0 ? -d : d;
+            // beyond identical bits, a NaN is any NaN: devices differ in the payload they give one
+            if (max_ulps > 0 && isnan(value(px, x->dtype)) && isnan(value(py, x->dtype)))
+                d = 0;
             diff += d != 0;
             most = d > most ? d : most;
             if (d > max_ulps && rel >= 0) {

@@ -43,6 +43,7 @@ static size_t dtype_size(const char *dt)
 {
     if (strcmp(dt, "F32") == 0) return 4;
     if (strcmp(dt, "F64") == 0) return 8;
+    if (strcmp(dt, "I32") == 0) return 4;
     if (strcmp(dt, "I8") == 0 || strcmp(dt, "U8") == 0) return 1;
     return 2;
 }
@@ -108,8 +109,16 @@ static const char *K(int layer, const char *module, const char *suffix)
 }
 
 // The tiny Llama base of test_model.c: 2 layers, hidden 8, intermediate 12, 2 heads of 4,
-// 1 kv head, vocab 16; with `bias`, attention_bias (q, k, v, o biases).
+// 1 kv head, vocab 16; with `bias`, attention_bias (q, k, v, o biases). Tensor `odd` (may be
+// NULL) is written in dtype `odd_dt` instead of F32.
+static void write_base_odd(const char *dir, bool bias, const char *odd, const char *odd_dt);
+
 static void write_base(const char *dir, bool bias)
+{
+    write_base_odd(dir, bias, NULL, NULL);
+}
+
+static void write_base_odd(const char *dir, bool bias, const char *odd, const char *odd_dt)
 {
     char cfg[512];
     snprintf(cfg, sizeof cfg,
@@ -143,6 +152,9 @@ static void write_base(const char *dir, bool bias)
     }
     ts[n++] = T1("model.norm.weight", 8);
     ts[n++] = T2("lm_head.weight", 16, 8);
+    for (int i = 0; odd && i < n; i++)
+        if (strcmp(ts[i].name, odd) == 0)
+            ts[i].dtype = odd_dt;
     write_st(dir, "model.safetensors", ts, n);
 }
 
@@ -1054,6 +1066,80 @@ static void test_adapter_validate_errors(void)
     remove_tmpdir(root);
 }
 
+// A LoRA, a bias delta or a saved tensor on a base tensor in a dtype llmerge does not compute
+// with is refused, naming the key, the tensor and its dtype: it would be copied and the change
+// lost. The adapter's other modules are not concerned.
+static void test_adapter_base_dtype(void)
+{
+    char *root = make_tmpdir();
+    char *u8 = subdir(root, "u8"), *i32 = subdir(root, "i32"), *head = subdir(root, "head"),
+         *ad = subdir(root, "adapter");
+    write_base_odd(u8, false, "model.layers.0.self_attn.q_proj.weight", "U8");
+    write_base_odd(i32, true, "model.layers.0.self_attn.k_proj.bias", "I32");
+    write_base_odd(head, false, "lm_head.weight", "I32");
+    lm_model *bu8 = NULL, *bi32 = NULL, *bhead = NULL;
+    lm_adapter *a = NULL;
+    lm_err err;
+    CHECK_OK(lm_model_open(&bu8, u8, &err), &err);
+    CHECK_OK(lm_model_open(&bi32, i32, &err), &err);
+    CHECK_OK(lm_model_open(&bhead, head, &err), &err);
+
+    tt q[] = {
+        T2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+        T2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+    };
+    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", q, 2);
+    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    if (a && bu8) {
+        CHECK_FAILS(lm_adapter_validate(a, bu8, &err), LM_ERR_UNSUPPORTED,
+                    "adapter key 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' changes "
+                    "'model.layers.0.self_attn.q_proj.weight', which is U8 in the base", &err);
+        CHECK(strstr(err.msg, "adapter_model.safetensors") != NULL);
+    }
+    lm_adapter_free(a);
+    a = NULL;
+    // the same adapter on layer 1: the U8 tensor is no concern of it
+    tt q1[] = {
+        T2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+        T2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+    };
+    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", q1, 2);
+    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    if (a && bu8)
+        CHECK_OK(lm_adapter_validate(a, bu8, &err), &err);
+    lm_adapter_free(a);
+    a = NULL;
+
+    tt kb[] = {
+        T2(K(0, "self_attn.k_proj", ".lora_A.weight"), 2, 8),
+        T2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
+        T1(K(0, "self_attn.k_proj", ".lora_B.bias"), 4),
+    };
+    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_bias\": true}", kb, 3);
+    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    if (a && bi32)
+        CHECK_FAILS(lm_adapter_validate(a, bi32, &err), LM_ERR_UNSUPPORTED,
+                    "k_proj.lora_B.bias' changes 'model.layers.0.self_attn.k_proj.bias', which is I32", &err);
+    lm_adapter_free(a);
+    a = NULL;
+
+    tt saved[] = {T2("base_model.model.lm_head.weight", 16, 8)};
+    write_adapter(ad, "{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head\"]}", saved, 1);
+    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    if (a && bhead)
+        CHECK_FAILS(lm_adapter_validate(a, bhead, &err), LM_ERR_UNSUPPORTED,
+                    "'base_model.model.lm_head.weight' changes 'lm_head.weight', which is I32", &err);
+    lm_adapter_free(a);
+    lm_model_free(bu8);
+    lm_model_free(bi32);
+    lm_model_free(bhead);
+    free(u8);
+    free(i32);
+    free(head);
+    free(ad);
+    remove_tmpdir(root);
+}
+
 static void test_adapter_open_errors(void)
 {
     char *ad = make_tmpdir();
@@ -1264,6 +1350,7 @@ int main(void)
     test_adapter_embedding_and_saved();
     test_adapter_fan_in_fan_out();
     test_adapter_validate_errors();
+    test_adapter_base_dtype();
     test_adapter_open_errors();
     test_input_detect();
     return check_report("test_adapter");

@@ -183,7 +183,7 @@ static void merge_fused(lm_dev *d, const inputs *in, const merge_case *c, const 
                                   .thr_bits = thr[i], .ties_allowed = c->ties[i], .drop = c->drop,
                                   .key = 1000 + (uint64_t)i, .keep_below = lm_rng_threshold(0.3), .first = first,
                                   .rescale = c->rescale, .weight = w[i]};
-    lm_dev_combine_how how = {c->sign, c->normalize, c->lambda, c->linear};
+    lm_dev_combine_how how = {.sign = c->sign, .normalize = c->normalize, .lambda = c->lambda, .linear = c->linear};
     CHECK_OK(lm_dev_dense_merge(d, out, c->out_dt, in->base + first, LM_DTYPE_BF16, parts, K, n, how, &err), &err);
     for (int i = 0; i < K; i++) {
         used[i] = parts[i].ties_used;
@@ -248,6 +248,107 @@ static void test_merge(lm_dev *d1, lm_dev *d3, const inputs *in)
             free(got3);
         }
     }
+}
+
+// The NaN and Inf lm_dev_dense_merge counts, with NaN and ±Inf sprinkled over the base and every
+// part: those of the base and of each src it reads and of the output it writes, each once (the
+// blocks the counted ties make it run twice included), on 1 and 3 threads, the output the same as
+// without counting. τ given in buffers reads no src: nothing is counted for the parts.
+static uint64_t nf_decode(const void *p, lm_dtype dt, int64_t n, bool want_nan)
+{
+    uint64_t c = 0;
+    for (int64_t j = 0; j < n; j++) {
+        float v = dt == LM_DTYPE_F32 ? ((const float *)p)[j]
+                  : dt == LM_DTYPE_BF16 ? lm_bf16_to_f32(((const uint16_t *)p)[j])
+                                        : lm_f16_to_f32(((const uint16_t *)p)[j]);
+        c += want_nan ? isnan(v) != 0 : isinf(v) != 0;
+    }
+    return c;
+}
+
+static void test_counts(lm_dev *d1, lm_dev *d3, const inputs *clean)
+{
+    inputs in = *clean;
+    in.base = malloc(N * sizeof *in.base);
+    memcpy(in.base, clean->base, N * sizeof *in.base);
+    for (int i = 0; i < K; i++) {
+        size_t bytes = (size_t)N * (lm_dtype_bits(in.dt[i]) / 8);
+        in.src[i] = malloc(bytes);
+        memcpy(in.src[i], clean->src[i], bytes);
+    }
+    for (int64_t j = 17; j < N; j += 1 + (int64_t)(next() % 4000)) {
+        int which = (int)(next() % (K + 1));
+        float v = next() % 2 ? NAN : next() % 2 ? INFINITY : -INFINITY;
+        if (which == K)
+            in.base[j] = lm_f32_to_bf16(v);
+        else if (in.dt[which] == LM_DTYPE_F32)
+            ((float *)in.src[which])[j] = v;
+        else
+            ((uint16_t *)in.src[which])[j] = in.dt[which] == LM_DTYPE_BF16 ? lm_f32_to_bf16(v) : lm_f32_to_f16(v);
+    }
+    uint32_t thr[K];
+    for (int i = 0; i < K; i++)
+        thr[i] = lm_abs_bits((float)(i == 2 ? 1 : i + 2) / 256.0f);
+    const merge_case cases[] = {
+        {"ties, counted ties", true, false, false, {5000, 20000, 12345}, 1.0f, LM_DEV_SIGN_SUM, true, 1.0f,
+         LM_DTYPE_F16},
+        {"dare", false, true, false, {0}, 1.0f / 0.3f, LM_DEV_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
+        {"task arithmetic", false, false, true, {0}, 1.0f, LM_DEV_SIGN_NONE, false, 1.0f, LM_DTYPE_F32},
+    };
+    lm_err err = {0};
+    int64_t first = 1001, n = N - first;
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        const merge_case *c = &cases[ci];
+        size_t bytes = (size_t)n * (lm_dtype_bits(c->out_dt) / 8);
+        void *want = malloc(bytes), *got = malloc(bytes);
+        int64_t used[K];
+        merge_fused(d1, &in, c, thr, first, n, want, used, false);
+        uint64_t out_nan = nf_decode(want, c->out_dt, n, true), out_inf = nf_decode(want, c->out_dt, n, false);
+        for (int th = 0; th < 2; th++)
+            for (int from_buf = 0; from_buf < 2; from_buf++) {
+                float w[K] = {1.0f, 0.5f, 2.0f}, *b = malloc((size_t)n * sizeof *b), *t[K];
+                for (int i = 0; i < K; i++)
+                    t[i] = malloc((size_t)n * sizeof *t[i]);
+                if (from_buf)
+                    taus(d1, &in, first, n, b, t);
+                lm_nonfinite src_nf[K], base_nf = {0, 0}, out_nf = {0, 0};
+                lm_dev_dense parts[K];
+                for (int i = 0; i < K; i++) {
+                    src_nf[i] = (lm_nonfinite){0, 0};
+                    parts[i] = (lm_dev_dense){.src = from_buf ? NULL : at(in.src[i], in.dt[i], first), .dt = in.dt[i],
+                                              .tau = from_buf ? t[i] : NULL, .trim = c->trim, .thr_bits = thr[i],
+                                              .ties_allowed = c->ties[i], .drop = c->drop, .key = 1000 + (uint64_t)i,
+                                              .keep_below = lm_rng_threshold(0.3), .first = first,
+                                              .rescale = c->rescale, .weight = w[i], .nf = &src_nf[i]};
+                }
+                lm_dev_combine_how how = {.sign = c->sign, .normalize = c->normalize, .lambda = c->lambda,
+                                          .linear = c->linear, .base_nf = &base_nf, .out_nf = &out_nf};
+                CHECK_OK(lm_dev_dense_merge(th ? d3 : d1, got, c->out_dt, in.base + first, LM_DTYPE_BF16, parts, K, n,
+                                            how, &err),
+                         &err);
+                CHECK_MSG(memcmp(want, got, bytes) == 0, "%s: counting changed the output", c->name);
+                CHECK_MSG(out_nf.nan == out_nan && out_nf.inf == out_inf && out_nan + out_inf > 0,
+                          "%s: output counted %llu NaN, %llu Inf; it holds %llu, %llu", c->name,
+                          (unsigned long long)out_nf.nan, (unsigned long long)out_nf.inf,
+                          (unsigned long long)out_nan, (unsigned long long)out_inf);
+                CHECK(base_nf.nan == nf_decode(in.base + first, LM_DTYPE_BF16, n, true) &&
+                      base_nf.inf == nf_decode(in.base + first, LM_DTYPE_BF16, n, false) && base_nf.nan > 0);
+                for (int i = 0; i < K; i++) {
+                    uint64_t nan = from_buf ? 0 : nf_decode(at(in.src[i], in.dt[i], first), in.dt[i], n, true);
+                    uint64_t inf = from_buf ? 0 : nf_decode(at(in.src[i], in.dt[i], first), in.dt[i], n, false);
+                    CHECK_MSG(src_nf[i].nan == nan && src_nf[i].inf == inf,
+                              "%s part %d (tau %s): counted %llu NaN, %llu Inf; it holds %llu, %llu", c->name, i,
+                              from_buf ? "given" : "computed", (unsigned long long)src_nf[i].nan,
+                              (unsigned long long)src_nf[i].inf, (unsigned long long)nan, (unsigned long long)inf);
+                }
+                free(b);
+                for (int i = 0; i < K; i++)
+                    free(t[i]);
+            }
+        free(want);
+        free(got);
+    }
+    free_inputs(&in);
 }
 
 // ---- LoRA parts ------------------------------------------------------------------------------
@@ -464,7 +565,7 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                         parts[i].rescale = 1.0f;
                         parts[i].weight = w[i];
                     }
-                    lm_dev_combine_how how = {LM_DEV_SIGN_SUM, true, 1.0f, false};
+                    lm_dev_combine_how how = {.sign = LM_DEV_SIGN_SUM, .normalize = true, .lambda = 1.0f};
                     CHECK_OK(lm_dev_dense_merge(th ? d3 : d1, got, LM_DTYPE_BF16, base + first, LM_DTYPE_BF16, parts, K,
                                                 cnt, how, &err),
                              &err);
@@ -527,7 +628,7 @@ static void test_side(lm_dev *d1, lm_dev *d3, const inputs *in)
         for (int i = 0; i < K; i++)
             parts[i] = (lm_dev_dense){.src = in->src[i], .dt = in->dt[i], .trim = true, .thr_bits = thr[i],
                                       .ties_allowed = c.ties[i], .rescale = 1.0f, .weight = w[i]};
-        lm_dev_combine_how how = {c.sign, c.normalize, c.lambda, c.linear};
+        lm_dev_combine_how how = {.sign = c.sign, .normalize = c.normalize, .lambda = c.lambda, .linear = c.linear};
         CHECK_OK(lm_dev_dense_merge_side(th ? d3 : d1, got, LM_DTYPE_BF16, in->base, LM_DTYPE_BF16, parts, K, N, how,
                                          &side, &err),
                  &err);
@@ -540,7 +641,7 @@ static void test_side(lm_dev *d1, lm_dev *d3, const inputs *in)
         int ran = 0;
         lm_dev_side side = {count_side, &ran};
         lm_dev_dense p = {.src = in->base, .dt = LM_DTYPE_BF16, .weight = 1.0f, .rescale = 1.0f};
-        lm_dev_combine_how how = {LM_DEV_SIGN_SUM, true, 1.0f, false};
+        lm_dev_combine_how how = {.sign = LM_DEV_SIGN_SUM, .normalize = true, .lambda = 1.0f};
         CHECK_FAILS(lm_dev_dense_merge_side(sim, got, LM_DTYPE_BF16, in->base, LM_DTYPE_BF16, &p, 1, 4, how, &side,
                                             &err),
                     LM_ERR_UNSUPPORTED, "no fused dense operations", &err);
@@ -561,7 +662,7 @@ static void test_refusals(void)
     CHECK(!lm_dev_has_dense(sim));
     uint16_t base[4] = {0}, out[4];
     lm_dev_dense p = {.src = base, .dt = LM_DTYPE_BF16, .weight = 1.0f, .rescale = 1.0f};
-    lm_dev_combine_how how = {LM_DEV_SIGN_SUM, true, 1.0f, false};
+    lm_dev_combine_how how = {.sign = LM_DEV_SIGN_SUM, .normalize = true, .lambda = 1.0f};
     CHECK_FAILS(lm_dev_dense_merge(sim, out, LM_DTYPE_BF16, base, LM_DTYPE_BF16, &p, 1, 4, how, &err),
                 LM_ERR_UNSUPPORTED, "no fused dense operations", &err);
     lm_dev_free(sim);
@@ -585,6 +686,7 @@ int main(void)
     test_lowrank_gemm(d3);
     test_lora(d1, d3);
     test_side(d1, d3, &in);
+    test_counts(d1, d3, &in);
     test_refusals();
     free_inputs(&in);
     lm_dev_free(d1);

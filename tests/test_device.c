@@ -58,6 +58,50 @@ static void test_elementwise(lm_dev *d1, lm_dev *d3)
     CHECK(bad == 0);
     CHECK_FAILS(lm_dev_to_f32(d3, y3, h, LM_DTYPE_I16, N, &err), LM_ERR_UNSUPPORTED, "I16", &err);
 
+    // the counting conversions: the same values, and the NaN and Inf among those read (to_f32,
+    // delta's src) or written (from_f32), on 1 and 3 threads
+    {
+        float *z = malloc(N * sizeof *z), *t1 = malloc(N * sizeof *t1), *t3 = malloc(N * sizeof *t3);
+        uint16_t *h1 = malloc(N * sizeof *h1), *h3 = malloc(N * sizeof *h3);
+        uint64_t nan = 0, inf = 0;
+        memcpy(z, x, N * sizeof *x);
+        for (int64_t i = 0; i < N; i += 997)
+            z[i] = i % 3 == 0 ? NAN : i % 3 == 1 ? -INFINITY : 1e6f;  // 1e6 is Inf in F16 only
+        for (int64_t i = 0; i < N; i++) {
+            float r = lm_f16_to_f32(lm_f32_to_f16(z[i]));
+            nan += isnan(r) != 0;
+            inf += isinf(r) != 0;
+        }
+        CHECK(lm_dev_has_counts(d1) && lm_dev_has_counts(d3));
+        lm_nonfinite c1 = {0, 0}, c3 = {0, 0};
+        CHECK_OK(lm_dev_from_f32_count(d1, h1, LM_DTYPE_F16, z, N, &c1, &err), &err);
+        CHECK_OK(lm_dev_from_f32_count(d3, h3, LM_DTYPE_F16, z, N, &c3, &err), &err);
+        CHECK_OK(lm_dev_from_f32(d1, h, LM_DTYPE_F16, z, N, &err), &err);
+        CHECK(memcmp(h1, h, N * sizeof *h) == 0 && memcmp(h3, h, N * sizeof *h) == 0);
+        CHECK_MSG(c1.nan == nan && c1.inf == inf && c3.nan == nan && c3.inf == inf && inf > nan / 2,
+                  "from_f32_count: %llu NaN, %llu Inf (3 threads %llu, %llu); there are %llu, %llu",
+                  (unsigned long long)c1.nan, (unsigned long long)c1.inf, (unsigned long long)c3.nan,
+                  (unsigned long long)c3.inf, (unsigned long long)nan, (unsigned long long)inf);
+        c1 = c3 = (lm_nonfinite){0, 0};
+        CHECK_OK(lm_dev_to_f32_count(d1, t1, h, LM_DTYPE_F16, N, &c1, &err), &err);
+        CHECK_OK(lm_dev_to_f32_count(d3, t3, h, LM_DTYPE_F16, N, &c3, &err), &err);
+        CHECK_OK(lm_dev_to_f32(d1, y1, h, LM_DTYPE_F16, N, &err), &err);
+        CHECK(same_bits(t1, y1, N) && same_bits(t3, y1, N));
+        CHECK(c1.nan == nan && c1.inf == inf && c3.nan == nan && c3.inf == inf);
+        c1 = c3 = (lm_nonfinite){0, 0};
+        CHECK_OK(lm_dev_delta_count(d1, t1, h, LM_DTYPE_F16, x, N, &c1, &err), &err);
+        CHECK_OK(lm_dev_delta_count(d3, t3, h, LM_DTYPE_F16, x, N, &c3, &err), &err);
+        CHECK_OK(lm_dev_delta(d1, y1, h, LM_DTYPE_F16, x, N, &err), &err);
+        CHECK(same_bits(t1, y1, N) && same_bits(t3, y1, N));
+        CHECK(c1.nan == nan && c1.inf == inf && c3.nan == nan && c3.inf == inf);
+        CHECK_FAILS(lm_dev_to_f32_count(d3, t3, h, LM_DTYPE_I16, N, &c3, &err), LM_ERR_UNSUPPORTED, "I16", &err);
+        free(z);
+        free(t1);
+        free(t3);
+        free(h1);
+        free(h3);
+    }
+
     // axpby
     fill(y1, N);
     memcpy(y3, y1, N * sizeof *y1);
@@ -1544,17 +1588,25 @@ static void test_sim_teardown(void)
     lm_dev_mem_info(d, &fr, &tot);
     CHECK(tot - fr == 20000);
     // lm_dev_i holds function pointers only: read each as a generic one. The fused dense
-    // operations are for devices whose memory is the host's, which the sim's is not.
+    // operations and the counting conversions are for devices whose memory is the host's, which
+    // the sim's is not.
     typedef void (*fn)(void);
     size_t null = 0;
     for (size_t i = 0; i < sizeof *d->iface / sizeof(fn); i++) {
         fn f;
         memcpy(&f, (const char *)d->iface + i * sizeof f, sizeof f);
         size_t at = i * sizeof f;
-        null += f == NULL && at != offsetof(lm_dev_i, dense_hist) && at != offsetof(lm_dev_i, dense_merge);
+        null += f == NULL && at != offsetof(lm_dev_i, dense_hist) && at != offsetof(lm_dev_i, dense_merge) &&
+                at != offsetof(lm_dev_i, to_f32_count) && at != offsetof(lm_dev_i, delta_count) &&
+                at != offsetof(lm_dev_i, from_f32_count);
     }
     CHECK_MSG(null == 0, "%zu entries of the sim's lm_dev_i are NULL", null);
     CHECK(!d->iface->dense_hist && !d->iface->dense_merge && !lm_dev_has_dense(d));
+    CHECK(!lm_dev_has_counts(d));
+    lm_nonfinite nf = {0, 0};
+    float x = 0.0f;
+    CHECK_FAILS(lm_dev_to_f32_count(d, p[0], &x, LM_DTYPE_F32, 1, &nf, &err), LM_ERR_UNSUPPORTED,
+                "no counting conversions", &err);
     lm_dev_free(d);
 }
 

@@ -77,6 +77,82 @@ static uint64_t rng(void)
     return z ^ (z >> 31);
 }
 
+// The NaN and Inf the counting conversions add, against isnan/isinf of the values, on more
+// elements than one of their runs holds: NaN of every kind, ±Inf, finite floats that round to
+// Inf in F16 or BF16, F64 values beyond float32's range. Their values equal the plain
+// conversions' bit for bit, and lm_count_nonfinite counts as they do.
+static void count_values(const float *x, int64_t n, uint64_t *nan, uint64_t *inf)
+{
+    *nan = *inf = 0;
+    for (int64_t i = 0; i < n; i++) {
+        *nan += isnan(x[i]) != 0;
+        *inf += isinf(x[i]) != 0;
+    }
+}
+
+static void test_counts(void)
+{
+    enum { M = (1 << 20) + 4099 };
+    float *x = malloc(M * sizeof *x), *a = malloc(M * sizeof *a), *b = malloc(M * sizeof *b);
+    double *wide = malloc(M * sizeof *wide);
+    unsigned char *raw = malloc(8 * (size_t)M + 1), *plain = malloc(8 * (size_t)M + 1);
+    const float odd[] = {NAN, -NAN, lm_bits_f32(0x7F800001u), lm_bits_f32(0xFFC01234u), INFINITY, -INFINITY,
+                         70000.0f, -65520.0f, 3.4028235e38f, -3.39e38f};
+    for (int64_t i = 0; i < M; i++) {
+        x[i] = (float)((double)(int64_t)rng() / 9.2e18 * 100.0);
+        if (rng() % 97 == 0)
+            x[i] = odd[rng() % (sizeof odd / sizeof odd[0])];
+        wide[i] = rng() % 101 == 0 ? (rng() % 2 ? 1e300 : -1e39) : (double)x[i];
+    }
+    lm_err err = {0};
+    const lm_dtype kinds[] = {LM_DTYPE_F32, LM_DTYPE_BF16, LM_DTYPE_F16};
+    int bad = 0;
+    for (size_t k = 0; k < 3; k++) {
+        lm_dtype dt = kinds[k];
+        size_t es = lm_dtype_bits(dt) / 8;
+        // from float32: the values written, as the plain conversion writes them
+        lm_nonfinite nf = {7, 9};  // added to, not overwritten
+        CHECK_OK(lm_convert_from_f32_nf(raw + 1, dt, x, M, &nf, &err), &err);
+        CHECK_OK(lm_convert_from_f32(plain, dt, x, M, &err), &err);
+        bad += memcmp(raw + 1, plain, es * M) != 0;
+        CHECK_OK(lm_convert_to_f32(a, plain, dt, M, &err), &err);
+        uint64_t nan, inf;
+        count_values(a, M, &nan, &inf);
+        CHECK_MSG(nf.nan == nan + 7 && nf.inf == inf + 9 && nan > 0 && inf > 0,
+                  "from f32 to %s: counted %llu NaN, %llu Inf; there are %llu, %llu", lm_dtype_name(dt),
+                  (unsigned long long)nf.nan - 7, (unsigned long long)nf.inf - 9, (unsigned long long)nan,
+                  (unsigned long long)inf);
+        // to float32, from a misaligned source
+        nf = (lm_nonfinite){0, 0};
+        CHECK_OK(lm_convert_to_f32_nf(b, raw + 1, dt, M, &nf, &err), &err);
+        bad += memcmp(a, b, M * sizeof *a) != 0;
+        CHECK(nf.nan == nan && nf.inf == inf);
+        nf = (lm_nonfinite){0, 0};
+        lm_count_nonfinite(raw + 1, dt, M, &nf);
+        CHECK(nf.nan == nan && nf.inf == inf);
+    }
+    // F64: values beyond float32's range are the Inf they become
+    lm_nonfinite nf = {0, 0}, raw_nf = {0, 0};
+    CHECK_OK(lm_convert_to_f32_nf(a, wide, LM_DTYPE_F64, M, &nf, &err), &err);
+    lm_count_nonfinite(wide, LM_DTYPE_F64, M, &raw_nf);
+    uint64_t nan, inf;
+    count_values(a, M, &nan, &inf);
+    CHECK(nf.nan == nan && nf.inf == inf && raw_nf.nan == nan && raw_nf.inf == inf && inf > 0);
+    // dtypes that are not floats are not counted; an unreadable one is still an error
+    nf = (lm_nonfinite){0, 0};
+    lm_count_nonfinite(raw, LM_DTYPE_I32, 100, &nf);
+    CHECK(nf.nan == 0 && nf.inf == 0);
+    CHECK_FAILS(lm_convert_to_f32_nf(a, raw, LM_DTYPE_I32, 100, &nf, &err), LM_ERR_UNSUPPORTED, "I32", &err);
+    CHECK_FAILS(lm_convert_from_f32_nf(raw, LM_DTYPE_F64, a, 100, &nf, &err), LM_ERR_UNSUPPORTED, "F64", &err);
+    CHECK_MSG(bad == 0, "%d counting conversions differ from the plain ones", bad);
+    free(x);
+    free(a);
+    free(b);
+    free(wide);
+    free(raw);
+    free(plain);
+}
+
 int main(void)
 {
     // Names round-trip and sizes.
@@ -207,5 +283,6 @@ int main(void)
     CHECK(df[0] == (float)(1.0 / 3.0) && isinf(df[1]) && df[1] < 0 && df[2] == 0.0f);
     CHECK_FAILS(lm_convert_to_f32(df, d, LM_DTYPE_I64, 1, &err), LM_ERR_UNSUPPORTED, "I64", &err);
     CHECK_FAILS(lm_convert_from_f32(d, LM_DTYPE_F64, df, 1, &err), LM_ERR_UNSUPPORTED, "F64", &err);
+    test_counts();
     return check_report("test_dtype");
 }

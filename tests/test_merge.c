@@ -2196,6 +2196,227 @@ static void test_ft_open(void)
     fx_close(&f);
 }
 
+// Tensors in a dtype llmerge does not compute with (here I32, its raw values in the floats'
+// storage): one that differs between base and FT is refused when the FT is opened, naming the
+// tensor, both dtypes and the FT; one equal in both is copied as it is.
+static void odd_base(tset *b)
+{
+    rng_seed(12);
+    fill_q(ts_add2(b, "w.weight", 4, 6), 24, 2.0, 12);
+    fill_q(ts_add1(b, "norm.weight", 6), 6, 2.0, 12);
+    int32_t *steps = (int32_t *)ts_add(b, "steps", LM_DTYPE_I32, 1, 3, 0);
+    for (int i = 0; i < 3; i++)
+        steps[i] = 1000 + i;
+}
+
+static void test_ft_dtypes(void)
+{
+    fixture f;
+    fx_open(&f, odd_base, "float32");
+    lm_err err = {0};
+    lm_model *base = NULL;
+    CHECK_OK(lm_model_open(&base, f.base_dir, &err), &err);
+    char *same = subdir(f.root, "same"), *other = subdir(f.root, "other"), *norm = subdir(f.root, "norm");
+    lm_ft *ft = NULL;
+    if (base) {
+        tset m = ts_copy(&f.base);
+        for (int64_t j = 0; j < m.t[0].n; j++)
+            m.t[0].v[j] += 0.5f;
+        write_model(same, &m, "float32");
+        ((int32_t *)m.t[2].v)[1] = 7;
+        write_model(other, &m, "float32");
+        CHECK_FAILS(lm_ft_open(&ft, other, base, &err), LM_ERR_UNSUPPORTED, "tensor 'steps' is I32 here and I32 in",
+                    &err);
+        CHECK(ft == NULL && strstr(err.msg, other) != NULL);
+        ts_free(&m);
+        m = ts_copy(&f.base);
+        m.t[1].dt = LM_DTYPE_I32;  // the same bits, but no longer floats
+        write_model(norm, &m, "float32");
+        CHECK_FAILS(lm_ft_open(&ft, norm, base, &err), LM_ERR_UNSUPPORTED,
+                    "tensor 'norm.weight' is I32 here and F32 in the base", &err);
+        ts_free(&m);
+
+        // equal: the FT opens, and the merge copies the tensor
+        const char *dirs[1] = {same};
+        double w = 1.0, d = 1.0;
+        lm_merge_opts o = opts_for(LM_MERGE_TASK_ARITHMETIC, 1, &w, &d);
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+        const lm_st_tensor *t = st ? lm_st_find(st, "steps") : NULL;
+        CHECK(t && t->dtype == LM_DTYPE_I32 && t->nbytes == 12 && memcmp(t->data, f.base.t[2].v, 12) == 0);
+        lm_st_close(st);
+    }
+    lm_model_free(base);
+    free(same);
+    free(other);
+    free(norm);
+    fx_close(&f);
+}
+
+// ==== NaN and Inf ===============================================================================
+// NaN and ±Inf in the base, in a full FT, in an adapter's LoRA factors, bias delta and saved
+// tensor, and in a DoRA adapter's magnitudes: res->nonfinite must give, for every input tensor
+// the merge reads, the number of each among its values, and for every output tensor those in
+// the file written, each value counted once, whatever the method, the slabs, the device and its
+// fallbacks.
+
+typedef struct nf_want {
+    int input;
+    const char *name;
+    uint64_t nan, inf;
+} nf_want;
+
+static void nf_of(nf_want *w, int input, const char *name, const float *v, int64_t n)
+{
+    *w = (nf_want){input, name, 0, 0};
+    for (int64_t j = 0; j < n; j++) {
+        w->nan += isnan(v[j]) != 0;
+        w->inf += isinf(v[j]) != 0;
+    }
+}
+
+// Whether res holds exactly the wanted records with any NaN or Inf (each once).
+static void check_nonfinite(const lm_merge_result *res, const nf_want *want, int n_want, const char *what)
+{
+    int expected = 0;
+    for (int i = 0; i < n_want; i++) {
+        const nf_want *w = &want[i];
+        if (!w->nan && !w->inf)
+            continue;
+        expected++;
+        int found = 0;
+        for (int64_t r = 0; r < res->n_nonfinite; r++) {
+            const lm_merge_nonfinite *g = &res->nonfinite[r];
+            if (g->input != w->input || strcmp(g->tensor, w->name) != 0)
+                continue;
+            found++;
+            CHECK_MSG(g->nan == w->nan && g->inf == w->inf,
+                      "%s: input %d's %s: %llu NaN, %llu Inf counted, %llu, %llu there", what, w->input, w->name,
+                      (unsigned long long)g->nan, (unsigned long long)g->inf, (unsigned long long)w->nan,
+                      (unsigned long long)w->inf);
+        }
+        CHECK_MSG(found == 1, "%s: input %d's %s listed %d times", what, w->input, w->name, found);
+    }
+    CHECK_MSG(res->n_nonfinite == expected, "%s: %lld tensors listed, %d hold NaN or Inf", what,
+              (long long)res->n_nonfinite, expected);
+}
+
+static void test_nonfinite(void)
+{
+    fixture f;
+    memset(&f, 0, sizeof f);
+    f.root = make_tmpdir();
+    f.base_dir = subdir(f.root, "base");
+    lora_base(&f.base);
+    float *bq = (float *)ts_get(&f.base, "layer.q_proj.weight"), *bo = (float *)ts_get(&f.base, "other.v_proj.weight");
+    bq[3] = INFINITY;
+    bo[2] = NAN;
+    ((float *)ts_get(&f.base, "norm.weight"))[1] = -INFINITY;
+    write_model(f.base_dir, &f.base, "float32");
+    // a full FT: the base a little changed, with its own NaN and Inf
+    char *full = subdir(f.root, "full"), *ad = subdir(f.root, "ad"), *dora = subdir(f.root, "dora");
+    tset m = ts_copy(&f.base);
+    rng_seed(40);
+    for (int t = 0; t < m.n; t++)
+        for (int64_t j = 0; j < m.t[t].n; j++)
+            m.t[t].v[j] += (float)rng_q(0.25, 4);
+    ((float *)ts_get(&m, "layer.v_proj.weight"))[7] = NAN;
+    ((float *)ts_get(&m, "lm_head.weight"))[0] = INFINITY;
+    ((float *)ts_get(&m, "lm_head.weight"))[1] = -INFINITY;
+    write_model(full, &m, "float32");
+    // an adapter: a NaN in q_proj's A (a column of its product), an Inf in its bias delta, a
+    // NaN in the lm_head it saves
+    tset a = {0};
+    add_lora(&a, "layer.q_proj", 2, 5, 6);
+    float *bias = ts_add1(&a, "base_model.model.layer.q_proj.lora_B.bias", 6);
+    fill_q(bias, 6, 1.0, 8);
+    float *saved = ts_add2(&a, "base_model.model.lm_head.weight", 7, 5);
+    fill_q(saved, 35, 2.0, 12);
+    ((float *)lora_factor(&a, "layer.q_proj", ".lora_A.weight"))[1] = NAN;
+    bias[4] = INFINITY;
+    saved[9] = NAN;
+    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"lora_bias\": true, "
+                      "\"target_modules\": [\"q_proj\"], \"modules_to_save\": [\"lm_head\"]}", &a);
+    // DoRA on other.v_proj: an Inf magnitude
+    tset dm = {0};
+    add_lora(&dm, "other.v_proj", 2, 5, 3);
+    float *mag = ts_add1(&dm, "base_model.model.other.v_proj.lora_magnitude_vector", 3);
+    for (int j = 0; j < 3; j++)
+        mag[j] = 1.0f + (float)j;
+    mag[1] = INFINITY;
+    write_adapter(dora, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, \"use_dora\": true, "
+                        "\"target_modules\": [\"v_proj\"]}", &dm);
+
+    nf_want want[64];
+    int n_in = 0;
+    for (int t = 0; t < f.base.n; t++)
+        nf_of(&want[n_in++], 0, f.base.t[t].name, f.base.t[t].v, f.base.t[t].n);
+    for (int t = 0; t < m.n; t++)
+        nf_of(&want[n_in++], 1, m.t[t].name, m.t[t].v, m.t[t].n);
+    for (int t = 0; t < a.n; t++)
+        nf_of(&want[n_in++], 2, a.t[t].name, a.t[t].v, a.t[t].n);
+    for (int t = 0; t < dm.n; t++)
+        nf_of(&want[n_in++], 3, dm.t[t].name, dm.t[t].v, dm.t[t].n);
+
+    const char *dirs[3] = {full, ad, dora};
+    double w[3] = {1.0, 0.5, 1.0}, d[3] = {0.5, 0.5, 0.5};
+    static const struct { lm_merge_method m; bool global, l1; int64_t slab; lm_dtype out; } cfg[] = {
+        {LM_MERGE_TIES, false, false, 0, LM_DTYPE_F32},
+        {LM_MERGE_TIES, false, false, 10, LM_DTYPE_BF16},
+        {LM_MERGE_TIES, true, false, 10, LM_DTYPE_F32},
+        {LM_MERGE_DARE, false, true, 0, LM_DTYPE_F16},
+        {LM_MERGE_DARE_TIES, false, false, 5, LM_DTYPE_F32},
+        {LM_MERGE_TASK_ARITHMETIC, false, false, 0, LM_DTYPE_F32},
+        {LM_MERGE_TASK_ARITHMETIC, false, false, 10, LM_DTYPE_F16},
+    };
+    const char *devices[] = {NULL, "sim:1GiB", "sim:700"};
+    int64_t fell_back = 0;  // units that went from sim:700 to the CPU
+    for (size_t dv = 0; dv < sizeof devices / sizeof devices[0]; dv++) {
+        g_device = devices[dv];
+        for (size_t c = 0; c < sizeof cfg / sizeof cfg[0]; c++) {
+            lm_merge_opts o = opts_for(cfg[c].m, 3, w, d);
+            o.topk_global = cfg[c].global;
+            o.rescale = cfg[c].l1 ? LM_RESCALE_L1 : LM_RESCALE_INV;
+            o.slab_elems = cfg[c].slab;
+            o.out_dtype = cfg[c].out;
+            o.threads = 2;
+            lm_merge_result res;
+            memset(&res, 0, sizeof res);
+            lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, &res);
+            if (!st)
+                continue;
+            nf_want all[64];
+            memcpy(all, want, (size_t)n_in * sizeof *want);
+            int n = n_in;
+            uint64_t out_nan = 0;
+            for (int t = 0; t < f.base.n; t++) {
+                float *v = out_values(st, f.base.t[t].name, f.base.t[t].n);
+                if (v)
+                    nf_of(&all[n++], -1, f.base.t[t].name, v, f.base.t[t].n);
+                out_nan += v ? all[n - 1].nan : 0;
+                free(v);
+            }
+            char what[96];
+            snprintf(what, sizeof what, "%s (config %zu) on %s", lm_merge_method_name(cfg[c].m), c,
+                     devices[dv] ? devices[dv] : "cpu");
+            check_nonfinite(&res, all, n, what);
+            CHECK_MSG(out_nan > 0, "%s: no NaN in the output", what);
+            if (dv == 2)
+                fell_back += res.fallback_merge + res.fallback_select + res.fallback_place;
+            lm_merge_result_free(&res);
+            lm_st_close(st);
+        }
+    }
+    g_device = NULL;
+    CHECK_MSG(fell_back > 0, "nothing fell back from sim:700");
+    ts_free(&m);
+    ts_free(&a);
+    ts_free(&dm);
+    free(full);
+    free(ad);
+    free(dora);
+    fx_close(&f);
+}
+
 // ==== sparsegpt: selection by Hessian importance =============================================
 // Two full FTs on a base with two matrices and a vector. The engine is given U_cc² per column
 // (as lm_hess_ucc2 would compute them from Hessians) for both matrices of FT 0 and for t of
@@ -2296,6 +2517,7 @@ int main(void)
 {
     test_options();
     test_ft_open();
+    test_ft_dtypes();
     test_lora_alpha_over_r();
     test_lora_rslora();
     test_lora_patterns();
@@ -2316,6 +2538,7 @@ int main(void)
     test_dare_rescale_l1();
     test_dare_ties();
     test_bf16_output();
+    test_nonfinite();
     test_sparsegpt();
     return check_report("test_merge");
 }
