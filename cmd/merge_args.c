@@ -1,0 +1,447 @@
+// The merge commands' command line: see merge_args.h. Every option of docs/design.md's table is
+// parsed, also in the --name=value form, and an unknown one gets a "did you mean".
+#include "merge_args.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+// ==== the methods =============================================================================
+
+const method_info lm_merge_methods[] = {
+    {"ties", LM_MERGE_TIES,
+     "TIES merging: trim each task vector to its largest entries, elect a sign per entry, and\n"
+     "average the entries that agree with it.",
+     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter), trimmed to the k = floor(d_i * numel)\n"
+     "  entries of largest |tau_i| (ties at the threshold go to the lower index);\n"
+     "  W_i = w_i * tau_i; s = sign(sum_i W_i) per entry (--sign count: of sum_i sign(W_i));\n"
+     "  delta = sum of the W_i whose sign is s, divided by the sum of their w_i (normalize);\n"
+     "  result = BASE + lambda * delta.\n",
+     true, true, true, false, false},
+    {"dare", LM_MERGE_DARE,
+     "DARE merging: drop each task-vector entry at random, rescale the kept ones, and sum.",
+     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter); each entry kept with probability d_i\n"
+     "  (a pure function of the seed, the input, the tensor name and the index) and the kept\n"
+     "  ones multiplied by 1/d_i (--rescale l1: by |tau_i|_1 / |kept|_1);\n"
+     "  delta = sum_i w_i * tau_i (divided by sum_i w_i with --normalize);\n"
+     "  result = BASE + lambda * delta.\n",
+     true, false, false, true, true},
+    {"dare-ties", LM_MERGE_DARE_TIES,
+     "DARE-TIES merging: DARE's random drop and rescale, then TIES's sign election.",
+     "  tau_i dropped and rescaled as in dare; W_i = w_i * tau_i; s = sign(sum_i W_i) per entry\n"
+     "  (--sign count: of sum_i sign(W_i)); delta = sum of the W_i whose sign is s (divided by\n"
+     "  the sum of their w_i with --normalize); result = BASE + lambda * delta.\n",
+     true, true, false, true, true},
+    {"task-arithmetic", LM_MERGE_TASK_ARITHMETIC,
+     "Task arithmetic: add the weighted sum of the task vectors to the base.",
+     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter), whole (no density);\n"
+     "  delta = sum_i w_i * tau_i (divided by sum_i w_i with --normalize);\n"
+     "  result = BASE + lambda * delta.\n",
+     false, false, false, false, false},
+    {"sparsegpt", LM_MERGE_SPARSEGPT,
+     "SparseGPT-importance merging: TIES, with each task vector trimmed to the entries that\n"
+     "matter most to its layer's outputs on calibration data.",
+     "  H = 2/n sum x x^T over the calibration tokens x entering each linear layer (from each\n"
+     "  FT's own model, or the base's with --hessian-from base); U = the upper Cholesky factor\n"
+     "  of (H + 0.01 mean(diag H) I)^-1; tau_i trimmed to the k = floor(d_i * numel) entries of\n"
+     "  largest importance tau_jc^2 / U_cc^2 (ties to the lower index; tensors without a\n"
+     "  Hessian, such as embeddings and norms, by |tau|); then TIES's sign election and\n"
+     "  disjoint mean; result = BASE + lambda * delta.\n",
+     true, true, true, false, false},
+};
+const size_t lm_merge_n_methods = sizeof lm_merge_methods / sizeof lm_merge_methods[0];
+
+const method_info *lm_merge_method_find(const char *name)
+{
+    for (size_t i = 0; i < lm_merge_n_methods; i++)
+        if (strcmp(name, lm_merge_methods[i].name) == 0)
+            return &lm_merge_methods[i];
+    return NULL;
+}
+
+// ==== options =================================================================================
+
+const lm_opt lm_merge_opt_defs[] = {
+    {"output", 'o', true, OPT_OUTPUT},
+    {"weights", 0, true, OPT_WEIGHTS},
+    {"density", 0, true, OPT_DENSITY},
+    {"densities", 0, true, OPT_DENSITIES},
+    {"lambda", 0, true, OPT_LAMBDA},
+    {"normalize", 0, false, OPT_NORMALIZE},
+    {"no-normalize", 0, false, OPT_NO_NORMALIZE},
+    {"sign", 0, true, OPT_SIGN},
+    {"topk", 0, true, OPT_TOPK},
+    {"rescale", 0, true, OPT_RESCALE},
+    {"seed", 0, true, OPT_SEED},
+    {"dtype", 0, true, OPT_DTYPE},
+    {"shard-size", 0, true, OPT_SHARD_SIZE},
+    {"device", 0, true, OPT_DEVICE},
+    {"gpu-mem", 0, true, OPT_GPU_MEM},
+    {"threads", 0, true, OPT_THREADS},
+    {"cache-dir", 0, true, OPT_CACHE_DIR},
+    {"log-json", 0, true, OPT_LOG_JSON},
+    {"quiet", 'q', false, OPT_QUIET},
+    {"verbose", 'v', false, OPT_VERBOSE},
+    {"force", 0, false, OPT_FORCE},
+    {"calib", 0, true, OPT_CALIB},
+    {"calib-samples", 0, true, OPT_CALIB_SAMPLES},
+    {"seq-len", 0, true, OPT_SEQ_LEN},
+    {"hessian-from", 0, true, OPT_HESSIAN_FROM},
+    {"sticky-fallback", 0, false, OPT_STICKY},
+    {"no-card", 0, false, OPT_NO_CARD},
+    {"strict", 0, false, OPT_STRICT},
+    {"help", 'h', false, OPT_HELP},
+};
+const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
+
+void lm_merge_usage(FILE *out, const method_info *m)
+{
+    fprintf(out,
+            "Usage: llmerge %s BASE FT [FT...] -o OUT [options]\n"
+            "\n"
+            "%s\n"
+            "\n"
+            "%s"
+            "\n"
+            "BASE is a Hugging Face model directory (config.json with model.safetensors, or shards\n"
+            "and model.safetensors.index.json). Each FT is a PEFT LoRA adapter directory\n"
+            "(adapter_config.json + adapter_model.safetensors) or a full fine-tuned model directory\n"
+            "of BASE, also when the directory holds exactly one such subdirectory. Task vectors are\n"
+            "computed in float32 whatever the input dtype; adapters are never expanded into models.\n"
+            "\n"
+            "Options (also as --name=value):\n"
+            "  -o, --output DIR       the output model directory (required); an existing one is\n"
+            "                         refused unless --force is given\n"
+            "  --weights W1,W2,...    one weight per FT (default: 1 each)\n"
+            "  --density D            fraction of each task vector kept, in (0, 1], for every FT\n"
+            "                         (default 0.2)%s\n"
+            "  --densities D1,D2,...  one density per FT (a single value applies to all)\n"
+            "  --lambda L             scale of the merged task vector (default 1)\n"
+            "  --normalize            divide by the sum of the weights (of the FTs that agree,\n"
+            "                         with a sign election); default for %s: %s\n"
+            "                         (on for ties; off for dare, dare-ties, task-arithmetic)\n"
+            "  --no-normalize         do not divide\n"
+            "  --sign sum|count       sign election by the sign of the weighted sum, or by the\n"
+            "                         count of signs (default sum)%s\n"
+            "  --topk tensor|global   keep the top D of each tensor, or of each model as a whole\n"
+            "                         as in the TIES paper (default tensor)%s\n"
+            "  --rescale inv|l1       multiply the kept entries by 1/D (DARE paper, PEFT), or match\n"
+            "                         the L1 norm of the task vector (mergekit) (default inv)%s\n"
+            "  --seed N               seed of the random masks: the same seed gives the same\n"
+            "                         output on any device and thread count (default 0)%s\n"
+            "  --dtype f32|f16|bf16   output dtype (default: the base's, from config.json or\n"
+            "                         else its tensors)\n"
+            "  --shard-size SIZE      most tensor bytes per output shard (default 5GB); SIZE is\n"
+            "                         bytes with K, M, G, KiB, MiB, GiB (powers of 1024) or KB,\n"
+            "                         MB, GB (powers of 1000, as transformers). Not mergekit's\n"
+            "                         parameter count: 1B (under 1 MiB with a bare B) is refused;\n"
+            "                         a billion bf16 parameters take 2GB\n"
+            "  --device DEV           where the work runs (default auto): cpu; cuda or cuda:N, GPU\n"
+            "                         N; sim:SIZE, a simulated GPU of SIZE bytes (for tests); auto,\n"
+            "                         GPU 0 when it passes a self-test, else the CPU. A unit of work\n"
+            "                         that does not fit on the GPU runs on the CPU (a 'fallback:'\n"
+            "                         line says which); the output is the same\n"
+            "  --gpu-mem SIZE         most device memory to use (default: all free; no effect on\n"
+            "                         the CPU)\n"
+            "  --threads N            CPU threads (default: all cores)\n"
+            "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
+            "                         $XDG_CACHE_HOME/llmerge;%s)\n",
+            m->name, m->summary, m->formula, m->density ? "" : "; no effect on this method",
+            m->name, lm_merge_default_normalize(m->method) ? "on" : "off",
+            m->sign ? "" : ";\n                         no effect on this method",
+            m->topk ? "" : ";\n                         no effect on this method",
+            m->rescale ? "" : ";\n                         no effect on this method",
+            m->seed ? "" : ";\n                         no effect on this method",
+            m->method == LM_MERGE_SPARSEGPT ? "\n"
+                                              "                         sparsegpt keeps each model's Hessians, their U_cc^2\n"
+                                              "                         and each FT's top-k masks there, so a rerun skips the\n"
+                                              "                         capture and the selection; LLMERGE_CACHE_HESSIANS=0:\n"
+                                              "                         not the Hessians, about 5 GB per model for a 1B Llama"
+                                            : " this method keeps nothing there");
+    fprintf(out,
+            "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
+            "                         start, warnings, each tensor, end, error or interrupted\n"
+            "                         (default: none)\n"
+            "  -q, --quiet            nothing on stderr but errors\n"
+            "  -v, --verbose          also the resolved settings and each input\n"
+            "  --force                replace OUT if it exists (it is replaced only at the end)\n"
+            "  --no-card              do not write README.md, the model card (the Hub's metadata,\n"
+            "                         the inputs, the options, a command line making the same\n"
+            "                         merge), into OUT\n"
+            "  --strict               refuse a full FT holding a tensor the base does not have\n"
+            "                         (default: such a tensor is left out, with a warning)\n"
+            "  -h, --help             this help\n"
+            "%s"
+            "\n"
+            "OUT gets the merged weights (model.safetensors, or shards and\n"
+            "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
+            "tokenizer and generation files, README.md (the model card, unless --no-card), and\n"
+            "llmerge.json: inputs with xxHash64 of their files, options, per-tensor xxHash64 of the\n"
+            "output, timings.\n",
+            m->method != LM_MERGE_SPARSEGPT ? "" :
+            "\nHessians (sparsegpt):\n"
+            "  --calib FILE           calibration data, .jsonl ({\"input_ids\": [...]} per line) or\n"
+            "                         .txt (space-separated ids per line), a regular file: once for\n"
+            "                         every FT, or once per FT in FT order (required)\n"
+            "  --calib-samples N      at most the first N sequences of each file (default: all)\n"
+            "  --seq-len L            longer sequences are cut to L tokens (default: the model's\n"
+            "                         max_position_embeddings)\n"
+            "  --hessian-from ft|base each FT's Hessians from its own model (its adapter applied to\n"
+            "                         BASE) on its calibration file (default ft), or BASE's on the\n"
+            "                         first file for all\n"
+            "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
+            "                         later batch there too (default: try the device again)\n");
+    fprintf(out,
+            "\n"
+            "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
+            "keeps a second llmerge from writing the same OUT (it exits with status 2 naming the\n"
+            "first one's pid). Ctrl-C (SIGINT), SIGTERM, SIGHUP or SIGQUIT stops the merge at the\n"
+            "next tensor and removes the partial output; a second signal ends it at once, after\n"
+            "removing it too. A run after one that was killed removes what that one left. OUT,\n"
+            "OUT.lock, --log-json and --cache-dir may not be, hold or lie inside BASE, an FT or a\n"
+            "--calib file, even with --force.\n"
+            "\n"
+            "Exit status: 0 done; 1 the merge failed, or an input changed while it was read (nothing\n"
+            "is left at OUT); 2 bad usage or bad input, found before any work started, or OUT being\n"
+            "written by another run; 128 + the signal (130 SIGINT, 143 SIGTERM, 129 SIGHUP, 131\n"
+            "SIGQUIT) stopped by a signal (nothing is left at OUT).\n");
+}
+
+// ---- value parsers --------------------------------------------------------------------------
+
+// A finite number written entirely as one.
+static bool parse_number(const char *text, double *out)
+{
+    if (!*text)
+        return false;
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (*end || errno == ERANGE || !isfinite(v))
+        return false;
+    *out = v;
+    return true;
+}
+
+// "1,0.5,2" into a new array (*out, caller frees) of *n numbers.
+static lm_status parse_list(const char *opt, const char *text, double **out, int *n, lm_err *err)
+{
+    size_t cap = 1;
+    for (const char *c = text; *c; c++)
+        cap += *c == ',';
+    double *v = malloc(cap * sizeof *v);
+    char *copy = lm_strdup(text);
+    if (!v || !copy) {
+        free(v);
+        free(copy);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    int k = 0;
+    char *item = copy;
+    for (;;) {
+        char *comma = strchr(item, ',');
+        if (comma)
+            *comma = '\0';
+        if (!parse_number(item, &v[k])) {
+            lm_err_set(err, LM_ERR_USAGE, "%s %s: '%s' is not a number%s", opt, text, item,
+                       *item ? "" : " (an empty item)");
+            free(v);
+            free(copy);
+            return LM_ERR_USAGE;
+        }
+        k++;
+        if (!comma)
+            break;
+        item = comma + 1;
+    }
+    free(copy);
+    free(*out);
+    *out = v;
+    *n = k;
+    return LM_OK;
+}
+
+// A whole decimal number in [lo, hi].
+static bool parse_u64(const char *text, uint64_t lo, uint64_t hi, uint64_t *out)
+{
+    if (*text < '0' || *text > '9')
+        return false;
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 10);
+    if (*end || errno == ERANGE || v < lo || v > hi)
+        return false;
+    *out = v;
+    return true;
+}
+
+// Applies option `d` with value `v` (NULL for a flag). `shown` is how the user wrote it.
+static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+{
+    merge_args *a = ctx;
+    a->given[d->id] = true;
+    lm_status s;
+    switch (d->id) {
+    case OPT_OUTPUT:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a directory", shown);
+        a->out = v;
+        return LM_OK;
+    case OPT_WEIGHTS:
+        return parse_list(shown, v, &a->weights, &a->n_weights, err);
+    case OPT_DENSITY:
+    case OPT_DENSITIES:
+        a->density_opt = d->id == OPT_DENSITY ? "--density" : "--densities";
+        if ((s = parse_list(shown, v, &a->densities, &a->n_densities, err)) != LM_OK)
+            return s;
+        for (int i = 0; i < a->n_densities; i++)
+            if (!(a->densities[i] > 0.0 && a->densities[i] <= 1.0)) {
+                char which[48] = "";
+                if (a->n_densities > 1)
+                    snprintf(which, sizeof which, " (item %d is %g)", i + 1, a->densities[i]);
+                return lm_err_set(err, LM_ERR_USAGE, "%s %s: a density must be in (0, 1], the "
+                                  "fraction of each task vector kept%s", shown, v, which);
+            }
+        return LM_OK;
+    case OPT_LAMBDA:
+        if (!parse_number(v, &a->lambda))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a number", shown, v);
+        return LM_OK;
+    case OPT_NORMALIZE:
+        a->normalize = 1;
+        return LM_OK;
+    case OPT_NO_NORMALIZE:
+        a->normalize = 0;
+        return LM_OK;
+    case OPT_SIGN:
+        if (strcmp(v, "sum") == 0)
+            a->sign = LM_SIGN_SUM;
+        else if (strcmp(v, "count") == 0)
+            a->sign = LM_SIGN_COUNT;
+        else
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': use sum or count", shown, v);
+        return LM_OK;
+    case OPT_TOPK:
+        if (strcmp(v, "tensor") == 0 || strcmp(v, "global") == 0)
+            a->topk_global = v[0] == 'g';
+        else
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': use tensor or global", shown, v);
+        return LM_OK;
+    case OPT_RESCALE:
+        if (strcmp(v, "inv") == 0)
+            a->rescale = LM_RESCALE_INV;
+        else if (strcmp(v, "l1") == 0)
+            a->rescale = LM_RESCALE_L1;
+        else
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': use inv or l1", shown, v);
+        return LM_OK;
+    case OPT_SEED:
+        if (!parse_u64(v, 0, UINT64_MAX, &a->seed))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a whole number from 0 to %" PRIu64
+                              " is needed", shown, v, UINT64_MAX);
+        return LM_OK;
+    case OPT_DTYPE:
+        if (!lm_dtype_from_user(v, &a->dtype) || !lm_dtype_writable(a->dtype))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': not an output dtype (use f32, f16 or "
+                              "bf16)", shown, v);
+        a->have_dtype = true;
+        return LM_OK;
+    case OPT_SHARD_SIZE:
+        if ((s = lm_parse_size(v, &a->shard_size, err)) != LM_OK)
+            return lm_err_prefix(err, "%s", shown);
+        if (a->shard_size == 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s %s: must be more than 0 bytes", shown, v);
+        return LM_OK;
+    case OPT_DEVICE:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a device (auto, cpu, cuda[:N] or sim:SIZE)", shown);
+        a->device = v;
+        return LM_OK;
+    case OPT_GPU_MEM:
+        return lm_cmd_opt_gpu_mem(shown, v, &a->gpu_mem, err);
+    case OPT_THREADS:
+        return lm_cmd_opt_threads(shown, v, &a->threads, err);
+    case OPT_CACHE_DIR:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a directory", shown);
+        a->cache_dir = v;
+        return LM_OK;
+    case OPT_LOG_JSON:
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a file", shown);
+        a->log_json = v;
+        return LM_OK;
+    case OPT_QUIET:
+        a->quiet = true;
+        return LM_OK;
+    case OPT_VERBOSE:
+        a->verbose++;
+        return LM_OK;
+    case OPT_NO_CARD:
+        a->no_card = true;
+        return LM_OK;
+    case OPT_FORCE:
+        a->force = true;
+        return LM_OK;
+    case OPT_CALIB: {
+        if (!*v)
+            return lm_err_set(err, LM_ERR_USAGE, "%s needs a file", shown);
+        const char **c = realloc(a->calib, (size_t)(a->n_calib + 1) * sizeof *c);
+        if (!c)
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        a->calib = c;
+        a->calib[a->n_calib++] = v;
+        return LM_OK;
+    }
+    case OPT_CALIB_SAMPLES:
+    case OPT_SEQ_LEN:
+        if (!lm_cmd_parse_int(v, 1, INT64_MAX, d->id == OPT_SEQ_LEN ? &a->seq_len : &a->calib_samples))
+            return lm_err_set(err, LM_ERR_USAGE, "%s %s: needs a whole number of at least 1", shown, v);
+        return LM_OK;
+    case OPT_STICKY:
+        a->sticky = true;
+        return LM_OK;
+    case OPT_STRICT:
+        a->strict = true;
+        return LM_OK;
+    case OPT_HESSIAN_FROM:
+        if (strcmp(v, "ft") != 0 && strcmp(v, "base") != 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s %s: use ft or base", shown, v);
+        a->hessian_from_base = strcmp(v, "base") == 0;
+        return LM_OK;
+    case OPT_HELP:
+        a->help = true;
+        return LM_OK;
+    }
+    return LM_OK;
+}
+
+static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
+{
+    merge_args *a = ctx;
+    (void)err;
+    if (!a->base)
+        a->base = arg;
+    else
+        a->fts[a->n_ft++] = arg;
+    return LM_OK;
+}
+
+// Parses argv into *a (zeroed by the caller, m set). Positional arguments are BASE then the FTs,
+// anywhere among the options; "--" ends the options.
+lm_status lm_merge_parse_args(merge_args *a, int argc, char **argv, lm_err *err)
+{
+    a->lambda = 1.0;
+    a->normalize = -1;
+    a->shard_size = DEFAULT_SHARD_SIZE;
+    a->device = "auto";
+    a->fts = calloc((size_t)argc, sizeof *a->fts);
+    if (!a->fts)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    return lm_cmd_scan(argc, argv, lm_merge_opt_defs, lm_merge_n_opts, apply_option, on_operand, a, err);
+}

@@ -1,0 +1,93 @@
+// The merge commands' command line (cmd/merge.c runs them): the methods llmerge merges with,
+// their options, --help, and the parsing of argv into merge_args. Private to cmd/: merge.c and
+// merge_args.c share it.
+#ifndef LM_CMD_MERGE_ARGS_H
+#define LM_CMD_MERGE_ARGS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "args.h"
+#include "dtype.h"
+#include "merge.h"
+#include "status.h"
+
+typedef struct method_info {
+    const char *name;
+    lm_merge_method method;
+    const char *summary;     // the first line of --help
+    const char *formula;     // how Δ is formed, for --help
+    bool density, sign, topk, rescale, seed;  // which options it uses
+} method_info;
+
+// The methods, in --help's order, and how many there are.
+extern const method_info lm_merge_methods[];
+extern const size_t lm_merge_n_methods;
+
+// The method called `name` ("ties", ...), or NULL.
+const method_info *lm_merge_method_find(const char *name);
+
+typedef enum opt_id {
+    OPT_OUTPUT, OPT_WEIGHTS, OPT_DENSITY, OPT_DENSITIES, OPT_LAMBDA, OPT_NORMALIZE,
+    OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
+    OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
+    OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD,
+    OPT_STRICT, OPT_HELP,
+} opt_id;
+
+// The options every merge command takes, for lm_cmd_scan and the output guard.
+extern const lm_opt lm_merge_opt_defs[];
+extern const size_t lm_merge_n_opts;
+
+#define DEFAULT_DENSITY 0.2
+#define DEFAULT_SHARD_SIZE 5000000000ull  // "5GB", as transformers
+
+// What the command line says, parsed but not yet checked against the inputs.
+typedef struct merge_args {
+    const method_info *m;
+    const char *base;
+    const char **fts;          // (n_ft) pointers into argv
+    int n_ft;
+    const char *out;
+    double *weights;           // (n_weights) or NULL: 1 each
+    int n_weights;
+    double *densities;         // (n_densities) or NULL: DEFAULT_DENSITY each
+    int n_densities;
+    const char *density_opt;   // "--density" or "--densities", whichever came last
+    double lambda;
+    int normalize;             // -1: the method's default
+    lm_sign_rule sign;
+    bool topk_global;
+    lm_rescale rescale;
+    uint64_t seed;
+    bool have_dtype;
+    lm_dtype dtype;
+    uint64_t shard_size;
+    const char *device;
+    uint64_t gpu_mem;          // 0: not given
+    int threads;               // 0: all cores
+    const char *cache_dir;
+    const char *log_json;
+    bool quiet, force, help;
+    bool no_card;              // --no-card: no README.md in OUT
+    int verbose;
+    const char **calib;        // (n_calib) sparsegpt's calibration files
+    int n_calib;
+    int64_t calib_samples;     // 0: all
+    int64_t seq_len;           // 0: the model's max_position_embeddings
+    bool hessian_from_base;
+    bool sticky;               // --sticky-fallback, for the Hessians' forward pass
+    bool strict;               // --strict: an FT tensor the base does not have is an error
+    bool given[OPT_HELP + 1];  // which options appeared
+} merge_args;
+
+// Prints the --help of method m to out.
+void lm_merge_usage(FILE *out, const method_info *m);
+
+// Parses argv (argv[0] the method's name) into a, whose m is already set; a->fts (and the
+// weight and density lists) are allocated and freed by the caller. LM_ERR_USAGE naming the
+// option or value that is wrong.
+lm_status lm_merge_parse_args(merge_args *a, int argc, char **argv, lm_err *err);
+
+#endif
