@@ -179,22 +179,11 @@ static lm_status re_match(const lm_lora_re *re, const char *label, const char *s
 
 // ==== adapter_config.json =====================================================================
 
-static const char *json_kind(const cJSON *v)
-{
-    if (cJSON_IsNull(v)) return "null";
-    if (cJSON_IsBool(v)) return "a boolean";
-    if (cJSON_IsNumber(v)) return "a number";
-    if (cJSON_IsString(v)) return "a string";
-    if (cJSON_IsArray(v)) return "an array";
-    if (cJSON_IsObject(v)) return "an object";
-    return "invalid";
-}
-
 static lm_status bad_key(const char *label, const char *key, const char *want, const cJSON *v,
                          lm_err *err)
 {
     return lm_err_set(err, LM_ERR_FORMAT, "%s: key '%s' must be %s, not %s", label, key, want,
-                      json_kind(v));
+                      lm_json_kind(v));
 }
 
 static const cJSON *item(const cJSON *obj, const char *key)
@@ -239,7 +228,7 @@ static lm_status get_str_list(const cJSON *root, const char *key, char ***out, i
     for (const cJSON *e = v->child; e; e = e->next) {
         if (!cJSON_IsString(e))
             return lm_err_set(err, LM_ERR_FORMAT, "%s: key '%s' must be a list of strings, but holds %s",
-                              label, key, json_kind(e));
+                              label, key, lm_json_kind(e));
         if (!((*out)[*n] = lm_strdup(e->valuestring)))
             return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", label);
         (*n)++;
@@ -269,7 +258,7 @@ static lm_status get_patterns(const cJSON *root, const char *key, bool is_rank,
                               label, key, e->string, e->valuedouble);
         if (!ok)
             return lm_err_set(err, LM_ERR_FORMAT, "%s: %s['%s'] must be %s, not %s", label, key,
-                              e->string, is_rank ? "a positive integer" : "a number", json_kind(e));
+                              e->string, is_rank ? "a positive integer" : "a number", lm_json_kind(e));
         if (!(p->key = lm_strdup(e->string)))
             return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", label);
         (*n)++;
@@ -485,7 +474,7 @@ lm_status lm_lora_config_parse(lm_lora_config *cfg, const char *json, size_t len
     lm_status s = lm_json_parse(&root, json, len, label, err);
     if (s == LM_OK && !cJSON_IsObject(root))
         s = lm_err_set(err, LM_ERR_FORMAT, "%s: expected a JSON object, found %s", label,
-                       json_kind(root));
+                       lm_json_kind(root));
     else if (s == LM_OK)
         s = parse_lora_root(cfg, root, label, err);
     cJSON_Delete(root);
