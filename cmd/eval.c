@@ -251,7 +251,7 @@ static int work(eval_run *r)
         lm_cmd_adapter_warnings(p, who, r->adapter, "applied", a->run.model);
     }
 
-    double t0 = lm_progress_now();
+    double t0 = lm_now();
     lm_signals_install();  // Ctrl-C stops at the next layer: exit 128 + the signal, no result
     lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "eval", a->run.model, 0, lm_cmd_note, p,
                                      &err);
@@ -282,7 +282,7 @@ static int work(eval_run *r)
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;
     }
-    double secs = lm_progress_now() - t0;
+    double secs = lm_now() - t0;
 
     // Summed in sequence order in double: the same total whatever ran where.
     double sum = 0;

@@ -378,7 +378,7 @@ static int work(hess_run *r)
         lm_cmd_adapter_warnings(p, who, r->adapter, "applied", a->run.model);
     }
 
-    double t0 = lm_progress_now();
+    double t0 = lm_now();
     lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "hessian", a->run.model, 0, lm_cmd_note,
                                      p, &err);
     r->runner.sticky = a->run.sticky;
@@ -400,7 +400,7 @@ static int work(hess_run *r)
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;
     }
-    double t_capture = lm_progress_now() - t0;
+    double t_capture = lm_now() - t0;
     // The weights are done with (the runner keeps its counts): their memory goes before 5 GB
     // of Hessians pass through the page cache.
     lm_fwd_runner_free(&r->runner);
@@ -409,7 +409,7 @@ static int work(hess_run *r)
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;
     }
-    double secs = lm_progress_now() - t0;
+    double secs = lm_now() - t0;
     const lm_fwd_runner *u = &r->runner;
     lm_progress_note(p, "%" PRId64 " tokens captured in %.2f s (%.0f tokens/s) on %s; %" PRId64 " Hessians finished "
                      "and written to %s in %.2f s more", r->hess.n_tokens, t_capture,

@@ -580,14 +580,14 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
     }
 
     // What is left of hashing the inputs: the hasher has been at it since the merge started.
-    double t = lm_progress_now();
+    double t = lm_now();
     m->hasher = r->hasher;
     if ((s = lm_manifest_set_base(m, r->base, err)) != LM_OK)
         return s;
     for (int i = 0; i < a->n_ft; i++)
         if ((s = lm_manifest_add_input(m, r->fts[i]->model, r->fts[i]->adapter, err)) != LM_OK)
             return s;
-    *hash_s = lm_progress_now() - t;
+    *hash_s = lm_now() - t;
 
     const lm_shard_plan *plan = lm_st_writer_plan(r->writer);
     if ((s = lm_manifest_set_outputs(m, r->od.tmp, plan, r->descs, r->n_descs,
@@ -889,7 +889,7 @@ static int work(merge_run *r, double t_loaded)
 
     char *path = NULL;
     int n_side = 0;
-    double t_merge = lm_progress_now(), t_written = 0, hash_s = 0;
+    double t_merge = lm_now(), t_written = 0, hash_s = 0;
     s = lm_st_writer_open(&r->writer, r->od.tmp, r->descs, r->n_descs, a->shard_size, NULL, &err);
     if (s != LM_OK)
         goto fail;
@@ -932,7 +932,7 @@ static int work(merge_run *r, double t_loaded)
     warn_nonfinite(r);
     if (a->m->method == LM_MERGE_SPARSEGPT)
         lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
-    double t_merged = lm_progress_now();
+    double t_merged = lm_now();
     if ((s = lm_st_writer_finish(r->writer, &err)) != LM_OK)
         goto fail;
 
@@ -949,7 +949,7 @@ static int work(merge_run *r, double t_loaded)
         goto fail;
     if (!a->no_card && (s = write_card(r, &err)) != LM_OK)
         goto fail;
-    t_written = lm_progress_now();
+    t_written = lm_now();
 
     if ((s = build_manifest(r, &hash_s, &err)) != LM_OK)
         goto fail;
@@ -958,7 +958,7 @@ static int work(merge_run *r, double t_loaded)
         .merge_s = t_merged - t_merge,
         .write_s = t_written - t_merged,
         .hash_s = hash_s,
-        .total_s = lm_progress_now() - r->t0,
+        .total_s = lm_now() - r->t0,
     };
     if ((s = lm_manifest_set_timings(&r->manifest, &tm, &err)) != LM_OK)
         goto fail;
@@ -997,7 +997,7 @@ static int work(merge_run *r, double t_loaded)
     cJSON_AddStringToObject(f, "status", "ok");
     cJSON_AddStringToObject(f, "output", a->out);
     cJSON_AddNumberToObject(f, "exit_status", 0);
-    cJSON_AddNumberToObject(f, "total_s", lm_progress_now() - r->t0);
+    cJSON_AddNumberToObject(f, "total_s", lm_now() - r->t0);
     cJSON_AddNumberToObject(f, "tensors_merged", (double)r->res.n_merged);
     cJSON_AddNumberToObject(f, "tensors_copied", (double)r->res.n_copied);
     cJSON_AddNumberToObject(f, "bytes_in", (double)r->res.bytes_in);
@@ -1022,7 +1022,7 @@ int lm_cmd_merge(int argc, char **argv)
 {
     merge_run r;
     memset(&r, 0, sizeof r);
-    r.t0 = lm_progress_now();
+    r.t0 = lm_now();
     r.args.m = lm_merge_method_find(argv[0]);
     if (!r.args.m) {
         fprintf(stderr, "llmerge: %s is not a merge method\n", argv[0]);
@@ -1080,7 +1080,7 @@ int lm_cmd_merge(int argc, char **argv)
     note_dropped(&r);
     if (r.args.gpu_mem && strcmp(lm_dev_name(r.dev), "cpu") == 0)
         lm_progress_note(&r.progress, "note: --gpu-mem has no effect on the cpu device");
-    rc = work(&r, lm_progress_now());
+    rc = work(&r, lm_now());
 done:
     run_free(&r);
     return rc;

@@ -20,7 +20,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "arch.h"
 #include "dtype.h"
@@ -943,13 +942,6 @@ lm_status lm_fwd_run(lm_fwd *f, const lm_fwd_seq *seqs, int64_t n_seqs, const lm
 
 // ==== the runner ==============================================================================
 
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static void say(lm_fwd_runner *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void say(lm_fwd_runner *r, const char *fmt, ...)
 {
@@ -1020,7 +1012,7 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
     if (s == LM_OK)
         return LM_OK;
     // the weights do not fit, or the device cannot run the forward pass: the model runs on the CPU
-    double t0 = now_s();
+    double t0 = lm_now();
     r->weights_fell_back = true;
     char unit[512];
     snprintf(unit, sizeof unit, "weights of %s", label);
@@ -1028,7 +1020,7 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
                         &(lm_fwd_fallback){phase, unit, lm_dev_name(dev), "cpu", why.msg});
     lm_fwd *f;
     s = cpu_fwd(r, &f, err);
-    r->fallback_s += now_s() - t0;
+    r->fallback_s += lm_now() - t0;
     if (s != LM_OK) {
         placing_weights(r, r->cpu, err);
         lm_fwd_runner_free(r);
@@ -1080,7 +1072,7 @@ static lm_status run_batch(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n, 
     int64_t T = tokens_of(seqs, n);
     lm_status s;
     if (r->on_dev && !r->stuck) {
-        double t0 = now_s();
+        double t0 = lm_now();
         s = lm_fwd_run(r->on_dev, seqs, n, req, err);
         if (s == LM_OK) {
             r->n_batches++;
@@ -1090,7 +1082,7 @@ static lm_status run_batch(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n, 
                 r->progress(r->progress_ctx, *done);
             return LM_OK;
         }
-        r->fallback_s += now_s() - t0;
+        r->fallback_s += lm_now() - t0;
         if (s != LM_ERR_DEVICE_OOM)
             return unit_error(r, first, n, lm_dev_name(r->dev), err);
         if (n > 1) {
@@ -1116,14 +1108,14 @@ static lm_status run_batch(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n, 
             say(r, "fallback: %s: every later sequence runs on cpu too (--sticky-fallback)", r->phase);
         }
     }
-    double t0 = now_s();
+    double t0 = lm_now();
     lm_fwd *f;
     if ((s = cpu_fwd(r, &f, err)) != LM_OK)
         return s;
     if ((s = lm_fwd_run(f, seqs, n, req, err)) != LM_OK)
         return unit_error(r, first, n, "cpu", err);
     if (r->on_dev)
-        r->fallback_s += now_s() - t0;
+        r->fallback_s += lm_now() - t0;
     r->n_batches++;
     r->tokens_cpu += T;
     *done += n;

@@ -16,13 +16,6 @@
 #define LOG_INTERVAL_S 5.0   // elsewhere one line every five seconds
 #define MIB 1048576.0         // rates in MiB/s: lm_format_bytes writes sizes in binary units
 
-double lm_progress_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 uint64_t lm_peak_rss_bytes(void)
 {
     struct rusage ru;
@@ -38,7 +31,7 @@ void lm_progress_init(lm_progress *p, const char *prefix, bool quiet)
     p->prefix = prefix;
     p->quiet = quiet;
     p->tty = isatty(2) == 1;
-    p->t_init = lm_progress_now();
+    p->t_init = lm_now();
     p->t_start = p->t_init;
 }
 
@@ -99,7 +92,7 @@ static void event_locked(lm_progress *p, const char *event, cJSON *fields)
     cJSON *o = cJSON_CreateObject();
     bool ok = o && cJSON_AddStringToObject(o, "event", event) &&
               cJSON_AddStringToObject(o, "time", when) &&
-              cJSON_AddNumberToObject(o, "elapsed_s", lm_progress_now() - p->t_init);
+              cJSON_AddNumberToObject(o, "elapsed_s", lm_now() - p->t_init);
     // move the caller's fields after the three standard ones, keeping their order
     while (ok && fields && fields->child) {
         cJSON *item = cJSON_DetachItemViaPointer(fields, fields->child);
@@ -157,7 +150,7 @@ static void format_duration(char *buf, size_t cap, double s)
 // Writes the progress line with the mutex held.
 static void draw_locked(lm_progress *p)
 {
-    double now = lm_progress_now();
+    double now = lm_now();
     double el = now - p->t_start;
     char line[256], done[32], total[32], eta[32];
     double rate = el > 0 ? (double)p->bytes_done / el / MIB : 0.0;  // MiB/s, as the sizes are binary
@@ -211,7 +204,7 @@ void lm_progress_start(lm_progress *p, const char *unit, int64_t n_total, uint64
     p->bytes_total = bytes_total;
     p->n_done = 0;
     p->bytes_done = 0;
-    p->t_start = lm_progress_now();
+    p->t_start = lm_now();
     p->t_printed = p->t_start;
     p->t_end = 0;
     p->printed_final = false;
@@ -242,7 +235,7 @@ void lm_progress_update(lm_progress *p, int64_t n_done, uint64_t bytes_done, con
         event_locked(p, p->unit ? p->unit : "unit", f);
     }
     if (!p->quiet) {
-        double since = lm_progress_now() - p->t_printed;
+        double since = lm_now() - p->t_printed;
         bool last = n_done >= p->n_total;
         if (last || since >= (p->tty ? TTY_INTERVAL_S : LOG_INTERVAL_S))
             draw_locked(p);
@@ -253,7 +246,7 @@ void lm_progress_update(lm_progress *p, int64_t n_done, uint64_t bytes_done, con
 void lm_progress_end(lm_progress *p)
 {
     lock(p);
-    p->t_end = lm_progress_now();
+    p->t_end = lm_now();
     if (!p->quiet && p->unit) {
         if (!p->printed_final)
             draw_locked(p);
@@ -269,7 +262,7 @@ void lm_progress_summary_as(lm_progress *p, const char *what)
 {
     lock(p);
     if (!p->quiet) {
-        double end = p->t_end > 0 ? p->t_end : lm_progress_now();
+        double end = p->t_end > 0 ? p->t_end : lm_now();
         double el = end - p->t_start;
         char bytes[32], peak[32];
         if (p->line_open) {

@@ -38,7 +38,7 @@ typedef struct lm_progress {
     uint64_t bytes_total;  // bytes those units move
     int64_t n_done;
     uint64_t bytes_done;
-    double t_init;         // lm_progress_now() at init
+    double t_init;         // lm_now() at init (util.h)
     double t_start;        // at lm_progress_start
     double t_end;          // at lm_progress_end (0 before)
     double t_printed;      // when the progress line was last written
@@ -47,9 +47,6 @@ typedef struct lm_progress {
     bool printed_final;    // the line for n_done == n_total has been written
     int64_t fallbacks;     // units that went from the device to the CPU (lm_progress_fallback)
 } lm_progress;
-
-// Monotonic seconds (CLOCK_MONOTONIC), for measuring phases.
-double lm_progress_now(void);
 
 // The peak resident memory of this process so far (getrusage ru_maxrss), in bytes. Pages of
 // mmapped input files that were touched count, as the kernel counts them.

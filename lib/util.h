@@ -1,6 +1,7 @@
 // Small helpers shared by every module: overflow-checked size arithmetic for sizes that come
 // from untrusted files, SIZE option parsing ("5GB", "512MiB"), whole-file reads of small text
-// files, paths, recursive removal, file hashing, UTF-8 validation and a string-keyed hash map.
+// files, paths, recursive removal, file hashing, UTF-8 validation, a string-keyed hash map and
+// the one monotonic clock every timing is taken with.
 #ifndef LM_UTIL_H
 #define LM_UTIL_H
 
@@ -50,6 +51,12 @@ static inline bool lm_add_u64(uint64_t a, uint64_t b, uint64_t *out)
     *out = r;
     return true;
 }
+
+// ---- time -----------------------------------------------------------------------------------
+
+// Seconds on the monotonic clock (CLOCK_MONOTONIC) from an arbitrary start: only differences
+// mean anything. Every phase, fallback and event time is measured with it. Allocates nothing.
+double lm_now(void);
 
 // ---- sizes ----------------------------------------------------------------------------------
 

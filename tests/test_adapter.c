@@ -14,7 +14,6 @@
 // own files into a fresh directory under /tmp with a small safetensors writer of its own.
 #include <stdint.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "adapter.h"
@@ -184,13 +183,6 @@ static bool sel(const lm_lora_config *c, const char *path)
     lm_lora_select why = LM_LORA_NOT_TARGETED;
     CHECK_OK(lm_lora_config_select(c, path, &why, NULL, &err), &err);
     return why == LM_LORA_SELECTED;
-}
-
-static double now_s(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 // JSON text of {"peft_type": "LORA", KEY: <"pattern" as a JSON string>}: `pattern` escaped.
@@ -384,13 +376,13 @@ static void test_config_regex_limits(void)
     lm_err err;
     const char *q0 = "model.layers.0.self_attn.q_proj";
 
-    double t0 = now_s();
+    double t0 = lm_now();
     char *json = config_with("rank_pattern", "(((.{0,255}){0,255}){0,255})", true);
     CHECK_FAILS(parse(&c, json, &err), LM_ERR_FORMAT,
                 "test/adapter_config.json: key 'rank_pattern': regex '(((.{0,255}){0,255}){0,255})' does not compile",
                 &err);
     free(json);
-    double t1 = now_s();
+    double t1 = lm_now();
     CHECK_MSG(t1 - t0 < 2.0, "nested repeats took %.2f s", t1 - t0);
 
     // ".*" × 20000 + "q_proj": over the length limit before PCRE2 sees it
@@ -404,7 +396,7 @@ static void test_config_regex_limits(void)
                 "test/adapter_config.json: key 'target_modules': regex '.*.*", &err);
     CHECK(strstr(err.msg, "is 40006 bytes long, over the limit of 4096") != NULL);
     free(json);
-    double t2 = now_s();
+    double t2 = lm_now();
     CHECK_MSG(t2 - t1 < 2.0, "a 40006-byte pattern took %.2f s", t2 - t1);
 
     // Under the length limit, the same shape compiles and runs into the match limit.
@@ -419,7 +411,7 @@ static void test_config_regex_limits(void)
                           "(PCRE2: match limit exceeded)") != NULL);
     lm_lora_config_free(&c);
     free(json);
-    double t3 = now_s();
+    double t3 = lm_now();
     CHECK_MSG(t3 - t2 < 2.0, "200 nested .* took %.2f s", t3 - t2);
 
     // Exponential backtracking in a rank_pattern key, in exclude_modules and in a layers_pattern.
@@ -441,7 +433,7 @@ static void test_config_regex_limits(void)
     CHECK_FAILS(lm_lora_config_select(&c, q0, &why, NULL, &err), LM_ERR_FORMAT,
                 "key 'layers_pattern': regex '(?:(?:.*)*)*[.]{2}' runs past its limits", &err);
     lm_lora_config_free(&c);
-    CHECK_MSG(now_s() - t3 < 2.0, "the backtracking patterns took %.2f s", now_s() - t3);
+    CHECK_MSG(lm_now() - t3 < 2.0, "the backtracking patterns took %.2f s", lm_now() - t3);
     free(big);
 }
 
