@@ -388,10 +388,10 @@ void lm_cmd_adapter_warnings(lm_progress *p, const char *who, const lm_adapter *
     }
 }
 
-void lm_cmd_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
+void lm_cmd_note(void *ctx, const char *line, const lm_fallback *fb)
 {
     if (fb)
-        lm_progress_fallback(ctx, fb->phase, fb->unit, fb->from, fb->to, fb->reason);
+        lm_progress_fallback(ctx, fb);
     else
         lm_progress_note(ctx, "%s", line);
 }

@@ -150,9 +150,9 @@ void lm_cmd_run_notes(lm_progress *p, const lm_run_args *a, const lm_calib *data
 void lm_cmd_adapter_warnings(lm_progress *p, const char *who, const lm_adapter *a, const char *verb,
                              const char *base);
 
-// The commands' lm_fwd_note_fn (ctx: the lm_progress): a fallback as lm_progress_fallback says
+// The commands' lm_fallback_fn (ctx: the lm_progress): a fallback as lm_progress_fallback says
 // it (a line, a --log-json event, the count), any other line as a note.
-void lm_cmd_note(void *ctx, const char *line, const lm_fwd_fallback *fb);
+void lm_cmd_note(void *ctx, const char *line, const lm_fallback *fb);
 
 // The note after the work when batches were halved or sequences ran on the CPU.
 void lm_cmd_run_fallbacks(lm_progress *p, const lm_fwd_runner *u);

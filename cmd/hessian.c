@@ -274,7 +274,7 @@ static lm_status place_accumulators(hess_run *r, lm_err *err)
         lm_dev_mem_info(dev, &fr, &tot);
         snprintf(reason, sizeof reason, "%s out of memory: %s free, kept for activations", lm_dev_name(dev),
                  lm_format_bytes(b, sizeof b, fr));
-        lm_progress_fallback(&r->progress, "hessian", unit, lm_dev_name(dev), "cpu", reason);
+        lm_progress_fallback(&r->progress, &(lm_fallback){"hessian", unit, lm_dev_name(dev), "cpu", reason});
     }
     return LM_OK;
 }

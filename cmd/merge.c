@@ -414,14 +414,15 @@ static void on_tensor(void *ctx, int64_t done, int64_t total, const char *name,
 }
 
 // A unit went to the CPU: said on stderr and in the log, and kept for llmerge.json.
-static void on_fallback(void *ctx, const char *phase, const char *unit, const char *from, const char *to,
-                        const char *reason)
+static void on_fallback(void *ctx, const char *line, const lm_fallback *fb)
 {
     merge_run *r = ctx;
-    lm_progress_fallback(&r->progress, phase, unit, from, to, reason);
+    lm_cmd_note(&r->progress, line, fb);
+    if (!fb)
+        return;
     if (!r->fallbacks)
         r->fallbacks = cJSON_CreateArray();
-    cJSON_AddItemToArray(r->fallbacks, lm_fallback_json(phase, unit, from, to, reason));
+    cJSON_AddItemToArray(r->fallbacks, lm_fallback_json(fb));
 }
 
 // Where the units ran, when there was an accelerator: units per device, fallbacks per phase

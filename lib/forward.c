@@ -955,15 +955,6 @@ static void say(lm_fwd_runner *r, const char *fmt, ...)
     r->note(r->note_ctx, line, NULL);
 }
 
-void lm_fwd_say_fallback(lm_fwd_note_fn note, void *ctx, const lm_fwd_fallback *fb)
-{
-    if (!note)
-        return;
-    char line[LM_ERR_MSG_MAX + 512];
-    snprintf(line, sizeof line, "fallback: %s %s on %s (%s)", fb->phase, fb->unit, fb->to, fb->reason);
-    note(ctx, line, fb);
-}
-
 // The model on the CPU, placed when first needed.
 static lm_status cpu_fwd(lm_fwd_runner *r, lm_fwd **out, lm_err *err)
 {
@@ -988,7 +979,7 @@ static lm_status placing_weights(const lm_fwd_runner *r, lm_dev *dev, lm_err *er
 }
 
 lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapter *a, lm_dev *dev,
-                             const char *phase, const char *label, int64_t max_tokens, lm_fwd_note_fn note,
+                             const char *phase, const char *label, int64_t max_tokens, lm_fallback_fn note,
                              void *note_ctx, lm_err *err)
 {
     memset(r, 0, sizeof *r);
@@ -1016,8 +1007,7 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
     r->weights_fell_back = true;
     char unit[512];
     snprintf(unit, sizeof unit, "weights of %s", label);
-    lm_fwd_say_fallback(r->note, r->note_ctx,
-                        &(lm_fwd_fallback){phase, unit, lm_dev_name(dev), "cpu", why.msg});
+    lm_fallback_say(r->note, r->note_ctx, &(lm_fallback){phase, unit, lm_dev_name(dev), "cpu", why.msg});
     lm_fwd *f;
     s = cpu_fwd(r, &f, err);
     r->fallback_s += lm_now() - t0;
@@ -1064,64 +1054,100 @@ static lm_status unit_error(const lm_fwd_runner *r, int64_t first, int64_t n, co
     return lm_err_prefix(err, "%s sequences %" PRId64 "-%" PRId64 " on %s", r->phase, first + 1, first + n, dev);
 }
 
-// Runs seqs[0..n) (numbered from first + 1 in messages) on the device, halving on out of memory
-// and sending a single sequence that does not fit to the CPU.
-static lm_status run_batch(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n, int64_t first, const lm_fwd_req *req,
-                           int64_t *done, lm_err *err)
+// A batch of sequences seqs[0..n) (numbered from first + 1 in messages), a unit of
+// lm_fallback_run when it holds one sequence.
+typedef struct batch {
+    lm_fwd_runner *r;
+    const lm_fwd_seq *seqs;
+    int64_t n, first;
+    const lm_fwd_req *req;
+} batch;
+
+// The batch's work on dev: the runner's device, or the CPU (any other dev: the runner's own CPU
+// device, opened when first needed). Errors other than running out of device memory get
+// unit_error's prefix.
+static lm_status batch_work(void *ctx, lm_dev *dev, lm_err *err)
 {
-    int64_t T = tokens_of(seqs, n);
+    batch *b = ctx;
+    lm_fwd_runner *r = b->r;
+    lm_fwd *f = r->on_dev;
     lm_status s;
-    if (r->on_dev && !r->stuck) {
-        double t0 = lm_now();
-        s = lm_fwd_run(r->on_dev, seqs, n, req, err);
-        if (s == LM_OK) {
-            r->n_batches++;
-            r->tokens_dev += T;
-            *done += n;
-            if (r->progress)
-                r->progress(r->progress_ctx, *done);
-            return LM_OK;
-        }
-        r->fallback_s += lm_now() - t0;
-        if (s != LM_ERR_DEVICE_OOM)
-            return unit_error(r, first, n, lm_dev_name(r->dev), err);
-        if (n > 1) {
-            int64_t h = n / 2;
-            r->n_halved++;
-            char unit[128];
-            snprintf(unit, sizeof unit, "sequences %" PRId64 "-%" PRId64 " (%" PRId64 " tokens) halved", first + 1,
-                     first + n, T);
-            lm_fwd_say_fallback(r->note, r->note_ctx,
-                                &(lm_fwd_fallback){r->phase, unit, lm_dev_name(r->dev), lm_dev_name(r->dev), err->msg});
-            lm_fwd_req second = req_at(req, tokens_of(seqs, h), r->on_dev->vocab);
-            if ((s = run_batch(r, seqs, h, first, req, done, err)) != LM_OK)
-                return s;
-            return run_batch(r, seqs + h, n - h, first + h, &second, done, err);
-        }
-        r->n_seq_cpu++;
-        char unit[96];
-        snprintf(unit, sizeof unit, "sequence %" PRId64 " (%" PRId64 " tokens)", first + 1, T);
-        lm_fwd_say_fallback(r->note, r->note_ctx,
-                            &(lm_fwd_fallback){r->phase, unit, lm_dev_name(r->dev), "cpu", err->msg});
-        if (r->sticky) {
+    bool on_cpu = !r->on_dev || r->stuck || dev != r->dev;
+    if (on_cpu) {
+        // a sequence that fell back from the device, with --sticky-fallback: the later ones follow
+        if (r->on_dev && !r->stuck && r->sticky) {
             r->stuck = true;
             say(r, "fallback: %s: every later sequence runs on cpu too (--sticky-fallback)", r->phase);
         }
+        if ((s = cpu_fwd(r, &f, err)) != LM_OK)
+            return s;
     }
-    double t0 = lm_now();
-    lm_fwd *f;
-    if ((s = cpu_fwd(r, &f, err)) != LM_OK)
+    s = lm_fwd_run(f, b->seqs, b->n, b->req, err);
+    if (s == LM_OK || (s == LM_ERR_DEVICE_OOM && !on_cpu))
         return s;
-    if ((s = lm_fwd_run(f, seqs, n, req, err)) != LM_OK)
-        return unit_error(r, first, n, "cpu", err);
-    if (r->on_dev)
-        r->fallback_s += lm_now() - t0;
+    return unit_error(r, b->first, b->n, on_cpu ? "cpu" : lm_dev_name(r->dev), err);
+}
+
+// Counts a batch that ran to the end, on the device or on the CPU.
+static void batch_done(lm_fwd_runner *r, const batch *b, bool on_device, int64_t *done)
+{
+    int64_t T = tokens_of(b->seqs, b->n);
     r->n_batches++;
-    r->tokens_cpu += T;
-    *done += n;
+    *(on_device ? &r->tokens_dev : &r->tokens_cpu) += T;
+    *done += b->n;
     if (r->progress)
         r->progress(r->progress_ctx, *done);
-    return LM_OK;
+}
+
+// Runs seqs[0..n) (numbered from first + 1 in messages) on the device, halving on out of memory
+// and sending a single sequence that does not fit to the CPU (lm_fallback_run).
+static lm_status run_batch(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n, int64_t first, const lm_fwd_req *req,
+                           int64_t *done, lm_err *err)
+{
+    batch b = {r, seqs, n, first, req};
+    lm_status s;
+    if (!r->on_dev || r->stuck) {
+        double t0 = lm_now();
+        if ((s = batch_work(&b, NULL, err)) != LM_OK)
+            return s;
+        if (r->stuck)  // the device was given up on: the time is the fallback's
+            r->fallback_s += lm_now() - t0;
+        batch_done(r, &b, false, done);
+        return LM_OK;
+    }
+    if (n == 1) {
+        char unit[96];
+        snprintf(unit, sizeof unit, "sequence %" PRId64 " (%" PRId64 " tokens)", first + 1, seqs[0].len);
+        lm_fallback_unit u = {.phase = r->phase, .unit = unit, .work = batch_work, .ctx = &b, .say = r->note,
+                              .say_ctx = r->note_ctx};
+        s = lm_fallback_run(&u, r->dev, r->cpu, err);
+        r->n_seq_cpu += u.fell_back;
+        r->fallback_s += u.seconds;
+        if (s == LM_OK)
+            batch_done(r, &b, !u.fell_back, done);
+        return s;
+    }
+    double t0 = lm_now();
+    s = batch_work(&b, r->dev, err);
+    if (s == LM_OK) {
+        batch_done(r, &b, true, done);
+        return LM_OK;
+    }
+    r->fallback_s += lm_now() - t0;
+    if (s != LM_ERR_DEVICE_OOM)
+        return s;
+    // halved: each half tries the device again
+    int64_t h = n / 2;
+    r->n_halved++;
+    char unit[128];
+    snprintf(unit, sizeof unit, "sequences %" PRId64 "-%" PRId64 " (%" PRId64 " tokens) halved", first + 1, first + n,
+             tokens_of(seqs, n));
+    lm_fallback_say(r->note, r->note_ctx,
+                    &(lm_fallback){r->phase, unit, lm_dev_name(r->dev), lm_dev_name(r->dev), err->msg});
+    lm_fwd_req second = req_at(req, tokens_of(seqs, h), r->on_dev->vocab);
+    if ((s = run_batch(r, seqs, h, first, req, done, err)) != LM_OK)
+        return s;
+    return run_batch(r, seqs + h, n - h, first + h, &second, done, err);
 }
 
 lm_status lm_fwd_runner_run(lm_fwd_runner *r, const lm_fwd_seq *seqs, int64_t n_seqs, const lm_fwd_req *req,

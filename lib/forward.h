@@ -32,6 +32,7 @@
 
 #include "adapter.h"
 #include "device.h"
+#include "fallback.h"
 #include "model.h"
 #include "status.h"
 
@@ -115,20 +116,6 @@ lm_status lm_fwd_run(lm_fwd *f, const lm_fwd_seq *seqs, int64_t n_seqs, const lm
 
 // ==== with fallbacks ==========================================================================
 
-// A unit of docs/design.md "Devices and the fallback contract" that went elsewhere: the
-// runner's weights or batches, a Hessian's factorisation. Its line reads
-// "fallback: PHASE UNIT on TO (REASON)".
-typedef struct lm_fwd_fallback {
-    const char *phase, *unit, *from, *to, *reason;
-} lm_fwd_fallback;
-
-// Says one line (what fell back, and why, or what was done about a unit); ctx is the runner's
-// note_ctx. For a fallback, fb describes it (the line is made from it); otherwise fb is NULL.
-typedef void (*lm_fwd_note_fn)(void *ctx, const char *line, const lm_fwd_fallback *fb);
-
-// Makes fb's line and says it through note (which may be NULL).
-void lm_fwd_say_fallback(lm_fwd_note_fn note, void *ctx, const lm_fwd_fallback *fb);
-
 // Reports progress: `done` sequences of the current lm_fwd_runner_run are finished.
 typedef void (*lm_fwd_progress_fn)(void *ctx, int64_t done);
 
@@ -139,7 +126,7 @@ typedef struct lm_fwd_runner {
     const char *phase;        // "eval", in the fallback lines (not copied)
     const char *label;        // the model as the user named it (not copied)
     int64_t max_tokens;       // tokens per batch (a longer sequence forms a batch of its own)
-    lm_fwd_note_fn note;      // may be NULL
+    lm_fallback_fn note;      // says the fallbacks (fallback.h) and notes on batches; may be NULL
     void *note_ctx;
     lm_fwd_progress_fn progress;  // may be NULL
     void *progress_ctx;
@@ -169,7 +156,7 @@ typedef struct lm_fwd_runner {
 // DEVICE: " (with "tensor 'NAME': " next when one tensor was being placed). Free with
 // lm_fwd_runner_free.
 lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapter *a, lm_dev *dev,
-                             const char *phase, const char *label, int64_t max_tokens, lm_fwd_note_fn note,
+                             const char *phase, const char *label, int64_t max_tokens, lm_fallback_fn note,
                              void *note_ctx, lm_err *err);
 
 // Runs the n_seqs sequences in packed batches of at most max_tokens tokens (in order; a sequence

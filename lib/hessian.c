@@ -455,36 +455,50 @@ void lm_hess_ucc2_free(double **ucc2, int64_t n)
     free(ucc2);
 }
 
-lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t cols, double damp, const char *name,
-                              lm_fwd_note_fn note, void *note_ctx, lm_err *err)
+// One factorisation, a unit of lm_fallback_run: lm_hess_ucc2_on with the damping d.
+typedef struct factor {
+    double *ucc2;
+    const float *H;
+    int64_t cols;
+    double d;
+} factor;
+
+static lm_status factor_work(void *ctx, lm_dev *dev, lm_err *err)
 {
-    double d = damp;
+    factor *f = ctx;
+    return lm_hess_ucc2_on(dev, f->ucc2, f->H, f->cols, f->d, err);
+}
+
+lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t cols, double damp, const char *name,
+                              lm_fallback_fn note, void *note_ctx, lm_err *err)
+{
+    factor f = {ucc2, H, cols, damp};
+    char unit[512];
+    snprintf(unit, sizeof unit, "factor of %s", name);
     lm_status s;
     for (int tries = 0;; tries++) {
-        s = lm_hess_ucc2_on(dev, ucc2, H, cols, d, err);
-        if (s == LM_ERR_DEVICE_OOM) {
-            // the factorisation is the unit that falls back: this one runs on the CPU
-            char unit[512];
-            snprintf(unit, sizeof unit, "factor of %s", name);
-            lm_fwd_say_fallback(note, note_ctx, &(lm_fwd_fallback){"hessian", unit, lm_dev_name(dev), "cpu", err->msg});
+        // the factorisation is the unit that falls back: one that does not fit runs on the CPU
+        // (NULL), and so do the later tries with more damping
+        lm_fallback_unit u = {.phase = "hessian", .unit = unit, .work = factor_work, .ctx = &f, .say = note,
+                              .say_ctx = note_ctx};
+        s = lm_fallback_run(&u, dev, NULL, err);
+        if (u.fell_back)
             dev = NULL;
-            s = lm_hess_ucc2_on(NULL, ucc2, H, cols, d, err);
-        }
         if (s != LM_ERR_FORMAT || tries == 6)
             break;
         char line[256];
-        snprintf(line, sizeof line, "the Hessian of %s is not positive definite with damping %g: trying %g", name, d,
-                 d * 10);
+        snprintf(line, sizeof line, "the Hessian of %s is not positive definite with damping %g: trying %g", name, f.d,
+                 f.d * 10);
         if (note)
             note(note_ctx, line, NULL);
-        d *= 10;
+        f.d *= 10;
     }
     return s != LM_OK ? lm_err_prefix(err, "%s", name) : LM_OK;
 }
 
 lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
                              const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, bool sticky,
-                             lm_fwd_note_fn note, void *note_ctx, lm_hess_each_fn each, void *each_ctx,
+                             lm_fallback_fn note, void *note_ctx, lm_hess_each_fn each, void *each_ctx,
                              double ***out, int64_t *n_out, lm_err *err)
 {
     *out = NULL;

@@ -22,6 +22,7 @@
 #include <stdint.h>
 
 #include "device.h"
+#include "fallback.h"
 #include "forward.h"
 #include "model.h"
 #include "status.h"
@@ -127,7 +128,7 @@ lm_status lm_hess_ucc2_on(lm_dev *dev, double *ucc2, const float *H, int64_t col
 // "fallback: hessian factor of NAME on cpu (REASON)".
 // The error, when even the largest damping fails, is prefixed with name.
 lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t cols, double damp, const char *name,
-                              lm_fwd_note_fn note, void *note_ctx, lm_err *err);
+                              lm_fallback_fn note, void *note_ctx, lm_err *err);
 
 // Called by lm_hess_ucc2_model with each finished Hessian H ([dim, dim], host memory, valid
 // during the call only), in lm_hess_index order, and the tokens it was captured over (to keep
@@ -143,7 +144,7 @@ typedef lm_status (*lm_hess_each_fn)(void *ctx, int64_t layer, lm_fwd_point p, c
 // array of dim[point] doubles; free the set with lm_hess_ucc2_free.
 lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
                              const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, bool sticky,
-                             lm_fwd_note_fn note, void *note_ctx, lm_hess_each_fn each, void *each_ctx,
+                             lm_fallback_fn note, void *note_ctx, lm_hess_each_fn each, void *each_ctx,
                              double ***out, int64_t *n_out, lm_err *err);
 void lm_hess_ucc2_free(double **ucc2, int64_t n);
 

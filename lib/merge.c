@@ -523,8 +523,9 @@ static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t
 // Tells the caller a unit went to the CPU because the device was out of memory.
 static void fell_back(engine *e, const char *phase, const char *unit, double seconds)
 {
-    if (e->hooks && e->hooks->fallback)
-        e->hooks->fallback(e->hooks->ctx, phase, unit, lm_dev_name(e->dev), lm_dev_name(e->cpu), e->err->msg);
+    if (e->hooks)
+        lm_fallback_say(e->hooks->fallback, e->hooks->ctx,
+                        &(lm_fallback){phase, unit, lm_dev_name(e->dev), lm_dev_name(e->cpu), e->err->msg});
     e->res->fallback_s += seconds;
     lm_err_clear(e->err);
 }

@@ -15,6 +15,7 @@
 
 #include "adapter.h"
 #include "device.h"
+#include "fallback.h"
 #include "model.h"
 #include "st_writer.h"
 
@@ -115,12 +116,11 @@ typedef struct lm_merge_hooks {
     // After each output tensor is written.
     void (*progress)(void *ctx, int64_t done, int64_t total, const char *name, uint64_t bytes_done,
                      uint64_t bytes_total);
-    // A unit went from the device to the CPU because the device was out of memory. phase is
-    // "place" (an FT's LoRA factors; unit is the FT's path), "select" (a tensor's histograms
-    // for --topk global) or "merge" (a tensor); from and to are device names, reason the
-    // device's message.
-    void (*fallback)(void *ctx, const char *phase, const char *unit, const char *from, const char *to,
-                     const char *reason);
+    // A unit went from the device to the CPU because the device was out of memory (fallback.h):
+    // fb's phase is "place" (an FT's LoRA factors; unit is the FT's path), "select" (a tensor's
+    // histograms for --topk global) or "merge" (a tensor); from and to are device names, reason
+    // the device's message. The engine says nothing but fallbacks (fb is never NULL).
+    lm_fallback_fn fallback;
     void *ctx;
 } lm_merge_hooks;
 

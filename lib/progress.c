@@ -300,24 +300,24 @@ static void end_line_locked(lm_progress *p)
     }
 }
 
-void lm_progress_fallback(lm_progress *p, const char *phase, const char *unit, const char *from, const char *to,
-                          const char *reason)
+void lm_progress_fallback(lm_progress *p, const lm_fallback *fb)
 {
     lock(p);
     p->fallbacks++;
     unlock(p);
-    lm_progress_note(p, "fallback: %s %s on %s (%s)", phase, unit, to, reason);
-    lm_progress_event(p, "fallback", lm_fallback_json(phase, unit, from, to, reason));
+    char line[LM_FALLBACK_LINE_MAX];
+    lm_progress_note(p, "%s", lm_fallback_line(line, sizeof line, fb));
+    lm_progress_event(p, "fallback", lm_fallback_json(fb));
 }
 
-cJSON *lm_fallback_json(const char *phase, const char *unit, const char *from, const char *to, const char *reason)
+cJSON *lm_fallback_json(const lm_fallback *fb)
 {
     cJSON *f = cJSON_CreateObject();
-    cJSON_AddStringToObject(f, "phase", phase);
-    cJSON_AddStringToObject(f, "unit", unit);
-    cJSON_AddStringToObject(f, "from", from);
-    cJSON_AddStringToObject(f, "to", to);
-    cJSON_AddStringToObject(f, "reason", reason);
+    cJSON_AddStringToObject(f, "phase", fb->phase);
+    cJSON_AddStringToObject(f, "unit", fb->unit);
+    cJSON_AddStringToObject(f, "from", fb->from);
+    cJSON_AddStringToObject(f, "to", fb->to);
+    cJSON_AddStringToObject(f, "reason", fb->reason);
     return f;
 }
 

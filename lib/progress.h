@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "fallback.h"
 #include "status.h"
 
 typedef struct lm_progress {
@@ -91,14 +92,13 @@ void lm_progress_summary_as(lm_progress *p, const char *what);
 void lm_progress_note(lm_progress *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 // A unit went from a device to another (the CPU) because the first was out of memory: prints
-// "PREFIX: fallback: PHASE UNIT on TO (REASON)" unless quiet, logs {"event": "fallback",
+// "PREFIX: " and fb's line (lm_fallback_line: "fallback: PHASE UNIT on TO (REASON)") unless quiet, logs {"event": "fallback",
 // "phase", "unit", "from", "to", "reason"}, and counts it in the progress line.
-void lm_progress_fallback(lm_progress *p, const char *phase, const char *unit, const char *from, const char *to,
-                          const char *reason);
+void lm_progress_fallback(lm_progress *p, const lm_fallback *fb);
 
 // The fallback as a JSON object {"phase", "unit", "from", "to", "reason"} (new; NULL when
 // memory runs out), as the event carries it and llmerge.json keeps it.
-cJSON *lm_fallback_json(const char *phase, const char *unit, const char *from, const char *to, const char *reason);
+cJSON *lm_fallback_json(const lm_fallback *fb);
 
 // Prints "PREFIX: error: MESSAGE" on stderr, quiet or not (ending a progress line first), and
 // logs {"event": "error", "message", "exit_status"}.

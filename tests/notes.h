@@ -1,4 +1,4 @@
-// What an lm_fwd_note_fn says, collected for a test: every line, and of the fallbacks among
+// What an lm_fallback_fn says, collected for a test: every line, and of the fallbacks among
 // them (those said with a description) how many and the last one's fields.
 #ifndef LM_TEST_NOTES_H
 #define LM_TEST_NOTES_H
@@ -6,7 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "forward.h"
+#include "fallback.h"
 
 typedef struct notes {
     char text[8192];  // the lines, each ended by a newline
@@ -20,7 +20,7 @@ static inline void copy_field(char *dst, size_t size, const char *src)
     snprintf(dst, size, "%s", src ? src : "(null)");
 }
 
-static inline void collect_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
+static inline void collect_note(void *ctx, const char *line, const lm_fallback *fb)
 {
     notes *n = ctx;
     size_t len = strlen(n->text);

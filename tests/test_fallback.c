@@ -25,10 +25,11 @@ typedef struct seen {
     const char *dev_name;
 } seen;
 
-static void on_fallback(void *ctx, const char *phase, const char *unit, const char *from, const char *to,
-                        const char *reason)
+static void on_fallback(void *ctx, const char *line, const lm_fallback *fb)
 {
+    (void)line;
     seen *s = ctx;
+    const char *phase = fb->phase, *unit = fb->unit, *from = fb->from, *to = fb->to, *reason = fb->reason;
     if (strcmp(from, s->dev_name) != 0 || strcmp(to, "cpu") != 0 || !reason || !strstr(reason, "out of memory"))
         s->bad++;
     if (strcmp(phase, "place") == 0)

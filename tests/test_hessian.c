@@ -57,7 +57,7 @@ static void hset_free(hset *s)
     memset(s, 0, sizeof *s);
 }
 
-static void on_note(void *ctx, const char *line, const lm_fwd_fallback *fb)
+static void on_note(void *ctx, const char *line, const lm_fallback *fb)
 {
     (void)fb;
     (void)ctx;

@@ -204,7 +204,7 @@ typedef struct lines {
 
 // Keeps the fallbacks of the runner in the plan's words: "sequences A-B (T tokens) halved",
 // "sequence N (T tokens) on cpu", "weights".
-static void on_line(void *ctx, const char *line, const lm_fwd_fallback *fb)
+static void on_line(void *ctx, const char *line, const lm_fallback *fb)
 {
     (void)fb;
     lines *l = ctx;
