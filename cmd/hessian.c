@@ -23,6 +23,7 @@
 #include "calib.h"
 #include "args.h"
 #include "cmd.h"
+#include "command.h"
 #include "device.h"
 #include "forward.h"
 #include "hessian.h"
@@ -419,59 +420,56 @@ static int work(hess_run *r)
     return 0;
 }
 
+// ==== the entry (command.h) ===================================================================
+
+static void cmd_usage(void *ctx, FILE *out)
+{
+    (void)ctx;
+    usage(out);
+}
+
+static lm_status cmd_parse(void *ctx, int argc, char **argv, bool *help, lm_err *err)
+{
+    hess_run *r = ctx;
+    lm_status s = parse_args(&r->args, argc, argv, err);
+    *help = r->args.run.help;
+    return s;
+}
+
+static lm_status cmd_guard_args(void *ctx, int argc, char **argv, lm_err *err)
+{
+    static const int inputs[] = {LM_RUN_OPT_ADAPTER, OPT_CALIB};
+    return lm_cmd_guard_args(&((hess_run *)ctx)->guard, argc, argv, opt_defs, N_OPTS, inputs, 2, "MODEL", "MODEL",
+                             err);
+}
+
+// The files of the inputs are guarded inside prepare, before -o is checked against them.
+static lm_status cmd_prepare(void *ctx, bool *no_log, lm_err *err)
+{
+    hess_run *r = ctx;
+    (void)no_log;
+    r->progress.quiet = r->args.run.quiet;
+    return prepare(r, err);
+}
+
+static int cmd_work(void *ctx)
+{
+    return work(ctx);
+}
+
+static void cmd_cleanup(void *ctx)
+{
+    run_free(ctx);
+}
+
 int lm_cmd_hessian(int argc, char **argv)
 {
     hess_run r;
     memset(&r, 0, sizeof r);
-    lm_progress_init(&r.progress, "llmerge hessian", false);
-    lm_err err = {0}, log_err = {0};
-    int rc;
-    if (argc < 2) {
-        usage(stderr);
-        rc = 2;
-        goto done;
-    }
-    const char *log_json = lm_cmd_find_log_json(argc, argv);
-    lm_status ps = parse_args(&r.args, argc, argv, &err), s = ps;
-    // the inputs the command line names, which no output may be: also when it does not parse
-    static const int inputs[] = {LM_RUN_OPT_ADAPTER, OPT_CALIB};
-    if (lm_cmd_guard_args(&r.guard, argc, argv, opt_defs, N_OPTS, inputs, 2, "MODEL", "MODEL", &log_err) != LM_OK) {
-        lm_progress_error(&r.progress, 1, "%s", log_err.msg);
-        rc = 1;
-        goto done;
-    }
-    if (ps == LM_OK && !r.args.run.help) {
-        r.progress.quiet = r.args.run.quiet;
-        s = prepare(&r, &err);
-    }
-    // opened whether or not the rest was good, so that a usage error is logged too, but only once
-    // it is known not to be (or lie inside) an input
-    lm_status ls = log_json && *log_json ? lm_cmd_log_open(&r.progress, &r.guard, log_json, &log_err) : LM_OK;
-    if (ls != LM_OK) {
-        if (s != LM_OK)
-            lm_progress_error(&r.progress, lm_status_exit_code(s), "%s%s", err.msg,
-                              ps != LM_OK ? " (see llmerge hessian --help)" : "");
-        lm_progress_error(&r.progress, 2, "%s%s", ls == LM_ERR_USAGE ? "" : "--log-json: ", log_err.msg);
-        rc = s != LM_OK ? lm_status_exit_code(s) : 2;
-        goto done;
-    }
-    if (ps != LM_OK) {
-        lm_progress_error(&r.progress, 2, "%s (see llmerge hessian --help)", err.msg);
-        rc = 2;
-        goto done;
-    }
-    if (r.args.run.help) {
-        usage(stdout);
-        rc = 0;
-        goto done;
-    }
-    if (s != LM_OK) {
-        rc = lm_status_exit_code(s);
-        lm_progress_error(&r.progress, rc, "%s", err.msg);
-        goto done;
-    }
-    rc = work(&r);
-done:
-    run_free(&r);
-    return rc;
+    lm_command c = {
+        .prefix = "llmerge hessian", .progress = &r.progress, .guard = &r.guard, .log_error_prefix = "--log-json: ",
+        .usage = cmd_usage, .parse = cmd_parse, .guard_args = cmd_guard_args, .prepare = cmd_prepare,
+        .work = cmd_work, .cleanup = cmd_cleanup, .ctx = &r,
+    };
+    return lm_command_run(&c, argc, argv);
 }

@@ -32,6 +32,7 @@
 #include "adapter.h"
 #include "args.h"
 #include "cmd.h"
+#include "command.h"
 #include "cache.h"
 #include "card.h"
 #include "calib.h"
@@ -1019,6 +1020,50 @@ fail:
     return 1;
 }
 
+// ---- the entry (command.h) ------------------------------------------------------------------
+
+static void cmd_usage(void *ctx, FILE *out)
+{
+    lm_merge_usage(out, ((merge_run *)ctx)->args.m);
+}
+
+static lm_status cmd_parse(void *ctx, int argc, char **argv, bool *help, lm_err *err)
+{
+    merge_run *r = ctx;
+    lm_status s = lm_merge_parse_args(&r->args, argc, argv, err);
+    *help = r->args.help;
+    return s;
+}
+
+static lm_status cmd_guard_args(void *ctx, int argc, char **argv, lm_err *err)
+{
+    return guard_args(ctx, argc, argv, err);
+}
+
+static lm_status cmd_prepare(void *ctx, bool *no_log, lm_err *err)
+{
+    merge_run *r = ctx;
+    (void)no_log;
+    r->progress.quiet = r->args.quiet;
+    return prepare(r, err);
+}
+
+// The notes on what the command line asked, then the work.
+static int cmd_work(void *ctx)
+{
+    merge_run *r = ctx;
+    note_unused(r);
+    note_dropped(r);
+    if (r->args.gpu_mem && strcmp(lm_dev_name(r->dev), "cpu") == 0)
+        lm_progress_note(&r->progress, "note: --gpu-mem has no effect on the cpu device");
+    return work(r, lm_now());
+}
+
+static void cmd_cleanup(void *ctx)
+{
+    run_free(ctx);
+}
+
 int lm_cmd_merge(int argc, char **argv)
 {
     merge_run r;
@@ -1030,61 +1075,12 @@ int lm_cmd_merge(int argc, char **argv)
         return 2;
     }
     snprintf(r.prefix, sizeof r.prefix, "llmerge %s", r.args.m->name);
-    lm_progress_init(&r.progress, r.prefix, false);
-
-    lm_err err = {0}, log_err = {0};
-    int rc;
-    if (argc < 2) {
-        lm_merge_usage(stderr, r.args.m);
-        rc = 2;
-        goto done;
-    }
-    const char *log_json = lm_cmd_find_log_json(argc, argv);
-    lm_status ps = lm_merge_parse_args(&r.args, argc, argv, &err), s = ps;
-    // the inputs the command line names, which no output may be: also when it does not parse
-    if (guard_args(&r, argc, argv, &log_err) != LM_OK) {
-        lm_progress_error(&r.progress, 1, "%s", log_err.msg);
-        rc = 1;
-        goto done;
-    }
-    if (ps == LM_OK && !r.args.help) {
-        r.progress.quiet = r.args.quiet;
-        s = prepare(&r, &err);
-    }
-    // The log opens whether or not the rest was good, so that a usage error is logged too, but
-    // only once it is known not to be (or lie inside) an input.
-    if (log_json && *log_json && lm_cmd_log_open(&r.progress, &r.guard, log_json, &log_err) != LM_OK) {
-        if (ps != LM_OK)
-            lm_progress_error(&r.progress, 2, "%s (see llmerge %s --help)", err.msg, r.args.m->name);
-        else if (s != LM_OK)
-            lm_progress_error(&r.progress, lm_status_exit_code(s), "%s", err.msg);
-        lm_progress_error(&r.progress, 2, "%s", log_err.msg);
-        rc = s != LM_OK ? lm_status_exit_code(s) : 2;
-        goto done;
-    }
-    if (ps != LM_OK) {
-        lm_progress_error(&r.progress, 2, "%s (see llmerge %s --help)", err.msg, r.args.m->name);
-        rc = 2;
-        goto done;
-    }
-    if (r.args.help) {
-        lm_merge_usage(stdout, r.args.m);
-        rc = 0;
-        goto done;
-    }
-    if (s != LM_OK) {
-        rc = lm_status_exit_code(s);
-        lm_progress_error(&r.progress, rc, "%s", err.msg);
-        goto done;
-    }
-    note_unused(&r);
-    note_dropped(&r);
-    if (r.args.gpu_mem && strcmp(lm_dev_name(r.dev), "cpu") == 0)
-        lm_progress_note(&r.progress, "note: --gpu-mem has no effect on the cpu device");
-    rc = work(&r, lm_now());
-done:
-    run_free(&r);
-    return rc;
+    lm_command c = {
+        .prefix = r.prefix, .progress = &r.progress, .guard = &r.guard, .log_error_prefix = "",
+        .usage = cmd_usage, .parse = cmd_parse, .guard_args = cmd_guard_args, .prepare = cmd_prepare,
+        .work = cmd_work, .cleanup = cmd_cleanup, .ctx = &r,
+    };
+    return lm_command_run(&c, argc, argv);
 }
 
 // ==== for llmerge plan ========================================================================
