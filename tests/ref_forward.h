@@ -17,17 +17,11 @@
 #include "adapter.h"
 #include "calib.h"
 #include "check.h"
+#include "fixture.h"
 #include "forward.h"
 #include "config.h"
 #include "model.h"
 #include "util.h"
-
-static const char *fixtures;
-
-static char *fx(const char *name)
-{
-    return lm_path_join(fixtures, name);
-}
 
 // ==== the reference forward pass ==============================================================
 

@@ -11,13 +11,15 @@
 // modules and modules_to_save tensors; every open and validation error naming the key (and,
 // against a base, the base tensor and both shapes); adapter_model.bin; and what lm_input_detect
 // says about files, model and adapter directories, and the nested layout. Each test writes its
-// own files into a fresh directory under /tmp with a small safetensors writer of its own.
+// own files into a fresh directory under /tmp with the hand-written safetensors writer of
+// fixture.h.
 #include <stdint.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include "adapter.h"
 #include "check.h"
+#include "fixture.h"
 #include "testfs.h"
 #include "model.h"
 #include "util.h"
@@ -29,72 +31,6 @@ static void remove_file(const char *dir, const char *name)
     char *p = lm_path_join(dir, name);
     unlink(p);
     free(p);
-}
-
-typedef struct tt {
-    char name[112];
-    const char *dtype;
-    int ndim;
-    int64_t shape[4];
-} tt;
-
-static size_t dtype_size(const char *dt)
-{
-    if (strcmp(dt, "F32") == 0) return 4;
-    if (strcmp(dt, "F64") == 0) return 8;
-    if (strcmp(dt, "I32") == 0) return 4;
-    if (strcmp(dt, "I8") == 0 || strcmp(dt, "U8") == 0) return 1;
-    return 2;
-}
-
-// Writes a safetensors file holding `ts` with their data in the given order.
-static void write_st(const char *dir, const char *file, const tt *ts, int n)
-{
-    size_t cap = 256 + (size_t)n * 220, hl = 0;
-    char *hdr = malloc(cap);
-    hl += (size_t)snprintf(hdr + hl, cap - hl, "{\"__metadata__\":{\"format\":\"pt\"}");
-    uint64_t off = 0;
-    for (int i = 0; i < n; i++) {
-        int64_t numel = 1;
-        hl += (size_t)snprintf(hdr + hl, cap - hl, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", ts[i].name,
-                               ts[i].dtype);
-        for (int d = 0; d < ts[i].ndim; d++) {
-            numel *= ts[i].shape[d];
-            hl += (size_t)snprintf(hdr + hl, cap - hl, d ? ",%lld" : "%lld", (long long)ts[i].shape[d]);
-        }
-        uint64_t nb = (uint64_t)numel * dtype_size(ts[i].dtype);
-        hl += (size_t)snprintf(hdr + hl, cap - hl, "],\"data_offsets\":[%llu,%llu]}",
-                               (unsigned long long)off, (unsigned long long)(off + nb));
-        off += nb;
-    }
-    hl += (size_t)snprintf(hdr + hl, cap - hl, "}");
-    while (hl % 8)
-        hdr[hl++] = ' ';
-    size_t total = 8 + hl + off;
-    unsigned char *buf = calloc(1, total);
-    for (int b = 0; b < 8; b++)
-        buf[b] = (unsigned char)((uint64_t)hl >> (8 * b));
-    memcpy(buf + 8, hdr, hl);
-    char *p = lm_path_join(dir, file);
-    lm_err err;
-    CHECK_OK(lm_write_file(p, buf, total, &err), &err);
-    free(p);
-    free(buf);
-    free(hdr);
-}
-
-static tt T2(const char *name, int64_t a, int64_t b)
-{
-    tt t = {.dtype = "F32", .ndim = 2, .shape = {a, b}};
-    snprintf(t.name, sizeof t.name, "%s", name);
-    return t;
-}
-
-static tt T1(const char *name, int64_t a)
-{
-    tt t = {.dtype = "F32", .ndim = 1, .shape = {a}};
-    snprintf(t.name, sizeof t.name, "%s", name);
-    return t;
 }
 
 // A LoRA key for module `module` of layer `layer` ("self_attn.q_proj") with `suffix`.
@@ -126,10 +62,10 @@ static void write_base_odd(const char *dir, bool bias, const char *odd, const ch
              "\"num_key_value_heads\": 1, \"vocab_size\": 16, \"attention_bias\": %s}",
              bias ? "true" : "false");
     write_text(dir, "config.json", cfg);
-    tt ts[64];
+    fixture_tensor ts[64];
     int n = 0;
     char name[112];
-    ts[n++] = T2("model.embed_tokens.weight", 16, 8);
+    ts[n++] = fixture_t2("model.embed_tokens.weight", 16, 8);
     for (int l = 0; l < 2; l++) {
         static const struct { const char *m; int64_t o, i; } lin[] = {
             {"self_attn.q_proj", 8, 8}, {"self_attn.k_proj", 4, 8}, {"self_attn.v_proj", 4, 8},
@@ -138,29 +74,29 @@ static void write_base_odd(const char *dir, bool bias, const char *odd, const ch
         };
         for (int k = 0; k < 7; k++) {
             snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, lin[k].m);
-            ts[n++] = T2(name, lin[k].o, lin[k].i);
+            ts[n++] = fixture_t2(name, lin[k].o, lin[k].i);
             if (bias && k < 4) {
                 snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, lin[k].m);
-                ts[n++] = T1(name, lin[k].o);
+                ts[n++] = fixture_t1(name, lin[k].o);
             }
         }
         snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-        ts[n++] = T1(name, 8);
+        ts[n++] = fixture_t1(name, 8);
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
-        ts[n++] = T1(name, 8);
+        ts[n++] = fixture_t1(name, 8);
     }
-    ts[n++] = T1("model.norm.weight", 8);
-    ts[n++] = T2("lm_head.weight", 16, 8);
+    ts[n++] = fixture_t1("model.norm.weight", 8);
+    ts[n++] = fixture_t2("lm_head.weight", 16, 8);
     for (int i = 0; odd && i < n; i++)
         if (strcmp(ts[i].name, odd) == 0)
             ts[i].dtype = odd_dt;
-    write_st(dir, "model.safetensors", ts, n);
+    fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_ZEROS);
 }
 
-static void write_adapter(const char *dir, const char *config, const tt *ts, int n)
+static void write_adapter(const char *dir, const char *config, const fixture_tensor *ts, int n)
 {
     write_text(dir, "adapter_config.json", config);
-    write_st(dir, "adapter_model.safetensors", ts, n);
+    fixture_write_st(dir, "adapter_model.safetensors", ts, n, FIXTURE_ZEROS);
 }
 
 static lm_status parse(lm_lora_config *c, const char *json, lm_err *err)
@@ -604,15 +540,15 @@ static void test_adapter_linear(void)
     char *root = make_tmpdir();
     char *base_dir = subdir(root, "base"), *ad = subdir(root, "adapter");
     write_base(base_dir, false);
-    tt ts[] = {
-        T2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
-        T2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
-        T2(K(0, "self_attn.v_proj", ".lora_A.weight"), 4, 8),
-        T2(K(0, "self_attn.v_proj", ".lora_B.weight"), 4, 4),
-        T2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),  // B before A is fine
-        T2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
-        T2(K(1, "self_attn.v_proj", ".lora_A.weight"), 4, 8),
-        T2(K(1, "self_attn.v_proj", ".lora_B.weight"), 4, 4),
+    fixture_tensor ts[] = {
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+        fixture_t2(K(0, "self_attn.v_proj", ".lora_A.weight"), 4, 8),
+        fixture_t2(K(0, "self_attn.v_proj", ".lora_B.weight"), 4, 4),
+        fixture_t2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),  // B before A is fine
+        fixture_t2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(1, "self_attn.v_proj", ".lora_A.weight"), 4, 8),
+        fixture_t2(K(1, "self_attn.v_proj", ".lora_B.weight"), 4, 4),
     };
     write_adapter(ad,
                   "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, "
@@ -678,15 +614,15 @@ static void test_adapter_select(void)
     lm_err err;
     CHECK_OK(lm_model_open(&base, base_dir, &err), &err);
     CHECK_OK(lm_model_open(&obase, other, &err), &err);
-    tt ts[] = {
-        T2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8), T2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
-        T2(K(0, "self_attn.k_proj", ".lora_A.weight"), 2, 8), T2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
-        T2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8), T2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
-        T2(K(1, "self_attn.v_proj", ".lora_A.weight"), 2, 8), T2(K(1, "self_attn.v_proj", ".lora_B.weight"), 4, 2),
+    fixture_tensor ts[] = {
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8), fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+        fixture_t2(K(0, "self_attn.k_proj", ".lora_A.weight"), 2, 8), fixture_t2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
+        fixture_t2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8), fixture_t2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+        fixture_t2(K(1, "self_attn.v_proj", ".lora_A.weight"), 2, 8), fixture_t2(K(1, "self_attn.v_proj", ".lora_B.weight"), 4, 2),
         // for a layer the base does not have: set aside, not a mismatch, when not selected
-        T2(K(7, "self_attn.k_proj", ".lora_A.weight"), 2, 8), T2(K(7, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
-        T2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 16),
-        T2("base_model.model.model.embed_tokens.lora_embedding_B", 8, 2),
+        fixture_t2(K(7, "self_attn.k_proj", ".lora_A.weight"), 2, 8), fixture_t2(K(7, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
+        fixture_t2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 16),
+        fixture_t2("base_model.model.model.embed_tokens.lora_embedding_B", 8, 2),
     };
     const char *q0 = "model.layers.0.self_attn.q_proj.weight", *k0 = "model.layers.0.self_attn.k_proj.weight";
     const char *q1 = "model.layers.1.self_attn.q_proj.weight", *v1 = "model.layers.1.self_attn.v_proj.weight";
@@ -828,14 +764,14 @@ static void test_adapter_dora_bias(void)
     char *plain = subdir(root, "plain"), *biased = subdir(root, "biased"), *ad = subdir(root, "adapter");
     write_base(plain, false);
     write_base(biased, true);
-    tt ts[] = {
-        T2(K(0, "self_attn.k_proj", ".lora_A.weight"), 4, 8),
-        T2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 4),
-        T1(K(0, "self_attn.k_proj", ".lora_B.bias"), 4),
-        T1(K(0, "self_attn.k_proj", ".lora_magnitude_vector"), 4),
-        T2(K(0, "mlp.down_proj", ".lora_A.weight"), 4, 12),
-        T2(K(0, "mlp.down_proj", ".lora_B.weight"), 8, 4),
-        T1(K(0, "mlp.down_proj", ".lora_magnitude_vector"), 8),
+    fixture_tensor ts[] = {
+        fixture_t2(K(0, "self_attn.k_proj", ".lora_A.weight"), 4, 8),
+        fixture_t2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 4),
+        fixture_t1(K(0, "self_attn.k_proj", ".lora_B.bias"), 4),
+        fixture_t1(K(0, "self_attn.k_proj", ".lora_magnitude_vector"), 4),
+        fixture_t2(K(0, "mlp.down_proj", ".lora_A.weight"), 4, 12),
+        fixture_t2(K(0, "mlp.down_proj", ".lora_B.weight"), 8, 4),
+        fixture_t1(K(0, "mlp.down_proj", ".lora_magnitude_vector"), 8),
     };
     write_adapter(ad,
                   "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"use_rslora\": true, "
@@ -878,11 +814,11 @@ static void test_adapter_embedding_and_saved(void)
     char *root = make_tmpdir();
     char *base_dir = subdir(root, "base"), *ad = subdir(root, "adapter");
     write_base(base_dir, false);
-    tt ts[] = {
-        T2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 16),
-        T2("base_model.model.model.embed_tokens.lora_embedding_B", 8, 2),
-        T2("base_model.model.lm_head.weight", 16, 8),
-        T1("base_model.model.model.norm.modules_to_save.default.weight", 8),
+    fixture_tensor ts[] = {
+        fixture_t2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 16),
+        fixture_t2("base_model.model.model.embed_tokens.lora_embedding_B", 8, 2),
+        fixture_t2("base_model.model.lm_head.weight", 16, 8),
+        fixture_t1("base_model.model.model.norm.modules_to_save.default.weight", 8),
     };
     write_adapter(ad,
                   "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 2, "
@@ -910,9 +846,9 @@ static void test_adapter_embedding_and_saved(void)
     a = NULL;
 
     // Embedding factors the wrong way round against the base [vocab, hidden].
-    tt bad[] = {
-        T2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 8),
-        T2("base_model.model.model.embed_tokens.lora_embedding_B", 16, 2),
+    fixture_tensor bad[] = {
+        fixture_t2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 8),
+        fixture_t2("base_model.model.model.embed_tokens.lora_embedding_B", 16, 2),
     };
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", bad, 2);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -925,7 +861,7 @@ static void test_adapter_embedding_and_saved(void)
     a = NULL;
 
     // A saved tensor with another shape than the base's.
-    tt saved_bad[] = {T2("base_model.model.lm_head.weight", 16, 4)};
+    fixture_tensor saved_bad[] = {fixture_t2("base_model.model.lm_head.weight", 16, 4)};
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head\"]}", saved_bad, 1);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
     if (a && base)
@@ -950,9 +886,9 @@ static void test_adapter_fan_in_fan_out(void)
     CHECK_OK(lm_model_open(&base, base_dir, &err), &err);
 
     // gate_proj is [12, 8]: read as [in, out] with fan_in_fan_out, so A [r, 12], B [8, r].
-    tt fifo[] = {
-        T2(K(0, "mlp.gate_proj", ".lora_A.weight"), 2, 12),
-        T2(K(0, "mlp.gate_proj", ".lora_B.weight"), 8, 2),
+    fixture_tensor fifo[] = {
+        fixture_t2(K(0, "mlp.gate_proj", ".lora_A.weight"), 2, 12),
+        fixture_t2(K(0, "mlp.gate_proj", ".lora_B.weight"), 8, 2),
     };
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"fan_in_fan_out\": true}", fifo, 2);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -969,9 +905,9 @@ static void test_adapter_fan_in_fan_out(void)
                     "has shape [2, 12], but base tensor 'model.layers.0.mlp.gate_proj.weight'", &err);
     lm_adapter_free(a);
     a = NULL;
-    tt normal[] = {
-        T2(K(0, "mlp.gate_proj", ".lora_A.weight"), 2, 8),
-        T2(K(0, "mlp.gate_proj", ".lora_B.weight"), 12, 2),
+    fixture_tensor normal[] = {
+        fixture_t2(K(0, "mlp.gate_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(0, "mlp.gate_proj", ".lora_B.weight"), 12, 2),
     };
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"fan_in_fan_out\": true}", normal, 2);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -996,9 +932,9 @@ static void test_adapter_validate_errors(void)
     const char *cfg = "{\"peft_type\": \"LORA\", \"r\": 2}";
 
     // A's in-dimension: the adapter key, the base tensor and both shapes.
-    tt a_in[] = {
-        T2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 7),
-        T2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+    fixture_tensor a_in[] = {
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 7),
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
     write_adapter(ad, cfg, a_in, 2);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -1012,9 +948,9 @@ static void test_adapter_validate_errors(void)
     a = NULL;
 
     // B's out-dimension (k_proj is [4, 8] with one kv head).
-    tt b_out[] = {
-        T2(K(1, "self_attn.k_proj", ".lora_A.weight"), 2, 8),
-        T2(K(1, "self_attn.k_proj", ".lora_B.weight"), 8, 2),
+    fixture_tensor b_out[] = {
+        fixture_t2(K(1, "self_attn.k_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(1, "self_attn.k_proj", ".lora_B.weight"), 8, 2),
     };
     write_adapter(ad, cfg, b_out, 2);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -1028,9 +964,9 @@ static void test_adapter_validate_errors(void)
     a = NULL;
 
     // A module the base does not have.
-    tt absent[] = {
-        T2(K(7, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
-        T2(K(7, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+    fixture_tensor absent[] = {
+        fixture_t2(K(7, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(7, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
     write_adapter(ad, cfg, absent, 2);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -1041,9 +977,9 @@ static void test_adapter_validate_errors(void)
     a = NULL;
 
     // Factors in a dtype llmerge does not compute with.
-    tt i8[] = {
-        T2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
-        T2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+    fixture_tensor i8[] = {
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
     i8[1].dtype = "I8";
     write_adapter(ad, cfg, i8, 2);
@@ -1076,9 +1012,9 @@ static void test_adapter_base_dtype(void)
     CHECK_OK(lm_model_open(&bi32, i32, &err), &err);
     CHECK_OK(lm_model_open(&bhead, head, &err), &err);
 
-    tt q[] = {
-        T2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
-        T2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+    fixture_tensor q[] = {
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", q, 2);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -1091,9 +1027,9 @@ static void test_adapter_base_dtype(void)
     lm_adapter_free(a);
     a = NULL;
     // the same adapter on layer 1: the U8 tensor is no concern of it
-    tt q1[] = {
-        T2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
-        T2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
+    fixture_tensor q1[] = {
+        fixture_t2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", q1, 2);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -1102,10 +1038,10 @@ static void test_adapter_base_dtype(void)
     lm_adapter_free(a);
     a = NULL;
 
-    tt kb[] = {
-        T2(K(0, "self_attn.k_proj", ".lora_A.weight"), 2, 8),
-        T2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
-        T1(K(0, "self_attn.k_proj", ".lora_B.bias"), 4),
+    fixture_tensor kb[] = {
+        fixture_t2(K(0, "self_attn.k_proj", ".lora_A.weight"), 2, 8),
+        fixture_t2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
+        fixture_t1(K(0, "self_attn.k_proj", ".lora_B.bias"), 4),
     };
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_bias\": true}", kb, 3);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
@@ -1115,7 +1051,7 @@ static void test_adapter_base_dtype(void)
     lm_adapter_free(a);
     a = NULL;
 
-    tt saved[] = {T2("base_model.model.lm_head.weight", 16, 8)};
+    fixture_tensor saved[] = {fixture_t2("base_model.model.lm_head.weight", 16, 8)};
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head\"]}", saved, 1);
     CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
     if (a && bhead)
@@ -1140,47 +1076,47 @@ static void test_adapter_open_errors(void)
     const char *cfg = "{\"peft_type\": \"LORA\", \"r\": 2}";
     const char *q = "self_attn.q_proj";
 
-    tt only_a[] = {T2(K(0, q, ".lora_A.weight"), 2, 8)};
+    fixture_tensor only_a[] = {fixture_t2(K(0, q, ".lora_A.weight"), 2, 8)};
     write_adapter(ad, cfg, only_a, 1);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "key 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has no matching "
                 "'base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight'", &err);
     CHECK(a == NULL);
 
-    tt only_b[] = {T2(K(0, q, ".lora_B.weight"), 8, 2)};
+    fixture_tensor only_b[] = {fixture_t2(K(0, q, ".lora_B.weight"), 8, 2)};
     write_adapter(ad, cfg, only_b, 1);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "q_proj.lora_B.weight' has no matching 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight'",
                 &err);
 
-    tt unknown[] = {T2(K(0, q, ".lora_A.weight"), 2, 8), T2(K(0, q, ".lora_B.weight"), 8, 2),
-                    T1(K(0, q, ".lora_A.bias"), 2)};
+    fixture_tensor unknown[] = {fixture_t2(K(0, q, ".lora_A.weight"), 2, 8), fixture_t2(K(0, q, ".lora_B.weight"), 8, 2),
+                    fixture_t1(K(0, q, ".lora_A.bias"), 2)};
     write_adapter(ad, cfg, unknown, 3);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "key 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.bias': unknown LoRA key", &err);
-    unknown[2] = T1(K(0, q, ".weird"), 2);
+    unknown[2] = fixture_t1(K(0, q, ".weird"), 2);
     write_adapter(ad, cfg, unknown, 3);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT, "q_proj.weird': unknown key", &err);
 
-    tt no_prefix[] = {T2("model.layers.0.self_attn.q_proj.lora_A.weight", 2, 8)};
+    fixture_tensor no_prefix[] = {fixture_t2("model.layers.0.self_attn.q_proj.lora_A.weight", 2, 8)};
     write_adapter(ad, cfg, no_prefix, 1);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "key 'model.layers.0.self_attn.q_proj.lora_A.weight' does not start with 'base_model.model.'", &err);
 
     // Factor shapes against r (from r, then from a rank_pattern key).
-    tt r3[] = {T2(K(0, q, ".lora_A.weight"), 3, 8), T2(K(0, q, ".lora_B.weight"), 8, 3)};
+    fixture_tensor r3[] = {fixture_t2(K(0, q, ".lora_A.weight"), 3, 8), fixture_t2(K(0, q, ".lora_B.weight"), 8, 3)};
     write_adapter(ad, cfg, r3, 2);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "key 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has shape [3, 8], but r = 2", &err);
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 3, \"rank_pattern\": {\"q_proj\": 4}}", r3, 2);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT, "r = 4 (rank_pattern key 'q_proj')", &err);
-    tt rb[] = {T2(K(0, q, ".lora_A.weight"), 2, 8), T2(K(0, q, ".lora_B.weight"), 8, 3)};
+    fixture_tensor rb[] = {fixture_t2(K(0, q, ".lora_A.weight"), 2, 8), fixture_t2(K(0, q, ".lora_B.weight"), 8, 3)};
     write_adapter(ad, cfg, rb, 2);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT, "q_proj.lora_B.weight' has shape [8, 3], but r = 2", &err);
 
     // DoRA and bias keys must agree with the config and with B.
-    tt mag[] = {T2(K(0, q, ".lora_A.weight"), 2, 8), T2(K(0, q, ".lora_B.weight"), 8, 2),
-                T1(K(0, q, ".lora_magnitude_vector"), 8)};
+    fixture_tensor mag[] = {fixture_t2(K(0, q, ".lora_A.weight"), 2, 8), fixture_t2(K(0, q, ".lora_B.weight"), 8, 2),
+                fixture_t1(K(0, q, ".lora_magnitude_vector"), 8)};
     write_adapter(ad, cfg, mag, 3);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "q_proj.lora_magnitude_vector' is a DoRA magnitude, but use_dora is not true", &err);
@@ -1188,34 +1124,34 @@ static void test_adapter_open_errors(void)
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "use_dora is true in", &err);
     CHECK(strstr(err.msg, "'base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector' is missing"));
-    mag[2] = T1(K(0, q, ".lora_magnitude_vector"), 4);
+    mag[2] = fixture_t1(K(0, q, ".lora_magnitude_vector"), 4);
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"use_dora\": true}", mag, 3);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "q_proj.lora_magnitude_vector' has shape [4], but", &err);
-    tt bias[] = {T2(K(0, q, ".lora_A.weight"), 2, 8), T2(K(0, q, ".lora_B.weight"), 8, 2),
-                 T1(K(0, q, ".lora_B.bias"), 8)};
+    fixture_tensor bias[] = {fixture_t2(K(0, q, ".lora_A.weight"), 2, 8), fixture_t2(K(0, q, ".lora_B.weight"), 8, 2),
+                 fixture_t1(K(0, q, ".lora_B.bias"), 8)};
     write_adapter(ad, cfg, bias, 3);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "q_proj.lora_B.bias' is a LoRA bias, but lora_bias is not true", &err);
-    tt only_bias[] = {T1(K(0, q, ".lora_B.bias"), 8)};
+    fixture_tensor only_bias[] = {fixture_t1(K(0, q, ".lora_B.bias"), 8)};
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_bias\": true}", only_bias, 1);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT, "q_proj.lora_B.bias' has no matching", &err);
 
     // Linear and embedding factors of one module.
-    tt mixed[] = {T2(K(0, q, ".lora_A.weight"), 2, 8), T2(K(0, q, ".lora_embedding_B"), 8, 2)};
+    fixture_tensor mixed[] = {fixture_t2(K(0, q, ".lora_A.weight"), 2, 8), fixture_t2(K(0, q, ".lora_embedding_B"), 8, 2)};
     write_adapter(ad, cfg, mixed, 2);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT, "mixes linear and embedding", &err);
 
     // Full tensors need modules_to_save; one tensor saved two ways is changed twice.
-    tt full[] = {T2("base_model.model.lm_head.weight", 16, 8)};
+    fixture_tensor full[] = {fixture_t2("base_model.model.lm_head.weight", 16, 8)};
     write_adapter(ad, cfg, full, 1);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT,
                 "key 'base_model.model.lm_head.weight' is a full tensor, but its module is not in modules_to_save", &err);
-    tt twice[] = {T2("base_model.model.lm_head.weight", 16, 8),
-                  T2("base_model.model.lm_head.modules_to_save.default.weight", 16, 8)};
+    fixture_tensor twice[] = {fixture_t2("base_model.model.lm_head.weight", 16, 8),
+                  fixture_t2("base_model.model.lm_head.modules_to_save.default.weight", 16, 8)};
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head\"]}", twice, 2);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_FORMAT, "base tensor 'lm_head.weight' is changed by two keys", &err);
-    tt tokens[] = {T2("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta", 2, 8)};
+    fixture_tensor tokens[] = {fixture_t2("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta", 2, 8)};
     write_adapter(ad, cfg, tokens, 1);
     CHECK_FAILS(lm_adapter_open(&a, ad, &err), LM_ERR_UNSUPPORTED, "trainable tokens", &err);
 
@@ -1264,8 +1200,8 @@ static void test_input_detect(void)
     free(mc);
 
     char *ad = subdir(root, "adapter");
-    tt ts[] = {T2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
-               T2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2)};
+    fixture_tensor ts[] = {fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
+               fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2)};
     write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", ts, 2);
     write_text(ad, "config.json", "{}");  // some trainers save the base config too
     CHECK_OK(lm_input_detect(ad, &kind, &res, &err), &err);

@@ -30,17 +30,11 @@
 #include "cache.h"
 #include "check.h"
 #include "device.h"
+#include "fixture.h"
 #include "merge.h"
 #include "model.h"
 #include "testfs.h"
 #include "util.h"
-
-static const char *fixtures;
-
-static char *fx(const char *name)
-{
-    return lm_path_join(fixtures, name);
-}
 
 static uint64_t rng_s = 0x1234;
 
@@ -728,9 +722,10 @@ static void test_engine(void)
                 char label[96];
                 snprintf(label, sizeof label, "%s, --topk %s, %s", method ? "sparsegpt" : "ties",
                          global ? "global" : "tensor", devices[v]);
-                lm_merge_opts o = {.method = method ? LM_MERGE_SPARSEGPT : LM_MERGE_TIES, .n_ft = 2, .weights = w,
-                                   .densities = d, .lambda = 1.0, .normalize = true, .topk_global = global,
-                                   .out_dtype = LM_DTYPE_F32, .threads = 2, .slab_elems = v == 1 ? 300 : 0};
+                lm_merge_opts o = fixture_merge_opts(method ? LM_MERGE_SPARSEGPT : LM_MERGE_TIES, 2, w, d);
+                o.topk_global = global;
+                o.threads = 2;
+                o.slab_elems = v == 1 ? 300 : 0;
                 mask_store st = {.only_ft = -1};
                 if (method) {
                     o.ucc2 = test_ucc2;

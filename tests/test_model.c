@@ -15,78 +15,13 @@
 
 #include "arch.h"
 #include "check.h"
+#include "fixture.h"
 #include "testfs.h"
 #include "config.h"
 #include "model.h"
 #include "util.h"
 
 // ==== helpers =================================================================================
-
-// One tensor for write_st: F32, F16 or BF16, data filled with a pattern from its index.
-typedef struct tt {
-    char name[96];
-    const char *dtype;
-    int ndim;
-    int64_t shape[4];
-} tt;
-
-static size_t dtype_size(const char *dt)
-{
-    return strcmp(dt, "F32") == 0 ? 4 : strcmp(dt, "F64") == 0 ? 8 : 2;
-}
-
-// Writes a safetensors file holding `ts` with their data in the given order.
-static void write_st(const char *dir, const char *file, const tt *ts, int n)
-{
-    size_t cap = 256 + (size_t)n * 200, hl = 0;
-    char *hdr = malloc(cap);
-    hl += (size_t)snprintf(hdr + hl, cap - hl, "{\"__metadata__\":{\"format\":\"pt\"}");
-    uint64_t off = 0;
-    for (int i = 0; i < n; i++) {
-        int64_t numel = 1;
-        hl += (size_t)snprintf(hdr + hl, cap - hl, ",\"%s\":{\"dtype\":\"%s\",\"shape\":[", ts[i].name,
-                               ts[i].dtype);
-        for (int d = 0; d < ts[i].ndim; d++) {
-            numel *= ts[i].shape[d];
-            hl += (size_t)snprintf(hdr + hl, cap - hl, d ? ",%lld" : "%lld", (long long)ts[i].shape[d]);
-        }
-        uint64_t nb = (uint64_t)numel * dtype_size(ts[i].dtype);
-        hl += (size_t)snprintf(hdr + hl, cap - hl, "],\"data_offsets\":[%llu,%llu]}",
-                               (unsigned long long)off, (unsigned long long)(off + nb));
-        off += nb;
-    }
-    hl += (size_t)snprintf(hdr + hl, cap - hl, "}");
-    while (hl % 8)
-        hdr[hl++] = ' ';
-    size_t total = 8 + hl + off;
-    unsigned char *buf = calloc(1, total);
-    for (int b = 0; b < 8; b++)
-        buf[b] = (unsigned char)((uint64_t)hl >> (8 * b));
-    memcpy(buf + 8, hdr, hl);
-    unsigned char *data = buf + 8 + hl;
-    for (uint64_t i = 0; i < off; i++)
-        data[i] = (unsigned char)(i * 7 + 3);
-    char *p = lm_path_join(dir, file);
-    lm_err err;
-    CHECK_OK(lm_write_file(p, buf, total, &err), &err);
-    free(p);
-    free(buf);
-    free(hdr);
-}
-
-static tt T2(const char *name, int64_t a, int64_t b)
-{
-    tt t = {.dtype = "F32", .ndim = 2, .shape = {a, b}};
-    snprintf(t.name, sizeof t.name, "%s", name);
-    return t;
-}
-
-static tt T1(const char *name, int64_t a)
-{
-    tt t = {.dtype = "F32", .ndim = 1, .shape = {a}};
-    snprintf(t.name, sizeof t.name, "%s", name);
-    return t;
-}
 
 // A tiny Llama: 2 layers, hidden 8, intermediate 12, 2 heads of 4, 1 kv head, vocab 16.
 #define TINY_LLAMA_CONFIG                                                                          \
@@ -96,11 +31,11 @@ static tt T1(const char *name, int64_t a)
     "\"torch_dtype\": \"float32\", \"tie_word_embeddings\": false}"
 
 // Its tensors in state-dict order; returns the count.
-static int tiny_llama_tensors(tt *ts)
+static int tiny_llama_tensors(fixture_tensor *ts)
 {
     int n = 0;
     char name[96];
-    ts[n++] = T2("model.embed_tokens.weight", 16, 8);
+    ts[n++] = fixture_t2("model.embed_tokens.weight", 16, 8);
     for (int l = 0; l < 2; l++) {
         static const struct { const char *m; int64_t o, i; } lin[] = {
             {"self_attn.q_proj", 8, 8}, {"self_attn.k_proj", 4, 8}, {"self_attn.v_proj", 4, 8},
@@ -109,21 +44,21 @@ static int tiny_llama_tensors(tt *ts)
         };
         for (int k = 0; k < 7; k++) {
             snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, lin[k].m);
-            ts[n++] = T2(name, lin[k].o, lin[k].i);
+            ts[n++] = fixture_t2(name, lin[k].o, lin[k].i);
         }
         snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-        ts[n++] = T1(name, 8);
+        ts[n++] = fixture_t1(name, 8);
         snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
-        ts[n++] = T1(name, 8);
+        ts[n++] = fixture_t1(name, 8);
     }
-    ts[n++] = T1("model.norm.weight", 8);
-    ts[n++] = T2("lm_head.weight", 16, 8);
+    ts[n++] = fixture_t1("model.norm.weight", 8);
+    ts[n++] = fixture_t2("lm_head.weight", 16, 8);
     return n;
 }
 
 static int cmp_tt_name(const void *a, const void *b)
 {
-    return strcmp(((const tt *)a)->name, ((const tt *)b)->name);
+    return strcmp(((const fixture_tensor *)a)->name, ((const fixture_tensor *)b)->name);
 }
 
 static lm_status parse(lm_config *cfg, const char *json, lm_err *err)
@@ -498,7 +433,7 @@ static void test_arch(void)
     CHECK_OK(parse(&c, TINY_LLAMA_CONFIG, &err), &err);
     lm_arch_desc d;
     CHECK_OK(lm_arch_describe(&d, &c, &err), &err);
-    tt want[64];
+    fixture_tensor want[64];
     int n = tiny_llama_tensors(want);
     CHECK(d.n_tensors == n);
     int64_t params = 0;
@@ -584,11 +519,11 @@ static void test_model_single(void)
 {
     char *dir = make_tmpdir();
     write_text(dir, "config.json", TINY_LLAMA_CONFIG);
-    tt ts[64];
+    fixture_tensor ts[64];
     int n = tiny_llama_tensors(ts);
     // Laid out sorted by name as the writer does: listing follows the data, not the config.
     qsort(ts, (size_t)n, sizeof ts[0], cmp_tt_name);
-    write_st(dir, "model.safetensors", ts, n);
+    fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
 
     lm_model *m = NULL;
     lm_err err;
@@ -619,9 +554,9 @@ static void test_model_single(void)
     // A wrong shape names the tensor and both shapes; a missing one names the tensor; an
     // extra one is counted.
     n = tiny_llama_tensors(ts);
-    ts[2] = T2("model.layers.0.self_attn.k_proj.weight", 8, 8);  // kv heads make it [4, 8]
-    ts[n - 2] = T1("model.extra.weight", 8);                     // replaces model.norm.weight
-    write_st(dir, "model.safetensors", ts, n);
+    ts[2] = fixture_t2("model.layers.0.self_attn.k_proj.weight", 8, 8);  // kv heads make it [4, 8]
+    ts[n - 2] = fixture_t1("model.extra.weight", 8);                     // replaces model.norm.weight
+    fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
     CHECK_OK(lm_model_open(&m, dir, &err), &err);
     if (m) {
         int64_t extra = -1;
@@ -632,8 +567,8 @@ static void test_model_single(void)
     }
     lm_model_free(m);
     n = tiny_llama_tensors(ts);
-    ts[n - 2] = T1("model.extra.weight", 8);
-    write_st(dir, "model.safetensors", ts, n);
+    ts[n - 2] = fixture_t1("model.extra.weight", 8);
+    fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
     CHECK_OK(lm_model_open(&m, dir, &err), &err);
     if (m)
         CHECK_FAILS(lm_model_check(m, NULL, &err), LM_ERR_MISMATCH,
@@ -646,7 +581,7 @@ static void test_model_single(void)
                "\"intermediate_size\": 12, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
                "\"num_key_value_heads\": 1, \"vocab_size\": 16, \"tie_word_embeddings\": true}");
     n = tiny_llama_tensors(ts);
-    write_st(dir, "model.safetensors", ts, n);
+    fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
     CHECK_OK(lm_model_open(&m, dir, &err), &err);
     if (m) {
         int64_t extra = -1;
@@ -697,12 +632,12 @@ static void test_model_missing_files(void)
 // Writes the tiny Llama as two shards (embed + layer 0 in the first; the rest in the second)
 // and an index listing them; returns the tensor count. `index_json` replaces the generated
 // index when not NULL.
-static int write_sharded(const char *dir, tt *ts)
+static int write_sharded(const char *dir, fixture_tensor *ts)
 {
     int n = tiny_llama_tensors(ts);
     int first = 10;  // embed + 9 tensors of layer 0
-    write_st(dir, "model-00001-of-00002.safetensors", ts, first);
-    write_st(dir, "model-00002-of-00002.safetensors", ts + first, n - first);
+    fixture_write_st(dir, "model-00001-of-00002.safetensors", ts, first, FIXTURE_PATTERN);
+    fixture_write_st(dir, "model-00002-of-00002.safetensors", ts + first, n - first, FIXTURE_PATTERN);
     size_t cap = 8192, len = 0;
     char *idx = malloc(cap);
     len += (size_t)snprintf(idx + len, cap - len, "{\"metadata\": {\"total_size\": 0}, \"weight_map\": {");
@@ -720,7 +655,7 @@ static void test_model_sharded(void)
 {
     char *dir = make_tmpdir();
     write_text(dir, "config.json", TINY_LLAMA_CONFIG);
-    tt ts[64];
+    fixture_tensor ts[64];
     int n = write_sharded(dir, ts);
     lm_model *m = NULL;
     lm_err err;
@@ -745,7 +680,7 @@ static void test_model_sharded(void)
 
     // A shard with no model.safetensors beside it: the index is used; with one, the single file
     // wins (as in transformers).
-    write_st(dir, "model.safetensors", ts, 1);
+    fixture_write_st(dir, "model.safetensors", ts, 1, FIXTURE_PATTERN);
     CHECK_OK(lm_model_open(&m, dir, &err), &err);
     if (m)
         CHECK(m->n_shards == 1 && m->n_tensors == 1);
@@ -763,26 +698,26 @@ static void test_model_sharded(void)
     CHECK(m == NULL);
 
     // A tensor listed but absent from its shard.
-    write_st(dir, "model-00002-of-00002.safetensors", ts + 10, n - 11);  // drops lm_head.weight
+    fixture_write_st(dir, "model-00002-of-00002.safetensors", ts + 10, n - 11, FIXTURE_PATTERN);  // drops lm_head.weight
     CHECK_FAILS(lm_model_open(&m, dir, &err), LM_ERR_FORMAT,
                 "tensor 'lm_head.weight' is listed in the index but not in its shard", &err);
     CHECK(strstr(err.msg, "model-00002-of-00002.safetensors") != NULL);
 
     // A tensor in two shards: the second shard also holds one of the first's.
-    tt dup[64];
-    memcpy(dup, ts + 10, sizeof(tt) * (size_t)(n - 10));
+    fixture_tensor dup[64];
+    memcpy(dup, ts + 10, sizeof(fixture_tensor) * (size_t)(n - 10));
     dup[n - 10] = ts[1];
-    write_st(dir, "model-00002-of-00002.safetensors", dup, n - 9);
+    fixture_write_st(dir, "model-00002-of-00002.safetensors", dup, n - 9, FIXTURE_PATTERN);
     CHECK_FAILS(lm_model_open(&m, dir, &err), LM_ERR_FORMAT, "is in two shards", &err);
     CHECK(strstr(err.msg, ts[1].name) != NULL);
 
     // A shard tensor the index does not list.
-    memcpy(dup, ts + 10, sizeof(tt) * (size_t)(n - 10));
-    dup[n - 10] = T1("model.unlisted.weight", 3);
-    write_st(dir, "model-00002-of-00002.safetensors", dup, n - 9);
+    memcpy(dup, ts + 10, sizeof(fixture_tensor) * (size_t)(n - 10));
+    dup[n - 10] = fixture_t1("model.unlisted.weight", 3);
+    fixture_write_st(dir, "model-00002-of-00002.safetensors", dup, n - 9, FIXTURE_PATTERN);
     CHECK_FAILS(lm_model_open(&m, dir, &err), LM_ERR_FORMAT,
                 "tensor 'model.unlisted.weight' is in shard model-00002-of-00002.safetensors but not in", &err);
-    write_st(dir, "model-00002-of-00002.safetensors", ts + 10, n - 10);
+    fixture_write_st(dir, "model-00002-of-00002.safetensors", ts + 10, n - 10, FIXTURE_PATTERN);
     CHECK_OK(lm_model_open(&m, dir, &err), &err);
     lm_model_free(m);
 
@@ -834,9 +769,9 @@ static void test_model_config_bom(void)
 {
     char *dir = make_tmpdir();
     write_text(dir, "config.json", "\xEF\xBB\xBF" TINY_LLAMA_CONFIG);
-    tt ts[64];
+    fixture_tensor ts[64];
     int n = tiny_llama_tensors(ts);
-    write_st(dir, "model.safetensors", ts, n);
+    fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
     lm_model *m = NULL;
     lm_err err;
     char *cfg = lm_path_join(dir, "config.json");
@@ -859,14 +794,14 @@ static void test_model_compare(void)
     CHECK_OK(lm_mkdir_p(fd, &err), &err);
     write_text(bd, "config.json", TINY_LLAMA_CONFIG);
     write_text(fd, "config.json", TINY_LLAMA_CONFIG);
-    tt ts[64];
+    fixture_tensor ts[64];
     int n = tiny_llama_tensors(ts);
-    write_st(bd, "model.safetensors", ts, n);
+    fixture_write_st(bd, "model.safetensors", ts, n, FIXTURE_PATTERN);
     // The fine-tune: sharded differently, one extra tensor.
-    tt more[65];
-    memcpy(more, ts, sizeof(tt) * (size_t)n);
-    more[n] = T1("model.extra.weight", 2);
-    write_st(fd, "model.safetensors", more, n + 1);
+    fixture_tensor more[65];
+    memcpy(more, ts, sizeof(fixture_tensor) * (size_t)n);
+    more[n] = fixture_t1("model.extra.weight", 2);
+    fixture_write_st(fd, "model.safetensors", more, n + 1, FIXTURE_PATTERN);
     lm_model *b = NULL, *f = NULL;
     CHECK_OK(lm_model_open(&b, bd, &err), &err);
     CHECK_OK(lm_model_open(&f, fd, &err), &err);
@@ -878,8 +813,8 @@ static void test_model_compare(void)
                     "tensor 'model.extra.weight' [2] of the base", &err);
     }
     lm_model_free(f);
-    ts[5] = T2("model.layers.0.mlp.gate_proj.weight", 8, 12);
-    write_st(fd, "model.safetensors", ts, n);
+    ts[5] = fixture_t2("model.layers.0.mlp.gate_proj.weight", 8, 12);
+    fixture_write_st(fd, "model.safetensors", ts, n, FIXTURE_PATTERN);
     CHECK_OK(lm_model_open(&f, fd, &err), &err);
     if (b && f)
         CHECK_FAILS(lm_model_compare(f, b, NULL, &err), LM_ERR_MISMATCH,
