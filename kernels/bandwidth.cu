@@ -3,17 +3,13 @@
 #include <cuda_runtime.h>
 
 #include <string.h>
-#include <time.h>
+
+extern "C" {
+#include "util.h"
+}
 
 #include "cuda_check.h"
 #include "kernels.h"
-
-static double seconds(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 extern "C" lm_status lm_cuda_memcpy_bandwidth(int device, size_t bytes, int reps, double *h2d, double *d2h,
                                               lm_err *err)
@@ -29,14 +25,14 @@ extern "C" lm_status lm_cuda_memcpy_bandwidth(int device, size_t bytes, int reps
     CUDA_TRY(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice));
     CUDA_TRY(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost));
     {
-        double t = seconds();
+        double t = lm_now();
         for (int i = 0; i < reps; i++)
             CUDA_TRY(cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice));
-        *h2d = (double)bytes * reps / (seconds() - t);
-        t = seconds();
+        *h2d = (double)bytes * reps / (lm_now() - t);
+        t = lm_now();
         for (int i = 0; i < reps; i++)
             CUDA_TRY(cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost));
-        *d2h = (double)bytes * reps / (seconds() - t);
+        *d2h = (double)bytes * reps / (lm_now() - t);
     }
 fail:
     if (dev)
