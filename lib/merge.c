@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "method.h"
 #include "signals.h"
 #include "sparsify.h"
 #include "util.h"
@@ -52,40 +53,13 @@ static double now(void)
 
 const char *lm_merge_method_name(lm_merge_method m)
 {
-    switch (m) {
-    case LM_MERGE_TIES: return "ties";
-    case LM_MERGE_DARE: return "dare";
-    case LM_MERGE_DARE_TIES: return "dare-ties";
-    case LM_MERGE_TASK_ARITHMETIC: return "task-arithmetic";
-    case LM_MERGE_SPARSEGPT: return "sparsegpt";
-    }
-    return "?";
+    const lm_method *d = lm_method_of(m);
+    return d->id == m ? d->name : "?";
 }
 
 bool lm_merge_default_normalize(lm_merge_method m)
 {
-    return m == LM_MERGE_TIES || m == LM_MERGE_SPARSEGPT;
-}
-
-static bool uses_density(lm_merge_method m)
-{
-    return m != LM_MERGE_TASK_ARITHMETIC;
-}
-
-// Top-k selection: by magnitude (ties), or by importance where there is a Hessian (sparsegpt).
-static bool uses_magnitude(lm_merge_method m)
-{
-    return m == LM_MERGE_TIES || m == LM_MERGE_SPARSEGPT;
-}
-
-static bool uses_random(lm_merge_method m)
-{
-    return m == LM_MERGE_DARE || m == LM_MERGE_DARE_TIES;
-}
-
-static bool uses_election(lm_merge_method m)
-{
-    return m == LM_MERGE_TIES || m == LM_MERGE_DARE_TIES || m == LM_MERGE_SPARSEGPT;
+    return lm_method_of(m)->normalize;
 }
 
 lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
@@ -94,14 +68,15 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "at least one fine-tuned model or adapter is needed");
     if (!o->weights)
         return lm_err_set(err, LM_ERR_USAGE, "--weights: %d weights are needed, one per fine-tuned input", o->n_ft);
-    if (!o->densities && uses_density(o->method))
+    bool density = lm_method_of(o->method)->density;
+    if (!o->densities && density)
         return lm_err_set(err, LM_ERR_USAGE, "--density: %d densities are needed, one per fine-tuned input",
                           o->n_ft);
     for (int i = 0; i < o->n_ft; i++) {
         if (!isfinite(o->weights[i]))
             return lm_err_set(err, LM_ERR_USAGE, "--weights: weight %d is %g, not a finite number", i + 1,
                               o->weights[i]);
-        if (uses_density(o->method) && !(o->densities[i] > 0 && o->densities[i] <= 1))
+        if (density && !(o->densities[i] > 0 && o->densities[i] <= 1))
             return lm_err_set(err, LM_ERR_USAGE, "--density: density %d is %g, not in (0, 1]", i + 1,
                               o->densities[i]);
     }
@@ -270,6 +245,7 @@ typedef struct wset {
 
 typedef struct engine {
     const lm_merge_opts *o;
+    const lm_method *m;   // o->method's descriptor
     lm_dev *dev;          // where units go first
     lm_dev *cpu;          // where they go when the device is out of memory (dev itself if the CPU)
     const lm_model *base;
@@ -633,11 +609,11 @@ static int find_parts(engine *e, const char *name, part *parts)
             }
         }
         // a stored mask replaces the importance and the selection
-        if (uses_magnitude(e->o->method) && e->o->mask_load) {
+        if (e->m->rank != LM_RANK_NONE && e->o->mask_load) {
             const lm_st_tensor *bt = lm_model_find(e->base, name);
             p.mask = bt ? e->o->mask_load(e->o->mask_ctx, i, name, bt->numel) : NULL;
         }
-        if (e->o->method == LM_MERGE_SPARSEGPT && e->o->ucc2 && p.src != SRC_LORA_BIAS && !p.mask) {
+        if (e->m->rank == LM_RANK_IMPORTANCE && e->o->ucc2 && p.src != SRC_LORA_BIAS && !p.mask) {
             const lm_st_tensor *bt = lm_model_find(e->base, name);
             int64_t rows = bt ? tensor_rows(bt) : 0;
             if (bt && rows > 0 && bt->ndim == 2)
@@ -739,7 +715,7 @@ static bool fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, co
 {
     // (the plan's stand-in for a device has no operations: with host memory it is the CPU's)
     if (!(dev->iface ? lm_dev_has_dense(dev) : dev->host_memory) || !lm_dtype_readable(bt->dtype) ||
-        (uses_random(e->o->method) && e->o->rescale == LM_RESCALE_L1))
+        (lm_method_stats(e->m, e->o) & LM_STAT_L1))
         return false;
     for (int i = 0; i < k; i++)
         if (!dense_part(e, &parts[i]) || parts[i].key || parts[i].mask || parts[i].bits)
@@ -1251,13 +1227,19 @@ static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, co
     return s;
 }
 
+// The sign rule of the method's combine: none, or the election o->sign asks for.
+static lm_dev_sign combine_sign(const engine *e)
+{
+    return !e->m->elect ? LM_DEV_SIGN_NONE : e->o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM;
+}
+
 // What lm_dev_dense_merge is told of tensor bt's parts and their combination (each part's src or
 // tau, first and ties_allowed are set per piece by merge_pieces).
 static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const part *parts, int k,
                                       lm_dev_dense *d)
 {
     const lm_merge_opts *o = e->o;
-    bool linear = o->method == LM_MERGE_TASK_ARITHMETIC;
+    bool linear = e->m->linear;
     double div = 0;  // task arithmetic's normalization, as merge_linear's
     for (int i = 0; i < k; i++)
         div += o->weights[parts[i].ft];
@@ -1269,17 +1251,16 @@ static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, c
         const lm_topk *t = o->topk_global && e->global ? &e->global[p->ft] : &p->topk;
         d[i] = (lm_dev_dense){
             .dt = p->src == SRC_FULL ? p->full->dtype : LM_DTYPE_F32,
-            .trim = uses_magnitude(o->method),
+            .trim = e->m->rank != LM_RANK_NONE,
             .thr_bits = t->thr_bits,
-            .drop = uses_random(o->method) && !p->dropped,
+            .drop = e->m->drop && !p->dropped,
             .key = lm_rng_key(o->seed, p->ft, name_hash),
             .keep_below = lm_rng_threshold(o->densities[p->ft]),
             .rescale = (float)p->rescale,
             .weight = linear ? (float)(o->lambda * o->weights[p->ft] / div) : (float)o->weights[p->ft],
         };
     }
-    return (lm_dev_combine_how){.sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
-                                        : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM,
+    return (lm_dev_combine_how){.sign = combine_sign(e),
                                 .normalize = o->normalize, .lambda = (float)o->lambda, .linear = linear};
 }
 
@@ -1402,7 +1383,8 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     int n_masked = 0;
     for (int i = 0; i < k; i++)
         n_masked += parts[i].mask != NULL;
-    bool select = uses_magnitude(o->method) && !o->topk_global && n_masked < k;
+    unsigned stats = lm_method_stats(e->m, o);
+    bool select = (stats & LM_STAT_TOPK) && !o->topk_global && n_masked < k;
     if (select && (s = select_tensor(e, bt, parts, k, one_slab)) != LM_OK)
         return s;
 
@@ -1412,8 +1394,8 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         ties_left[i] = e->global ? e->global[parts[i].ft].ties_allowed : parts[i].topk.ties_allowed;
 
     // l1: DARE's L1-matching rescale needs both norms over the whole tensor first.
-    bool random = uses_random(o->method);
-    if (random && o->rescale == LM_RESCALE_L1) {
+    bool random = e->m->drop;
+    if (stats & LM_STAT_L1) {
         double l1_all[k], l1_kept[k];
         memset(l1_all, 0, sizeof l1_all);
         memset(l1_kept, 0, sizeof l1_kept);
@@ -1462,11 +1444,10 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     // does; the histogram pass when some τ needed it).
     bool have_base = have_tau && (random || needs_base(parts, k));
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
-    lm_dev_sign sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
-                       : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM;
+    lm_dev_sign sign = combine_sign(e);
     if (fused(e, e->ws->dev, bt, parts, k))
         return merge_dense(e, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
-    if (o->method == LM_MERGE_TASK_ARITHMETIC)
+    if (e->m->linear)
         return merge_linear(e, idx, desc, bt, parts, k, slab_rows, hash);
     // With τ in the buffers, the rest of the pass in one operation where the device has it.
     bool pieces = pieces_from_buf(e, bt, parts, k);
@@ -1491,7 +1472,7 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
             part *p = &parts[i];
             if (!have_tau && (s = tau_for(e, p, bt, r0, nr, e->ws->base_buf)) != LM_OK)
                 break;
-            if (uses_magnitude(o->method)) {
+            if (e->m->rank != LM_RANK_NONE) {
                 const lm_topk *t = o->topk_global ? &e->global[p->ft] : &p->topk;
                 int64_t used = 0;
                 s = p->mask  ? lm_dev_mask_apply(e->ws->dev, p->tau, p->mask, r0 * cols, cnt, e->err)
@@ -1765,7 +1746,7 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
     }
     // the masks the trim selects, recorded for o->mask_store (a redo on the CPU rewrites them)
     s = LM_OK;
-    for (int i = 0; i < k && uses_magnitude(e->o->method) && e->o->mask_store; i++)
+    for (int i = 0; i < k && e->m->rank != LM_RANK_NONE && e->o->mask_store; i++)
         if (!parts[i].mask && !(parts[i].bits = malloc(lm_dev_mask_bytes(bt->numel)))) {
             s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory for the mask of '%s'", bt->name);
             break;
@@ -1966,8 +1947,8 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     if (s != LM_OK)
         return s;
     double t0 = now();
-    engine e = {.o = o, .dev = dev, .cpu = dev, .base = base, .fts = fts, .w = w, .hooks = hooks, .err = err,
-                .res = res};
+    engine e = {.o = o, .m = lm_method_of(o->method), .dev = dev, .cpu = dev, .base = base, .fts = fts, .w = w,
+                .hooks = hooks, .err = err, .res = res};
     e.page = sysconf(_SC_PAGESIZE) > 0 ? sysconf(_SC_PAGESIZE) : 4096;
     e.slab_elems = o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS;
     e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
@@ -1985,7 +1966,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     res->tensor_xxh64 = calloc((size_t)(base->n_tensors ? base->n_tensors : 1), sizeof *res->tensor_xxh64);
     e.cpu_ws.tau_buf = calloc((size_t)o->n_ft, sizeof(float *));
     e.dev_ws.tau_buf = calloc((size_t)o->n_ft, sizeof(float *));
-    bool sparsegpt = o->method == LM_MERGE_SPARSEGPT;
+    bool sparsegpt = e.m->rank == LM_RANK_IMPORTANCE;
     if (sparsegpt) {
         e.cpu_ws.key_buf = calloc((size_t)o->n_ft, sizeof(float *));
         e.dev_ws.key_buf = calloc((size_t)o->n_ft, sizeof(float *));
@@ -1997,12 +1978,12 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.counted = calloc((size_t)o->n_ft + 1, sizeof *e.counted);
     e.in = calloc((size_t)o->n_ft + 1, sizeof *e.in);
     e.out_host = malloc(2 * OUT_PIECE);  // merge_pieces fills one half while the other is written
-    if (o->topk_global && uses_magnitude(o->method))
+    if (o->topk_global && e.m->rank != LM_RANK_NONE)
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();
     if (!res->tensor_xxh64 || !e.cpu_ws.tau_buf || !e.dev_ws.tau_buf || !e.res_cpu || !e.res_dev || !e.out_host ||
         !e.counted || !e.in ||
-        !hash || (o->topk_global && uses_magnitude(o->method) && !e.global) ||
+        !hash || (o->topk_global && e.m->rank != LM_RANK_NONE && !e.global) ||
         (sparsegpt && (!e.cpu_ws.key_buf || !e.dev_ws.key_buf || !e.cpu_ws.ucc2_buf || !e.dev_ws.ucc2_buf))) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto fail;
@@ -2100,7 +2081,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     float **no_bufs = calloc((size_t)(o->n_ft > 0 ? o->n_ft : 1), sizeof *no_bufs);
     if (!no_bufs)
         return LM_ERR_NOMEM;
-    engine e = {.o = o, .base = base, .fts = fts};
+    engine e = {.o = o, .m = lm_method_of(o->method), .base = base, .fts = fts};
     e.slab_elems = o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS;
     e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
     e.slab_max = largest_slab(base, e.slab_elems);
@@ -2133,7 +2114,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     if (fuse && !o->topk_global) {
         int64_t n_runs, run, stride;
         sample_runs(cnt, &n_runs, &run, &stride);
-        need->touched_elems = uses_magnitude(o->method) ? n_runs * run : 0;
+        need->touched_elems = e.m->rank != LM_RANK_NONE ? n_runs * run : 0;
     }
     if (!host_memory)
         need->ws_bytes += stage_need(bt, parts, k, cnt) + bytes;
@@ -2153,7 +2134,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     // select_tensor's block: allocated for every part's window and level arrays, touched for
     // the window each part uses (the level arrays start where the window does) and the sample's
     // histogram after the widest window
-    if (uses_magnitude(o->method) && !o->topk_global) {
+    if (e.m->rank != LM_RANK_NONE && !o->topk_global) {
         need->hist_alloc = (uint64_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS * sizeof(uint64_t);
         for (int i = 0; i < k; i++) {
             int bins = 1 + (parts[i].src == SRC_FULL || fuse ? DENSE_WINDOW : LM_HIST_WINDOW);
@@ -2174,7 +2155,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
 
 bool lm_merge_plan_selects(const lm_merge_opts *o)
 {
-    return o->topk_global && uses_magnitude(o->method);
+    return o->topk_global && lm_method_of(o->method)->rank != LM_RANK_NONE;
 }
 
 lm_status lm_merge_plan_importance(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
@@ -2182,7 +2163,7 @@ lm_status lm_merge_plan_importance(const lm_merge_opts *o, const lm_model *base,
 {
     memset(need, 0, sizeof *need);
     const lm_st_tensor *bt = base->tensors[idx];
-    if (o->method != LM_MERGE_SPARSEGPT || !o->ucc2 || !lm_dtype_readable(bt->dtype) || bt->numel == 0)
+    if (lm_method_of(o->method)->rank != LM_RANK_IMPORTANCE || !o->ucc2 || !lm_dtype_readable(bt->dtype) || bt->numel == 0)
         return LM_OK;
     // the slab is the unit's own (ws_alloc gives every buffer the same count)
     lm_merge_need unit;
@@ -2192,7 +2173,7 @@ lm_status lm_merge_plan_importance(const lm_merge_opts *o, const lm_model *base,
     float **no_bufs = calloc((size_t)(o->n_ft > 0 ? o->n_ft : 1), sizeof *no_bufs);
     if (!no_bufs)
         return LM_ERR_NOMEM;
-    engine e = {.o = o, .base = base, .fts = fts};
+    engine e = {.o = o, .m = lm_method_of(o->method), .base = base, .fts = fts};
     e.cpu_ws.tau_buf = no_bufs;
     e.ws = &e.cpu_ws;
     part parts[o->n_ft > 0 ? o->n_ft : 1];
