@@ -258,7 +258,6 @@ typedef struct engine {
     int64_t slab_max;
     wset cpu_ws;          // the CPU's buffers, kept for the whole run (slab_max elements)
     wset dev_ws;          // an accelerator's, allocated per tensor (that tensor's slab)
-    wset *ws;             // the buffers of the unit now running
     unsigned char *out_host;  // 2 × OUT_PIECE bytes
     unsigned char *out_slab;  // a slab's output from an accelerator (slab_max float32), or NULL
     resident *res_cpu;    // (n_ft) every adapter's factors in host memory
@@ -344,11 +343,11 @@ static void count_reset(engine *e)
     e->out = (lm_nonfinite){0, 0};
 }
 
-// Whether the device of the current unit counts while it converts (the CPU); elsewhere the
+// Whether ws's device counts while it converts (the CPU); elsewhere the
 // engine counts on the host.
-static bool dev_counts(const engine *e)
+static bool dev_counts(const wset *ws)
 {
-    return lm_dev_has_counts(e->ws->dev);
+    return lm_dev_has_counts(ws->dev);
 }
 
 // Appends input `input`'s tensor `name` to res->nonfinite when it holds NaN or Inf.
@@ -371,35 +370,35 @@ static lm_status note_nonfinite(engine *e, int input, const char *name, const lm
 // Makes n elements of host input src (dtype dt) readable by the device: src itself on a
 // host-memory device, else a copy in the staging buffer. With nf (not NULL) on a device that
 // does not count, their NaN and Inf are counted here, as they are copied.
-static lm_status stage(engine *e, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf, const void **on_dev)
+static lm_status stage(engine *e, wset *ws, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf, const void **on_dev)
 {
     e->bytes_in += (uint64_t)n * esize(dt);
-    if (nf && !dev_counts(e))
+    if (nf && !dev_counts(ws))
         lm_count_nonfinite(src, dt, n, nf);
-    if (e->ws->dev->host_memory) {
+    if (ws->dev->host_memory) {
         *on_dev = src;
         return LM_OK;
     }
-    *on_dev = e->ws->stage_dev;
+    *on_dev = ws->stage_dev;
     e->res->bytes_to_device += (uint64_t)n * esize(dt);
-    return lm_dev_upload(e->ws->dev, e->ws->stage_dev, src, (size_t)n * esize(dt), e->err);
+    return lm_dev_upload(ws->dev, ws->stage_dev, src, (size_t)n * esize(dt), e->err);
 }
 
 // dst[0..n) = float32 of host data src (dtype dt), their NaN and Inf added to *nf when nf is not
 // NULL.
-static lm_status load_f32_nf(engine *e, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf)
+static lm_status load_f32_nf(engine *e, wset *ws, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf)
 {
     const void *in;
-    lm_status s = stage(e, src, dt, n, nf, &in);
+    lm_status s = stage(e, ws, src, dt, n, nf, &in);
     if (s != LM_OK)
         return s;
-    return nf && dev_counts(e) ? lm_dev_to_f32_count(e->ws->dev, dst, in, dt, n, nf, e->err)
-                               : lm_dev_to_f32(e->ws->dev, dst, in, dt, n, e->err);
+    return nf && dev_counts(ws) ? lm_dev_to_f32_count(ws->dev, dst, in, dt, n, nf, e->err)
+                               : lm_dev_to_f32(ws->dev, dst, in, dt, n, e->err);
 }
 
-static lm_status load_f32(engine *e, float *dst, const void *src, lm_dtype dt, int64_t n)
+static lm_status load_f32(engine *e, wset *ws, float *dst, const void *src, lm_dtype dt, int64_t n)
 {
-    return load_f32_nf(e, dst, src, dt, n, NULL);
+    return load_f32_nf(e, ws, dst, src, dt, n, NULL);
 }
 
 // ==== task vectors ============================================================================
@@ -410,20 +409,20 @@ static int64_t tensor_rows(const lm_st_tensor *t)
 }
 
 // load_f32 of rows [r0, r0 + rows) of base tensor bt into base_buf, counted as the base's read.
-static lm_status load_base(engine *e, const lm_st_tensor *bt, int64_t r0, int64_t rows)
+static lm_status load_base(engine *e, wset *ws, const lm_st_tensor *bt, int64_t r0, int64_t rows)
 {
     int64_t cols = bt->numel / tensor_rows(bt), first = r0 * cols, cnt = rows * cols;
-    return load_f32_nf(e, e->ws->base_buf, (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, cnt,
+    return load_f32_nf(e, ws, ws->base_buf, (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, cnt,
                        first_read(e, 0, first, cnt));
 }
 
 static lm_status cpu_ready(engine *e);
 
-// The factors of FT ft where the current unit runs: the CPU's copy on the CPU, the device's
+// The factors of FT ft where ws is: the CPU's copy on the CPU, the device's
 // on the device, NULL when they did not fit there.
-static const resident *resident_for(const engine *e, int ft)
+static const resident *resident_for(const engine *e, wset *ws, int ft)
 {
-    if (e->ws->dev == e->cpu)
+    if (ws->dev == e->cpu)
         return &e->res_cpu[ft];
     return e->res_dev[ft].data ? &e->res_dev[ft] : NULL;
 }
@@ -446,30 +445,30 @@ static lm_status gemm_factors(engine *e, lm_dev *dev, const resident *rs, const 
 // factors of LoRA part p (transposed for embeddings and fan_in_fan_out). When they stayed on
 // the CPU (they did not fit on the device), the product is made there, from the same values
 // with the same GEMM as a CPU run, and the result copied to the device.
-static lm_status lora_gemm(engine *e, const part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, float alpha,
+static lm_status lora_gemm(engine *e, wset *ws, const part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, float alpha,
                            float beta, float *dst)
 {
-    const resident *rs = resident_for(e, p->ft);
+    const resident *rs = resident_for(e, ws, p->ft);
     if (rs)
-        return gemm_factors(e, e->ws->dev, rs, p, bt, r0, rows, alpha, beta, dst);
+        return gemm_factors(e, ws->dev, rs, p, bt, r0, rows, alpha, beta, dst);
     size_t bytes = (size_t)(rows * (bt->numel / tensor_rows(bt))) * sizeof(float);
     lm_status s = cpu_ready(e);
     if (s != LM_OK)
         return s;
     float *host = e->cpu_ws.tau_buf[p->ft];
     if (beta != 0.0f) {
-        s = lm_dev_download(e->ws->dev, host, dst, bytes, e->err);
+        s = lm_dev_download(ws->dev, host, dst, bytes, e->err);
         e->res->bytes_from_device += bytes;
     }
     if (s == LM_OK)
         s = gemm_factors(e, e->cpu, &e->res_cpu[p->ft], p, bt, r0, rows, alpha, beta, host);
     e->res->bytes_to_device += bytes;
-    return s != LM_OK ? s : lm_dev_upload(e->ws->dev, dst, host, bytes, e->err);
+    return s != LM_OK ? s : lm_dev_upload(ws->dev, dst, host, bytes, e->err);
 }
 
 // Computes τ of part p for rows [r0, r0 + rows) of base tensor bt into p->tau; base_slab holds
 // the base's float32 values of those rows.
-static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows,
+static lm_status compute_tau(engine *e, wset *ws, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows,
                              const float *base_slab)
 {
     int64_t cols = bt->numel / tensor_rows(bt), cnt = rows * cols;
@@ -478,22 +477,22 @@ static lm_status compute_tau(engine *e, part *p, const lm_st_tensor *bt, int64_t
         const lm_st_tensor *t = p->full;
         const void *in;
         lm_nonfinite *nf = first_read(e, 1 + p->ft, r0 * cols, cnt);
-        s = stage(e, (const char *)t->data + (size_t)(r0 * cols) * esize(t->dtype), t->dtype, cnt, nf, &in);
+        s = stage(e, ws, (const char *)t->data + (size_t)(r0 * cols) * esize(t->dtype), t->dtype, cnt, nf, &in);
         if (s != LM_OK)
             return s;
-        return nf && dev_counts(e) ? lm_dev_delta_count(e->ws->dev, p->tau, in, t->dtype, base_slab, cnt, nf, e->err)
-                                   : lm_dev_delta(e->ws->dev, p->tau, in, t->dtype, base_slab, cnt, e->err);
+        return nf && dev_counts(ws) ? lm_dev_delta_count(ws->dev, p->tau, in, t->dtype, base_slab, cnt, nf, e->err)
+                                   : lm_dev_delta(ws->dev, p->tau, in, t->dtype, base_slab, cnt, e->err);
     }
     const lm_lora_module *m = p->mod;
     float scale = (float)m->scale;
     if (p->src == SRC_LORA_BIAS) {
-        s = load_f32(e, p->tau, (const char *)m->bias->data + (size_t)r0 * esize(m->bias->dtype), m->bias->dtype, cnt);
-        return s != LM_OK ? s : lm_dev_axpby(e->ws->dev, p->tau, scale, p->tau, 0.0f, cnt, e->err);
+        s = load_f32(e, ws, p->tau, (const char *)m->bias->data + (size_t)r0 * esize(m->bias->dtype), m->bias->dtype, cnt);
+        return s != LM_OK ? s : lm_dev_axpby(ws->dev, p->tau, scale, p->tau, 0.0f, cnt, e->err);
     }
-    s = lora_gemm(e, p, bt, r0, rows, scale, 0.0f, p->tau);
+    s = lora_gemm(e, ws, p, bt, r0, rows, scale, 0.0f, p->tau);
     if (s != LM_OK || !m->magnitude)
         return s;
-    return lm_dev_dora_rows(e->ws->dev, p->tau, base_slab, e->ws->mag_buf + r0, rows, cols, e->err);
+    return lm_dev_dora_rows(ws->dev, p->tau, base_slab, ws->mag_buf + r0, rows, cols, e->err);
 }
 
 // Tells the caller a unit went to the CPU because the device was out of memory.
@@ -526,15 +525,15 @@ static lm_status place_residents(engine *e)
             rs->b_off[m] = total;
             total += a->modules[m].b ? a->modules[m].b->numel : 0;
         }
-        e->ws = &e->cpu_ws;
+        wset *ws = &e->cpu_ws;  // the factors are converted on the CPU
         lm_status s = lm_dev_alloc(e->cpu, (size_t)total * sizeof(float), (void **)&rs->data, e->err);
         if (s != LM_OK)
             return lm_err_prefix(e->err, "%s: the LoRA factors", e->fts[i]->path);
         for (int64_t m = 0; m < a->n_modules; m++) {
             const lm_lora_module *mod = &a->modules[m];
-            if (mod->a && (s = load_f32(e, rs->data + rs->a_off[m], mod->a->data, mod->a->dtype, mod->a->numel)) != LM_OK)
+            if (mod->a && (s = load_f32(e, ws, rs->data + rs->a_off[m], mod->a->data, mod->a->dtype, mod->a->numel)) != LM_OK)
                 return lm_err_prefix(e->err, "%s", mod->a->name);
-            if (mod->b && (s = load_f32(e, rs->data + rs->b_off[m], mod->b->data, mod->b->dtype, mod->b->numel)) != LM_OK)
+            if (mod->b && (s = load_f32(e, ws, rs->data + rs->b_off[m], mod->b->data, mod->b->dtype, mod->b->numel)) != LM_OK)
                 return lm_err_prefix(e->err, "%s", mod->b->name);
             // the adapter's own tensors are small: counted here, once, from the host's copy
             const lm_st_tensor *own[] = {mod->a, mod->b, mod->bias, mod->magnitude};
@@ -582,7 +581,7 @@ static int find_parts(engine *e, const char *name, part *parts)
     int k = 0;
     for (int i = 0; i < e->o->n_ft; i++) {
         const lm_ft *ft = e->fts[i];
-        part p = {.ft = i, .rescale = 1.0, .tau = e->ws->tau_buf[i]};
+        part p = {.ft = i, .rescale = 1.0};  // its buffers: bind
         if (ft->model) {
             p.src = SRC_FULL;
             p.full = lm_model_find(ft->model, name);
@@ -626,30 +625,30 @@ static int find_parts(engine *e, const char *name, part *parts)
 
 // Loads the DoRA magnitudes any part of this tensor needs into mag_buf (one adapter at a time
 // is enough: parts are computed one after another, so each loads its own before use).
-static lm_status load_magnitude(engine *e, const part *p)
+static lm_status load_magnitude(engine *e, wset *ws, const part *p)
 {
     if (p->src != SRC_LORA || !p->mod->magnitude)
         return LM_OK;
     const lm_st_tensor *mt = p->mod->magnitude;
-    if (mt->numel > e->ws->mag_cap) {
-        lm_dev_release(e->ws->dev, e->ws->mag_buf);
-        e->ws->mag_buf = NULL;
-        e->ws->mag_cap = 0;
-        lm_status s = lm_dev_alloc(e->ws->dev, (size_t)mt->numel * sizeof(float), (void **)&e->ws->mag_buf, e->err);
+    if (mt->numel > ws->mag_cap) {
+        lm_dev_release(ws->dev, ws->mag_buf);
+        ws->mag_buf = NULL;
+        ws->mag_cap = 0;
+        lm_status s = lm_dev_alloc(ws->dev, (size_t)mt->numel * sizeof(float), (void **)&ws->mag_buf, e->err);
         if (s != LM_OK)
             return s;
-        e->ws->mag_cap = mt->numel;
+        ws->mag_cap = mt->numel;
     }
-    return load_f32(e, e->ws->mag_buf, mt->data, mt->dtype, mt->numel);
+    return load_f32(e, ws, ws->mag_buf, mt->data, mt->dtype, mt->numel);
 }
 
-static lm_status tau_for(engine *e, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, const float *base_slab)
+static lm_status tau_for(engine *e, wset *ws, part *p, const lm_st_tensor *bt, int64_t r0, int64_t rows, const float *base_slab)
 {
-    lm_status s = load_magnitude(e, p);
+    lm_status s = load_magnitude(e, ws, p);
     if (s == LM_OK)
-        s = compute_tau(e, p, bt, r0, rows, base_slab);
+        s = compute_tau(e, ws, p, bt, r0, rows, base_slab);
     if (s == LM_OK && p->key)
-        s = lm_dev_importance(e->ws->dev, p->key, p->tau, p->ucc2_dev, rows, bt->numel / tensor_rows(bt), e->err);
+        s = lm_dev_importance(ws->dev, p->key, p->tau, p->ucc2_dev, rows, bt->numel / tensor_rows(bt), e->err);
     return s;
 }
 
@@ -771,14 +770,14 @@ static void sample_runs(int64_t cnt, int64_t *n_runs, int64_t *run, int64_t *str
 }
 
 // Places window w from the sample x: n_runs runs of `run` values, the r-th from x + r·stride.
-static lm_status guess_window(engine *e, const float *x, int64_t n_runs, int64_t run, int64_t stride, int64_t numel,
+static lm_status guess_window(engine *e, wset *ws, const float *x, int64_t n_runs, int64_t run, int64_t stride, int64_t numel,
                               const lm_topk *t, window *w)
 {
     uint64_t *h = w->guess;
     memset(h, 0, LM_HIST_BINS * sizeof *h);
     lm_status s = LM_OK;
     for (int64_t r = 0; s == LM_OK && r < n_runs; r++)
-        s = lm_dev_hist_abs(e->ws->dev, h, x + r * stride, run, 0, 0, e->err);
+        s = lm_dev_hist_abs(ws->dev, h, x + r * stride, run, 0, 0, e->err);
     int64_t ns = n_runs * run;
     lm_topk g;
     lm_topk_init(&g, (int64_t)((double)t->k * (double)ns / (double)numel + 0.5), ns);
@@ -808,10 +807,10 @@ LM_VECTOR_CLONES static void sample_run(float *dst, const float *brow, const flo
 // its columns with A's columns, so a stretch of either would not do). Only a guess is made
 // from it, so it is computed here, plainly: the fused operations, which run on the CPU alone
 // (where the factors are host memory), count the exact values.
-static void lora_sample(engine *e, part *p, const lm_st_tensor *bt, int64_t want, int64_t *got)
+static void lora_sample(engine *e, wset *ws, part *p, const lm_st_tensor *bt, int64_t want, int64_t *got)
 {
     const lm_lora_module *m = p->mod;
-    const resident *rs = resident_for(e, p->ft);
+    const resident *rs = resident_for(e, ws, p->ft);
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows, r = m->r;
     const float *a = rs->data + rs->a_off[p->mod_index], *b = rs->data + rs->b_off[p->mod_index];
     if (cols < SAMPLE_RUN) {  // narrow tensors: whole rows, evenly spaced
@@ -842,14 +841,14 @@ static void lora_sample(engine *e, part *p, const lm_st_tensor *bt, int64_t want
 // Tells the fused operations where part p's τ comes from for the elements of tensor bt from
 // `first` on: its mapped input, or (a LoRA pair) its factors. Returns the input bytes read per
 // element (none for a LoRA pair, whose factors are in memory already).
-static size_t dense_source(const engine *e, const part *p, const lm_st_tensor *bt, int64_t first, lm_dev_dense *d)
+static size_t dense_source(const engine *e, wset *ws, const part *p, const lm_st_tensor *bt, int64_t first, lm_dev_dense *d)
 {
     if (p->src == SRC_FULL) {
         d->src = (const char *)p->full->data + (size_t)first * esize(p->full->dtype);
         d->dt = p->full->dtype;
         return esize(p->full->dtype);
     }
-    const resident *rs = resident_for(e, p->ft);
+    const resident *rs = resident_for(e, ws, p->ft);
     int64_t cols = bt->numel / tensor_rows(bt), r = p->mod->r;
     if (p->keeps) {  // the whole tensor's; `first`, the call's first element, is on a segment
         d->keep_bits = e->keep_bits[p->ft];
@@ -869,17 +868,17 @@ static size_t dense_source(const engine *e, const part *p, const lm_st_tensor *b
 
 // guess_window from the sample runs of a slab of cnt elements whose τ (or importance) is in
 // part p's buffer.
-static lm_status guess_at(engine *e, const part *p, int64_t cnt, int64_t numel, const lm_topk *t, window *w)
+static lm_status guess_at(engine *e, wset *ws, const part *p, int64_t cnt, int64_t numel, const lm_topk *t, window *w)
 {
     int64_t n_runs, run, stride;
     sample_runs(cnt, &n_runs, &run, &stride);
-    return guess_window(e, rank_buf(p), n_runs, run, stride, numel, t, w);
+    return guess_window(e, ws, rank_buf(p), n_runs, run, stride, numel, t, w);
 }
 
 // hist_tensor's level 2 for one slab (cnt elements from row r0) with the fused operation: on
 // the first slab τ is computed at the sample's elements only, for guess_window (a full model's
 // from the slab, a LoRA pair's from the whole tensor).
-static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
+static lm_status hist_dense(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
                             const lm_topk *const *sel, int64_t r0, int64_t cnt, window *wins)
 {
     int64_t first = r0 * (bt->numel / tensor_rows(bt));
@@ -893,13 +892,13 @@ static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int 
             full = full || (parts[i].src == SRC_FULL && !sel[i]->none);
         for (int64_t r = 0; s == LM_OK && full && r < n_runs; r++) {
             int64_t at = r * stride;
-            s = load_f32(e, e->ws->base_buf + at, base + (size_t)at * esize(bt->dtype), bt->dtype, run);
+            s = load_f32(e, ws, ws->base_buf + at, base + (size_t)at * esize(bt->dtype), bt->dtype, run);
             for (int i = 0; s == LM_OK && i < k; i++) {
                 const lm_st_tensor *t = parts[i].full;
                 if (parts[i].src == SRC_FULL && !sel[i]->none)
-                    s = lm_dev_delta(e->ws->dev, parts[i].tau + at,
+                    s = lm_dev_delta(ws->dev, parts[i].tau + at,
                                      (const char *)t->data + (size_t)(first + at) * esize(t->dtype), t->dtype,
-                                     e->ws->base_buf + at, run, e->err);
+                                     ws->base_buf + at, run, e->err);
             }
         }
         for (int i = 0; s == LM_OK && i < k; i++) {
@@ -907,10 +906,10 @@ static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int 
                 continue;
             int64_t got;
             if (parts[i].src == SRC_FULL)
-                s = guess_window(e, parts[i].tau, n_runs, run, stride, bt->numel, sel[i], &wins[i]);
+                s = guess_window(e, ws, parts[i].tau, n_runs, run, stride, bt->numel, sel[i], &wins[i]);
             else {
-                lora_sample(e, &parts[i], bt, n_runs * run, &got);
-                s = guess_window(e, parts[i].tau, 1, got, 0, bt->numel, sel[i], &wins[i]);
+                lora_sample(e, ws, &parts[i], bt, n_runs * run, &got);
+                s = guess_window(e, ws, parts[i].tau, 1, got, 0, bt->numel, sel[i], &wins[i]);
             }
         }
         if (s != LM_OK)
@@ -920,7 +919,7 @@ static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int 
     uint64_t in_bytes = (uint64_t)cnt * esize(bt->dtype);
     for (int i = 0; i < k; i++) {
         d[i] = (lm_dev_dense){0};
-        size_t per = dense_source(e, &parts[i], bt, first, &d[i]);
+        size_t per = dense_source(e, ws, &parts[i], bt, first, &d[i]);
         if (!sel[i]->none) {
             d[i].above = hists[i];
             d[i].win = wins[i].win;
@@ -930,40 +929,40 @@ static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int 
         }
     }
     e->bytes_in += in_bytes;
-    return lm_dev_dense_hist(e->ws->dev, base, bt->dtype, d, k, cnt, e->err);
+    return lm_dev_dense_hist(ws->dev, base, bt->dtype, d, k, cnt, e->err);
 }
 
 // Adds the level-`level` histograms of τ over every slab of tensor bt to hists[i], one
 // 65536-bin array per part (level 2: the count beyond wins[i]'s window into hists[i][0], and
 // the window's level-1 histograms, the window placed from a sample of the first slab). `have_tau` says the parts' buffers already hold τ of the tensor's
 // only slab (from the level-0 pass), so it is not computed again.
-static lm_status hist_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
+static lm_status hist_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, uint64_t **hists,
                              const lm_topk *const *sel, int level, bool have_tau, window *wins)
 {
     int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
-    int64_t slab_rows = slab_rows_of(e, e->ws->dev, bt, parts, k);
-    bool fuse = level == 2 && fused(e, e->ws->dev, bt, parts, k);
+    int64_t slab_rows = slab_rows_of(e, ws->dev, bt, parts, k);
+    bool fuse = level == 2 && fused(e, ws->dev, bt, parts, k);
     for (int64_t r0 = 0; r0 < rows; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         lm_status s = LM_OK;
         if (fuse) {
-            if ((s = hist_dense(e, bt, parts, k, hists, sel, r0, cnt, wins)) != LM_OK)
+            if ((s = hist_dense(e, ws, bt, parts, k, hists, sel, r0, cnt, wins)) != LM_OK)
                 return s;
             if (nr < rows)
                 release_slab(e, bt, parts, k, r0, nr);
             continue;
         }
         if (!have_tau && needs_base(parts, k))
-            s = load_base(e, bt, r0, nr);
+            s = load_base(e, ws, bt, r0, nr);
         for (int i = 0; s == LM_OK && i < k; i++) {
-            if (!have_tau && (s = tau_for(e, &parts[i], bt, r0, nr, e->ws->base_buf)) != LM_OK)
+            if (!have_tau && (s = tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf)) != LM_OK)
                 break;
             if (sel[i]->none)
                 continue;
             if (level < 2)
-                s = lm_dev_hist_abs(e->ws->dev, hists[i], rank_buf(&parts[i]), cnt, level, sel[i]->hi_bin, e->err);
-            else if (r0 > 0 || (s = guess_at(e, &parts[i], cnt, bt->numel, sel[i], &wins[i])) == LM_OK)
-                s = lm_dev_hist_window(e->ws->dev, hists[i], wins[i].win, wins[i].n, wins[i].lo, rank_buf(&parts[i]),
+                s = lm_dev_hist_abs(ws->dev, hists[i], rank_buf(&parts[i]), cnt, level, sel[i]->hi_bin, e->err);
+            else if (r0 > 0 || (s = guess_at(e, ws, &parts[i], cnt, bt->numel, sel[i], &wins[i])) == LM_OK)
+                s = lm_dev_hist_window(ws->dev, hists[i], wins[i].win, wins[i].n, wins[i].lo, rank_buf(&parts[i]),
                                        cnt, e->err);
         }
         if (s != LM_OK)
@@ -1021,7 +1020,7 @@ static bool keeps_fit(const engine *e, const lm_dev *dev, const lm_st_tensor *bt
     return one_slab || slab_rows_of(e, dev, bt, parts, k) * cols % LM_DEV_KEEP_SEGMENT == 0;
 }
 
-static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
+static lm_status select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
 {
     const lm_merge_opts *o = e->o;
     uint64_t *hists[k];
@@ -1046,8 +1045,8 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
     memset(above, 0, sizeof above);
     // A dense task vector's values are alike from row to row, and a fused pass samples a LoRA
     // product over the whole tensor: a narrow window then suffices (see guess_window).
-    bool fuse = fused(e, e->ws->dev, bt, parts, k);
-    bool aligned = keeps_fit(e, e->ws->dev, bt, parts, k, one_slab);
+    bool fuse = fused(e, ws->dev, bt, parts, k);
+    bool aligned = keeps_fit(e, ws->dev, bt, parts, k, one_slab);
     for (int i = 0; i < k; i++) {
         parts[i].keeps = fuse && aligned && parts[i].src == SRC_LORA && !parts[i].mask &&
                          keep_store(e, parts[i].ft, bt->numel);
@@ -1061,7 +1060,7 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
         memset(wins[i].win, 0, (size_t)wins[i].n * LM_HIST_BINS * sizeof(uint64_t));
         sel[i] = &parts[i].topk;
     }
-    lm_status s = hist_tensor(e, bt, parts, k, hists, sel, 2, false, wins);
+    lm_status s = hist_tensor(e, ws, bt, parts, k, hists, sel, 2, false, wins);
     bool again = false;
     for (int i = 0; s == LM_OK && i < k; i++) {
         missed[i] = parts[i].topk;
@@ -1079,8 +1078,8 @@ static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, i
             sel[i] = &missed[i];
         }
         // τ is in the buffers after a pass over a single slab, unless that pass was fused
-        s = hist_tensor(e, bt, parts, k, hists, sel, level,
-                        one_slab && (level > 0 || !fused(e, e->ws->dev, bt, parts, k)), NULL);
+        s = hist_tensor(e, ws, bt, parts, k, hists, sel, level,
+                        one_slab && (level > 0 || !fused(e, ws->dev, bt, parts, k)), NULL);
         for (int i = 0; s == LM_OK && i < k; i++) {
             if (missed[i].none)
                 continue;
@@ -1113,32 +1112,32 @@ static lm_status put_piece(engine *e, int64_t idx, const void *piece, size_t nby
 // (whose copies overlap) and is then hashed and written by pieces. The output's NaN and Inf are
 // counted as it is converted, or (where the device does not count) in each piece before the
 // hash reads it.
-static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
+static lm_status write_slab(engine *e, wset *ws, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
                             uint64_t offset, XXH64_state_t *hash)
 {
     size_t es = esize(out_dt), total = (size_t)cnt * es;
     int64_t per_piece = (int64_t)(OUT_PIECE / es);
-    bool host = e->ws->dev->host_memory;
+    bool host = ws->dev->host_memory;
     lm_nonfinite *nf = out_count(e);
     lm_status s = LM_OK;
     if (!host) {
         if (!e->out_slab && !(e->out_slab = malloc((size_t)e->slab_max * sizeof(float))))
             return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
-        s = lm_dev_from_f32(e->ws->dev, e->ws->out_dev, out_dt, out_f32, cnt, e->err);
+        s = lm_dev_from_f32(ws->dev, ws->out_dev, out_dt, out_f32, cnt, e->err);
         if (s == LM_OK)
-            s = lm_dev_download(e->ws->dev, e->out_slab, e->ws->out_dev, total, e->err);
+            s = lm_dev_download(ws->dev, e->out_slab, ws->out_dev, total, e->err);
         e->res->bytes_from_device += total;
     }
     for (int64_t off = 0; s == LM_OK && off < cnt; off += per_piece) {
         int64_t n = cnt - off < per_piece ? cnt - off : per_piece;
         size_t nbytes = (size_t)n * es;
         const unsigned char *piece = host ? e->out_host : e->out_slab + (size_t)off * es;
-        if (host && (s = nf && dev_counts(e) ? lm_dev_from_f32_count(e->ws->dev, e->out_host, out_dt, out_f32 + off, n,
+        if (host && (s = nf && dev_counts(ws) ? lm_dev_from_f32_count(ws->dev, e->out_host, out_dt, out_f32 + off, n,
                                                                      nf, e->err)
-                                             : lm_dev_from_f32(e->ws->dev, e->out_host, out_dt, out_f32 + off, n,
+                                             : lm_dev_from_f32(ws->dev, e->out_host, out_dt, out_f32 + off, n,
                                                                e->err)) != LM_OK)
             break;
-        if (nf && !dev_counts(e))
+        if (nf && !dev_counts(ws))
             lm_count_nonfinite(piece, out_dt, n, nf);
         s = put_piece(e, idx, piece, nbytes, offset + (uint64_t)off * es, hash);
     }
@@ -1146,7 +1145,7 @@ static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float
 }
 
 // A tensor no FT changes: the base's values in the output dtype.
-static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_dtype out_dt, XXH64_state_t *hash)
+static lm_status copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tensor *bt, lm_dtype out_dt, XXH64_state_t *hash)
 {
     // In pieces of a slab's bytes, each let go once written, so memory stays bounded.
     if (bt->dtype == out_dt || !lm_dtype_readable(bt->dtype)) {
@@ -1177,9 +1176,9 @@ static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_
     for (int64_t off = 0; off < bt->numel; off += e->slab_max) {
         int64_t cnt = bt->numel - off < e->slab_max ? bt->numel - off : e->slab_max;
         const char *src = (const char *)bt->data + (size_t)off * esize(bt->dtype);
-        lm_status s = load_f32_nf(e, e->ws->base_buf, src, bt->dtype, cnt, first_read(e, 0, off, cnt));
+        lm_status s = load_f32_nf(e, ws, ws->base_buf, src, bt->dtype, cnt, first_read(e, 0, off, cnt));
         if (s == LM_OK)
-            s = write_slab(e, idx, out_dt, e->ws->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
+            s = write_slab(e, ws, idx, out_dt, ws->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
         if (s != LM_OK)
             return s;
         release_bytes(e, src, (uint64_t)cnt * esize(bt->dtype));
@@ -1190,7 +1189,7 @@ static lm_status copy_tensor(engine *e, int64_t idx, const lm_st_tensor *bt, lm_
 // Task arithmetic is linear: θ = θ_b + Σ_i c_i τ_i with c_i = λ w_i / (Σ w_i when normalizing),
 // so each τ is added into the result as soon as it exists, and a plain LoRA τ is never
 // materialised at all: one GEMM adds c_i s B@A to the result in place.
-static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
+static lm_status merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
                               int k, int64_t slab_rows, XXH64_state_t *hash)
 {
     const lm_merge_opts *o = e->o;
@@ -1205,22 +1204,22 @@ static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, co
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
             return lm_interrupted_err(e->err);
-        s = load_base(e, bt, r0, nr);
+        s = load_base(e, ws, bt, r0, nr);
         // Task vectors that need the base's values (full models, DoRA, biases) first, while
         // base_buf still holds them; then everything is added in.
         for (int i = 0; s == LM_OK && i < k; i++)
             if (parts[i].src != SRC_LORA || parts[i].mod->magnitude)
-                s = tau_for(e, &parts[i], bt, r0, nr, e->ws->base_buf);
+                s = tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
         for (int i = 0; s == LM_OK && i < k; i++) {
             part *p = &parts[i];
             float c = (float)(o->lambda * o->weights[p->ft] / div);
             if (p->src == SRC_LORA && !p->mod->magnitude)
-                s = lora_gemm(e, p, bt, r0, nr, c * (float)p->mod->scale, 1.0f, e->ws->base_buf);
+                s = lora_gemm(e, ws, p, bt, r0, nr, c * (float)p->mod->scale, 1.0f, ws->base_buf);
             else
-                s = lm_dev_axpby(e->ws->dev, e->ws->base_buf, 1.0f, p->tau, c, cnt, e->err);
+                s = lm_dev_axpby(ws->dev, ws->base_buf, 1.0f, p->tau, c, cnt, e->err);
         }
         if (s == LM_OK)
-            s = write_slab(e, idx, desc->dtype, e->ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
+            s = write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
         if (rows > slab_rows)
             release_slab(e, bt, parts, k, r0, nr);
     }
@@ -1288,7 +1287,7 @@ static void put_pending(void *ctx)
     pp->data = NULL;
 }
 
-static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
+static lm_status merge_pieces(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
                               int k, lm_dev_dense *d, lm_dev_combine_how how, int64_t first0, int64_t cnt,
                               bool from_buf, int64_t *ties_left, XXH64_state_t *hash)
 {
@@ -1308,13 +1307,13 @@ static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, co
             if (from_buf)
                 d[i].tau = parts[i].tau + off;
             else
-                e->bytes_in += (uint64_t)n * dense_source(e, &parts[i], bt, first, &d[i]);
+                e->bytes_in += (uint64_t)n * dense_source(e, ws, &parts[i], bt, first, &d[i]);
             d[i].first = first;
             d[i].ties_allowed = ties_left[i];
             // a full model's values are read here unless τ is in its buffer already
             d[i].nf = !from_buf && parts[i].src == SRC_FULL ? first_read(e, 1 + parts[i].ft, first, n) : NULL;
         }
-        s = lm_dev_dense_merge_side(e->ws->dev, out, desc->dtype,
+        s = lm_dev_dense_merge_side(ws->dev, out, desc->dtype,
                                     (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, d, k, n, how,
                                     &side, e->err);
         if (s == LM_OK)
@@ -1338,7 +1337,7 @@ static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, co
 
 // The merge pass of a tensor whose passes are fused (full models and plain LoRA pairs): τ is made
 // (or read back from the kept candidates) as each piece is merged, slab by slab.
-static lm_status merge_dense(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
+static lm_status merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
                              int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash)
 {
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
@@ -1349,7 +1348,7 @@ static lm_status merge_dense(engine *e, int64_t idx, const lm_st_desc *desc, con
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows;
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
             return lm_interrupted_err(e->err);
-        s = merge_pieces(e, idx, desc, bt, parts, k, d, how, r0 * cols, nr * cols, false, ties_left, hash);
+        s = merge_pieces(e, ws, idx, desc, bt, parts, k, d, how, r0 * cols, nr * cols, false, ties_left, hash);
         if (rows > slab_rows)
             release_slab(e, bt, parts, k, r0, nr);
     }
@@ -1358,9 +1357,9 @@ static lm_status merge_dense(engine *e, int64_t idx, const lm_st_desc *desc, con
 
 // Whether the merge pass of a tensor whose τ are in buffers runs as lm_dev_dense_merge: on a
 // device that has it, unless a part is ranked by importance or by a stored mask, or records one.
-static bool pieces_from_buf(const engine *e, const lm_st_tensor *bt, const part *parts, int k)
+static bool pieces_from_buf(const wset *ws, const lm_st_tensor *bt, const part *parts, int k)
 {
-    if (!lm_dev_has_dense(e->ws->dev) || !lm_dtype_readable(bt->dtype))
+    if (!lm_dev_has_dense(ws->dev) || !lm_dtype_readable(bt->dtype))
         return false;
     for (int i = 0; i < k; i++)
         if (parts[i].key || parts[i].mask || parts[i].bits)
@@ -1368,14 +1367,15 @@ static bool pieces_from_buf(const engine *e, const lm_st_tensor *bt, const part 
     return true;
 }
 
-// Merges tensor idx from its k parts (their tau buffers those of e->ws) and writes it.
-static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, part *parts,
+// Merges tensor idx from its k parts (their buffers those of ws, bound by bind) on ws->dev and
+// writes it.
+static lm_status merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, part *parts,
                               int k)
 {
     const lm_merge_opts *o = e->o;
     const lm_st_tensor *bt = e->base->tensors[idx];
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
-    int64_t slab_rows = slab_rows_of(e, e->ws->dev, bt, parts, k);
+    int64_t slab_rows = slab_rows_of(e, ws->dev, bt, parts, k);
     bool one_slab = slab_rows >= rows;
     lm_status s = LM_OK;
 
@@ -1385,7 +1385,7 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         n_masked += parts[i].mask != NULL;
     unsigned stats = lm_method_stats(e->m, o);
     bool select = (stats & LM_STAT_TOPK) && !o->topk_global && n_masked < k;
-    if (select && (s = select_tensor(e, bt, parts, k, one_slab)) != LM_OK)
+    if (select && (s = select_tensor(e, ws, bt, parts, k, one_slab)) != LM_OK)
         return s;
 
     // The ties budget each part may still spend in this tensor.
@@ -1402,17 +1402,17 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
         for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
             int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
-            s = load_base(e, bt, r0, nr);
+            s = load_base(e, ws, bt, r0, nr);
             for (int i = 0; s == LM_OK && i < k; i++) {
                 double a, b;
                 part *p = &parts[i];
-                if ((s = tau_for(e, p, bt, r0, nr, e->ws->base_buf)) != LM_OK ||
-                    (s = lm_dev_l1(e->ws->dev, p->tau, cnt, &a, e->err)) != LM_OK)
+                if ((s = tau_for(e, ws, p, bt, r0, nr, ws->base_buf)) != LM_OK ||
+                    (s = lm_dev_l1(ws->dev, p->tau, cnt, &a, e->err)) != LM_OK)
                     break;
                 uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
-                if ((s = lm_dev_random_drop(e->ws->dev, p->tau, cnt, key, r0 * cols,
+                if ((s = lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols,
                                             lm_rng_threshold(o->densities[p->ft]), e->err)) != LM_OK ||
-                    (s = lm_dev_l1(e->ws->dev, p->tau, cnt, &b, e->err)) != LM_OK)
+                    (s = lm_dev_l1(ws->dev, p->tau, cnt, &b, e->err)) != LM_OK)
                     break;
                 l1_all[i] += a;
                 l1_kept[i] += b;
@@ -1445,12 +1445,12 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     bool have_base = have_tau && (random || needs_base(parts, k));
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
     lm_dev_sign sign = combine_sign(e);
-    if (fused(e, e->ws->dev, bt, parts, k))
-        return merge_dense(e, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
+    if (fused(e, ws->dev, bt, parts, k))
+        return merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
     if (e->m->linear)
-        return merge_linear(e, idx, desc, bt, parts, k, slab_rows, hash);
+        return merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, hash);
     // With τ in the buffers, the rest of the pass in one operation where the device has it.
-    bool pieces = pieces_from_buf(e, bt, parts, k);
+    bool pieces = pieces_from_buf(ws, bt, parts, k);
     lm_dev_dense d[k];
     lm_dev_combine_how how = dense_parts(e, bt, parts, k, d);
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
@@ -1458,28 +1458,28 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
             return lm_interrupted_err(e->err);
         if (!have_base && (!pieces || needs_base(parts, k)))
-            s = load_base(e, bt, r0, nr);
+            s = load_base(e, ws, bt, r0, nr);
         for (int i = 0; s == LM_OK && pieces && !have_tau && i < k; i++)
-            s = tau_for(e, &parts[i], bt, r0, nr, e->ws->base_buf);
+            s = tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
         if (pieces) {
             if (s == LM_OK)
-                s = merge_pieces(e, idx, desc, bt, parts, k, d, how, r0 * cols, cnt, true, ties_left, hash);
+                s = merge_pieces(e, ws, idx, desc, bt, parts, k, d, how, r0 * cols, cnt, true, ties_left, hash);
             if (!one_slab)
                 release_slab(e, bt, parts, k, r0, nr);
             continue;
         }
         for (int i = 0; s == LM_OK && i < k; i++) {
             part *p = &parts[i];
-            if (!have_tau && (s = tau_for(e, p, bt, r0, nr, e->ws->base_buf)) != LM_OK)
+            if (!have_tau && (s = tau_for(e, ws, p, bt, r0, nr, ws->base_buf)) != LM_OK)
                 break;
             if (e->m->rank != LM_RANK_NONE) {
                 const lm_topk *t = o->topk_global ? &e->global[p->ft] : &p->topk;
                 int64_t used = 0;
-                s = p->mask  ? lm_dev_mask_apply(e->ws->dev, p->tau, p->mask, r0 * cols, cnt, e->err)
-                    : p->key ? lm_dev_topk_apply_by(e->ws->dev, p->tau, p->key, cnt, t->thr_bits, ties_left[i], &used, e->err)
-                             : lm_dev_topk_apply(e->ws->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err);
+                s = p->mask  ? lm_dev_mask_apply(ws->dev, p->tau, p->mask, r0 * cols, cnt, e->err)
+                    : p->key ? lm_dev_topk_apply_by(ws->dev, p->tau, p->key, cnt, t->thr_bits, ties_left[i], &used, e->err)
+                             : lm_dev_topk_apply(ws->dev, p->tau, cnt, t->thr_bits, ties_left[i], &used, e->err);
                 if (s == LM_OK && p->bits)  // recorded for the cache: what the trim kept
-                    s = lm_dev_mask_get(e->ws->dev, p->bits, r0 * cols, p->tau, cnt, e->err);
+                    s = lm_dev_mask_get(ws->dev, p->bits, r0 * cols, p->tau, cnt, e->err);
                 if (s != LM_OK)
                     break;
                 ties_left[i] -= used;
@@ -1487,19 +1487,19 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
                     e->global[p->ft].ties_allowed -= used;
             } else if (random && !p->dropped) {
                 uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
-                if ((s = lm_dev_random_drop(e->ws->dev, p->tau, cnt, key, r0 * cols, lm_rng_threshold(o->densities[p->ft]),
+                if ((s = lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols, lm_rng_threshold(o->densities[p->ft]),
                                             e->err)) != LM_OK)
                     break;
             }
             if (p->rescale != 1.0 &&
-                (s = lm_dev_axpby(e->ws->dev, p->tau, (float)p->rescale, p->tau, 0.0f, cnt, e->err)) != LM_OK)
+                (s = lm_dev_axpby(ws->dev, p->tau, (float)p->rescale, p->tau, 0.0f, cnt, e->err)) != LM_OK)
                 break;
         }
         if (s == LM_OK)
-            s = lm_dev_combine(e->ws->dev, e->ws->base_buf, e->ws->base_buf, taus, weights, k, cnt, sign, o->normalize,
+            s = lm_dev_combine(ws->dev, ws->base_buf, ws->base_buf, taus, weights, k, cnt, sign, o->normalize,
                                (float)o->lambda, e->err);
         if (s == LM_OK)
-            s = write_slab(e, idx, desc->dtype, e->ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
+            s = write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
         if (!one_slab)
             release_slab(e, bt, parts, k, r0, nr);
     }
@@ -1619,20 +1619,20 @@ static void rewind_to(engine *e, const unit_mark *m)
         e->global[i].ties_allowed = m->ties[i];
 }
 
-// Points the parts' buffers at the current working set's, and on an accelerator copies each
+// Points the parts' buffers at ws's, and on an accelerator copies each
 // part's U_cc² there (sparsegpt).
-static lm_status bind(engine *e, part *parts, int k)
+static lm_status bind(engine *e, wset *ws, part *parts, int k)
 {
     lm_status s = LM_OK;
     for (int i = 0; i < k; i++) {
         part *p = &parts[i];
-        p->tau = e->ws->tau_buf[p->ft];
-        p->key = p->ucc2 ? e->ws->key_buf[p->ft] : NULL;
-        p->ucc2_dev = e->ws->dev->host_memory ? p->ucc2 : p->ucc2 ? e->ws->ucc2_buf[p->ft] : NULL;
-        if (p->ucc2 && !e->ws->dev->host_memory && s == LM_OK) {
-            size_t bytes = (size_t)e->ws->cap_cols * sizeof(double);
+        p->tau = ws->tau_buf[p->ft];
+        p->key = p->ucc2 ? ws->key_buf[p->ft] : NULL;
+        p->ucc2_dev = ws->dev->host_memory ? p->ucc2 : p->ucc2 ? ws->ucc2_buf[p->ft] : NULL;
+        if (p->ucc2 && !ws->dev->host_memory && s == LM_OK) {
+            size_t bytes = (size_t)ws->cap_cols * sizeof(double);
             e->res->bytes_to_device += bytes;
-            s = lm_dev_upload(e->ws->dev, (void *)p->ucc2_dev, p->ucc2, bytes, e->err);
+            s = lm_dev_upload(ws->dev, (void *)p->ucc2_dev, p->ucc2, bytes, e->err);
         }
     }
     return s;
@@ -1648,56 +1648,83 @@ static int64_t slab_cnt(const engine *e, lm_dev *dev, const lm_st_tensor *bt, co
     return (slab_rows < rows ? slab_rows : rows) * cols;
 }
 
-// Unit work: `fn` over tensor bt with its parts, on the device first and, when the device runs
-// out of memory, again from the start on the CPU (after `restart`, which undoes what the failed
-// try left in ctx). Any other failure stops.
-typedef lm_status (*unit_fn)(engine *e, int64_t idx, part *parts, int k, void *ctx);
+// A unit: the work on one tensor (its merge, or its --topk global histograms) that runs on
+// one device as a whole. Its work is a function of the engine, the unit and the working set it
+// is given, whose device is where it runs.
+typedef struct unit {
+    const char *phase;   // "merge" or "select": what a fallback reports
+    int64_t idx;         // the base tensor
+    part *parts;         // (k) the FTs that change it
+    int k;
+    lm_status (*work)(engine *e, struct unit *u, wset *ws);
+    void (*undo)(struct unit *u);  // forgets what a failed try left in ctx, or NULL
+    void *ctx;
+} unit;
 
-static lm_status run_unit(engine *e, const char *phase, int64_t idx, part *parts, int k, unit_fn fn,
-                          void (*restart)(void *ctx), void *ctx, bool *on_device)
+// Tries unit u on the accelerator with a working set of its own (e->dev_ws, that tensor's
+// slab), freed when the try ends.
+static lm_status unit_try(engine *e, unit *u)
 {
-    const lm_st_tensor *bt = e->base->tensors[idx];
+    const lm_st_tensor *bt = e->base->tensors[u->idx];
+    wset *ws = &e->dev_ws;
+    int64_t cnt = slab_cnt(e, e->dev, bt, u->parts, u->k);
+    ws->cap_cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
+    lm_status s = ws_alloc(e, ws, e->dev, cnt, u->parts, u->k, stage_need(bt, u->parts, u->k, cnt),
+                           (size_t)cnt * sizeof(float));
+    if (s == LM_OK)
+        s = bind(e, ws, u->parts, u->k);
+    if (s == LM_OK)
+        s = u->work(e, u, ws);
+    ws_release(e, ws);
+    return s;
+}
+
+// Undoes a try that ran out of device memory: the engine's counts back to mark m, the unit's
+// own state through u->undo, and the fallback counted and reported.
+static void unit_undo(engine *e, unit *u, const unit_mark *m)
+{
+    rewind_to(e, m);
+    if (u->undo)
+        u->undo(u);
+    if (strcmp(u->phase, "merge") == 0)
+        e->res->fallback_merge++;
+    else
+        e->res->fallback_select++;
+    fell_back(e, u->phase, e->base->tensors[u->idx]->name, 0);
+}
+
+// Runs unit u on the CPU with the CPU's working set (e->cpu_ws, kept for the whole run).
+static lm_status unit_redo(engine *e, unit *u)
+{
+    lm_status s = cpu_ready(e);
+    if (s == LM_OK)
+        s = bind(e, &e->cpu_ws, u->parts, u->k);
+    return s != LM_OK ? s : u->work(e, u, &e->cpu_ws);
+}
+
+// Runs unit u: on an accelerator, tried there first and, when the device runs out of memory,
+// undone and redone from the start on the CPU; on the CPU device, there. Any other failure
+// stops. *on_device says whether it ran on the accelerator.
+static lm_status run_unit(engine *e, unit *u, bool *on_device)
+{
     *on_device = false;
-    lm_status s;
+    if (e->dev == e->cpu)
+        return unit_redo(e, u);
     double t0 = now();
-    if (e->dev != e->cpu) {
-        unit_mark *m = malloc(sizeof *m + (size_t)e->o->n_ft * sizeof(int64_t));
-        if (!m)
-            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
-        mark(e, m);
-        int64_t cnt = slab_cnt(e, e->dev, bt, parts, k);
-        e->dev_ws.cap_cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
-        s = ws_alloc(e, &e->dev_ws, e->dev, cnt, parts, k, stage_need(bt, parts, k, cnt),
-                     (size_t)cnt * sizeof(float));
-        if (s == LM_OK) {
-            e->ws = &e->dev_ws;
-            s = bind(e, parts, k);
-        }
-        if (s == LM_OK)
-            s = fn(e, idx, parts, k, ctx);
-        ws_release(e, &e->dev_ws);
-        if (s != LM_ERR_DEVICE_OOM) {
-            free(m);
-            *on_device = s == LM_OK;
-            return s;
-        }
-        rewind_to(e, m);
+    unit_mark *m = malloc(sizeof *m + (size_t)e->o->n_ft * sizeof(int64_t));
+    if (!m)
+        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    mark(e, m);
+    lm_status s = unit_try(e, u);
+    if (s != LM_ERR_DEVICE_OOM) {
         free(m);
-        if (restart)
-            restart(ctx);
-        if (strcmp(phase, "merge") == 0)
-            e->res->fallback_merge++;
-        else
-            e->res->fallback_select++;
-        fell_back(e, phase, bt->name, 0);
-    }
-    if ((s = cpu_ready(e)) != LM_OK)
+        *on_device = s == LM_OK;
         return s;
-    e->ws = &e->cpu_ws;
-    if ((s = bind(e, parts, k)) == LM_OK)
-        s = fn(e, idx, parts, k, ctx);
-    if (e->dev != e->cpu)
-        e->res->fallback_s += now() - t0;
+    }
+    unit_undo(e, u, m);
+    free(m);
+    s = unit_redo(e, u);
+    e->res->fallback_s += now() - t0;
     return s;
 }
 
@@ -1706,11 +1733,11 @@ typedef struct merge_ctx {
     XXH64_state_t *hash;
 } merge_ctx;
 
-static lm_status merge_fn(engine *e, int64_t idx, part *parts, int k, void *ctx)
+static lm_status merge_work(engine *e, unit *u, wset *ws)
 {
-    merge_ctx *c = ctx;
+    merge_ctx *c = u->ctx;
     count_reset(e);  // a redo on the CPU counts from the start
-    return merge_tensor(e, idx, c->desc, c->hash, parts, k);
+    return merge_tensor(e, ws, u->idx, c->desc, c->hash, u->parts, u->k);
 }
 
 // Records the NaN and Inf counted in tensor bt's inputs and output (res->nonfinite).
@@ -1723,9 +1750,9 @@ static lm_status note_counts(engine *e, const lm_st_tensor *bt, const part *part
     return s != LM_OK ? s : note_nonfinite(e, -1, bt->name, &e->out);
 }
 
-static void merge_restart(void *ctx)
+static void merge_undo(unit *u)
 {
-    XXH64_reset(((merge_ctx *)ctx)->hash, 0);
+    XXH64_reset(((merge_ctx *)u->ctx)->hash, 0);
 }
 
 // One output tensor: merged where its FTs change it, else the base's values converted (on the
@@ -1734,13 +1761,12 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
 {
     const lm_st_tensor *bt = e->base->tensors[idx];
     part parts[e->o->n_ft > 0 ? e->o->n_ft : 1];
-    e->ws = &e->cpu_ws;
     int k = lm_dtype_readable(bt->dtype) ? find_parts(e, bt->name, parts) : 0;
     *merged = k > 0;
     lm_status s;
     count_reset(e);
     if (k == 0 || bt->numel == 0) {
-        if ((s = cpu_ready(e)) != LM_OK || (s = copy_tensor(e, idx, bt, desc->dtype, hash)) != LM_OK)
+        if ((s = cpu_ready(e)) != LM_OK || (s = copy_tensor(e, &e->cpu_ws, idx, bt, desc->dtype, hash)) != LM_OK)
             return s;
         return note_counts(e, bt, parts, 0);
     }
@@ -1752,9 +1778,10 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
             break;
         }
     merge_ctx c = {desc, hash};
+    unit u = {"merge", idx, parts, k, merge_work, merge_undo, &c};
     bool on_device = false;
     if (s == LM_OK)
-        s = run_unit(e, "merge", idx, parts, k, merge_fn, merge_restart, &c, &on_device);
+        s = run_unit(e, &u, &on_device);
     for (int i = 0; s == LM_OK && i < k; i++)
         if (parts[i].bits)
             s = e->o->mask_store(e->o->mask_ctx, parts[i].ft, bt->name, parts[i].bits, bt->numel, e->err);
@@ -1778,10 +1805,12 @@ typedef struct select_ctx {
     int level;
 } select_ctx;
 
-static lm_status select_fn(engine *e, int64_t idx, part *parts, int k, void *ctx)
+static lm_status select_work(engine *e, unit *u, wset *ws)
 {
-    select_ctx *c = ctx;
-    const lm_st_tensor *bt = e->base->tensors[idx];
+    select_ctx *c = u->ctx;
+    const lm_st_tensor *bt = e->base->tensors[u->idx];
+    part *parts = u->parts;
+    int k = u->k;
     uint64_t *hists[k > 0 ? k : 1];
     const lm_topk *sel[k > 0 ? k : 1];
     memset(hists, 0, sizeof hists);
@@ -1790,7 +1819,7 @@ static lm_status select_fn(engine *e, int64_t idx, part *parts, int k, void *ctx
         hists[i] = c->tensor + (size_t)parts[i].ft * LM_HIST_BINS;
         sel[i] = &e->global[parts[i].ft];
     }
-    lm_status s = hist_tensor(e, bt, parts, k, hists, sel, c->level, false, NULL);
+    lm_status s = hist_tensor(e, ws, bt, parts, k, hists, sel, c->level, false, NULL);
     if (s != LM_OK)
         return s;
     for (int i = 0; i < k; i++)
@@ -1800,9 +1829,9 @@ static lm_status select_fn(engine *e, int64_t idx, part *parts, int k, void *ctx
 }
 
 // The model's histograms only change once a tensor is done: a redo starts from zero counts.
-static void select_restart(void *ctx)
+static void select_undo(unit *u)
 {
-    select_ctx *c = ctx;
+    select_ctx *c = u->ctx;
     memset(c->tensor, 0, c->cells * sizeof(uint64_t));
 }
 
@@ -1821,7 +1850,6 @@ static lm_status select_global(engine *e, int64_t n_out)
         s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
         goto done;
     }
-    e->ws = &e->cpu_ws;
     // An FT whose every tensor has a stored mask (mask_load) needs no threshold: k = 0 makes
     // the passes skip it, and when no FT needs one the passes are not run at all.
     int64_t *unmasked = calloc((size_t)o->n_ft, sizeof(int64_t));
@@ -1853,13 +1881,13 @@ static lm_status select_global(engine *e, int64_t n_out)
             if (!lm_dtype_readable(bt->dtype) || bt->numel == 0)
                 continue;
             part parts[o->n_ft];
-            e->ws = &e->cpu_ws;
             int k = find_parts(e, bt->name, parts);
             if (k == 0)
                 continue;
             memset(c.tensor, 0, cells * sizeof(uint64_t));
+            unit u = {"select", t, parts, k, select_work, select_undo, &c};
             bool on_device;
-            s = run_unit(e, "select", t, parts, k, select_fn, select_restart, &c, &on_device);
+            s = run_unit(e, &u, &on_device);
             if (s != LM_OK)
                 lm_err_prefix(e->err, "selecting the --topk global thresholds, tensor '%s'", bt->name);
             release_pages(e, bt);
@@ -1953,7 +1981,6 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.slab_elems = o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS;
     e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
     e.slab_max = largest_slab(base, e.slab_elems);
-    e.ws = &e.cpu_ws;
     // An accelerator gets a CPU beside it for the units that do not fit.
     if (!dev->host_memory && (s = lm_dev_cpu_create(&e.cpu, o->threads, err)) != LM_OK) {
         e.cpu = dev;
@@ -2078,19 +2105,13 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
 {
     memset(need, 0, sizeof *need);
     const lm_st_tensor *bt = base->tensors[idx];
-    float **no_bufs = calloc((size_t)(o->n_ft > 0 ? o->n_ft : 1), sizeof *no_bufs);
-    if (!no_bufs)
-        return LM_ERR_NOMEM;
     engine e = {.o = o, .m = lm_method_of(o->method), .base = base, .fts = fts};
     e.slab_elems = o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS;
     e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
     e.slab_max = largest_slab(base, e.slab_elems);
-    e.cpu_ws.tau_buf = no_bufs;
-    e.ws = &e.cpu_ws;
     lm_dev dev = {.host_memory = host_memory};  // slab_rows_of reads only this
     part parts[o->n_ft > 0 ? o->n_ft : 1];
     int k = lm_dtype_readable(bt->dtype) ? find_parts(&e, bt->name, parts) : 0;
-    free(no_bufs);
     need->parts = k;
     if (k == 0 || bt->numel == 0) {
         // copy_tensor: base_buf holds slabs of slab_max elements when the dtype changes
@@ -2170,15 +2191,9 @@ lm_status lm_merge_plan_importance(const lm_merge_opts *o, const lm_model *base,
     lm_status s = lm_merge_plan_tensor(o, base, fts, idx, host_memory, &unit);
     if (s != LM_OK || unit.parts == 0)
         return s;
-    float **no_bufs = calloc((size_t)(o->n_ft > 0 ? o->n_ft : 1), sizeof *no_bufs);
-    if (!no_bufs)
-        return LM_ERR_NOMEM;
     engine e = {.o = o, .m = lm_method_of(o->method), .base = base, .fts = fts};
-    e.cpu_ws.tau_buf = no_bufs;
-    e.ws = &e.cpu_ws;
     part parts[o->n_ft > 0 ? o->n_ft : 1];
     int k = find_parts(&e, bt->name, parts);
-    free(no_bufs);
     // ws_alloc: a slab for each part with a Hessian and, without host memory, its U_cc²
     int64_t cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
     need->slab_elems = unit.slab_elems;
