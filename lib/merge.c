@@ -470,15 +470,15 @@ static void ws_release(engine *e, wset *w)
     w->dev = dev;
 }
 
-// Allocates w's buffers on dev for `cap` elements and the FTs among `parts` (every FT when
-// parts is NULL). Device memory running out is LM_ERR_DEVICE_OOM, with what is already taken
-// still in w for ws_release.
-static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, int64_t cap, const part *parts, int k, size_t stage_bytes,
-                          size_t out_bytes)
+// Allocates w's buffers on dev as z sizes them (lm_eng_ws_size), for the FTs among `parts`
+// (every FT when parts is NULL). Device memory running out is LM_ERR_DEVICE_OOM, with what is
+// already taken still in w for ws_release.
+static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, const ws_size *z, const part *parts, int k)
 {
     w->dev = dev;
-    w->cap = cap;
-    size_t bytes = (size_t)cap * sizeof(float);
+    w->cap = z->cap;
+    w->cap_cols = z->ucc2_cols;
+    size_t bytes = (size_t)z->cap * sizeof(float);
     lm_status s = lm_dev_alloc(dev, bytes, (void **)&w->base_buf, e->err);
     for (int i = 0; s == LM_OK && i < (parts ? k : e->o->n_ft); i++)
         s = lm_dev_alloc(dev, bytes, (void **)&w->tau_buf[parts ? parts[i].ft : i], e->err);
@@ -493,10 +493,10 @@ static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, int64_t cap, const pa
             s = lm_dev_alloc(dev, (size_t)w->cap_cols * sizeof(double), (void **)&w->ucc2_buf[ft], e->err);
     }
     if (s == LM_OK && !dev->host_memory)
-        s = lm_dev_alloc(dev, stage_bytes, &w->stage_dev, e->err);
+        s = lm_dev_alloc(dev, z->stage_bytes, &w->stage_dev, e->err);
     if (s == LM_OK && !dev->host_memory)
-        s = lm_dev_alloc(dev, out_bytes, &w->out_dev, e->err);
-    w->stage_bytes = stage_bytes;
+        s = lm_dev_alloc(dev, z->out_bytes, &w->out_dev, e->err);
+    w->stage_bytes = z->stage_bytes;
     return s;
 }
 
@@ -506,7 +506,8 @@ lm_status lm_eng_cpu_ready(engine *e)
 {
     if (e->cpu_ws.base_buf)
         return LM_OK;
-    lm_status s = ws_alloc(e, &e->cpu_ws, e->cpu, e->slab_max, NULL, 0, 0, 0);
+    ws_size z = {.cap = e->slab_max};  // every FT's buffers, for any tensor's slab
+    lm_status s = ws_alloc(e, &e->cpu_ws, e->cpu, &z, NULL, 0);
     if (s != LM_OK)
         ws_release(e, &e->cpu_ws);
     return s;
@@ -553,10 +554,9 @@ static lm_status unit_try(engine *e, unit *u)
 {
     const lm_st_tensor *bt = e->base->tensors[u->idx];
     wset *ws = &e->dev_ws;
-    int64_t cnt = lm_eng_slab_cnt(e, e->dev, bt, u->parts, u->k);
-    ws->cap_cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
-    lm_status s = ws_alloc(e, ws, e->dev, cnt, u->parts, u->k, lm_eng_stage_need(bt, u->parts, u->k, cnt),
-                           (size_t)cnt * sizeof(float));
+    ws_size z;
+    lm_eng_ws_size(e, e->dev, bt, u->parts, u->k, &z);
+    lm_status s = ws_alloc(e, ws, e->dev, &z, u->parts, u->k);
     if (s == LM_OK)
         s = bind(e, ws, u->parts, u->k);
     if (s == LM_OK)
@@ -761,7 +761,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.res_dev = calloc((size_t)o->n_ft, sizeof *e.res_dev);
     e.counted = calloc((size_t)o->n_ft + 1, sizeof *e.counted);
     e.in = calloc((size_t)o->n_ft + 1, sizeof *e.in);
-    e.out_host = malloc(2 * OUT_PIECE);  // merge_pieces fills one half while the other is written
+    e.out_host = malloc(lm_eng_out_host_bytes());  // merge_pieces fills one half while the other is written
     if (o->topk_global && e.m->rank != LM_RANK_NONE)
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();

@@ -208,11 +208,12 @@ uint64_t lm_merge_plan_resident_bytes(const lm_ft *ft);
 // The bytes of the host buffer the CPU converts, hashes and writes output through.
 uint64_t lm_merge_plan_out_piece(void);
 
-// Fills *need for output tensor idx when its unit runs on a device with (host_memory true:
-// the CPU) or without host memory, exactly as lm_merge_run would allocate. Reads no tensor
-// data. LM_ERR_NOMEM only.
+// Fills *need for output tensor idx when its unit runs on `dev` (the CPU device, or one of
+// the accelerator's kind: lm_dev_sim_create stands in for any accelerator, whose units size
+// alike), from the sizing functions lm_merge_run allocates by. Allocates nothing on dev and
+// reads no tensor data. LM_OK.
 lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
-                               bool host_memory, lm_merge_need *need);
+                               const lm_dev *dev, lm_merge_need *need);
 
 // Whether the merge has the --topk global selection phase (a unit per tensor, sized as the
 // tensor's merge unit).
@@ -229,9 +230,9 @@ typedef struct lm_merge_imp_need {
 
 // Fills *need for output tensor idx of a sparsegpt merge whose o->ucc2 says which (FT, tensor)
 // have a Hessian (the plan's answer need only be non-NULL where the run's would be; it is
-// never read), on a device with or without host memory, as ws_alloc allocates. All zero for
-// other methods. Reads no tensor data. LM_ERR_NOMEM only.
+// never read), on `dev` as for lm_merge_plan_tensor, as ws_alloc allocates. All zero for
+// other methods. Reads no tensor data. LM_OK.
 lm_status lm_merge_plan_importance(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
-                                   bool host_memory, lm_merge_imp_need *need);
+                                   const lm_dev *dev, lm_merge_imp_need *need);
 
 #endif

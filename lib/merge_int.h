@@ -179,6 +179,26 @@ typedef struct unit {
     void *ctx;
 } unit;
 
+// What a unit's working set holds (lm_eng_ws_size): ws_alloc allocates exactly this, and
+// lm_merge_plan_tensor and lm_merge_plan_importance report it.
+typedef struct ws_size {
+    int64_t cap;          // elements of each float32 buffer: the base's and each τ (the slab)
+    int n_tau;            // τ buffers: one per part
+    int n_key;            // sparsegpt's importance buffers: one per part with a Hessian
+    int64_t ucc2_cols;    // U_cc² values copied for each of those (no host memory), else 0
+    size_t stage_bytes;   // the input staging buffer (no host memory), else 0
+    size_t out_bytes;     // the output staging buffer (no host memory), else 0
+} ws_size;
+
+// What select_tensor's store of a fused LoRA part's kept candidates takes for a tensor of
+// numel elements (lm_eng_keep_size): keep_store allocates exactly this.
+typedef struct keep_size {
+    int64_t cap;          // elements it holds: whole segments of LM_DEV_KEEP_SEGMENT
+    size_t bits_bytes;    // the candidates' bitmap
+    size_t off_bytes;     // each segment's first value
+    size_t vals_bytes;    // the values, room for every element
+} keep_size;
+
 // The functions the engine's files call across, by the file that defines them; each is
 // commented where it is defined.
 
@@ -228,7 +248,16 @@ lm_status lm_eng_select_global(engine *e, int64_t n_out);
 
 int64_t lm_eng_slab_rows(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
 size_t lm_eng_stage_need(const lm_st_tensor *bt, const part *parts, int k, int64_t cnt);
-int64_t lm_eng_slab_cnt(const engine *e, lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
+int64_t lm_eng_slab_cnt(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
+void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k,
+                    ws_size *z);
+uint64_t lm_eng_mapped_bytes(const lm_st_tensor *bt, const part *parts, int k);
+bool lm_eng_keeps_mapped(uint64_t mapped);
+size_t lm_eng_sel_cells(int k);
+int lm_eng_window_bins(const part *p, bool fuse);
+void lm_eng_keep_size(int64_t numel, keep_size *z);
+uint64_t lm_eng_keep_touched(int64_t numel, double density);
+size_t lm_eng_out_host_bytes(void);
 int64_t lm_eng_largest_slab(const lm_model *base, int64_t slab_elems);
 
 #endif

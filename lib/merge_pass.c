@@ -132,10 +132,7 @@ void lm_eng_release_slab(const engine *e, const lm_st_tensor *bt, const part *pa
 {
     // A tensor whose inputs are small stays mapped until it is done (the loop in lm_merge_run
     // releases it): each pass over it would otherwise fault every page in again.
-    uint64_t mapped = bt->nbytes;
-    for (int i = 0; i < k; i++)
-        mapped += parts[i].src == SRC_FULL ? parts[i].full->nbytes : 0;
-    if (mapped <= KEEP_MAPPED_BYTES)
+    if (lm_eng_keeps_mapped(lm_eng_mapped_bytes(bt, parts, k)))
         return;
     int64_t cols = bt->numel / tensor_rows(bt);
     lm_eng_release_bytes(e, (const char *)bt->data + (size_t)(r0 * cols) * esize(bt->dtype),

@@ -227,12 +227,13 @@ static bool keep_store(engine *e, int ft, int64_t numel)
     free(e->keep_bits[ft]);
     free(e->keep_off[ft]);
     free(e->keep_vals[ft]);
-    int64_t segs = (numel + LM_DEV_KEEP_SEGMENT - 1) / LM_DEV_KEEP_SEGMENT;
-    e->keep_bits[ft] = malloc((size_t)(segs * (LM_DEV_KEEP_SEGMENT / 16)) * sizeof(uint16_t));
-    e->keep_off[ft] = malloc((size_t)segs * sizeof(int64_t));
-    e->keep_vals[ft] = malloc((size_t)(segs * LM_DEV_KEEP_SEGMENT + 16) * sizeof(float));
+    keep_size z;
+    lm_eng_keep_size(numel, &z);
+    e->keep_bits[ft] = malloc(z.bits_bytes);
+    e->keep_off[ft] = malloc(z.off_bytes);
+    e->keep_vals[ft] = malloc(z.vals_bytes);
     bool ok = e->keep_bits[ft] && e->keep_off[ft] && e->keep_vals[ft];
-    e->keep_caps[ft] = ok ? segs * LM_DEV_KEEP_SEGMENT : 0;
+    e->keep_caps[ft] = ok ? z.cap : 0;
     return ok;
 }
 
@@ -255,7 +256,7 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
     uint64_t above[k];
     // The histograms live in one block kept by the engine from tensor to tensor (a fresh one
     // each time would cost page faults and zeroing of tens of megabytes per tensor).
-    size_t cells = (size_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
+    size_t cells = lm_eng_sel_cells(k);
     if (cells > e->sel_cells) {
         free(e->sel_block);
         e->sel_cells = 0;
@@ -281,7 +282,7 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
         hists[i] = &above[i];
         uint64_t *region = block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
         wins[i] = (window){region, region + (size_t)LM_HIST_WINDOW * LM_HIST_BINS, 0,
-                           parts[i].src == SRC_FULL || fuse ? DENSE_WINDOW : LM_HIST_WINDOW};
+                           lm_eng_window_bins(&parts[i], fuse)};
         memset(wins[i].win, 0, (size_t)wins[i].n * LM_HIST_BINS * sizeof(uint64_t));
         sel[i] = &parts[i].topk;
     }
