@@ -176,9 +176,7 @@ bool lm_eng_dense_part(const engine *e, const part *p)
 // rescale (whose norms need τ before the merge).
 bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
-    // (the plan's stand-in for a device has no operations: with host memory it is the CPU's)
-    if (!(dev->iface ? lm_dev_has_dense(dev) : dev->host_memory) || !lm_dtype_readable(bt->dtype) ||
-        (lm_method_stats(e->m, e->o) & LM_STAT_L1))
+    if (!lm_dev_has_dense(dev) || !lm_dtype_readable(bt->dtype) || (lm_method_stats(e->m, e->o) & LM_STAT_L1))
         return false;
     for (int i = 0; i < k; i++)
         if (!lm_eng_dense_part(e, &parts[i]) || parts[i].key || parts[i].mask || parts[i].bits)
