@@ -1,5 +1,5 @@
 // DARE-TIES merging: DARE's random drop and rescale, then TIES's sign election and disjoint
-// mean (docs/merging.md "dare-ties").
+// mean (docs/merging.md "The methods").
 #include "method.h"
 
 const lm_method lm_method_dare_ties = {

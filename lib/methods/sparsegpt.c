@@ -1,7 +1,7 @@
 // SparseGPT-importance merging: TIES with each task vector trimmed to the entries of largest
 // importance τ² / U_cc² (U the Cholesky factor of the inverse Hessian of the layer's inputs on
-// calibration data), entries of tensors without a Hessian by magnitude (docs/merging.md
-// "sparsegpt"). The Hessians come from the caller (lm_merge_opts' ucc2).
+// calibration data), entries of tensors without a Hessian by magnitude (docs/merging.md "The
+// methods"). The Hessians come from the caller (lm_merge_opts' ucc2).
 #include "method.h"
 
 const lm_method lm_method_sparsegpt = {

@@ -1,6 +1,6 @@
 // TIES merging (Yadav et al. 2023): each task vector trimmed to its largest entries by
 // magnitude, a sign elected per entry, and the entries that agree with it averaged
-// (docs/merging.md "ties").
+// (docs/merging.md "The methods").
 #include "method.h"
 
 const lm_method lm_method_ties = {
