@@ -299,7 +299,8 @@ lm_status lm_eng_load_f32(engine *e, wset *ws, float *dst, const void *src, lm_d
     return lm_eng_load_f32_nf(e, ws, dst, src, dt, n, NULL);
 }
 
-// load_f32 of rows [r0, r0 + rows) of base tensor bt into base_buf, counted as the base's read.
+// lm_eng_load_f32 of rows [r0, r0 + rows) of base tensor bt into base_buf, counted as the base's
+// read.
 lm_status lm_eng_load_base(engine *e, wset *ws, const lm_st_tensor *bt, int64_t r0, int64_t rows)
 {
     int64_t cols = bt->numel / tensor_rows(bt), first = r0 * cols, cnt = rows * cols;

@@ -184,7 +184,7 @@ void lm_merge_result_free(lm_merge_result *res);
 typedef struct lm_merge_need {
     int parts;              // FTs that change it; 0: the base's values are copied on the CPU
     uint64_t part_mask;     // bit i: FT i is a part (FTs past 63 share bit 63)
-    int64_t slab_elems;     // elements of one slab where it runs (run_unit's slab_cnt)
+    int64_t slab_elems;     // elements of one slab where it runs (lm_eng_run_unit's lm_eng_slab_cnt)
     int64_t touched_elems;  // elements of each buffer it writes: slab_elems, or on the CPU with
                             // fused passes only the selection's sample (0 without one)
     bool one_slab;          // the whole tensor in one slab
@@ -192,7 +192,7 @@ typedef struct lm_merge_need {
                             // on a device without host memory, the staging and output buffers
     uint64_t mag_bytes;     // DoRA magnitude buffer (the largest part's), or 0
     uint64_t mapped_bytes;  // input pages mapped at once while it runs (the KEEP_MAPPED rule)
-    uint64_t hist_alloc;    // select_tensor's histogram block (ties, --topk tensor), allocated
+    uint64_t hist_alloc;    // lm_eng_select_tensor's histogram block (ties, --topk tensor), allocated
     uint64_t hist_touched;  // ... and the part of it written
     int64_t copy_elems;     // a copied tensor: elements of base_buf used converting it, or 0
 } lm_merge_need;

@@ -104,7 +104,7 @@ typedef struct engine {
     resident *res_dev;    // (n_ft) on an accelerator, data NULL where they did not fit
     // --topk global: per FT thresholds and the ties budget left
     lm_topk *global;      // (n_ft) or NULL
-    uint64_t *sel_block;  // select_tensor's histograms, reused from tensor to tensor
+    uint64_t *sel_block;  // lm_eng_select_tensor's histograms, reused from tensor to tensor
     // fused LoRA parts' candidates from the selection pass (lm_dev_dense's keep_bits and
     // keep_vals), per FT, for tensors of up to keep_caps elements
     uint16_t **keep_bits;
@@ -115,9 +115,9 @@ typedef struct engine {
     uint64_t bytes_in, bytes_out;
     lm_merge_result *res;
     long page;
-    // NaN and Inf of the tensor being merged (see first_read): in the base's values (in[0]), in
-    // each FT's tensor (in[1 + ft]: a full model's, or an adapter's saved one) and in the output.
-    // Off while --topk global selects, whose passes precede the tensors' own.
+    // NaN and Inf of the tensor being merged (see lm_eng_first_read): in the base's values (in[0]),
+    // in each FT's tensor (in[1 + ft]: a full model's, or an adapter's saved one) and in the
+    // output. Off while --topk global selects, whose passes precede the tensors' own.
     bool counting;
     int64_t *counted;     // (1 + n_ft) elements of each input counted so far
     lm_nonfinite *in;     // (1 + n_ft)
@@ -190,7 +190,7 @@ typedef struct ws_size {
     size_t out_bytes;     // the output staging buffer (no host memory), else 0
 } ws_size;
 
-// What select_tensor's store of a fused LoRA part's kept candidates takes for a tensor of
+// What lm_eng_select_tensor's store of a fused LoRA part's kept candidates takes for a tensor of
 // numel elements (lm_eng_keep_size): keep_store allocates exactly this.
 typedef struct keep_size {
     int64_t cap;          // elements it holds: whole segments of LM_DEV_KEEP_SEGMENT

@@ -172,7 +172,7 @@ bool lm_eng_dense_part(const engine *e, const part *p)
 }
 
 // Whether tensor bt's passes run as the device's fused dense operations (device.h): every part
-// one they make (dense_part), ranked by magnitude, on a device that has them, and no DARE L1
+// one they make (lm_eng_dense_part), ranked by magnitude, on a device that has them, and no DARE L1
 // rescale (whose norms need τ before the merge).
 bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {

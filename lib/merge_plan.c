@@ -76,14 +76,14 @@ uint64_t lm_eng_mapped_bytes(const lm_st_tensor *bt, const part *parts, int k)
 }
 
 // Whether a unit that maps `mapped` input bytes keeps them mapped until its tensor is done
-// (release_slab lets a larger one's slabs go as its passes leave them).
+// (lm_eng_release_slab lets a larger one's slabs go as its passes leave them).
 bool lm_eng_keeps_mapped(uint64_t mapped)
 {
     return mapped <= KEEP_MAPPED_BYTES;
 }
 
-// The cells (uint64_t) of select_tensor's histogram block for k parts: each part's window and
-// the level arrays of the two passes a missed window takes.
+// The cells (uint64_t) of lm_eng_select_tensor's histogram block for k parts: each part's window
+// and the level arrays of the two passes a missed window takes.
 size_t lm_eng_sel_cells(int k)
 {
     return (size_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
@@ -142,7 +142,7 @@ int64_t lm_eng_largest_slab(const lm_model *base, int64_t slab_elems)
 
 // ==== what the engine will allocate (llmerge plan) ============================================
 
-// These answer from the same sizing functions the engine allocates by (find_parts, ws_size,
+// These answer from the same sizing functions the engine allocates by (lm_eng_find_parts, ws_size,
 // slab_rows, mapped_bytes, sel_cells, window_bins, keep_touched), over an engine that holds only
 // what those read and on a real device of the kind the unit runs on, so a plan cannot drift
 // from the run.
@@ -187,7 +187,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     int k = lm_dtype_readable(bt->dtype) ? lm_eng_find_parts(&e, bt->name, parts) : 0;
     need->parts = k;
     if (k == 0 || bt->numel == 0) {
-        // copy_tensor: base_buf holds slabs of slab_max elements when the dtype changes
+        // lm_eng_copy_tensor: base_buf holds slabs of slab_max elements when the dtype changes
         need->copy_elems = lm_dtype_readable(bt->dtype) && bt->dtype != o->out_dtype
                            ? (bt->numel < e.slab_max ? bt->numel : e.slab_max) : 0;
         return LM_OK;
@@ -216,13 +216,13 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
         if (parts[i].src == SRC_LORA && parts[i].mod->magnitude &&
             (uint64_t)parts[i].mod->magnitude->numel * sizeof(float) > need->mag_bytes)
             need->mag_bytes = (uint64_t)parts[i].mod->magnitude->numel * sizeof(float);
-    // release_slab's rule: a tensor whose inputs are small stays mapped until it is done
+    // lm_eng_release_slab's rule: a tensor whose inputs are small stays mapped until it is done
     uint64_t mapped = lm_eng_mapped_bytes(bt, parts, k), per_row = bt->nbytes / (uint64_t)rows;
     for (int i = 0; i < k; i++)
         per_row += parts[i].src == SRC_FULL ? parts[i].full->nbytes / (uint64_t)rows : 0;
     int64_t slab_rows = cnt / (bt->numel / rows);
     need->mapped_bytes = lm_eng_keeps_mapped(mapped) || need->one_slab ? mapped : per_row * (uint64_t)slab_rows;
-    // select_tensor's block: allocated for every part's window and level arrays, touched for
+    // lm_eng_select_tensor's block: allocated for every part's window and level arrays, touched for
     // the window each part uses (the level arrays start where the window does) and the sample's
     // histogram after the widest window
     if (e.m->rank != LM_RANK_NONE && !o->topk_global) {
@@ -230,7 +230,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
         for (int i = 0; i < k; i++)
             need->hist_touched += (uint64_t)(1 + lm_eng_window_bins(&parts[i], fuse)) * LM_HIST_BINS *
                                   sizeof(uint64_t);
-        // a fused LoRA part's kept candidates (select_tensor, keep_store)
+        // a fused LoRA part's kept candidates (lm_eng_select_tensor, keep_store)
         bool aligned = lm_eng_keeps_fit(&e, dev, bt, parts, k, need->one_slab);
         for (int i = 0; fuse && aligned && i < k; i++)
             if (parts[i].src == SRC_LORA)

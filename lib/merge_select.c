@@ -54,7 +54,7 @@ LM_VECTOR_CLONES static void sample_run(float *dst, const float *brow, const flo
         dst[t] = scale * acc[t];
 }
 
-// τ of LoRA part p (a dense_part) at a sample spread over the whole of tensor bt, into
+// τ of LoRA part p (a lm_eng_dense_part) at a sample spread over the whole of tensor bt, into
 // p->tau[0..*got), at most `want` values: runs of SAMPLE_RUN columns, the runs' rows evenly
 // spaced over the tensor and their columns sweeping it (a product's rows scale with B's rows and
 // its columns with A's columns, so a stretch of either would not do). Only a guess is made

@@ -12,7 +12,7 @@
 //   statistics - whole-tensor figures computed in passes before the merge pass:
 //                LM_STAT_TOPK  per part, the exact k-th largest rank (|τ|, or sparsegpt's
 //                              importance) with k = floor(d_i · numel) and the ties to keep
-//                              (select_tensor; --topk global: over the whole model);
+//                              (lm_eng_select_tensor; --topk global: over the whole model);
 //                LM_STAT_L1    per part, ‖τ‖₁ and ‖τ ⊙ m‖₁ of the random drop (DARE with
 //                              --rescale l1);
 //   sparsify   - per element, from those: trim below the threshold, or drop at random with
