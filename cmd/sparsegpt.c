@@ -106,8 +106,8 @@ static lm_status cache_keys(lm_cmd_sgpt *g, lm_err *err)
 }
 
 // Whether the masks m hold exactly one of the right size for every tensor FT j changes (the
-// tensors the engine selects: find_parts' rule), so that a hit never mixes stored and selected
-// masks of one FT (which --topk global cannot).
+// tensors the engine selects: lm_eng_find_parts' rule), so that a hit never mixes stored and
+// selected masks of one FT (which --topk global cannot).
 static bool masks_cover(const lm_cmd_sgpt *g, int j, const lm_cache_masks *m)
 {
     const lm_ft *ft = g->in.fts[j];

@@ -456,43 +456,79 @@ static lm_status put_dora_embedding(fwd_loader *L, const lm_st_tensor *et, const
     return s == LM_OK ? s : lm_err_prefix(err, "DoRA module %s", mod->path);
 }
 
+// What a linear layer is made of: the tensors put_linear places and plan_linear sizes, found
+// once by linear_parts.
+typedef struct linear_parts {
+    int64_t out, in;                 // the weight's shape
+    const lm_st_tensor *w;           // the weight (the adapter's saved one where it has one); with
+                                     // DoRA the one placed scaled
+    const lm_lora_module *mod;       // the adapter's LoRA module on it, or NULL
+    const lm_st_tensor *bias;        // the bias placed as it is, or NULL
+    const lm_lora_module *bias_mod;  // a LoRA bias added to base_bias before it is placed, or NULL
+    const lm_st_tensor *base_bias;   // the model's bias under bias_mod
+} linear_parts;
+
+// Finds the parts of the linear layer in (layer, slot) and marks the adapter's modules it
+// uses. Errors: the architecture has no weight there, an embedding LoRA on it, a tensor missing.
+static lm_status linear_parts_of(fwd_loader *L, const lm_arch_desc *desc, int layer, lm_arch_slot slot,
+                                 linear_parts *lp, lm_err *err)
+{
+    memset(lp, 0, sizeof *lp);
+    const lm_arch_tensor *wt = lm_arch_get(desc, layer, slot, false);
+    const lm_arch_tensor *bt = lm_arch_get(desc, layer, slot, true);
+    if (!wt)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "the architecture has no weight for slot %d of layer %d",
+                          (int)slot, layer);
+    lp->out = wt->shape[0];
+    lp->in = wt->shape[1];
+    int64_t mi = -1;
+    bool lora = L->a && lm_adapter_lookup(L->a, wt->name, &mi) == LM_TOUCH_LORA;
+    lm_status s = arch_tensor(L, desc, layer, slot, false, true, &lp->w, err);
+    if (s != LM_OK)
+        return s;
+    if (lora) {
+        lp->mod = &L->a->modules[mi];
+        if (lp->mod->kind != LM_LORA_LINEAR)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: module %s is an embedding LoRA on a linear layer",
+                              L->a->dir, lp->mod->path);
+        L->used_module[mi] = true;
+    }
+    // The bias: the model's (or a saved replacement), plus scale·lora_B.bias (PEFT adds the
+    // lora_B layer's bias inside the scaled LoRA branch).
+    int64_t bi = -1;
+    if (!(bt && L->a && lm_adapter_lookup(L->a, bt->name, &bi) == LM_TOUCH_BIAS))
+        return bt ? arch_tensor(L, desc, layer, slot, true, true, &lp->bias, err) : LM_OK;
+    lp->bias_mod = &L->a->modules[bi];
+    L->used_module[bi] = true;
+    if (!(lp->base_bias = source(L, bt->name, false)))
+        return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, bt->name);
+    return LM_OK;
+}
+
 // Fills a linear layer: weight, bias, and the adapter's LoRA factors and bias delta, with a
 // DoRA module's scale folded into the weight and B.
 static lm_status put_linear(fwd_loader *L, const lm_arch_desc *desc, int layer, lm_arch_slot slot,
                             fwd_linear *lin, lm_err *err)
 {
     lm_fwd *f = L->f;
-    const lm_arch_tensor *wt = lm_arch_get(desc, layer, slot, false);
-    const lm_arch_tensor *bt = lm_arch_get(desc, layer, slot, true);
-    if (!wt)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "the architecture has no weight for slot %d of layer %d",
-                          (int)slot, layer);
-    lin->out = wt->shape[0];
-    lin->in = wt->shape[1];
-    int64_t mi = -1;
-    const lm_lora_module *mod = NULL;
-    bool lora = L->a && lm_adapter_lookup(L->a, wt->name, &mi) == LM_TOUCH_LORA;
-    bool dora = lora && L->a->modules[mi].magnitude;
-    lm_status s = LM_OK;
-    if (!dora && (s = put_arch(L, desc, layer, slot, false, true, &lin->w, err)) != LM_OK)
+    linear_parts lp;
+    lm_status s = linear_parts_of(L, desc, layer, slot, &lp, err);
+    if (s != LM_OK)
+        return s;
+    lin->out = lp.out;
+    lin->in = lp.in;
+    const lm_lora_module *mod = lp.mod;
+    if (!(mod && mod->magnitude) && (s = put_tensor(f, lp.w, &lin->w, err)) != LM_OK)
         return s;
 
-    if (lora) {
-        mod = &L->a->modules[mi];
-        if (mod->kind != LM_LORA_LINEAR)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: module %s is an embedding LoRA on a linear layer",
-                              L->a->dir, mod->path);
-        L->used_module[mi] = true;
+    if (mod) {
         lin->r = mod->r;
         lin->scale = (float)mod->scale;
         if ((s = put_tensor(f, mod->a, &lin->a, err)) != LM_OK)
             return s;
         if (mod->magnitude) {
             // W and B placed scaled: W is not placed as it is
-            const lm_st_tensor *w = source(L, wt->name, true);
-            if (!w)
-                return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, wt->name);
-            if ((s = put_dora_linear(L, w, mod, lin, err)) != LM_OK)
+            if ((s = put_dora_linear(L, lp.w, mod, lin, err)) != LM_OK)
                 return s;
         } else if ((s = put_tensor(f, mod->b, &lin->bm, err)) != LM_OK) {
             return s;
@@ -501,23 +537,14 @@ static lm_status put_linear(fwd_loader *L, const lm_arch_desc *desc, int layer, 
             f->max_r = lin->r;
     }
 
-    // The bias: the model's (or a saved replacement), plus scale·lora_B.bias (PEFT adds the
-    // lora_B layer's bias inside the scaled LoRA branch).
-    int64_t bi = -1;
-    bool lora_bias = bt && L->a && lm_adapter_lookup(L->a, bt->name, &bi) == LM_TOUCH_BIAS;
-    if (!lora_bias)
-        return bt ? put_arch(L, desc, layer, slot, true, true, &lin->b, err) : LM_OK;
-    const lm_lora_module *bm = &L->a->modules[bi];
-    L->used_module[bi] = true;
-    const lm_st_tensor *base_bias = source(L, bt->name, false);
+    if (!lp.bias_mod)
+        return lp.bias ? put_tensor(f, lp.bias, &lin->b, err) : LM_OK;
     float *b = NULL, *db = NULL;
-    if (!base_bias) {
-        s = lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, bt->name);
-    } else if ((s = read_host(base_bias, &b, err)) == LM_OK && (s = read_host(bm->bias, &db, err)) == LM_OK) {
-        float sc = (float)bm->scale;
-        for (int64_t i = 0; i < base_bias->numel; i++)
+    if ((s = read_host(lp.base_bias, &b, err)) == LM_OK && (s = read_host(lp.bias_mod->bias, &db, err)) == LM_OK) {
+        float sc = (float)lp.bias_mod->scale;
+        for (int64_t i = 0; i < lp.base_bias->numel; i++)
             b[i] += sc * db[i];
-        s = placing(put_host(f, b, base_bias->numel, &lin->b, err), bt->name, err);
+        s = placing(put_host(f, b, lp.base_bias->numel, &lin->b, err), lp.base_bias->name, err);
     }
     free(b);
     free(db);
@@ -1226,59 +1253,44 @@ static lm_status plan_arch(fwd_loader *L, lm_fwd_plan *p, const lm_arch_desc *de
     return s;
 }
 
-// As put_linear, for the plan: the weight, the LoRA factors, and the bias (summed with the
-// LoRA bias in host memory, then placed whole, when the adapter has one).
+// As put_linear, for the plan, from the same parts (linear_parts_of): the weight, the LoRA
+// factors, and the bias (summed with the LoRA bias in host memory, then placed whole, when the
+// adapter has one).
 static lm_status plan_linear(fwd_loader *L, lm_fwd_plan *p, const lm_arch_desc *desc, int layer, lm_arch_slot slot,
                              bool host_memory, lm_err *err)
 {
-    const lm_arch_tensor *wt = lm_arch_get(desc, layer, slot, false);
-    const lm_arch_tensor *bt = lm_arch_get(desc, layer, slot, true);
-    if (!wt)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "the architecture has no weight for slot %d of layer %d",
-                          (int)slot, layer);
-    int64_t mi = -1;
-    bool lora = L->a && lm_adapter_lookup(L->a, wt->name, &mi) == LM_TOUCH_LORA;
-    lm_status s = LM_OK;
-    if (!(lora && L->a->modules[mi].magnitude) &&
-        (s = plan_arch(L, p, desc, layer, slot, false, true, host_memory, err)) != LM_OK)
+    linear_parts lp;
+    lm_status s = linear_parts_of(L, desc, layer, slot, &lp, err);
+    if (s != LM_OK)
         return s;
-    if (lora) {
-        const lm_lora_module *mod = &L->a->modules[mi];
-        if (mod->kind != LM_LORA_LINEAR)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: module %s is an embedding LoRA on a linear layer",
-                              L->a->dir, mod->path);
-        L->used_module[mi] = true;
+    const lm_lora_module *mod = lp.mod;
+    if (!(mod && mod->magnitude))
+        plan_put(p, lp.w, host_memory);
+    if (mod) {
         plan_put(p, mod->a, host_memory);
         if (mod->magnitude) {
             // put_dora_linear: B and the magnitude read into host memory, W placed scaled (its
             // device copy allocated before the scratch blocks), then B placed scaled
-            const lm_st_tensor *w = source(L, wt->name, true);
-            if (!w)
-                return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, wt->name);
-            int64_t out = wt->shape[0], in = wt->shape[1];
-            uint64_t sdev, shost, b = (uint64_t)(out * mod->r) * sizeof(float);
-            plan_dora_scratch(out, in, mod->r, &sdev, &shost);
-            plan_keep(p, (uint64_t)(out * in) * sizeof(float));
+            uint64_t sdev, shost, b = (uint64_t)(lp.out * mod->r) * sizeof(float);
+            plan_dora_scratch(lp.out, lp.in, mod->r, &sdev, &shost);
+            plan_keep(p, (uint64_t)(lp.out * lp.in) * sizeof(float));
             p->placing_peak = plan_max_u64(p->placing_peak, p->weight_bytes + sdev);
-            p->host_scratch = plan_max_u64(p->host_scratch, b + (uint64_t)out * sizeof(float) + shost);
+            p->host_scratch = plan_max_u64(p->host_scratch, b + (uint64_t)lp.out * sizeof(float) + shost);
             plan_keep(p, b);
-            p->mapped_bytes += w->nbytes + mod->b->nbytes + mod->magnitude->nbytes;
+            p->mapped_bytes += lp.w->nbytes + mod->b->nbytes + mod->magnitude->nbytes;
         } else {
             plan_put(p, mod->b, host_memory);
         }
         p->max_r = mod->r > p->max_r ? mod->r : p->max_r;
     }
-    int64_t bi = -1;
-    bool lora_bias = bt && L->a && lm_adapter_lookup(L->a, bt->name, &bi) == LM_TOUCH_BIAS;
-    if (!lora_bias)
-        return bt ? plan_arch(L, p, desc, layer, slot, true, true, host_memory, err) : LM_OK;
-    L->used_module[bi] = true;
-    const lm_st_tensor *base_bias = source(L, bt->name, false);
-    if (!base_bias)
-        return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: tensor %s is missing", L->m->dir, bt->name);
-    uint64_t bytes = (uint64_t)base_bias->numel * sizeof(float);
+    if (!lp.bias_mod) {
+        if (lp.bias)
+            plan_put(p, lp.bias, host_memory);
+        return LM_OK;
+    }
+    uint64_t bytes = (uint64_t)lp.base_bias->numel * sizeof(float);
     plan_keep(p, bytes);
-    p->mapped_bytes += base_bias->nbytes + L->a->modules[bi].bias->nbytes;
+    p->mapped_bytes += lp.base_bias->nbytes + lp.bias_mod->bias->nbytes;
     p->host_scratch = plan_max_u64(p->host_scratch, 2 * bytes);
     return LM_OK;
 }

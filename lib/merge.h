@@ -184,7 +184,7 @@ void lm_merge_result_free(lm_merge_result *res);
 typedef struct lm_merge_need {
     int parts;              // FTs that change it; 0: the base's values are copied on the CPU
     uint64_t part_mask;     // bit i: FT i is a part (FTs past 63 share bit 63)
-    int64_t slab_elems;     // elements of one slab where it runs (run_unit's slab_cnt)
+    int64_t slab_elems;     // elements of one slab where it runs (lm_eng_run_unit's lm_eng_slab_cnt)
     int64_t touched_elems;  // elements of each buffer it writes: slab_elems, or on the CPU with
                             // fused passes only the selection's sample (0 without one)
     bool one_slab;          // the whole tensor in one slab
@@ -192,7 +192,7 @@ typedef struct lm_merge_need {
                             // on a device without host memory, the staging and output buffers
     uint64_t mag_bytes;     // DoRA magnitude buffer (the largest part's), or 0
     uint64_t mapped_bytes;  // input pages mapped at once while it runs (the KEEP_MAPPED rule)
-    uint64_t hist_alloc;    // select_tensor's histogram block (ties, --topk tensor), allocated
+    uint64_t hist_alloc;    // lm_eng_select_tensor's histogram block (ties, --topk tensor), allocated
     uint64_t hist_touched;  // ... and the part of it written
     int64_t copy_elems;     // a copied tensor: elements of base_buf used converting it, or 0
 } lm_merge_need;
@@ -208,11 +208,12 @@ uint64_t lm_merge_plan_resident_bytes(const lm_ft *ft);
 // The bytes of the host buffer the CPU converts, hashes and writes output through.
 uint64_t lm_merge_plan_out_piece(void);
 
-// Fills *need for output tensor idx when its unit runs on a device with (host_memory true:
-// the CPU) or without host memory, exactly as lm_merge_run would allocate. Reads no tensor
-// data. LM_ERR_NOMEM only.
+// Fills *need for output tensor idx when its unit runs on `dev` (the CPU device, or one of
+// the accelerator's kind: lm_dev_sim_create stands in for any accelerator, whose units size
+// alike), from the sizing functions lm_merge_run allocates by. Allocates nothing on dev and
+// reads no tensor data. LM_OK.
 lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
-                               bool host_memory, lm_merge_need *need);
+                               const lm_dev *dev, lm_merge_need *need);
 
 // Whether the merge has the --topk global selection phase (a unit per tensor, sized as the
 // tensor's merge unit).
@@ -229,9 +230,9 @@ typedef struct lm_merge_imp_need {
 
 // Fills *need for output tensor idx of a sparsegpt merge whose o->ucc2 says which (FT, tensor)
 // have a Hessian (the plan's answer need only be non-NULL where the run's would be; it is
-// never read), on a device with or without host memory, as ws_alloc allocates. All zero for
-// other methods. Reads no tensor data. LM_ERR_NOMEM only.
+// never read), on `dev` as for lm_merge_plan_tensor, as ws_alloc allocates. All zero for
+// other methods. Reads no tensor data. LM_OK.
 lm_status lm_merge_plan_importance(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, int64_t idx,
-                                   bool host_memory, lm_merge_imp_need *need);
+                                   const lm_dev *dev, lm_merge_imp_need *need);
 
 #endif

@@ -369,6 +369,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     int64_t n_out = 0;
     lm_shard_plan shards = {0};
     uint64_t *tau_touch = NULL, *key_touch = NULL;
+    lm_dev *cpu_dev = NULL, *acc_dev = NULL;
     // the plan's options: for sparsegpt, U_cc² present where a run has a Hessian
     hess_ctx hc = {.n_layers = base->config.num_hidden_layers, .mask_hit = hin ? hin->mask_hit : NULL};
     lm_hess_dims(&base->config, hc.dim);
@@ -422,17 +423,22 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     }
     p->dev_peak = p->placed_bytes;
 
-    // merge (and select): one unit per tensor some FT changes
+    // merge (and select): one unit per tensor some FT changes, sized on the CPU device and, for
+    // an accelerator, on a simulated one with its budget (the sizing reads what kind of device
+    // it is, never its memory)
+    if ((s = lm_dev_cpu_create(&cpu_dev, 1, err)) != LM_OK ||
+        (p->accelerator && (s = lm_dev_sim_create(&acc_dev, p->budget ? p->budget : 1, NULL, 1, err)) != LM_OK))
+        goto fail;
     p->slab_max = lm_merge_plan_slab_max(o, base);
     bool cpu_used = !p->accelerator;  // the CPU's buffers exist from the start on the CPU
     uint64_t base_touch = 0, dev_host = p->placed_bytes, masks_loaded = 0, masks_recorded = 0;
     for (int64_t i = 0; i < base->n_tensors; i++) {
         lm_plan_tensor *t = &p->tensors[i];
         t->name = base->tensors[i]->name;
-        if ((s = lm_merge_plan_tensor(o, base, fts, i, true, &t->cpu)) != LM_OK ||
-            (p->accelerator && (s = lm_merge_plan_tensor(o, base, fts, i, false, &t->dev)) != LM_OK) ||
-            (s = lm_merge_plan_importance(o, base, fts, i, true, &t->imp_cpu)) != LM_OK ||
-            (p->accelerator && (s = lm_merge_plan_importance(o, base, fts, i, false, &t->imp_dev)) != LM_OK)) {
+        if ((s = lm_merge_plan_tensor(o, base, fts, i, cpu_dev, &t->cpu)) != LM_OK ||
+            (p->accelerator && (s = lm_merge_plan_tensor(o, base, fts, i, acc_dev, &t->dev)) != LM_OK) ||
+            (s = lm_merge_plan_importance(o, base, fts, i, cpu_dev, &t->imp_cpu)) != LM_OK ||
+            (p->accelerator && (s = lm_merge_plan_importance(o, base, fts, i, acc_dev, &t->imp_dev)) != LM_OK)) {
             s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
             goto fail;
         }
@@ -558,8 +564,12 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     free(descs);
     free(tau_touch);
     free(key_touch);
+    lm_dev_free(acc_dev);
+    lm_dev_free(cpu_dev);
     return LM_OK;
 fail:
+    lm_dev_free(acc_dev);
+    lm_dev_free(cpu_dev);
     lm_shard_plan_free(&shards);
     free(descs);
     free(tau_touch);

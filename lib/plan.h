@@ -2,7 +2,7 @@
 // fine-tuned inputs (headers only: no tensor data is read) and a description of the device,
 // what each phase will allocate and where: each adapter's float32 LoRA factors and whether
 // they fit the device after the ones before them (place_residents' order), each tensor's
-// device working set and whether it fits beside the factors (run_unit's ws_alloc), the CPU's
+// device working set and whether it fits beside the factors (lm_eng_run_unit's ws_alloc), the CPU's
 // buffers and a peak RSS estimate, and the output's bytes, shards and the disk space beside
 // it. The per-tensor figures come from the merge engine's own rules (lm_merge_plan_tensor), so
 // the predicted fallbacks are the ones a run on the same device reports.
@@ -126,7 +126,7 @@ typedef struct lm_plan_cpu {
     uint64_t adapter_mapped;  // adapters' tensor bytes read from their mapping (kept mapped)
     uint64_t out_host;        // the output piece
     uint64_t out_slab;        // an accelerator's output slab on the host (slab_max float32)
-    uint64_t hist;            // the largest select_tensor histogram block, as written
+    uint64_t hist;            // the largest lm_eng_select_tensor histogram block, as written
     uint64_t mag;             // the largest DoRA magnitude buffer
     uint64_t mapped;          // the largest input bytes mapped at once (KEEP_MAPPED rule)
     uint64_t select;          // --topk global's model-wide histograms

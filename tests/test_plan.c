@@ -5,12 +5,14 @@
 // lm_hess_plan_make places the accumulators where lm_hess_init does at several free budgets;
 // lm_fwd_plan_runner predicts exactly the fallbacks lm_hess_ucc2_model reports on simulated
 // devices of several sizes (weights on the CPU, batches halved, sequences on the CPU, sticky);
-// lm_hess_point_of names the Hessian of each linear weight; and lm_plan_make's capture phases
-// and importance buffers follow from them.
+// lm_hess_point_of names the Hessian of each linear weight; lm_plan_make's capture phases
+// and importance buffers follow from them; and the merge's units fall back on a simulated device
+// exactly where lm_plan_make, sizing them with the functions the run allocates by, says they will.
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "adapter.h"
 #include "check.h"
@@ -19,6 +21,7 @@
 #include "hessian.h"
 #include "model.h"
 #include "plan.h"
+#include "st_writer.h"
 #include "util.h"
 
 static const char *fixtures;
@@ -450,6 +453,102 @@ done:
     lm_model_free(base);
 }
 
+// ==== the merge's units =======================================================================
+
+// Runs merge o of fts into base on a simulated device of `budget` bytes, writing into dir, and
+// returns its result (the caller frees it); false when the run failed.
+static bool run_on_sim(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, uint64_t budget,
+                       const char *dir, lm_merge_result *res)
+{
+    lm_err err = {0};
+    lm_dev *sim = NULL;
+    lm_st_writer *w = NULL;
+    lm_st_desc *desc = NULL;
+    int64_t n = 0;
+    bool ok = false;
+    memset(res, 0, sizeof *res);
+    CHECK_OK(lm_rm_rf(dir, &err), &err);
+    CHECK_OK(lm_mkdir_p(dir, &err), &err);
+    CHECK_OK(lm_dev_sim_create(&sim, budget, NULL, 1, &err), &err);
+    CHECK_OK(lm_merge_outputs(o, base, &desc, &n, &err), &err);
+    if (sim && desc)
+        CHECK_OK(lm_st_writer_open(&w, dir, desc, n, 5000000000ull, NULL, &err), &err);
+    if (w) {
+        lm_status s = lm_merge_run(o, sim, base, fts, w, NULL, res, &err);
+        CHECK_OK(s, &err);
+        ok = s == LM_OK;
+        if (ok)
+            CHECK_OK(lm_st_writer_finish(w, &err), &err);
+    }
+    lm_st_writer_free(w);
+    free(desc);
+    lm_dev_free(sim);
+    return ok;
+}
+
+// The plan's sizes of each merge unit are what the run allocates: on a simulated device with
+// room for the placed factors and the largest unit nothing falls back, and with a byte less
+// exactly the units the plan says will not fit do (for several methods, a full FT, a plain
+// LoRA and a DoRA adapter); the plan asks a real simulated device of that budget.
+static void test_units(void)
+{
+    lm_err err = {0};
+    lm_model *base = open_model("base");
+    if (!base)
+        return;
+    const char *names[3] = {"ft_full", "lora_plain", "lora_dora"};
+    lm_ft *fts[3] = {NULL, NULL, NULL};
+    for (int i = 0; i < 3; i++) {
+        char *dir = lm_path_join(fixtures, names[i]);
+        CHECK_OK(lm_ft_open(&fts[i], dir, base, &err), &err);
+        free(dir);
+    }
+    char *out = lm_strfmt("%s/llmerge-test-plan-%d", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());
+    double w[3] = {1, 0.5, 0.75}, d[3] = {0.3, 0.5, 0.2};
+    struct { lm_merge_method m; lm_rescale r; bool global; } runs[] = {
+        {LM_MERGE_TIES, LM_RESCALE_INV, false},
+        {LM_MERGE_TIES, LM_RESCALE_INV, true},
+        {LM_MERGE_DARE_TIES, LM_RESCALE_L1, false},
+        {LM_MERGE_TASK_ARITHMETIC, LM_RESCALE_INV, false},
+    };
+    for (size_t r = 0; out && fts[0] && fts[1] && fts[2] && r < sizeof runs / sizeof runs[0]; r++) {
+        lm_merge_opts o = {.method = runs[r].m, .n_ft = 3, .weights = w, .densities = d, .lambda = 1,
+                           .out_dtype = LM_DTYPE_BF16, .sign = LM_SIGN_SUM, .rescale = runs[r].r,
+                           .topk_global = runs[r].global, .seed = 5, .threads = 1};
+        lm_plan_device big = {.name = "sim:1GiB", .free_bytes = 1ull << 30, .total_bytes = 1ull << 30};
+        lm_plan p;
+        CHECK_OK(lm_plan_make(&p, &o, base, fts, &big, NULL, 5000000000ull, out, &err), &err);
+        if (p.largest < 0) {
+            lm_plan_free(&p);
+            continue;
+        }
+        uint64_t fits = p.placed_bytes + p.tensors[p.largest].dev_bytes;
+        CHECK(p.n_fallback == 0 && p.n_place_fallback == 0 && p.n_merged > 0);
+        lm_plan_free(&p);
+        for (uint64_t budget = fits - 1; budget <= fits; budget++) {
+            lm_plan_device dev = {.name = "sim", .free_bytes = budget, .total_bytes = budget};
+            CHECK_OK(lm_plan_make(&p, &o, base, fts, &dev, NULL, 5000000000ull, out, &err), &err);
+            lm_merge_result res;
+            if (run_on_sim(&o, base, fts, budget, out, &res)) {
+                CHECK_MSG(res.fallback_merge == p.n_fallback && res.fallback_place == p.n_place_fallback,
+                          "%s on %" PRIu64 " bytes: the run fell back %" PRId64 " units and %" PRId64
+                          " adapters, the plan says %" PRId64 " and %d", lm_merge_method_name(o.method), budget,
+                          res.fallback_merge, res.fallback_place, p.n_fallback, p.n_place_fallback);
+                CHECK((budget == fits) == (p.n_fallback == 0));
+                CHECK(res.tensors_on_device == p.n_merged - p.n_fallback);
+            }
+            lm_merge_result_free(&res);
+            lm_plan_free(&p);
+        }
+    }
+    if (out)
+        lm_rm_rf(out, &err);
+    free(out);
+    for (int i = 0; i < 3; i++)
+        lm_ft_free(fts[i]);
+    lm_model_free(base);
+}
+
 int main(void)
 {
     fixtures = getenv("LLMERGE_FIXTURES");
@@ -469,5 +568,6 @@ int main(void)
     test_runner();
     test_point_of();
     test_plan();
+    test_units();
     return check_report("test_plan");
 }
