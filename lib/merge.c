@@ -559,20 +559,6 @@ static lm_status unit_try(engine *e, unit *u)
     return s;
 }
 
-// Undoes a try that ran out of device memory: the engine's counts back to mark m, the unit's
-// own state through u->undo, and the fallback counted and reported.
-static void unit_undo(engine *e, unit *u, const unit_mark *m)
-{
-    rewind_to(e, m);
-    if (u->undo)
-        u->undo(u);
-    if (strcmp(u->phase, "merge") == 0)
-        e->res->fallback_merge++;
-    else
-        e->res->fallback_select++;
-    fell_back(e, u->phase, e->base->tensors[u->idx]->name, 0);
-}
-
 // Runs unit u on the CPU with the CPU's working set (e->cpu_ws, kept for the whole run).
 static lm_status unit_redo(engine *e, unit *u)
 {
@@ -582,29 +568,55 @@ static lm_status unit_redo(engine *e, unit *u)
     return s != LM_OK ? s : u->work(e, u, &e->cpu_ws);
 }
 
-// Runs unit u: on an accelerator, tried there first and, when the device runs out of memory,
-// undone and redone from the start on the CPU; on the CPU device, there. Any other failure
-// stops. *on_device says whether it ran on the accelerator.
+// A unit as lm_fallback_run drives it: the engine, the unit and the engine's counts as they
+// were before the try.
+typedef struct unit_run {
+    engine *e;
+    unit *u;
+    unit_mark *m;
+} unit_run;
+
+static lm_status unit_work(void *ctx, lm_dev *dev, lm_err *err)
+{
+    (void)err;  // the engine's own, e->err
+    unit_run *r = ctx;
+    return dev == r->e->cpu ? unit_redo(r->e, r->u) : unit_try(r->e, r->u);
+}
+
+// Undoes a try that ran out of device memory: the engine's counts back to the mark, the unit's
+// own state through u->undo, and the fallback counted.
+static void unit_undo(void *ctx)
+{
+    unit_run *r = ctx;
+    rewind_to(r->e, r->m);
+    if (r->u->undo)
+        r->u->undo(r->u);
+    if (strcmp(r->u->phase, "merge") == 0)
+        r->e->res->fallback_merge++;
+    else
+        r->e->res->fallback_select++;
+}
+
+// Runs unit u through lm_fallback_run: on an accelerator, tried there first and, when the
+// device runs out of memory, undone and redone from the start on the CPU; on the CPU device,
+// there. Any other failure stops. *on_device says whether it ran on the accelerator.
 lm_status lm_eng_run_unit(engine *e, unit *u, bool *on_device)
 {
     *on_device = false;
     if (e->dev == e->cpu)
         return unit_redo(e, u);
-    double t0 = lm_now();
     unit_mark *m = malloc(sizeof *m + (size_t)e->o->n_ft * sizeof(int64_t));
     if (!m)
         return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
     mark(e, m);
-    lm_status s = unit_try(e, u);
-    if (s != LM_ERR_DEVICE_OOM) {
-        free(m);
-        *on_device = s == LM_OK;
-        return s;
-    }
-    unit_undo(e, u, m);
+    unit_run r = {e, u, m};
+    lm_fallback_unit fu = {.phase = u->phase, .unit = e->base->tensors[u->idx]->name, .work = unit_work,
+                           .undo = unit_undo, .ctx = &r, .say = e->hooks ? e->hooks->fallback : NULL,
+                           .say_ctx = e->hooks ? e->hooks->ctx : NULL};
+    lm_status s = lm_fallback_run(&fu, e->dev, e->cpu, e->err);
     free(m);
-    s = unit_redo(e, u);
-    e->res->fallback_s += lm_now() - t0;
+    *on_device = s == LM_OK && !fu.fell_back;
+    e->res->fallback_s += fu.seconds;
     return s;
 }
 
