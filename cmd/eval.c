@@ -153,7 +153,7 @@ typedef struct eval_run {
 static void run_free(eval_run *r)
 {
     lm_fwd_runner_free(&r->runner);
-    lm_dev_free(r->dev);
+    lm_dev_destroy(r->dev);
     free(r->nll);
     free(r->seqs);
     lm_calib_free(&r->data);

@@ -168,7 +168,7 @@ static void run_free(hess_run *r)
     free(r->desc);
     lm_hess_free(&r->hess);
     lm_fwd_runner_free(&r->runner);
-    lm_dev_free(r->dev);
+    lm_dev_destroy(r->dev);
     free(r->seqs);
     lm_calib_free(&r->data);
     lm_adapter_free(r->adapter);

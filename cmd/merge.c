@@ -99,8 +99,8 @@ static void run_free(merge_run *r)
         lm_ft_free(r->fts[i]);
     free(r->fts);
     lm_model_free(r->base);
-    lm_dev_free(r->dev);
-    lm_dev_free(r->merge_cpu);
+    lm_dev_destroy(r->dev);
+    lm_dev_destroy(r->merge_cpu);
     free(r->weights);
     free(r->densities);
     free(r->args.weights);

@@ -791,7 +791,7 @@ static lm_dev_i make_iface(void)
     i.name = cuda_name;
     i.mem_info = cuda_mem_info;
     i.alloc = cuda_alloc;
-    i.free = cuda_free;
+    i.buf_free = cuda_free;
     i.upload = cuda_upload;
     i.download = cuda_download;
     i.sync = cuda_sync;
@@ -825,7 +825,7 @@ static const lm_dev_i cuda_iface = make_iface();
 
 // Opens CUDA device `ordinal`: checks that it exists, then creates the stream, the staging
 // buffers and their events, the cuBLAS handle and a first scratch buffer. The caller frees the
-// device with lm_dev_free; on failure nothing is left allocated and *out stays NULL.
+// device with lm_dev_destroy; on failure nothing is left allocated and *out stays NULL.
 extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err)
 {
     lm_status status = LM_OK;

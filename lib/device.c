@@ -113,7 +113,7 @@ lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char
     return s;
 }
 
-void lm_dev_free(lm_dev *d)
+void lm_dev_destroy(lm_dev *d)
 {
     if (d)
         d->iface->destroy(d);
@@ -137,10 +137,10 @@ lm_status lm_dev_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
     return d->iface->alloc(d, size, ptr, err);
 }
 
-void lm_dev_release(lm_dev *d, void *ptr)
+void lm_dev_buf_free(lm_dev *d, void *ptr)
 {
     if (ptr)
-        d->iface->free(d, ptr);
+        d->iface->buf_free(d, ptr);
 }
 
 lm_status lm_dev_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)

@@ -109,7 +109,7 @@ typedef struct lm_dev_i {
     const char *(*name)(lm_dev *d);
     void (*mem_info)(lm_dev *d, size_t *free_bytes, size_t *total_bytes);
     lm_status (*alloc)(lm_dev *d, size_t size, void **ptr, lm_err *err);
-    void (*free)(lm_dev *d, void *ptr);
+    void (*buf_free)(lm_dev *d, void *ptr);
     lm_status (*upload)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
     lm_status (*download)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
     lm_status (*sync)(lm_dev *d, lm_err *err);  // optional: no-op
@@ -202,7 +202,7 @@ typedef struct lm_dev_opts {
 // further capped by mem_cap); or "auto": CUDA device 0 when this build has CUDA, the device
 // exists and passes lm_cuda_selftest, else the CPU. When `why` is not NULL it receives one
 // line saying what was chosen and why (for auto) or what was opened. Unknown, malformed or
-// unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_free.
+// unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_destroy.
 lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char *why, size_t why_size,
                       lm_err *err);
 
@@ -227,16 +227,18 @@ lm_status lm_dev_sim_create(lm_dev **out, uint64_t budget, const char *fail, int
 // or driver is LM_ERR_USAGE naming it.
 lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err);
 
-// Releases the device and everything it holds; safe on NULL.
-void lm_dev_free(lm_dev *d);
+// Destroys the device: frees every buffer and all state it holds, and the device itself; safe
+// on NULL.
+void lm_dev_destroy(lm_dev *d);
 
 const char *lm_dev_name(lm_dev *d);
 void lm_dev_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes);
 
 // Allocates `size` bytes of device memory into *ptr. LM_ERR_DEVICE_OOM when it does not fit
-// (the message names the size and the device), never an abort. Free with lm_dev_release.
+// (the message names the size and the device), never an abort. Free with lm_dev_buf_free.
 lm_status lm_dev_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err);
-void lm_dev_release(lm_dev *d, void *ptr);
+// Frees a buffer lm_dev_alloc gave (d keeps running); safe on NULL.
+void lm_dev_buf_free(lm_dev *d, void *ptr);
 
 // Copies n bytes host → device (upload) or device → host (download).
 lm_status lm_dev_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);

@@ -35,7 +35,7 @@ typedef struct sim_ctx {
     enum { FAIL_NONE, FAIL_ALLOC, FAIL_LAUNCH } fail;  // the fault switch
     uint64_t fail_at;       // its N
     uint64_t allocs, ops;   // calls so far, for the fault switch
-    const void *bad_free;   // a pointer lm_dev_release was given that is no sim buffer
+    const void *bad_free;   // a pointer lm_dev_buf_free was given that is no sim buffer
     const char *op;         // the operation being checked, for messages
     char name[32];
 } sim_ctx;
@@ -116,7 +116,7 @@ static void sim_destroy(lm_dev *d)
         for (size_t i = 0; i < c->n_bufs; i++)
             free(c->bufs[i].p);
         free(c->bufs);
-        lm_dev_free(c->cpu);
+        lm_dev_destroy(c->cpu);
     }
     free(c);
     free(d);
@@ -446,7 +446,7 @@ static const lm_dev_i sim_iface = {
     .name = sim_name,
     .mem_info = sim_mem_info,
     .alloc = sim_alloc,
-    .free = sim_free,
+    .buf_free = sim_free,
     .upload = sim_upload,
     .download = sim_download,
     .sync = sim_sync,

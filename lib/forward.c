@@ -135,8 +135,8 @@ void lm_fwd_free(lm_fwd *f)
     if (!f)
         return;
     for (int64_t i = 0; i < f->n_owned; i++)
-        lm_dev_release(f->dev, f->owned[i]);
-    lm_dev_release(f->dev, f->arena);
+        lm_dev_buf_free(f->dev, f->owned[i]);
+    lm_dev_buf_free(f->dev, f->arena);
     free(f->owned);
     free(f->layers);
     free(f->host_ints);
@@ -309,8 +309,8 @@ typedef struct dora_scratch {
 static void dora_scratch_free(dora_scratch *x)
 {
     if (x->d) {
-        lm_dev_release(x->d, x->blk);
-        lm_dev_release(x->d, x->fac);
+        lm_dev_buf_free(x->d, x->blk);
+        lm_dev_buf_free(x->d, x->fac);
     }
     free(x->w);
     free(x->sum);
@@ -573,7 +573,7 @@ static lm_status put_embedding(fwd_loader *L, const lm_arch_desc *desc, lm_err *
             s = put_host(f, b, hidden * r, &f->emb_b, err);
         f->embed_scaled = true;
     }
-    lm_dev_release(f->dev, eb);
+    lm_dev_buf_free(f->dev, eb);
     free(a);
     free(at);
     free(b);
@@ -788,7 +788,7 @@ static lm_status arena_reserve(lm_fwd *f, int64_t tokens, lm_err *err)
 {
     if (f->arena && tokens <= f->arena_tokens)
         return LM_OK;
-    lm_dev_release(f->dev, f->arena);
+    lm_dev_buf_free(f->dev, f->arena);
     f->arena = NULL;
     f->arena_tokens = 0;
     free(f->host_ints);
@@ -1040,7 +1040,7 @@ void lm_fwd_runner_free(lm_fwd_runner *r)
 {
     lm_fwd_free(r->on_dev);
     lm_fwd_free(r->on_cpu);
-    lm_dev_free(r->cpu);
+    lm_dev_destroy(r->cpu);
     r->on_dev = r->on_cpu = NULL;
     r->cpu = NULL;
 }

@@ -22,7 +22,7 @@ void lm_hess_free(lm_hess *h)
     int64_t n = h->n_layers * LM_FWD_N_POINTS;
     for (int64_t i = 0; i < n; i++) {
         if (h->on_dev && h->on_dev[i])
-            lm_dev_release(h->dev, h->on_dev[i]);
+            lm_dev_buf_free(h->dev, h->on_dev[i]);
         if (h->on_host)
             free(h->on_host[i]);
     }
@@ -32,7 +32,7 @@ void lm_hess_free(lm_hess *h)
     free(h->host_upper);
     free(h->dev_fresh);
     free(h->stage);
-    lm_dev_free(h->cpu);
+    lm_dev_destroy(h->cpu);
     memset(h, 0, sizeof *h);
 }
 
@@ -333,7 +333,7 @@ void lm_hess_release(lm_hess *h, int64_t layer, lm_fwd_point p)
     if (!h->on_dev || !h->on_host || layer < 0 || layer >= h->n_layers)
         return;
     if (h->on_dev[i]) {
-        lm_dev_release(h->dev, h->on_dev[i]);
+        lm_dev_buf_free(h->dev, h->on_dev[i]);
         h->on_dev[i] = NULL;
         h->dev_bytes -= acc_bytes(h, p);
     }
@@ -376,8 +376,8 @@ static lm_status potrf_on(lm_dev *dev, double *A, size_t n, double *diag, lm_err
         s = lm_dev_potrf(dev, dA, (int64_t)n, dd, err);
     if (s == LM_OK)
         s = lm_dev_download(dev, diag, dd, n * sizeof *dd, err);
-    lm_dev_release(dev, dA);
-    lm_dev_release(dev, dd);
+    lm_dev_buf_free(dev, dA);
+    lm_dev_buf_free(dev, dd);
     return s;
 }
 

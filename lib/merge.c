@@ -590,7 +590,7 @@ static lm_status place_residents(engine *e)
             rd->b_off = rs->b_off;
             continue;
         }
-        lm_dev_release(e->dev, rd->data);
+        lm_dev_buf_free(e->dev, rd->data);
         rd->data = NULL;
         if (s != LM_ERR_DEVICE_OOM)
             return lm_err_prefix(e->err, "%s: placing the LoRA factors on %s", e->fts[i]->path, lm_dev_name(e->dev));
@@ -656,7 +656,7 @@ static lm_status load_magnitude(engine *e, const part *p)
         return LM_OK;
     const lm_st_tensor *mt = p->mod->magnitude;
     if (mt->numel > e->ws->mag_cap) {
-        lm_dev_release(e->ws->dev, e->ws->mag_buf);
+        lm_dev_buf_free(e->ws->dev, e->ws->mag_buf);
         e->ws->mag_buf = NULL;
         e->ws->mag_cap = 0;
         lm_status s = lm_dev_alloc(e->ws->dev, (size_t)mt->numel * sizeof(float), (void **)&e->ws->mag_buf, e->err);
@@ -1532,15 +1532,15 @@ static void ws_release(engine *e, wset *w)
 {
     if (!w->dev)
         return;
-    lm_dev_release(w->dev, w->base_buf);
+    lm_dev_buf_free(w->dev, w->base_buf);
     for (int i = 0; w->tau_buf && i < e->o->n_ft; i++)
-        lm_dev_release(w->dev, w->tau_buf[i]);
-    lm_dev_release(w->dev, w->stage_dev);
-    lm_dev_release(w->dev, w->out_dev);
-    lm_dev_release(w->dev, w->mag_buf);
+        lm_dev_buf_free(w->dev, w->tau_buf[i]);
+    lm_dev_buf_free(w->dev, w->stage_dev);
+    lm_dev_buf_free(w->dev, w->out_dev);
+    lm_dev_buf_free(w->dev, w->mag_buf);
     for (int i = 0; w->key_buf && i < e->o->n_ft; i++) {
-        lm_dev_release(w->dev, w->key_buf[i]);
-        lm_dev_release(w->dev, w->ucc2_buf[i]);
+        lm_dev_buf_free(w->dev, w->key_buf[i]);
+        lm_dev_buf_free(w->dev, w->ucc2_buf[i]);
     }
     float **keep = w->tau_buf, **keys = w->key_buf;
     double **ucc2 = w->ucc2_buf;
@@ -1923,9 +1923,9 @@ static void engine_free(engine *e)
     free(e->keep_vals);
     free(e->keep_caps);
     for (int i = 0; e->res_dev && i < e->o->n_ft; i++)
-        lm_dev_release(e->dev, e->res_dev[i].data);
+        lm_dev_buf_free(e->dev, e->res_dev[i].data);
     for (int i = 0; e->res_cpu && i < e->o->n_ft; i++) {
-        lm_dev_release(e->cpu, e->res_cpu[i].data);
+        lm_dev_buf_free(e->cpu, e->res_cpu[i].data);
         free(e->res_cpu[i].a_off);
         free(e->res_cpu[i].b_off);
     }
@@ -1936,7 +1936,7 @@ static void engine_free(engine *e)
     free(e->counted);
     free(e->in);
     if (e->cpu != e->dev)
-        lm_dev_free(e->cpu);
+        lm_dev_destroy(e->cpu);
 }
 
 // The largest slab any tensor needs: a slab is whole rows, at most slab_elems elements unless

@@ -646,7 +646,7 @@ static void test_side(lm_dev *d1, lm_dev *d3, const inputs *in)
                                             &err),
                     LM_ERR_UNSUPPORTED, "no fused dense operations", &err);
         CHECK_MSG(ran == 1, "a device without the operation ran the caller's work %d times", ran);
-        lm_dev_free(sim);
+        lm_dev_destroy(sim);
     }
     free(want);
     free(got);
@@ -665,7 +665,7 @@ static void test_refusals(void)
     lm_dev_combine_how how = {.sign = LM_DEV_SIGN_SUM, .normalize = true, .lambda = 1.0f};
     CHECK_FAILS(lm_dev_dense_merge(sim, out, LM_DTYPE_BF16, base, LM_DTYPE_BF16, &p, 1, 4, how, &err),
                 LM_ERR_UNSUPPORTED, "no fused dense operations", &err);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
 }
 
 int main(void)
@@ -689,7 +689,7 @@ int main(void)
     test_counts(d1, d3, &in);
     test_refusals();
     free_inputs(&in);
-    lm_dev_free(d1);
-    lm_dev_free(d3);
+    lm_dev_destroy(d1);
+    lm_dev_destroy(d3);
     return check_report("test_dense");
 }

@@ -412,7 +412,7 @@ static void *put(harness *h, const void *src, size_t bytes)
         s = lm_dev_upload(h->dev, p, src, bytes, &h->err);
         CHECK_MSG(s == LM_OK, "upload of %zu bytes to %s: %s", bytes, lm_dev_name(h->dev), h->err.msg);
         if (s != LM_OK) {
-            lm_dev_release(h->dev, p);
+            lm_dev_buf_free(h->dev, p);
             p = NULL;
         }
     }
@@ -509,8 +509,8 @@ static void h_convert(harness *h, int64_t n)
         if (ddst && dsrc && DEV_OK(h, lm_dev_to_f32(h->dev, ddst, dsrc, in[t], n, &h->err)) &&
             get(h, got, ddst, (size_t)n * 4))
             CHECK_MSG(same_bits(got, want, n), "%s on %s is not bit-identical", what, lm_dev_name(h->dev));
-        lm_dev_release(h->dev, ddst);
-        lm_dev_release(h->dev, dsrc);
+        lm_dev_buf_free(h->dev, ddst);
+        lm_dev_buf_free(h->dev, dsrc);
     }
 
     // from_f32 to every writable dtype, rounding bit-identical to the CPU's
@@ -525,8 +525,8 @@ static void h_convert(harness *h, int64_t n)
             get(h, gbytes, ddst, obytes))
             CHECK_MSG(memcmp(gbytes, wbytes, obytes) == 0, "%s on %s is not bit-identical", what,
                       lm_dev_name(h->dev));
-        lm_dev_release(h->dev, dx);
-        lm_dev_release(h->dev, ddst);
+        lm_dev_buf_free(h->dev, dx);
+        lm_dev_buf_free(h->dev, ddst);
     }
 
     // dtypes llmerge does not compute with are refused with a status naming them
@@ -536,7 +536,7 @@ static void h_convert(harness *h, int64_t n)
         CHECK_FAILS(lm_dev_from_f32(h->dev, dbuf, LM_DTYPE_F64, dbuf, n, &h->err), LM_ERR_UNSUPPORTED, "F64",
                     &h->err);
     }
-    lm_dev_release(h->dev, dbuf);
+    lm_dev_buf_free(h->dev, dbuf);
     free(x);
     free(want);
     free(got);
@@ -576,9 +576,9 @@ static void h_gemm(harness *h, int64_t m, int64_t n, int64_t k, float alpha, flo
                 CHECK_MSG(pad_changed == 0, "%s on %s wrote into %lld rows' padding", what, lm_dev_name(h->dev),
                           (long long)pad_changed);
             }
-            lm_dev_release(h->dev, da);
-            lm_dev_release(h->dev, db);
-            lm_dev_release(h->dev, dc);
+            lm_dev_buf_free(h->dev, da);
+            lm_dev_buf_free(h->dev, db);
+            lm_dev_buf_free(h->dev, dc);
             free(a);
             free(b);
             free(c0);
@@ -608,8 +608,8 @@ static void h_syrk(harness *h, int64_t n, int64_t k, float alpha, float beta)
         if (da && dc && DEV_OK(h, lm_dev_syrk(h->dev, n, k, alpha, da, lda, beta, mirror, dc, ldc, &h->err)) &&
             get(h, got, dc, nc * 4))
             check_close(h, ST_GEMM, what, got, want, (int64_t)nc, 1e-5);
-        lm_dev_release(h->dev, da);
-        lm_dev_release(h->dev, dc);
+        lm_dev_buf_free(h->dev, da);
+        lm_dev_buf_free(h->dev, dc);
     }
     free(a);
     free(c0);
@@ -667,8 +667,8 @@ static void h_potrf(harness *h, int64_t n)
     a[(n / 2) * n + n / 2] = -1.0;
     if (da && n > 1 && lm_dev_upload(h->dev, da, a, nn * 8, &h->err) == LM_OK)
         CHECK_FAILS(lm_dev_potrf(h->dev, da, n, dd, &h->err), LM_ERR_FORMAT, "not positive definite", &h->err);
-    lm_dev_release(h->dev, da);
-    lm_dev_release(h->dev, dd);
+    lm_dev_buf_free(h->dev, da);
+    lm_dev_buf_free(h->dev, dd);
     free(a);
     free(want);
     free(got);
@@ -707,9 +707,9 @@ static void h_delta(harness *h, int64_t n)
         if (dt && db && ds && DEV_OK(h, lm_dev_delta(h->dev, dt, ds, in[t], db, n, &h->err)) &&
             get(h, got, dt, (size_t)n * 4))
             CHECK_MSG(same_bits(got, want, n), "%s on %s is not bit-identical", what, lm_dev_name(h->dev));
-        lm_dev_release(h->dev, dt);
-        lm_dev_release(h->dev, db);
-        lm_dev_release(h->dev, ds);
+        lm_dev_buf_free(h->dev, dt);
+        lm_dev_buf_free(h->dev, db);
+        lm_dev_buf_free(h->dev, ds);
     }
     free(base);
     free(want);
@@ -736,8 +736,8 @@ static void h_axpby(harness *h, int64_t n)
     CHECK_OK(lm_dev_axpby(h->cpu, x, 3.5f, x, 0.0f, n, &h->err), &h->err);
     if (dx && DEV_OK(h, lm_dev_axpby(h->dev, dx, 3.5f, dx, 0.0f, n, &h->err)) && get(h, got, dx, (size_t)n * 4))
         check_close(h, ST_AXPBY, what, got, x, n, 1e-5);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dy);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dy);
     free(x);
     free(y);
     free(got);
@@ -759,9 +759,9 @@ static void h_dora(harness *h, int64_t rows, int64_t cols)
     if (dt && db && dm && DEV_OK(h, lm_dev_dora_rows(h->dev, dt, db, dm, rows, cols, &h->err)) &&
         get(h, got, dt, n * 4))
         check_close(h, ST_DORA, what, got, tau, (int64_t)n, 1e-5);
-    lm_dev_release(h->dev, dt);
-    lm_dev_release(h->dev, db);
-    lm_dev_release(h->dev, dm);
+    lm_dev_buf_free(h->dev, dt);
+    lm_dev_buf_free(h->dev, db);
+    lm_dev_buf_free(h->dev, dm);
     free(tau);
     free(base);
     free(mag);
@@ -941,10 +941,10 @@ static void h_by_key(harness *h, int64_t n)
         get(h, got, dkey, (size_t)(rows * cols) * 4))
         CHECK_MSG(same_bits(got, want, rows * cols), "importance on %s, %lld x %lld", lm_dev_name(h->dev),
                   (long long)rows, (long long)cols);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dk);
-    lm_dev_release(h->dev, du);
-    lm_dev_release(h->dev, dkey);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dk);
+    lm_dev_buf_free(h->dev, du);
+    lm_dev_buf_free(h->dev, dkey);
     free(x);
     free(key);
     free(want);
@@ -962,7 +962,7 @@ static void h_select(harness *h, int64_t n)
         h_topk(h, x, dx, n);
         h_drop_l1(h, x, dx, n);
     }
-    lm_dev_release(h->dev, dx);
+    lm_dev_buf_free(h->dev, dx);
     free(x);
 }
 
@@ -1006,11 +1006,11 @@ static void h_combine(harness *h, int64_t n)
                                  0.8f, &h->err)) && get(h, got, dbase, (size_t)n * 4))
         check_close(h, ST_COMBINE, what, got, base, n, 1e-5);
     for (int i = 0; i < KMAX; i++) {
-        lm_dev_release(h->dev, dt[i]);
+        lm_dev_buf_free(h->dev, dt[i]);
         free(t[i]);
     }
-    lm_dev_release(h->dev, dbase);
-    lm_dev_release(h->dev, dout);
+    lm_dev_buf_free(h->dev, dbase);
+    lm_dev_buf_free(h->dev, dout);
     free(base);
     free(want);
     free(got);
@@ -1055,10 +1055,10 @@ static void h_gather_add(harness *h, int64_t rows, int64_t cols)
         CHECK_MSG(differ == 0, "%s on %s: %lld sums differ from the CPU's", what, lm_dev_name(h->dev),
                   (long long)differ);
     }
-    lm_dev_release(h->dev, dt);
-    lm_dev_release(h->dev, dout);
-    lm_dev_release(h->dev, db);
-    lm_dev_release(h->dev, dids);
+    lm_dev_buf_free(h->dev, dt);
+    lm_dev_buf_free(h->dev, dout);
+    lm_dev_buf_free(h->dev, db);
+    lm_dev_buf_free(h->dev, dids);
     free(table);
     free(want);
     free(got);
@@ -1090,9 +1090,9 @@ static void h_rmsnorm(harness *h, int64_t rows, int64_t cols)
     if (dx && dw && DEV_OK(h, lm_dev_rmsnorm(h->dev, dx, dx, dw, rows, cols, 1e-5f, &h->err)) &&
         get(h, got, dx, (size_t)n * 4))
         check_close(h, ST_RMSNORM, what, got, want, n, 1e-5);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dw);
-    lm_dev_release(h->dev, dout);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dw);
+    lm_dev_buf_free(h->dev, dout);
     free(x);
     free(w);
     free(want);
@@ -1120,9 +1120,9 @@ static void h_rope(harness *h, int64_t rows, int64_t heads, int64_t head_dim)
     if (dx && dinv && dpos && DEV_OK(h, lm_dev_rope(h->dev, dx, rows, heads, head_dim, dpos, dinv, &h->err)) &&
         get(h, got, dx, (size_t)n * 4))
         check_close(h, ST_ROPE, what, got, x, n, 1e-5);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dinv);
-    lm_dev_release(h->dev, dpos);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dinv);
+    lm_dev_buf_free(h->dev, dpos);
     free(x);
     free(got);
     free(inv);
@@ -1168,11 +1168,11 @@ static void h_attention(harness *h, const int64_t *lens, int n_seqs, int64_t hea
                                    &h->err)) &&
         get(h, got, dout, (size_t)nq * 4))
         check_close(h, ST_ATTENTION, what, got, want, nq, 1e-5);
-    lm_dev_release(h->dev, dq);
-    lm_dev_release(h->dev, dk);
-    lm_dev_release(h->dev, dv);
-    lm_dev_release(h->dev, dout);
-    lm_dev_release(h->dev, dstart);
+    lm_dev_buf_free(h->dev, dq);
+    lm_dev_buf_free(h->dev, dk);
+    lm_dev_buf_free(h->dev, dv);
+    lm_dev_buf_free(h->dev, dout);
+    lm_dev_buf_free(h->dev, dstart);
     free(q);
     free(k);
     free(v);
@@ -1195,8 +1195,8 @@ static void h_silu(harness *h, int64_t n)
     snprintf(what, sizeof what, "silu_mul n=%lld", (long long)n);
     if (dg && du && DEV_OK(h, lm_dev_silu_mul(h->dev, dg, du, n, &h->err)) && get(h, got, dg, (size_t)n * 4))
         check_close(h, ST_SILU, what, got, g, n, 1e-5);
-    lm_dev_release(h->dev, dg);
-    lm_dev_release(h->dev, du);
+    lm_dev_buf_free(h->dev, dg);
+    lm_dev_buf_free(h->dev, du);
     free(g);
     free(u);
     free(got);
@@ -1228,9 +1228,9 @@ static void h_nll(harness *h, int64_t rows, int64_t cols)
     if (dx && dnll && dtg && DEV_OK(h, lm_dev_nll_rows(h->dev, dnll, dx, dtg, rows, cols, &h->err)) &&
         get(h, got, dnll, (size_t)rows * 4))
         check_close(h, ST_NLL, what, got, want, rows, 1e-5);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dnll);
-    lm_dev_release(h->dev, dtg);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dnll);
+    lm_dev_buf_free(h->dev, dtg);
     free(x);
     free(want);
     free(got);
@@ -1265,7 +1265,7 @@ static void forward_against_cpu(harness *h)
     if (d)
         CHECK_FAILS(lm_dev_attention(h->dev, d, d, d, d, (int32_t *)(void *)d, 1, 3, 2, 1, 1.0f, &h->err),
                     LM_ERR_USAGE, "multiple", &h->err);
-    lm_dev_release(h->dev, d);
+    lm_dev_buf_free(h->dev, d);
 #ifdef LLMERGE_HAVE_CUDA
     // the CUDA kernel's limit: the largest head_dim runs, one more is refused, not a crash
     if (strncmp(lm_dev_name(h->dev), "cuda", 4) == 0) {
@@ -1277,8 +1277,8 @@ static void forward_against_cpu(harness *h)
         if (big && dz)
             CHECK_FAILS(lm_dev_attention(h->dev, big, big, big, big, dz, 1, 1, 1, hd, 1.0f, &h->err),
                         LM_ERR_UNSUPPORTED, "attention with head_dim", &h->err);
-        lm_dev_release(h->dev, big);
-        lm_dev_release(h->dev, dz);
+        lm_dev_buf_free(h->dev, big);
+        lm_dev_buf_free(h->dev, dz);
     }
 #endif
 }
@@ -1332,7 +1332,7 @@ static void test_against_cpu(lm_dev *dev)
     for (int op = 0; op < ST_COUNT; op++)
         printf("test_against_cpu(%s): %s: %lld of %lld values bit-identical to the CPU's, worst relative error %g\n",
                name, st_names[op], (long long)h.st[op].exact, (long long)h.st[op].compared, h.st[op].worst);
-    lm_dev_free(h.cpu);
+    lm_dev_destroy(h.cpu);
 }
 
 // ==== the sim device ==========================================================================
@@ -1358,17 +1358,17 @@ static void test_sim_budget(void)
     lm_dev_mem_info(d, &fr, &tot);
     CHECK(fr == 0 && tot == (1 << 20));
     CHECK_FAILS(lm_dev_alloc(d, 1, &c, &err), LM_ERR_DEVICE_OOM, "out of memory allocating 1 B", &err);
-    lm_dev_release(d, a);  // freeing gives the bytes back
+    lm_dev_buf_free(d, a);  // freeing gives the bytes back
     lm_dev_mem_info(d, &fr, &tot);
     CHECK(fr == (600 << 10) && tot == (1 << 20));
     CHECK_OK(lm_dev_alloc(d, 500 << 10, &c, &err), &err);
     CHECK_FAILS(lm_dev_alloc(d, SIZE_MAX, &a, &err), LM_ERR_DEVICE_OOM, "out of memory", &err);
     CHECK(a == NULL);
-    lm_dev_release(d, b);
-    lm_dev_release(d, c);
+    lm_dev_buf_free(d, b);
+    lm_dev_buf_free(d, c);
     lm_dev_mem_info(d, &fr, &tot);
     CHECK(fr == tot && tot == (1 << 20));
-    lm_dev_free(d);
+    lm_dev_destroy(d);
 }
 
 static void test_sim_open(void)
@@ -1383,16 +1383,16 @@ static void test_sim_open(void)
         lm_dev_mem_info(d, &fr, &tot);
         CHECK(tot == 65536 && fr == tot && !d->host_memory && d->threads == 2);
         CHECK(strcmp(lm_dev_name(d), "sim:64KiB") == 0 && strcmp(why, "sim:64KiB") == 0);
-        lm_dev_free(d);
+        lm_dev_destroy(d);
     }
     d = NULL;
     CHECK_OK(lm_dev_open(&d, "sim:1.5GiB", &o, NULL, 0, &err), &err);
     CHECK(d && strcmp(lm_dev_name(d), "sim:1536MiB") == 0);
-    lm_dev_free(d);
+    lm_dev_destroy(d);
     d = NULL;
     CHECK_OK(lm_dev_open(&d, "sim:1000", &o, NULL, 0, &err), &err);
     CHECK(d && strcmp(lm_dev_name(d), "sim:1000") == 0);
-    lm_dev_free(d);
+    lm_dev_destroy(d);
     d = NULL;
     CHECK_FAILS(lm_dev_open(&d, "sim:0", &o, NULL, 0, &err), LM_ERR_USAGE, "sim:0", &err);
     CHECK(d == NULL);
@@ -1409,7 +1409,7 @@ static void test_sim_open(void)
         CHECK(tot == (1 << 20) && strcmp(lm_dev_name(d), "sim:1MiB") == 0);
         void *p = NULL;
         CHECK_FAILS(lm_dev_alloc(d, (1 << 20) + 1, &p, &err), LM_ERR_DEVICE_OOM, "sim:1MiB: out of memory", &err);
-        lm_dev_free(d);
+        lm_dev_destroy(d);
     }
 }
 
@@ -1426,9 +1426,9 @@ static void test_sim_faults(void)
                     "sim: injected failure of allocation 2 (LLMERGE_SIM_FAIL=alloc:2)", &err);
         CHECK(p2 == NULL);
         CHECK_OK(lm_dev_alloc(d, 64, &p3, &err), &err);  // only the second
-        lm_dev_release(d, p1);
-        lm_dev_release(d, p3);
-        lm_dev_free(d);
+        lm_dev_buf_free(d, p1);
+        lm_dev_buf_free(d, p3);
+        lm_dev_destroy(d);
     }
 
     // operations count copies and syncs too: upload, l1, then the third fails
@@ -1445,8 +1445,8 @@ static void test_sim_faults(void)
         CHECK_FAILS(lm_dev_sync(d, &err), LM_ERR_DEVICE, "sim: injected failure of operation 3", &err);
         CHECK(strstr(err.msg, "LLMERGE_SIM_FAIL=launch:3") != NULL);
         CHECK_OK(lm_dev_download(d, host, x, sizeof host, &err), &err);
-        lm_dev_release(d, x);
-        lm_dev_free(d);
+        lm_dev_buf_free(d, x);
+        lm_dev_destroy(d);
     }
 
     const char *bad[] = {"alloc", "launch:0", "boom:1", "alloc:", "alloc:2x", "launch:-1",
@@ -1458,11 +1458,11 @@ static void test_sim_faults(void)
         snprintf(want, sizeof want, "LLMERGE_SIM_FAIL=%s", bad[i]);
         CHECK_FAILS(lm_dev_open(&d, "sim:1MiB", &o, NULL, 0, &err), LM_ERR_USAGE, want, &err);
         CHECK(d == NULL);
-        lm_dev_free(d);
+        lm_dev_destroy(d);
     }
     o.sim_fail = "";
     CHECK_OK(lm_dev_open(&d, "sim:1MiB", &o, NULL, 0, &err), &err);
-    lm_dev_free(d);
+    lm_dev_destroy(d);
 }
 
 // Memory that is not a live sim buffer, or not all of it, is refused before anything is touched.
@@ -1479,7 +1479,7 @@ static void test_sim_foreign(void)
     CHECK_OK(lm_dev_alloc(d, sizeof host, (void **)&x, &err), &err);
     CHECK_OK(lm_dev_alloc(d, sizeof host, (void **)&y, &err), &err);
     if (!x || !y) {
-        lm_dev_free(d);
+        lm_dev_destroy(d);
         return;
     }
     CHECK_OK(lm_dev_upload(d, x, host, sizeof host, &err), &err);
@@ -1538,7 +1538,7 @@ static void test_sim_foreign(void)
     if (dhist)
         CHECK_FAILS(lm_dev_hist_abs(d, dhist, x, 16, 0, 0, &err), LM_ERR_DEVICE,
                     "sim: hist_abs was given a sim buffer where host memory belongs (hist:", &err);
-    lm_dev_release(d, dhist);
+    lm_dev_buf_free(d, dhist);
     CHECK_FAILS(lm_dev_l1(d, x, 16, (double *)(void *)(y + 2), &err), LM_ERR_DEVICE, "(out:", &err);
     CHECK_FAILS(lm_dev_topk_apply(d, x, 16, 0, 3, (int64_t *)(void *)y, &err), LM_ERR_DEVICE, "(ties_used:", &err);
     CHECK_FAILS(lm_dev_upload(d, x, y, sizeof host, &err), LM_ERR_DEVICE, "(src:", &err);
@@ -1560,15 +1560,15 @@ static void test_sim_foreign(void)
     CHECK(memcmp(host, copy, sizeof host) == 0);
 
     // a released buffer is no longer the device's; releasing a host pointer fails the next call
-    lm_dev_release(d, y);
+    lm_dev_buf_free(d, y);
     CHECK_FAILS(lm_dev_l1(d, y, 16, &l1, &err), LM_ERR_DEVICE, nots, &err);
     y = NULL;
-    lm_dev_release(d, host);
+    lm_dev_buf_free(d, host);
     CHECK_FAILS(lm_dev_l1(d, x, 16, &l1, &err), LM_ERR_DEVICE, "an earlier release was given", &err);
     CHECK_OK(lm_dev_l1(d, x, 16, &l1, &err), &err);
     CHECK(l1 == 64);
-    lm_dev_release(d, x);
-    lm_dev_free(d);
+    lm_dev_buf_free(d, x);
+    lm_dev_destroy(d);
 }
 
 // Destroying the device frees what callers left (AddressSanitizer's leak check would report
@@ -1607,7 +1607,7 @@ static void test_sim_teardown(void)
     float x = 0.0f;
     CHECK_FAILS(lm_dev_to_f32_count(d, p[0], &x, LM_DTYPE_F32, 1, &nf, &err), LM_ERR_UNSUPPORTED,
                 "no counting conversions", &err);
-    lm_dev_free(d);
+    lm_dev_destroy(d);
 }
 
 int main(void)
@@ -1635,15 +1635,15 @@ int main(void)
     test_syrk(d1, d3);
     test_dora(d3);
     test_combine(d1, d3);
-    lm_dev_free(d1);
-    lm_dev_free(d3);
+    lm_dev_destroy(d1);
+    lm_dev_destroy(d3);
 
     lm_dev *sim = NULL;
     lm_dev_opts os = {.threads = 3};
     CHECK_OK(lm_dev_open(&sim, "sim:1GiB", &os, NULL, 0, &err), &err);
     if (sim)
         test_against_cpu(sim);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
     const char *spec = getenv("LLMERGE_TEST_DEVICE");
     if (spec && *spec) {
         lm_dev *dev = NULL;
@@ -1653,7 +1653,7 @@ int main(void)
             printf("LLMERGE_TEST_DEVICE=%s: %s\n", spec, why);
             test_against_cpu(dev);
         }
-        lm_dev_free(dev);
+        lm_dev_destroy(dev);
     }
 #ifdef LLMERGE_HAVE_CUDA
     // the CUDA backend's libraries, opened as a device opens them: every function it looks up

@@ -300,7 +300,7 @@ static void test_batches_and_devices(lm_dev *cpu)
     uint64_t A_long = f ? lm_fwd_arena_bytes(f, longest) : 0, A_short = f ? lm_fwd_arena_bytes(f, longest - 1) : 0;
     uint64_t A_one = f ? lm_fwd_arena_bytes(f, 1) : 0;
     lm_fwd_free(f);
-    lm_dev_free(big);
+    lm_dev_destroy(big);
     const lm_config *cfg = &m->config;
     uint64_t per_layer = 4 * (uint64_t)(2 * cfg->hidden_size * cfg->hidden_size +
                                         (cfg->num_attention_heads * cfg->head_dim) * (cfg->num_attention_heads * cfg->head_dim) +
@@ -349,7 +349,7 @@ static void test_batches_and_devices(lm_dev *cpu)
         size_t fr = 0, tot = 0;
         lm_dev_mem_info(sim, &fr, &tot);
         CHECK_MSG(fr == tot, "sim, %s: %llu bytes left allocated", cases[k].what, (unsigned long long)(tot - fr));
-        lm_dev_free(sim);
+        lm_dev_destroy(sim);
     }
 
     // a device failure that is not out of memory stops the capture, naming what failed
@@ -367,7 +367,7 @@ static void test_batches_and_devices(lm_dev *cpu)
         size_t fr = 0, tot = 0;
         lm_dev_mem_info(sim, &fr, &tot);
         CHECK_MSG(fr == tot, "%s: %llu bytes left allocated", fail, (unsigned long long)(tot - fr));
-        lm_dev_free(sim);
+        lm_dev_destroy(sim);
     }
     hset_free(&packed);
     free_seqs(&q);
@@ -467,7 +467,7 @@ static void test_finishing(void)
     h.n_tokens = 0;
     CHECK(lm_hess_get(&h, 0, LM_FWD_ATTN_IN, NULL, &err) == LM_ERR_USAGE);
     lm_hess_free(&h);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
 }
 
 // What lm_hess_ucc2_model hands its `each` callback.
@@ -771,7 +771,7 @@ static void test_ucc2_devices(void)
                     LM_ERR_FORMAT, "model.layers.0.self_attn.q_proj: the damped Hessian (48 x 48) is not positive "
                     "definite", &err);
         H[7 * N + 7] = bad;
-        lm_dev_free(sim);
+        lm_dev_destroy(sim);
     }
     // the device LLMERGE_TEST_DEVICE names (cuda on a GPU machine): its own factorisation,
     // which agrees with LAPACK's to double rounding
@@ -788,7 +788,7 @@ static void test_ucc2_devices(void)
                   seen.text);
         printf("U_cc² on %s: max relative difference from LAPACK's %.2e\n", spec, worst);
     }
-    lm_dev_free(dev);
+    lm_dev_destroy(dev);
 }
 
 static void test_importance(void)
@@ -869,6 +869,6 @@ int main(void)
         test_ucc2_blocks();
         test_ucc2_devices();
     }
-    lm_dev_free(cpu);
+    lm_dev_destroy(cpu);
     return check_report("test_hessian");
 }

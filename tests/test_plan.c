@@ -147,8 +147,8 @@ static void check_accumulators(const lm_model *m, uint64_t budget, uint64_t take
         all += (uint64_t)h.dim[i % LM_FWD_N_POINTS] * (uint64_t)h.dim[i % LM_FWD_N_POINTS] * sizeof(float);
     CHECK(p.dev_bytes + p.host_bytes == all);
     lm_hess_free(&h);
-    lm_dev_release(sim, hold);
-    lm_dev_free(sim);
+    lm_dev_buf_free(sim, hold);
+    lm_dev_destroy(sim);
 }
 
 static void test_accumulators(void)
@@ -284,7 +284,7 @@ static void check_capture(const char *label, const lm_model *m, const lm_adapter
     CHECK_OK(lm_hess_ucc2_model(m, a, sim, label, seqs, n, 2, 0.01, sticky, on_line, &got, NULL, NULL, &ucc2,
                                 &n_ucc2, &err), &err);
     lm_hess_ucc2_free(ucc2, n_ucc2);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
     // the sticky line comes after the sequence that set it; compare the sets in order
     CHECK_MSG(strcmp(want.text, got.text) == 0, "%s on sim:%" PRIu64 "%s: the plan predicted\n%s-- the capture "
               "reported\n%s--", label, budget, sticky ? " (sticky)" : "", want.text, got.text);
@@ -463,8 +463,8 @@ int main(void)
     CHECK_OK(lm_dev_sim_create(&sim, 64u << 20, NULL, 2, &err), &err);
     if (cpu && sim)
         test_weights(cpu, sim);
-    lm_dev_free(cpu);
-    lm_dev_free(sim);
+    lm_dev_destroy(cpu);
+    lm_dev_destroy(sim);
     test_accumulators();
     test_runner();
     test_point_of();
