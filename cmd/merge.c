@@ -394,8 +394,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
     lm_dev_opts dev_opts = {.threads = a->threads, .mem_cap = a->gpu_mem, .sim_fail = getenv("LLMERGE_SIM_FAIL")};
     if ((s = lm_dev_open(&r->dev, a->device, &dev_opts, r->dev_why, sizeof r->dev_why, err)) != LM_OK)
         return s;  // the message names the device
-    if (r->dev->threads > 0)
-        o->threads = r->dev->threads;
+    if (lm_dev_threads(r->dev) > 0)
+        o->threads = lm_dev_threads(r->dev);
 
     return lm_merge_outputs(o, r->base, &r->descs, &r->n_descs, err);
 }
@@ -429,7 +429,7 @@ static void on_fallback(void *ctx, const char *phase, const char *unit, const ch
 static void device_summary(merge_run *r)
 {
     const lm_merge_result *res = &r->res;
-    if (r->dev->host_memory)
+    if (lm_dev_host_memory(r->dev))
         return;
     lm_progress_note(&r->progress,
                      "devices: %" PRId64 " tensor%s merged on %s, %" PRId64 " on cpu (%" PRId64
@@ -915,7 +915,7 @@ static int work(merge_run *r, double t_loaded)
     // A device without the importance operations (every built-in one has them) leaves sparsegpt's merge to
     // the CPU: said, not silent.
     lm_dev *merge_dev = r->dev;
-    if (a->m->method == LM_MERGE_SPARSEGPT && (!r->dev->iface->importance || !r->dev->iface->topk_apply_by)) {
+    if (a->m->method == LM_MERGE_SPARSEGPT && !lm_dev_supports(r->dev, LM_OP_IMPORTANCE)) {
         if ((s = lm_dev_cpu_create(&r->merge_cpu, r->opts.threads, &err)) != LM_OK)
             goto fail;
         lm_progress_note(p, "note: %s has no importance operations: the merge runs on the cpu",

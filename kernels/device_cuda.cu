@@ -33,7 +33,7 @@
 #include "status.h"
 
 extern "C" {
-#include "device.h"
+#include "device_impl.h"
 #include "parallel.h"
 #include "sparsify.h"
 #include "util.h"

@@ -1,6 +1,6 @@
 // The device dispatcher: lm_dev_* forward to the backend's vtable, supply defaults for
 // optional entries, and open a device from a --device value. See device.h.
-#include "device.h"
+#include "device_impl.h"
 
 #include <inttypes.h>
 #include <stdarg.h>
@@ -119,6 +119,69 @@ void lm_dev_destroy(lm_dev *d)
         d->iface->destroy(d);
 }
 
+// ==== what a device can do =====================================================================
+
+// The first vtable entry of group op that d lacks (its name), or NULL when d has them all. The
+// fused dense operations and the counting conversions read host memory: they also need a
+// device with host memory.
+static const char *missing(const lm_dev *d, lm_op op)
+{
+    const lm_dev_i *i = d->iface;
+    switch (op) {
+    case LM_OP_SYRK:
+        return i->syrk ? NULL : "syrk";
+    case LM_OP_POTRF:
+        return i->potrf ? NULL : "potrf";
+    case LM_OP_IMPORTANCE:
+        return !i->importance ? "importance" : !i->topk_apply_by ? "topk_apply_by" : NULL;
+    case LM_OP_DENSE:
+        return !d->host_memory ? "dense_hist (it needs host memory)" : !i->dense_hist ? "dense_hist"
+               : !i->dense_merge ? "dense_merge" : NULL;
+    case LM_OP_COUNTS:
+        return !d->host_memory ? "to_f32_count (it needs host memory)" : !i->to_f32_count ? "to_f32_count"
+               : !i->delta_count ? "delta_count" : !i->from_f32_count ? "from_f32_count" : NULL;
+    case LM_OP_FORWARD: {
+        struct { bool have; const char *name; } ops[] = {
+            {i->gemm != NULL, "gemm"},           {i->gather_rows != NULL, "gather_rows"},
+            {i->add_rows != NULL, "add_rows"},   {i->rmsnorm != NULL, "rmsnorm"},
+            {i->rope != NULL, "rope"},           {i->attention != NULL, "attention"},
+            {i->silu_mul != NULL, "silu_mul"},   {i->nll_rows != NULL, "nll_rows"},
+        };
+        for (size_t k = 0; k < sizeof ops / sizeof ops[0]; k++)
+            if (!ops[k].have)
+                return ops[k].name;
+        return NULL;
+    }
+    }
+    return "an unknown operation";
+}
+
+bool lm_dev_supports(const lm_dev *d, lm_op op)
+{
+    return missing(d, op) == NULL;
+}
+
+lm_status lm_dev_require(lm_dev *d, lm_op op, lm_err *err)
+{
+    const char *lacking = missing(d, op);
+    if (!lacking)
+        return LM_OK;
+    return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: the operation %s is not implemented on this device",
+                      lm_dev_name(d), lacking);
+}
+
+int lm_dev_threads(const lm_dev *d)
+{
+    return d->threads;
+}
+
+bool lm_dev_host_memory(const lm_dev *d)
+{
+    return d->host_memory;
+}
+
+// ==== memory and copies =======================================================================
+
 const char *lm_dev_name(lm_dev *d)
 {
     return d->iface->name(d);
@@ -187,11 +250,6 @@ lm_status lm_dev_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float 
     return d->iface->syrk(d, n, k, alpha, a, lda, beta, mirror, c, ldc, err);
 }
 
-bool lm_dev_has_syrk(const lm_dev *d)
-{
-    return d->iface->syrk != NULL;
-}
-
 lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
 {
     return d->iface->axpby(d, y, a, x, b, n, err);
@@ -249,11 +307,6 @@ lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n,
     if (!d->iface->topk_apply_by)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no topk_apply_by (selection by importance)", lm_dev_name(d));
     return d->iface->topk_apply_by(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
-}
-
-bool lm_dev_has_potrf(const lm_dev *d)
-{
-    return d->iface->potrf != NULL;
 }
 
 lm_status lm_dev_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
@@ -361,15 +414,10 @@ lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *
 
 // ==== fused dense operations ==================================================================
 
-bool lm_dev_has_dense(const lm_dev *d)
-{
-    return d->host_memory && d->iface->dense_hist && d->iface->dense_merge;
-}
-
 lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
                             lm_err *err)
 {
-    if (!lm_dev_has_dense(d))
+    if (!lm_dev_supports(d, LM_OP_DENSE))
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense operations", lm_dev_name(d));
     for (int i = 0; i < k; i++)
         if (parts[i].win && (parts[i].n_win < 1 || parts[i].n_win > LM_HIST_WINDOW))
@@ -388,7 +436,7 @@ lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const v
                                   lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
                                   const lm_dev_side *side, lm_err *err)
 {
-    if (!lm_dev_has_dense(d)) {
+    if (!lm_dev_supports(d, LM_OP_DENSE)) {
         if (side)
             side->fn(side->ctx);
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense operations", lm_dev_name(d));
@@ -398,11 +446,6 @@ lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const v
 
 // ==== counting conversions ====================================================================
 
-bool lm_dev_has_counts(const lm_dev *d)
-{
-    return d->host_memory && d->iface->to_f32_count && d->iface->delta_count && d->iface->from_f32_count;
-}
-
 static lm_status no_counts(lm_dev *d, lm_err *err)
 {
     return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no counting conversions", lm_dev_name(d));
@@ -411,19 +454,19 @@ static lm_status no_counts(lm_dev *d, lm_err *err)
 lm_status lm_dev_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
                               lm_err *err)
 {
-    return lm_dev_has_counts(d) ? d->iface->to_f32_count(d, dst, src, dt, n, nf, err) : no_counts(d, err);
+    return lm_dev_supports(d, LM_OP_COUNTS) ? d->iface->to_f32_count(d, dst, src, dt, n, nf, err) : no_counts(d, err);
 }
 
 lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
                              lm_nonfinite *nf, lm_err *err)
 {
-    return lm_dev_has_counts(d) ? d->iface->delta_count(d, tau, src, dt, base, n, nf, err) : no_counts(d, err);
+    return lm_dev_supports(d, LM_OP_COUNTS) ? d->iface->delta_count(d, tau, src, dt, base, n, nf, err) : no_counts(d, err);
 }
 
 lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
                                 lm_err *err)
 {
-    return lm_dev_has_counts(d) ? d->iface->from_f32_count(d, dst, dt, src, n, nf, err) : no_counts(d, err);
+    return lm_dev_supports(d, LM_OP_COUNTS) ? d->iface->from_f32_count(d, dst, dt, src, n, nf, err) : no_counts(d, err);
 }
 
 // ==== forward-pass operations =================================================================

@@ -23,7 +23,36 @@
 #include "sparsify.h"  // LM_HIST_BINS, LM_HIST_WINDOW
 #include "status.h"
 
+// A device: opaque here. The backends fill in its vtable (device_impl.h, for backends only);
+// callers ask what it can do with lm_dev_supports and call the lm_dev_* functions below.
 typedef struct lm_dev lm_dev;
+
+// The operations a device may lack, for lm_dev_supports. Every other lm_dev_* operation runs
+// on every device (some through a default the dispatcher supplies).
+typedef enum lm_op {
+    LM_OP_SYRK,        // lm_dev_syrk (where it is missing callers use lm_dev_gemm)
+    LM_OP_POTRF,       // lm_dev_potrf
+    LM_OP_IMPORTANCE,  // lm_dev_importance and lm_dev_topk_apply_by: selection by importance
+    LM_OP_DENSE,       // the fused dense operations (lm_dev_dense_hist, lm_dev_dense_merge)
+    LM_OP_COUNTS,      // the counting conversions (lm_dev_to_f32_count, ...)
+    LM_OP_FORWARD,     // the forward pass's operations: lm_dev_gemm, lm_dev_gather_rows, ...
+} lm_op;
+
+// Whether d runs operation (or group) op.
+bool lm_dev_supports(const lm_dev *d, lm_op op);
+
+// LM_OK when d runs op, else LM_ERR_UNSUPPORTED with a message naming the device and the first
+// operation of the group it lacks ("cpu: the operation rope is not implemented on this
+// device").
+lm_status lm_dev_require(lm_dev *d, lm_op op, lm_err *err);
+
+// The CPU threads d uses for host-side work (the pool of the CPU backend, the sim's, CUDA's
+// host loops).
+int lm_dev_threads(const lm_dev *d);
+
+// Whether d's pointers are host pointers: operations may then read host memory (an mmapped
+// input) directly, with no upload. True of the CPU backend only.
+bool lm_dev_host_memory(const lm_dev *d);
 
 #define LM_DEV_KEEP_SEGMENT 4096  // lm_dev_dense's kept values: elements per segment
 
@@ -103,92 +132,6 @@ typedef struct lm_dev_combine_how {
     lm_nonfinite *base_nf, *out_nf;
 } lm_dev_combine_how;
 
-// The operations a device provides. Entries marked optional may be NULL; the dispatcher
-// supplies the default.
-typedef struct lm_dev_i {
-    const char *(*name)(lm_dev *d);
-    void (*mem_info)(lm_dev *d, size_t *free_bytes, size_t *total_bytes);
-    lm_status (*alloc)(lm_dev *d, size_t size, void **ptr, lm_err *err);
-    void (*buf_free)(lm_dev *d, void *ptr);
-    lm_status (*upload)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
-    lm_status (*download)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
-    lm_status (*sync)(lm_dev *d, lm_err *err);  // optional: no-op
-    void (*destroy)(lm_dev *d);
-
-    lm_status (*to_f32)(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
-    lm_status (*from_f32)(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
-    lm_status (*gemm)(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                      const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
-                      float *c, int64_t ldc, lm_err *err);
-    lm_status (*syrk)(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
-                      bool mirror, float *c, int64_t ldc, lm_err *err);  // optional: callers use gemm
-    lm_status (*axpby)(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
-    lm_status (*delta)(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
-                       lm_err *err);  // optional: to_f32, then axpby
-    lm_status (*dora_rows)(lm_dev *d, float *tau, const float *base, const float *magnitude,
-                           int64_t rows, int64_t cols, lm_err *err);
-    lm_status (*hist_abs)(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
-                          uint32_t hi_bin, lm_err *err);
-    lm_status (*hist_window)(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin,
-                             const float *x, int64_t n, lm_err *err);  // optional: n_win + 1 hist_abs
-    lm_status (*topk_apply)(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
-                            int64_t *ties_used, lm_err *err);
-    lm_status (*topk_apply_by)(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
-                               int64_t ties_allowed, int64_t *ties_used, lm_err *err);  // optional
-    lm_status (*importance)(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
-                            int64_t cols, lm_err *err);  // optional
-    lm_status (*potrf)(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err);  // optional
-    lm_status (*mask_get)(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n,
-                          lm_err *err);  // optional: x brought to the host in pieces
-    lm_status (*mask_apply)(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n,
-                            lm_err *err);  // optional: x brought to the host and back
-    lm_status (*random_drop)(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
-                             uint64_t keep_below, lm_err *err);
-    lm_status (*l1)(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
-    lm_status (*combine)(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
-                         float lambda, lm_err *err);
-    // Fused dense operations, on devices with host memory only (optional: the engine runs the
-    // separate operations when they are NULL).
-    lm_status (*dense_hist)(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
-                            lm_err *err);
-    lm_status (*dense_merge)(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, const lm_dev_side *side, lm_err *err);
-    // Conversions that also count NaN and Inf, on devices with host memory only (optional: the
-    // merge counts on the host, from what it copies to and from the device, where they are
-    // NULL).
-    lm_status (*to_f32_count)(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
-                              lm_err *err);
-    lm_status (*delta_count)(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
-                             lm_nonfinite *nf, lm_err *err);
-    lm_status (*from_f32_count)(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
-                                lm_err *err);
-
-    // The forward pass (forward.h). Optional: a device without them answers
-    // LM_ERR_UNSUPPORTED naming the operation, and lm_fwd_device_ok tells beforehand.
-    lm_status (*gather_rows)(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
-                             const int32_t *ids, int64_t n, lm_err *err);
-    lm_status (*add_rows)(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err);
-    lm_status (*rmsnorm)(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
-                         float eps, lm_err *err);
-    lm_status (*rope)(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
-                      const float *inv_freq, lm_err *err);
-    lm_status (*attention)(lm_dev *d, float *out, const float *q, const float *k, const float *v,
-                           const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
-                           int64_t head_dim, float scale, lm_err *err);
-    lm_status (*silu_mul)(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err);
-    lm_status (*nll_rows)(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
-                          int64_t cols, lm_err *err);
-} lm_dev_i;
-
-struct lm_dev {
-    const lm_dev_i *iface;
-    void *ctx;         // the backend's own state
-    int threads;       // CPU threads the backend uses
-    bool host_memory;  // device pointers are host pointers: operations may read host memory
-                       // (an mmapped input) directly, with no upload
-};
-
 // How lm_dev_open opens a device.
 typedef struct lm_dev_opts {
     int threads;           // CPU threads the device uses for host-side work (0: all cores)
@@ -267,10 +210,10 @@ lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t
 // lm_dev_gemm(d, true, false, n, n, k, ...). The strictly lower triangle is left as it was, or,
 // with `mirror`, overwritten afterwards with the transpose of the upper one; k = 0 with
 // beta = 1 and mirror (a may then be NULL) only completes C. Optional: a device without it
-// (lm_dev_has_syrk false) answers LM_ERR_UNSUPPORTED, and callers use lm_dev_gemm instead.
+// (lm_dev_supports(d, LM_OP_SYRK) false) answers LM_ERR_UNSUPPORTED, and callers use lm_dev_gemm
+// instead.
 lm_status lm_dev_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
                       bool mirror, float *c, int64_t ldc, lm_err *err);
-bool lm_dev_has_syrk(const lm_dev *d);
 
 // y = a·y + b·x over n elements.
 lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
@@ -324,7 +267,6 @@ lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const doubl
 // the operation, and when n does not fit in an int. Devices block their factorisations
 // differently: U agrees between them to rounding, not bit for bit.
 lm_status lm_dev_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err);
-bool lm_dev_has_potrf(const lm_dev *d);
 
 // Stored top-k masks (the sparsegpt cache): bitmaps in host memory, bit b of a tensor in byte
 // b / 8 at bit b % 8, set where the entry is kept. A slab starting at element `first` of its
@@ -367,10 +309,9 @@ lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *
 // inputs are read where they are mapped (a LoRA τ is made from its factors), and each τ lives in
 // a few hundred elements of cache instead of a float32 buffer in memory, so a pass over a
 // tensor moves its 16-bit inputs and nothing else.
-// Their results are exactly those of the separate operations they replace. lm_dev_has_dense
-// says whether d has them; the others are LM_ERR_UNSUPPORTED where it does not.
-
-bool lm_dev_has_dense(const lm_dev *d);
+// Their results are exactly those of the separate operations they replace.
+// lm_dev_supports(d, LM_OP_DENSE) says whether d has them; they are LM_ERR_UNSUPPORTED where it
+// does not.
 
 // For each part whose win is not NULL: the window counts of |τ_i| over n elements, added as
 // lm_dev_hist_window(above, win, n_win, lo_bin, τ_i, n) adds them. base and every src are read
@@ -394,10 +335,9 @@ lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const v
 // lm_dev_to_f32, lm_dev_delta and lm_dev_from_f32 that also add to *nf the NaN and Inf among the
 // values they convert (as lm_convert_to_f32_nf and lm_convert_from_f32_nf count them: the src
 // values read, the dst values written), counted in the loops that convert. On devices whose
-// memory is the host's (the CPU); lm_dev_has_counts says whether d has them, the others are
-// LM_ERR_UNSUPPORTED where it does not.
+// memory is the host's (the CPU); lm_dev_supports(d, LM_OP_COUNTS) says whether d has them, and
+// they are LM_ERR_UNSUPPORTED where it does not.
 
-bool lm_dev_has_counts(const lm_dev *d);
 lm_status lm_dev_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
                               lm_err *err);
 lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
@@ -410,7 +350,8 @@ lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *
 // batch; int32 arrays (ids, positions, targets) are device memory too. Each output element is
 // computed by one fixed sequence of float operations, so results do not depend on the thread
 // count or on which other rows share the batch. A device that lacks one of these answers
-// LM_ERR_UNSUPPORTED naming the operation (lm_fwd_device_ok checks them all beforehand).
+// LM_ERR_UNSUPPORTED naming the operation (lm_dev_require(d, LM_OP_FORWARD) checks them all
+// beforehand).
 
 // out[i, :] = table[ids[i], :] for i < n (table is [table_rows, cols]): embedding lookup. An id
 // outside [0, table_rows) is the caller's error; the row written for it is zeros, and nothing

@@ -3,7 +3,7 @@
 // written by one task, and reductions add per-block partial sums in block order, so every
 // result is independent of the thread count. Device pointers are host pointers, so callers may
 // hand mmapped inputs straight to the operations.
-#include "device.h"
+#include "device_impl.h"
 
 #include <cblas.h>
 #if defined(__x86_64__) && defined(__GNUC__)

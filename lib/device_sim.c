@@ -13,7 +13,7 @@
 //
 // An operation added to lm_dev_i needs an entry here too: test_device checks that no entry of
 // sim_iface is NULL.
-#include "device.h"
+#include "device_impl.h"
 
 #include <stdint.h>
 #include <stdio.h>

@@ -104,22 +104,6 @@ const char *lm_fwd_point_module(lm_fwd_point p)
     return "?";
 }
 
-lm_status lm_fwd_device_ok(lm_dev *d, lm_err *err)
-{
-    const lm_dev_i *i = d->iface;
-    struct { bool have; const char *name; } ops[] = {
-        {i->gemm != NULL, "gemm"},           {i->gather_rows != NULL, "gather_rows"},
-        {i->add_rows != NULL, "add_rows"},   {i->rmsnorm != NULL, "rmsnorm"},
-        {i->rope != NULL, "rope"},           {i->attention != NULL, "attention"},
-        {i->silu_mul != NULL, "silu_mul"},   {i->nll_rows != NULL, "nll_rows"},
-    };
-    for (size_t k = 0; k < sizeof ops / sizeof ops[0]; k++)
-        if (!ops[k].have)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: the operation %s is not implemented on this device",
-                              lm_dev_name(d), ops[k].name);
-    return LM_OK;
-}
-
 lm_dev *lm_fwd_device(const lm_fwd *f)
 {
     return f->dev;
@@ -217,12 +201,12 @@ static lm_status read_host(const lm_st_tensor *t, float **out, lm_err *err)
 static lm_status put_tensor(lm_fwd *f, const lm_st_tensor *t, const float **out, lm_err *err)
 {
     lm_dev *d = f->dev;
-    if (d->host_memory && t->dtype == LM_DTYPE_F32 && (uintptr_t)t->data % sizeof(float) == 0) {
+    if (lm_dev_host_memory(d) && t->dtype == LM_DTYPE_F32 && (uintptr_t)t->data % sizeof(float) == 0) {
         *out = t->data;
         return LM_OK;
     }
     lm_status s;
-    if (d->host_memory) {
+    if (lm_dev_host_memory(d)) {
         float *dst;
         if ((s = weight_alloc(f, t->numel, &dst, err)) != LM_OK)
             return s;
@@ -648,7 +632,7 @@ lm_status lm_fwd_create(lm_fwd **out, const lm_model *m, const lm_adapter *a, lm
     const lm_config *cfg = &m->config;
     lm_arch_desc desc = {0};
     fwd_loader L = {0};
-    lm_status s = lm_fwd_device_ok(d, err);
+    lm_status s = lm_dev_require(d, LM_OP_FORWARD, err);
     if (s != LM_OK || (s = lm_fwd_check(m, a, err)) != LM_OK)
         return s;
     if ((s = lm_arch_describe(&desc, cfg, err)) != LM_OK)
@@ -977,7 +961,7 @@ static lm_status cpu_fwd(lm_fwd_runner *r, lm_fwd **out, lm_err *err)
 {
     lm_status s;
     if (!r->on_cpu) {
-        if (!r->cpu && (s = lm_dev_cpu_create(&r->cpu, r->dev->threads, err)) != LM_OK)
+        if (!r->cpu && (s = lm_dev_cpu_create(&r->cpu, lm_dev_threads(r->dev), err)) != LM_OK)
             return s;
         if ((s = lm_fwd_create(&r->on_cpu, r->model, r->adapter, r->cpu, err)) != LM_OK)
             return s;
@@ -1009,7 +993,7 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
     r->note = note;
     r->note_ctx = note_ctx;
     lm_err why = {0};
-    lm_status s = lm_fwd_device_ok(dev, &why);
+    lm_status s = lm_dev_require(dev, LM_OP_FORWARD, &why);
     if (s == LM_OK) {
         s = lm_fwd_create(&r->on_dev, m, a, dev, &why);
         if (s != LM_OK && s != LM_ERR_DEVICE_OOM) {

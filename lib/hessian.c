@@ -45,7 +45,7 @@ static lm_status place_on_dev(lm_hess *h, int64_t i, lm_fwd_point p, size_t rese
 {
     size_t need = acc_bytes(h, p), free_b = 0, total_b = 0;
     lm_dev_mem_info(h->dev, &free_b, &total_b);
-    if (!h->dev->host_memory && (free_b < need || free_b - need < reserve))
+    if (!lm_dev_host_memory(h->dev) && (free_b < need || free_b - need < reserve))
         return lm_err_set(err, LM_ERR_DEVICE_OOM, "%s: %zu bytes free, %zu needed and %zu kept for activations",
                           lm_dev_name(h->dev), free_b, need, reserve);
     void *ptr = NULL;
@@ -135,7 +135,7 @@ static lm_status add_xtx(lm_dev *d, float *acc, bool *upper, bool *fresh, const 
 {
     float beta = *fresh ? 0.0f : 1.0f;
     lm_status s;
-    if (lm_dev_has_syrk(d)) {
+    if (lm_dev_supports(d, LM_OP_SYRK)) {
         *upper = true;
         s = lm_dev_syrk(d, cols, rows, 1.0f, x, cols, beta, false, acc, cols, err);
     } else {  // op(A) = Xᵀ is [cols, rows]
@@ -163,7 +163,7 @@ lm_status lm_hess_hook(void *ctx, lm_dev *dev, int layer, lm_fwd_point point, co
             return hook_error(s, layer, point, err);
     } else {
         const float *hx = x;
-        if (!dev->host_memory) {
+        if (!lm_dev_host_memory(dev)) {
             // the accumulator is in host memory: bring the batch there
             int64_t need = rows * cols;
             if (need > h->stage_len) {
@@ -193,7 +193,7 @@ lm_status lm_hess_hook(void *ctx, lm_dev *dev, int layer, lm_fwd_point point, co
 // Zeroes the device accumulator i, which no batch reached (all ran on the CPU, or none ran).
 static lm_status zero_on_dev(lm_hess *h, int64_t i, size_t bytes, lm_err *err)
 {
-    if (h->dev->host_memory) {
+    if (lm_dev_host_memory(h->dev)) {
         memset(h->on_dev[i], 0, bytes);
         return LM_OK;
     }
@@ -401,7 +401,7 @@ lm_status lm_hess_ucc2_on(lm_dev *dev, double *ucc2, const float *H, int64_t col
     // diagonal), without the transposed copy LAPACKE's row-major interface would make.
     damped_reversed(A, H, n, damp);
     lm_status s = LM_OK;
-    if (dev && !dev->host_memory) {
+    if (dev && !lm_dev_host_memory(dev)) {
         s = potrf_on(dev, A, n, diag, err);
     } else {
         int info;

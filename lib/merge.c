@@ -372,7 +372,7 @@ static void count_reset(engine *e)
 // engine counts on the host.
 static bool dev_counts(const engine *e)
 {
-    return lm_dev_has_counts(e->ws->dev);
+    return lm_dev_supports(e->ws->dev, LM_OP_COUNTS);
 }
 
 // Appends input `input`'s tensor `name` to res->nonfinite when it holds NaN or Inf.
@@ -400,7 +400,7 @@ static lm_status stage(engine *e, const void *src, lm_dtype dt, int64_t n, lm_no
     e->bytes_in += (uint64_t)n * esize(dt);
     if (nf && !dev_counts(e))
         lm_count_nonfinite(src, dt, n, nf);
-    if (e->ws->dev->host_memory) {
+    if (lm_dev_host_memory(e->ws->dev)) {
         *on_dev = src;
         return LM_OK;
     }
@@ -737,8 +737,7 @@ static bool dense_part(const engine *e, const part *p)
 // rescale (whose norms need τ before the merge).
 static bool fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
-    // (the plan's stand-in for a device has no operations: with host memory it is the CPU's)
-    if (!(dev->iface ? lm_dev_has_dense(dev) : dev->host_memory) || !lm_dtype_readable(bt->dtype) ||
+    if (!lm_dev_supports(dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype) ||
         (uses_random(e->o->method) && e->o->rescale == LM_RESCALE_L1))
         return false;
     for (int i = 0; i < k; i++)
@@ -756,7 +755,7 @@ static int64_t slab_rows_of(const engine *e, const lm_dev *dev, const lm_st_tens
         dense = dense && dense_part(e, &parts[i]);
     // On the CPU small slabs: the separate operations' buffers stay in cache from one to the
     // next, and the fused ones let the inputs' pages go in small steps.
-    if (dense && dev->host_memory)
+    if (dense && lm_dev_host_memory(dev))
         elems = e->slab_dense;
     int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
     if (cols == 0)
@@ -1142,7 +1141,7 @@ static lm_status write_slab(engine *e, int64_t idx, lm_dtype out_dt, const float
 {
     size_t es = esize(out_dt), total = (size_t)cnt * es;
     int64_t per_piece = (int64_t)(OUT_PIECE / es);
-    bool host = e->ws->dev->host_memory;
+    bool host = lm_dev_host_memory(e->ws->dev);
     lm_nonfinite *nf = out_count(e);
     lm_status s = LM_OK;
     if (!host) {
@@ -1379,7 +1378,7 @@ static lm_status merge_dense(engine *e, int64_t idx, const lm_st_desc *desc, con
 // device that has it, unless a part is ranked by importance or by a stored mask, or records one.
 static bool pieces_from_buf(const engine *e, const lm_st_tensor *bt, const part *parts, int k)
 {
-    if (!lm_dev_has_dense(e->ws->dev) || !lm_dtype_readable(bt->dtype))
+    if (!lm_dev_supports(e->ws->dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype))
         return false;
     for (int i = 0; i < k; i++)
         if (parts[i].key || parts[i].mask || parts[i].bits)
@@ -1577,12 +1576,12 @@ static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, int64_t cap, const pa
         if (parts && !parts[i].ucc2)
             continue;
         s = lm_dev_alloc(dev, bytes, (void **)&w->key_buf[ft], e->err);
-        if (s == LM_OK && parts && !dev->host_memory)
+        if (s == LM_OK && parts && !lm_dev_host_memory(dev))
             s = lm_dev_alloc(dev, (size_t)w->cap_cols * sizeof(double), (void **)&w->ucc2_buf[ft], e->err);
     }
-    if (s == LM_OK && !dev->host_memory)
+    if (s == LM_OK && !lm_dev_host_memory(dev))
         s = lm_dev_alloc(dev, stage_bytes, &w->stage_dev, e->err);
-    if (s == LM_OK && !dev->host_memory)
+    if (s == LM_OK && !lm_dev_host_memory(dev))
         s = lm_dev_alloc(dev, out_bytes, &w->out_dev, e->err);
     w->stage_bytes = stage_bytes;
     return s;
@@ -1647,8 +1646,8 @@ static lm_status bind(engine *e, part *parts, int k)
         part *p = &parts[i];
         p->tau = e->ws->tau_buf[p->ft];
         p->key = p->ucc2 ? e->ws->key_buf[p->ft] : NULL;
-        p->ucc2_dev = e->ws->dev->host_memory ? p->ucc2 : p->ucc2 ? e->ws->ucc2_buf[p->ft] : NULL;
-        if (p->ucc2 && !e->ws->dev->host_memory && s == LM_OK) {
+        p->ucc2_dev = lm_dev_host_memory(e->ws->dev) ? p->ucc2 : p->ucc2 ? e->ws->ucc2_buf[p->ft] : NULL;
+        if (p->ucc2 && !lm_dev_host_memory(e->ws->dev) && s == LM_OK) {
             size_t bytes = (size_t)e->ws->cap_cols * sizeof(double);
             e->res->bytes_to_device += bytes;
             s = lm_dev_upload(e->ws->dev, (void *)p->ucc2_dev, p->ucc2, bytes, e->err);
@@ -1974,7 +1973,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.slab_max = largest_slab(base, e.slab_elems);
     e.ws = &e.cpu_ws;
     // An accelerator gets a CPU beside it for the units that do not fit.
-    if (!dev->host_memory && (s = lm_dev_cpu_create(&e.cpu, o->threads, err)) != LM_OK) {
+    if (!lm_dev_host_memory(dev) && (s = lm_dev_cpu_create(&e.cpu, o->threads, err)) != LM_OK) {
         e.cpu = dev;
         return s;
     }
@@ -2007,7 +2006,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto fail;
     }
-    if (dev->host_memory && (s = cpu_ready(&e)) != LM_OK)
+    if (lm_dev_host_memory(dev) && (s = cpu_ready(&e)) != LM_OK)
         goto fail;
     if ((s = place_residents(&e)) != LM_OK)
         goto fail;
@@ -2106,7 +2105,6 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     e.slab_max = largest_slab(base, e.slab_elems);
     e.cpu_ws.tau_buf = no_bufs;
     e.ws = &e.cpu_ws;
-    lm_dev dev = {.host_memory = host_memory};  // slab_rows_of reads only this
     part parts[o->n_ft > 0 ? o->n_ft : 1];
     int k = lm_dtype_readable(bt->dtype) ? find_parts(&e, bt->name, parts) : 0;
     free(no_bufs);
@@ -2117,10 +2115,17 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
                            ? (bt->numel < e.slab_max ? bt->numel : e.slab_max) : 0;
         return LM_OK;
     }
+    // the device the engine would run on, for what slab_cnt, fused and keeps_fit ask of it: the
+    // CPU, or an accelerator (a sim device answers as every one does)
+    lm_dev *dev = NULL;
+    lm_err dev_err = {0};
+    lm_status s = host_memory ? lm_dev_cpu_create(&dev, 1, &dev_err) : lm_dev_sim_create(&dev, 1, NULL, 1, &dev_err);
+    if (s != LM_OK)
+        return s;
     int64_t rows = tensor_rows(bt);
-    int64_t cnt = slab_cnt(&e, &dev, bt, parts, k);
+    int64_t cnt = slab_cnt(&e, dev, bt, parts, k);
     need->slab_elems = cnt;
-    need->one_slab = slab_rows_of(&e, &dev, bt, parts, k) >= rows;
+    need->one_slab = slab_rows_of(&e, dev, bt, parts, k) >= rows;
     for (int i = 0; i < k; i++)
         need->part_mask |= 1ull << (parts[i].ft < 63 ? parts[i].ft : 63);
     size_t bytes = (size_t)cnt * sizeof(float);
@@ -2129,7 +2134,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     // the whole slab only when the sample's window misses the threshold; --topk global's
     // selection runs the separate operations.
     need->touched_elems = cnt;
-    bool fuse = fused(&e, &dev, bt, parts, k);
+    bool fuse = fused(&e, dev, bt, parts, k);
     if (fuse && !o->topk_global) {
         int64_t n_runs, run, stride;
         sample_runs(cnt, &n_runs, &run, &stride);
@@ -2161,7 +2166,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
         }
         // a fused LoRA part's kept candidates (select_tensor, keep_store): the bitmap, the
         // segments' offsets, and the values at or above the window, about the density's share
-        bool aligned = keeps_fit(&e, &dev, bt, parts, k, need->one_slab);
+        bool aligned = keeps_fit(&e, dev, bt, parts, k, need->one_slab);
         for (int i = 0; fuse && aligned && i < k; i++)
             if (parts[i].src == SRC_LORA) {
                 double share = o->densities[parts[i].ft] + 0.02 < 1.0 ? o->densities[parts[i].ft] + 0.02 : 1.0;
@@ -2169,6 +2174,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
                                       (uint64_t)((double)bt->numel * share) * sizeof(float);
             }
     }
+    lm_dev_destroy(dev);
     return LM_OK;
 }
 

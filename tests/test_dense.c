@@ -659,7 +659,7 @@ static void test_refusals(void)
     CHECK_OK(lm_dev_sim_create(&sim, 1 << 20, NULL, 1, &err), &err);
     if (!sim)
         return;
-    CHECK(!lm_dev_has_dense(sim));
+    CHECK(!lm_dev_supports(sim, LM_OP_DENSE));
     uint16_t base[4] = {0}, out[4];
     lm_dev_dense p = {.src = base, .dt = LM_DTYPE_BF16, .weight = 1.0f, .rescale = 1.0f};
     lm_dev_combine_how how = {.sign = LM_DEV_SIGN_SUM, .normalize = true, .lambda = 1.0f};
@@ -676,7 +676,7 @@ int main(void)
     CHECK_OK(lm_dev_cpu_create(&d3, 3, &err), &err);
     if (!d1 || !d3)
         return check_report("test_dense");
-    CHECK(lm_dev_has_dense(d1));
+    CHECK(lm_dev_supports(d1, LM_OP_DENSE));
     inputs in;
     make_inputs(&in);
     test_hist(d1, &in);

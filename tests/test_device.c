@@ -8,6 +8,7 @@
 // name, its fault switch, and its refusal of memory that is not its own.
 #include "check.h"
 #include "device.h"
+#include "device_impl.h"  // the backends' vtables, and devices built by hand
 #include "sparsify.h"
 #ifdef LLMERGE_HAVE_CUDA
 #include "kernels.h"  // LM_CUDA_ATTN_MAX_HEAD_DIM
@@ -72,7 +73,7 @@ static void test_elementwise(lm_dev *d1, lm_dev *d3)
             nan += isnan(r) != 0;
             inf += isinf(r) != 0;
         }
-        CHECK(lm_dev_has_counts(d1) && lm_dev_has_counts(d3));
+        CHECK(lm_dev_supports(d1, LM_OP_COUNTS) && lm_dev_supports(d3, LM_OP_COUNTS));
         lm_nonfinite c1 = {0, 0}, c3 = {0, 0};
         CHECK_OK(lm_dev_from_f32_count(d1, h1, LM_DTYPE_F16, z, N, &c1, &err), &err);
         CHECK_OK(lm_dev_from_f32_count(d3, h3, LM_DTYPE_F16, z, N, &c3, &err), &err);
@@ -287,14 +288,14 @@ static void test_syrk(lm_dev *d1, lm_dev *d3)
         free(c1);
         free(c3);
     }
-    CHECK(lm_dev_has_syrk(d1));
+    CHECK(lm_dev_supports(d1, LM_OP_SYRK));
     float x[4] = {1, 2, 3, 4}, y[4];
     CHECK_FAILS(lm_dev_syrk(d1, 2, 2, 1.0f, x, 1, 0.0f, false, y, 2, &err), LM_ERR_USAGE, "lda 1", &err);
     lm_dev_i lacking = *d1->iface;
     lacking.syrk = NULL;
     lm_dev fake = *d1;
     fake.iface = &lacking;
-    CHECK(!lm_dev_has_syrk(&fake));
+    CHECK(!lm_dev_supports(&fake, LM_OP_SYRK));
     CHECK_FAILS(lm_dev_syrk(&fake, 2, 2, 1.0f, x, 2, 0.0f, false, y, 2, &err), LM_ERR_UNSUPPORTED,
                 "cpu: the operation syrk is not implemented", &err);
 }
@@ -592,7 +593,7 @@ static void h_gemm(harness *h, int64_t m, int64_t n, int64_t k, float alpha, flo
 // device without it is skipped (callers use GEMM there).
 static void h_syrk(harness *h, int64_t n, int64_t k, float alpha, float beta)
 {
-    if (!lm_dev_has_syrk(h->dev))
+    if (!lm_dev_supports(h->dev, LM_OP_SYRK))
         return;
     char what[96];
     int64_t lda = n + 3, ldc = n + 2;
@@ -1344,7 +1345,7 @@ static void test_sim_budget(void)
     CHECK_OK(lm_dev_sim_create(&d, 1 << 20, NULL, 1, &err), &err);
     if (!d)
         return;
-    CHECK(strcmp(lm_dev_name(d), "sim:1MiB") == 0 && !d->host_memory && d->threads == 1);
+    CHECK(strcmp(lm_dev_name(d), "sim:1MiB") == 0 && !lm_dev_host_memory(d) && lm_dev_threads(d) == 1);
     void *a = NULL, *b = NULL, *c = NULL;
     size_t fr = 0, tot = 0;
     CHECK_OK(lm_dev_alloc(d, 600 << 10, &a, &err), &err);
@@ -1381,7 +1382,7 @@ static void test_sim_open(void)
     CHECK_OK(lm_dev_open(&d, "sim:64KiB", &o, why, sizeof why, &err), &err);
     if (d) {
         lm_dev_mem_info(d, &fr, &tot);
-        CHECK(tot == 65536 && fr == tot && !d->host_memory && d->threads == 2);
+        CHECK(tot == 65536 && fr == tot && !lm_dev_host_memory(d) && lm_dev_threads(d) == 2);
         CHECK(strcmp(lm_dev_name(d), "sim:64KiB") == 0 && strcmp(why, "sim:64KiB") == 0);
         lm_dev_destroy(d);
     }
@@ -1601,8 +1602,8 @@ static void test_sim_teardown(void)
                 at != offsetof(lm_dev_i, from_f32_count);
     }
     CHECK_MSG(null == 0, "%zu entries of the sim's lm_dev_i are NULL", null);
-    CHECK(!d->iface->dense_hist && !d->iface->dense_merge && !lm_dev_has_dense(d));
-    CHECK(!lm_dev_has_counts(d));
+    CHECK(!d->iface->dense_hist && !d->iface->dense_merge && !lm_dev_supports(d, LM_OP_DENSE));
+    CHECK(!lm_dev_supports(d, LM_OP_COUNTS));
     lm_nonfinite nf = {0, 0};
     float x = 0.0f;
     CHECK_FAILS(lm_dev_to_f32_count(d, p[0], &x, LM_DTYPE_F32, 1, &nf, &err), LM_ERR_UNSUPPORTED,
@@ -1619,7 +1620,7 @@ int main(void)
     CHECK_OK(lm_dev_cpu_create(&d3, 3, &err), &err);
     if (!d1 || !d3)
         return check_report("test_device");
-    CHECK(strcmp(lm_dev_name(d1), "cpu") == 0 && d3->threads == 3 && d3->host_memory);
+    CHECK(strcmp(lm_dev_name(d1), "cpu") == 0 && lm_dev_threads(d3) == 3 && lm_dev_host_memory(d3));
     size_t fr = 0, tot = 0;
     lm_dev_mem_info(d1, &fr, &tot);
     CHECK(tot > 0 && fr <= tot);

@@ -32,6 +32,7 @@
 #include "calib.h"
 #include "check.h"
 #include "device.h"
+#include "device_impl.h"  // a device lacking rope, built by hand
 #include "forward.h"
 #include "model.h"
 #include "notes.h"
@@ -906,9 +907,9 @@ static void test_ops(lm_dev *cpu, lm_dev *sim)
     fake.iface = &lacking;
     CHECK_FAILS(lm_dev_rope(&fake, x, 1, 1, 4, pos, inv, &err), LM_ERR_UNSUPPORTED,
                 "cpu: the operation rope is not implemented on this device", &err);
-    CHECK_FAILS(lm_fwd_device_ok(&fake, &err), LM_ERR_UNSUPPORTED, "rope", &err);
-    CHECK_OK(lm_fwd_device_ok(cpu, &err), &err);
-    CHECK_OK(lm_fwd_device_ok(sim, &err), &err);
+    CHECK_FAILS(lm_dev_require(&fake, LM_OP_FORWARD, &err), LM_ERR_UNSUPPORTED, "rope", &err);
+    CHECK_OK(lm_dev_require(cpu, LM_OP_FORWARD, &err), &err);
+    CHECK_OK(lm_dev_require(sim, LM_OP_FORWARD, &err), &err);
     lm_model *m = open_model("qwen");
     if (m) {
         lm_fwd *f = NULL;

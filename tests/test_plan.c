@@ -53,13 +53,13 @@ static void check_weights(const char *label, const lm_model *m, const lm_adapter
     lm_err err = {0};
     lm_fwd_plan p;
     lm_fwd *f = NULL;
-    CHECK_OK(lm_fwd_plan_make(&p, m, a, d->host_memory, &err), &err);
+    CHECK_OK(lm_fwd_plan_make(&p, m, a, lm_dev_host_memory(d), &err), &err);
     CHECK_OK(lm_fwd_create(&f, m, a, d, &err), &err);
     if (!f)
         return;
     CHECK_MSG(p.weight_bytes == lm_fwd_weight_bytes(f), "%s on %s: plan %" PRIu64 " weight bytes, placed %zu", label,
               lm_dev_name(d), p.weight_bytes, lm_fwd_weight_bytes(f));
-    if (!d->host_memory) {
+    if (!lm_dev_host_memory(d)) {
         size_t fr = 0, tot = 0;
         lm_dev_mem_info(d, &fr, &tot);
         CHECK_MSG(tot - fr == p.weight_bytes, "%s: %zu bytes in use on %s, plan %" PRIu64, label, tot - fr,
