@@ -717,13 +717,13 @@ static lm_status cuda_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_e
 }
 
 static lm_status cuda_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                              const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                              const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
                               float lambda, lm_err *err)
 {
     lm_status s = begin(d, err);
     if (s != LM_OK)
         return s;
-    return lm_cuda_combine(out, base, w_tau, weights, k, n, sign != LM_DEV_SIGN_NONE, sign == LM_DEV_SIGN_COUNT,
+    return lm_cuda_combine(out, base, w_tau, weights, k, n, sign != LM_COMBINE_SIGN_NONE, sign == LM_COMBINE_SIGN_COUNT,
                            normalize, lambda, ctx_of(d)->stream, err);
 }
 

@@ -117,7 +117,7 @@ lm_status lm_cuda_l1_blocks(double *d_partial, const float *d_x, int64_t n, void
 // lm_dev_combine for k <= LM_CUDA_COMBINE_MAX task vectors: d_tau is a HOST array of k device
 // pointers and weights a host array of k floats (both copied into the kernel's arguments).
 // elect: with sign election; count_signs: the elected sign is that of the sum of signs
-// (LM_DEV_SIGN_COUNT) rather than of the weighted sum (LM_DEV_SIGN_SUM). d_out may equal d_base.
+// (LM_COMBINE_SIGN_COUNT) rather than of the weighted sum (LM_COMBINE_SIGN_SUM). d_out may equal d_base.
 // LM_ERR_UNSUPPORTED above LM_CUDA_COMBINE_MAX.
 lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau, const float *weights, int k,
                           int64_t n, bool elect, bool count_signs, bool normalize, float lambda, void *stream,

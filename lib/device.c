@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "sparsify.h"
 #include "util.h"
 
 #ifdef LLMERGE_HAVE_CUDA
@@ -406,15 +407,14 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 }
 
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
-                         float lambda, lm_err *err)
+                         const float *weights, int k, int64_t n, lm_combine_how how, lm_err *err)
 {
-    return d->iface->combine(d, out, base, w_tau, weights, k, n, sign, normalize, lambda, err);
+    return d->iface->combine(d, out, base, w_tau, weights, k, n, how.sign, how.normalize, how.lambda, err);
 }
 
 // ==== fused dense operations ==================================================================
 
-lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                             lm_err *err)
 {
     if (!lm_dev_supports(d, LM_OP_DENSE))
@@ -427,13 +427,13 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 }
 
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err)
+                             lm_dense_part *parts, int k, int64_t n, lm_combine_how how, lm_err *err)
 {
     return lm_dev_dense_merge_side(d, out, out_dt, base, base_dt, parts, k, n, how, NULL, err);
 }
 
 lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                                  lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
+                                  lm_dense_part *parts, int k, int64_t n, lm_combine_how how,
                                   const lm_dev_side *side, lm_err *err)
 {
     if (!lm_dev_supports(d, LM_OP_DENSE)) {

@@ -20,7 +20,6 @@
 #include <stdint.h>
 
 #include "dtype.h"
-#include "sparsify.h"  // LM_HIST_BINS, LM_HIST_WINDOW
 #include "status.h"
 
 // A device: opaque here. The backends fill in its vtable (device_impl.h, for backends only);
@@ -54,66 +53,12 @@ int lm_dev_threads(const lm_dev *d);
 // input) directly, with no upload. True of the CPU backend only.
 bool lm_dev_host_memory(const lm_dev *d);
 
-#define LM_DEV_KEEP_SEGMENT 4096  // lm_dev_dense's kept values: elements per segment
+// What lm_dev_combine and the fused dense operations compute (which parts, how each is
+// sparsified and rescaled, the combination rule) is the merge's to say: it is described by
+// merge_desc.h, which callers and backends include. Here the types are only named.
+typedef struct lm_dense_part lm_dense_part;
+typedef struct lm_combine_how lm_combine_how;
 
-// Sign election rule of lm_dev_combine.
-typedef enum lm_dev_sign {
-    LM_DEV_SIGN_NONE,   // no election: Δ = Σ W_i
-    LM_DEV_SIGN_SUM,    // s = +1 where Σ W_i >= 0
-    LM_DEV_SIGN_COUNT,  // s = +1 where Σ sign(W_i) >= 0
-} lm_dev_sign;
-
-// One fine-tuned model's slab for the fused dense operations (lm_dev_dense_hist,
-// lm_dev_dense_merge): a full model's task vector τ = float32(src) − float32(base) is computed
-// where it is needed and never stored; any other τ (a LoRA product) is given in `tau`.
-typedef struct lm_dev_dense {
-    const void *src;   // host memory: the slab's first element (when tau is NULL)
-    lm_dtype dt;
-    const float *tau;  // or τ itself, device memory (which is host memory on these devices)
-    // or τ = scale · (B @ A), made here from a LoRA pair's float32 factors as lm_dev_gemm makes
-    // it (rank lora_r <= LM_DEV_LOWRANK_MAX): the slab's element e is at row (col0 + e) / cols
-    // of lora_b and column (col0 + e) % cols of lora_a.
-    const float *lora_b;  // [rows, lora_r] from the row of the slab's first element
-    const float *lora_a;  // [lora_r, cols]
-    int64_t lora_r, cols, col0;
-    float scale;
-    // A LoRA pair's candidates, kept so that the merge need not make the product again. The
-    // arrays cover the whole tensor, indexed from its first element (`first` is the call's
-    // first element there, on a segment of LM_DEV_KEEP_SEGMENT elements). lm_dev_dense_hist
-    // sets bit e % 16 of keep_bits[e / 16] for each element e at or above its window's lowest
-    // bin and puts their values in keep_vals, in order, those of segment s from
-    // keep_vals[keep_off[s]] (each task's at the index of its own first element, so at most
-    // as many as its elements); given them, lm_dev_dense_merge reads τ there (zero where no
-    // bit is set) instead of making it, which is exact when its threshold is at or above that
-    // bin.
-    uint16_t *keep_bits;  // (numel / 16 rounded up)
-    int64_t *keep_off;    // (segments)
-    float *keep_vals;     // (numel + 16)
-    // lm_dev_dense_hist: the window counts of |τ| as lm_dev_hist_window adds them (win NULL:
-    // this part is not counted).
-    uint64_t *above, *win;
-    uint32_t lo_bin;
-    int n_win;
-    // lm_dev_dense_merge: what is done to τ before it is combined, in this order: trimmed to
-    // the top k (as lm_dev_topk_apply with thr_bits and ties_allowed; ties_used is set), or
-    // dropped at random (as lm_dev_random_drop with key, first, keep_below); then multiplied by
-    // rescale (as lm_dev_axpby(τ, rescale, τ, 0)) unless it is 1; weight is its weight.
-    bool trim;
-    uint32_t thr_bits;
-    int64_t ties_allowed, ties_used;
-    bool drop;
-    uint64_t key, keep_below;
-    int64_t first;
-    float rescale;
-    float weight;
-    // lm_dev_dense_merge: when not NULL, the NaN and Inf among the src values it reads (a full
-    // model's part) are added here.
-    lm_nonfinite *nf;
-} lm_dev_dense;
-
-// How lm_dev_dense_merge combines: as lm_dev_combine with sign, normalize and lambda, or (linear)
-// as task arithmetic's sequence out = base, then out = 1·out + weight_i·τ_i for each part in turn
-// (lm_dev_axpby), whose rounding differs.
 // The caller's own work, done on the calling thread while an operation that takes it runs (on
 // the CPU the other threads start on the operation's tasks meanwhile): fn(ctx) is called
 // exactly once before the operation returns, whatever it returns.
@@ -121,16 +66,6 @@ typedef struct lm_dev_side {
     void (*fn)(void *ctx);
     void *ctx;
 } lm_dev_side;
-
-typedef struct lm_dev_combine_how {
-    lm_dev_sign sign;
-    bool normalize;
-    float lambda;
-    bool linear;
-    // when not NULL, lm_dev_dense_merge adds the NaN and Inf among the base values it reads to
-    // *base_nf, and among the output values it writes (in out_dt) to *out_nf
-    lm_nonfinite *base_nf, *out_nf;
-} lm_dev_combine_how;
 
 // How lm_dev_open opens a device.
 typedef struct lm_dev_opts {
@@ -299,10 +234,10 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 // sparsified and rescaled, not yet weighted) with weights[i]: W_i = weights[i]·w_tau[i]; with an
 // election, Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,
 // Δ = Σ_i W_i and the divisor Σ_i weights[i]; with normalize Δ /= divisor where it is not 0.
-// out = base + lambda·Δ. out may equal base.
+// out = base + lambda·Δ. out may equal base. The election, normalize and lambda are how's
+// (merge_desc.h); its other fields are lm_dev_dense_merge's and not read here.
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
-                         float lambda, lm_err *err);
+                         const float *weights, int k, int64_t n, lm_combine_how how, lm_err *err);
 
 // ---- fused dense operations -------------------------------------------------------------------
 // For full fine-tuned models and LoRA pairs on a device whose memory is the host's (the CPU): the
@@ -316,7 +251,7 @@ lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *
 // For each part whose win is not NULL: the window counts of |τ_i| over n elements, added as
 // lm_dev_hist_window(above, win, n_win, lo_bin, τ_i, n) adds them. base and every src are read
 // as dtype (readable dtypes only).
-lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                             lm_err *err);
 
 // out (n elements of out_dt, host memory) = the combination of the k parts' τ, each trimmed or
@@ -325,10 +260,10 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 // the axpby sequence of how.linear) and lm_dev_from_f32 give. The NaN and Inf among the values
 // read and written are counted where how.base_nf, how.out_nf and each part's nf ask.
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err);
+                             lm_dense_part *parts, int k, int64_t n, lm_combine_how how, lm_err *err);
 // lm_dev_dense_merge, with the caller's work `side` (NULL: none) done meanwhile.
 lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                                  lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
+                                  lm_dense_part *parts, int k, int64_t n, lm_combine_how how,
                                   const lm_dev_side *side, lm_err *err);
 
 // ---- counting conversions ---------------------------------------------------------------------

@@ -685,7 +685,7 @@ LM_VECTOR_CLONES static void hist_low(uint32_t *h, const float *x, int64_t n, ui
 
 typedef struct win_list {
     uint32_t *tables;                // the task's tables, which the keys index; or, when NULL,
-    const lm_dev_dense *parts;       // the parts' window histograms: key (i << 20 | index) is
+    const lm_dense_part *parts;       // the parts' window histograms: key (i << 20 | index) is
     pthread_mutex_t *mu;             // part i's, added to under mu
     int64_t m;                       // keys gathered
     uint32_t keys[WIN_LIST + 16];    // the slack takes a whole compressing store
@@ -1159,7 +1159,7 @@ typedef struct combine_job {
     const float *w;
     int k;
     int64_t n;
-    lm_dev_sign sign;
+    lm_combine_sign sign;
     bool normalize;
     float lambda;
 } combine_job;
@@ -1229,17 +1229,17 @@ VECTOR_LOOP static void finish_in_place(float *restrict o, const float *restrict
 
 // out[0..cnt) = base + lambda·Δ of the k values tau[i][0..cnt) (cnt <= CHUNK); out may be base.
 static void combine_values(float *out, const float *base, const float *const *tau, const float *w, int k,
-                           int64_t cnt, lm_dev_sign sign, bool normalize, float lambda)
+                           int64_t cnt, lm_combine_sign sign, bool normalize, float lambda)
 {
     float vote[CHUNK], delta[CHUNK], div[CHUNK];
     for (int64_t e = 0; e < cnt; e++)
         vote[e] = delta[e] = div[e] = 0.0f;
-    if (sign == LM_DEV_SIGN_NONE) {
+    if (sign == LM_COMBINE_SIGN_NONE) {
         for (int i = 0; i < k; i++)
             add_weighted(delta, div, tau[i], w[i], cnt);
     } else {
         for (int i = 0; i < k; i++) {
-            if (sign == LM_DEV_SIGN_SUM)
+            if (sign == LM_COMBINE_SIGN_SUM)
                 add_vote_sum(vote, tau[i], w[i], cnt);
             else
                 add_vote_count(vote, tau[i], w[i], cnt);
@@ -1267,7 +1267,7 @@ static void combine_task(void *ctx, int64_t blk)
 }
 
 static lm_status cpu_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                             const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                             const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
                              float lambda, lm_err *err)
 {
     (void)err;
@@ -1286,7 +1286,7 @@ static lm_status cpu_combine(lm_dev *d, float *out, const float *base, const flo
 typedef struct dense_job {
     const void *base;
     lm_dtype base_dt;
-    lm_dev_dense *parts;
+    lm_dense_part *parts;
     int k;
     int64_t n;
     // dense_hist: the elements per task, and the lock on the caller's histograms
@@ -1295,7 +1295,7 @@ typedef struct dense_job {
     // dense_merge
     void *out;
     lm_dtype out_dt;
-    lm_dev_combine_how how;
+    lm_combine_how how;
     int64_t nb;      // blocks
     int64_t *ties;   // (k × 2 nb) per part: each block's ties, then the ties it may keep
     bool *counted;   // (k) parts whose ties are counted per block
@@ -1323,7 +1323,7 @@ static void dense_load(float *dst, const void *src, lm_dtype dt, int64_t lo, int
 
 // t = τ of LoRA part p at elements [lo, lo + cnt): the first row's stretch, the whole rows
 // after it as one tile, the last row's stretch.
-static void lora_span(float *t, const lm_dev_dense *p, int64_t lo, int64_t cnt)
+static void lora_span(float *t, const lm_dense_part *p, int64_t lo, int64_t cnt)
 {
     int64_t at = p->col0 + lo, row = at / p->cols, col = at % p->cols, r = p->lora_r, cols = p->cols;
     while (cnt > 0) {
@@ -1339,7 +1339,7 @@ static void lora_span(float *t, const lm_dev_dense *p, int64_t lo, int64_t cnt)
 
 // t = τ of part p at elements [lo, lo + cnt), b holding the base's values there; the NaN and Inf
 // among the src values read go to *nf (when not NULL).
-static void dense_tau(float *t, const lm_dev_dense *p, const float *b, int64_t lo, int64_t cnt, lm_nonfinite *nf)
+static void dense_tau(float *t, const lm_dense_part *p, const float *b, int64_t lo, int64_t cnt, lm_nonfinite *nf)
 {
     if (p->tau) {
         memcpy(t, p->tau + lo, (size_t)cnt * sizeof *t);
@@ -1355,7 +1355,7 @@ static void dense_tau(float *t, const lm_dev_dense *p, const float *b, int64_t l
 #define LORA_SPAN_MIN 8192
 #define LORA_SPAN_MAX 65536
 
-static int64_t lora_span_elems(const lm_dev_dense *parts, int k)
+static int64_t lora_span_elems(const lm_dense_part *parts, int k)
 {
     int64_t span = 0;
     for (int i = 0; i < k; i++) {
@@ -1403,14 +1403,14 @@ static void lora_fill(const dense_job *j, int64_t t, int64_t s0, int64_t len, co
             lora_span(span_of(j, t, i), &j->parts[i], s0, len);
 }
 
-// ---- kept LoRA candidates (lm_dev_dense's keep_bits, keep_off and keep_vals) ---------------
+// ---- kept LoRA candidates (lm_dense_part's keep_bits, keep_off and keep_vals) ---------------
 // Chunks never cross a segment (they start on multiples of CHUNK from a segment's start). *pos
 // is the index in keep_vals of the next value; the element indices here are the tensor's.
 
 // Keeps chunk x's values (elements [e0, e0 + cnt) of the tensor) whose magnitude bits are at
 // least lo; end bounds what the task may write (its own elements' room).
 #ifdef HAVE_AVX512_PATH
-__attribute__((target("avx512f"))) static void keep_chunk_avx512(const lm_dev_dense *p, const float *x, int64_t e0,
+__attribute__((target("avx512f"))) static void keep_chunk_avx512(const lm_dense_part *p, const float *x, int64_t e0,
                                                                 int64_t cnt, uint32_t lo, int64_t *pos, int64_t end)
 {
     const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), low = _mm512_set1_epi32((int)lo);
@@ -1431,7 +1431,7 @@ __attribute__((target("avx512f"))) static void keep_chunk_avx512(const lm_dev_de
 }
 
 // The kept values back in place: τ at elements [e0, e0 + cnt), zero where none was kept.
-__attribute__((target("avx512f"))) static void kept_chunk_avx512(float *t, const lm_dev_dense *p, int64_t e0,
+__attribute__((target("avx512f"))) static void kept_chunk_avx512(float *t, const lm_dense_part *p, int64_t e0,
                                                                 int64_t cnt, int64_t *pos)
 {
     for (int64_t e = 0; e < cnt; e += 16) {
@@ -1444,11 +1444,11 @@ __attribute__((target("avx512f"))) static void kept_chunk_avx512(float *t, const
 }
 #endif
 
-static void keep_chunk(const lm_dev_dense *p, const float *x, int64_t e0, int64_t cnt, uint32_t lo, int64_t *pos,
+static void keep_chunk(const lm_dense_part *p, const float *x, int64_t e0, int64_t cnt, uint32_t lo, int64_t *pos,
                        int64_t end)
 {
-    if (e0 % LM_DEV_KEEP_SEGMENT == 0)
-        p->keep_off[e0 / LM_DEV_KEEP_SEGMENT] = *pos;
+    if (e0 % LM_DENSE_KEEP_SEGMENT == 0)
+        p->keep_off[e0 / LM_DENSE_KEEP_SEGMENT] = *pos;
 #ifdef HAVE_AVX512_PATH
     if (__builtin_cpu_supports("avx512f")) {
         keep_chunk_avx512(p, x, e0, cnt, lo, pos, end);
@@ -1466,10 +1466,10 @@ static void keep_chunk(const lm_dev_dense *p, const float *x, int64_t e0, int64_
     }
 }
 
-static void kept_chunk(float *t, const lm_dev_dense *p, int64_t e0, int64_t cnt, int64_t *pos)
+static void kept_chunk(float *t, const lm_dense_part *p, int64_t e0, int64_t cnt, int64_t *pos)
 {
-    if (e0 % LM_DEV_KEEP_SEGMENT == 0)
-        *pos = p->keep_off[e0 / LM_DEV_KEEP_SEGMENT];
+    if (e0 % LM_DENSE_KEEP_SEGMENT == 0)
+        *pos = p->keep_off[e0 / LM_DENSE_KEEP_SEGMENT];
 #ifdef HAVE_AVX512_PATH
     if (__builtin_cpu_supports("avx512f")) {
         kept_chunk_avx512(t, p, e0, cnt, pos);
@@ -1488,7 +1488,7 @@ static void kept_chunk(float *t, const lm_dev_dense *p, int64_t e0, int64_t cnt,
 static float *chunk_tau(const dense_job *j, int64_t t, int i, float *buf, const float *b, int64_t s0, int64_t c,
                         int64_t cnt, int64_t *kpos, lm_nonfinite *nf)
 {
-    const lm_dev_dense *p = &j->parts[i];
+    const lm_dense_part *p = &j->parts[i];
     if (j->read_kept && p->keep_bits) {
         kept_chunk(buf, p, p->first + c, cnt, &kpos[i]);
         return buf;
@@ -1529,7 +1529,7 @@ static void dense_hist_task(void *ctx, int64_t t)
             if (base)
                 dense_load(b, j->base, j->base_dt, c, cnt, NULL);
             for (int i = 0; i < j->k; i++) {
-                const lm_dev_dense *p = &j->parts[i];
+                const lm_dense_part *p = &j->parts[i];
                 if (!use[i])
                     continue;
                 const float *x = chunk_tau(j, t, i, tau, b, s0, c, cnt, kpos, NULL);
@@ -1549,7 +1549,7 @@ static void dense_hist_task(void *ctx, int64_t t)
 
 #define HIST_TASKS_PER_THREAD 4
 
-static lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+static lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                                 lm_err *err)
 {
     cpu_ctx *c = d->ctx;
@@ -1566,7 +1566,7 @@ static lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, l
     if (tasks < 1 || !any)
         return LM_OK;
     // tasks start on a segment of the kept values
-    int64_t per_task = ((n + tasks - 1) / tasks + LM_DEV_KEEP_SEGMENT - 1) / LM_DEV_KEEP_SEGMENT * LM_DEV_KEEP_SEGMENT;
+    int64_t per_task = ((n + tasks - 1) / tasks + LM_DENSE_KEEP_SEGMENT - 1) / LM_DENSE_KEEP_SEGMENT * LM_DENSE_KEEP_SEGMENT;
     tasks = (n + per_task - 1) / per_task;
     dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .per_task = per_task,
                    .mu = &c->hist_mu};
@@ -1593,7 +1593,7 @@ static void keep_counted(float *t, int64_t cnt, uint32_t thr, int64_t *left)
 }
 
 // keep: 1 every tie kept, 0 none, -1 counted (left says how many).
-static void dense_sparsify(float *t, const lm_dev_dense *p, int keep, int64_t *left, int64_t first, int64_t cnt)
+static void dense_sparsify(float *t, const lm_dense_part *p, int keep, int64_t *left, int64_t first, int64_t cnt)
 {
     if (p->trim) {
         if (keep < 0)
@@ -1634,7 +1634,7 @@ static void dense_merge_task(void *ctx, int64_t task)
         c_src[i] = j->parts[i].nf ? &nb_src[i] : NULL;
     }
     for (int i = 0; i < k; i++) {
-        const lm_dev_dense *p = &j->parts[i];
+        const lm_dense_part *p = &j->parts[i];
         const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 2 * j->nb : NULL;  // NULL: none counted
         w[i] = p->weight;
         left[i] = 0;
@@ -1667,7 +1667,7 @@ static void dense_merge_task(void *ctx, int64_t task)
             if (deferred)  // only the counts matter in this run now
                 continue;
             for (int i = 0; i < k; i++) {
-                const lm_dev_dense *p = &j->parts[i];
+                const lm_dense_part *p = &j->parts[i];
                 if (!(j->first && j->ties && j->counted[i]))
                     tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos, c_src[i]);
                 dense_sparsify(tp[i], p, keep[i], &left[i], p->first + c, cnt);
@@ -1706,7 +1706,7 @@ static void dense_merge_task(void *ctx, int64_t task)
 // block that finds one stops merging and only counts. The budgets are then shared out in block
 // order, and those few blocks run again.
 static lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                                 lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
+                                 lm_dense_part *parts, int k, int64_t n, lm_combine_how how,
                                  const lm_dev_side *side, lm_err *err)
 {
     int64_t nb = n_blocks(n);

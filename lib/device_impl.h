@@ -7,6 +7,7 @@
 #define LM_DEVICE_IMPL_H
 
 #include "device.h"
+#include "merge_desc.h"  // what the fused operations and combine compute
 
 // The operations a device provides. Entries marked optional may be NULL; the dispatcher
 // supplies the default.
@@ -51,14 +52,14 @@ typedef struct lm_dev_i {
                              uint64_t keep_below, lm_err *err);
     lm_status (*l1)(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
     lm_status (*combine)(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                         const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
                          float lambda, lm_err *err);
     // Fused dense operations, on devices with host memory only (optional: the engine runs the
     // separate operations when they are NULL).
-    lm_status (*dense_hist)(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+    lm_status (*dense_hist)(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                             lm_err *err);
     lm_status (*dense_merge)(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, const lm_dev_side *side, lm_err *err);
+                             lm_dense_part *parts, int k, int64_t n, lm_combine_how how, const lm_dev_side *side, lm_err *err);
     // Conversions that also count NaN and Inf, on devices with host memory only (optional: the
     // merge counts on the host, from what it copies to and from the device, where they are
     // NULL).

@@ -408,7 +408,7 @@ static lm_status sim_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_er
 
 // w_tau and weights are host arrays; the vectors w_tau points at are device memory.
 static lm_status sim_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                             const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                             const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
                              float lambda, lm_err *err)
 {
     lm_status s;

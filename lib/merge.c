@@ -27,6 +27,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "merge_desc.h"
 #include "signals.h"
 #include "sparsify.h"
 #include "util.h"
@@ -290,7 +291,7 @@ typedef struct engine {
     // --topk global: per FT thresholds and the ties budget left
     lm_topk *global;      // (n_ft) or NULL
     uint64_t *sel_block;  // select_tensor's histograms, reused from tensor to tensor
-    // fused LoRA parts' candidates from the selection pass (lm_dev_dense's keep_bits and
+    // fused LoRA parts' candidates from the selection pass (lm_dense_part's keep_bits and
     // keep_vals), per FT, for tensors of up to keep_caps elements
     uint16_t **keep_bits;
     int64_t **keep_off;
@@ -865,7 +866,7 @@ static void lora_sample(engine *e, part *p, const lm_st_tensor *bt, int64_t want
 // Tells the fused operations where part p's τ comes from for the elements of tensor bt from
 // `first` on: its mapped input, or (a LoRA pair) its factors. Returns the input bytes read per
 // element (none for a LoRA pair, whose factors are in memory already).
-static size_t dense_source(const engine *e, const part *p, const lm_st_tensor *bt, int64_t first, lm_dev_dense *d)
+static size_t dense_source(const engine *e, const part *p, const lm_st_tensor *bt, int64_t first, lm_dense_part *d)
 {
     if (p->src == SRC_FULL) {
         d->src = (const char *)p->full->data + (size_t)first * esize(p->full->dtype);
@@ -939,10 +940,10 @@ static lm_status hist_dense(engine *e, const lm_st_tensor *bt, part *parts, int 
         if (s != LM_OK)
             return s;
     }
-    lm_dev_dense d[k];
+    lm_dense_part d[k];
     uint64_t in_bytes = (uint64_t)cnt * esize(bt->dtype);
     for (int i = 0; i < k; i++) {
-        d[i] = (lm_dev_dense){0};
+        d[i] = (lm_dense_part){0};
         size_t per = dense_source(e, &parts[i], bt, first, &d[i]);
         if (!sel[i]->none) {
             d[i].above = hists[i];
@@ -1026,12 +1027,12 @@ static bool keep_store(engine *e, int ft, int64_t numel)
     free(e->keep_bits[ft]);
     free(e->keep_off[ft]);
     free(e->keep_vals[ft]);
-    int64_t segs = (numel + LM_DEV_KEEP_SEGMENT - 1) / LM_DEV_KEEP_SEGMENT;
-    e->keep_bits[ft] = malloc((size_t)(segs * (LM_DEV_KEEP_SEGMENT / 16)) * sizeof(uint16_t));
+    int64_t segs = (numel + LM_DENSE_KEEP_SEGMENT - 1) / LM_DENSE_KEEP_SEGMENT;
+    e->keep_bits[ft] = malloc((size_t)(segs * (LM_DENSE_KEEP_SEGMENT / 16)) * sizeof(uint16_t));
     e->keep_off[ft] = malloc((size_t)segs * sizeof(int64_t));
-    e->keep_vals[ft] = malloc((size_t)(segs * LM_DEV_KEEP_SEGMENT + 16) * sizeof(float));
+    e->keep_vals[ft] = malloc((size_t)(segs * LM_DENSE_KEEP_SEGMENT + 16) * sizeof(float));
     bool ok = e->keep_bits[ft] && e->keep_off[ft] && e->keep_vals[ft];
-    e->keep_caps[ft] = ok ? segs * LM_DEV_KEEP_SEGMENT : 0;
+    e->keep_caps[ft] = ok ? segs * LM_DENSE_KEEP_SEGMENT : 0;
     return ok;
 }
 
@@ -1041,7 +1042,7 @@ static bool keeps_fit(const engine *e, const lm_dev *dev, const lm_st_tensor *bt
                       bool one_slab)
 {
     int64_t cols = bt->numel / tensor_rows(bt);
-    return one_slab || slab_rows_of(e, dev, bt, parts, k) * cols % LM_DEV_KEEP_SEGMENT == 0;
+    return one_slab || slab_rows_of(e, dev, bt, parts, k) * cols % LM_DENSE_KEEP_SEGMENT == 0;
 }
 
 static lm_status select_tensor(engine *e, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
@@ -1252,8 +1253,8 @@ static lm_status merge_linear(engine *e, int64_t idx, const lm_st_desc *desc, co
 
 // What lm_dev_dense_merge is told of tensor bt's parts and their combination (each part's src or
 // tau, first and ties_allowed are set per piece by merge_pieces).
-static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const part *parts, int k,
-                                      lm_dev_dense *d)
+static lm_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const part *parts, int k,
+                                      lm_dense_part *d)
 {
     const lm_merge_opts *o = e->o;
     bool linear = o->method == LM_MERGE_TASK_ARITHMETIC;
@@ -1266,7 +1267,7 @@ static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, c
     for (int i = 0; i < k; i++) {
         const part *p = &parts[i];
         const lm_topk *t = o->topk_global && e->global ? &e->global[p->ft] : &p->topk;
-        d[i] = (lm_dev_dense){
+        d[i] = (lm_dense_part){
             .dt = p->src == SRC_FULL ? p->full->dtype : LM_DTYPE_F32,
             .trim = uses_magnitude(o->method),
             .thr_bits = t->thr_bits,
@@ -1277,8 +1278,8 @@ static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, c
             .weight = linear ? (float)(o->lambda * o->weights[p->ft] / div) : (float)o->weights[p->ft],
         };
     }
-    return (lm_dev_combine_how){.sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
-                                        : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM,
+    return (lm_combine_how){.sign = !uses_election(o->method) ? LM_COMBINE_SIGN_NONE
+                                        : o->sign == LM_SIGN_COUNT ? LM_COMBINE_SIGN_COUNT : LM_COMBINE_SIGN_SUM,
                                 .normalize = o->normalize, .lambda = (float)o->lambda, .linear = linear};
 }
 
@@ -1307,7 +1308,7 @@ static void put_pending(void *ctx)
 }
 
 static lm_status merge_pieces(engine *e, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt, part *parts,
-                              int k, lm_dev_dense *d, lm_dev_combine_how how, int64_t first0, int64_t cnt,
+                              int k, lm_dense_part *d, lm_combine_how how, int64_t first0, int64_t cnt,
                               bool from_buf, int64_t *ties_left, XXH64_state_t *hash)
 {
     const lm_merge_opts *o = e->o;
@@ -1360,8 +1361,8 @@ static lm_status merge_dense(engine *e, int64_t idx, const lm_st_desc *desc, con
                              int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash)
 {
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
-    lm_dev_dense d[k];
-    lm_dev_combine_how how = dense_parts(e, bt, parts, k, d);
+    lm_dense_part d[k];
+    lm_combine_how how = dense_parts(e, bt, parts, k, d);
     lm_status s = LM_OK;
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows;
@@ -1461,16 +1462,16 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
     // does; the histogram pass when some τ needed it).
     bool have_base = have_tau && (random || needs_base(parts, k));
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
-    lm_dev_sign sign = !uses_election(o->method) ? LM_DEV_SIGN_NONE
-                       : o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM;
+    lm_combine_sign sign = !uses_election(o->method) ? LM_COMBINE_SIGN_NONE
+                       : o->sign == LM_SIGN_COUNT ? LM_COMBINE_SIGN_COUNT : LM_COMBINE_SIGN_SUM;
     if (fused(e, e->ws->dev, bt, parts, k))
         return merge_dense(e, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
     if (o->method == LM_MERGE_TASK_ARITHMETIC)
         return merge_linear(e, idx, desc, bt, parts, k, slab_rows, hash);
     // With τ in the buffers, the rest of the pass in one operation where the device has it.
     bool pieces = pieces_from_buf(e, bt, parts, k);
-    lm_dev_dense d[k];
-    lm_dev_combine_how how = dense_parts(e, bt, parts, k, d);
+    lm_dense_part d[k];
+    lm_combine_how how = dense_parts(e, bt, parts, k, d);
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
@@ -1514,8 +1515,9 @@ static lm_status merge_tensor(engine *e, int64_t idx, const lm_st_desc *desc, XX
                 break;
         }
         if (s == LM_OK)
-            s = lm_dev_combine(e->ws->dev, e->ws->base_buf, e->ws->base_buf, taus, weights, k, cnt, sign, o->normalize,
-                               (float)o->lambda, e->err);
+            s = lm_dev_combine(e->ws->dev, e->ws->base_buf, e->ws->base_buf, taus, weights, k, cnt,
+                               (lm_combine_how){.sign = sign, .normalize = o->normalize, .lambda = (float)o->lambda},
+                               e->err);
         if (s == LM_OK)
             s = write_slab(e, idx, desc->dtype, e->ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype), hash);
         if (!one_slab)
@@ -2170,7 +2172,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
         for (int i = 0; fuse && aligned && i < k; i++)
             if (parts[i].src == SRC_LORA) {
                 double share = o->densities[parts[i].ft] + 0.02 < 1.0 ? o->densities[parts[i].ft] + 0.02 : 1.0;
-                need->hist_touched += (uint64_t)bt->numel / 8 + (uint64_t)bt->numel / LM_DEV_KEEP_SEGMENT * 8 +
+                need->hist_touched += (uint64_t)bt->numel / 8 + (uint64_t)bt->numel / LM_DENSE_KEEP_SEGMENT * 8 +
                                       (uint64_t)((double)bt->numel * share) * sizeof(float);
             }
     }

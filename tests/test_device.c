@@ -8,6 +8,7 @@
 // name, its fault switch, and its refusal of memory that is not its own.
 #include "check.h"
 #include "device.h"
+#include "merge_desc.h"
 #include "device_impl.h"  // the backends' vtables, and devices built by hand
 #include "sparsify.h"
 #ifdef LLMERGE_HAVE_CUDA
@@ -30,6 +31,12 @@ static void fill(float *x, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
         x[i] = frand();
+}
+
+// lm_dev_combine's rule: election, normalisation and lambda.
+static lm_combine_how how_of(lm_combine_sign sign, bool normalize, float lambda)
+{
+    return (lm_combine_how){.sign = sign, .normalize = normalize, .lambda = lambda};
 }
 
 static bool same_bits(const float *a, const float *b, int64_t n)
@@ -336,23 +343,23 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
     }
     fill(base, N);
     const float w[K] = {1.0f, 0.5f, -0.75f};
-    const lm_dev_sign signs[] = {LM_DEV_SIGN_NONE, LM_DEV_SIGN_SUM, LM_DEV_SIGN_COUNT};
+    const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT};
     for (int si = 0; si < 3; si++) {
         for (int norm = 0; norm < 2; norm++) {
-            CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, signs[si], norm, 0.8f, &err), &err);
-            CHECK_OK(lm_dev_combine(d3, o3, base, (const float *const *)t, w, K, N, signs[si], norm, 0.8f, &err), &err);
+            CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, how_of(signs[si], norm, 0.8f), &err), &err);
+            CHECK_OK(lm_dev_combine(d3, o3, base, (const float *const *)t, w, K, N, how_of(signs[si], norm, 0.8f), &err), &err);
             CHECK(same_bits(o1, o3, N));
             double maxerr = 0;
             for (int64_t e = 0; e < N; e++) {
                 double W[K], delta = 0, div = 0, vote = 0;
                 for (int i = 0; i < K; i++) {
                     W[i] = (double)w[i] * t[i][e];
-                    vote += signs[si] == LM_DEV_SIGN_COUNT ? (W[i] > 0) - (W[i] < 0) : W[i];
+                    vote += signs[si] == LM_COMBINE_SIGN_COUNT ? (W[i] > 0) - (W[i] < 0) : W[i];
                 }
                 int s = vote >= 0 ? 1 : -1;
                 for (int i = 0; i < K; i++) {
                     int sg = (W[i] > 0) - (W[i] < 0);
-                    if (signs[si] == LM_DEV_SIGN_NONE || sg == s) {
+                    if (signs[si] == LM_COMBINE_SIGN_NONE || sg == s) {
                         delta += W[i];
                         div += w[i];
                     }
@@ -972,7 +979,7 @@ static void h_combine(harness *h, int64_t n)
     enum { KMAX = 4 };
     char what[96];
     const float w[KMAX] = {1.0f, 0.5f, -0.75f, 2.0f};
-    const lm_dev_sign signs[] = {LM_DEV_SIGN_NONE, LM_DEV_SIGN_SUM, LM_DEV_SIGN_COUNT};
+    const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT};
     float *t[KMAX], *dt[KMAX], *base = hmalloc((size_t)n * 4), *want = hmalloc((size_t)n * 4),
                                *got = hmalloc((size_t)n * 4);
     bool ok = true;
@@ -990,21 +997,21 @@ static void h_combine(harness *h, int64_t n)
         for (int si = 0; si < 3; si++) {
             for (int norm = 0; norm < 2; norm++) {
                 snprintf(what, sizeof what, "combine k=%d sign=%d normalize=%d n=%lld", k, si, norm, (long long)n);
-                CHECK_OK(lm_dev_combine(h->cpu, want, base, (const float *const *)t, w, k, n, signs[si], norm, 0.8f,
+                CHECK_OK(lm_dev_combine(h->cpu, want, base, (const float *const *)t, w, k, n, how_of(signs[si], norm, 0.8f),
                                         &h->err), &h->err);
-                if (DEV_OK(h, lm_dev_combine(h->dev, dout, dbase, (const float *const *)dt, w, k, n, signs[si], norm,
-                                             0.8f, &h->err)) && get(h, got, dout, (size_t)n * 4))
+                if (DEV_OK(h, lm_dev_combine(h->dev, dout, dbase, (const float *const *)dt, w, k, n, how_of(signs[si], norm,
+                                             0.8f), &h->err)) && get(h, got, dout, (size_t)n * 4))
                     check_close(h, ST_COMBINE, what, got, want, n, 1e-5);
             }
         }
     }
     // in place, as merging calls it: out == base
     snprintf(what, sizeof what, "combine in place n=%lld", (long long)n);
-    CHECK_OK(lm_dev_combine(h->cpu, base, base, (const float *const *)t, w, KMAX, n, LM_DEV_SIGN_SUM, true, 0.8f,
+    CHECK_OK(lm_dev_combine(h->cpu, base, base, (const float *const *)t, w, KMAX, n, how_of(LM_COMBINE_SIGN_SUM, true, 0.8f),
                             &h->err), &h->err);
     if (ok && dbase &&
-        DEV_OK(h, lm_dev_combine(h->dev, dbase, dbase, (const float *const *)dt, w, KMAX, n, LM_DEV_SIGN_SUM, true,
-                                 0.8f, &h->err)) && get(h, got, dbase, (size_t)n * 4))
+        DEV_OK(h, lm_dev_combine(h->dev, dbase, dbase, (const float *const *)dt, w, KMAX, n, how_of(LM_COMBINE_SIGN_SUM, true,
+                                 0.8f), &h->err)) && get(h, got, dbase, (size_t)n * 4))
         check_close(h, ST_COMBINE, what, got, base, n, 1e-5);
     for (int i = 0; i < KMAX; i++) {
         lm_dev_buf_free(h->dev, dt[i]);
@@ -1549,14 +1556,14 @@ static void test_sim_foreign(void)
     // the host's
     const float w[2] = {1, 1};
     const float *taus[2] = {x, y}, *bad_taus[2] = {x, host};
-    CHECK_OK(lm_dev_combine(d, y, x, taus, w, 2, 16, LM_DEV_SIGN_SUM, true, 1.0f, &err), &err);
-    CHECK_FAILS(lm_dev_combine(d, y, x, bad_taus, w, 2, 16, LM_DEV_SIGN_SUM, true, 1.0f, &err), LM_ERR_DEVICE,
+    CHECK_OK(lm_dev_combine(d, y, x, taus, w, 2, 16, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err), &err);
+    CHECK_FAILS(lm_dev_combine(d, y, x, bad_taus, w, 2, 16, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err), LM_ERR_DEVICE,
                 "(w_tau[1]:", &err);
-    CHECK_FAILS(lm_dev_combine(d, host, x, taus, w, 2, 16, LM_DEV_SIGN_SUM, true, 1.0f, &err), LM_ERR_DEVICE,
+    CHECK_FAILS(lm_dev_combine(d, host, x, taus, w, 2, 16, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err), LM_ERR_DEVICE,
                 "(out:", &err);
-    CHECK_FAILS(lm_dev_combine(d, y, host, taus, w, 2, 16, LM_DEV_SIGN_NONE, false, 1.0f, &err), LM_ERR_DEVICE,
+    CHECK_FAILS(lm_dev_combine(d, y, host, taus, w, 2, 16, how_of(LM_COMBINE_SIGN_NONE, false, 1.0f), &err), LM_ERR_DEVICE,
                 "(base:", &err);
-    CHECK_FAILS(lm_dev_combine(d, y, x, taus, x, 2, 16, LM_DEV_SIGN_NONE, false, 1.0f, &err), LM_ERR_DEVICE,
+    CHECK_FAILS(lm_dev_combine(d, y, x, taus, x, 2, 16, how_of(LM_COMBINE_SIGN_NONE, false, 1.0f), &err), LM_ERR_DEVICE,
                 "(weights:", &err);
     CHECK(memcmp(host, copy, sizeof host) == 0);
 
