@@ -262,7 +262,7 @@ static lm_status place_accumulators(hess_run *r, lm_err *err)
         if (reserve == SIZE_MAX)
             reserve = 0;
     }
-    lm_status s = lm_hess_init(&r->hess, r->model, dev, reserve, r->args.run.threads, err);
+    lm_status s = lm_hess_init(&r->hess, r->model, r->dev, dev != NULL, reserve, err);
     if (s != LM_OK)
         return s;
     lm_hess *h = &r->hess;

@@ -67,7 +67,6 @@ typedef struct merge_run {
     lm_dev *dev;
     char dev_why[512];         // what --device opened and, for auto, why
     cJSON *fallbacks;          // the units that went to the CPU, for llmerge.json (or NULL)
-    lm_dev *merge_cpu;         // sparsegpt on a device lacking its operations: the CPU it merges on
     lm_calib *calib;           // (n_calib) sparsegpt: the calibration files, read and checked
     int n_calib;
     lm_cmd_sgpt sgpt;          // sparsegpt: each FT's masks or Hessian terms, the cache
@@ -100,7 +99,6 @@ static void run_free(merge_run *r)
     free(r->fts);
     lm_model_free(r->base);
     lm_dev_destroy(r->dev);
-    lm_dev_destroy(r->merge_cpu);
     free(r->weights);
     free(r->densities);
     free(r->args.weights);
@@ -905,7 +903,7 @@ static int work(merge_run *r, double t_loaded)
             .base = r->base, .fts = r->fts, .n_ft = a->n_ft, .densities = r->densities, .topk_global = a->topk_global,
             .calib = r->calib, .n_calib = r->n_calib, .calib_samples = a->calib_samples, .seq_len = a->seq_len,
             .from_base = a->hessian_from_base, .sticky = a->sticky, .cache_dir = a->cache_dir, .dev = r->dev,
-            .threads = r->opts.threads, .progress = p,
+            .progress = p,
         };
         if ((s = lm_cmd_sgpt_prepare(&r->sgpt, &in, &err)) != LM_OK)
             goto fail;
@@ -916,11 +914,10 @@ static int work(merge_run *r, double t_loaded)
     // the CPU: said, not silent.
     lm_dev *merge_dev = r->dev;
     if (a->m->method == LM_MERGE_SPARSEGPT && !lm_dev_supports(r->dev, LM_OP_IMPORTANCE)) {
-        if ((s = lm_dev_cpu_create(&r->merge_cpu, r->opts.threads, &err)) != LM_OK)
+        if ((s = lm_dev_cpu_companion(r->dev, &merge_dev, &err)) != LM_OK)
             goto fail;
         lm_progress_note(p, "note: %s has no importance operations: the merge runs on the cpu",
                          lm_dev_name(r->dev));
-        merge_dev = r->merge_cpu;
     }
     if ((s = start_hasher(r, &err)) != LM_OK)
         goto fail;

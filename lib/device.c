@@ -116,8 +116,11 @@ lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char
 
 void lm_dev_destroy(lm_dev *d)
 {
-    if (d)
-        d->iface->destroy(d);
+    if (!d)
+        return;
+    lm_dev *companion = d->companion;
+    d->iface->destroy(d);
+    lm_dev_destroy(companion);
 }
 
 // ==== what a device can do =====================================================================

@@ -87,6 +87,12 @@ lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char
 // The CPU backend (OpenBLAS for GEMM, a thread pool for the element-wise work).
 lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err);
 
+// The CPU device that d's units fall back to, and that does d's host-side work: d itself when
+// d is the CPU; otherwise a CPU device of lm_dev_threads(d) threads, created on the first call
+// and the same one on every later call, owned by d and destroyed with it (lm_dev_destroy), so
+// the caller never frees *cpu. Creating it can fail as lm_dev_cpu_create does.
+lm_status lm_dev_cpu_companion(lm_dev *d, lm_dev **cpu, lm_err *err);
+
 // The CPU backend's factorisation (lm_dev_potrf's on the CPU) of host memory, for callers that
 // have no CPU device at hand: LAPACKE's dpotrf in place, U's diagonal to diag. LM_ERR_FORMAT
 // with *info the order of the leading minor that is not positive definite; err is not touched.

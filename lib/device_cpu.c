@@ -1847,6 +1847,21 @@ lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err)
     return LM_OK;
 }
 
+lm_status lm_dev_cpu_companion(lm_dev *d, lm_dev **cpu, lm_err *err)
+{
+    if (d->iface == &cpu_iface) {
+        *cpu = d;
+        return LM_OK;
+    }
+    if (!d->companion) {
+        lm_status s = lm_dev_cpu_create(&d->companion, d->threads, err);
+        if (s != LM_OK)
+            return s;
+    }
+    *cpu = d->companion;
+    return LM_OK;
+}
+
 // ==== the forward pass ========================================================================
 // Row-wise operations: each row (or (row, head) pair for attention) is one task's, computed
 // by the same fixed sequence of float operations wherever it lies in a batch, so a packed

@@ -93,6 +93,8 @@ struct lm_dev {
     int threads;       // CPU threads the backend uses
     bool host_memory;  // device pointers are host pointers: operations may read host memory
                        // (an mmapped input) directly, with no upload
+    lm_dev *companion; // the CPU device d's units fall back to (lm_dev_cpu_companion), made on
+                       // first use and destroyed with d; NULL until then, and on the CPU itself
 };
 
 #endif

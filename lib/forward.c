@@ -961,7 +961,7 @@ static lm_status cpu_fwd(lm_fwd_runner *r, lm_fwd **out, lm_err *err)
 {
     lm_status s;
     if (!r->on_cpu) {
-        if (!r->cpu && (s = lm_dev_cpu_create(&r->cpu, lm_dev_threads(r->dev), err)) != LM_OK)
+        if (!r->cpu && (s = lm_dev_cpu_companion(r->dev, &r->cpu, err)) != LM_OK)
             return s;
         if ((s = lm_fwd_create(&r->on_cpu, r->model, r->adapter, r->cpu, err)) != LM_OK)
             return s;
@@ -1024,7 +1024,6 @@ void lm_fwd_runner_free(lm_fwd_runner *r)
 {
     lm_fwd_free(r->on_dev);
     lm_fwd_free(r->on_cpu);
-    lm_dev_destroy(r->cpu);
     r->on_dev = r->on_cpu = NULL;
     r->cpu = NULL;
 }

@@ -144,7 +144,7 @@ typedef struct lm_fwd_runner {
     bool stuck;               // that has happened
 
     lm_fwd *on_dev;           // the weights on dev; NULL when they are on the CPU only
-    lm_dev *cpu;              // the CPU device for fallbacks, opened when first needed (owned)
+    lm_dev *cpu;              // the CPU device for fallbacks, dev's companion (lm_dev_cpu_companion)
     lm_fwd *on_cpu;           // the weights on it, placed when first needed
 
     // What happened, for the summary.

@@ -32,7 +32,6 @@ void lm_hess_free(lm_hess *h)
     free(h->host_upper);
     free(h->dev_fresh);
     free(h->stage);
-    lm_dev_destroy(h->cpu);
     memset(h, 0, sizeof *h);
 }
 
@@ -58,7 +57,7 @@ static lm_status place_on_dev(lm_hess *h, int64_t i, lm_fwd_point p, size_t rese
     return LM_OK;
 }
 
-lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserve, int threads, lm_err *err)
+lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, bool on_device, size_t reserve, lm_err *err)
 {
     memset(h, 0, sizeof *h);
     const lm_config *cfg = &m->config;
@@ -73,7 +72,7 @@ lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserv
         if (h->dim[p] <= 0 || h->dim[p] > (1 << 20))
             return lm_err_set(err, LM_ERR_UNSUPPORTED, "a linear input of width %" PRId64 " is out of range",
                               h->dim[p]);
-    if ((s = lm_dev_cpu_create(&h->cpu, threads, err)) != LM_OK)
+    if ((s = lm_dev_cpu_companion(dev, &h->cpu, err)) != LM_OK)
         return s;
     if (!(h->on_dev = calloc((size_t)n, sizeof *h->on_dev)) || !(h->on_host = calloc((size_t)n, sizeof *h->on_host)) ||
         !(h->dev_upper = calloc((size_t)n, sizeof *h->dev_upper)) ||
@@ -82,8 +81,8 @@ lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserv
         lm_hess_free(h);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory for %" PRId64 " Hessian accumulators", n);
     }
-    h->dev = dev;
-    bool dev_full = !dev;
+    h->dev = on_device ? dev : NULL;
+    bool dev_full = !on_device;
     for (int64_t l = 0; l < h->n_layers; l++)
         for (int p = 0; p < LM_FWD_N_POINTS; p++) {
             int64_t i = lm_hess_index(l, (lm_fwd_point)p);
@@ -483,7 +482,7 @@ lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t
 }
 
 lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
-                             const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, bool sticky,
+                             const lm_fwd_seq *seqs, int64_t n_seqs, double damp, bool sticky,
                              lm_fwd_note_fn note, void *note_ctx, lm_hess_each_fn each, void *each_ctx,
                              double ***out, int64_t *n_out, lm_err *err)
 {
@@ -511,7 +510,7 @@ lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev
             reserve = lm_fwd_arena_bytes(runner.on_dev, batch > longest ? batch : longest);
             reserve = reserve == SIZE_MAX ? 0 : reserve;
         }
-        s = lm_hess_init(&h, m, runner.on_dev ? dev : NULL, reserve, threads, err);
+        s = lm_hess_init(&h, m, dev, runner.on_dev != NULL, reserve, err);
     }
     if (s == LM_OK)
         s = lm_hess_capture(&h, &runner, seqs, n_seqs, err);

@@ -1936,8 +1936,6 @@ static void engine_free(engine *e)
     free(e->sel_block);
     free(e->counted);
     free(e->in);
-    if (e->cpu != e->dev)
-        lm_dev_destroy(e->cpu);
 }
 
 // The largest slab any tensor needs: a slab is whole rows, at most slab_elems elements unless
@@ -1974,8 +1972,8 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
     e.slab_max = largest_slab(base, e.slab_elems);
     e.ws = &e.cpu_ws;
-    // An accelerator gets a CPU beside it for the units that do not fit.
-    if (!lm_dev_host_memory(dev) && (s = lm_dev_cpu_create(&e.cpu, o->threads, err)) != LM_OK) {
+    // An accelerator has a CPU beside it for the units that do not fit (the CPU's is itself).
+    if ((s = lm_dev_cpu_companion(dev, &e.cpu, err)) != LM_OK) {
         e.cpu = dev;
         return s;
     }

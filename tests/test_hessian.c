@@ -78,7 +78,7 @@ static lm_status capture(const lm_model *m, const lm_adapter *a, lm_dev *dev, co
     lm_status s = lm_fwd_runner_init(&r, m, a, dev, "test", "MODEL", max_tokens, on_note, NULL, err);
     if (s != LM_OK)
         return s;
-    if ((s = lm_hess_init(&h, m, r.on_dev ? dev : NULL, reserve, 2, err)) != LM_OK)
+    if ((s = lm_hess_init(&h, m, dev, r.on_dev != NULL, reserve, err)) != LM_OK)
         goto out;
     if (n_host)
         *n_host = h.n_host;
@@ -512,7 +512,7 @@ static void test_each_hessian(lm_dev *cpu)
     e.got.h = calloc((size_t)ref.n, sizeof *e.got.h);
     double **ucc2 = NULL;
     int64_t n = 0;
-    CHECK_OK(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 2, 0.01, false, on_note, NULL, on_each, &e, &ucc2, &n,
+    CHECK_OK(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 0.01, false, on_note, NULL, on_each, &e, &ucc2, &n,
                                 &err), &err);
     CHECK(e.calls == ref.n && n == ref.n && e.got.n_tokens == ref.n_tokens);
     for (int64_t i = 0; ucc2 && i < n && i < ref.n; i++) {
@@ -530,7 +530,7 @@ static void test_each_hessian(lm_dev *cpu)
     each_seen f = {.got = {.n = ref.n}, .fail_at = 3};
     memcpy(f.got.dim, ref.dim, sizeof ref.dim);
     f.got.h = calloc((size_t)ref.n, sizeof *f.got.h);
-    CHECK_FAILS(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 2, 0.01, false, on_note, NULL, on_each, &f, &ucc2,
+    CHECK_FAILS(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 0.01, false, on_note, NULL, on_each, &f, &ucc2,
                                    &n, &err), LM_ERR_IO, "callback failed", &err);
     CHECK(ucc2 == NULL && n == 0 && f.calls == 3);
     hset_free(&f.got);
@@ -553,7 +553,7 @@ static void capture_by_hook(const lm_model *m, const lm_adapter *a, lm_dev *dev,
     lm_hess h;
     memset(&h, 0, sizeof h);
     CHECK_OK(lm_fwd_runner_init(&r, m, a, dev, "test", "MODEL", 0, NULL, NULL, &err), &err);
-    CHECK_OK(lm_hess_init(&h, m, dev, 0, 2, &err), &err);
+    CHECK_OK(lm_hess_init(&h, m, dev, true, 0, &err), &err);
     lm_fwd_req req = {.hook = lm_hess_hook, .hook_ctx = &h};
     CHECK_OK(lm_fwd_runner_run(&r, q->s, q->n, &req, &err), &err);
     for (int e = 0; e < ends; e++)

@@ -135,7 +135,7 @@ static void check_accumulators(const lm_model *m, uint64_t budget, uint64_t take
     if (taken)
         CHECK_OK(lm_dev_alloc(sim, taken, &hold, &err), &err);
     lm_hess h;
-    CHECK_OK(lm_hess_init(&h, m, sim, reserve, 2, &err), &err);
+    CHECK_OK(lm_hess_init(&h, m, sim, true, reserve, &err), &err);
     lm_hess_plan p;
     CHECK_OK(lm_hess_plan_make(&p, m, true, false, budget - taken, reserve, &err), &err);
     CHECK_MSG(p.dev_bytes == h.dev_bytes && p.n_acc - p.n_dev == h.n_host,
@@ -281,7 +281,7 @@ static void check_capture(const char *label, const lm_model *m, const lm_adapter
     lines got = {0};
     double **ucc2 = NULL;
     int64_t n_ucc2 = 0;
-    CHECK_OK(lm_hess_ucc2_model(m, a, sim, label, seqs, n, 2, 0.01, sticky, on_line, &got, NULL, NULL, &ucc2,
+    CHECK_OK(lm_hess_ucc2_model(m, a, sim, label, seqs, n, 0.01, sticky, on_line, &got, NULL, NULL, &ucc2,
                                 &n_ucc2, &err), &err);
     lm_hess_ucc2_free(ucc2, n_ucc2);
     lm_dev_destroy(sim);
