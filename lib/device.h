@@ -98,7 +98,7 @@ lm_status lm_dev_cpu_companion(lm_dev *d, lm_dev **cpu, lm_err *err);
 // with *info the order of the leading minor that is not positive definite; err is not touched.
 lm_status lm_cpu_potrf(double *a, int64_t n, double *diag, int *info);
 
-// The simulated accelerator (device_sim.c): buffers of its own in host memory, reachable only
+// The simulated accelerator (backends/sim/sim.c): buffers of its own in host memory, reachable only
 // through upload and download (host_memory is false), a hard budget of `budget` bytes of live
 // allocations beyond which lm_dev_alloc is LM_ERR_DEVICE_OOM, and the operations of the CPU
 // backend run on its buffers. `fail` is the fault switch: "alloc:N" makes the Nth allocation
@@ -106,7 +106,7 @@ lm_status lm_cpu_potrf(double *a, int64_t n, double *diag, int *info);
 // paths that must not fall back; NULL or "" for none, anything else LM_ERR_USAGE.
 lm_status lm_dev_sim_create(lm_dev **out, uint64_t budget, const char *fail, int threads, lm_err *err);
 
-// The CUDA backend (kernels/device_cuda.cu), in builds with CUDA only (LLMERGE_HAVE_CUDA):
+// The CUDA backend (backends/cuda/cuda.cu), in builds with CUDA only (LLMERGE_HAVE_CUDA):
 // device `ordinal`, taking at most mem_cap bytes of its memory (0: no cap). A missing device
 // or driver is LM_ERR_USAGE naming it.
 lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err);

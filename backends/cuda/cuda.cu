@@ -690,7 +690,7 @@ static lm_status cuda_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, 
     return s != LM_OK ? s : lm_cuda_random_drop(x, n, key, first, keep_below, ctx_of(d)->stream, err);
 }
 
-// Per-block partial sums on the device, added on the host in block order: device_cpu.c's
+// Per-block partial sums on the device, added on the host in block order: the CPU backend's
 // blocks and order, so the sum is the CPU's to the bit.
 static lm_status cuda_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err)
 {
