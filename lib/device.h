@@ -80,7 +80,9 @@ typedef struct lm_dev_opts {
 // further capped by mem_cap); or "auto": CUDA device 0 when this build has CUDA, the device
 // exists and passes lm_cuda_selftest, else the CPU. When `why` is not NULL it receives one
 // line saying what was chosen and why (for auto) or what was opened. Unknown, malformed or
-// unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_destroy.
+// unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_destroy. The registry
+// (device_registry.c, in the llmerge_devices library, which knows every backend) defines it:
+// a program that opens devices by name links that library.
 lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char *why, size_t why_size,
                       lm_err *err);
 
