@@ -11,7 +11,7 @@
 // The device's name is "sim:" and the budget in the largest binary unit that divides it
 // ("sim:1GiB", "sim:1536MiB", "sim:1000"), which lm_parse_size reads back.
 //
-// An operation added to lm_dev_i needs an entry here too: test_device checks that no entry of
+// An operation added to lm_dev_i needs an entry here too: test_sim checks that no entry of
 // sim_iface is NULL.
 #include "device_impl.h"
 
