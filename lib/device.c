@@ -359,7 +359,9 @@ lm_status lm_dev_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype d
 lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
                              lm_nonfinite *nf, lm_err *err)
 {
-    return lm_dev_supports(d, LM_OP_COUNTS) ? d->iface->delta_count(d, tau, src, dt, base, n, nf, err) : no_counts(d, err);
+    if (!lm_dev_supports(d, LM_OP_COUNTS))
+        return no_counts(d, err);
+    return d->iface->delta_count(d, tau, src, dt, base, n, nf, err);
 }
 
 lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,

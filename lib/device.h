@@ -100,10 +100,10 @@ lm_status lm_dev_cpu_companion(lm_dev *d, lm_dev **cpu, lm_err *err);
 // with *info the order of the leading minor that is not positive definite; err is not touched.
 lm_status lm_cpu_potrf(double *a, int64_t n, double *diag, int *info);
 
-// The simulated accelerator (backends/sim/sim.c): buffers of its own in host memory, reachable only
-// through upload and download (host_memory is false), a hard budget of `budget` bytes of live
-// allocations beyond which lm_dev_alloc is LM_ERR_DEVICE_OOM, and the operations of the CPU
-// backend run on its buffers. `fail` is the fault switch: "alloc:N" makes the Nth allocation
+// The simulated accelerator (backends/sim/sim.c): buffers of its own in host memory, reachable
+// only through upload and download (host_memory is false), a hard budget of `budget` bytes of
+// live allocations beyond which lm_dev_alloc is LM_ERR_DEVICE_OOM, and the operations of the
+// CPU backend run on its buffers. `fail` is the fault switch: "alloc:N" makes the Nth allocation
 // and "launch:N" the Nth operation (copies included) fail with LM_ERR_DEVICE, to test the
 // paths that must not fall back; NULL or "" for none, anything else LM_ERR_USAGE.
 lm_status lm_dev_sim_create(lm_dev **out, uint64_t budget, const char *fail, int threads, lm_err *err);
@@ -113,8 +113,7 @@ lm_status lm_dev_sim_create(lm_dev **out, uint64_t budget, const char *fail, int
 // or driver is LM_ERR_USAGE naming it.
 lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err);
 
-// Destroys the device: frees every buffer and all state it holds, and the device itself; safe
-// on NULL.
+// Destroys the device and everything it holds, its CPU companion included; safe on NULL.
 void lm_dev_destroy(lm_dev *d);
 
 const char *lm_dev_name(lm_dev *d);

@@ -526,7 +526,8 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                                  &err);
                 }
                 const float *tp[K] = {t[0], t[1], t[2]};
-                CHECK_OK(lm_dev_combine(d1, o, b + first, tp, w, K, cnt, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err), &err);
+                CHECK_OK(lm_dev_combine(d1, o, b + first, tp, w, K, cnt, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err),
+                         &err);
                 CHECK_OK(lm_dev_from_f32(d1, want, LM_DTYPE_BF16, o, cnt, &err), &err);
                 for (int run = 0; run < 4; run++) {
                     int th = run & 1;

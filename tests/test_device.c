@@ -346,8 +346,9 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
     const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT};
     for (int si = 0; si < 3; si++) {
         for (int norm = 0; norm < 2; norm++) {
-            CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, how_of(signs[si], norm, 0.8f), &err), &err);
-            CHECK_OK(lm_dev_combine(d3, o3, base, (const float *const *)t, w, K, N, how_of(signs[si], norm, 0.8f), &err), &err);
+            lm_combine_how how = how_of(signs[si], norm, 0.8f);
+            CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, how, &err), &err);
+            CHECK_OK(lm_dev_combine(d3, o3, base, (const float *const *)t, w, K, N, how, &err), &err);
             CHECK(same_bits(o1, o3, N));
             double maxerr = 0;
             for (int64_t e = 0; e < N; e++) {
@@ -997,21 +998,21 @@ static void h_combine(harness *h, int64_t n)
         for (int si = 0; si < 3; si++) {
             for (int norm = 0; norm < 2; norm++) {
                 snprintf(what, sizeof what, "combine k=%d sign=%d normalize=%d n=%lld", k, si, norm, (long long)n);
-                CHECK_OK(lm_dev_combine(h->cpu, want, base, (const float *const *)t, w, k, n, how_of(signs[si], norm, 0.8f),
-                                        &h->err), &h->err);
-                if (DEV_OK(h, lm_dev_combine(h->dev, dout, dbase, (const float *const *)dt, w, k, n, how_of(signs[si], norm,
-                                             0.8f), &h->err)) && get(h, got, dout, (size_t)n * 4))
+                lm_combine_how how = how_of(signs[si], norm, 0.8f);
+                CHECK_OK(lm_dev_combine(h->cpu, want, base, (const float *const *)t, w, k, n, how, &h->err), &h->err);
+                if (DEV_OK(h, lm_dev_combine(h->dev, dout, dbase, (const float *const *)dt, w, k, n, how, &h->err)) &&
+                    get(h, got, dout, (size_t)n * 4))
                     check_close(h, ST_COMBINE, what, got, want, n, 1e-5);
             }
         }
     }
     // in place, as merging calls it: out == base
     snprintf(what, sizeof what, "combine in place n=%lld", (long long)n);
-    CHECK_OK(lm_dev_combine(h->cpu, base, base, (const float *const *)t, w, KMAX, n, how_of(LM_COMBINE_SIGN_SUM, true, 0.8f),
-                            &h->err), &h->err);
+    lm_combine_how sum = how_of(LM_COMBINE_SIGN_SUM, true, 0.8f);
+    CHECK_OK(lm_dev_combine(h->cpu, base, base, (const float *const *)t, w, KMAX, n, sum, &h->err), &h->err);
     if (ok && dbase &&
-        DEV_OK(h, lm_dev_combine(h->dev, dbase, dbase, (const float *const *)dt, w, KMAX, n, how_of(LM_COMBINE_SIGN_SUM, true,
-                                 0.8f), &h->err)) && get(h, got, dbase, (size_t)n * 4))
+        DEV_OK(h, lm_dev_combine(h->dev, dbase, dbase, (const float *const *)dt, w, KMAX, n, sum, &h->err)) &&
+        get(h, got, dbase, (size_t)n * 4))
         check_close(h, ST_COMBINE, what, got, base, n, 1e-5);
     for (int i = 0; i < KMAX; i++) {
         lm_dev_buf_free(h->dev, dt[i]);

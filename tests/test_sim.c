@@ -231,15 +231,12 @@ static void test_sim_foreign(void)
     // the host's
     const float w[2] = {1, 1};
     const float *taus[2] = {x, y}, *bad_taus[2] = {x, host};
-    CHECK_OK(lm_dev_combine(d, y, x, taus, w, 2, 16, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err), &err);
-    CHECK_FAILS(lm_dev_combine(d, y, x, bad_taus, w, 2, 16, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err), LM_ERR_DEVICE,
-                "(w_tau[1]:", &err);
-    CHECK_FAILS(lm_dev_combine(d, host, x, taus, w, 2, 16, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err), LM_ERR_DEVICE,
-                "(out:", &err);
-    CHECK_FAILS(lm_dev_combine(d, y, host, taus, w, 2, 16, how_of(LM_COMBINE_SIGN_NONE, false, 1.0f), &err), LM_ERR_DEVICE,
-                "(base:", &err);
-    CHECK_FAILS(lm_dev_combine(d, y, x, taus, x, 2, 16, how_of(LM_COMBINE_SIGN_NONE, false, 1.0f), &err), LM_ERR_DEVICE,
-                "(weights:", &err);
+    lm_combine_how sum = how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), plain = how_of(LM_COMBINE_SIGN_NONE, false, 1.0f);
+    CHECK_OK(lm_dev_combine(d, y, x, taus, w, 2, 16, sum, &err), &err);
+    CHECK_FAILS(lm_dev_combine(d, y, x, bad_taus, w, 2, 16, sum, &err), LM_ERR_DEVICE, "(w_tau[1]:", &err);
+    CHECK_FAILS(lm_dev_combine(d, host, x, taus, w, 2, 16, sum, &err), LM_ERR_DEVICE, "(out:", &err);
+    CHECK_FAILS(lm_dev_combine(d, y, host, taus, w, 2, 16, plain, &err), LM_ERR_DEVICE, "(base:", &err);
+    CHECK_FAILS(lm_dev_combine(d, y, x, taus, x, 2, 16, plain, &err), LM_ERR_DEVICE, "(weights:", &err);
     CHECK(memcmp(host, copy, sizeof host) == 0);
 
     // a released buffer is no longer the device's; releasing a host pointer fails the next call

@@ -225,8 +225,8 @@ static void lowrank_task(void *ctx, int64_t t)
 {
     gemm_job *j = ctx;
     int64_t r0 = t * j->tile_rows, r1 = r0 + j->tile_rows < j->m ? r0 + j->tile_rows : j->m;
-    cpu_lowrank_tile(j->c + r0 * j->ldc, j->ldc, j->a + r0 * j->lda, j->lda, j->b, j->ldb, r1 - r0, j->k, j->n, j->alpha,
-                     j->beta);
+    cpu_lowrank_tile(j->c + r0 * j->ldc, j->ldc, j->a + r0 * j->lda, j->lda, j->b, j->ldb, r1 - r0, j->k, j->n,
+                     j->alpha, j->beta);
 }
 
 lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,

@@ -292,7 +292,8 @@ lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense
     if (tasks < 1 || !any)
         return LM_OK;
     // tasks start on a segment of the kept values
-    int64_t per_task = ((n + tasks - 1) / tasks + LM_DENSE_KEEP_SEGMENT - 1) / LM_DENSE_KEEP_SEGMENT * LM_DENSE_KEEP_SEGMENT;
+    int64_t per_task =
+        ((n + tasks - 1) / tasks + LM_DENSE_KEEP_SEGMENT - 1) / LM_DENSE_KEEP_SEGMENT * LM_DENSE_KEEP_SEGMENT;
     tasks = (n + per_task - 1) / per_task;
     dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .per_task = per_task,
                    .mu = &c->hist_mu};
