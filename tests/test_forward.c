@@ -923,6 +923,7 @@ static void test_ops(lm_dev *cpu, lm_dev *sim)
         lm_fwd_runner_free(&r);
     }
     lm_model_free(m);
+    lm_dev_destroy(fake.companion);  // the CPU the runner fell back to; fake itself is a copy
 }
 
 int main(void)

@@ -592,6 +592,7 @@ static void test_syrk_accumulation(lm_dev *cpu)
     lm_dev gemm_only = *cpu;
     gemm_only.iface = &lacking;
     CHECK_OK(capture(m, a, &gemm_only, &q, 0, 0, &by_gemm, NULL, NULL, &err), &err);
+    lm_dev_destroy(gemm_only.companion);  // the CPU the capture used beside it; gemm_only is a copy
     double d = hset_rel(&by_syrk, &by_gemm);
     CHECK_MSG(d < ROUNDING, "syrk and GEMM accumulation differ by %g", d);
     printf("%-22s syrk vs GEMM accumulation: %.2e\n", "base + lora_plain", d);
