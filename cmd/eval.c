@@ -154,7 +154,7 @@ typedef struct eval_run {
 static void run_free(eval_run *r)
 {
     lm_fwd_runner_free(&r->runner);
-    lm_dev_free(r->dev);
+    lm_dev_destroy(r->dev);
     free(r->nll);
     free(r->seqs);
     lm_calib_free(&r->data);
@@ -240,8 +240,9 @@ static int work(eval_run *r)
     lm_progress *p = &r->progress;
     lm_err err = {0};
     char threads[32] = "";
-    if (r->dev->threads > 0)
-        snprintf(threads, sizeof threads, ", %d thread%s", r->dev->threads, r->dev->threads == 1 ? "" : "s");
+    int n_threads = lm_dev_threads(r->dev);
+    if (n_threads > 0)
+        snprintf(threads, sizeof threads, ", %d thread%s", n_threads, n_threads == 1 ? "" : "s");
     lm_progress_note(p, "evaluating %s%s%s on %s: %" PRId64 " sequence%s, %" PRId64 " tokens (%s%s)", a->run.model,
                      a->run.adapter ? " with " : "", a->run.adapter ? a->run.adapter : "", a->data, r->data.n_seqs,
                      r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);

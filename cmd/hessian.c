@@ -169,7 +169,7 @@ static void run_free(hess_run *r)
     free(r->desc);
     lm_hess_free(&r->hess);
     lm_fwd_runner_free(&r->runner);
-    lm_dev_free(r->dev);
+    lm_dev_destroy(r->dev);
     free(r->seqs);
     lm_calib_free(&r->data);
     lm_adapter_free(r->adapter);
@@ -263,7 +263,7 @@ static lm_status place_accumulators(hess_run *r, lm_err *err)
         if (reserve == SIZE_MAX)
             reserve = 0;
     }
-    lm_status s = lm_hess_init(&r->hess, r->model, dev, reserve, r->args.run.threads, err);
+    lm_status s = lm_hess_init(&r->hess, r->model, r->dev, dev != NULL, reserve, err);
     if (s != LM_OK)
         return s;
     lm_hess *h = &r->hess;
@@ -367,8 +367,9 @@ static int work(hess_run *r)
     lm_progress *p = &r->progress;
     lm_err err = {0};
     char threads[32] = "";
-    if (r->dev->threads > 0)
-        snprintf(threads, sizeof threads, ", %d thread%s", r->dev->threads, r->dev->threads == 1 ? "" : "s");
+    int n_threads = lm_dev_threads(r->dev);
+    if (n_threads > 0)
+        snprintf(threads, sizeof threads, ", %d thread%s", n_threads, n_threads == 1 ? "" : "s");
     lm_progress_note(p, "capturing Hessians of %s%s%s on %s: %" PRId64 " sequence%s, %" PRId64 " tokens (%s%s)",
                      a->run.model, a->run.adapter ? " with " : "", a->run.adapter ? a->run.adapter : "", a->calib,
                      r->data.n_seqs, r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);

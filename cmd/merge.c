@@ -68,7 +68,6 @@ typedef struct merge_run {
     lm_dev *dev;
     char dev_why[512];         // what --device opened and, for auto, why
     cJSON *fallbacks;          // the units that went to the CPU, for llmerge.json (or NULL)
-    lm_dev *merge_cpu;         // sparsegpt on a device lacking its operations: the CPU it merges on
     lm_calib *calib;           // (n_calib) sparsegpt: the calibration files, read and checked
     int n_calib;
     lm_cmd_sgpt sgpt;          // sparsegpt: each FT's masks or Hessian terms, the cache
@@ -100,8 +99,7 @@ static void run_free(merge_run *r)
         lm_ft_free(r->fts[i]);
     free(r->fts);
     lm_model_free(r->base);
-    lm_dev_free(r->dev);
-    lm_dev_free(r->merge_cpu);
+    lm_dev_destroy(r->dev);
     free(r->weights);
     free(r->densities);
     free(r->args.weights);
@@ -395,8 +393,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
     lm_dev_opts dev_opts = {.threads = a->threads, .mem_cap = a->gpu_mem, .sim_fail = getenv("LLMERGE_SIM_FAIL")};
     if ((s = lm_dev_open(&r->dev, a->device, &dev_opts, r->dev_why, sizeof r->dev_why, err)) != LM_OK)
         return s;  // the message names the device
-    if (r->dev->threads > 0)
-        o->threads = r->dev->threads;
+    if (lm_dev_threads(r->dev) > 0)
+        o->threads = lm_dev_threads(r->dev);
 
     return lm_merge_outputs(o, r->base, &r->descs, &r->n_descs, err);
 }
@@ -431,7 +429,7 @@ static void on_fallback(void *ctx, const char *line, const lm_fallback *fb)
 static void device_summary(merge_run *r)
 {
     const lm_merge_result *res = &r->res;
-    if (r->dev->host_memory)
+    if (lm_dev_host_memory(r->dev))
         return;
     lm_progress_note(&r->progress,
                      "devices: %" PRId64 " tensor%s merged on %s, %" PRId64 " on cpu (%" PRId64
@@ -907,7 +905,7 @@ static int work(merge_run *r, double t_loaded)
             .base = r->base, .fts = r->fts, .n_ft = a->n_ft, .densities = r->densities, .topk_global = a->topk_global,
             .calib = r->calib, .n_calib = r->n_calib, .calib_samples = a->calib_samples, .seq_len = a->seq_len,
             .from_base = a->hessian_from_base, .sticky = a->sticky, .cache_dir = a->cache_dir, .dev = r->dev,
-            .threads = r->opts.threads, .progress = p,
+            .progress = p,
         };
         if ((s = lm_cmd_sgpt_prepare(&r->sgpt, &in, &err)) != LM_OK)
             goto fail;
@@ -917,12 +915,11 @@ static int work(merge_run *r, double t_loaded)
     // A device without the importance operations (every built-in one has them) leaves sparsegpt's merge to
     // the CPU: said, not silent.
     lm_dev *merge_dev = r->dev;
-    if (a->m->method == LM_MERGE_SPARSEGPT && (!r->dev->iface->importance || !r->dev->iface->topk_apply_by)) {
-        if ((s = lm_dev_cpu_create(&r->merge_cpu, r->opts.threads, &err)) != LM_OK)
+    if (a->m->method == LM_MERGE_SPARSEGPT && !lm_dev_supports(r->dev, LM_OP_IMPORTANCE)) {
+        if ((s = lm_dev_cpu_companion(r->dev, &merge_dev, &err)) != LM_OK)
             goto fail;
         lm_progress_note(p, "note: %s has no importance operations: the merge runs on the cpu",
                          lm_dev_name(r->dev));
-        merge_dev = r->merge_cpu;
     }
     if ((s = start_hasher(r, &err)) != LM_OK)
         goto fail;

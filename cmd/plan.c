@@ -579,11 +579,11 @@ int lm_cmd_plan(int argc, char **argv)
     lm_dev_mem_info(pr.dev, &free_b, &total_b);
     const char *dev_name = lm_dev_name(pr.dev);
     lm_err err = {0};
-    lm_plan_device dev = {.name = dev_name, .host_memory = pr.dev->host_memory, .free_bytes = free_b,
+    lm_plan_device dev = {.name = dev_name, .host_memory = lm_dev_host_memory(pr.dev), .free_bytes = free_b,
                           .total_bytes = total_b, .cap = pr.gpu_mem,
-                          .forward_ops = lm_fwd_device_ok(pr.dev, &err) == LM_OK,
-                          .importance_ops = pr.dev->iface->importance && pr.dev->iface->topk_apply_by,
-                          .factor_op = lm_dev_has_potrf(pr.dev)};
+                          .forward_ops = lm_dev_supports(pr.dev, LM_OP_FORWARD),
+                          .importance_ops = lm_dev_supports(pr.dev, LM_OP_IMPORTANCE),
+                          .factor_op = lm_dev_supports(pr.dev, LM_OP_POTRF)};
     lm_plan_hess_in hin = {.calib = pr.calib, .n_calib = pr.n_calib, .from_base = pr.hessian_from_base,
                            .sticky = pr.sticky, .keep_hessians = lm_cache_keeps_hessians()};
     bool looked = false;

@@ -373,7 +373,7 @@ static lm_status ucc2_set(lm_cmd_sgpt *g, int i, lm_err *err)
     // The count goes to g->n_ucc2 only on success: lm_hess_ucc2_model zeroes it on entry, and the
     // sets already made are freed with it (lm_cmd_sgpt_free), also when this capture fails.
     int64_t n_ucc2 = 0;
-    s = lm_hess_ucc2_model(m, ad, g->in.dev, label, seqs, cal->n_seqs, g->in.threads, SGPT_DAMP, g->in.sticky,
+    s = lm_hess_ucc2_model(m, ad, g->in.dev, label, seqs, cal->n_seqs, SGPT_DAMP, g->in.sticky,
                            lm_cmd_note, g->in.progress, keep ? keep_hessian : NULL, &sink, &g->ucc2[i], &n_ucc2, err);
     free(seqs);
     if (s != LM_OK) {

@@ -44,8 +44,7 @@ typedef struct lm_cmd_sgpt_in {
     bool from_base;            // --hessian-from base
     bool sticky;               // --sticky-fallback for the capture
     const char *cache_dir;     // --cache-dir, or NULL for the default place
-    lm_dev *dev;               // where the capture runs
-    int threads;
+    lm_dev *dev;               // where the capture runs (its CPU companion takes the host-side work)
     lm_progress *progress;     // notes and "cache" events
 } lm_cmd_sgpt_in;
 

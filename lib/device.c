@@ -1,123 +1,86 @@
-// The device dispatcher: lm_dev_* forward to the backend's vtable, supply defaults for
-// optional entries, and open a device from a --device value. See device.h.
-#include "device.h"
+// The device dispatcher: lm_dev_* forward to the backend's vtable and supply defaults for
+// optional entries. It knows no backend: opening one by name is device_registry.c's. See
+// device.h.
+#include "device_impl.h"
 
 #include <inttypes.h>
-#include <stdarg.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "sparsify.h"
 #include "util.h"
 
-#ifdef LLMERGE_HAVE_CUDA
-#include "kernels.h"
-#endif
-
-static void say(char *why, size_t why_size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-
-static void say(char *why, size_t why_size, const char *fmt, ...)
+void lm_dev_destroy(lm_dev *d)
 {
-    if (why && why_size) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(why, why_size, fmt, ap);
-        va_end(ap);
-    }
+    if (!d)
+        return;
+    lm_dev *companion = d->companion;
+    d->iface->destroy(d);
+    lm_dev_destroy(companion);
 }
 
-// "cuda" or "cuda:N": *ordinal = N (0 for plain "cuda"); false when the text is malformed.
-static bool parse_cuda(const char *spec, int *ordinal)
+// ==== what a device can do =====================================================================
+
+// The first vtable entry of group op that d lacks (its name), or NULL when d has them all. The
+// fused dense operations and the counting conversions read host memory: they also need a
+// device with host memory.
+static const char *missing(const lm_dev *d, lm_op op)
 {
-    if (strcmp(spec, "cuda") == 0) {
-        *ordinal = 0;
-        return true;
+    const lm_dev_i *i = d->iface;
+    switch (op) {
+    case LM_OP_SYRK:
+        return i->syrk ? NULL : "syrk";
+    case LM_OP_POTRF:
+        return i->potrf ? NULL : "potrf";
+    case LM_OP_IMPORTANCE:
+        return !i->importance ? "importance" : !i->topk_apply_by ? "topk_apply_by" : NULL;
+    case LM_OP_DENSE:
+        return !d->host_memory ? "dense_hist (it needs host memory)" : !i->dense_hist ? "dense_hist"
+               : !i->dense_merge ? "dense_merge" : NULL;
+    case LM_OP_COUNTS:
+        return !d->host_memory ? "to_f32_count (it needs host memory)" : !i->to_f32_count ? "to_f32_count"
+               : !i->delta_count ? "delta_count" : !i->from_f32_count ? "from_f32_count" : NULL;
+    case LM_OP_FORWARD: {
+        struct { bool have; const char *name; } ops[] = {
+            {i->gemm != NULL, "gemm"},           {i->gather_rows != NULL, "gather_rows"},
+            {i->add_rows != NULL, "add_rows"},   {i->rmsnorm != NULL, "rmsnorm"},
+            {i->rope != NULL, "rope"},           {i->attention != NULL, "attention"},
+            {i->silu_mul != NULL, "silu_mul"},   {i->nll_rows != NULL, "nll_rows"},
+        };
+        for (size_t k = 0; k < sizeof ops / sizeof ops[0]; k++)
+            if (!ops[k].have)
+                return ops[k].name;
+        return NULL;
     }
-    if (strncmp(spec, "cuda:", 5) != 0 || !spec[5])
-        return false;
-    long v = 0;
-    for (const char *p = spec + 5; *p; p++) {
-        if (*p < '0' || *p > '9' || v > 1000000)
-            return false;
-        v = v * 10 + (*p - '0');
     }
-    *ordinal = (int)v;
-    return true;
+    return "an unknown operation";
 }
 
-static lm_status open_cuda(lm_dev **out, const char *spec, int ordinal, const lm_dev_opts *o, lm_err *err)
+bool lm_dev_supports(const lm_dev *d, lm_op op)
 {
-#ifdef LLMERGE_HAVE_CUDA
-    lm_status s = lm_dev_cuda_create(out, ordinal, o->mem_cap, o->threads, err);
-    return s == LM_OK ? s : lm_err_prefix(err, "--device %s", spec);
-#else
-    (void)out, (void)ordinal, (void)o;
-    return lm_err_set(err, LM_ERR_USAGE, "--device %s: this llmerge was built without CUDA "
-                      "(use auto, cpu or sim:SIZE)", spec);
-#endif
+    return missing(d, op) == NULL;
 }
 
-// --device auto: CUDA device 0 when there is one and it passes the self-test, else the CPU.
-static lm_status open_auto(lm_dev **out, const lm_dev_opts *o, char *why, size_t why_size, lm_err *err)
+lm_status lm_dev_require(lm_dev *d, lm_op op, lm_err *err)
 {
-#ifdef LLMERGE_HAVE_CUDA
-    int count = 0;
-    lm_err probe = {0};
-    if (lm_cuda_device_count(&count, &probe) != LM_OK) {
-        say(why, why_size, "auto: cpu (CUDA is not usable: %s)", probe.msg);
-    } else if (count == 0) {
-        say(why, why_size, "auto: cpu (no CUDA device found)");
-    } else if (lm_cuda_selftest(0, &probe) != LM_OK) {
-        say(why, why_size, "auto: cpu (cuda:0 failed its self-test: %s)", probe.msg);
-    } else if (lm_dev_cuda_create(out, 0, o->mem_cap, o->threads, &probe) != LM_OK) {
-        say(why, why_size, "auto: cpu (cuda:0 could not be opened: %s)", probe.msg);
-    } else {
-        say(why, why_size, "auto: %s (passed its self-test)", lm_dev_name(*out));
+    const char *lacking = missing(d, op);
+    if (!lacking)
         return LM_OK;
-    }
-#else
-    say(why, why_size, "auto: cpu (this llmerge was built without CUDA)");
-#endif
-    return lm_dev_cpu_create(out, o->threads, err);
+    return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: the operation %s is not implemented on this device",
+                      lm_dev_name(d), lacking);
 }
 
-lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char *why, size_t why_size,
-                      lm_err *err)
+int lm_dev_threads(const lm_dev *d)
 {
-    *out = NULL;
-    if (why && why_size)
-        why[0] = 0;
-    int ordinal;
-    lm_status s;
-    if (strcmp(spec, "auto") == 0)
-        return open_auto(out, o, why, why_size, err);
-    if (strcmp(spec, "cpu") == 0) {
-        s = lm_dev_cpu_create(out, o->threads, err);
-    } else if (parse_cuda(spec, &ordinal)) {
-        s = open_cuda(out, spec, ordinal, o, err);
-    } else if (strncmp(spec, "sim:", 4) == 0) {
-        uint64_t budget;
-        if (lm_parse_size(spec + 4, &budget, err) != LM_OK)
-            return lm_err_prefix(err, "--device %s", spec);
-        if (budget == 0)
-            return lm_err_set(err, LM_ERR_USAGE, "--device %s: the simulated device needs a size above 0", spec);
-        if (o->mem_cap && o->mem_cap < budget)
-            budget = o->mem_cap;
-        s = lm_dev_sim_create(out, budget, o->sim_fail, o->threads, err);
-    } else {
-        return lm_err_set(err, LM_ERR_USAGE, "--device %s: unknown device (use auto, cpu, cuda[:N] or sim:SIZE)",
-                          spec);
-    }
-    if (s == LM_OK)
-        say(why, why_size, "%s", lm_dev_name(*out));
-    return s;
+    return d->threads;
 }
 
-void lm_dev_free(lm_dev *d)
+bool lm_dev_host_memory(const lm_dev *d)
 {
-    if (d)
-        d->iface->destroy(d);
+    return d->host_memory;
 }
+
+// ==== memory and copies =======================================================================
 
 const char *lm_dev_name(lm_dev *d)
 {
@@ -137,10 +100,10 @@ lm_status lm_dev_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
     return d->iface->alloc(d, size, ptr, err);
 }
 
-void lm_dev_release(lm_dev *d, void *ptr)
+void lm_dev_buf_free(lm_dev *d, void *ptr)
 {
     if (ptr)
-        d->iface->free(d, ptr);
+        d->iface->buf_free(d, ptr);
 }
 
 lm_status lm_dev_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
@@ -185,11 +148,6 @@ lm_status lm_dev_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float 
         return lm_err_set(err, LM_ERR_USAGE, "syrk of n %lld, k %lld with lda %lld, ldc %lld", (long long)n,
                           (long long)k, (long long)lda, (long long)ldc);
     return d->iface->syrk(d, n, k, alpha, a, lda, beta, mirror, c, ldc, err);
-}
-
-bool lm_dev_has_syrk(const lm_dev *d)
-{
-    return d->iface->syrk != NULL;
 }
 
 lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
@@ -249,11 +207,6 @@ lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n,
     if (!d->iface->topk_apply_by)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no topk_apply_by (selection by importance)", lm_dev_name(d));
     return d->iface->topk_apply_by(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
-}
-
-bool lm_dev_has_potrf(const lm_dev *d)
-{
-    return d->iface->potrf != NULL;
 }
 
 lm_status lm_dev_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
@@ -353,23 +306,17 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 }
 
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
-                         float lambda, lm_err *err)
+                         const float *weights, int k, int64_t n, lm_combine_how how, lm_err *err)
 {
-    return d->iface->combine(d, out, base, w_tau, weights, k, n, sign, normalize, lambda, err);
+    return d->iface->combine(d, out, base, w_tau, weights, k, n, how.sign, how.normalize, how.lambda, err);
 }
 
 // ==== fused dense operations ==================================================================
 
-bool lm_dev_has_dense(const lm_dev *d)
-{
-    return d->host_memory && d->iface->dense_hist && d->iface->dense_merge;
-}
-
-lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                             lm_err *err)
 {
-    if (!lm_dev_has_dense(d))
+    if (!lm_dev_supports(d, LM_OP_DENSE))
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense operations", lm_dev_name(d));
     for (int i = 0; i < k; i++)
         if (parts[i].win && (parts[i].n_win < 1 || parts[i].n_win > LM_HIST_WINDOW))
@@ -379,16 +326,16 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 }
 
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err)
+                             lm_dense_part *parts, int k, int64_t n, lm_combine_how how, lm_err *err)
 {
     return lm_dev_dense_merge_side(d, out, out_dt, base, base_dt, parts, k, n, how, NULL, err);
 }
 
 lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                                  lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
+                                  lm_dense_part *parts, int k, int64_t n, lm_combine_how how,
                                   const lm_dev_side *side, lm_err *err)
 {
-    if (!lm_dev_has_dense(d)) {
+    if (!lm_dev_supports(d, LM_OP_DENSE)) {
         if (side)
             side->fn(side->ctx);
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense operations", lm_dev_name(d));
@@ -398,11 +345,6 @@ lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const v
 
 // ==== counting conversions ====================================================================
 
-bool lm_dev_has_counts(const lm_dev *d)
-{
-    return d->host_memory && d->iface->to_f32_count && d->iface->delta_count && d->iface->from_f32_count;
-}
-
 static lm_status no_counts(lm_dev *d, lm_err *err)
 {
     return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no counting conversions", lm_dev_name(d));
@@ -411,19 +353,21 @@ static lm_status no_counts(lm_dev *d, lm_err *err)
 lm_status lm_dev_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
                               lm_err *err)
 {
-    return lm_dev_has_counts(d) ? d->iface->to_f32_count(d, dst, src, dt, n, nf, err) : no_counts(d, err);
+    return lm_dev_supports(d, LM_OP_COUNTS) ? d->iface->to_f32_count(d, dst, src, dt, n, nf, err) : no_counts(d, err);
 }
 
 lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
                              lm_nonfinite *nf, lm_err *err)
 {
-    return lm_dev_has_counts(d) ? d->iface->delta_count(d, tau, src, dt, base, n, nf, err) : no_counts(d, err);
+    if (!lm_dev_supports(d, LM_OP_COUNTS))
+        return no_counts(d, err);
+    return d->iface->delta_count(d, tau, src, dt, base, n, nf, err);
 }
 
 lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
                                 lm_err *err)
 {
-    return lm_dev_has_counts(d) ? d->iface->from_f32_count(d, dst, dt, src, n, nf, err) : no_counts(d, err);
+    return lm_dev_supports(d, LM_OP_COUNTS) ? d->iface->from_f32_count(d, dst, dt, src, n, nf, err) : no_counts(d, err);
 }
 
 // ==== forward-pass operations =================================================================

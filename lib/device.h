@@ -20,71 +20,45 @@
 #include <stdint.h>
 
 #include "dtype.h"
-#include "sparsify.h"  // LM_HIST_BINS, LM_HIST_WINDOW
 #include "status.h"
 
+// A device: opaque here. The backends fill in its vtable (device_impl.h, for backends only);
+// callers ask what it can do with lm_dev_supports and call the lm_dev_* functions below.
 typedef struct lm_dev lm_dev;
 
-#define LM_DEV_KEEP_SEGMENT 4096  // lm_dev_dense's kept values: elements per segment
+// The operations a device may lack, for lm_dev_supports. Every other lm_dev_* operation runs
+// on every device (some through a default the dispatcher supplies).
+typedef enum lm_op {
+    LM_OP_SYRK,        // lm_dev_syrk (where it is missing callers use lm_dev_gemm)
+    LM_OP_POTRF,       // lm_dev_potrf
+    LM_OP_IMPORTANCE,  // lm_dev_importance and lm_dev_topk_apply_by: selection by importance
+    LM_OP_DENSE,       // the fused dense operations (lm_dev_dense_hist, lm_dev_dense_merge)
+    LM_OP_COUNTS,      // the counting conversions (lm_dev_to_f32_count, ...)
+    LM_OP_FORWARD,     // the forward pass's operations: lm_dev_gemm, lm_dev_gather_rows, ...
+} lm_op;
 
-// Sign election rule of lm_dev_combine.
-typedef enum lm_dev_sign {
-    LM_DEV_SIGN_NONE,   // no election: Δ = Σ W_i
-    LM_DEV_SIGN_SUM,    // s = +1 where Σ W_i >= 0
-    LM_DEV_SIGN_COUNT,  // s = +1 where Σ sign(W_i) >= 0
-} lm_dev_sign;
+// Whether d runs operation (or group) op.
+bool lm_dev_supports(const lm_dev *d, lm_op op);
 
-// One fine-tuned model's slab for the fused dense operations (lm_dev_dense_hist,
-// lm_dev_dense_merge): a full model's task vector τ = float32(src) − float32(base) is computed
-// where it is needed and never stored; any other τ (a LoRA product) is given in `tau`.
-typedef struct lm_dev_dense {
-    const void *src;   // host memory: the slab's first element (when tau is NULL)
-    lm_dtype dt;
-    const float *tau;  // or τ itself, device memory (which is host memory on these devices)
-    // or τ = scale · (B @ A), made here from a LoRA pair's float32 factors as lm_dev_gemm makes
-    // it (rank lora_r <= LM_DEV_LOWRANK_MAX): the slab's element e is at row (col0 + e) / cols
-    // of lora_b and column (col0 + e) % cols of lora_a.
-    const float *lora_b;  // [rows, lora_r] from the row of the slab's first element
-    const float *lora_a;  // [lora_r, cols]
-    int64_t lora_r, cols, col0;
-    float scale;
-    // A LoRA pair's candidates, kept so that the merge need not make the product again. The
-    // arrays cover the whole tensor, indexed from its first element (`first` is the call's
-    // first element there, on a segment of LM_DEV_KEEP_SEGMENT elements). lm_dev_dense_hist
-    // sets bit e % 16 of keep_bits[e / 16] for each element e at or above its window's lowest
-    // bin and puts their values in keep_vals, in order, those of segment s from
-    // keep_vals[keep_off[s]] (each task's at the index of its own first element, so at most
-    // as many as its elements); given them, lm_dev_dense_merge reads τ there (zero where no
-    // bit is set) instead of making it, which is exact when its threshold is at or above that
-    // bin.
-    uint16_t *keep_bits;  // (numel / 16 rounded up)
-    int64_t *keep_off;    // (segments)
-    float *keep_vals;     // (numel + 16)
-    // lm_dev_dense_hist: the window counts of |τ| as lm_dev_hist_window adds them (win NULL:
-    // this part is not counted).
-    uint64_t *above, *win;
-    uint32_t lo_bin;
-    int n_win;
-    // lm_dev_dense_merge: what is done to τ before it is combined, in this order: trimmed to
-    // the top k (as lm_dev_topk_apply with thr_bits and ties_allowed; ties_used is set), or
-    // dropped at random (as lm_dev_random_drop with key, first, keep_below); then multiplied by
-    // rescale (as lm_dev_axpby(τ, rescale, τ, 0)) unless it is 1; weight is its weight.
-    bool trim;
-    uint32_t thr_bits;
-    int64_t ties_allowed, ties_used;
-    bool drop;
-    uint64_t key, keep_below;
-    int64_t first;
-    float rescale;
-    float weight;
-    // lm_dev_dense_merge: when not NULL, the NaN and Inf among the src values it reads (a full
-    // model's part) are added here.
-    lm_nonfinite *nf;
-} lm_dev_dense;
+// LM_OK when d runs op, else LM_ERR_UNSUPPORTED with a message naming the device and the first
+// operation of the group it lacks ("cpu: the operation rope is not implemented on this
+// device").
+lm_status lm_dev_require(lm_dev *d, lm_op op, lm_err *err);
 
-// How lm_dev_dense_merge combines: as lm_dev_combine with sign, normalize and lambda, or (linear)
-// as task arithmetic's sequence out = base, then out = 1·out + weight_i·τ_i for each part in turn
-// (lm_dev_axpby), whose rounding differs.
+// The CPU threads d uses for host-side work (the pool of the CPU backend, the sim's, CUDA's
+// host loops).
+int lm_dev_threads(const lm_dev *d);
+
+// Whether d's pointers are host pointers: operations may then read host memory (an mmapped
+// input) directly, with no upload. True of the CPU backend only.
+bool lm_dev_host_memory(const lm_dev *d);
+
+// What lm_dev_combine and the fused dense operations compute (which parts, how each is
+// sparsified and rescaled, the combination rule) is the merge's to say: it is described by
+// merge_desc.h, which callers and backends include. Here the types are only named.
+typedef struct lm_dense_part lm_dense_part;
+typedef struct lm_combine_how lm_combine_how;
+
 // The caller's own work, done on the calling thread while an operation that takes it runs (on
 // the CPU the other threads start on the operation's tasks meanwhile): fn(ctx) is called
 // exactly once before the operation returns, whatever it returns.
@@ -92,102 +66,6 @@ typedef struct lm_dev_side {
     void (*fn)(void *ctx);
     void *ctx;
 } lm_dev_side;
-
-typedef struct lm_dev_combine_how {
-    lm_dev_sign sign;
-    bool normalize;
-    float lambda;
-    bool linear;
-    // when not NULL, lm_dev_dense_merge adds the NaN and Inf among the base values it reads to
-    // *base_nf, and among the output values it writes (in out_dt) to *out_nf
-    lm_nonfinite *base_nf, *out_nf;
-} lm_dev_combine_how;
-
-// The operations a device provides. Entries marked optional may be NULL; the dispatcher
-// supplies the default.
-typedef struct lm_dev_i {
-    const char *(*name)(lm_dev *d);
-    void (*mem_info)(lm_dev *d, size_t *free_bytes, size_t *total_bytes);
-    lm_status (*alloc)(lm_dev *d, size_t size, void **ptr, lm_err *err);
-    void (*free)(lm_dev *d, void *ptr);
-    lm_status (*upload)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
-    lm_status (*download)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
-    lm_status (*sync)(lm_dev *d, lm_err *err);  // optional: no-op
-    void (*destroy)(lm_dev *d);
-
-    lm_status (*to_f32)(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
-    lm_status (*from_f32)(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
-    lm_status (*gemm)(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
-                      const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
-                      float *c, int64_t ldc, lm_err *err);
-    lm_status (*syrk)(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
-                      bool mirror, float *c, int64_t ldc, lm_err *err);  // optional: callers use gemm
-    lm_status (*axpby)(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
-    lm_status (*delta)(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
-                       lm_err *err);  // optional: to_f32, then axpby
-    lm_status (*dora_rows)(lm_dev *d, float *tau, const float *base, const float *magnitude,
-                           int64_t rows, int64_t cols, lm_err *err);
-    lm_status (*hist_abs)(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
-                          uint32_t hi_bin, lm_err *err);
-    lm_status (*hist_window)(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin,
-                             const float *x, int64_t n, lm_err *err);  // optional: n_win + 1 hist_abs
-    lm_status (*topk_apply)(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
-                            int64_t *ties_used, lm_err *err);
-    lm_status (*topk_apply_by)(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
-                               int64_t ties_allowed, int64_t *ties_used, lm_err *err);  // optional
-    lm_status (*importance)(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
-                            int64_t cols, lm_err *err);  // optional
-    lm_status (*potrf)(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err);  // optional
-    lm_status (*mask_get)(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n,
-                          lm_err *err);  // optional: x brought to the host in pieces
-    lm_status (*mask_apply)(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n,
-                            lm_err *err);  // optional: x brought to the host and back
-    lm_status (*random_drop)(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
-                             uint64_t keep_below, lm_err *err);
-    lm_status (*l1)(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
-    lm_status (*combine)(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
-                         float lambda, lm_err *err);
-    // Fused dense operations, on devices with host memory only (optional: the engine runs the
-    // separate operations when they are NULL).
-    lm_status (*dense_hist)(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
-                            lm_err *err);
-    lm_status (*dense_merge)(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, const lm_dev_side *side, lm_err *err);
-    // Conversions that also count NaN and Inf, on devices with host memory only (optional: the
-    // merge counts on the host, from what it copies to and from the device, where they are
-    // NULL).
-    lm_status (*to_f32_count)(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
-                              lm_err *err);
-    lm_status (*delta_count)(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
-                             lm_nonfinite *nf, lm_err *err);
-    lm_status (*from_f32_count)(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
-                                lm_err *err);
-
-    // The forward pass (forward.h). Optional: a device without them answers
-    // LM_ERR_UNSUPPORTED naming the operation, and lm_fwd_device_ok tells beforehand.
-    lm_status (*gather_rows)(lm_dev *d, float *out, const float *table, int64_t table_rows, int64_t cols,
-                             const int32_t *ids, int64_t n, lm_err *err);
-    lm_status (*add_rows)(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err);
-    lm_status (*rmsnorm)(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
-                         float eps, lm_err *err);
-    lm_status (*rope)(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
-                      const float *inv_freq, lm_err *err);
-    lm_status (*attention)(lm_dev *d, float *out, const float *q, const float *k, const float *v,
-                           const int32_t *start, int64_t rows, int64_t heads, int64_t kv_heads,
-                           int64_t head_dim, float scale, lm_err *err);
-    lm_status (*silu_mul)(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err);
-    lm_status (*nll_rows)(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
-                          int64_t cols, lm_err *err);
-} lm_dev_i;
-
-struct lm_dev {
-    const lm_dev_i *iface;
-    void *ctx;         // the backend's own state
-    int threads;       // CPU threads the backend uses
-    bool host_memory;  // device pointers are host pointers: operations may read host memory
-                       // (an mmapped input) directly, with no upload
-};
 
 // How lm_dev_open opens a device.
 typedef struct lm_dev_opts {
@@ -202,41 +80,50 @@ typedef struct lm_dev_opts {
 // further capped by mem_cap); or "auto": CUDA device 0 when this build has CUDA, the device
 // exists and passes lm_cuda_selftest, else the CPU. When `why` is not NULL it receives one
 // line saying what was chosen and why (for auto) or what was opened. Unknown, malformed or
-// unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_free.
+// unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_destroy. The registry
+// (device_registry.c, in the llmerge_devices library, which knows every backend) defines it:
+// a program that opens devices by name links that library.
 lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char *why, size_t why_size,
                       lm_err *err);
 
 // The CPU backend (OpenBLAS for GEMM, a thread pool for the element-wise work).
 lm_status lm_dev_cpu_create(lm_dev **out, int threads, lm_err *err);
 
+// The CPU device that d's units fall back to, and that does d's host-side work: d itself when
+// d is the CPU; otherwise a CPU device of lm_dev_threads(d) threads, created on the first call
+// and the same one on every later call, owned by d and destroyed with it (lm_dev_destroy), so
+// the caller never frees *cpu. Creating it can fail as lm_dev_cpu_create does.
+lm_status lm_dev_cpu_companion(lm_dev *d, lm_dev **cpu, lm_err *err);
+
 // The CPU backend's factorisation (lm_dev_potrf's on the CPU) of host memory, for callers that
 // have no CPU device at hand: LAPACKE's dpotrf in place, U's diagonal to diag. LM_ERR_FORMAT
 // with *info the order of the leading minor that is not positive definite; err is not touched.
 lm_status lm_cpu_potrf(double *a, int64_t n, double *diag, int *info);
 
-// The simulated accelerator (device_sim.c): buffers of its own in host memory, reachable only
-// through upload and download (host_memory is false), a hard budget of `budget` bytes of live
-// allocations beyond which lm_dev_alloc is LM_ERR_DEVICE_OOM, and the operations of the CPU
-// backend run on its buffers. `fail` is the fault switch: "alloc:N" makes the Nth allocation
+// The simulated accelerator (backends/sim/sim.c): buffers of its own in host memory, reachable
+// only through upload and download (host_memory is false), a hard budget of `budget` bytes of
+// live allocations beyond which lm_dev_alloc is LM_ERR_DEVICE_OOM, and the operations of the
+// CPU backend run on its buffers. `fail` is the fault switch: "alloc:N" makes the Nth allocation
 // and "launch:N" the Nth operation (copies included) fail with LM_ERR_DEVICE, to test the
 // paths that must not fall back; NULL or "" for none, anything else LM_ERR_USAGE.
 lm_status lm_dev_sim_create(lm_dev **out, uint64_t budget, const char *fail, int threads, lm_err *err);
 
-// The CUDA backend (kernels/device_cuda.cu), in builds with CUDA only (LLMERGE_HAVE_CUDA):
+// The CUDA backend (backends/cuda/cuda.cu), in builds with CUDA only (LLMERGE_HAVE_CUDA):
 // device `ordinal`, taking at most mem_cap bytes of its memory (0: no cap). A missing device
 // or driver is LM_ERR_USAGE naming it.
 lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err);
 
-// Releases the device and everything it holds; safe on NULL.
-void lm_dev_free(lm_dev *d);
+// Destroys the device and everything it holds, its CPU companion included; safe on NULL.
+void lm_dev_destroy(lm_dev *d);
 
 const char *lm_dev_name(lm_dev *d);
 void lm_dev_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes);
 
 // Allocates `size` bytes of device memory into *ptr. LM_ERR_DEVICE_OOM when it does not fit
-// (the message names the size and the device), never an abort. Free with lm_dev_release.
+// (the message names the size and the device), never an abort. Free with lm_dev_buf_free.
 lm_status lm_dev_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err);
-void lm_dev_release(lm_dev *d, void *ptr);
+// Frees a buffer lm_dev_alloc gave (d keeps running); safe on NULL.
+void lm_dev_buf_free(lm_dev *d, void *ptr);
 
 // Copies n bytes host → device (upload) or device → host (download).
 lm_status lm_dev_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
@@ -265,10 +152,10 @@ lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t
 // lm_dev_gemm(d, true, false, n, n, k, ...). The strictly lower triangle is left as it was, or,
 // with `mirror`, overwritten afterwards with the transpose of the upper one; k = 0 with
 // beta = 1 and mirror (a may then be NULL) only completes C. Optional: a device without it
-// (lm_dev_has_syrk false) answers LM_ERR_UNSUPPORTED, and callers use lm_dev_gemm instead.
+// (lm_dev_supports(d, LM_OP_SYRK) false) answers LM_ERR_UNSUPPORTED, and callers use lm_dev_gemm
+// instead.
 lm_status lm_dev_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
                       bool mirror, float *c, int64_t ldc, lm_err *err);
-bool lm_dev_has_syrk(const lm_dev *d);
 
 // y = a·y + b·x over n elements.
 lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err);
@@ -322,7 +209,6 @@ lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const doubl
 // the operation, and when n does not fit in an int. Devices block their factorisations
 // differently: U agrees between them to rounding, not bit for bit.
 lm_status lm_dev_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err);
-bool lm_dev_has_potrf(const lm_dev *d);
 
 // Stored top-k masks (the sparsegpt cache): bitmaps in host memory, bit b of a tensor in byte
 // b / 8 at bit b % 8, set where the entry is kept. A slab starting at element `first` of its
@@ -355,25 +241,24 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 // sparsified and rescaled, not yet weighted) with weights[i]: W_i = weights[i]·w_tau[i]; with an
 // election, Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,
 // Δ = Σ_i W_i and the divisor Σ_i weights[i]; with normalize Δ /= divisor where it is not 0.
-// out = base + lambda·Δ. out may equal base.
+// out = base + lambda·Δ. out may equal base. The election, normalize and lambda are how's
+// (merge_desc.h); its other fields are lm_dev_dense_merge's and not read here.
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                         const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
-                         float lambda, lm_err *err);
+                         const float *weights, int k, int64_t n, lm_combine_how how, lm_err *err);
 
 // ---- fused dense operations -------------------------------------------------------------------
 // For full fine-tuned models and LoRA pairs on a device whose memory is the host's (the CPU): the
 // inputs are read where they are mapped (a LoRA τ is made from its factors), and each τ lives in
 // a few hundred elements of cache instead of a float32 buffer in memory, so a pass over a
 // tensor moves its 16-bit inputs and nothing else.
-// Their results are exactly those of the separate operations they replace. lm_dev_has_dense
-// says whether d has them; the others are LM_ERR_UNSUPPORTED where it does not.
-
-bool lm_dev_has_dense(const lm_dev *d);
+// Their results are exactly those of the separate operations they replace.
+// lm_dev_supports(d, LM_OP_DENSE) says whether d has them; they are LM_ERR_UNSUPPORTED where it
+// does not.
 
 // For each part whose win is not NULL: the window counts of |τ_i| over n elements, added as
 // lm_dev_hist_window(above, win, n_win, lo_bin, τ_i, n) adds them. base and every src are read
 // as dtype (readable dtypes only).
-lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dev_dense *parts, int k, int64_t n,
+lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                             lm_err *err);
 
 // out (n elements of out_dt, host memory) = the combination of the k parts' τ, each trimmed or
@@ -382,20 +267,19 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 // the axpby sequence of how.linear) and lm_dev_from_f32 give. The NaN and Inf among the values
 // read and written are counted where how.base_nf, how.out_nf and each part's nf ask.
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                             lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how, lm_err *err);
+                             lm_dense_part *parts, int k, int64_t n, lm_combine_how how, lm_err *err);
 // lm_dev_dense_merge, with the caller's work `side` (NULL: none) done meanwhile.
 lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
-                                  lm_dev_dense *parts, int k, int64_t n, lm_dev_combine_how how,
+                                  lm_dense_part *parts, int k, int64_t n, lm_combine_how how,
                                   const lm_dev_side *side, lm_err *err);
 
 // ---- counting conversions ---------------------------------------------------------------------
 // lm_dev_to_f32, lm_dev_delta and lm_dev_from_f32 that also add to *nf the NaN and Inf among the
 // values they convert (as lm_convert_to_f32_nf and lm_convert_from_f32_nf count them: the src
 // values read, the dst values written), counted in the loops that convert. On devices whose
-// memory is the host's (the CPU); lm_dev_has_counts says whether d has them, the others are
-// LM_ERR_UNSUPPORTED where it does not.
+// memory is the host's (the CPU); lm_dev_supports(d, LM_OP_COUNTS) says whether d has them, and
+// they are LM_ERR_UNSUPPORTED where it does not.
 
-bool lm_dev_has_counts(const lm_dev *d);
 lm_status lm_dev_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
                               lm_err *err);
 lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
@@ -408,7 +292,8 @@ lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *
 // batch; int32 arrays (ids, positions, targets) are device memory too. Each output element is
 // computed by one fixed sequence of float operations, so results do not depend on the thread
 // count or on which other rows share the batch. A device that lacks one of these answers
-// LM_ERR_UNSUPPORTED naming the operation (lm_fwd_device_ok checks them all beforehand).
+// LM_ERR_UNSUPPORTED naming the operation (lm_dev_require(d, LM_OP_FORWARD) checks them all
+// beforehand).
 
 // out[i, :] = table[ids[i], :] for i < n (table is [table_rows, cols]): embedding lookup. An id
 // outside [0, table_rows) is the caller's error; the row written for it is zeros, and nothing

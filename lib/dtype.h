@@ -66,7 +66,7 @@ bool lm_dtype_readable(lm_dtype dt);
 bool lm_dtype_writable(lm_dtype dt);
 
 // ---- scalar conversions ---------------------------------------------------------------------
-// Shared by the CPU loops and the CUDA kernels (kernels/convert.cu), so both round the same
+// Shared by the CPU loops and the CUDA kernels (backends/cuda/convert.cu), so both round the same
 // way bit for bit.
 
 #ifdef __CUDACC__

@@ -103,22 +103,6 @@ const char *lm_fwd_point_module(lm_fwd_point p)
     return "?";
 }
 
-lm_status lm_fwd_device_ok(lm_dev *d, lm_err *err)
-{
-    const lm_dev_i *i = d->iface;
-    struct { bool have; const char *name; } ops[] = {
-        {i->gemm != NULL, "gemm"},           {i->gather_rows != NULL, "gather_rows"},
-        {i->add_rows != NULL, "add_rows"},   {i->rmsnorm != NULL, "rmsnorm"},
-        {i->rope != NULL, "rope"},           {i->attention != NULL, "attention"},
-        {i->silu_mul != NULL, "silu_mul"},   {i->nll_rows != NULL, "nll_rows"},
-    };
-    for (size_t k = 0; k < sizeof ops / sizeof ops[0]; k++)
-        if (!ops[k].have)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: the operation %s is not implemented on this device",
-                              lm_dev_name(d), ops[k].name);
-    return LM_OK;
-}
-
 lm_dev *lm_fwd_device(const lm_fwd *f)
 {
     return f->dev;
@@ -134,8 +118,8 @@ void lm_fwd_free(lm_fwd *f)
     if (!f)
         return;
     for (int64_t i = 0; i < f->n_owned; i++)
-        lm_dev_release(f->dev, f->owned[i]);
-    lm_dev_release(f->dev, f->arena);
+        lm_dev_buf_free(f->dev, f->owned[i]);
+    lm_dev_buf_free(f->dev, f->arena);
     free(f->owned);
     free(f->layers);
     free(f->host_ints);
@@ -216,12 +200,12 @@ static lm_status read_host(const lm_st_tensor *t, float **out, lm_err *err)
 static lm_status put_tensor(lm_fwd *f, const lm_st_tensor *t, const float **out, lm_err *err)
 {
     lm_dev *d = f->dev;
-    if (d->host_memory && t->dtype == LM_DTYPE_F32 && (uintptr_t)t->data % sizeof(float) == 0) {
+    if (lm_dev_host_memory(d) && t->dtype == LM_DTYPE_F32 && (uintptr_t)t->data % sizeof(float) == 0) {
         *out = t->data;
         return LM_OK;
     }
     lm_status s;
-    if (d->host_memory) {
+    if (lm_dev_host_memory(d)) {
         float *dst;
         if ((s = weight_alloc(f, t->numel, &dst, err)) != LM_OK)
             return s;
@@ -308,8 +292,8 @@ typedef struct dora_scratch {
 static void dora_scratch_free(dora_scratch *x)
 {
     if (x->d) {
-        lm_dev_release(x->d, x->blk);
-        lm_dev_release(x->d, x->fac);
+        lm_dev_buf_free(x->d, x->blk);
+        lm_dev_buf_free(x->d, x->fac);
     }
     free(x->w);
     free(x->sum);
@@ -599,7 +583,7 @@ static lm_status put_embedding(fwd_loader *L, const lm_arch_desc *desc, lm_err *
             s = put_host(f, b, hidden * r, &f->emb_b, err);
         f->embed_scaled = true;
     }
-    lm_dev_release(f->dev, eb);
+    lm_dev_buf_free(f->dev, eb);
     free(a);
     free(at);
     free(b);
@@ -674,7 +658,7 @@ lm_status lm_fwd_create(lm_fwd **out, const lm_model *m, const lm_adapter *a, lm
     const lm_config *cfg = &m->config;
     lm_arch_desc desc = {0};
     fwd_loader L = {0};
-    lm_status s = lm_fwd_device_ok(d, err);
+    lm_status s = lm_dev_require(d, LM_OP_FORWARD, err);
     if (s != LM_OK || (s = lm_fwd_check(m, a, err)) != LM_OK)
         return s;
     if ((s = lm_arch_describe(&desc, cfg, err)) != LM_OK)
@@ -814,7 +798,7 @@ static lm_status arena_reserve(lm_fwd *f, int64_t tokens, lm_err *err)
 {
     if (f->arena && tokens <= f->arena_tokens)
         return LM_OK;
-    lm_dev_release(f->dev, f->arena);
+    lm_dev_buf_free(f->dev, f->arena);
     f->arena = NULL;
     f->arena_tokens = 0;
     free(f->host_ints);
@@ -987,7 +971,7 @@ static lm_status cpu_fwd(lm_fwd_runner *r, lm_fwd **out, lm_err *err)
 {
     lm_status s;
     if (!r->on_cpu) {
-        if (!r->cpu && (s = lm_dev_cpu_create(&r->cpu, r->dev->threads, err)) != LM_OK)
+        if (!r->cpu && (s = lm_dev_cpu_companion(r->dev, &r->cpu, err)) != LM_OK)
             return s;
         if ((s = lm_fwd_create(&r->on_cpu, r->model, r->adapter, r->cpu, err)) != LM_OK)
             return s;
@@ -1019,7 +1003,7 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
     r->note = note;
     r->note_ctx = note_ctx;
     lm_err why = {0};
-    lm_status s = lm_fwd_device_ok(dev, &why);
+    lm_status s = lm_dev_require(dev, LM_OP_FORWARD, &why);
     if (s == LM_OK) {
         s = lm_fwd_create(&r->on_dev, m, a, dev, &why);
         if (s != LM_OK && s != LM_ERR_DEVICE_OOM) {
@@ -1049,7 +1033,6 @@ void lm_fwd_runner_free(lm_fwd_runner *r)
 {
     lm_fwd_free(r->on_dev);
     lm_fwd_free(r->on_cpu);
-    lm_dev_free(r->cpu);
     r->on_dev = r->on_cpu = NULL;
     r->cpu = NULL;
 }

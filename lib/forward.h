@@ -74,10 +74,6 @@ typedef struct lm_fwd_req {
     void *hook_ctx;
 } lm_fwd_req;
 
-// Checks that `d` has every operation the forward pass uses. LM_ERR_UNSUPPORTED naming the first
-// missing one otherwise.
-lm_status lm_fwd_device_ok(lm_dev *d, lm_err *err);
-
 // Checks, allocating nothing, that the forward pass can run model `m` with adapter `a` (may be
 // NULL): m is a known architecture whose tensors pass lm_model_check, a fits m
 // (lm_adapter_validate) and is not DoRA with fan_in_fan_out, and m does not use Qwen2's
@@ -135,7 +131,7 @@ typedef struct lm_fwd_runner {
     bool stuck;               // that has happened
 
     lm_fwd *on_dev;           // the weights on dev; NULL when they are on the CPU only
-    lm_dev *cpu;              // the CPU device for fallbacks, opened when first needed (owned)
+    lm_dev *cpu;              // the CPU device for fallbacks, dev's companion (lm_dev_cpu_companion)
     lm_fwd *on_cpu;           // the weights on it, placed when first needed
 
     // What happened, for the summary.

@@ -22,7 +22,7 @@ void lm_hess_free(lm_hess *h)
     int64_t n = h->n_layers * LM_FWD_N_POINTS;
     for (int64_t i = 0; i < n; i++) {
         if (h->on_dev && h->on_dev[i])
-            lm_dev_release(h->dev, h->on_dev[i]);
+            lm_dev_buf_free(h->dev, h->on_dev[i]);
         if (h->on_host)
             free(h->on_host[i]);
     }
@@ -32,7 +32,6 @@ void lm_hess_free(lm_hess *h)
     free(h->host_upper);
     free(h->dev_fresh);
     free(h->stage);
-    lm_dev_free(h->cpu);
     memset(h, 0, sizeof *h);
 }
 
@@ -45,7 +44,7 @@ static lm_status place_on_dev(lm_hess *h, int64_t i, lm_fwd_point p, size_t rese
 {
     size_t need = acc_bytes(h, p), free_b = 0, total_b = 0;
     lm_dev_mem_info(h->dev, &free_b, &total_b);
-    if (!h->dev->host_memory && (free_b < need || free_b - need < reserve))
+    if (!lm_dev_host_memory(h->dev) && (free_b < need || free_b - need < reserve))
         return lm_err_set(err, LM_ERR_DEVICE_OOM, "%s: %zu bytes free, %zu needed and %zu kept for activations",
                           lm_dev_name(h->dev), free_b, need, reserve);
     void *ptr = NULL;
@@ -58,7 +57,7 @@ static lm_status place_on_dev(lm_hess *h, int64_t i, lm_fwd_point p, size_t rese
     return LM_OK;
 }
 
-lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserve, int threads, lm_err *err)
+lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, bool on_device, size_t reserve, lm_err *err)
 {
     memset(h, 0, sizeof *h);
     const lm_config *cfg = &m->config;
@@ -73,7 +72,7 @@ lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserv
         if (h->dim[p] <= 0 || h->dim[p] > (1 << 20))
             return lm_err_set(err, LM_ERR_UNSUPPORTED, "a linear input of width %" PRId64 " is out of range",
                               h->dim[p]);
-    if ((s = lm_dev_cpu_create(&h->cpu, threads, err)) != LM_OK)
+    if ((s = lm_dev_cpu_companion(dev, &h->cpu, err)) != LM_OK)
         return s;
     if (!(h->on_dev = calloc((size_t)n, sizeof *h->on_dev)) || !(h->on_host = calloc((size_t)n, sizeof *h->on_host)) ||
         !(h->dev_upper = calloc((size_t)n, sizeof *h->dev_upper)) ||
@@ -82,8 +81,8 @@ lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserv
         lm_hess_free(h);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory for %" PRId64 " Hessian accumulators", n);
     }
-    h->dev = dev;
-    bool dev_full = !dev;
+    h->dev = on_device ? dev : NULL;
+    bool dev_full = !on_device;
     for (int64_t l = 0; l < h->n_layers; l++)
         for (int p = 0; p < LM_FWD_N_POINTS; p++) {
             int64_t i = lm_hess_index(l, (lm_fwd_point)p);
@@ -135,7 +134,7 @@ static lm_status add_xtx(lm_dev *d, float *acc, bool *upper, bool *fresh, const 
 {
     float beta = *fresh ? 0.0f : 1.0f;
     lm_status s;
-    if (lm_dev_has_syrk(d)) {
+    if (lm_dev_supports(d, LM_OP_SYRK)) {
         *upper = true;
         s = lm_dev_syrk(d, cols, rows, 1.0f, x, cols, beta, false, acc, cols, err);
     } else {  // op(A) = Xᵀ is [cols, rows]
@@ -163,7 +162,7 @@ lm_status lm_hess_hook(void *ctx, lm_dev *dev, int layer, lm_fwd_point point, co
             return hook_error(s, layer, point, err);
     } else {
         const float *hx = x;
-        if (!dev->host_memory) {
+        if (!lm_dev_host_memory(dev)) {
             // the accumulator is in host memory: bring the batch there
             int64_t need = rows * cols;
             if (need > h->stage_len) {
@@ -193,7 +192,7 @@ lm_status lm_hess_hook(void *ctx, lm_dev *dev, int layer, lm_fwd_point point, co
 // Zeroes the device accumulator i, which no batch reached (all ran on the CPU, or none ran).
 static lm_status zero_on_dev(lm_hess *h, int64_t i, size_t bytes, lm_err *err)
 {
-    if (h->dev->host_memory) {
+    if (lm_dev_host_memory(h->dev)) {
         memset(h->on_dev[i], 0, bytes);
         return LM_OK;
     }
@@ -333,7 +332,7 @@ void lm_hess_release(lm_hess *h, int64_t layer, lm_fwd_point p)
     if (!h->on_dev || !h->on_host || layer < 0 || layer >= h->n_layers)
         return;
     if (h->on_dev[i]) {
-        lm_dev_release(h->dev, h->on_dev[i]);
+        lm_dev_buf_free(h->dev, h->on_dev[i]);
         h->on_dev[i] = NULL;
         h->dev_bytes -= acc_bytes(h, p);
     }
@@ -376,8 +375,8 @@ static lm_status potrf_on(lm_dev *dev, double *A, size_t n, double *diag, lm_err
         s = lm_dev_potrf(dev, dA, (int64_t)n, dd, err);
     if (s == LM_OK)
         s = lm_dev_download(dev, diag, dd, n * sizeof *dd, err);
-    lm_dev_release(dev, dA);
-    lm_dev_release(dev, dd);
+    lm_dev_buf_free(dev, dA);
+    lm_dev_buf_free(dev, dd);
     return s;
 }
 
@@ -401,7 +400,7 @@ lm_status lm_hess_ucc2_on(lm_dev *dev, double *ucc2, const float *H, int64_t col
     // diagonal), without the transposed copy LAPACKE's row-major interface would make.
     damped_reversed(A, H, n, damp);
     lm_status s = LM_OK;
-    if (dev && !dev->host_memory) {
+    if (dev && !lm_dev_host_memory(dev)) {
         s = potrf_on(dev, A, n, diag, err);
     } else {
         int info;
@@ -497,7 +496,7 @@ lm_status lm_hess_ucc2_raised(lm_dev *dev, double *ucc2, const float *H, int64_t
 }
 
 lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
-                             const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, bool sticky,
+                             const lm_fwd_seq *seqs, int64_t n_seqs, double damp, bool sticky,
                              lm_fallback_fn note, void *note_ctx, lm_hess_each_fn each, void *each_ctx,
                              double ***out, int64_t *n_out, lm_err *err)
 {
@@ -525,7 +524,7 @@ lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev
             reserve = lm_fwd_arena_bytes(runner.on_dev, batch > longest ? batch : longest);
             reserve = reserve == SIZE_MAX ? 0 : reserve;
         }
-        s = lm_hess_init(&h, m, runner.on_dev ? dev : NULL, reserve, threads, err);
+        s = lm_hess_init(&h, m, dev, runner.on_dev != NULL, reserve, err);
     }
     if (s == LM_OK)
         s = lm_hess_capture(&h, &runner, seqs, n_seqs, err);

@@ -31,7 +31,7 @@ typedef struct lm_hess {
     int64_t n_layers;
     int64_t dim[LM_FWD_N_POINTS];  // the input width of each point: hidden, heads·head_dim, hidden, intermediate
     lm_dev *dev;                   // the device holding on_dev accumulators (not owned; NULL: none)
-    lm_dev *cpu;                   // the CPU device for host-side GEMMs (owned)
+    lm_dev *cpu;                   // the CPU device for host-side GEMMs: dev's companion
     float **on_dev;                // (n_layers · N_POINTS) device [dim, dim] Σ x xᵀ, NULL where not on dev
     float **on_host;               // (n_layers · N_POINTS) host [dim, dim] Σ x xᵀ, NULL until a batch needs it
     float *stage;                  // host copy of a device batch for a host accumulator (rows, dim)
@@ -51,14 +51,15 @@ static inline int64_t lm_hess_index(int64_t layer, lm_fwd_point p)
     return layer * LM_FWD_N_POINTS + (int64_t)p;
 }
 
-// Prepares *h (overwritten) for model m (its config gives the shapes). When dev is not NULL,
-// each accumulator, in layer order, is allocated on dev while dev's free memory stays at least
-// `reserve` bytes afterwards (room for the forward pass's activations), left for the first
-// batch to overwrite (and for lm_hess_capture_end to zero if none does); the rest, and all of
-// them when dev is NULL, are allocated zeroed in host memory. dev must outlive
-// h. A host allocation failure is LM_ERR_NOMEM, a device failure other than out-of-memory
-// LM_ERR_DEVICE; nothing is left allocated then. Free with lm_hess_free.
-lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, size_t reserve, int threads, lm_err *err);
+// Prepares *h (overwritten) for model m (its config gives the shapes), whose forward pass was
+// given dev. When on_device (the weights run on dev), each accumulator, in layer order, is
+// allocated on dev while dev's free memory stays at least `reserve` bytes afterwards (room for
+// the forward pass's activations), left for the first batch to overwrite (and for
+// lm_hess_capture_end to zero if none does); the rest, and all of them when not on_device, are
+// allocated zeroed in host memory, where dev's CPU companion (lm_dev_cpu_companion) adds to
+// them. dev must outlive h. A host allocation failure is LM_ERR_NOMEM, a device failure other
+// than out-of-memory LM_ERR_DEVICE; nothing is left allocated then. Free with lm_hess_free.
+lm_status lm_hess_init(lm_hess *h, const lm_model *m, lm_dev *dev, bool on_device, size_t reserve, lm_err *err);
 
 // Releases every accumulator and the CPU device; safe on a zeroed lm_hess and twice.
 void lm_hess_free(lm_hess *h);
@@ -143,7 +144,7 @@ typedef lm_status (*lm_hess_each_fn)(void *ctx, int64_t layer, lm_fwd_point p, c
 // its U_cc² (lm_hess_ucc2_raised from `damp`). (*out)[lm_hess_index(layer, point)] is a new
 // array of dim[point] doubles; free the set with lm_hess_ucc2_free.
 lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev, const char *label,
-                             const lm_fwd_seq *seqs, int64_t n_seqs, int threads, double damp, bool sticky,
+                             const lm_fwd_seq *seqs, int64_t n_seqs, double damp, bool sticky,
                              lm_fallback_fn note, void *note_ctx, lm_hess_each_fn each, void *each_ctx,
                              double ***out, int64_t *n_out, lm_err *err);
 void lm_hess_ucc2_free(double **ucc2, int64_t n);

@@ -29,6 +29,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "merge_desc.h"
 #include "signals.h"
 #include "util.h"
 
@@ -236,7 +237,7 @@ static void count_reset(engine *e)
 // engine counts on the host.
 bool lm_eng_dev_counts(const wset *ws)
 {
-    return lm_dev_has_counts(ws->dev);
+    return lm_dev_supports(ws->dev, LM_OP_COUNTS);
 }
 
 // Appends input `input`'s tensor `name` to res->nonfinite when it holds NaN or Inf.
@@ -265,7 +266,7 @@ lm_status lm_eng_stage(engine *e, wset *ws, const void *src, lm_dtype dt, int64_
     e->bytes_in += (uint64_t)n * esize(dt);
     if (nf && !lm_eng_dev_counts(ws))
         lm_count_nonfinite(src, dt, n, nf);
-    if (ws->dev->host_memory) {
+    if (lm_dev_host_memory(ws->dev)) {
         *on_dev = src;
         return LM_OK;
     }
@@ -373,7 +374,7 @@ static lm_status place_residents(engine *e)
             rd->b_off = rs->b_off;
             continue;
         }
-        lm_dev_release(e->dev, rd->data);
+        lm_dev_buf_free(e->dev, rd->data);
         rd->data = NULL;
         if (s != LM_ERR_DEVICE_OOM)
             return lm_err_prefix(e->err, "%s: placing the LoRA factors on %s", e->fts[i]->path, lm_dev_name(e->dev));
@@ -438,15 +439,15 @@ static void ws_release(engine *e, wset *w)
 {
     if (!w->dev)
         return;
-    lm_dev_release(w->dev, w->base_buf);
+    lm_dev_buf_free(w->dev, w->base_buf);
     for (int i = 0; w->tau_buf && i < e->o->n_ft; i++)
-        lm_dev_release(w->dev, w->tau_buf[i]);
-    lm_dev_release(w->dev, w->stage_dev);
-    lm_dev_release(w->dev, w->out_dev);
-    lm_dev_release(w->dev, w->mag_buf);
+        lm_dev_buf_free(w->dev, w->tau_buf[i]);
+    lm_dev_buf_free(w->dev, w->stage_dev);
+    lm_dev_buf_free(w->dev, w->out_dev);
+    lm_dev_buf_free(w->dev, w->mag_buf);
     for (int i = 0; w->key_buf && i < e->o->n_ft; i++) {
-        lm_dev_release(w->dev, w->key_buf[i]);
-        lm_dev_release(w->dev, w->ucc2_buf[i]);
+        lm_dev_buf_free(w->dev, w->key_buf[i]);
+        lm_dev_buf_free(w->dev, w->ucc2_buf[i]);
     }
     float **keep = w->tau_buf, **keys = w->key_buf;
     double **ucc2 = w->ucc2_buf;
@@ -483,12 +484,12 @@ static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, const ws_size *z, con
         if (parts && !parts[i].ucc2)
             continue;
         s = lm_dev_alloc(dev, bytes, (void **)&w->key_buf[ft], e->err);
-        if (s == LM_OK && parts && !dev->host_memory)
+        if (s == LM_OK && parts && !lm_dev_host_memory(dev))
             s = lm_dev_alloc(dev, (size_t)w->cap_cols * sizeof(double), (void **)&w->ucc2_buf[ft], e->err);
     }
-    if (s == LM_OK && !dev->host_memory)
+    if (s == LM_OK && !lm_dev_host_memory(dev))
         s = lm_dev_alloc(dev, z->stage_bytes, &w->stage_dev, e->err);
-    if (s == LM_OK && !dev->host_memory)
+    if (s == LM_OK && !lm_dev_host_memory(dev))
         s = lm_dev_alloc(dev, z->out_bytes, &w->out_dev, e->err);
     w->stage_bytes = z->stage_bytes;
     return s;
@@ -532,8 +533,8 @@ static lm_status bind(engine *e, wset *ws, part *parts, int k)
         part *p = &parts[i];
         p->tau = ws->tau_buf[p->ft];
         p->key = p->ucc2 ? ws->key_buf[p->ft] : NULL;
-        p->ucc2_dev = ws->dev->host_memory ? p->ucc2 : p->ucc2 ? ws->ucc2_buf[p->ft] : NULL;
-        if (p->ucc2 && !ws->dev->host_memory && s == LM_OK) {
+        p->ucc2_dev = lm_dev_host_memory(ws->dev) ? p->ucc2 : p->ucc2 ? ws->ucc2_buf[p->ft] : NULL;
+        if (p->ucc2 && !lm_dev_host_memory(ws->dev) && s == LM_OK) {
             size_t bytes = (size_t)ws->cap_cols * sizeof(double);
             e->res->bytes_to_device += bytes;
             s = lm_dev_upload(ws->dev, (void *)p->ucc2_dev, p->ucc2, bytes, e->err);
@@ -713,9 +714,9 @@ static void engine_free(engine *e)
     free(e->keep_vals);
     free(e->keep_caps);
     for (int i = 0; e->res_dev && i < e->o->n_ft; i++)
-        lm_dev_release(e->dev, e->res_dev[i].data);
+        lm_dev_buf_free(e->dev, e->res_dev[i].data);
     for (int i = 0; e->res_cpu && i < e->o->n_ft; i++) {
-        lm_dev_release(e->cpu, e->res_cpu[i].data);
+        lm_dev_buf_free(e->cpu, e->res_cpu[i].data);
         free(e->res_cpu[i].a_off);
         free(e->res_cpu[i].b_off);
     }
@@ -725,8 +726,6 @@ static void engine_free(engine *e)
     free(e->sel_block);
     free(e->counted);
     free(e->in);
-    if (e->cpu != e->dev)
-        lm_dev_free(e->cpu);
 }
 
 lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base,
@@ -744,8 +743,8 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.slab_elems = o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS;
     e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
     e.slab_max = lm_eng_largest_slab(base, e.slab_elems);
-    // An accelerator gets a CPU beside it for the units that do not fit.
-    if (!dev->host_memory && (s = lm_dev_cpu_create(&e.cpu, o->threads, err)) != LM_OK) {
+    // An accelerator has a CPU beside it for the units that do not fit (the CPU's is itself).
+    if ((s = lm_dev_cpu_companion(dev, &e.cpu, err)) != LM_OK) {
         e.cpu = dev;
         return s;
     }
@@ -778,7 +777,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto fail;
     }
-    if (dev->host_memory && (s = lm_eng_cpu_ready(&e)) != LM_OK)
+    if (lm_dev_host_memory(dev) && (s = lm_eng_cpu_ready(&e)) != LM_OK)
         goto fail;
     if ((s = place_residents(&e)) != LM_OK)
         goto fail;

@@ -21,6 +21,7 @@
 #include <xxhash.h>
 
 #include "merge.h"
+#include "merge_desc.h"
 #include "method.h"
 #include "sparsify.h"
 
@@ -105,7 +106,7 @@ typedef struct engine {
     // --topk global: per FT thresholds and the ties budget left
     lm_topk *global;      // (n_ft) or NULL
     uint64_t *sel_block;  // lm_eng_select_tensor's histograms, reused from tensor to tensor
-    // fused LoRA parts' candidates from the selection pass (lm_dev_dense's keep_bits and
+    // fused LoRA parts' candidates from the selection pass (lm_dense_part's keep_bits and
     // keep_vals), per FT, for tensors of up to keep_caps elements
     uint16_t **keep_bits;
     int64_t **keep_off;
@@ -193,7 +194,7 @@ typedef struct ws_size {
 // What lm_eng_select_tensor's store of a fused LoRA part's kept candidates takes for a tensor of
 // numel elements (lm_eng_keep_size): keep_store allocates exactly this.
 typedef struct keep_size {
-    int64_t cap;          // elements it holds: whole segments of LM_DEV_KEEP_SEGMENT
+    int64_t cap;          // elements it holds: whole segments of LM_DENSE_KEEP_SEGMENT
     size_t bits_bytes;    // the candidates' bitmap
     size_t off_bytes;     // each segment's first value
     size_t vals_bytes;    // the values, room for every element
@@ -230,7 +231,7 @@ bool lm_eng_needs_base(const part *parts, int k);
 bool lm_eng_dense_part(const engine *e, const part *p);
 bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
 size_t lm_eng_dense_source(const engine *e, wset *ws, const part *p, const lm_st_tensor *bt, int64_t first,
-                           lm_dev_dense *d);
+                           lm_dense_part *d);
 lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tensor *bt, lm_dtype out_dt,
                              XXH64_state_t *hash);
 lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash,

@@ -102,7 +102,7 @@ static lm_status load_magnitude(engine *e, wset *ws, const part *p)
         return LM_OK;
     const lm_st_tensor *mt = p->mod->magnitude;
     if (mt->numel > ws->mag_cap) {
-        lm_dev_release(ws->dev, ws->mag_buf);
+        lm_dev_buf_free(ws->dev, ws->mag_buf);
         ws->mag_buf = NULL;
         ws->mag_cap = 0;
         lm_status s = lm_dev_alloc(ws->dev, (size_t)mt->numel * sizeof(float), (void **)&ws->mag_buf, e->err);
@@ -176,7 +176,7 @@ bool lm_eng_dense_part(const engine *e, const part *p)
 // rescale (whose norms need τ before the merge).
 bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
-    if (!lm_dev_has_dense(dev) || !lm_dtype_readable(bt->dtype) || (lm_method_stats(e->m, e->o) & LM_STAT_L1))
+    if (!lm_dev_supports(dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype) || (lm_method_stats(e->m, e->o) & LM_STAT_L1))
         return false;
     for (int i = 0; i < k; i++)
         if (!lm_eng_dense_part(e, &parts[i]) || parts[i].key || parts[i].mask || parts[i].bits)
@@ -188,7 +188,7 @@ bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, co
 // `first` on: its mapped input, or (a LoRA pair) its factors. Returns the input bytes read per
 // element (none for a LoRA pair, whose factors are in memory already).
 size_t lm_eng_dense_source(const engine *e, wset *ws, const part *p, const lm_st_tensor *bt, int64_t first,
-                           lm_dev_dense *d)
+                           lm_dense_part *d)
 {
     if (p->src == SRC_FULL) {
         d->src = (const char *)p->full->data + (size_t)first * esize(p->full->dtype);
@@ -236,7 +236,7 @@ static lm_status write_slab(engine *e, wset *ws, int64_t idx, lm_dtype out_dt, c
 {
     size_t es = esize(out_dt), total = (size_t)cnt * es;
     int64_t per_piece = (int64_t)(OUT_PIECE / es);
-    bool host = ws->dev->host_memory;
+    bool host = lm_dev_host_memory(ws->dev);
     lm_nonfinite *nf = lm_eng_out_count(e);
     lm_status s = LM_OK;
     if (!host) {
@@ -348,15 +348,15 @@ static lm_status merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc
 }
 
 // The sign rule of the method's combine: none, or the election o->sign asks for.
-static lm_dev_sign combine_sign(const engine *e)
+static lm_combine_sign combine_sign(const engine *e)
 {
-    return !e->m->elect ? LM_DEV_SIGN_NONE : e->o->sign == LM_SIGN_COUNT ? LM_DEV_SIGN_COUNT : LM_DEV_SIGN_SUM;
+    return !e->m->elect ? LM_COMBINE_SIGN_NONE : e->o->sign == LM_SIGN_COUNT ? LM_COMBINE_SIGN_COUNT : LM_COMBINE_SIGN_SUM;
 }
 
 // What lm_dev_dense_merge is told of tensor bt's parts and their combination (each part's src or
 // tau, first and ties_allowed are set per piece by merge_pieces).
-static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const part *parts, int k,
-                                      lm_dev_dense *d)
+static lm_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const part *parts, int k,
+                                      lm_dense_part *d)
 {
     const lm_merge_opts *o = e->o;
     bool linear = e->m->linear;
@@ -369,7 +369,7 @@ static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, c
     for (int i = 0; i < k; i++) {
         const part *p = &parts[i];
         const lm_topk *t = o->topk_global && e->global ? &e->global[p->ft] : &p->topk;
-        d[i] = (lm_dev_dense){
+        d[i] = (lm_dense_part){
             .dt = p->src == SRC_FULL ? p->full->dtype : LM_DTYPE_F32,
             .trim = e->m->rank != LM_RANK_NONE,
             .thr_bits = t->thr_bits,
@@ -380,7 +380,7 @@ static lm_dev_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, c
             .weight = linear ? (float)(o->lambda * o->weights[p->ft] / div) : (float)o->weights[p->ft],
         };
     }
-    return (lm_dev_combine_how){.sign = combine_sign(e),
+    return (lm_combine_how){.sign = combine_sign(e),
                                 .normalize = o->normalize, .lambda = (float)o->lambda, .linear = linear};
 }
 
@@ -409,7 +409,7 @@ static void put_pending(void *ctx)
 }
 
 static lm_status merge_pieces(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
-                              part *parts, int k, lm_dev_dense *d, lm_dev_combine_how how, int64_t first0, int64_t cnt,
+                              part *parts, int k, lm_dense_part *d, lm_combine_how how, int64_t first0, int64_t cnt,
                               bool from_buf, int64_t *ties_left, XXH64_state_t *hash)
 {
     const lm_merge_opts *o = e->o;
@@ -462,8 +462,8 @@ static lm_status merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc 
                              part *parts, int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash)
 {
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
-    lm_dev_dense d[k];
-    lm_dev_combine_how how = dense_parts(e, bt, parts, k, d);
+    lm_dense_part d[k];
+    lm_combine_how how = dense_parts(e, bt, parts, k, d);
     lm_status s = LM_OK;
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows;
@@ -480,7 +480,7 @@ static lm_status merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc 
 // device that has it, unless a part is ranked by importance or by a stored mask, or records one.
 static bool pieces_from_buf(const wset *ws, const lm_st_tensor *bt, const part *parts, int k)
 {
-    if (!lm_dev_has_dense(ws->dev) || !lm_dtype_readable(bt->dtype))
+    if (!lm_dev_supports(ws->dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype))
         return false;
     for (int i = 0; i < k; i++)
         if (parts[i].key || parts[i].mask || parts[i].bits)
@@ -565,15 +565,15 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
     // does; the histogram pass when some τ needed it).
     bool have_base = have_tau && (random || lm_eng_needs_base(parts, k));
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
-    lm_dev_sign sign = combine_sign(e);
+    lm_combine_sign sign = combine_sign(e);
     if (lm_eng_fused(e, ws->dev, bt, parts, k))
         return merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
     if (e->m->linear)
         return merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, hash);
     // With τ in the buffers, the rest of the pass in one operation where the device has it.
     bool pieces = pieces_from_buf(ws, bt, parts, k);
-    lm_dev_dense d[k];
-    lm_dev_combine_how how = dense_parts(e, bt, parts, k, d);
+    lm_dense_part d[k];
+    lm_combine_how how = dense_parts(e, bt, parts, k, d);
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
@@ -618,8 +618,9 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
                 break;
         }
         if (s == LM_OK)
-            s = lm_dev_combine(ws->dev, ws->base_buf, ws->base_buf, taus, weights, k, cnt, sign, o->normalize,
-                               (float)o->lambda, e->err);
+            s = lm_dev_combine(ws->dev, ws->base_buf, ws->base_buf, taus, weights, k, cnt,
+                               (lm_combine_how){.sign = sign, .normalize = o->normalize, .lambda = (float)o->lambda},
+                               e->err);
         if (s == LM_OK)
             s = write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype),
                            hash);

@@ -16,7 +16,7 @@ int64_t lm_eng_slab_rows(const engine *e, const lm_dev *dev, const lm_st_tensor 
         dense = dense && lm_eng_dense_part(e, &parts[i]);
     // On the CPU small slabs: the separate operations' buffers stay in cache from one to the
     // next, and the fused ones let the inputs' pages go in small steps.
-    if (dense && dev->host_memory)
+    if (dense && lm_dev_host_memory(dev))
         elems = e->slab_dense;
     int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
     if (cols == 0)
@@ -59,7 +59,7 @@ void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, 
     *z = (ws_size){.cap = cnt, .n_tau = k};
     for (int i = 0; i < k; i++)
         z->n_key += parts[i].ucc2 != NULL;
-    if (!dev->host_memory) {
+    if (!lm_dev_host_memory(dev)) {
         z->ucc2_cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
         z->stage_bytes = lm_eng_stage_need(bt, parts, k, cnt);
         z->out_bytes = (size_t)cnt * sizeof(float);
@@ -99,11 +99,11 @@ int lm_eng_window_bins(const part *p, bool fuse)
 // Fills *z for a candidate store of a tensor of numel elements.
 void lm_eng_keep_size(int64_t numel, keep_size *z)
 {
-    int64_t segs = (numel + LM_DEV_KEEP_SEGMENT - 1) / LM_DEV_KEEP_SEGMENT;
-    z->cap = segs * LM_DEV_KEEP_SEGMENT;
-    z->bits_bytes = (size_t)(segs * (LM_DEV_KEEP_SEGMENT / 16)) * sizeof(uint16_t);
+    int64_t segs = (numel + LM_DENSE_KEEP_SEGMENT - 1) / LM_DENSE_KEEP_SEGMENT;
+    z->cap = segs * LM_DENSE_KEEP_SEGMENT;
+    z->bits_bytes = (size_t)(segs * (LM_DENSE_KEEP_SEGMENT / 16)) * sizeof(uint16_t);
     z->off_bytes = (size_t)segs * sizeof(int64_t);
-    z->vals_bytes = (size_t)(segs * LM_DEV_KEEP_SEGMENT + 16) * sizeof(float);
+    z->vals_bytes = (size_t)(segs * LM_DENSE_KEEP_SEGMENT + 16) * sizeof(float);
 }
 
 // The bytes of that store a part of density d writes: the bitmap, the segments' offsets, and
@@ -111,7 +111,7 @@ void lm_eng_keep_size(int64_t numel, keep_size *z)
 uint64_t lm_eng_keep_touched(int64_t numel, double density)
 {
     double share = density + 0.02 < 1.0 ? density + 0.02 : 1.0;
-    return (uint64_t)numel / 8 + (uint64_t)numel / LM_DEV_KEEP_SEGMENT * 8 +
+    return (uint64_t)numel / 8 + (uint64_t)numel / LM_DENSE_KEEP_SEGMENT * 8 +
            (uint64_t)((double)numel * share) * sizeof(float);
 }
 

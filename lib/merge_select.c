@@ -140,10 +140,10 @@ static lm_status hist_dense(engine *e, wset *ws, const lm_st_tensor *bt, part *p
         if (s != LM_OK)
             return s;
     }
-    lm_dev_dense d[k];
+    lm_dense_part d[k];
     uint64_t in_bytes = (uint64_t)cnt * esize(bt->dtype);
     for (int i = 0; i < k; i++) {
-        d[i] = (lm_dev_dense){0};
+        d[i] = (lm_dense_part){0};
         size_t per = lm_eng_dense_source(e, ws, &parts[i], bt, first, &d[i]);
         if (!sel[i]->none) {
             d[i].above = hists[i];
@@ -243,7 +243,7 @@ bool lm_eng_keeps_fit(const engine *e, const lm_dev *dev, const lm_st_tensor *bt
                       bool one_slab)
 {
     int64_t cols = bt->numel / tensor_rows(bt);
-    return one_slab || lm_eng_slab_rows(e, dev, bt, parts, k) * cols % LM_DEV_KEEP_SEGMENT == 0;
+    return one_slab || lm_eng_slab_rows(e, dev, bt, parts, k) * cols % LM_DENSE_KEEP_SEGMENT == 0;
 }
 
 lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab)

@@ -17,7 +17,7 @@
 //                              --rescale l1);
 //   sparsify   - per element, from those: trim below the threshold, or drop at random with
 //                keep probability d_i, then rescale;
-//   combine    - per element, as the fused device passes read it (lm_dev_combine_how): a
+//   combine    - per element, as the fused device passes read it (lm_combine_how): a
 //                linear sum θ_b + λ Σ c_i τ_i, or a mean of the parts that agree with an
 //                elected sign.
 #ifndef LM_METHOD_H

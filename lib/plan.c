@@ -564,12 +564,12 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     free(descs);
     free(tau_touch);
     free(key_touch);
-    lm_dev_free(acc_dev);
-    lm_dev_free(cpu_dev);
+    lm_dev_destroy(acc_dev);
+    lm_dev_destroy(cpu_dev);
     return LM_OK;
 fail:
-    lm_dev_free(acc_dev);
-    lm_dev_free(cpu_dev);
+    lm_dev_destroy(acc_dev);
+    lm_dev_destroy(cpu_dev);
     lm_shard_plan_free(&shards);
     free(descs);
     free(tau_touch);

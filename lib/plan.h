@@ -31,7 +31,7 @@ typedef struct lm_plan_device {
     uint64_t free_bytes;   // what the device reports free (an accelerator)
     uint64_t total_bytes;
     uint64_t cap;          // --gpu-mem, 0 for none
-    bool forward_ops;      // it has the forward pass's operations (lm_fwd_device_ok)
+    bool forward_ops;      // it has the forward pass's operations (lm_dev_supports LM_OP_FORWARD)
     bool importance_ops;   // it has sparsegpt's importance operations (else that merge runs on the CPU)
     bool factor_op;        // it has the Cholesky factorisation (lm_dev_potrf; else the CPU's is used)
 } lm_plan_device;

@@ -9,6 +9,7 @@
 // is checked against the fused multiply-add chain it promises.
 #include "check.h"
 #include "device.h"
+#include "merge_desc.h"
 #include "sparsify.h"
 
 #include <math.h>
@@ -16,6 +17,12 @@
 #include <stdlib.h>
 
 enum { N = 300007, K = 3 };
+
+// lm_dev_combine's rule: election, normalisation and lambda.
+static lm_combine_how how_of(lm_combine_sign sign, bool normalize, float lambda)
+{
+    return (lm_combine_how){.sign = sign, .normalize = normalize, .lambda = lambda};
+}
 
 static uint64_t state = 11;
 static uint64_t next(void)
@@ -88,12 +95,12 @@ static void test_hist(lm_dev *d, const inputs *in)
     // Windows placed around the top 16 bits of a value of each τ; part 1 not counted.
     uint64_t above[K] = {0}, want_above[K] = {0};
     uint64_t *win[K], *want_win[K];
-    lm_dev_dense parts[K];
+    lm_dense_part parts[K];
     for (int i = 0; i < K; i++) {
         win[i] = calloc((size_t)LM_HIST_WINDOW * LM_HIST_BINS, sizeof(uint64_t));
         want_win[i] = calloc((size_t)LM_HIST_WINDOW * LM_HIST_BINS, sizeof(uint64_t));
         uint32_t lo = lm_abs_bits(t[i][1234 + i]) >> 16;
-        parts[i] = (lm_dev_dense){.src = in->src[i], .dt = in->dt[i], .above = &above[i], .win = win[i],
+        parts[i] = (lm_dense_part){.src = in->src[i], .dt = in->dt[i], .above = &above[i], .win = win[i],
                                   .lo_bin = lo > 1 ? lo - 1 : 0, .n_win = i == 2 ? LM_HIST_WINDOW : 4};
         if (i != 1)
             CHECK_OK(lm_dev_hist_window(d, &want_above[i], want_win[i], parts[i].n_win, parts[i].lo_bin, t[i], N,
@@ -128,7 +135,7 @@ typedef struct merge_case {
     bool trim, drop, linear;
     int64_t ties[K];  // ties_allowed per part (trim)
     float rescale;
-    lm_dev_sign sign;
+    lm_combine_sign sign;
     bool normalize;
     float lambda;
     lm_dtype out_dt;
@@ -157,7 +164,7 @@ static void merge_separate(lm_dev *d, const inputs *in, const merge_case *c, con
             CHECK_OK(lm_dev_axpby(d, b, 1.0f, t[i], w[i], n, &err), &err);
     } else {
         const float *tp[K] = {t[0], t[1], t[2]};
-        CHECK_OK(lm_dev_combine(d, b, b, tp, w, K, n, c->sign, c->normalize, c->lambda, &err), &err);
+        CHECK_OK(lm_dev_combine(d, b, b, tp, w, K, n, how_of(c->sign, c->normalize, c->lambda), &err), &err);
     }
     CHECK_OK(lm_dev_from_f32(d, out, c->out_dt, b, n, &err), &err);
     free(b);
@@ -176,14 +183,14 @@ static void merge_fused(lm_dev *d, const inputs *in, const merge_case *c, const 
         t[i] = malloc((size_t)n * sizeof *t[i]);
     if (from_buf)
         taus(d, in, first, n, b, t);
-    lm_dev_dense parts[K];
+    lm_dense_part parts[K];
     for (int i = 0; i < K; i++)
-        parts[i] = (lm_dev_dense){.src = from_buf ? NULL : at(in->src[i], in->dt[i], first), .dt = in->dt[i],
+        parts[i] = (lm_dense_part){.src = from_buf ? NULL : at(in->src[i], in->dt[i], first), .dt = in->dt[i],
                                   .tau = from_buf ? t[i] : NULL, .trim = c->trim,
                                   .thr_bits = thr[i], .ties_allowed = c->ties[i], .drop = c->drop,
                                   .key = 1000 + (uint64_t)i, .keep_below = lm_rng_threshold(0.3), .first = first,
                                   .rescale = c->rescale, .weight = w[i]};
-    lm_dev_combine_how how = {.sign = c->sign, .normalize = c->normalize, .lambda = c->lambda, .linear = c->linear};
+    lm_combine_how how = {.sign = c->sign, .normalize = c->normalize, .lambda = c->lambda, .linear = c->linear};
     CHECK_OK(lm_dev_dense_merge(d, out, c->out_dt, in->base + first, LM_DTYPE_BF16, parts, K, n, how, &err), &err);
     for (int i = 0; i < K; i++) {
         used[i] = parts[i].ties_used;
@@ -203,16 +210,16 @@ static void test_merge(lm_dev *d1, lm_dev *d3, const inputs *in)
     }
     int64_t all = LM_TIES_ALL;
     const merge_case cases[] = {
-        {"ties sum, some ties of each", true, false, false, {5000, 20000, 12345}, 1.0f, LM_DEV_SIGN_SUM, true, 1.0f,
+        {"ties sum, some ties of each", true, false, false, {5000, 20000, 12345}, 1.0f, LM_COMBINE_SIGN_SUM, true, 1.0f,
          LM_DTYPE_BF16},
-        {"ties count, all / none / some", true, false, false, {all, 0, 77}, 1.0f, LM_DEV_SIGN_COUNT, false, 0.7f,
+        {"ties count, all / none / some", true, false, false, {all, 0, 77}, 1.0f, LM_COMBINE_SIGN_COUNT, false, 0.7f,
          LM_DTYPE_F16},
-        {"ties, a budget larger than the ties", true, false, false, {1 << 30, 3, all}, 1.0f, LM_DEV_SIGN_SUM, true,
+        {"ties, a budget larger than the ties", true, false, false, {1 << 30, 3, all}, 1.0f, LM_COMBINE_SIGN_SUM, true,
          1.3f, LM_DTYPE_F32},
-        {"dare-ties, rescaled", false, true, false, {0}, 1.0f / 0.3f, LM_DEV_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16},
-        {"dare, no election", false, true, false, {0}, 1.0f / 0.3f, LM_DEV_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
-        {"task arithmetic", false, false, true, {0}, 1.0f, LM_DEV_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
-        {"disjoint mean, no trim", false, false, false, {0}, 1.0f, LM_DEV_SIGN_SUM, true, 1.0f, LM_DTYPE_F32},
+        {"dare-ties, rescaled", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16},
+        {"dare, no election", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
+        {"task arithmetic", false, false, true, {0}, 1.0f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
+        {"disjoint mean, no trim", false, false, false, {0}, 1.0f, LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_F32},
     };
     const int64_t firsts[] = {0, 70001};
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
@@ -290,10 +297,10 @@ static void test_counts(lm_dev *d1, lm_dev *d3, const inputs *clean)
     for (int i = 0; i < K; i++)
         thr[i] = lm_abs_bits((float)(i == 2 ? 1 : i + 2) / 256.0f);
     const merge_case cases[] = {
-        {"ties, counted ties", true, false, false, {5000, 20000, 12345}, 1.0f, LM_DEV_SIGN_SUM, true, 1.0f,
+        {"ties, counted ties", true, false, false, {5000, 20000, 12345}, 1.0f, LM_COMBINE_SIGN_SUM, true, 1.0f,
          LM_DTYPE_F16},
-        {"dare", false, true, false, {0}, 1.0f / 0.3f, LM_DEV_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
-        {"task arithmetic", false, false, true, {0}, 1.0f, LM_DEV_SIGN_NONE, false, 1.0f, LM_DTYPE_F32},
+        {"dare", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
+        {"task arithmetic", false, false, true, {0}, 1.0f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_F32},
     };
     lm_err err = {0};
     int64_t first = 1001, n = N - first;
@@ -312,16 +319,16 @@ static void test_counts(lm_dev *d1, lm_dev *d3, const inputs *clean)
                 if (from_buf)
                     taus(d1, &in, first, n, b, t);
                 lm_nonfinite src_nf[K], base_nf = {0, 0}, out_nf = {0, 0};
-                lm_dev_dense parts[K];
+                lm_dense_part parts[K];
                 for (int i = 0; i < K; i++) {
                     src_nf[i] = (lm_nonfinite){0, 0};
-                    parts[i] = (lm_dev_dense){.src = from_buf ? NULL : at(in.src[i], in.dt[i], first), .dt = in.dt[i],
+                    parts[i] = (lm_dense_part){.src = from_buf ? NULL : at(in.src[i], in.dt[i], first), .dt = in.dt[i],
                                               .tau = from_buf ? t[i] : NULL, .trim = c->trim, .thr_bits = thr[i],
                                               .ties_allowed = c->ties[i], .drop = c->drop, .key = 1000 + (uint64_t)i,
                                               .keep_below = lm_rng_threshold(0.3), .first = first,
                                               .rescale = c->rescale, .weight = w[i], .nf = &src_nf[i]};
                 }
-                lm_dev_combine_how how = {.sign = c->sign, .normalize = c->normalize, .lambda = c->lambda,
+                lm_combine_how how = {.sign = c->sign, .normalize = c->normalize, .lambda = c->lambda,
                                           .linear = c->linear, .base_nf = &base_nf, .out_nf = &out_nf};
                 CHECK_OK(lm_dev_dense_merge(th ? d3 : d1, got, c->out_dt, in.base + first, LM_DTYPE_BF16, parts, K, n,
                                             how, &err),
@@ -426,11 +433,11 @@ static void test_lowrank_gemm(lm_dev *d)
 
 // Part i of the LoRA cases for elements from `first` of the tensor: part 1 a full model's
 // (BF16 from the base), the others LoRA pairs.
-static lm_dev_dense lora_part(const lora *l, const uint16_t *ft, int i, int64_t first)
+static lm_dense_part lora_part(const lora *l, const uint16_t *ft, int i, int64_t first)
 {
     if (i == 1)
-        return (lm_dev_dense){.src = ft + first, .dt = LM_DTYPE_BF16};
-    return (lm_dev_dense){.lora_a = l->a, .lora_b = l->b + first / l->cols * l->r, .lora_r = l->r,
+        return (lm_dense_part){.src = ft + first, .dt = LM_DTYPE_BF16};
+    return (lm_dense_part){.lora_a = l->a, .lora_b = l->b + first / l->cols * l->r, .lora_r = l->r,
                           .cols = l->cols, .col0 = first % l->cols, .scale = l->scale, .dt = LM_DTYPE_F32};
 }
 
@@ -461,7 +468,7 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
         for (int th = 0; th < 2; th++) {
             lm_dev *d = th ? d3 : d1;
             uint64_t above[K] = {0}, want_above[K] = {0}, *win[K], *want_win[K];
-            lm_dev_dense parts[K];
+            lm_dense_part parts[K];
             for (int i = 0; i < K; i++) {
                 win[i] = calloc((size_t)LM_HIST_WINDOW * LM_HIST_BINS, sizeof(uint64_t));
                 want_win[i] = calloc((size_t)LM_HIST_WINDOW * LM_HIST_BINS, sizeof(uint64_t));
@@ -495,11 +502,11 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
         float *kvals[K];
         for (int i = 0; i < K; i++) {
             kbits[i] = malloc((size_t)(n / 16 + 1) * sizeof *kbits[i]);
-            koff[i] = malloc((size_t)(n / LM_DEV_KEEP_SEGMENT + 1) * sizeof *koff[i]);
+            koff[i] = malloc((size_t)(n / LM_DENSE_KEEP_SEGMENT + 1) * sizeof *koff[i]);
             kvals[i] = malloc((size_t)(n + 16) * sizeof *kvals[i]);
         }
         for (int mc = 0; mc < 2; mc++) {
-            const int64_t firsts[] = {0, n / 2 + 7, n / 2 / LM_DEV_KEEP_SEGMENT * LM_DEV_KEEP_SEGMENT};
+            const int64_t firsts[] = {0, n / 2 + 7, n / 2 / LM_DENSE_KEEP_SEGMENT * LM_DENSE_KEEP_SEGMENT};
             for (int fi = 0; fi < 3; fi++) {
                 int64_t first = firsts[fi], cnt = n - first;
                 float w[K] = {1.0f, 0.5f, 2.0f}, *o = malloc((size_t)cnt * sizeof *o), *t[K];
@@ -519,15 +526,16 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                                  &err);
                 }
                 const float *tp[K] = {t[0], t[1], t[2]};
-                CHECK_OK(lm_dev_combine(d1, o, b + first, tp, w, K, cnt, LM_DEV_SIGN_SUM, true, 1.0f, &err), &err);
+                CHECK_OK(lm_dev_combine(d1, o, b + first, tp, w, K, cnt, how_of(LM_COMBINE_SIGN_SUM, true, 1.0f), &err),
+                         &err);
                 CHECK_OK(lm_dev_from_f32(d1, want, LM_DTYPE_BF16, o, cnt, &err), &err);
                 for (int run = 0; run < 4; run++) {
                     int th = run & 1;
                     bool kept = run >= 2;
-                    if (kept && (mc == 1 || first % LM_DEV_KEEP_SEGMENT != 0))
+                    if (kept && (mc == 1 || first % LM_DENSE_KEEP_SEGMENT != 0))
                         continue;
                     if (kept) {  // the counting pass over the whole tensor, keeping candidates
-                        lm_dev_dense hp[K];
+                        lm_dense_part hp[K];
                         uint64_t above[K] = {0}, *win[K];
                         for (int i = 0; i < K; i++) {
                             win[i] = calloc((size_t)4 * LM_HIST_BINS, sizeof(uint64_t));
@@ -547,7 +555,7 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                         for (int i = 0; i < K; i++)
                             free(win[i]);
                     }
-                    lm_dev_dense parts[K];
+                    lm_dense_part parts[K];
                     for (int i = 0; i < K; i++) {
                         parts[i] = lora_part(&l[i], ft, i, first);
                         if (kept && i != 1) {
@@ -565,7 +573,7 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
                         parts[i].rescale = 1.0f;
                         parts[i].weight = w[i];
                     }
-                    lm_dev_combine_how how = {.sign = LM_DEV_SIGN_SUM, .normalize = true, .lambda = 1.0f};
+                    lm_combine_how how = {.sign = LM_COMBINE_SIGN_SUM, .normalize = true, .lambda = 1.0f};
                     CHECK_OK(lm_dev_dense_merge(th ? d3 : d1, got, LM_DTYPE_BF16, base + first, LM_DTYPE_BF16, parts, K,
                                                 cnt, how, &err),
                              &err);
@@ -615,7 +623,7 @@ static void test_side(lm_dev *d1, lm_dev *d3, const inputs *in)
     for (int i = 0; i < K; i++)
         thr[i] = lm_abs_bits((float)(i + 2) / 256.0f);
     const merge_case c = {"ties with the caller's work", true, false, false, {5000, 20000, 12345}, 1.0f,
-                          LM_DEV_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16};
+                          LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16};
     size_t bytes = (size_t)N * 2;
     void *want = malloc(bytes), *got = malloc(bytes);
     int64_t used[K];
@@ -623,12 +631,12 @@ static void test_side(lm_dev *d1, lm_dev *d3, const inputs *in)
     for (int th = 0; th < 2; th++) {
         int ran = 0;
         lm_dev_side side = {count_side, &ran};
-        lm_dev_dense parts[K];
+        lm_dense_part parts[K];
         float w[K] = {1.0f, 0.5f, 2.0f};
         for (int i = 0; i < K; i++)
-            parts[i] = (lm_dev_dense){.src = in->src[i], .dt = in->dt[i], .trim = true, .thr_bits = thr[i],
+            parts[i] = (lm_dense_part){.src = in->src[i], .dt = in->dt[i], .trim = true, .thr_bits = thr[i],
                                       .ties_allowed = c.ties[i], .rescale = 1.0f, .weight = w[i]};
-        lm_dev_combine_how how = {.sign = c.sign, .normalize = c.normalize, .lambda = c.lambda, .linear = c.linear};
+        lm_combine_how how = {.sign = c.sign, .normalize = c.normalize, .lambda = c.lambda, .linear = c.linear};
         CHECK_OK(lm_dev_dense_merge_side(th ? d3 : d1, got, LM_DTYPE_BF16, in->base, LM_DTYPE_BF16, parts, K, N, how,
                                          &side, &err),
                  &err);
@@ -640,13 +648,13 @@ static void test_side(lm_dev *d1, lm_dev *d3, const inputs *in)
     if (sim) {
         int ran = 0;
         lm_dev_side side = {count_side, &ran};
-        lm_dev_dense p = {.src = in->base, .dt = LM_DTYPE_BF16, .weight = 1.0f, .rescale = 1.0f};
-        lm_dev_combine_how how = {.sign = LM_DEV_SIGN_SUM, .normalize = true, .lambda = 1.0f};
+        lm_dense_part p = {.src = in->base, .dt = LM_DTYPE_BF16, .weight = 1.0f, .rescale = 1.0f};
+        lm_combine_how how = {.sign = LM_COMBINE_SIGN_SUM, .normalize = true, .lambda = 1.0f};
         CHECK_FAILS(lm_dev_dense_merge_side(sim, got, LM_DTYPE_BF16, in->base, LM_DTYPE_BF16, &p, 1, 4, how, &side,
                                             &err),
                     LM_ERR_UNSUPPORTED, "no fused dense operations", &err);
         CHECK_MSG(ran == 1, "a device without the operation ran the caller's work %d times", ran);
-        lm_dev_free(sim);
+        lm_dev_destroy(sim);
     }
     free(want);
     free(got);
@@ -659,13 +667,13 @@ static void test_refusals(void)
     CHECK_OK(lm_dev_sim_create(&sim, 1 << 20, NULL, 1, &err), &err);
     if (!sim)
         return;
-    CHECK(!lm_dev_has_dense(sim));
+    CHECK(!lm_dev_supports(sim, LM_OP_DENSE));
     uint16_t base[4] = {0}, out[4];
-    lm_dev_dense p = {.src = base, .dt = LM_DTYPE_BF16, .weight = 1.0f, .rescale = 1.0f};
-    lm_dev_combine_how how = {.sign = LM_DEV_SIGN_SUM, .normalize = true, .lambda = 1.0f};
+    lm_dense_part p = {.src = base, .dt = LM_DTYPE_BF16, .weight = 1.0f, .rescale = 1.0f};
+    lm_combine_how how = {.sign = LM_COMBINE_SIGN_SUM, .normalize = true, .lambda = 1.0f};
     CHECK_FAILS(lm_dev_dense_merge(sim, out, LM_DTYPE_BF16, base, LM_DTYPE_BF16, &p, 1, 4, how, &err),
                 LM_ERR_UNSUPPORTED, "no fused dense operations", &err);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
 }
 
 int main(void)
@@ -676,7 +684,7 @@ int main(void)
     CHECK_OK(lm_dev_cpu_create(&d3, 3, &err), &err);
     if (!d1 || !d3)
         return check_report("test_dense");
-    CHECK(lm_dev_has_dense(d1));
+    CHECK(lm_dev_supports(d1, LM_OP_DENSE));
     inputs in;
     make_inputs(&in);
     test_hist(d1, &in);
@@ -689,7 +697,7 @@ int main(void)
     test_counts(d1, d3, &in);
     test_refusals();
     free_inputs(&in);
-    lm_dev_free(d1);
-    lm_dev_free(d3);
+    lm_dev_destroy(d1);
+    lm_dev_destroy(d3);
     return check_report("test_dense");
 }

@@ -4,10 +4,12 @@
 // abort. Then test_against_cpu, which runs every operation of a device, the forward pass's
 // included, through the public API (alloc, upload, operation, download) and compares it with
 // the CPU backend: on sim:1GiB always, and on the device named by LLMERGE_TEST_DEVICE when it
-// is set (cuda on a GPU machine). Last, what is particular to the sim device: its budget, its
-// name, its fault switch, and its refusal of memory that is not its own.
+// is set (cuda on a GPU machine). Last, the capability question and the CPU companion. What is
+// particular to the sim device is test_sim's.
 #include "check.h"
 #include "device.h"
+#include "merge_desc.h"
+#include "device_impl.h"  // the backends' vtables, and devices built by hand
 #include "sparsify.h"
 #ifdef LLMERGE_HAVE_CUDA
 #include "kernels.h"  // LM_CUDA_ATTN_MAX_HEAD_DIM
@@ -29,6 +31,12 @@ static void fill(float *x, int64_t n)
 {
     for (int64_t i = 0; i < n; i++)
         x[i] = frand();
+}
+
+// lm_dev_combine's rule: election, normalisation and lambda.
+static lm_combine_how how_of(lm_combine_sign sign, bool normalize, float lambda)
+{
+    return (lm_combine_how){.sign = sign, .normalize = normalize, .lambda = lambda};
 }
 
 static bool same_bits(const float *a, const float *b, int64_t n)
@@ -72,7 +80,7 @@ static void test_elementwise(lm_dev *d1, lm_dev *d3)
             nan += isnan(r) != 0;
             inf += isinf(r) != 0;
         }
-        CHECK(lm_dev_has_counts(d1) && lm_dev_has_counts(d3));
+        CHECK(lm_dev_supports(d1, LM_OP_COUNTS) && lm_dev_supports(d3, LM_OP_COUNTS));
         lm_nonfinite c1 = {0, 0}, c3 = {0, 0};
         CHECK_OK(lm_dev_from_f32_count(d1, h1, LM_DTYPE_F16, z, N, &c1, &err), &err);
         CHECK_OK(lm_dev_from_f32_count(d3, h3, LM_DTYPE_F16, z, N, &c3, &err), &err);
@@ -287,14 +295,14 @@ static void test_syrk(lm_dev *d1, lm_dev *d3)
         free(c1);
         free(c3);
     }
-    CHECK(lm_dev_has_syrk(d1));
+    CHECK(lm_dev_supports(d1, LM_OP_SYRK));
     float x[4] = {1, 2, 3, 4}, y[4];
     CHECK_FAILS(lm_dev_syrk(d1, 2, 2, 1.0f, x, 1, 0.0f, false, y, 2, &err), LM_ERR_USAGE, "lda 1", &err);
     lm_dev_i lacking = *d1->iface;
     lacking.syrk = NULL;
     lm_dev fake = *d1;
     fake.iface = &lacking;
-    CHECK(!lm_dev_has_syrk(&fake));
+    CHECK(!lm_dev_supports(&fake, LM_OP_SYRK));
     CHECK_FAILS(lm_dev_syrk(&fake, 2, 2, 1.0f, x, 2, 0.0f, false, y, 2, &err), LM_ERR_UNSUPPORTED,
                 "cpu: the operation syrk is not implemented", &err);
 }
@@ -335,23 +343,24 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
     }
     fill(base, N);
     const float w[K] = {1.0f, 0.5f, -0.75f};
-    const lm_dev_sign signs[] = {LM_DEV_SIGN_NONE, LM_DEV_SIGN_SUM, LM_DEV_SIGN_COUNT};
+    const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT};
     for (int si = 0; si < 3; si++) {
         for (int norm = 0; norm < 2; norm++) {
-            CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, signs[si], norm, 0.8f, &err), &err);
-            CHECK_OK(lm_dev_combine(d3, o3, base, (const float *const *)t, w, K, N, signs[si], norm, 0.8f, &err), &err);
+            lm_combine_how how = how_of(signs[si], norm, 0.8f);
+            CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, how, &err), &err);
+            CHECK_OK(lm_dev_combine(d3, o3, base, (const float *const *)t, w, K, N, how, &err), &err);
             CHECK(same_bits(o1, o3, N));
             double maxerr = 0;
             for (int64_t e = 0; e < N; e++) {
                 double W[K], delta = 0, div = 0, vote = 0;
                 for (int i = 0; i < K; i++) {
                     W[i] = (double)w[i] * t[i][e];
-                    vote += signs[si] == LM_DEV_SIGN_COUNT ? (W[i] > 0) - (W[i] < 0) : W[i];
+                    vote += signs[si] == LM_COMBINE_SIGN_COUNT ? (W[i] > 0) - (W[i] < 0) : W[i];
                 }
                 int s = vote >= 0 ? 1 : -1;
                 for (int i = 0; i < K; i++) {
                     int sg = (W[i] > 0) - (W[i] < 0);
-                    if (signs[si] == LM_DEV_SIGN_NONE || sg == s) {
+                    if (signs[si] == LM_COMBINE_SIGN_NONE || sg == s) {
                         delta += W[i];
                         div += w[i];
                     }
@@ -412,7 +421,7 @@ static void *put(harness *h, const void *src, size_t bytes)
         s = lm_dev_upload(h->dev, p, src, bytes, &h->err);
         CHECK_MSG(s == LM_OK, "upload of %zu bytes to %s: %s", bytes, lm_dev_name(h->dev), h->err.msg);
         if (s != LM_OK) {
-            lm_dev_release(h->dev, p);
+            lm_dev_buf_free(h->dev, p);
             p = NULL;
         }
     }
@@ -509,8 +518,8 @@ static void h_convert(harness *h, int64_t n)
         if (ddst && dsrc && DEV_OK(h, lm_dev_to_f32(h->dev, ddst, dsrc, in[t], n, &h->err)) &&
             get(h, got, ddst, (size_t)n * 4))
             CHECK_MSG(same_bits(got, want, n), "%s on %s is not bit-identical", what, lm_dev_name(h->dev));
-        lm_dev_release(h->dev, ddst);
-        lm_dev_release(h->dev, dsrc);
+        lm_dev_buf_free(h->dev, ddst);
+        lm_dev_buf_free(h->dev, dsrc);
     }
 
     // from_f32 to every writable dtype, rounding bit-identical to the CPU's
@@ -525,8 +534,8 @@ static void h_convert(harness *h, int64_t n)
             get(h, gbytes, ddst, obytes))
             CHECK_MSG(memcmp(gbytes, wbytes, obytes) == 0, "%s on %s is not bit-identical", what,
                       lm_dev_name(h->dev));
-        lm_dev_release(h->dev, dx);
-        lm_dev_release(h->dev, ddst);
+        lm_dev_buf_free(h->dev, dx);
+        lm_dev_buf_free(h->dev, ddst);
     }
 
     // dtypes llmerge does not compute with are refused with a status naming them
@@ -536,7 +545,7 @@ static void h_convert(harness *h, int64_t n)
         CHECK_FAILS(lm_dev_from_f32(h->dev, dbuf, LM_DTYPE_F64, dbuf, n, &h->err), LM_ERR_UNSUPPORTED, "F64",
                     &h->err);
     }
-    lm_dev_release(h->dev, dbuf);
+    lm_dev_buf_free(h->dev, dbuf);
     free(x);
     free(want);
     free(got);
@@ -576,9 +585,9 @@ static void h_gemm(harness *h, int64_t m, int64_t n, int64_t k, float alpha, flo
                 CHECK_MSG(pad_changed == 0, "%s on %s wrote into %lld rows' padding", what, lm_dev_name(h->dev),
                           (long long)pad_changed);
             }
-            lm_dev_release(h->dev, da);
-            lm_dev_release(h->dev, db);
-            lm_dev_release(h->dev, dc);
+            lm_dev_buf_free(h->dev, da);
+            lm_dev_buf_free(h->dev, db);
+            lm_dev_buf_free(h->dev, dc);
             free(a);
             free(b);
             free(c0);
@@ -592,7 +601,7 @@ static void h_gemm(harness *h, int64_t m, int64_t n, int64_t k, float alpha, flo
 // device without it is skipped (callers use GEMM there).
 static void h_syrk(harness *h, int64_t n, int64_t k, float alpha, float beta)
 {
-    if (!lm_dev_has_syrk(h->dev))
+    if (!lm_dev_supports(h->dev, LM_OP_SYRK))
         return;
     char what[96];
     int64_t lda = n + 3, ldc = n + 2;
@@ -608,8 +617,8 @@ static void h_syrk(harness *h, int64_t n, int64_t k, float alpha, float beta)
         if (da && dc && DEV_OK(h, lm_dev_syrk(h->dev, n, k, alpha, da, lda, beta, mirror, dc, ldc, &h->err)) &&
             get(h, got, dc, nc * 4))
             check_close(h, ST_GEMM, what, got, want, (int64_t)nc, 1e-5);
-        lm_dev_release(h->dev, da);
-        lm_dev_release(h->dev, dc);
+        lm_dev_buf_free(h->dev, da);
+        lm_dev_buf_free(h->dev, dc);
     }
     free(a);
     free(c0);
@@ -667,8 +676,8 @@ static void h_potrf(harness *h, int64_t n)
     a[(n / 2) * n + n / 2] = -1.0;
     if (da && n > 1 && lm_dev_upload(h->dev, da, a, nn * 8, &h->err) == LM_OK)
         CHECK_FAILS(lm_dev_potrf(h->dev, da, n, dd, &h->err), LM_ERR_FORMAT, "not positive definite", &h->err);
-    lm_dev_release(h->dev, da);
-    lm_dev_release(h->dev, dd);
+    lm_dev_buf_free(h->dev, da);
+    lm_dev_buf_free(h->dev, dd);
     free(a);
     free(want);
     free(got);
@@ -707,9 +716,9 @@ static void h_delta(harness *h, int64_t n)
         if (dt && db && ds && DEV_OK(h, lm_dev_delta(h->dev, dt, ds, in[t], db, n, &h->err)) &&
             get(h, got, dt, (size_t)n * 4))
             CHECK_MSG(same_bits(got, want, n), "%s on %s is not bit-identical", what, lm_dev_name(h->dev));
-        lm_dev_release(h->dev, dt);
-        lm_dev_release(h->dev, db);
-        lm_dev_release(h->dev, ds);
+        lm_dev_buf_free(h->dev, dt);
+        lm_dev_buf_free(h->dev, db);
+        lm_dev_buf_free(h->dev, ds);
     }
     free(base);
     free(want);
@@ -736,8 +745,8 @@ static void h_axpby(harness *h, int64_t n)
     CHECK_OK(lm_dev_axpby(h->cpu, x, 3.5f, x, 0.0f, n, &h->err), &h->err);
     if (dx && DEV_OK(h, lm_dev_axpby(h->dev, dx, 3.5f, dx, 0.0f, n, &h->err)) && get(h, got, dx, (size_t)n * 4))
         check_close(h, ST_AXPBY, what, got, x, n, 1e-5);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dy);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dy);
     free(x);
     free(y);
     free(got);
@@ -759,9 +768,9 @@ static void h_dora(harness *h, int64_t rows, int64_t cols)
     if (dt && db && dm && DEV_OK(h, lm_dev_dora_rows(h->dev, dt, db, dm, rows, cols, &h->err)) &&
         get(h, got, dt, n * 4))
         check_close(h, ST_DORA, what, got, tau, (int64_t)n, 1e-5);
-    lm_dev_release(h->dev, dt);
-    lm_dev_release(h->dev, db);
-    lm_dev_release(h->dev, dm);
+    lm_dev_buf_free(h->dev, dt);
+    lm_dev_buf_free(h->dev, db);
+    lm_dev_buf_free(h->dev, dm);
     free(tau);
     free(base);
     free(mag);
@@ -941,10 +950,10 @@ static void h_by_key(harness *h, int64_t n)
         get(h, got, dkey, (size_t)(rows * cols) * 4))
         CHECK_MSG(same_bits(got, want, rows * cols), "importance on %s, %lld x %lld", lm_dev_name(h->dev),
                   (long long)rows, (long long)cols);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dk);
-    lm_dev_release(h->dev, du);
-    lm_dev_release(h->dev, dkey);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dk);
+    lm_dev_buf_free(h->dev, du);
+    lm_dev_buf_free(h->dev, dkey);
     free(x);
     free(key);
     free(want);
@@ -962,7 +971,7 @@ static void h_select(harness *h, int64_t n)
         h_topk(h, x, dx, n);
         h_drop_l1(h, x, dx, n);
     }
-    lm_dev_release(h->dev, dx);
+    lm_dev_buf_free(h->dev, dx);
     free(x);
 }
 
@@ -971,7 +980,7 @@ static void h_combine(harness *h, int64_t n)
     enum { KMAX = 4 };
     char what[96];
     const float w[KMAX] = {1.0f, 0.5f, -0.75f, 2.0f};
-    const lm_dev_sign signs[] = {LM_DEV_SIGN_NONE, LM_DEV_SIGN_SUM, LM_DEV_SIGN_COUNT};
+    const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT};
     float *t[KMAX], *dt[KMAX], *base = hmalloc((size_t)n * 4), *want = hmalloc((size_t)n * 4),
                                *got = hmalloc((size_t)n * 4);
     bool ok = true;
@@ -989,28 +998,28 @@ static void h_combine(harness *h, int64_t n)
         for (int si = 0; si < 3; si++) {
             for (int norm = 0; norm < 2; norm++) {
                 snprintf(what, sizeof what, "combine k=%d sign=%d normalize=%d n=%lld", k, si, norm, (long long)n);
-                CHECK_OK(lm_dev_combine(h->cpu, want, base, (const float *const *)t, w, k, n, signs[si], norm, 0.8f,
-                                        &h->err), &h->err);
-                if (DEV_OK(h, lm_dev_combine(h->dev, dout, dbase, (const float *const *)dt, w, k, n, signs[si], norm,
-                                             0.8f, &h->err)) && get(h, got, dout, (size_t)n * 4))
+                lm_combine_how how = how_of(signs[si], norm, 0.8f);
+                CHECK_OK(lm_dev_combine(h->cpu, want, base, (const float *const *)t, w, k, n, how, &h->err), &h->err);
+                if (DEV_OK(h, lm_dev_combine(h->dev, dout, dbase, (const float *const *)dt, w, k, n, how, &h->err)) &&
+                    get(h, got, dout, (size_t)n * 4))
                     check_close(h, ST_COMBINE, what, got, want, n, 1e-5);
             }
         }
     }
     // in place, as merging calls it: out == base
     snprintf(what, sizeof what, "combine in place n=%lld", (long long)n);
-    CHECK_OK(lm_dev_combine(h->cpu, base, base, (const float *const *)t, w, KMAX, n, LM_DEV_SIGN_SUM, true, 0.8f,
-                            &h->err), &h->err);
+    lm_combine_how sum = how_of(LM_COMBINE_SIGN_SUM, true, 0.8f);
+    CHECK_OK(lm_dev_combine(h->cpu, base, base, (const float *const *)t, w, KMAX, n, sum, &h->err), &h->err);
     if (ok && dbase &&
-        DEV_OK(h, lm_dev_combine(h->dev, dbase, dbase, (const float *const *)dt, w, KMAX, n, LM_DEV_SIGN_SUM, true,
-                                 0.8f, &h->err)) && get(h, got, dbase, (size_t)n * 4))
+        DEV_OK(h, lm_dev_combine(h->dev, dbase, dbase, (const float *const *)dt, w, KMAX, n, sum, &h->err)) &&
+        get(h, got, dbase, (size_t)n * 4))
         check_close(h, ST_COMBINE, what, got, base, n, 1e-5);
     for (int i = 0; i < KMAX; i++) {
-        lm_dev_release(h->dev, dt[i]);
+        lm_dev_buf_free(h->dev, dt[i]);
         free(t[i]);
     }
-    lm_dev_release(h->dev, dbase);
-    lm_dev_release(h->dev, dout);
+    lm_dev_buf_free(h->dev, dbase);
+    lm_dev_buf_free(h->dev, dout);
     free(base);
     free(want);
     free(got);
@@ -1055,10 +1064,10 @@ static void h_gather_add(harness *h, int64_t rows, int64_t cols)
         CHECK_MSG(differ == 0, "%s on %s: %lld sums differ from the CPU's", what, lm_dev_name(h->dev),
                   (long long)differ);
     }
-    lm_dev_release(h->dev, dt);
-    lm_dev_release(h->dev, dout);
-    lm_dev_release(h->dev, db);
-    lm_dev_release(h->dev, dids);
+    lm_dev_buf_free(h->dev, dt);
+    lm_dev_buf_free(h->dev, dout);
+    lm_dev_buf_free(h->dev, db);
+    lm_dev_buf_free(h->dev, dids);
     free(table);
     free(want);
     free(got);
@@ -1090,9 +1099,9 @@ static void h_rmsnorm(harness *h, int64_t rows, int64_t cols)
     if (dx && dw && DEV_OK(h, lm_dev_rmsnorm(h->dev, dx, dx, dw, rows, cols, 1e-5f, &h->err)) &&
         get(h, got, dx, (size_t)n * 4))
         check_close(h, ST_RMSNORM, what, got, want, n, 1e-5);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dw);
-    lm_dev_release(h->dev, dout);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dw);
+    lm_dev_buf_free(h->dev, dout);
     free(x);
     free(w);
     free(want);
@@ -1120,9 +1129,9 @@ static void h_rope(harness *h, int64_t rows, int64_t heads, int64_t head_dim)
     if (dx && dinv && dpos && DEV_OK(h, lm_dev_rope(h->dev, dx, rows, heads, head_dim, dpos, dinv, &h->err)) &&
         get(h, got, dx, (size_t)n * 4))
         check_close(h, ST_ROPE, what, got, x, n, 1e-5);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dinv);
-    lm_dev_release(h->dev, dpos);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dinv);
+    lm_dev_buf_free(h->dev, dpos);
     free(x);
     free(got);
     free(inv);
@@ -1168,11 +1177,11 @@ static void h_attention(harness *h, const int64_t *lens, int n_seqs, int64_t hea
                                    &h->err)) &&
         get(h, got, dout, (size_t)nq * 4))
         check_close(h, ST_ATTENTION, what, got, want, nq, 1e-5);
-    lm_dev_release(h->dev, dq);
-    lm_dev_release(h->dev, dk);
-    lm_dev_release(h->dev, dv);
-    lm_dev_release(h->dev, dout);
-    lm_dev_release(h->dev, dstart);
+    lm_dev_buf_free(h->dev, dq);
+    lm_dev_buf_free(h->dev, dk);
+    lm_dev_buf_free(h->dev, dv);
+    lm_dev_buf_free(h->dev, dout);
+    lm_dev_buf_free(h->dev, dstart);
     free(q);
     free(k);
     free(v);
@@ -1195,8 +1204,8 @@ static void h_silu(harness *h, int64_t n)
     snprintf(what, sizeof what, "silu_mul n=%lld", (long long)n);
     if (dg && du && DEV_OK(h, lm_dev_silu_mul(h->dev, dg, du, n, &h->err)) && get(h, got, dg, (size_t)n * 4))
         check_close(h, ST_SILU, what, got, g, n, 1e-5);
-    lm_dev_release(h->dev, dg);
-    lm_dev_release(h->dev, du);
+    lm_dev_buf_free(h->dev, dg);
+    lm_dev_buf_free(h->dev, du);
     free(g);
     free(u);
     free(got);
@@ -1228,9 +1237,9 @@ static void h_nll(harness *h, int64_t rows, int64_t cols)
     if (dx && dnll && dtg && DEV_OK(h, lm_dev_nll_rows(h->dev, dnll, dx, dtg, rows, cols, &h->err)) &&
         get(h, got, dnll, (size_t)rows * 4))
         check_close(h, ST_NLL, what, got, want, rows, 1e-5);
-    lm_dev_release(h->dev, dx);
-    lm_dev_release(h->dev, dnll);
-    lm_dev_release(h->dev, dtg);
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dnll);
+    lm_dev_buf_free(h->dev, dtg);
     free(x);
     free(want);
     free(got);
@@ -1265,7 +1274,7 @@ static void forward_against_cpu(harness *h)
     if (d)
         CHECK_FAILS(lm_dev_attention(h->dev, d, d, d, d, (int32_t *)(void *)d, 1, 3, 2, 1, 1.0f, &h->err),
                     LM_ERR_USAGE, "multiple", &h->err);
-    lm_dev_release(h->dev, d);
+    lm_dev_buf_free(h->dev, d);
 #ifdef LLMERGE_HAVE_CUDA
     // the CUDA kernel's limit: the largest head_dim runs, one more is refused, not a crash
     if (strncmp(lm_dev_name(h->dev), "cuda", 4) == 0) {
@@ -1277,8 +1286,8 @@ static void forward_against_cpu(harness *h)
         if (big && dz)
             CHECK_FAILS(lm_dev_attention(h->dev, big, big, big, big, dz, 1, 1, 1, hd, 1.0f, &h->err),
                         LM_ERR_UNSUPPORTED, "attention with head_dim", &h->err);
-        lm_dev_release(h->dev, big);
-        lm_dev_release(h->dev, dz);
+        lm_dev_buf_free(h->dev, big);
+        lm_dev_buf_free(h->dev, dz);
     }
 #endif
 }
@@ -1332,282 +1341,61 @@ static void test_against_cpu(lm_dev *dev)
     for (int op = 0; op < ST_COUNT; op++)
         printf("test_against_cpu(%s): %s: %lld of %lld values bit-identical to the CPU's, worst relative error %g\n",
                name, st_names[op], (long long)h.st[op].exact, (long long)h.st[op].compared, h.st[op].worst);
-    lm_dev_free(h.cpu);
+    lm_dev_destroy(h.cpu);
 }
 
-// ==== the sim device ==========================================================================
-
-static void test_sim_budget(void)
+// The capability question on each backend, the status that names what is missing, and the CPU
+// companion: the CPU's is itself; an accelerator's is one CPU device of its thread count, the
+// same on every call, destroyed with it (a leak would fail the sanitizer build).
+static void test_supports_and_companion(void)
 {
     lm_err err = {0};
-    lm_dev *d = NULL;
-    CHECK_OK(lm_dev_sim_create(&d, 1 << 20, NULL, 1, &err), &err);
-    if (!d)
-        return;
-    CHECK(strcmp(lm_dev_name(d), "sim:1MiB") == 0 && !d->host_memory && d->threads == 1);
-    void *a = NULL, *b = NULL, *c = NULL;
-    size_t fr = 0, tot = 0;
-    CHECK_OK(lm_dev_alloc(d, 600 << 10, &a, &err), &err);
-    lm_dev_mem_info(d, &fr, &tot);
-    CHECK(fr == (424 << 10) && tot == (1 << 20));
-    b = (void *)&err;  // must be cleared by the failed allocation
-    CHECK_FAILS(lm_dev_alloc(d, 500 << 10, &b, &err), LM_ERR_DEVICE_OOM,
-                "sim:1MiB: out of memory allocating 500.00 KiB (600.00 KiB of 1.00 MiB in use)", &err);
-    CHECK(b == NULL);
-    CHECK_OK(lm_dev_alloc(d, 424 << 10, &b, &err), &err);  // exactly what is left
-    lm_dev_mem_info(d, &fr, &tot);
-    CHECK(fr == 0 && tot == (1 << 20));
-    CHECK_FAILS(lm_dev_alloc(d, 1, &c, &err), LM_ERR_DEVICE_OOM, "out of memory allocating 1 B", &err);
-    lm_dev_release(d, a);  // freeing gives the bytes back
-    lm_dev_mem_info(d, &fr, &tot);
-    CHECK(fr == (600 << 10) && tot == (1 << 20));
-    CHECK_OK(lm_dev_alloc(d, 500 << 10, &c, &err), &err);
-    CHECK_FAILS(lm_dev_alloc(d, SIZE_MAX, &a, &err), LM_ERR_DEVICE_OOM, "out of memory", &err);
-    CHECK(a == NULL);
-    lm_dev_release(d, b);
-    lm_dev_release(d, c);
-    lm_dev_mem_info(d, &fr, &tot);
-    CHECK(fr == tot && tot == (1 << 20));
-    lm_dev_free(d);
-}
-
-static void test_sim_open(void)
-{
-    lm_err err = {0};
-    lm_dev *d = NULL;
-    lm_dev_opts o = {.threads = 2};
-    char why[128];
-    size_t fr = 0, tot = 0;
-    CHECK_OK(lm_dev_open(&d, "sim:64KiB", &o, why, sizeof why, &err), &err);
-    if (d) {
-        lm_dev_mem_info(d, &fr, &tot);
-        CHECK(tot == 65536 && fr == tot && !d->host_memory && d->threads == 2);
-        CHECK(strcmp(lm_dev_name(d), "sim:64KiB") == 0 && strcmp(why, "sim:64KiB") == 0);
-        lm_dev_free(d);
-    }
-    d = NULL;
-    CHECK_OK(lm_dev_open(&d, "sim:1.5GiB", &o, NULL, 0, &err), &err);
-    CHECK(d && strcmp(lm_dev_name(d), "sim:1536MiB") == 0);
-    lm_dev_free(d);
-    d = NULL;
-    CHECK_OK(lm_dev_open(&d, "sim:1000", &o, NULL, 0, &err), &err);
-    CHECK(d && strcmp(lm_dev_name(d), "sim:1000") == 0);
-    lm_dev_free(d);
-    d = NULL;
-    CHECK_FAILS(lm_dev_open(&d, "sim:0", &o, NULL, 0, &err), LM_ERR_USAGE, "sim:0", &err);
-    CHECK(d == NULL);
-    CHECK_FAILS(lm_dev_open(&d, "sim:abc", &o, NULL, 0, &err), LM_ERR_USAGE, "sim:abc", &err);
-    CHECK(d == NULL);
-    CHECK_FAILS(lm_dev_sim_create(&d, 0, NULL, 1, &err), LM_ERR_USAGE, "sim", &err);
-    CHECK(d == NULL);
-
-    // --gpu-mem caps the budget
-    o.mem_cap = 1 << 20;
-    CHECK_OK(lm_dev_open(&d, "sim:1GiB", &o, NULL, 0, &err), &err);
-    if (d) {
-        lm_dev_mem_info(d, &fr, &tot);
-        CHECK(tot == (1 << 20) && strcmp(lm_dev_name(d), "sim:1MiB") == 0);
-        void *p = NULL;
-        CHECK_FAILS(lm_dev_alloc(d, (1 << 20) + 1, &p, &err), LM_ERR_DEVICE_OOM, "sim:1MiB: out of memory", &err);
-        lm_dev_free(d);
-    }
-}
-
-static void test_sim_faults(void)
-{
-    lm_err err = {0};
-    lm_dev *d = NULL;
-    lm_dev_opts o = {.threads = 1, .sim_fail = "alloc:2"};
-    void *p1 = NULL, *p2 = NULL, *p3 = NULL;
-    CHECK_OK(lm_dev_open(&d, "sim:1MiB", &o, NULL, 0, &err), &err);
-    if (d) {
-        CHECK_OK(lm_dev_alloc(d, 64, &p1, &err), &err);
-        CHECK_FAILS(lm_dev_alloc(d, 64, &p2, &err), LM_ERR_DEVICE,
-                    "sim: injected failure of allocation 2 (LLMERGE_SIM_FAIL=alloc:2)", &err);
-        CHECK(p2 == NULL);
-        CHECK_OK(lm_dev_alloc(d, 64, &p3, &err), &err);  // only the second
-        lm_dev_release(d, p1);
-        lm_dev_release(d, p3);
-        lm_dev_free(d);
-    }
-
-    // operations count copies and syncs too: upload, l1, then the third fails
-    o.sim_fail = "launch:3";
-    d = NULL;
-    CHECK_OK(lm_dev_open(&d, "sim:1MiB", &o, NULL, 0, &err), &err);
-    if (d) {
-        float host[4] = {1, -2, 3, -4}, *x = NULL;
-        double l1 = 0;
-        CHECK_OK(lm_dev_alloc(d, sizeof host, (void **)&x, &err), &err);
-        CHECK_OK(lm_dev_upload(d, x, host, sizeof host, &err), &err);
-        CHECK_OK(lm_dev_l1(d, x, 4, &l1, &err), &err);
-        CHECK(l1 == 10);
-        CHECK_FAILS(lm_dev_sync(d, &err), LM_ERR_DEVICE, "sim: injected failure of operation 3", &err);
-        CHECK(strstr(err.msg, "LLMERGE_SIM_FAIL=launch:3") != NULL);
-        CHECK_OK(lm_dev_download(d, host, x, sizeof host, &err), &err);
-        lm_dev_release(d, x);
-        lm_dev_free(d);
-    }
-
-    const char *bad[] = {"alloc", "launch:0", "boom:1", "alloc:", "alloc:2x", "launch:-1",
-                         "alloc:99999999999999999999"};
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        d = NULL;
-        o.sim_fail = bad[i];
-        char want[64];
-        snprintf(want, sizeof want, "LLMERGE_SIM_FAIL=%s", bad[i]);
-        CHECK_FAILS(lm_dev_open(&d, "sim:1MiB", &o, NULL, 0, &err), LM_ERR_USAGE, want, &err);
-        CHECK(d == NULL);
-        lm_dev_free(d);
-    }
-    o.sim_fail = "";
-    CHECK_OK(lm_dev_open(&d, "sim:1MiB", &o, NULL, 0, &err), &err);
-    lm_dev_free(d);
-}
-
-// Memory that is not a live sim buffer, or not all of it, is refused before anything is touched.
-static void test_sim_foreign(void)
-{
-    lm_err err = {0};
-    lm_dev *d = NULL;
-    CHECK_OK(lm_dev_sim_create(&d, 1 << 20, NULL, 1, &err), &err);
-    if (!d)
-        return;
-    float host[16], copy[16], *x = NULL, *y = NULL;
-    for (int i = 0; i < 16; i++)
-        host[i] = copy[i] = (float)i - 7.5f;
-    CHECK_OK(lm_dev_alloc(d, sizeof host, (void **)&x, &err), &err);
-    CHECK_OK(lm_dev_alloc(d, sizeof host, (void **)&y, &err), &err);
-    if (!x || !y) {
-        lm_dev_free(d);
+    lm_dev *cpu = NULL, *sim = NULL, *c = NULL, *again = NULL;
+    CHECK_OK(lm_dev_cpu_create(&cpu, 2, &err), &err);
+    CHECK_OK(lm_dev_sim_create(&sim, 1 << 20, NULL, 3, &err), &err);
+    if (!cpu || !sim) {
+        lm_dev_destroy(cpu);
+        lm_dev_destroy(sim);
         return;
     }
-    CHECK_OK(lm_dev_upload(d, x, host, sizeof host, &err), &err);
-    CHECK_OK(lm_dev_upload(d, y, host, sizeof host, &err), &err);
-    const char *nots = "was given memory that is not a sim buffer";
-    double l1 = -1;
-    CHECK_FAILS(lm_dev_l1(d, host, 16, &l1, &err), LM_ERR_DEVICE,
-                "sim: l1 was given memory that is not a sim buffer (x:", &err);
-    CHECK(l1 == -1);
-    CHECK_FAILS(lm_dev_axpby(d, host, 2.0f, x, 1.0f, 16, &err), LM_ERR_DEVICE, "sim: axpby", &err);
-    CHECK_FAILS(lm_dev_axpby(d, x, 2.0f, host, 1.0f, 16, &err), LM_ERR_DEVICE, "(x:", &err);
-    CHECK_FAILS(lm_dev_upload(d, host, x, sizeof host, &err), LM_ERR_DEVICE, "sim: upload", &err);
-    CHECK_FAILS(lm_dev_download(d, host, copy, sizeof host, &err), LM_ERR_DEVICE, "sim: download", &err);
-    CHECK(memcmp(host, copy, sizeof host) == 0);
-    CHECK_FAILS(lm_dev_to_f32(d, x, host, LM_DTYPE_F16, 16, &err), LM_ERR_DEVICE, nots, &err);
-    CHECK_FAILS(lm_dev_from_f32(d, host, LM_DTYPE_BF16, x, 16, &err), LM_ERR_DEVICE, nots, &err);
-    CHECK_FAILS(lm_dev_random_drop(d, host, 16, 1, 0, 0, &err), LM_ERR_DEVICE, nots, &err);
-    int64_t used = -1;
-    CHECK_FAILS(lm_dev_topk_apply(d, host, 16, 0, 3, &used, &err), LM_ERR_DEVICE, nots, &err);
-    CHECK(used == -1 && memcmp(host, copy, sizeof host) == 0);
-    static uint64_t hist[LM_HIST_BINS];
-    CHECK_FAILS(lm_dev_hist_abs(d, hist, host, 16, 0, 0, &err), LM_ERR_DEVICE, nots, &err);
-    CHECK_OK(lm_dev_hist_abs(d, hist, x, 16, 0, 0, &err), &err);  // the histogram itself is host memory
-    CHECK_FAILS(lm_dev_dora_rows(d, x, y, host, 4, 4, &err), LM_ERR_DEVICE, "(magnitude:", &err);
-
-    // an extent running past the end of a buffer, also from inside it
-    CHECK_OK(lm_dev_l1(d, x + 8, 8, &l1, &err), &err);
-    CHECK(l1 == 32);
-    CHECK_FAILS(lm_dev_l1(d, x, 17, &l1, &err), LM_ERR_DEVICE,
-                "68 bytes at offset 0 run past the end of a buffer of 64", &err);
-    CHECK_FAILS(lm_dev_l1(d, x + 8, 9, &l1, &err), LM_ERR_DEVICE, "run past the end", &err);
-    CHECK_FAILS(lm_dev_l1(d, x, -1, &l1, &err), LM_ERR_DEVICE, "invalid count -1", &err);
-    CHECK_FAILS(lm_dev_upload(d, x + 1, host, sizeof host, &err), LM_ERR_DEVICE, "run past the end", &err);
-    CHECK_FAILS(lm_dev_dora_rows(d, x, y, x, 4, 5, &err), LM_ERR_DEVICE, "(tau:", &err);
-
-    // GEMM extents follow the shapes, strides and transpositions: x and y as 4 × 4 fit,
-    // 4 × 4 with a row stride of 5 does not, nor does A transposed as [k,m] = [5,4]
-    CHECK_OK(lm_dev_gemm(d, false, true, 4, 4, 4, 1.0f, x, 4, x, 4, 0.0f, y, 4, &err), &err);
-    CHECK_FAILS(lm_dev_gemm(d, false, false, 4, 4, 4, 1.0f, x, 4, x, 4, 0.0f, y, 5, &err), LM_ERR_DEVICE, "(c:",
-                &err);
-    CHECK_FAILS(lm_dev_gemm(d, true, false, 4, 3, 5, 1.0f, x, 4, y, 3, 0.0f, y, 3, &err), LM_ERR_DEVICE, "(a:",
-                &err);
-    CHECK_FAILS(lm_dev_gemm(d, false, false, 4, 4, 4, 1.0f, x, 4, host, 4, 0.0f, y, 4, &err), LM_ERR_DEVICE, "(b:",
-                &err);
-    CHECK_FAILS(lm_dev_gemm(d, false, false, 4, 4, 4, 1.0f, x, 3, x, 4, 0.0f, y, 4, &err), LM_ERR_DEVICE,
-                "invalid shape", &err);
-    // syrk: A [k,n] and C [n,n] checked the same way; A is not read when k is 0
-    CHECK_OK(lm_dev_syrk(d, 4, 4, 1.0f, x, 4, 1.0f, true, y, 4, &err), &err);
-    CHECK_OK(lm_dev_syrk(d, 4, 0, 0.0f, NULL, 4, 1.0f, true, y, 4, &err), &err);
-    CHECK_FAILS(lm_dev_syrk(d, 4, 5, 1.0f, x, 4, 1.0f, false, y, 4, &err), LM_ERR_DEVICE, "(a:", &err);
-    CHECK_FAILS(lm_dev_syrk(d, 4, 4, 1.0f, x, 4, 1.0f, false, host, 4, &err), LM_ERR_DEVICE, "(c:", &err);
-
-    // and device memory where the host's belongs is refused as well
-    uint64_t *dhist = NULL;
-    CHECK_OK(lm_dev_alloc(d, sizeof hist, (void **)&dhist, &err), &err);
-    if (dhist)
-        CHECK_FAILS(lm_dev_hist_abs(d, dhist, x, 16, 0, 0, &err), LM_ERR_DEVICE,
-                    "sim: hist_abs was given a sim buffer where host memory belongs (hist:", &err);
-    lm_dev_release(d, dhist);
-    CHECK_FAILS(lm_dev_l1(d, x, 16, (double *)(void *)(y + 2), &err), LM_ERR_DEVICE, "(out:", &err);
-    CHECK_FAILS(lm_dev_topk_apply(d, x, 16, 0, 3, (int64_t *)(void *)y, &err), LM_ERR_DEVICE, "(ties_used:", &err);
-    CHECK_FAILS(lm_dev_upload(d, x, y, sizeof host, &err), LM_ERR_DEVICE, "(src:", &err);
-    CHECK_FAILS(lm_dev_download(d, y, x, sizeof host, &err), LM_ERR_DEVICE, "(dst:", &err);
-
-    // combine checks out, base and every task vector; the arrays of pointers and weights are
-    // the host's
-    const float w[2] = {1, 1};
-    const float *taus[2] = {x, y}, *bad_taus[2] = {x, host};
-    CHECK_OK(lm_dev_combine(d, y, x, taus, w, 2, 16, LM_DEV_SIGN_SUM, true, 1.0f, &err), &err);
-    CHECK_FAILS(lm_dev_combine(d, y, x, bad_taus, w, 2, 16, LM_DEV_SIGN_SUM, true, 1.0f, &err), LM_ERR_DEVICE,
-                "(w_tau[1]:", &err);
-    CHECK_FAILS(lm_dev_combine(d, host, x, taus, w, 2, 16, LM_DEV_SIGN_SUM, true, 1.0f, &err), LM_ERR_DEVICE,
-                "(out:", &err);
-    CHECK_FAILS(lm_dev_combine(d, y, host, taus, w, 2, 16, LM_DEV_SIGN_NONE, false, 1.0f, &err), LM_ERR_DEVICE,
-                "(base:", &err);
-    CHECK_FAILS(lm_dev_combine(d, y, x, taus, x, 2, 16, LM_DEV_SIGN_NONE, false, 1.0f, &err), LM_ERR_DEVICE,
-                "(weights:", &err);
-    CHECK(memcmp(host, copy, sizeof host) == 0);
-
-    // a released buffer is no longer the device's; releasing a host pointer fails the next call
-    lm_dev_release(d, y);
-    CHECK_FAILS(lm_dev_l1(d, y, 16, &l1, &err), LM_ERR_DEVICE, nots, &err);
-    y = NULL;
-    lm_dev_release(d, host);
-    CHECK_FAILS(lm_dev_l1(d, x, 16, &l1, &err), LM_ERR_DEVICE, "an earlier release was given", &err);
-    CHECK_OK(lm_dev_l1(d, x, 16, &l1, &err), &err);
-    CHECK(l1 == 64);
-    lm_dev_release(d, x);
-    lm_dev_free(d);
-}
-
-// Destroying the device frees what callers left (AddressSanitizer's leak check would report
-// it), and every entry of its interface is filled in, so an operation added to lm_dev_i
-// without a sim version fails here.
-static void test_sim_teardown(void)
-{
-    lm_err err = {0};
-    lm_dev *d = NULL;
-    CHECK_OK(lm_dev_sim_create(&d, 1 << 20, NULL, 1, &err), &err);
-    if (!d)
-        return;
-    void *p[20] = {0};
-    for (int i = 0; i < 20; i++)
-        CHECK_OK(lm_dev_alloc(d, 1000, &p[i], &err), &err);
-    size_t fr = 0, tot = 0;
-    lm_dev_mem_info(d, &fr, &tot);
-    CHECK(tot - fr == 20000);
-    // lm_dev_i holds function pointers only: read each as a generic one. The fused dense
-    // operations and the counting conversions are for devices whose memory is the host's, which
-    // the sim's is not.
-    typedef void (*fn)(void);
-    size_t null = 0;
-    for (size_t i = 0; i < sizeof *d->iface / sizeof(fn); i++) {
-        fn f;
-        memcpy(&f, (const char *)d->iface + i * sizeof f, sizeof f);
-        size_t at = i * sizeof f;
-        null += f == NULL && at != offsetof(lm_dev_i, dense_hist) && at != offsetof(lm_dev_i, dense_merge) &&
-                at != offsetof(lm_dev_i, to_f32_count) && at != offsetof(lm_dev_i, delta_count) &&
-                at != offsetof(lm_dev_i, from_f32_count);
+    const lm_op all[] = {LM_OP_SYRK, LM_OP_POTRF, LM_OP_IMPORTANCE, LM_OP_DENSE, LM_OP_COUNTS, LM_OP_FORWARD};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) {
+        CHECK(lm_dev_supports(cpu, all[i]));
+        CHECK_OK(lm_dev_require(cpu, all[i], &err), &err);
     }
-    CHECK_MSG(null == 0, "%zu entries of the sim's lm_dev_i are NULL", null);
-    CHECK(!d->iface->dense_hist && !d->iface->dense_merge && !lm_dev_has_dense(d));
-    CHECK(!lm_dev_has_counts(d));
-    lm_nonfinite nf = {0, 0};
-    float x = 0.0f;
-    CHECK_FAILS(lm_dev_to_f32_count(d, p[0], &x, LM_DTYPE_F32, 1, &nf, &err), LM_ERR_UNSUPPORTED,
-                "no counting conversions", &err);
-    lm_dev_free(d);
+    // the sim has every operation but those that read host memory
+    CHECK(lm_dev_supports(sim, LM_OP_SYRK) && lm_dev_supports(sim, LM_OP_POTRF) &&
+          lm_dev_supports(sim, LM_OP_IMPORTANCE) && lm_dev_supports(sim, LM_OP_FORWARD));
+    CHECK(!lm_dev_supports(sim, LM_OP_DENSE) && !lm_dev_supports(sim, LM_OP_COUNTS));
+    CHECK_FAILS(lm_dev_require(sim, LM_OP_DENSE, &err), LM_ERR_UNSUPPORTED,
+                "sim:1MiB: the operation dense_hist (it needs host memory) is not implemented", &err);
+    lm_dev_i lacking = *cpu->iface;
+    lacking.potrf = NULL;
+    lacking.nll_rows = NULL;
+    lm_dev fake = *cpu;
+    fake.iface = &lacking;
+    CHECK(!lm_dev_supports(&fake, LM_OP_POTRF) && !lm_dev_supports(&fake, LM_OP_FORWARD));
+    CHECK(lm_dev_supports(&fake, LM_OP_SYRK));
+    CHECK_FAILS(lm_dev_require(&fake, LM_OP_FORWARD, &err), LM_ERR_UNSUPPORTED,
+                "cpu: the operation nll_rows is not implemented on this device", &err);
+
+    CHECK_OK(lm_dev_cpu_companion(cpu, &c, &err), &err);
+    CHECK(c == cpu);
+    c = NULL;
+    CHECK_OK(lm_dev_cpu_companion(sim, &c, &err), &err);
+    CHECK_OK(lm_dev_cpu_companion(sim, &again, &err), &err);
+    CHECK(c && c == again && c != sim);
+    if (c) {
+        CHECK(strcmp(lm_dev_name(c), "cpu") == 0 && lm_dev_host_memory(c) && lm_dev_threads(c) == lm_dev_threads(sim));
+        lm_dev *self = NULL;
+        CHECK_OK(lm_dev_cpu_companion(c, &self, &err), &err);
+        CHECK(self == c);
+        float *buf = NULL;
+        CHECK_OK(lm_dev_alloc(c, 64 * sizeof *buf, (void **)&buf, &err), &err);
+        lm_dev_buf_free(c, buf);
+    }
+    lm_dev_destroy(sim);
+    lm_dev_destroy(cpu);
 }
 
 int main(void)
@@ -1619,7 +1407,7 @@ int main(void)
     CHECK_OK(lm_dev_cpu_create(&d3, 3, &err), &err);
     if (!d1 || !d3)
         return check_report("test_device");
-    CHECK(strcmp(lm_dev_name(d1), "cpu") == 0 && d3->threads == 3 && d3->host_memory);
+    CHECK(strcmp(lm_dev_name(d1), "cpu") == 0 && lm_dev_threads(d3) == 3 && lm_dev_host_memory(d3));
     size_t fr = 0, tot = 0;
     lm_dev_mem_info(d1, &fr, &tot);
     CHECK(tot > 0 && fr <= tot);
@@ -1635,15 +1423,15 @@ int main(void)
     test_syrk(d1, d3);
     test_dora(d3);
     test_combine(d1, d3);
-    lm_dev_free(d1);
-    lm_dev_free(d3);
+    lm_dev_destroy(d1);
+    lm_dev_destroy(d3);
 
     lm_dev *sim = NULL;
     lm_dev_opts os = {.threads = 3};
     CHECK_OK(lm_dev_open(&sim, "sim:1GiB", &os, NULL, 0, &err), &err);
     if (sim)
         test_against_cpu(sim);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
     const char *spec = getenv("LLMERGE_TEST_DEVICE");
     if (spec && *spec) {
         lm_dev *dev = NULL;
@@ -1653,17 +1441,13 @@ int main(void)
             printf("LLMERGE_TEST_DEVICE=%s: %s\n", spec, why);
             test_against_cpu(dev);
         }
-        lm_dev_free(dev);
+        lm_dev_destroy(dev);
     }
 #ifdef LLMERGE_HAVE_CUDA
     // the CUDA backend's libraries, opened as a device opens them: every function it looks up
     // is there (this machine has the toolkit the build used, if not a GPU)
     CHECK_OK(lm_cuda_load_libs(&err), &err);
 #endif
-    test_sim_budget();
-    test_sim_open();
-    test_sim_faults();
-    test_sim_foreign();
-    test_sim_teardown();
+    test_supports_and_companion();
     return check_report("test_device");
 }

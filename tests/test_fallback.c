@@ -124,7 +124,7 @@ static outcome merge_on(const char *root, const lm_merge_opts *o, const char *ba
                   device, tot - fr);
     }
     lm_st_writer_free(w);
-    lm_dev_free(dev);
+    lm_dev_destroy(dev);
     free(desc);
     for (int i = 0; i < 4; i++)
         lm_ft_free(fts[i]);

@@ -111,7 +111,7 @@ int main(void)
     CHECK_OK(lm_dev_cpu_create(&cpu, 1, &err), &err);
     if (sim && cpu)
         test_run(sim, cpu);
-    lm_dev_free(sim);
-    lm_dev_free(cpu);
+    lm_dev_destroy(sim);
+    lm_dev_destroy(cpu);
     return check_report("test_fallback_run");
 }

@@ -32,6 +32,7 @@
 #include "calib.h"
 #include "check.h"
 #include "device.h"
+#include "device_impl.h"  // a device lacking rope, built by hand
 #include "forward.h"
 #include "model.h"
 #include "notes.h"
@@ -746,7 +747,7 @@ static lm_fwd_runner run_on_budget(const lm_model *m, const lm_adapter *a, uint6
     lm_dev_mem_info(sim, &fr, &tot);
     CHECK_MSG(fr == tot, "budget %llu: %llu bytes left allocated", (unsigned long long)budget,
               (unsigned long long)(tot - fr));
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
     return r;
 }
 
@@ -780,7 +781,7 @@ static void test_fallbacks(lm_dev *cpu)
     CHECK_OK(lm_dev_sim_create(&big, 1ull << 30, NULL, 1, &err), &err);
     CHECK_OK(lm_fwd_create(&f, m, a, big, &err), &err);
     if (!f) {
-        lm_dev_free(big);
+        lm_dev_destroy(big);
         lm_model_free(m);
         lm_adapter_free(a);
         return;
@@ -792,7 +793,7 @@ static void test_fallbacks(lm_dev *cpu)
     size_t fr, tot;
     lm_dev_mem_info(big, &fr, &tot);
     CHECK(fr == tot);
-    lm_dev_free(big);
+    lm_dev_destroy(big);
 
     notes nt;
     // everything fits: no fallback, 3 batches on the device
@@ -896,7 +897,7 @@ static void test_ops(lm_dev *cpu, lm_dev *sim)
         CHECK_FAILS(lm_dev_nll_rows(sim, d, d, tg, 2, 3, &err), LM_ERR_DEVICE, "(targets:", &err);
         CHECK_FAILS(lm_dev_nll_rows(sim, d, d, (int32_t *)(void *)d, -1, 3, &err), LM_ERR_DEVICE, "invalid count",
                     &err);
-        lm_dev_release(sim, d);
+        lm_dev_buf_free(sim, d);
     }
 
     // a device without the forward operations: refused by name, and a runner goes to the CPU
@@ -906,9 +907,9 @@ static void test_ops(lm_dev *cpu, lm_dev *sim)
     fake.iface = &lacking;
     CHECK_FAILS(lm_dev_rope(&fake, x, 1, 1, 4, pos, inv, &err), LM_ERR_UNSUPPORTED,
                 "cpu: the operation rope is not implemented on this device", &err);
-    CHECK_FAILS(lm_fwd_device_ok(&fake, &err), LM_ERR_UNSUPPORTED, "rope", &err);
-    CHECK_OK(lm_fwd_device_ok(cpu, &err), &err);
-    CHECK_OK(lm_fwd_device_ok(sim, &err), &err);
+    CHECK_FAILS(lm_dev_require(&fake, LM_OP_FORWARD, &err), LM_ERR_UNSUPPORTED, "rope", &err);
+    CHECK_OK(lm_dev_require(cpu, LM_OP_FORWARD, &err), &err);
+    CHECK_OK(lm_dev_require(sim, LM_OP_FORWARD, &err), &err);
     lm_model *m = open_model("qwen");
     if (m) {
         lm_fwd *f = NULL;
@@ -922,6 +923,7 @@ static void test_ops(lm_dev *cpu, lm_dev *sim)
         lm_fwd_runner_free(&r);
     }
     lm_model_free(m);
+    lm_dev_destroy(fake.companion);  // the CPU the runner fell back to; fake itself is a copy
 }
 
 int main(void)
@@ -943,8 +945,8 @@ int main(void)
         test_batches(cpu1, cpu3, sim);
         test_fallbacks(cpu3);
     }
-    lm_dev_free(cpu1);
-    lm_dev_free(cpu3);
-    lm_dev_free(sim);
+    lm_dev_destroy(cpu1);
+    lm_dev_destroy(cpu3);
+    lm_dev_destroy(sim);
     return check_report("test_forward");
 }

@@ -25,6 +25,7 @@
 #include "calib.h"
 #include "check.h"
 #include "device.h"
+#include "device_impl.h"  // a device lacking syrk, built by hand
 #include "forward.h"
 #include "hessian.h"
 #include "model.h"
@@ -77,7 +78,7 @@ static lm_status capture(const lm_model *m, const lm_adapter *a, lm_dev *dev, co
     lm_status s = lm_fwd_runner_init(&r, m, a, dev, "test", "MODEL", max_tokens, on_note, NULL, err);
     if (s != LM_OK)
         return s;
-    if ((s = lm_hess_init(&h, m, r.on_dev ? dev : NULL, reserve, 2, err)) != LM_OK)
+    if ((s = lm_hess_init(&h, m, dev, r.on_dev != NULL, reserve, err)) != LM_OK)
         goto out;
     if (n_host)
         *n_host = h.n_host;
@@ -300,7 +301,7 @@ static void test_batches_and_devices(lm_dev *cpu)
     uint64_t A_long = f ? lm_fwd_arena_bytes(f, longest) : 0, A_short = f ? lm_fwd_arena_bytes(f, longest - 1) : 0;
     uint64_t A_one = f ? lm_fwd_arena_bytes(f, 1) : 0;
     lm_fwd_free(f);
-    lm_dev_free(big);
+    lm_dev_destroy(big);
     const lm_config *cfg = &m->config;
     uint64_t per_layer = 4 * (uint64_t)(2 * cfg->hidden_size * cfg->hidden_size +
                                         (cfg->num_attention_heads * cfg->head_dim) * (cfg->num_attention_heads * cfg->head_dim) +
@@ -349,7 +350,7 @@ static void test_batches_and_devices(lm_dev *cpu)
         size_t fr = 0, tot = 0;
         lm_dev_mem_info(sim, &fr, &tot);
         CHECK_MSG(fr == tot, "sim, %s: %llu bytes left allocated", cases[k].what, (unsigned long long)(tot - fr));
-        lm_dev_free(sim);
+        lm_dev_destroy(sim);
     }
 
     // a device failure that is not out of memory stops the capture, naming what failed
@@ -367,7 +368,7 @@ static void test_batches_and_devices(lm_dev *cpu)
         size_t fr = 0, tot = 0;
         lm_dev_mem_info(sim, &fr, &tot);
         CHECK_MSG(fr == tot, "%s: %llu bytes left allocated", fail, (unsigned long long)(tot - fr));
-        lm_dev_free(sim);
+        lm_dev_destroy(sim);
     }
     hset_free(&packed);
     free_seqs(&q);
@@ -467,7 +468,7 @@ static void test_finishing(void)
     h.n_tokens = 0;
     CHECK(lm_hess_get(&h, 0, LM_FWD_ATTN_IN, NULL, &err) == LM_ERR_USAGE);
     lm_hess_free(&h);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
 }
 
 // What lm_hess_ucc2_model hands its `each` callback.
@@ -511,7 +512,7 @@ static void test_each_hessian(lm_dev *cpu)
     e.got.h = calloc((size_t)ref.n, sizeof *e.got.h);
     double **ucc2 = NULL;
     int64_t n = 0;
-    CHECK_OK(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 2, 0.01, false, on_note, NULL, on_each, &e, &ucc2, &n,
+    CHECK_OK(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 0.01, false, on_note, NULL, on_each, &e, &ucc2, &n,
                                 &err), &err);
     CHECK(e.calls == ref.n && n == ref.n && e.got.n_tokens == ref.n_tokens);
     for (int64_t i = 0; ucc2 && i < n && i < ref.n; i++) {
@@ -529,7 +530,7 @@ static void test_each_hessian(lm_dev *cpu)
     each_seen f = {.got = {.n = ref.n}, .fail_at = 3};
     memcpy(f.got.dim, ref.dim, sizeof ref.dim);
     f.got.h = calloc((size_t)ref.n, sizeof *f.got.h);
-    CHECK_FAILS(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 2, 0.01, false, on_note, NULL, on_each, &f, &ucc2,
+    CHECK_FAILS(lm_hess_ucc2_model(m, a, cpu, "MODEL", q.s, q.n, 0.01, false, on_note, NULL, on_each, &f, &ucc2,
                                    &n, &err), LM_ERR_IO, "callback failed", &err);
     CHECK(ucc2 == NULL && n == 0 && f.calls == 3);
     hset_free(&f.got);
@@ -552,7 +553,7 @@ static void capture_by_hook(const lm_model *m, const lm_adapter *a, lm_dev *dev,
     lm_hess h;
     memset(&h, 0, sizeof h);
     CHECK_OK(lm_fwd_runner_init(&r, m, a, dev, "test", "MODEL", 0, NULL, NULL, &err), &err);
-    CHECK_OK(lm_hess_init(&h, m, dev, 0, 2, &err), &err);
+    CHECK_OK(lm_hess_init(&h, m, dev, true, 0, &err), &err);
     lm_fwd_req req = {.hook = lm_hess_hook, .hook_ctx = &h};
     CHECK_OK(lm_fwd_runner_run(&r, q->s, q->n, &req, &err), &err);
     for (int e = 0; e < ends; e++)
@@ -583,7 +584,7 @@ static void test_syrk_accumulation(lm_dev *cpu)
         goto out;
     seqs q;
     load_seqs(&q, m->config.vocab_size);
-    CHECK(lm_dev_has_syrk(cpu));
+    CHECK(lm_dev_supports(cpu, LM_OP_SYRK));
     hset by_syrk, by_gemm, no_end, one_end, two_ends;
     CHECK_OK(capture(m, a, cpu, &q, 0, 0, &by_syrk, NULL, NULL, &err), &err);
     lm_dev_i lacking = *cpu->iface;
@@ -591,6 +592,7 @@ static void test_syrk_accumulation(lm_dev *cpu)
     lm_dev gemm_only = *cpu;
     gemm_only.iface = &lacking;
     CHECK_OK(capture(m, a, &gemm_only, &q, 0, 0, &by_gemm, NULL, NULL, &err), &err);
+    lm_dev_destroy(gemm_only.companion);  // the CPU the capture used beside it; gemm_only is a copy
     double d = hset_rel(&by_syrk, &by_gemm);
     CHECK_MSG(d < ROUNDING, "syrk and GEMM accumulation differ by %g", d);
     printf("%-22s syrk vs GEMM accumulation: %.2e\n", "base + lora_plain", d);
@@ -771,7 +773,7 @@ static void test_ucc2_devices(void)
                     LM_ERR_FORMAT, "model.layers.0.self_attn.q_proj: the damped Hessian (48 x 48) is not positive "
                     "definite", &err);
         H[7 * N + 7] = bad;
-        lm_dev_free(sim);
+        lm_dev_destroy(sim);
     }
     // the device LLMERGE_TEST_DEVICE names (cuda on a GPU machine): its own factorisation,
     // which agrees with LAPACK's to double rounding
@@ -788,7 +790,7 @@ static void test_ucc2_devices(void)
                   seen.text);
         printf("U_cc² on %s: max relative difference from LAPACK's %.2e\n", spec, worst);
     }
-    lm_dev_free(dev);
+    lm_dev_destroy(dev);
 }
 
 static void test_importance(void)
@@ -869,6 +871,6 @@ int main(void)
         test_ucc2_blocks();
         test_ucc2_devices();
     }
-    lm_dev_free(cpu);
+    lm_dev_destroy(cpu);
     return check_report("test_hessian");
 }

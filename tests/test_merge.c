@@ -376,7 +376,7 @@ done:
             lm_merge_result_free(&res);
     }
     lm_st_writer_free(w);
-    lm_dev_free(dev);
+    lm_dev_destroy(dev);
     free(desc);
     for (int i = 0; i < MAX_FT; i++)
         lm_ft_free(fts[i]);

@@ -56,13 +56,13 @@ static void check_weights(const char *label, const lm_model *m, const lm_adapter
     lm_err err = {0};
     lm_fwd_plan p;
     lm_fwd *f = NULL;
-    CHECK_OK(lm_fwd_plan_make(&p, m, a, d->host_memory, &err), &err);
+    CHECK_OK(lm_fwd_plan_make(&p, m, a, lm_dev_host_memory(d), &err), &err);
     CHECK_OK(lm_fwd_create(&f, m, a, d, &err), &err);
     if (!f)
         return;
     CHECK_MSG(p.weight_bytes == lm_fwd_weight_bytes(f), "%s on %s: plan %" PRIu64 " weight bytes, placed %zu", label,
               lm_dev_name(d), p.weight_bytes, lm_fwd_weight_bytes(f));
-    if (!d->host_memory) {
+    if (!lm_dev_host_memory(d)) {
         size_t fr = 0, tot = 0;
         lm_dev_mem_info(d, &fr, &tot);
         CHECK_MSG(tot - fr == p.weight_bytes, "%s: %zu bytes in use on %s, plan %" PRIu64, label, tot - fr,
@@ -138,7 +138,7 @@ static void check_accumulators(const lm_model *m, uint64_t budget, uint64_t take
     if (taken)
         CHECK_OK(lm_dev_alloc(sim, taken, &hold, &err), &err);
     lm_hess h;
-    CHECK_OK(lm_hess_init(&h, m, sim, reserve, 2, &err), &err);
+    CHECK_OK(lm_hess_init(&h, m, sim, true, reserve, &err), &err);
     lm_hess_plan p;
     CHECK_OK(lm_hess_plan_make(&p, m, true, false, budget - taken, reserve, &err), &err);
     CHECK_MSG(p.dev_bytes == h.dev_bytes && p.n_acc - p.n_dev == h.n_host,
@@ -150,8 +150,8 @@ static void check_accumulators(const lm_model *m, uint64_t budget, uint64_t take
         all += (uint64_t)h.dim[i % LM_FWD_N_POINTS] * (uint64_t)h.dim[i % LM_FWD_N_POINTS] * sizeof(float);
     CHECK(p.dev_bytes + p.host_bytes == all);
     lm_hess_free(&h);
-    lm_dev_release(sim, hold);
-    lm_dev_free(sim);
+    lm_dev_buf_free(sim, hold);
+    lm_dev_destroy(sim);
 }
 
 static void test_accumulators(void)
@@ -284,10 +284,10 @@ static void check_capture(const char *label, const lm_model *m, const lm_adapter
     lines got = {0};
     double **ucc2 = NULL;
     int64_t n_ucc2 = 0;
-    CHECK_OK(lm_hess_ucc2_model(m, a, sim, label, seqs, n, 2, 0.01, sticky, on_line, &got, NULL, NULL, &ucc2,
+    CHECK_OK(lm_hess_ucc2_model(m, a, sim, label, seqs, n, 0.01, sticky, on_line, &got, NULL, NULL, &ucc2,
                                 &n_ucc2, &err), &err);
     lm_hess_ucc2_free(ucc2, n_ucc2);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
     // the sticky line comes after the sequence that set it; compare the sets in order
     CHECK_MSG(strcmp(want.text, got.text) == 0, "%s on sim:%" PRIu64 "%s: the plan predicted\n%s-- the capture "
               "reported\n%s--", label, budget, sticky ? " (sticky)" : "", want.text, got.text);
@@ -482,7 +482,7 @@ static bool run_on_sim(const lm_merge_opts *o, const lm_model *base, lm_ft *cons
     }
     lm_st_writer_free(w);
     free(desc);
-    lm_dev_free(sim);
+    lm_dev_destroy(sim);
     return ok;
 }
 
@@ -562,8 +562,8 @@ int main(void)
     CHECK_OK(lm_dev_sim_create(&sim, 64u << 20, NULL, 2, &err), &err);
     if (cpu && sim)
         test_weights(cpu, sim);
-    lm_dev_free(cpu);
-    lm_dev_free(sim);
+    lm_dev_destroy(cpu);
+    lm_dev_destroy(sim);
     test_accumulators();
     test_runner();
     test_point_of();

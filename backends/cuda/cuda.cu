@@ -33,7 +33,7 @@
 #include "status.h"
 
 extern "C" {
-#include "device.h"
+#include "device_impl.h"
 #include "parallel.h"
 #include "sparsify.h"
 #include "util.h"
@@ -690,7 +690,7 @@ static lm_status cuda_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, 
     return s != LM_OK ? s : lm_cuda_random_drop(x, n, key, first, keep_below, ctx_of(d)->stream, err);
 }
 
-// Per-block partial sums on the device, added on the host in block order: device_cpu.c's
+// Per-block partial sums on the device, added on the host in block order: the CPU backend's
 // blocks and order, so the sum is the CPU's to the bit.
 static lm_status cuda_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err)
 {
@@ -717,13 +717,13 @@ static lm_status cuda_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_e
 }
 
 static lm_status cuda_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                              const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                              const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
                               float lambda, lm_err *err)
 {
     lm_status s = begin(d, err);
     if (s != LM_OK)
         return s;
-    return lm_cuda_combine(out, base, w_tau, weights, k, n, sign != LM_DEV_SIGN_NONE, sign == LM_DEV_SIGN_COUNT,
+    return lm_cuda_combine(out, base, w_tau, weights, k, n, sign != LM_COMBINE_SIGN_NONE, sign == LM_COMBINE_SIGN_COUNT,
                            normalize, lambda, ctx_of(d)->stream, err);
 }
 
@@ -791,7 +791,7 @@ static lm_dev_i make_iface(void)
     i.name = cuda_name;
     i.mem_info = cuda_mem_info;
     i.alloc = cuda_alloc;
-    i.free = cuda_free;
+    i.buf_free = cuda_free;
     i.upload = cuda_upload;
     i.download = cuda_download;
     i.sync = cuda_sync;
@@ -825,7 +825,7 @@ static const lm_dev_i cuda_iface = make_iface();
 
 // Opens CUDA device `ordinal`: checks that it exists, then creates the stream, the staging
 // buffers and their events, the cuBLAS handle and a first scratch buffer. The caller frees the
-// device with lm_dev_free; on failure nothing is left allocated and *out stays NULL.
+// device with lm_dev_destroy; on failure nothing is left allocated and *out stays NULL.
 extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err)
 {
     lm_status status = LM_OK;

@@ -1,9 +1,9 @@
-// Kernels and host launchers for the merge operations of the CUDA backend (device_cuda.cu):
+// Kernels and host launchers for the merge operations of the CUDA backend (cuda.cu):
 // GEMM through cuBLAS, element-wise arithmetic (dense task vectors, Hessian importance), DoRA
 // row norms, magnitude histograms (whole, or a window of level-1 bins), top-k masks by value or
 // by key, random masks, L1 partial sums and the sign-elected combination.
 //
-// Every per-element computation is device_cpu.c's, written out in the same order, so that the
+// Every per-element computation is the CPU backend's, written out in the same order, so that the
 // results agree with the CPU backend bit for bit: this file is compiled with --fmad=false (no
 // a*b+c contracted into an FMA, as GCC does not contract in ISO C mode), without fast-math, and
 // double sums the CPU computes sequentially are computed sequentially here too (one warp per
@@ -11,7 +11,7 @@
 // products differently, so C agrees to float32 rounding.
 //
 // The launchers only enqueue work on the stream they are given; nothing here synchronises,
-// allocates or copies to the host (device_cuda.cu does that). Index arithmetic is int64_t
+// allocates or copies to the host (cuda.cu does that). Index arithmetic is int64_t
 // throughout, loops are grid-stride with grids within every architecture's limits, and every
 // launch is checked.
 #include <cublas_v2.h>
@@ -50,7 +50,7 @@ __global__ void k_random_drop(float *x, int64_t n, uint64_t key, int64_t first, 
 }
 
 // tau = float32 of src (dtype DT) - base, in one pass: convert.cu's conversion of each element
-// (dtype.h's, as the CPU's) and device_cpu.c's subtraction, so the bits are the CPU's.
+// (dtype.h's, as the CPU's) and cpu_arith.c's subtraction, so the bits are the CPU's.
 template <int DT>
 __global__ void k_delta(float *tau, const void *src, const float *base, int64_t n)
 {
@@ -69,7 +69,7 @@ __global__ void k_delta(float *tau, const void *src, const float *base, int64_t 
 }
 
 // key[r, c] = float32 of tau[r, c]² / ucc2[c] in double, for the rows × cols row-major tau:
-// device_cpu.c's importance_task. Double multiplication and division round correctly on both,
+// cpu_select.c's importance_task. Double multiplication and division round correctly on both,
 // so the keys, and the masks selected from them, are the CPU's bit for bit.
 __global__ void k_importance(float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols)
 {
@@ -98,7 +98,7 @@ __global__ void k_scale_rows(float *c, int64_t m, int64_t n, int64_t ldc, float 
 // ==== sequential double sums (seq_sum.cuh) ====================================================
 
 // partial[b] = Σ |x[i]| over block b of LM_CUDA_L1_BLOCK elements, in double, in index order:
-// device_cpu.c's l1_task. One warp per block.
+// cpu_select.c's l1_task. One warp per block.
 __global__ void k_l1_blocks(double *partial, const float *x, int64_t n, int64_t nb)
 {
     const int lane = threadIdx.x & 31;
@@ -127,7 +127,7 @@ __global__ void k_l1_blocks(double *partial, const float *x, int64_t n, int64_t 
     }
 }
 
-// device_cpu.c's dora_task, one warp per row: the squared norm of W' = base + ΔW summed in
+// cpu_arith.c's dora_task, one warp per row: the squared norm of W' = base + ΔW summed in
 // double in column order, then tau = f · W' − base with f = magnitude / ‖W'‖ rounded to float
 // (0 for a row that is all zeros).
 __global__ void k_dora_rows(float *tau, const float *base, const float *mag, int64_t rows, int64_t cols)
@@ -198,7 +198,7 @@ __global__ void k_hist_abs(unsigned long long *hist, const float *x, int64_t n, 
 // lm_dev_hist_window's counts for n <= UINT32_MAX elements (32-bit counts cannot overflow), a
 // group of the window's bins at a time: win[w << 16 | low 16 bits] += one for each magnitude
 // whose top 16 bits are lo_bin + w, w < n_win, and, when above is not NULL, *above += how many
-// have their top 16 bits at or beyond above_from. The comparisons are device_cpu.c's hist_win's
+// have their top 16 bits at or beyond above_from. The comparisons are cpu_select.c's cpu_hist_win's
 // in uint32 arithmetic. The lanes of a warp that fall into the same bin add their count with
 // one atomic, as in k_hist_abs; the counts beyond the window are summed per block and added
 // with one atomic.
@@ -317,7 +317,7 @@ typedef struct combine_args {
     int k;
 } combine_args;
 
-// device_cpu.c's combine_chunk for one element per iteration: the same sums over i in the same
+// cpu_arith.c's cpu_combine_values for one element per iteration: the same sums over i in the same
 // order, the same agreement test and the same final expression.
 __global__ void k_combine(float *out, const float *base, const combine_args a, int64_t n, bool elect,
                           bool count_signs, bool normalize, float lambda)

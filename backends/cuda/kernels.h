@@ -38,12 +38,12 @@ lm_status lm_cuda_selftest(int device, lm_err *err);
 lm_status lm_cuda_load_libs(lm_err *err);
 
 // ---- merge operations (merge_ops.cu) --------------------------------------------------------
-// The arithmetic of device_cpu.c per element, in the same order, so results match the CPU
+// The arithmetic of the CPU backend per element, in the same order, so results match the CPU
 // backend bit for bit wherever it can (everything but the GEMM). Each function only enqueues
 // work on `stream` (a cudaStream_t): results are ready once the stream has reached them, and
 // faults during a kernel surface at the next synchronising call. n == 0 launches nothing.
 
-// Elements per partial sum of lm_cuda_l1_blocks: device_cpu.c's BLOCK, which the CPU's L1 sum
+// Elements per partial sum of lm_cuda_l1_blocks: the CPU backend's BLOCK, which the CPU's L1 sum
 // is split by. The two must stay equal for the sums to agree bit for bit.
 #define LM_CUDA_L1_BLOCK 65536
 // Elements per count of lm_cuda_tie_counts.
@@ -117,15 +117,15 @@ lm_status lm_cuda_l1_blocks(double *d_partial, const float *d_x, int64_t n, void
 // lm_dev_combine for k <= LM_CUDA_COMBINE_MAX task vectors: d_tau is a HOST array of k device
 // pointers and weights a host array of k floats (both copied into the kernel's arguments).
 // elect: with sign election; count_signs: the elected sign is that of the sum of signs
-// (LM_DEV_SIGN_COUNT) rather than of the weighted sum (LM_DEV_SIGN_SUM). d_out may equal d_base.
-// LM_ERR_UNSUPPORTED above LM_CUDA_COMBINE_MAX.
+// (LM_COMBINE_SIGN_COUNT) rather than of the weighted sum (LM_COMBINE_SIGN_SUM). d_out may equal
+// d_base. LM_ERR_UNSUPPORTED above LM_CUDA_COMBINE_MAX.
 lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau, const float *weights, int k,
                           int64_t n, bool elect, bool count_signs, bool normalize, float lambda, void *stream,
                           lm_err *err);
 
 // ---- forward-pass operations (forward_ops.cu) -----------------------------------------------
 // device.h's lm_dev_gather_rows ... lm_dev_nll_rows on device memory (the int32 arrays too),
-// with device_cpu.c's arithmetic: gather_rows, add_rows and rmsnorm agree with the CPU bit for
+// with the CPU backend's arithmetic: gather_rows, add_rows and rmsnorm agree with the CPU bit for
 // bit, the others to float32 rounding (CUDA's expf, sin, cos and log may differ from glibc's in
 // the last bit). Like the merge operations, each only enqueues work on `stream`.
 

@@ -1,8 +1,8 @@
 // Kernels and host launchers for the forward-pass operations of the CUDA backend
-// (device_cuda.cu): embedding lookup, bias rows, RMSNorm, rotary embedding, causal attention over
+// (cuda.cu): embedding lookup, bias rows, RMSNorm, rotary embedding, causal attention over
 // packed sequences, the SiLU-gated product and the per-row negative log-likelihood.
 //
-// Each computes what device_cpu.c's forward section computes, operation for operation: this
+// Each computes what the CPU backend's cpu_forward.c computes, operation for operation: this
 // file is compiled with --fmad=false (no a*b+c contracted into an FMA), without fast-math, and
 // the sums the CPU adds in a fixed order are added here in the same order where that decides
 // the float32 result (RMSNorm's row sum through seq_sum.cuh, attention's dot products as the
@@ -68,7 +68,7 @@ __global__ void k_add_rows(float *y, const float *b, int64_t rows, int64_t cols)
     }
 }
 
-// device_cpu.c's rmsnorm_task, one warp per row: Σ x² in double in column order (the CPU's
+// cpu_forward.c's rmsnorm_task, one warp per row: Σ x² in double in column order (the CPU's
 // sequential sum, so g is its float to the bit), g = float32 of 1/sqrt(mean + eps), then
 // out = w ⊙ (x · g) in float32. out may equal x: every lane has read all its columns of the row
 // (the last addition of the sum waits for every lane) before any lane writes, and each lane
@@ -103,7 +103,7 @@ __global__ void k_rmsnorm(float *out, const float *x, const float *w, int64_t ro
     }
 }
 
-// Rotary embedding, half-split, device_cpu.c's rope_task: one thread per (row, frequency i),
+// Rotary embedding, half-split, cpu_forward.c's rope_task: one thread per (row, frequency i),
 // which computes a = float32(pos) · inv_freq[i], cos a and sin a in double rounded to float,
 // once, and rotates the pair (i, i + half) of every head of the row.
 __global__ void k_rope(float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
@@ -124,7 +124,7 @@ __global__ void k_rope(float *x, int64_t rows, int64_t heads, int64_t head_dim, 
     }
 }
 
-// g[i] = silu(g[i]) · u[i], silu(x) = x / (1 + e^−x), as device_cpu.c's silu_task.
+// g[i] = silu(g[i]) · u[i], silu(x) = x / (1 + e^−x), as cpu_forward.c's silu_task.
 __global__ void k_silu_mul(float *g, const float *u, int64_t n)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -135,7 +135,7 @@ __global__ void k_silu_mul(float *g, const float *u, int64_t n)
 
 // ==== attention ===============================================================================
 
-// device_cpu.c's dot8: the dot product in eight interleaved partial sums added in a fixed
+// cpu_forward.c's dot8: the dot product in eight interleaved partial sums added in a fixed
 // order, so a score is the CPU's to the bit.
 __device__ __forceinline__ float dot8(const float *a, const float *b, int64_t n)
 {
@@ -152,7 +152,7 @@ __device__ __forceinline__ float dot8(const float *a, const float *b, int64_t n)
     return (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + tail;
 }
 
-// Causal attention, one block per (query row r, head h) at a time: device_cpu.c's attn_task.
+// Causal attention, one block per (query row r, head h) at a time: cpu_forward.c's attn_task.
 // The keys of r's window [start[r], r] are taken in tiles of blockDim: each thread scores one
 // key of the tile (scale · q·k with dot8) into shared memory; then every thread walks the tile's
 // scores in key order with the CPU's online softmax (the running maximum m and sum l, the
@@ -214,7 +214,7 @@ __global__ void k_attention(float *out, const float *q, const float *k, const fl
 // ==== negative log-likelihood =================================================================
 
 // nll[r] = m + log Σ_c e^(x[r, c] − m) − x[r, targets[r]], one block per row at a time, 0 where
-// the target is outside [0, cols): device_cpu.c's nll_task, the exponentials in float32, their
+// the target is outside [0, cols): cpu_forward.c's nll_task, the exponentials in float32, their
 // sum and the logarithm in double. The maximum and the sum are reduced in a fixed tree (each
 // thread's columns in order, then the warp, then the warps in order), so the result depends on
 // nothing but the row; the sum's order differs from the CPU's only in double rounding, far below

@@ -1,7 +1,7 @@
-// Error checking and launch geometry shared by the .cu files of kernels/ (CUDA code only, never
-// included from C). A failing CUDA call is recorded into the caller's lm_err with the statement,
-// function, file and line, and control jumps to the function's `fail:` label; nothing aborts.
-// Functions using these macros declare `lm_status status = LM_OK;`, take `lm_err *err` and
+// Error checking and launch geometry shared by the .cu files of backends/cuda/ (CUDA code only,
+// never included from C). A failing CUDA call is recorded into the caller's lm_err with the
+// statement, function, file and line, and control jumps to the function's `fail:` label; nothing
+// aborts. Functions using these macros declare `lm_status status = LM_OK;`, take `lm_err *err` and
 // end with `fail: ... return status;`.
 #ifndef LM_CUDA_CHECK_H
 #define LM_CUDA_CHECK_H

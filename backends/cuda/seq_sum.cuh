@@ -1,5 +1,6 @@
-// Sequential double sums by one warp, shared by the .cu files of kernels/ (CUDA code only).
-// Where device_cpu.c adds a row or block in double in index order, a kernel that must agree
+// Sequential double sums by one warp, shared by the .cu files of backends/cuda/ (CUDA code
+// only).
+// Where the CPU backend adds a row or block in double in index order, a kernel that must agree
 // with it bit for bit has one warp walk the same elements in tiles of 32 and add the lanes'
 // values one after another, lane 0's first: the same additions in the same order, with the
 // loads of the next tiles issued ahead of the chain of dependent additions.

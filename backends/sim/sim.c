@@ -11,9 +11,9 @@
 // The device's name is "sim:" and the budget in the largest binary unit that divides it
 // ("sim:1GiB", "sim:1536MiB", "sim:1000"), which lm_parse_size reads back.
 //
-// An operation added to lm_dev_i needs an entry here too: test_device checks that no entry of
+// An operation added to lm_dev_i needs an entry here too: test_sim checks that no entry of
 // sim_iface is NULL.
-#include "device.h"
+#include "device_impl.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -35,7 +35,7 @@ typedef struct sim_ctx {
     enum { FAIL_NONE, FAIL_ALLOC, FAIL_LAUNCH } fail;  // the fault switch
     uint64_t fail_at;       // its N
     uint64_t allocs, ops;   // calls so far, for the fault switch
-    const void *bad_free;   // a pointer lm_dev_release was given that is no sim buffer
+    const void *bad_free;   // a pointer lm_dev_buf_free was given that is no sim buffer
     const char *op;         // the operation being checked, for messages
     char name[32];
 } sim_ctx;
@@ -116,7 +116,7 @@ static void sim_destroy(lm_dev *d)
         for (size_t i = 0; i < c->n_bufs; i++)
             free(c->bufs[i].p);
         free(c->bufs);
-        lm_dev_free(c->cpu);
+        lm_dev_destroy(c->cpu);
     }
     free(c);
     free(d);
@@ -408,7 +408,7 @@ static lm_status sim_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_er
 
 // w_tau and weights are host arrays; the vectors w_tau points at are device memory.
 static lm_status sim_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
-                             const float *weights, int k, int64_t n, lm_dev_sign sign, bool normalize,
+                             const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
                              float lambda, lm_err *err)
 {
     lm_status s;
@@ -446,7 +446,7 @@ static const lm_dev_i sim_iface = {
     .name = sim_name,
     .mem_info = sim_mem_info,
     .alloc = sim_alloc,
-    .free = sim_free,
+    .buf_free = sim_free,
     .upload = sim_upload,
     .download = sim_download,
     .sync = sim_sync,

@@ -1,0 +1,501 @@
+// The CPU backend's selection: radix histograms of magnitudes (whole, and a window near an
+// expected threshold), top-k trims by value or by importance, sparsegpt's importance and the
+// Cholesky factorisation it needs (LAPACKE), stored masks, random drops and L1 sums. See
+// cpu_impl.h.
+#include "cpu_impl.h"
+
+#include <lapacke.h>
+
+// ==== selection ===============================================================================
+
+typedef struct hist_job {
+    uint32_t *local;  // (tasks × TABLES × LM_HIST_BINS), zero on entry and on return
+    const float *x;
+    int64_t n, per_task;
+    int level;        // 0, 1, or 2 for level 0 with a window of level 1
+    uint32_t hi_bin;  // level 1: the bin; level 2: the window's first bin
+    uint64_t *hist;   // the caller's histogram (level 2: its count above the window)
+    uint64_t *win;    // level 2: the caller's window histograms
+    int n_win;
+    pthread_mutex_t *mu;
+} hist_job;
+
+// Level 0 counts element i into way i % HIST_WAYS of the task's tables: runs of equal values
+// (common in task vectors of 16-bit models) then increment different counters instead of
+// waiting on one. 32-bit counts suffice: a task sees at most per_task elements, and
+// cpu_hist_abs keeps that below 2^32.
+#define HIST_WAYS 2
+#define TABLES (HIST_WAYS > LM_HIST_WINDOW ? HIST_WAYS : LM_HIST_WINDOW)  // tables per task
+#define LOW_GROUP 256  // level 1: elements whose bin is tested before the matches are counted
+
+// Level 1: the low 16 bits of the magnitudes whose top 16 bits are hi_bin, a few percent of
+// them where the threshold lies. A group's matches are first gathered without a branch, then
+// counted, since a branch per element or per group mispredicts at that rate.
+LM_VECTOR_CLONES static void hist_low(uint32_t *h, const float *x, int64_t n, uint32_t hi_bin)
+{
+    uint32_t found[LOW_GROUP];
+    for (int64_t g = 0; g < n; g += LOW_GROUP) {
+        int64_t cnt = n - g < LOW_GROUP ? n - g : LOW_GROUP, m = 0;
+        for (int64_t e = 0; e < cnt; e++) {
+            uint32_t bits = lm_abs_bits(x[g + e]);
+            found[m] = bits;
+            m += (bits >> 16) == hi_bin;
+        }
+        for (int64_t f = 0; f < m; f++)
+            h[found[f] & 0xFFFFu]++;
+    }
+}
+
+void cpu_win_flush(win_list *l)
+{
+    if (l->tables) {
+        for (int64_t f = 0; f < l->m; f++)
+            l->tables[l->keys[f]]++;
+    } else if (l->m) {
+        pthread_mutex_lock(l->mu);
+        for (int64_t f = 0; f < l->m; f++) {
+            uint32_t key = l->keys[f];
+            l->parts[key >> WIN_PART_SHIFT].win[key & ((1u << WIN_PART_SHIFT) - 1)]++;
+        }
+        pthread_mutex_unlock(l->mu);
+    }
+    l->m = 0;
+}
+
+#ifdef HAVE_AVX512_PATH
+// cpu_hist_win with AVX-512: sixteen magnitudes at a time are compared with the window, those
+// beyond it counted and those in it compressed into the list. The same integer counts as the
+// plain loop's.
+__attribute__((target("avx512f"))) static uint64_t hist_win_avx512(win_list *l, uint32_t off, const float *x,
+                                                                  int64_t n, uint32_t lo_bin, uint32_t n_win)
+{
+    const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF), low_mask = _mm512_set1_epi32(0xFFFF);
+    const __m512i lo = _mm512_set1_epi32((int)lo_bin), width = _mm512_set1_epi32((int)n_win);
+    const __m512i limit = _mm512_set1_epi32((int)(lo_bin + n_win)), base = _mm512_set1_epi32((int)off);
+    uint64_t above = 0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512i bits = _mm512_and_si512(_mm512_loadu_si512((const void *)(x + i)), abs_mask);
+        __m512i top = _mm512_srli_epi32(bits, 16), w = _mm512_sub_epi32(top, lo);
+        __mmask16 in = _mm512_cmplt_epu32_mask(w, width), up = _mm512_cmpge_epu32_mask(top, limit);
+        __m512i key = _mm512_add_epi32(base,
+                                       _mm512_or_si512(_mm512_slli_epi32(w, 16), _mm512_and_si512(bits, low_mask)));
+        // compressed in a register and stored whole (the slack after keys takes the rest): a
+        // compressing store to memory is microcoded and slow on some processors
+        _mm512_storeu_si512((void *)(l->keys + l->m), _mm512_maskz_compress_epi32(in, key));
+        l->m += __builtin_popcount(in);
+        above += (uint64_t)__builtin_popcount(up);
+        if (l->m >= WIN_LIST)
+            cpu_win_flush(l);
+    }
+    for (; i < n; i++) {
+        uint32_t bits = lm_abs_bits(x[i]), top = bits >> 16, w = top - lo_bin;
+        above += top >= lo_bin + n_win;
+        if (w < n_win)
+            l->keys[l->m++] = off + ((w << 16) | (bits & 0xFFFFu));
+    }
+    if (l->m >= WIN_LIST)
+        cpu_win_flush(l);
+    return above;
+}
+#endif
+
+// The window's counts of n values into the tables from `off` (cells): values at or beyond the
+// window are counted and returned, the indices of those in it, (w << 16 | low bits), gathered
+// into l without a branch (as for hist_low). The caller flushes l when its run ends.
+LM_VECTOR_CLONES uint64_t cpu_hist_win(win_list *l, uint32_t off, const float *x, int64_t n, uint32_t lo_bin,
+                                       uint32_t n_win)
+{
+#ifdef HAVE_AVX512_PATH
+    if (__builtin_cpu_supports("avx512f"))
+        return hist_win_avx512(l, off, x, n, lo_bin, n_win);
+#endif
+    uint64_t above = 0;
+    uint32_t limit = lo_bin + n_win;
+    for (int64_t g = 0; g < n; g += LOW_GROUP) {
+        int64_t cnt = n - g < LOW_GROUP ? n - g : LOW_GROUP, m = l->m;
+        uint32_t up = 0;
+        for (int64_t e = 0; e < cnt; e++) {
+            uint32_t bits = lm_abs_bits(x[g + e]), top = bits >> 16, w = top - lo_bin;
+            up += top >= limit;
+            l->keys[m] = off + ((w << 16) | (bits & 0xFFFFu));
+            m += w < n_win;
+        }
+        above += up;
+        l->m = m;
+        if (l->m >= WIN_LIST - LOW_GROUP)
+            cpu_win_flush(l);
+    }
+    return above;
+}
+
+static void hist_task(void *ctx, int64_t t)
+{
+    hist_job *j = ctx;
+    uint32_t *h = j->local + t * TABLES * LM_HIST_BINS;
+    int64_t lo = t * j->per_task, hi = lo + j->per_task < j->n ? lo + j->per_task : j->n, i = lo;
+    const float *x = j->x;
+    uint64_t above = 0;
+    if (j->level == 0) {
+        for (; i + HIST_WAYS <= hi; i += HIST_WAYS)
+            for (int w = 0; w < HIST_WAYS; w++)
+                h[w * LM_HIST_BINS + (lm_abs_bits(x[i + w]) >> 16)]++;
+        for (; i < hi; i++)
+            h[lm_abs_bits(x[i]) >> 16]++;
+    } else if (j->level == 1) {
+        hist_low(h, x + lo, hi - lo, j->hi_bin);
+    } else {
+        win_list l;
+        l.tables = h;
+        l.m = 0;
+        above = cpu_hist_win(&l, 0, x + lo, hi - lo, j->hi_bin, (uint32_t)j->n_win);
+        cpu_win_flush(&l);
+    }
+    // Add the task's counts to the caller's histograms (integer sums: the order does not
+    // matter) and leave the tables zero for the next call.
+    int used = j->level == 0 ? HIST_WAYS : j->level == 1 ? 1 : j->n_win;
+    uint64_t *dst = j->level == 2 ? j->win : j->hist;
+    pthread_mutex_lock(j->mu);
+    if (j->level == 2)
+        *j->hist += above;
+    for (int w = 0; w < used; w++) {
+        uint64_t *out = dst + (j->level == 2 ? (size_t)w * LM_HIST_BINS : 0);
+        for (int64_t b = 0; b < LM_HIST_BINS; b++)
+            out[b] += h[w * LM_HIST_BINS + b];
+    }
+    pthread_mutex_unlock(j->mu);
+    memset(h, 0, (size_t)used * LM_HIST_BINS * sizeof *h);
+}
+
+// Makes c->hist_local at least `cells` counters. The tables stay allocated (and zero) between
+// calls: a histogram of a small slab costs its elements, not a fresh megabyte.
+static lm_status hist_tables(cpu_ctx *c, size_t cells, lm_err *err)
+{
+    if (cells <= c->hist_cells)
+        return LM_OK;
+    free(c->hist_local);
+    c->hist_cells = 0;
+    if (!(c->hist_local = calloc(cells, sizeof(uint32_t))))
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory for a histogram");
+    c->hist_cells = cells;
+    return LM_OK;
+}
+
+static lm_status run_hist(lm_dev *d, hist_job *j, lm_err *err)
+{
+    cpu_ctx *c = d->ctx;
+    int64_t tasks = lm_pool_threads(c->pool);
+    if (tasks > n_blocks(j->n))
+        tasks = n_blocks(j->n);
+    if (tasks < 1)
+        return LM_OK;
+    while ((j->n + tasks - 1) / tasks > (int64_t)UINT32_MAX)
+        tasks++;
+    lm_status s = hist_tables(c, (size_t)tasks * TABLES * LM_HIST_BINS, err);
+    if (s != LM_OK)
+        return s;
+    j->local = c->hist_local;
+    j->per_task = (j->n + tasks - 1) / tasks;
+    j->mu = &c->hist_mu;
+    lm_pool_run(c->pool, tasks, hist_task, j);
+    return LM_OK;
+}
+
+lm_status cpu_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin,
+                          const float *x, int64_t n, lm_err *err)
+{
+    hist_job j = {.x = x, .n = n, .level = 2, .hi_bin = lo_bin, .hist = above, .win = win, .n_win = n_win};
+    return run_hist(d, &j, err);
+}
+
+lm_status cpu_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
+                       uint32_t hi_bin, lm_err *err)
+{
+    hist_job j = {.x = x, .n = n, .level = level, .hi_bin = hi_bin, .hist = hist};
+    return run_hist(d, &j, err);
+}
+
+typedef struct topk_job {
+    float *x;
+    const float *key;  // whose magnitudes decide (x itself for plain top-k)
+    int64_t n;
+    uint32_t thr;
+    int64_t *ties;    // (2 nb) ties in each block, then the ties each block may keep
+    int64_t nb;       // blocks
+} topk_job;
+
+LM_VECTOR_CLONES int64_t cpu_count_ties(const float *x, int64_t lo, int64_t hi, uint32_t thr)
+{
+    int64_t c = 0;
+    for (int64_t i = lo; i < hi; i++)
+        c += lm_abs_bits(x[i]) == thr;
+    return c;
+}
+
+static void topk_count_task(void *ctx, int64_t blk)
+{
+    topk_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    j->ties[blk] = cpu_count_ties(j->key, lo, hi, j->thr);
+}
+
+// Keeps x[i] for i in [lo, hi) when its magnitude bits exceed thr, or equal it and keep_ties.
+LM_VECTOR_CLONES void cpu_topk_keep(float *x, int64_t lo, int64_t hi, uint32_t thr, bool keep_ties)
+{
+    uint32_t floor = keep_ties ? thr : thr + 1;  // thr < 0x7FFFFFFF+1, so no overflow
+    for (int64_t i = lo; i < hi; i++)
+        x[i] = lm_abs_bits(x[i]) >= floor ? x[i] : 0.0f;
+}
+
+// The same decided by key[i] (a separate buffer: the two loops keep their pointers distinct).
+LM_VECTOR_CLONES static void topk_keep_by(float *restrict x, const float *restrict key, int64_t lo, int64_t hi,
+                                          uint32_t thr, bool keep_ties)
+{
+    uint32_t floor = keep_ties ? thr : thr + 1;
+    for (int64_t i = lo; i < hi; i++)
+        x[i] = lm_abs_bits(key[i]) >= floor ? x[i] : 0.0f;
+}
+
+static void keep_range(const topk_job *j, int64_t lo, int64_t hi, bool keep_ties)
+{
+    if (j->key == j->x)
+        cpu_topk_keep(j->x, lo, hi, j->thr, keep_ties);
+    else
+        topk_keep_by(j->x, j->key, lo, hi, j->thr, keep_ties);
+}
+
+static void topk_all_task(void *ctx, int64_t blk)
+{
+    topk_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    keep_range(j, lo, hi, true);
+}
+
+// j->ties holds each block's count of ties, then (from nb on) its share of the ties budget:
+// all of them, none, or (in one block at most) some, kept up to the tie where the share runs
+// out.
+static void topk_apply_task(void *ctx, int64_t blk)
+{
+    topk_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n, cut = lo;
+    int64_t count = j->ties[blk], allowed = j->ties[j->nb + blk];
+    if (allowed == count) {
+        cut = hi;
+    } else {
+        for (; allowed > 0; cut++)
+            allowed -= lm_abs_bits(j->key[cut]) == j->thr;
+    }
+    keep_range(j, lo, cut, true);
+    keep_range(j, cut, hi, false);
+}
+
+static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                          int64_t *ties_used, lm_err *err)
+{
+    int64_t nb = n_blocks(n);
+    if (ties_allowed == LM_TIES_ALL) {
+        // Every tie is kept: one pass, no counting.
+        topk_job all = {x, key, n, thr_bits, NULL, nb};
+        lm_pool_run(pool_of(d), nb, topk_all_task, &all);
+        *ties_used = 0;
+        return LM_OK;
+    }
+    topk_job j = {x, key, n, thr_bits, calloc((size_t)(nb ? 2 * nb : 1), sizeof(int64_t)), nb};
+    if (!j.ties)
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+    lm_pool_run(pool_of(d), nb, topk_count_task, &j);
+    // The ties each block may keep: the budget goes to the lowest indices first.
+    int64_t left = ties_allowed, used = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t take = j.ties[b] < left ? j.ties[b] : left;
+        j.ties[nb + b] = take;
+        left -= take;
+        used += take;
+    }
+    lm_pool_run(pool_of(d), nb, topk_apply_task, &j);
+    free(j.ties);
+    *ties_used = used;
+    return LM_OK;
+}
+
+lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                         int64_t *ties_used, lm_err *err)
+{
+    return topk_run(d, x, x, n, thr_bits, ties_allowed, ties_used, err);
+}
+
+lm_status cpu_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
+                            int64_t ties_allowed, int64_t *ties_used, lm_err *err)
+{
+    return topk_run(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
+}
+
+typedef struct imp_job {
+    float *key;
+    const float *tau;
+    const double *ucc2;
+    int64_t rows, cols;
+} imp_job;
+
+static void importance_task(void *ctx, int64_t r)
+{
+    imp_job *j = ctx;
+    const float *t = j->tau + r * j->cols;
+    float *k = j->key + r * j->cols;
+    for (int64_t c = 0; c < j->cols; c++) {
+        double v = t[c];
+        k[c] = (float)(v * v / j->ucc2[c]);
+    }
+}
+
+lm_status lm_cpu_potrf(double *a, int64_t n, double *diag, int *info)
+{
+    lapack_int N = (lapack_int)n;
+    *info = (int)LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'U', N, a, N);
+    // a negative info is an argument LAPACK refused: n and the leading dimension are the only
+    // ones that vary, and lm_dev_potrf has checked them
+    if (*info != 0)
+        return LM_ERR_FORMAT;
+    for (int64_t c = 0; c < n; c++)
+        diag[c] = a[c * n + c];
+    return LM_OK;
+}
+
+lm_status cpu_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
+{
+    int info;
+    if (lm_cpu_potrf(a, n, diag, &info) != LM_OK)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: the %" PRId64 " x %" PRId64 " matrix is not positive definite "
+                          "(LAPACK dpotrf info %d)", lm_dev_name(d), n, n, info);
+    return LM_OK;
+}
+
+lm_status cpu_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,
+                         int64_t cols, lm_err *err)
+{
+    (void)err;
+    imp_job j = {key, tau, ucc2, rows, cols};
+    lm_pool_run(pool_of(d), rows, importance_task, &j);
+    return LM_OK;
+}
+
+// ==== stored masks ============================================================================
+
+typedef struct mask_job {
+    float *x;         // mask_apply
+    const float *cx;  // mask_get
+    uint8_t *bits;
+    const uint8_t *cbits;
+    int64_t first, n;
+    int64_t b0;  // mask_get: first rounded down to a byte, where block 0 starts
+} mask_job;
+
+// Bits [b0 + blk·BLOCK, b0 + (blk + 1)·BLOCK) ∩ [first, first + n): whole bytes per task (BLOCK
+// is a multiple of 8), so no two tasks write one byte.
+static void mask_get_task(void *ctx, int64_t blk)
+{
+    mask_job *j = ctx;
+    int64_t end = j->first + j->n, lo = j->b0 + blk * BLOCK, hi = lo + BLOCK < end ? lo + BLOCK : end;
+    lo = lo > j->first ? lo : j->first;
+    int64_t b = lo;
+    for (; b < hi && (b & 7); b++) {  // a partial first byte, bit by bit
+        uint8_t m = (uint8_t)(1u << (b & 7));
+        j->bits[b >> 3] = j->cx[b - j->first] != 0.0f ? (uint8_t)(j->bits[b >> 3] | m) : (uint8_t)(j->bits[b >> 3] & ~m);
+    }
+    for (; b + 8 <= hi; b += 8) {
+        const float *x = j->cx + (b - j->first);
+        unsigned v = 0;
+        for (int k = 0; k < 8; k++)
+            v |= (unsigned)(x[k] != 0.0f) << k;
+        j->bits[b >> 3] = (uint8_t)v;
+    }
+    for (; b < hi; b++) {  // a partial last byte
+        uint8_t m = (uint8_t)(1u << (b & 7));
+        j->bits[b >> 3] = j->cx[b - j->first] != 0.0f ? (uint8_t)(j->bits[b >> 3] | m) : (uint8_t)(j->bits[b >> 3] & ~m);
+    }
+}
+
+lm_status cpu_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
+{
+    if (n < 0 || first < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "mask_get of %lld elements from %lld", (long long)n, (long long)first);
+    mask_job j = {.cx = x, .bits = bits, .first = first, .n = n, .b0 = first & ~(int64_t)7};
+    int64_t span = first + n - j.b0;
+    lm_pool_run(pool_of(d), n ? (span + BLOCK - 1) / BLOCK : 0, mask_get_task, &j);
+    return LM_OK;
+}
+
+static void mask_apply_task(void *ctx, int64_t blk)
+{
+    mask_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t e = lo; e < hi; e++) {
+        int64_t b = j->first + e;
+        j->x[e] = j->cbits[b >> 3] >> (b & 7) & 1 ? j->x[e] : 0.0f;
+    }
+}
+
+lm_status cpu_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err)
+{
+    if (n < 0 || first < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "mask_apply of %lld elements from %lld", (long long)n,
+                          (long long)first);
+    mask_job j = {.x = x, .cbits = bits, .first = first, .n = n};
+    lm_pool_run(pool_of(d), n_blocks(n), mask_apply_task, &j);
+    return LM_OK;
+}
+
+typedef struct drop_job {
+    float *x;
+    int64_t n, first;
+    uint64_t key, below;
+} drop_job;
+
+static void drop_task(void *ctx, int64_t blk)
+{
+    drop_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t i = lo; i < hi; i++)
+        if (!lm_rng_keep(j->key, j->first + i, j->below))
+            j->x[i] = 0.0f;
+}
+
+lm_status cpu_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
+                          uint64_t keep_below, lm_err *err)
+{
+    (void)err;
+    drop_job j = {x, n, first, key, keep_below};
+    lm_pool_run(pool_of(d), n_blocks(n), drop_task, &j);
+    return LM_OK;
+}
+
+typedef struct l1_job {
+    const float *x;
+    int64_t n;
+    double *partial;  // (blocks)
+} l1_job;
+
+static void l1_task(void *ctx, int64_t blk)
+{
+    l1_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    double s = 0;
+    for (int64_t i = lo; i < hi; i++)
+        s += fabs((double)j->x[i]);
+    j->partial[blk] = s;
+}
+
+lm_status cpu_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err)
+{
+    int64_t nb = n_blocks(n);
+    l1_job j = {x, n, calloc((size_t)(nb ? nb : 1), sizeof(double))};
+    if (!j.partial)
+        return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
+    lm_pool_run(pool_of(d), nb, l1_task, &j);
+    double s = 0;
+    for (int64_t b = 0; b < nb; b++)
+        s += j.partial[b];
+    free(j.partial);
+    *out = s;
+    return LM_OK;
+}
