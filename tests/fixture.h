@@ -1,18 +1,22 @@
 // What several test programs build their inputs with: a safetensors file written by hand from
 // a list of tensors (header and data laid out as the format says, no library writer involved,
-// so that the reader is tested against bytes it did not produce), the generated fixtures'
-// directory (LLMERGE_FIXTURES, which ctest sets), and merge options with the command line's
-// defaults. Inline, so a program uses only what it needs.
+// so that the reader is tested against bytes it did not produce), the tensor list of a tiny
+// Llama, the generated fixtures (LLMERGE_FIXTURES, which ctest sets: its directory, and its
+// models and adapters opened), and merge options with the command line's defaults. Inline, so a
+// program uses only what it needs.
 #ifndef LM_TEST_FIXTURE_H
 #define LM_TEST_FIXTURE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "adapter.h"
 #include "check.h"
 #include "merge.h"
+#include "model.h"
 #include "util.h"
 
 // ==== a safetensors file by hand ==============================================================
@@ -97,6 +101,40 @@ static inline void fixture_write_st(const char *dir, const char *file, const fix
     free(hdr);
 }
 
+// ==== a tiny Llama ============================================================================
+
+// The tensors of a tiny Llama (2 layers, hidden 8, intermediate 12, 2 heads of 4, 1 kv head,
+// vocab 16) in state-dict order, F32, with the q, k, v and o projections' biases where bias
+// (attention_bias): fills ts, which has room for 64, and returns the count.
+static inline int fixture_tiny_llama(fixture_tensor *ts, bool bias)
+{
+    int n = 0;
+    char name[112];
+    ts[n++] = fixture_t2("model.embed_tokens.weight", 16, 8);
+    for (int l = 0; l < 2; l++) {
+        static const struct { const char *m; int64_t o, i; } lin[] = {
+            {"self_attn.q_proj", 8, 8}, {"self_attn.k_proj", 4, 8}, {"self_attn.v_proj", 4, 8},
+            {"self_attn.o_proj", 8, 8}, {"mlp.gate_proj", 12, 8}, {"mlp.up_proj", 12, 8},
+            {"mlp.down_proj", 8, 12},
+        };
+        for (int k = 0; k < 7; k++) {
+            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, lin[k].m);
+            ts[n++] = fixture_t2(name, lin[k].o, lin[k].i);
+            if (bias && k < 4) {
+                snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, lin[k].m);
+                ts[n++] = fixture_t1(name, lin[k].o);
+            }
+        }
+        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
+        ts[n++] = fixture_t1(name, 8);
+        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
+        ts[n++] = fixture_t1(name, 8);
+    }
+    ts[n++] = fixture_t1("model.norm.weight", 8);
+    ts[n++] = fixture_t2("lm_head.weight", 16, 8);
+    return n;
+}
+
 // ==== the generated fixtures ==================================================================
 
 // LLMERGE_FIXTURES, set by main.
@@ -106,6 +144,41 @@ static const char *fixtures __attribute__((unused));
 static inline char *fx(const char *name)
 {
     return lm_path_join(fixtures, name);
+}
+
+// Sets `fixtures` from LLMERGE_FIXTURES. Returns false, after a line on stderr naming the
+// program prog, where it is not set or empty (the program was not run by ctest).
+static inline bool fixture_env(const char *prog)
+{
+    fixtures = getenv("LLMERGE_FIXTURES");
+    if (!fixtures || !*fixtures) {
+        fprintf(stderr, "%s: LLMERGE_FIXTURES is not set (ctest sets it)\n", prog);
+        return false;
+    }
+    return true;
+}
+
+// The model fixtures/name, opened, or NULL after a failed check; free it with lm_model_free.
+static inline lm_model *fixture_model(const char *name)
+{
+    char *p = fx(name);
+    lm_model *m = NULL;
+    lm_err err;
+    CHECK_OK(lm_model_open(&m, p, &err), &err);
+    free(p);
+    return m;
+}
+
+// The adapter fixtures/name, opened, or NULL after a failed check; free it with
+// lm_adapter_free.
+static inline lm_adapter *fixture_adapter(const char *name)
+{
+    char *p = fx(name);
+    lm_adapter *a = NULL;
+    lm_err err;
+    CHECK_OK(lm_adapter_open(&a, p, &err), &err);
+    free(p);
+    return a;
 }
 
 // ==== merge options ===========================================================================

@@ -1,10 +1,9 @@
 // The reference forward pass the forward-pass and Hessian tests compare with: Hugging Face's
 // semantics written out in double precision, one sequence at a time, with plain loops straight
 // from docs/formats.md "The forward pass" and nothing shared with lib/forward.c, so the two
-// cannot agree by sharing a
-// mistake. Also the fixture helpers both tests use. For test programs only (static functions;
-// each includes it once). The program sets `fixtures` to the fixtures directory before calling
-// fx.
+// cannot agree by sharing a mistake. Also the calibration sequences both tests load from the
+// fixtures. For test programs only (static functions; each includes it once). The program sets
+// `fixtures` (fixture_env) before loading them.
 #ifndef LM_TEST_REF_FORWARD_H
 #define LM_TEST_REF_FORWARD_H
 
@@ -393,26 +392,6 @@ static void free_seqs(seqs *q)
 {
     lm_calib_free(&q->c);
     free(q->s);
-}
-
-static lm_model *open_model(const char *name)
-{
-    char *p = fx(name);
-    lm_model *m = NULL;
-    lm_err err;
-    CHECK_OK(lm_model_open(&m, p, &err), &err);
-    free(p);
-    return m;
-}
-
-static lm_adapter *open_adapter(const char *name)
-{
-    char *p = fx(name);
-    lm_adapter *a = NULL;
-    lm_err err;
-    CHECK_OK(lm_adapter_open(&a, p, &err), &err);
-    free(p);
-    return a;
 }
 
 #endif

@@ -43,9 +43,9 @@ static const char *K(int layer, const char *module, const char *suffix)
     return b;
 }
 
-// The tiny Llama base of test_model.c: 2 layers, hidden 8, intermediate 12, 2 heads of 4,
-// 1 kv head, vocab 16; with `bias`, attention_bias (q, k, v, o biases). Tensor `odd` (may be
-// NULL) is written in dtype `odd_dt` instead of F32.
+// fixture.h's tiny Llama as a base: 2 layers, hidden 8, intermediate 12, 2 heads of 4, 1 kv
+// head, vocab 16; with `bias`, attention_bias (q, k, v, o biases). Tensor `odd` (may be NULL) is
+// written in dtype `odd_dt` instead of F32.
 static void write_base_odd(const char *dir, bool bias, const char *odd, const char *odd_dt);
 
 static void write_base(const char *dir, bool bias)
@@ -63,30 +63,7 @@ static void write_base_odd(const char *dir, bool bias, const char *odd, const ch
              bias ? "true" : "false");
     write_text(dir, "config.json", cfg);
     fixture_tensor ts[64];
-    int n = 0;
-    char name[112];
-    ts[n++] = fixture_t2("model.embed_tokens.weight", 16, 8);
-    for (int l = 0; l < 2; l++) {
-        static const struct { const char *m; int64_t o, i; } lin[] = {
-            {"self_attn.q_proj", 8, 8}, {"self_attn.k_proj", 4, 8}, {"self_attn.v_proj", 4, 8},
-            {"self_attn.o_proj", 8, 8}, {"mlp.gate_proj", 12, 8}, {"mlp.up_proj", 12, 8},
-            {"mlp.down_proj", 8, 12},
-        };
-        for (int k = 0; k < 7; k++) {
-            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, lin[k].m);
-            ts[n++] = fixture_t2(name, lin[k].o, lin[k].i);
-            if (bias && k < 4) {
-                snprintf(name, sizeof name, "model.layers.%d.%s.bias", l, lin[k].m);
-                ts[n++] = fixture_t1(name, lin[k].o);
-            }
-        }
-        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-        ts[n++] = fixture_t1(name, 8);
-        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
-        ts[n++] = fixture_t1(name, 8);
-    }
-    ts[n++] = fixture_t1("model.norm.weight", 8);
-    ts[n++] = fixture_t2("lm_head.weight", 16, 8);
+    int n = fixture_tiny_llama(ts, bias);
     for (int i = 0; odd && i < n; i++)
         if (strcmp(ts[i].name, odd) == 0)
             ts[i].dtype = odd_dt;

@@ -779,11 +779,8 @@ static void test_engine(void)
 
 int main(void)
 {
-    fixtures = getenv("LLMERGE_FIXTURES");
-    if (!fixtures) {
-        fprintf(stderr, "test_cache: LLMERGE_FIXTURES is not set (ctest sets it)\n");
+    if (!fixture_env("test_cache"))
         return 1;
-    }
     test_keys();
     test_digests();
     test_entry_round_trip();

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "fixture.h"
 #include "merge.h"
 #include "testfs.h"
 #include "util.h"
@@ -134,19 +135,12 @@ static outcome merge_on(const char *root, const lm_merge_opts *o, const char *ba
     return out;
 }
 
+// The defaults for method m over the first n_ft of four FTs, with seed 11, BF16 output and two
+// threads.
 static lm_merge_opts opts(lm_merge_method m, int n_ft)
 {
     static const double w[4] = {1.0, 0.7, 1.3, 0.5}, d[4] = {0.3, 0.5, 0.2, 0.6};
-    lm_merge_opts o;
-    memset(&o, 0, sizeof o);
-    o.method = m;
-    o.n_ft = n_ft;
-    o.weights = w;
-    o.densities = d;
-    o.lambda = 1.0;
-    o.normalize = lm_merge_default_normalize(m);
-    o.sign = LM_SIGN_SUM;
-    o.rescale = LM_RESCALE_INV;
+    lm_merge_opts o = fixture_merge_opts(m, n_ft, w, d);
     o.seed = 11;
     o.out_dtype = LM_DTYPE_BF16;
     o.threads = 2;
@@ -239,15 +233,11 @@ static void sweep(const char *root, const char *what, const lm_merge_opts *o, co
 
 int main(void)
 {
-    const char *fx = getenv("LLMERGE_FIXTURES");
-    if (!fx) {
-        fprintf(stderr, "test_fallback: LLMERGE_FIXTURES is not set (ctest sets it)\n");
+    if (!fixture_env("test_fallback"))
         return 1;
-    }
     char *root = make_tmpdir();
-    char *base = lm_path_join(fx, "base");
-    char *p[6] = {lm_path_join(fx, "lora_plain"), lm_path_join(fx, "lora_dora"), lm_path_join(fx, "ft_full"),
-                  lm_path_join(fx, "ft_full2"), lm_path_join(fx, "lora_rslora"), lm_path_join(fx, "lora_mts")};
+    char *base = fx("base");
+    char *p[6] = {fx("lora_plain"), fx("lora_dora"), fx("ft_full"), fx("ft_full2"), fx("lora_rslora"), fx("lora_mts")};
 
     // (a) and (c): two adapters and a full model, TIES. Slabs of 512 elements keep each
     // tensor's working set below the adapters' factors, as with a real model's, so there are

@@ -160,7 +160,7 @@ static void check_changes(const char *label, const double *with, const double *w
 static void test_reference(lm_dev *cpu)
 {
     lm_err err;
-    lm_model *base = open_model("base"), *qwen = open_model("qwen"), *l3 = open_model("llama3");
+    lm_model *base = fixture_model("base"), *qwen = fixture_model("qwen"), *l3 = fixture_model("llama3");
     if (!base || !qwen || !l3)
         goto out;
     int64_t n = 0;
@@ -173,7 +173,7 @@ static void test_reference(lm_dev *cpu)
     double *b0 = check_model(cpu, "base", base, NULL, false);
     static const char *const ads[] = {"lora_plain", "lora_rslora", "lora_mts"};
     for (int i = 0; i < 3; i++) {
-        lm_adapter *a = open_adapter(ads[i]);
+        lm_adapter *a = fixture_adapter(ads[i]);
         char label[64];
         snprintf(label, sizeof label, "base + %s", ads[i]);
         double *r = check_model(cpu, label, base, a, false);
@@ -183,7 +183,7 @@ static void test_reference(lm_dev *cpu)
     }
 
     double *q0 = check_model(cpu, "qwen", qwen, NULL, false);
-    lm_adapter *lb = open_adapter("lora_bias");
+    lm_adapter *lb = fixture_adapter("lora_bias");
     double *q1 = check_model(cpu, "qwen + lora_bias", qwen, lb, false);
     check_changes("qwen + lora_bias", q1, q0, n);
     free(q0);
@@ -285,7 +285,7 @@ static void test_reference(lm_dev *cpu)
 
     lm_fwd *f = NULL;
     // an adapter of another base does not fit
-    lm_adapter *lb2 = open_adapter("lora_bias");
+    lm_adapter *lb2 = fixture_adapter("lora_bias");
     if (lb2)
         CHECK_FAILS(lm_fwd_create(&f, base, lb2, cpu, &err), LM_ERR_MISMATCH, "", &err);
     lm_adapter_free(lb2);
@@ -440,9 +440,9 @@ static void check_dora(lm_dev *cpu, const char *label, lm_model *m, lm_adapter *
 static void test_dora(lm_dev *cpu, lm_dev *sim)
 {
     lm_err err;
-    lm_model *base = open_model("base"), *qwen = open_model("qwen");
+    lm_model *base = fixture_model("base"), *qwen = fixture_model("qwen");
     // the fixture: DoRA on q_proj and v_proj of the Llama base
-    lm_adapter *fxd = open_adapter("lora_dora");
+    lm_adapter *fxd = fixture_adapter("lora_dora");
     CHECK_OK(lm_fwd_check(base, fxd, &err), &err);
     check_dora(cpu, "base + lora_dora", base, fxd);
 
@@ -534,15 +534,15 @@ static lm_status on_hook(void *ctx, lm_dev *dev, int layer, lm_fwd_point point, 
 static void test_batches(lm_dev *cpu1, lm_dev *cpu3, lm_dev *sim)
 {
     lm_err err;
-    lm_model *m = open_model("llama3");
+    lm_model *m = fixture_model("llama3");
     lm_adapter *a = NULL;
-    lm_model *base = open_model("base");
+    lm_model *base = fixture_model("base");
     if (!m || !base) {
         lm_model_free(m);
         lm_model_free(base);
         return;
     }
-    a = open_adapter("lora_rslora");
+    a = fixture_adapter("lora_rslora");
     int64_t V = m->config.vocab_size;
     seqs q;
     load_seqs(&q, V);
@@ -754,8 +754,8 @@ static lm_fwd_runner run_on_budget(const lm_model *m, const lm_adapter *a, uint6
 static void test_fallbacks(lm_dev *cpu)
 {
     lm_err err;
-    lm_model *m = open_model("base");
-    lm_adapter *a = open_adapter("lora_mts");
+    lm_model *m = fixture_model("base");
+    lm_adapter *a = fixture_adapter("lora_mts");
     if (!m || !a) {
         lm_model_free(m);
         lm_adapter_free(a);
@@ -910,7 +910,7 @@ static void test_ops(lm_dev *cpu, lm_dev *sim)
     CHECK_FAILS(lm_dev_require(&fake, LM_OP_FORWARD, &err), LM_ERR_UNSUPPORTED, "rope", &err);
     CHECK_OK(lm_dev_require(cpu, LM_OP_FORWARD, &err), &err);
     CHECK_OK(lm_dev_require(sim, LM_OP_FORWARD, &err), &err);
-    lm_model *m = open_model("qwen");
+    lm_model *m = fixture_model("qwen");
     if (m) {
         lm_fwd *f = NULL;
         CHECK_FAILS(lm_fwd_create(&f, m, NULL, &fake, &err), LM_ERR_UNSUPPORTED, "rope", &err);
@@ -928,11 +928,8 @@ static void test_ops(lm_dev *cpu, lm_dev *sim)
 
 int main(void)
 {
-    fixtures = getenv("LLMERGE_FIXTURES");
-    if (!fixtures || !*fixtures) {
-        fprintf(stderr, "test_forward: LLMERGE_FIXTURES is not set (ctest sets it)\n");
+    if (!fixture_env("test_forward"))
         return 1;
-    }
     lm_err err;
     lm_dev *cpu1 = NULL, *cpu3 = NULL, *sim = NULL;
     CHECK_OK(lm_dev_cpu_create(&cpu1, 1, &err), &err);

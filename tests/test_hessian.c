@@ -227,8 +227,8 @@ static void test_reference(lm_dev *cpu)
                                            {"qwen", NULL}, {"qwen", "lora_bias"}};
     hset without = {0};
     for (int i = 0; i < 5; i++) {
-        lm_model *m = open_model(cases[i][0]);
-        lm_adapter *a = cases[i][1] ? open_adapter(cases[i][1]) : NULL;
+        lm_model *m = fixture_model(cases[i][0]);
+        lm_adapter *a = cases[i][1] ? fixture_adapter(cases[i][1]) : NULL;
         if (m && (a || !cases[i][1])) {
             char label[64];
             snprintf(label, sizeof label, "%s%s%s", cases[i][0], a ? " + " : "", a ? cases[i][1] : "");
@@ -274,8 +274,8 @@ static void poison_heap(const lm_config *cfg)
 static void test_batches_and_devices(lm_dev *cpu)
 {
     lm_err err = {0};
-    lm_model *m = open_model("base");
-    lm_adapter *a = open_adapter("lora_plain");
+    lm_model *m = fixture_model("base");
+    lm_adapter *a = fixture_adapter("lora_plain");
     if (!m || !a)
         goto out;
     seqs q;
@@ -499,8 +499,8 @@ static lm_status on_each(void *ctx, int64_t layer, lm_fwd_point p, const float *
 static void test_each_hessian(lm_dev *cpu)
 {
     lm_err err = {0};
-    lm_model *m = open_model("base");
-    lm_adapter *a = open_adapter("lora_plain");
+    lm_model *m = fixture_model("base");
+    lm_adapter *a = fixture_adapter("lora_plain");
     if (!m || !a)
         goto out;
     seqs q;
@@ -578,8 +578,8 @@ static void capture_by_hook(const lm_model *m, const lm_adapter *a, lm_dev *dev,
 static void test_syrk_accumulation(lm_dev *cpu)
 {
     lm_err err = {0};
-    lm_model *m = open_model("base");
-    lm_adapter *a = open_adapter("lora_plain");
+    lm_model *m = fixture_model("base");
+    lm_adapter *a = fixture_adapter("lora_plain");
     if (!m || !a)
         goto out;
     seqs q;
@@ -853,11 +853,8 @@ static void test_importance(void)
 
 int main(void)
 {
-    fixtures = getenv("LLMERGE_FIXTURES");
-    if (!fixtures || !*fixtures) {
-        fprintf(stderr, "test_hessian: LLMERGE_FIXTURES is not set (ctest sets it)\n");
+    if (!fixture_env("test_hessian"))
         return 1;
-    }
     lm_err err;
     lm_dev *cpu = NULL;
     CHECK_OK(lm_dev_cpu_create(&cpu, 2, &err), &err);

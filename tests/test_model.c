@@ -23,38 +23,13 @@
 
 // ==== helpers =================================================================================
 
-// A tiny Llama: 2 layers, hidden 8, intermediate 12, 2 heads of 4, 1 kv head, vocab 16.
+// The config.json of fixture.h's tiny Llama (fixture_tiny_llama has its tensors): 2 layers,
+// hidden 8, intermediate 12, 2 heads of 4, 1 kv head, vocab 16.
 #define TINY_LLAMA_CONFIG                                                                          \
     "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": 8, "  \
     "\"intermediate_size\": 12, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "            \
     "\"num_key_value_heads\": 1, \"vocab_size\": 16, \"rms_norm_eps\": 1e-05, "                    \
     "\"torch_dtype\": \"float32\", \"tie_word_embeddings\": false}"
-
-// Its tensors in state-dict order; returns the count.
-static int tiny_llama_tensors(fixture_tensor *ts)
-{
-    int n = 0;
-    char name[96];
-    ts[n++] = fixture_t2("model.embed_tokens.weight", 16, 8);
-    for (int l = 0; l < 2; l++) {
-        static const struct { const char *m; int64_t o, i; } lin[] = {
-            {"self_attn.q_proj", 8, 8}, {"self_attn.k_proj", 4, 8}, {"self_attn.v_proj", 4, 8},
-            {"self_attn.o_proj", 8, 8}, {"mlp.gate_proj", 12, 8}, {"mlp.up_proj", 12, 8},
-            {"mlp.down_proj", 8, 12},
-        };
-        for (int k = 0; k < 7; k++) {
-            snprintf(name, sizeof name, "model.layers.%d.%s.weight", l, lin[k].m);
-            ts[n++] = fixture_t2(name, lin[k].o, lin[k].i);
-        }
-        snprintf(name, sizeof name, "model.layers.%d.input_layernorm.weight", l);
-        ts[n++] = fixture_t1(name, 8);
-        snprintf(name, sizeof name, "model.layers.%d.post_attention_layernorm.weight", l);
-        ts[n++] = fixture_t1(name, 8);
-    }
-    ts[n++] = fixture_t1("model.norm.weight", 8);
-    ts[n++] = fixture_t2("lm_head.weight", 16, 8);
-    return n;
-}
 
 static int cmp_tt_name(const void *a, const void *b)
 {
@@ -434,7 +409,7 @@ static void test_arch(void)
     lm_arch_desc d;
     CHECK_OK(lm_arch_describe(&d, &c, &err), &err);
     fixture_tensor want[64];
-    int n = tiny_llama_tensors(want);
+    int n = fixture_tiny_llama(want, false);
     CHECK(d.n_tensors == n);
     int64_t params = 0;
     for (int i = 0; i < n && i < d.n_tensors; i++) {
@@ -520,7 +495,7 @@ static void test_model_single(void)
     char *dir = make_tmpdir();
     write_text(dir, "config.json", TINY_LLAMA_CONFIG);
     fixture_tensor ts[64];
-    int n = tiny_llama_tensors(ts);
+    int n = fixture_tiny_llama(ts, false);
     // Laid out sorted by name as the writer does: listing follows the data, not the config.
     qsort(ts, (size_t)n, sizeof ts[0], cmp_tt_name);
     fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
@@ -553,7 +528,7 @@ static void test_model_single(void)
 
     // A wrong shape names the tensor and both shapes; a missing one names the tensor; an
     // extra one is counted.
-    n = tiny_llama_tensors(ts);
+    n = fixture_tiny_llama(ts, false);
     ts[2] = fixture_t2("model.layers.0.self_attn.k_proj.weight", 8, 8);  // kv heads make it [4, 8]
     ts[n - 2] = fixture_t1("model.extra.weight", 8);                     // replaces model.norm.weight
     fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
@@ -566,7 +541,7 @@ static void test_model_single(void)
         CHECK(extra == 1);
     }
     lm_model_free(m);
-    n = tiny_llama_tensors(ts);
+    n = fixture_tiny_llama(ts, false);
     ts[n - 2] = fixture_t1("model.extra.weight", 8);
     fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
     CHECK_OK(lm_model_open(&m, dir, &err), &err);
@@ -580,7 +555,7 @@ static void test_model_single(void)
                "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 8, "
                "\"intermediate_size\": 12, \"num_hidden_layers\": 2, \"num_attention_heads\": 2, "
                "\"num_key_value_heads\": 1, \"vocab_size\": 16, \"tie_word_embeddings\": true}");
-    n = tiny_llama_tensors(ts);
+    n = fixture_tiny_llama(ts, false);
     fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
     CHECK_OK(lm_model_open(&m, dir, &err), &err);
     if (m) {
@@ -634,7 +609,7 @@ static void test_model_missing_files(void)
 // index when not NULL.
 static int write_sharded(const char *dir, fixture_tensor *ts)
 {
-    int n = tiny_llama_tensors(ts);
+    int n = fixture_tiny_llama(ts, false);
     int first = 10;  // embed + 9 tensors of layer 0
     fixture_write_st(dir, "model-00001-of-00002.safetensors", ts, first, FIXTURE_PATTERN);
     fixture_write_st(dir, "model-00002-of-00002.safetensors", ts + first, n - first, FIXTURE_PATTERN);
@@ -770,7 +745,7 @@ static void test_model_config_bom(void)
     char *dir = make_tmpdir();
     write_text(dir, "config.json", "\xEF\xBB\xBF" TINY_LLAMA_CONFIG);
     fixture_tensor ts[64];
-    int n = tiny_llama_tensors(ts);
+    int n = fixture_tiny_llama(ts, false);
     fixture_write_st(dir, "model.safetensors", ts, n, FIXTURE_PATTERN);
     lm_model *m = NULL;
     lm_err err;
@@ -795,7 +770,7 @@ static void test_model_compare(void)
     write_text(bd, "config.json", TINY_LLAMA_CONFIG);
     write_text(fd, "config.json", TINY_LLAMA_CONFIG);
     fixture_tensor ts[64];
-    int n = tiny_llama_tensors(ts);
+    int n = fixture_tiny_llama(ts, false);
     fixture_write_st(bd, "model.safetensors", ts, n, FIXTURE_PATTERN);
     // The fine-tune: sharded differently, one extra tensor.
     fixture_tensor more[65];

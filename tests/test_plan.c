@@ -17,6 +17,7 @@
 #include "adapter.h"
 #include "check.h"
 #include "device.h"
+#include "fixture.h"
 #include "forward.h"
 #include "hessian.h"
 #include "model.h"
@@ -24,27 +25,13 @@
 #include "st_writer.h"
 #include "util.h"
 
-static const char *fixtures;
-
-static lm_model *open_model(const char *name)
-{
-    lm_err err = {0};
-    char *dir = lm_path_join(fixtures, name);
-    lm_model *m = NULL;
-    CHECK_OK(lm_model_open(&m, dir, &err), &err);
-    free(dir);
-    return m;
-}
-
+// The adapter fixtures/name, opened and validated against base; NULL where it did not open.
 static lm_adapter *open_adapter(const char *name, const lm_model *base)
 {
     lm_err err = {0};
-    char *dir = lm_path_join(fixtures, name);
-    lm_adapter *a = NULL;
-    CHECK_OK(lm_adapter_open(&a, dir, &err), &err);
+    lm_adapter *a = fixture_adapter(name);
     if (a)
         CHECK_OK(lm_adapter_validate(a, base, &err), &err);
-    free(dir);
     return a;
 }
 
@@ -84,7 +71,7 @@ static void check_weights(const char *label, const lm_model *m, const lm_adapter
 
 static void test_weights(lm_dev *cpu, lm_dev *sim)
 {
-    lm_model *base = open_model("base"), *qwen = open_model("qwen"), *llama3 = open_model("llama3");
+    lm_model *base = fixture_model("base"), *qwen = fixture_model("qwen"), *llama3 = fixture_model("llama3");
     lm_adapter *plain = base ? open_adapter("lora_plain", base) : NULL;
     lm_adapter *rs = base ? open_adapter("lora_rslora", base) : NULL;
     lm_adapter *mts = base ? open_adapter("lora_mts", base) : NULL;
@@ -156,7 +143,7 @@ static void check_accumulators(const lm_model *m, uint64_t budget, uint64_t take
 
 static void test_accumulators(void)
 {
-    lm_model *base = open_model("base");
+    lm_model *base = fixture_model("base");
     if (!base)
         return;
     // 16 KiB per [64, 64] accumulator, 64 KiB per [128, 128]: 224 KiB in all
@@ -297,7 +284,7 @@ static void check_capture(const char *label, const lm_model *m, const lm_adapter
 
 static void test_runner(void)
 {
-    lm_model *base = open_model("base");
+    lm_model *base = fixture_model("base");
     lm_adapter *plain = base ? open_adapter("lora_plain", base) : NULL;
     lm_adapter *dora = base ? open_adapter("lora_dora", base) : NULL;
     if (!base || !plain || !dora) {
@@ -371,14 +358,14 @@ static void test_point_of(void)
 static void test_plan(void)
 {
     lm_err err = {0};
-    lm_model *base = open_model("base");
+    lm_model *base = fixture_model("base");
     if (!base)
         return;
     lm_ft *fts[2] = {NULL, NULL};
-    char *p1 = lm_path_join(fixtures, "lora_plain"), *p2 = lm_path_join(fixtures, "ft_full");
+    char *p1 = fx("lora_plain"), *p2 = fx("ft_full");
     CHECK_OK(lm_ft_open(&fts[0], p1, base, &err), &err);
     CHECK_OK(lm_ft_open(&fts[1], p2, base, &err), &err);
-    char *cpath = lm_path_join(fixtures, "calib/calib.jsonl");
+    char *cpath = fx("calib/calib.jsonl");
     lm_calib cal;
     lm_calib_opts co = {.vocab_size = 256};
     CHECK_OK(lm_calib_load(&cal, cpath, &co, &err), &err);
@@ -493,13 +480,13 @@ static bool run_on_sim(const lm_merge_opts *o, const lm_model *base, lm_ft *cons
 static void test_units(void)
 {
     lm_err err = {0};
-    lm_model *base = open_model("base");
+    lm_model *base = fixture_model("base");
     if (!base)
         return;
     const char *names[3] = {"ft_full", "lora_plain", "lora_dora"};
     lm_ft *fts[3] = {NULL, NULL, NULL};
     for (int i = 0; i < 3; i++) {
-        char *dir = lm_path_join(fixtures, names[i]);
+        char *dir = fx(names[i]);
         CHECK_OK(lm_ft_open(&fts[i], dir, base, &err), &err);
         free(dir);
     }
@@ -551,11 +538,8 @@ static void test_units(void)
 
 int main(void)
 {
-    fixtures = getenv("LLMERGE_FIXTURES");
-    if (!fixtures || !*fixtures) {
-        fprintf(stderr, "test_plan: LLMERGE_FIXTURES is not set (ctest sets it)\n");
+    if (!fixture_env("test_plan"))
         return 1;
-    }
     lm_err err = {0};
     lm_dev *cpu = NULL, *sim = NULL;
     CHECK_OK(lm_dev_cpu_create(&cpu, 2, &err), &err);
