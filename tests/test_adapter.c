@@ -76,6 +76,44 @@ static void write_adapter(const char *dir, const char *config, const fixture_ten
     fixture_write_st(dir, "adapter_model.safetensors", ts, n, FIXTURE_ZEROS);
 }
 
+// Writes the adapter (config and the n tensors ts) into dir and opens it. Returns the adapter,
+// or NULL after a failed check; the caller frees it with lm_adapter_free.
+static lm_adapter *write_open(const char *dir, const char *config, const fixture_tensor *ts, int n)
+{
+    write_adapter(dir, config, ts, n);
+    lm_adapter *a = NULL;
+    lm_err err;
+    CHECK_OK(lm_adapter_open(&a, dir, &err), &err);
+    return a;
+}
+
+// A test's directory: fixture.h's tiny Llama without biases written to root/base and opened,
+// and root/adapter for the test's adapter. Remove it all with tiny_close.
+typedef struct tiny {
+    char *root, *base_dir, *ad;
+    lm_model *base;  // NULL after a failed check
+} tiny;
+
+static tiny tiny_open(void)
+{
+    tiny t = {.root = make_tmpdir()};
+    t.base_dir = subdir(t.root, "base");
+    t.ad = subdir(t.root, "adapter");
+    write_base(t.base_dir, false);
+    lm_err err;
+    CHECK_OK(lm_model_open(&t.base, t.base_dir, &err), &err);
+    return t;
+}
+
+// Frees the base and removes the directory with everything in it.
+static void tiny_close(tiny *t)
+{
+    lm_model_free(t->base);
+    free(t->base_dir);
+    free(t->ad);
+    remove_tmpdir(t->root);
+}
+
 static lm_status parse(lm_lora_config *c, const char *json, lm_err *err)
 {
     return lm_lora_config_parse(c, json, strlen(json), "test/adapter_config.json", err);
@@ -514,9 +552,7 @@ static void test_config_errors(void)
 
 static void test_adapter_linear(void)
 {
-    char *root = make_tmpdir();
-    char *base_dir = subdir(root, "base"), *ad = subdir(root, "adapter");
-    write_base(base_dir, false);
+    tiny t = tiny_open();
     fixture_tensor ts[] = {
         fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
         fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
@@ -527,17 +563,15 @@ static void test_adapter_linear(void)
         fixture_t2(K(1, "self_attn.v_proj", ".lora_A.weight"), 4, 8),
         fixture_t2(K(1, "self_attn.v_proj", ".lora_B.weight"), 4, 4),
     };
-    write_adapter(ad,
+    write_adapter(t.ad,
                   "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 4, "
                   "\"target_modules\": [\"q_proj\", \"v_proj\"], \"rank_pattern\": {\"v_proj\": 4}, "
                   "\"alpha_pattern\": {\"model.layers.1.self_attn.q_proj\": 8}}",
                   ts, 8);
     lm_adapter *a = NULL;
-    lm_model *base = NULL;
     lm_err err;
-    CHECK_OK(lm_model_open(&base, base_dir, &err), &err);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base) {
+    CHECK_OK(lm_adapter_open(&a, t.ad, &err), &err);
+    if (a && t.base) {
         CHECK(a->n_modules == 4 && a->n_saved == 0);
         static const struct { const char *path; int64_t r; double alpha, scale; } want[] = {
             {"model.layers.0.self_attn.q_proj", 2, 4, 2},
@@ -561,14 +595,11 @@ static void test_adapter_linear(void)
         CHECK(lm_adapter_lookup(a, "model.layers.1.self_attn.v_proj.weight", &idx) == LM_TOUCH_LORA && idx == 3);
         CHECK(lm_adapter_lookup(a, "model.layers.1.self_attn.k_proj.weight", &idx) == LM_TOUCH_NONE);
         CHECK(lm_adapter_lookup(a, "model.layers.1.self_attn.v_proj.bias", NULL) == LM_TOUCH_NONE);
-        CHECK_OK(lm_adapter_validate(a, base, &err), &err);
+        CHECK_OK(lm_adapter_validate(a, t.base, &err), &err);
     }
     lm_adapter_free(a);
     lm_adapter_free(NULL);
-    lm_model_free(base);
-    free(base_dir);
-    free(ad);
-    remove_tmpdir(root);
+    tiny_close(&t);
 }
 
 // lm_adapter_select: the modules PEFT would not put LoRA on are set aside and change nothing; a
@@ -576,20 +607,18 @@ static void test_adapter_linear(void)
 // the key; a null target_modules is PEFT's default for the base's model_type.
 static void test_adapter_select(void)
 {
-    char *root = make_tmpdir();
-    char *base_dir = subdir(root, "base"), *ad = subdir(root, "adapter"), *other = subdir(root, "other");
-    write_base(base_dir, false);
+    tiny t = tiny_open();
+    char *other = subdir(t.root, "other");
     // the same weights under a model_type PEFT has no default for
     write_text(other, "config.json", "{\"architectures\": [\"TestForCausalLM\"], \"model_type\": \"test\"}");
     {
-        char *from = lm_path_join(base_dir, "model.safetensors"), *to = lm_path_join(other, "model.safetensors");
+        char *from = lm_path_join(t.base_dir, "model.safetensors"), *to = lm_path_join(other, "model.safetensors");
         CHECK(link(from, to) == 0);
         free(from);
         free(to);
     }
-    lm_model *base = NULL, *obase = NULL;
+    lm_model *obase = NULL;
     lm_err err;
-    CHECK_OK(lm_model_open(&base, base_dir, &err), &err);
     CHECK_OK(lm_model_open(&obase, other, &err), &err);
     fixture_tensor ts[] = {
         fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8), fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
@@ -634,13 +663,11 @@ static void test_adapter_select(void)
     for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         char cfg[512];
         snprintf(cfg, sizeof cfg, "{\"peft_type\": \"LORA\", \"r\": 2, %s}", cases[c].config);
-        write_adapter(ad, cfg, ts, 12);
-        lm_adapter *a = NULL;
-        CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-        if (!a || !base)
+        lm_adapter *a = write_open(t.ad, cfg, ts, 12);
+        if (!a || !t.base)
             continue;
         CHECK(a->n_modules == 6 && a->n_ignored == 0 && !a->selected);
-        CHECK_OK(lm_adapter_select(a, base, &err), &err);
+        CHECK_OK(lm_adapter_select(a, t.base, &err), &err);
         CHECK_MSG(a->n_modules == cases[c].n_kept && a->n_ignored == 6 - cases[c].n_kept, "case %zu: %lld kept",
                   c, (long long)a->n_modules);
         for (int i = 0; i < a->n_modules && i < cases[c].n_kept; i++) {
@@ -664,9 +691,9 @@ static void test_adapter_select(void)
                       c, msg);
         }
         // what is left fits the base; a second call changes nothing
-        CHECK_OK(lm_adapter_validate(a, base, &err), &err);
+        CHECK_OK(lm_adapter_validate(a, t.base, &err), &err);
         int64_t n = a->n_modules;
-        CHECK_OK(lm_adapter_select(a, base, &err), &err);
+        CHECK_OK(lm_adapter_select(a, t.base, &err), &err);
         CHECK(a->n_modules == n);
         if (c == sizeof cases / sizeof cases[0] - 1)
             CHECK(a->config.targets == LM_LORA_TARGETS_LIST && a->config.n_target_modules == 2 &&
@@ -675,26 +702,21 @@ static void test_adapter_select(void)
     }
 
     // Selected by the config but absent from the base: still the mismatch it was.
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": [\"k_proj\"]}", ts, 12);
-    lm_adapter *a = NULL;
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base) {
-        CHECK_OK(lm_adapter_select(a, base, &err), &err);
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH,
+    lm_adapter *a = write_open(t.ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"target_modules\": [\"k_proj\"]}", ts, 12);
+    if (a && t.base) {
+        CHECK_OK(lm_adapter_select(a, t.base, &err), &err);
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_MISMATCH,
                     "changes 'model.layers.7.self_attn.k_proj.weight', which the base model", &err);
     }
     lm_adapter_free(a);
-    a = NULL;
 
     // Without a base only the config decides: null keeps everything.
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", ts, 12);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    a = write_open(t.ad, "{\"peft_type\": \"LORA\", \"r\": 2}", ts, 12);
     if (a) {
         CHECK_OK(lm_adapter_select(a, NULL, &err), &err);
         CHECK(a->n_modules == 6 && a->n_ignored == 0);
     }
     lm_adapter_free(a);
-    a = NULL;
 
     // Errors: no layer of the base selected (with the rule that left them out), no default for
     // the model_type, a regex past its limits while matching; the modules stay as opened.
@@ -718,21 +740,17 @@ static void test_adapter_select(void)
     for (size_t c = 0; c < sizeof bad / sizeof bad[0]; c++) {
         char cfg[512];
         snprintf(cfg, sizeof cfg, "{\"peft_type\": \"LORA\", \"r\": 2, %s}", bad[c].config);
-        write_adapter(ad, cfg, ts, 12);
-        CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-        if (a && base && obase) {
-            CHECK_FAILS(lm_adapter_select(a, bad[c].other ? obase : base, &err), LM_ERR_FORMAT, bad[c].needle, &err);
+        a = write_open(t.ad, cfg, ts, 12);
+        if (a && t.base && obase) {
+            CHECK_FAILS(lm_adapter_select(a, bad[c].other ? obase : t.base, &err), LM_ERR_FORMAT, bad[c].needle, &err);
             CHECK_MSG(a->n_modules == 6 && a->n_ignored == 0, "case %zu", c);
         }
         lm_adapter_free(a);
         a = NULL;
     }
-    lm_model_free(base);
     lm_model_free(obase);
-    free(base_dir);
-    free(ad);
     free(other);
-    remove_tmpdir(root);
+    tiny_close(&t);
 }
 
 static void test_adapter_dora_bias(void)
@@ -788,25 +806,21 @@ static void test_adapter_dora_bias(void)
 
 static void test_adapter_embedding_and_saved(void)
 {
-    char *root = make_tmpdir();
-    char *base_dir = subdir(root, "base"), *ad = subdir(root, "adapter");
-    write_base(base_dir, false);
+    tiny t = tiny_open();
     fixture_tensor ts[] = {
         fixture_t2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 16),
         fixture_t2("base_model.model.model.embed_tokens.lora_embedding_B", 8, 2),
         fixture_t2("base_model.model.lm_head.weight", 16, 8),
         fixture_t1("base_model.model.model.norm.modules_to_save.default.weight", 8),
     };
-    write_adapter(ad,
+    write_adapter(t.ad,
                   "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_alpha\": 2, "
                   "\"target_modules\": [\"embed_tokens\"], \"modules_to_save\": [\"lm_head\", \"norm\"]}",
                   ts, 4);
     lm_adapter *a = NULL;
-    lm_model *base = NULL;
     lm_err err;
-    CHECK_OK(lm_model_open(&base, base_dir, &err), &err);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base) {
+    CHECK_OK(lm_adapter_open(&a, t.ad, &err), &err);
+    if (a && t.base) {
         CHECK(a->n_modules == 1 && a->n_saved == 2);
         const lm_lora_module *m = &a->modules[0];
         CHECK(m->kind == LM_LORA_EMBEDDING && strcmp(m->base_name, "model.embed_tokens.weight") == 0);
@@ -817,95 +831,72 @@ static void test_adapter_embedding_and_saved(void)
         CHECK(lm_adapter_lookup(a, "lm_head.weight", &idx) == LM_TOUCH_SAVED && idx == 0);
         CHECK(lm_adapter_lookup(a, "model.norm.weight", &idx) == LM_TOUCH_SAVED && idx == 1);
         CHECK(lm_adapter_lookup(a, "model.embed_tokens.weight", &idx) == LM_TOUCH_LORA && idx == 0);
-        CHECK_OK(lm_adapter_validate(a, base, &err), &err);
+        CHECK_OK(lm_adapter_validate(a, t.base, &err), &err);
     }
     lm_adapter_free(a);
-    a = NULL;
 
     // Embedding factors the wrong way round against the base [vocab, hidden].
     fixture_tensor bad[] = {
         fixture_t2("base_model.model.model.embed_tokens.lora_embedding_A", 2, 8),
         fixture_t2("base_model.model.model.embed_tokens.lora_embedding_B", 16, 2),
     };
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", bad, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base)
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH,
+    a = write_open(t.ad, "{\"peft_type\": \"LORA\", \"r\": 2}", bad, 2);
+    if (a && t.base)
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_MISMATCH,
                     "adapter key 'base_model.model.model.embed_tokens.lora_embedding_A' has shape [2, 8], "
                     "but base tensor 'model.embed_tokens.weight' in", &err);
     CHECK(strstr(err.msg, "has shape [16, 8]") != NULL);
     lm_adapter_free(a);
-    a = NULL;
 
     // A saved tensor with another shape than the base's.
     fixture_tensor saved_bad[] = {fixture_t2("base_model.model.lm_head.weight", 16, 4)};
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head\"]}", saved_bad, 1);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base)
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH,
+    a = write_open(t.ad, "{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head\"]}", saved_bad, 1);
+    if (a && t.base)
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_MISMATCH,
                     "adapter key 'base_model.model.lm_head.weight' has shape [16, 4], but base tensor "
                     "'lm_head.weight'", &err);
     lm_adapter_free(a);
-    lm_model_free(base);
-    free(base_dir);
-    free(ad);
-    remove_tmpdir(root);
+    tiny_close(&t);
 }
 
 static void test_adapter_fan_in_fan_out(void)
 {
-    char *root = make_tmpdir();
-    char *base_dir = subdir(root, "base"), *ad = subdir(root, "adapter");
-    write_base(base_dir, false);
-    lm_model *base = NULL;
+    tiny t = tiny_open();
     lm_adapter *a = NULL;
     lm_err err;
-    CHECK_OK(lm_model_open(&base, base_dir, &err), &err);
 
     // gate_proj is [12, 8]: read as [in, out] with fan_in_fan_out, so A [r, 12], B [8, r].
     fixture_tensor fifo[] = {
         fixture_t2(K(0, "mlp.gate_proj", ".lora_A.weight"), 2, 12),
         fixture_t2(K(0, "mlp.gate_proj", ".lora_B.weight"), 8, 2),
     };
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"fan_in_fan_out\": true}", fifo, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base)
-        CHECK_OK(lm_adapter_validate(a, base, &err), &err);
+    a = write_open(t.ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"fan_in_fan_out\": true}", fifo, 2);
+    if (a && t.base)
+        CHECK_OK(lm_adapter_validate(a, t.base, &err), &err);
     lm_adapter_free(a);
-    a = NULL;
 
     // The same factors without fan_in_fan_out do not fit; the usual ones do not fit with it.
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", fifo, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base)
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH,
+    a = write_open(t.ad, "{\"peft_type\": \"LORA\", \"r\": 2}", fifo, 2);
+    if (a && t.base)
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_MISMATCH,
                     "has shape [2, 12], but base tensor 'model.layers.0.mlp.gate_proj.weight'", &err);
     lm_adapter_free(a);
-    a = NULL;
     fixture_tensor normal[] = {
         fixture_t2(K(0, "mlp.gate_proj", ".lora_A.weight"), 2, 8),
         fixture_t2(K(0, "mlp.gate_proj", ".lora_B.weight"), 12, 2),
     };
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"fan_in_fan_out\": true}", normal, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base)
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH, "fan_in_fan_out", &err);
+    a = write_open(t.ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"fan_in_fan_out\": true}", normal, 2);
+    if (a && t.base)
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_MISMATCH, "fan_in_fan_out", &err);
     lm_adapter_free(a);
-    lm_model_free(base);
-    free(base_dir);
-    free(ad);
-    remove_tmpdir(root);
+    tiny_close(&t);
 }
 
 static void test_adapter_validate_errors(void)
 {
-    char *root = make_tmpdir();
-    char *base_dir = subdir(root, "base"), *ad = subdir(root, "adapter");
-    write_base(base_dir, false);
-    lm_model *base = NULL;
+    tiny t = tiny_open();
     lm_adapter *a = NULL;
     lm_err err;
-    CHECK_OK(lm_model_open(&base, base_dir, &err), &err);
     const char *cfg = "{\"peft_type\": \"LORA\", \"r\": 2}";
 
     // A's in-dimension: the adapter key, the base tensor and both shapes.
@@ -913,45 +904,39 @@ static void test_adapter_validate_errors(void)
         fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 7),
         fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
-    write_adapter(ad, cfg, a_in, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base) {
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH,
+    a = write_open(t.ad, cfg, a_in, 2);
+    if (a && t.base) {
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_MISMATCH,
                     "adapter key 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' has "
                     "shape [2, 7], but base tensor 'model.layers.0.self_attn.q_proj.weight' in", &err);
         CHECK(strstr(err.msg, "has shape [8, 8]") && strstr(err.msg, "needs lora_A [2, 8]"));
     }
     lm_adapter_free(a);
-    a = NULL;
 
     // B's out-dimension (k_proj is [4, 8] with one kv head).
     fixture_tensor b_out[] = {
         fixture_t2(K(1, "self_attn.k_proj", ".lora_A.weight"), 2, 8),
         fixture_t2(K(1, "self_attn.k_proj", ".lora_B.weight"), 8, 2),
     };
-    write_adapter(ad, cfg, b_out, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base) {
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH,
+    a = write_open(t.ad, cfg, b_out, 2);
+    if (a && t.base) {
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_MISMATCH,
                     "adapter key 'base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight' has "
                     "shape [8, 2], but base tensor 'model.layers.1.self_attn.k_proj.weight'", &err);
         CHECK(strstr(err.msg, "has shape [4, 8]") != NULL);
     }
     lm_adapter_free(a);
-    a = NULL;
 
     // A module the base does not have.
     fixture_tensor absent[] = {
         fixture_t2(K(7, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
         fixture_t2(K(7, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
-    write_adapter(ad, cfg, absent, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base)
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_MISMATCH,
+    a = write_open(t.ad, cfg, absent, 2);
+    if (a && t.base)
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_MISMATCH,
                     "changes 'model.layers.7.self_attn.q_proj.weight', which the base model", &err);
     lm_adapter_free(a);
-    a = NULL;
 
     // Factors in a dtype llmerge does not compute with.
     fixture_tensor i8[] = {
@@ -959,16 +944,12 @@ static void test_adapter_validate_errors(void)
         fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
     i8[1].dtype = "I8";
-    write_adapter(ad, cfg, i8, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
-    if (a && base)
-        CHECK_FAILS(lm_adapter_validate(a, base, &err), LM_ERR_UNSUPPORTED,
+    a = write_open(t.ad, cfg, i8, 2);
+    if (a && t.base)
+        CHECK_FAILS(lm_adapter_validate(a, t.base, &err), LM_ERR_UNSUPPORTED,
                     "q_proj.lora_B.weight' has dtype I8", &err);
     lm_adapter_free(a);
-    lm_model_free(base);
-    free(base_dir);
-    free(ad);
-    remove_tmpdir(root);
+    tiny_close(&t);
 }
 
 // A LoRA, a bias delta or a saved tensor on a base tensor in a dtype llmerge does not compute
@@ -993,8 +974,7 @@ static void test_adapter_base_dtype(void)
         fixture_t2(K(0, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
         fixture_t2(K(0, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", q, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    a = write_open(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", q, 2);
     if (a && bu8) {
         CHECK_FAILS(lm_adapter_validate(a, bu8, &err), LM_ERR_UNSUPPORTED,
                     "adapter key 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' changes "
@@ -1002,35 +982,29 @@ static void test_adapter_base_dtype(void)
         CHECK(strstr(err.msg, "adapter_model.safetensors") != NULL);
     }
     lm_adapter_free(a);
-    a = NULL;
     // the same adapter on layer 1: the U8 tensor is no concern of it
     fixture_tensor q1[] = {
         fixture_t2(K(1, "self_attn.q_proj", ".lora_A.weight"), 2, 8),
         fixture_t2(K(1, "self_attn.q_proj", ".lora_B.weight"), 8, 2),
     };
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", q1, 2);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    a = write_open(ad, "{\"peft_type\": \"LORA\", \"r\": 2}", q1, 2);
     if (a && bu8)
         CHECK_OK(lm_adapter_validate(a, bu8, &err), &err);
     lm_adapter_free(a);
-    a = NULL;
 
     fixture_tensor kb[] = {
         fixture_t2(K(0, "self_attn.k_proj", ".lora_A.weight"), 2, 8),
         fixture_t2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
         fixture_t1(K(0, "self_attn.k_proj", ".lora_B.bias"), 4),
     };
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_bias\": true}", kb, 3);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    a = write_open(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_bias\": true}", kb, 3);
     if (a && bi32)
         CHECK_FAILS(lm_adapter_validate(a, bi32, &err), LM_ERR_UNSUPPORTED,
                     "k_proj.lora_B.bias' changes 'model.layers.0.self_attn.k_proj.bias', which is I32", &err);
     lm_adapter_free(a);
-    a = NULL;
 
     fixture_tensor saved[] = {fixture_t2("base_model.model.lm_head.weight", 16, 8)};
-    write_adapter(ad, "{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head\"]}", saved, 1);
-    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    a = write_open(ad, "{\"peft_type\": \"LORA\", \"modules_to_save\": [\"lm_head\"]}", saved, 1);
     if (a && bhead)
         CHECK_FAILS(lm_adapter_validate(a, bhead, &err), LM_ERR_UNSUPPORTED,
                     "'base_model.model.lm_head.weight' changes 'lm_head.weight', which is I32", &err);
