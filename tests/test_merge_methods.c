@@ -17,6 +17,55 @@
 #include "safetensors.h"
 
 
+// ==== fine-tuned models ======================================================================
+
+// Creates f->root/ft<i> for FT i; the caller frees the path (free_fts).
+static char *ft_dir(const fixture *f, int i)
+{
+    char nm[8];
+    snprintf(nm, sizeof nm, "ft%d", i);
+    return subdir(f->root, nm);
+}
+
+// Writes n full FTs of f's base into ft0, ft1, ...: every element of each τ drawn by gen, FT by
+// FT and tensor by tensor. dirs[i] and tau[i] are FT i's; free them with free_fts.
+static void make_fts(const fixture *f, int n, char **dirs, double *(*tau)[MAX_T], double (*gen)(void))
+{
+    for (int i = 0; i < n; i++) {
+        dirs[i] = ft_dir(f, i);
+        alloc_taus(&f->base, tau[i]);
+        for (int t = 0; t < f->base.n; t++)
+            for (int64_t j = 0; j < f->base.t[t].n; j++)
+                tau[i][t][j] = gen();
+        write_ft(dirs[i], &f->base, tau[i]);
+    }
+}
+
+// Frees the n FTs' directories and τ.
+static void free_fts(int n, char **dirs, double *(*tau)[MAX_T])
+{
+    for (int i = 0; i < n; i++) {
+        free_taus(tau[i]);
+        free(dirs[i]);
+    }
+}
+
+// Generators for make_fts: multiples of 1/16 and of 1/8 in [-1, 1] (many ties), and of 2^-10.
+static double gen_16ths(void)
+{
+    return rng_int(-16, 16) / 16.0;
+}
+
+static double gen_8ths(void)
+{
+    return rng_int(-8, 8) / 8.0;
+}
+
+static double gen_q10(void)
+{
+    return rng_q(1.0, 10);
+}
+
 // ==== TIES ====================================================================================
 
 static void ties_base(tset *b)
@@ -119,9 +168,7 @@ static void test_ties_sign(void)
     static const int cases[6][3] = {{3, -1, -1}, {-3, 1, 1}, {1, -1, 0}, {0, 0, 0}, {0, 2, 0}, {-2, 0, 2}};
     rng_seed(42);
     for (int i = 0; i < 3; i++) {
-        char nm[8];
-        snprintf(nm, sizeof nm, "ft%d", i);
-        dirs_own[i] = subdir(f.root, nm);
+        dirs_own[i] = ft_dir(&f, i);
         alloc_taus(&f.base, tau[i]);
         for (int j = 0; j < 12; j++)
             tau[i][0][j] = j < 6 ? cases[j][i] / 8.0 : rng_int(-8, 8) / 8.0;
@@ -162,10 +209,7 @@ static void test_ties_sign(void)
         }
         lm_st_close(st);
     }
-    for (int i = 0; i < 3; i++) {
-        free_taus(tau[i]);
-        free(dirs_own[i]);
-    }
+    free_fts(3, dirs_own, tau);
     fx_close(&f);
 }
 
@@ -184,16 +228,7 @@ static void test_ties_options(void)
     char *dirs_own[3];
     double *tau[3][MAX_T];
     rng_seed(52);
-    for (int i = 0; i < 3; i++) {
-        char nm[8];
-        snprintf(nm, sizeof nm, "ft%d", i);
-        dirs_own[i] = subdir(f.root, nm);
-        alloc_taus(&f.base, tau[i]);
-        for (int t = 0; t < f.base.n; t++)
-            for (int64_t j = 0; j < f.base.t[t].n; j++)
-                tau[i][t][j] = rng_int(-16, 16) / 16.0;
-        write_ft(dirs_own[i], &f.base, tau[i]);
-    }
+    make_fts(&f, 3, dirs_own, tau, gen_16ths);
     const char *dirs[3] = {dirs_own[0], dirs_own[1], dirs_own[2]};
     static const struct {
         double w[3], d[3], lambda;
@@ -227,10 +262,7 @@ static void test_ties_options(void)
             for (int t = 0; t < f.base.n; t++)
                 free(tp[i][t]);
     }
-    for (int i = 0; i < 3; i++) {
-        free_taus(tau[i]);
-        free(dirs_own[i]);
-    }
+    free_fts(3, dirs_own, tau);
     fx_close(&f);
 }
 
@@ -253,9 +285,7 @@ static void test_ties_topk_global(void)
     double *tau[2][MAX_T];
     rng_seed(62);
     for (int i = 0; i < 2; i++) {
-        char nm[8];
-        snprintf(nm, sizeof nm, "ft%d", i);
-        dirs_own[i] = subdir(f.root, nm);
+        dirs_own[i] = ft_dir(&f, i);
         alloc_taus(&f.base, tau[i]);
         // Magnitudes 1..40 (in 32nds), shuffled; model 0 puts its 10 largest mostly in a.weight.
         int perm[40];
@@ -331,10 +361,7 @@ static void test_ties_topk_global(void)
             for (int t = 0; t < 3; t++)
                 free(tp[i][t]);
     }
-    for (int i = 0; i < 2; i++) {
-        free_taus(tau[i]);
-        free(dirs_own[i]);
-    }
+    free_fts(2, dirs_own, tau);
     fx_close(&f);
 }
 
@@ -347,16 +374,7 @@ static void test_ties_density1_mean(void)
     char *dirs_own[3];
     double *tau[3][MAX_T];
     rng_seed(71);
-    for (int i = 0; i < 3; i++) {
-        char nm[8];
-        snprintf(nm, sizeof nm, "ft%d", i);
-        dirs_own[i] = subdir(f.root, nm);
-        alloc_taus(&f.base, tau[i]);
-        for (int t = 0; t < f.base.n; t++)
-            for (int64_t j = 0; j < f.base.t[t].n; j++)
-                tau[i][t][j] = rng_q(1.0, 10);
-        write_ft(dirs_own[i], &f.base, tau[i]);
-    }
+    make_fts(&f, 3, dirs_own, tau, gen_q10);
     const char *dirs[3] = {dirs_own[0], dirs_own[1], dirs_own[2]};
     const double w[3] = {0.2, 1.0, 0.6}, d[3] = {1, 1, 1};
     lm_merge_opts o = fixture_merge_opts(LM_MERGE_TIES, 3, w, d);
@@ -385,10 +403,7 @@ static void test_ties_density1_mean(void)
         free(m);
     }
     lm_st_close(st);
-    for (int i = 0; i < 3; i++) {
-        free_taus(tau[i]);
-        free(dirs_own[i]);
-    }
+    free_fts(3, dirs_own, tau);
     fx_close(&f);
 }
 
@@ -908,18 +923,12 @@ static void test_sparsegpt(void)
 {
     fixture f;
     fx_open(&f, ties_base, "float32");
-    char *fd[2] = {subdir(f.root, "ft0"), subdir(f.root, "ft1")};
+    char *fd[2];
     double *tau[2][MAX_T];
     rng_seed(77);
     for (int c = 0; c < 17; c++)
         g_ucc2_w0[c] = c % 5 == 0 ? 1.0 : rng_int(1, 40) / 8.0;
-    for (int i = 0; i < 2; i++) {
-        alloc_taus(&f.base, tau[i]);
-        for (int t = 0; t < f.base.n; t++)
-            for (int64_t j = 0; j < f.base.t[t].n; j++)
-                tau[i][t][j] = rng_int(-8, 8) / 8.0;  // many ties, in magnitude and importance
-        write_ft(fd[i], &f.base, tau[i]);
-    }
+    make_fts(&f, 2, fd, tau, gen_8ths);  // many ties, in magnitude and importance
     const double w[2] = {1.0, 0.6}, d[2] = {0.4, 0.3};
     int calls = 0;
     lm_merge_opts o = fixture_merge_opts(LM_MERGE_SPARSEGPT, 2, w, d);
@@ -971,12 +980,10 @@ static void test_sparsegpt(void)
     lm_st_close(st2);
     lm_st_close(st_ties);
     lm_st_close(st);
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < 2; i++)
         for (int t = 0; t < f.base.n; t++)
             free(tp[i][t]);
-        free_taus(tau[i]);
-        free(fd[i]);
-    }
+    free_fts(2, fd, tau);
     fx_close(&f);
 }
 
