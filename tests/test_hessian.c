@@ -271,15 +271,35 @@ static void poison_heap(const lm_config *cfg)
         free(blocks[i]);
 }
 
+// Opens the base model into *m and lora_plain into *a, and loads the calibration sequences into
+// *q: what several tests capture Hessians from. Returns false after a failed check, with *q
+// empty; close_plain frees them either way.
+static bool open_plain(lm_model **m, lm_adapter **a, seqs *q)
+{
+    memset(q, 0, sizeof *q);
+    *m = fixture_model("base");
+    *a = fixture_adapter("lora_plain");
+    if (!*m || !*a)
+        return false;
+    load_seqs(q, (*m)->config.vocab_size);
+    return true;
+}
+
+static void close_plain(lm_model *m, lm_adapter *a, seqs *q)
+{
+    free_seqs(q);
+    lm_adapter_free(a);
+    lm_model_free(m);
+}
+
 static void test_batches_and_devices(lm_dev *cpu)
 {
     lm_err err = {0};
-    lm_model *m = fixture_model("base");
-    lm_adapter *a = fixture_adapter("lora_plain");
-    if (!m || !a)
-        goto out;
+    lm_model *m;
+    lm_adapter *a;
     seqs q;
-    load_seqs(&q, m->config.vocab_size);
+    if (!open_plain(&m, &a, &q))
+        goto out;
     hset packed, single;
     CHECK_OK(capture(m, a, cpu, &q, 0, 0, &packed, NULL, NULL, &err), &err);
     // max_tokens 1: every sequence is a batch of its own
@@ -371,10 +391,8 @@ static void test_batches_and_devices(lm_dev *cpu)
         lm_dev_destroy(sim);
     }
     hset_free(&packed);
-    free_seqs(&q);
 out:
-    lm_adapter_free(a);
-    lm_model_free(m);
+    close_plain(m, a, &q);
 }
 
 // ==== finishing: lm_hess_get, lm_hess_release, lm_hess_ucc2_model's Hessians ==================
@@ -499,12 +517,11 @@ static lm_status on_each(void *ctx, int64_t layer, lm_fwd_point p, const float *
 static void test_each_hessian(lm_dev *cpu)
 {
     lm_err err = {0};
-    lm_model *m = fixture_model("base");
-    lm_adapter *a = fixture_adapter("lora_plain");
-    if (!m || !a)
-        goto out;
+    lm_model *m;
+    lm_adapter *a;
     seqs q;
-    load_seqs(&q, m->config.vocab_size);
+    if (!open_plain(&m, &a, &q))
+        goto out;
     hset ref;
     CHECK_OK(capture(m, a, cpu, &q, 0, 0, &ref, NULL, NULL, &err), &err);
     each_seen e = {.got = {.n = ref.n}};
@@ -535,10 +552,8 @@ static void test_each_hessian(lm_dev *cpu)
     CHECK(ucc2 == NULL && n == 0 && f.calls == 3);
     hset_free(&f.got);
     hset_free(&ref);
-    free_seqs(&q);
 out:
-    lm_adapter_free(a);
-    lm_model_free(m);
+    close_plain(m, a, &q);
 }
 
 // ==== accumulation by syrk ====================================================================
@@ -578,12 +593,11 @@ static void capture_by_hook(const lm_model *m, const lm_adapter *a, lm_dev *dev,
 static void test_syrk_accumulation(lm_dev *cpu)
 {
     lm_err err = {0};
-    lm_model *m = fixture_model("base");
-    lm_adapter *a = fixture_adapter("lora_plain");
-    if (!m || !a)
-        goto out;
+    lm_model *m;
+    lm_adapter *a;
     seqs q;
-    load_seqs(&q, m->config.vocab_size);
+    if (!open_plain(&m, &a, &q))
+        goto out;
     CHECK(lm_dev_supports(cpu, LM_OP_SYRK));
     hset by_syrk, by_gemm, no_end, one_end, two_ends;
     CHECK_OK(capture(m, a, cpu, &q, 0, 0, &by_syrk, NULL, NULL, &err), &err);
@@ -614,10 +628,8 @@ static void test_syrk_accumulation(lm_dev *cpu)
     hset_free(&no_end);
     hset_free(&one_end);
     hset_free(&two_ends);
-    free_seqs(&q);
 out:
-    lm_adapter_free(a);
-    lm_model_free(m);
+    close_plain(m, a, &q);
 }
 
 // ==== importance ==============================================================================
