@@ -670,6 +670,22 @@ static void invert(const double *A, int n, double *inv)
     free(M);
 }
 
+// A = the n × n H in double, dampened as the reference does it: a zero diagonal entry becomes 1,
+// then the diagonal gains damp times the diagonal's mean.
+static void damped(double *A, const float *H, int n, double damp)
+{
+    double mean = 0;
+    for (int i = 0; i < n * n; i++)
+        A[i] = H[i];
+    for (int c = 0; c < n; c++) {
+        if (A[c * n + c] == 0)
+            A[c * n + c] = 1;
+        mean += A[c * n + c] / n;
+    }
+    for (int c = 0; c < n; c++)
+        A[c * n + c] += damp * mean;
+}
+
 // H = (2/t) Σ x xᵀ over t random input rows x of width n (at most 48); with `shaped`, input 5
 // is dead and every third input leans on input 0, so that H has structure and a zero row.
 static void sample_hessian(float *H, int n, int t, uint64_t st, bool shaped)
@@ -700,18 +716,10 @@ static void test_ucc2_blocks(void)
     enum { N = 48, T = 120 };
     float *H = calloc(N * N, sizeof *H);
     double *A = malloc(N * N * sizeof *A), *B = malloc(N * N * sizeof *B), *inv = malloc(N * N * sizeof *inv);
-    double ucc2[N], mean = 0, worst = 0;
+    double ucc2[N], worst = 0;
     sample_hessian(H, N, T, 99, true);
     CHECK_OK(lm_hess_ucc2(ucc2, H, N, 0.01, &err), &err);
-    for (int i = 0; i < N * N; i++)
-        A[i] = H[i];
-    for (int c = 0; c < N; c++) {
-        if (A[c * N + c] == 0)
-            A[c * N + c] = 1;
-        mean += A[c * N + c] / N;
-    }
-    for (int c = 0; c < N; c++)
-        A[c * N + c] += 0.01 * mean;
+    damped(A, H, N, 0.01);
     for (int c = 0; c < N; c++) {
         int m = N - c;
         for (int r = 0; r < m; r++)
@@ -830,16 +838,8 @@ static void test_importance(void)
     CHECK_OK(lm_hess_importance(imp, tau, ROWS, N, H, 0.01, &err), &err);
 
     // the reference: zero diagonal → 1, + 0.01·mean(diag), inverse, U upper with Uᵀ U = H⁻¹
-    double A[N * N], inv[N * N], U[N * N] = {0}, mean = 0;
-    for (int i = 0; i < N * N; i++)
-        A[i] = H[i];
-    for (int c = 0; c < N; c++) {
-        if (A[c * N + c] == 0)
-            A[c * N + c] = 1;
-        mean += A[c * N + c] / N;
-    }
-    for (int c = 0; c < N; c++)
-        A[c * N + c] += 0.01 * mean;
+    double A[N * N], inv[N * N], U[N * N] = {0};
+    damped(A, H, N, 0.01);
     invert(A, N, inv);
     for (int i = 0; i < N; i++)  // Uᵀ U = inv, row by row
         for (int j = i; j < N; j++) {
