@@ -140,12 +140,9 @@ static const char *dtype_flag(lm_dtype dt)
     return dt == LM_DTYPE_BF16 ? "bf16" : dt == LM_DTYPE_F16 ? "f16" : "f32";
 }
 
-// The inputs the command line names, for r->guard: BASE, the FTs, sparsegpt's --calib files.
-static lm_status guard_args(merge_run *r, int argc, char **argv, lm_err *err)
-{
-    static const int inputs[] = {OPT_CALIB};
-    return lm_cmd_guard_args(&r->guard, argc, argv, lm_merge_opt_defs, lm_merge_n_opts, inputs, 1, "BASE", "FT", err);
-}
+// The options whose values are inputs, for r->guard with the operands BASE and the FTs:
+// sparsegpt's --calib files.
+static const int guarded_opts[] = {OPT_CALIB};
 
 // What the merge writes, checked against the inputs known so far (r->guard): OUT and OUT.lock,
 // and sparsegpt's cache directory (--cache-dir, or the default one). --log-json is checked when
@@ -1020,30 +1017,20 @@ fail:
 
 // ---- the entry (command.h) ------------------------------------------------------------------
 
-static void cmd_usage(void *ctx, FILE *out)
+static void usage(FILE *out, const void *m)
 {
-    lm_merge_usage(out, ((merge_run *)ctx)->args.m);
+    lm_merge_usage(out, m);
 }
 
-static lm_status cmd_parse(void *ctx, int argc, char **argv, bool *help, lm_err *err)
+static lm_status parse(void *ctx, int argc, char **argv, lm_err *err)
 {
-    merge_run *r = ctx;
-    lm_status s = lm_merge_parse_args(&r->args, argc, argv, err);
-    *help = r->args.help;
-    return s;
-}
-
-static lm_status cmd_guard_args(void *ctx, int argc, char **argv, lm_err *err)
-{
-    return guard_args(ctx, argc, argv, err);
+    return lm_merge_parse_args(&((merge_run *)ctx)->args, argc, argv, err);
 }
 
 static lm_status cmd_prepare(void *ctx, bool *no_log, lm_err *err)
 {
-    merge_run *r = ctx;
     (void)no_log;
-    r->progress.quiet = r->args.quiet;
-    return prepare(r, err);
+    return prepare(ctx, err);
 }
 
 // The notes on what the command line asked, then the work.
@@ -1057,7 +1044,7 @@ static int cmd_work(void *ctx)
     return work(r, lm_now());
 }
 
-static void cmd_cleanup(void *ctx)
+static void cleanup(void *ctx)
 {
     run_free(ctx);
 }
@@ -1074,9 +1061,11 @@ int lm_cmd_merge(int argc, char **argv)
     }
     snprintf(r.prefix, sizeof r.prefix, "llmerge %s", r.args.m->name);
     lm_command c = {
-        .prefix = r.prefix, .progress = &r.progress, .guard = &r.guard, .log_error_prefix = "",
-        .usage = cmd_usage, .parse = cmd_parse, .guard_args = cmd_guard_args, .prepare = cmd_prepare,
-        .work = cmd_work, .cleanup = cmd_cleanup, .ctx = &r,
+        .prefix = r.prefix, .log_error_prefix = "", .progress = &r.progress, .guard = &r.guard,
+        .opts = lm_merge_opt_defs, .n_opts = lm_merge_n_opts, .inputs = guarded_opts, .n_inputs = 1, .first = "BASE",
+        .rest = "FT", .help = &r.args.help, .quiet = &r.args.quiet,
+        .usage = usage, .usage_arg = r.args.m, .parse = parse, .prepare = cmd_prepare, .work = cmd_work,
+        .cleanup = cleanup, .ctx = &r,
     };
     return lm_command_run(&c, argc, argv);
 }
@@ -1112,7 +1101,8 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         lm_progress_error(&r->progress, 2, "%s (see llmerge %s --help)", err.msg, r->args.m->name);
         return 2;
     }
-    if ((s = guard_args(r, argc, argv, &err)) != LM_OK) {
+    if ((s = lm_cmd_guard_args(&r->guard, argc, argv, lm_merge_opt_defs, lm_merge_n_opts, guarded_opts, 1, "BASE",
+                               "FT", &err)) != LM_OK) {
         lm_progress_error(&r->progress, 1, "%s", err.msg);
         return 1;
     }
