@@ -133,7 +133,8 @@ static lm_status open_inputs(eval_run *r, lm_err *err)
     if (!a->run.data)
         return lm_err_set(err, LM_ERR_USAGE, "no data: give --data FILE (.jsonl or .txt)");
     if ((s = lm_cmd_run_open(&a->run, &r->run.model, &r->run.adapter, err)) != LM_OK ||
-        (s = lm_cmd_run_tokens(&a->run, r->run.model, a->run.data, &r->run.data, &r->run.seq_len, &r->run.seqs, err)) != LM_OK)
+        (s = lm_cmd_run_tokens(&a->run, r->run.model, a->run.data, &r->run.data, &r->run.seq_len, &r->run.seqs,
+                               err)) != LM_OK)
         return s;
     if (!(r->nll = calloc((size_t)(r->run.data.n_tokens ? r->run.data.n_tokens : 1), sizeof *r->nll)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");

@@ -191,7 +191,8 @@ static lm_status prepare(void *ctx, bool *no_log, lm_err *err)
         lm_cmd_guard_adapter(&r->run.guard, "--adapter", r->run.adapter, &gerr) != LM_OK)
         return s != LM_OK ? s : lm_err_set(err, LM_ERR_NOMEM, "%s", gerr.msg);
     if (s != LM_OK || (s = lm_guard_check(&r->run.guard, "-o", a->output, err)) != LM_OK ||
-        (s = lm_cmd_run_tokens(&a->run, r->run.model, a->run.data, &r->run.data, &r->run.seq_len, &r->run.seqs, err)) != LM_OK)
+        (s = lm_cmd_run_tokens(&a->run, r->run.model, a->run.data, &r->run.data, &r->run.seq_len, &r->run.seqs,
+                               err)) != LM_OK)
         return s;
 
     // the output's tensors, named and sized before any work
