@@ -242,21 +242,18 @@ lm_status lm_cmd_log_open(lm_progress *p, const lm_guard *g, const char *path, l
 
 // ==== commands that run a model: eval, hessian ================================================
 
-void lm_cmd_run_init(lm_run_args *a)
-{
-    memset(a, 0, sizeof *a);
-    a->device = "auto";
-    a->min_seq_len = 1;
-}
-
-lm_status lm_cmd_run_option(lm_run_args *a, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+// Applies shared option d (id LM_RUN_OPT_*) with value v.
+static lm_status run_option(lm_run_args *a, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
     switch (d->id) {
     case LM_RUN_OPT_ADAPTER:
     case LM_RUN_OPT_DEVICE:
+    case LM_RUN_OPT_DATA:
+    case LM_RUN_OPT_LOG_JSON:
         if (!*v)
             return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-        *(d->id == LM_RUN_OPT_ADAPTER ? &a->adapter : &a->device) = v;
+        if (d->id != LM_RUN_OPT_LOG_JSON)
+            *(d->id == LM_RUN_OPT_ADAPTER ? &a->adapter : d->id == LM_RUN_OPT_DEVICE ? &a->device : &a->data) = v;
         return LM_OK;
     case LM_RUN_OPT_SEQ_LEN:
         if (!lm_cmd_parse_int(v, a->min_seq_len, INT32_MAX, &a->seq_len))
@@ -284,13 +281,38 @@ lm_status lm_cmd_run_option(lm_run_args *a, const lm_opt *d, const char *shown, 
     return lm_err_set(err, LM_ERR_USAGE, "%s is not an option of this command", shown);
 }
 
-lm_status lm_cmd_run_operand(lm_run_args *a, const char *arg, lm_err *err)
+// The scan of a command that runs a model: its lm_run_args, and its own options' function.
+typedef struct run_scan {
+    lm_run_args *a;
+    lm_opt_fn own;
+    void *ctx;
+} run_scan;
+
+static lm_status run_scan_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
+    run_scan *rs = ctx;
+    return d->id >= LM_RUN_OPT_FIRST ? run_option(rs->a, d, shown, v, err) : rs->own(rs->ctx, d, shown, v, err);
+}
+
+// The operand: MODEL, once.
+static lm_status run_scan_operand(void *ctx, const char *arg, lm_err *err)
+{
+    lm_run_args *a = ((run_scan *)ctx)->a;
     if (a->model)
         return lm_err_set(err, LM_ERR_USAGE, "one MODEL only ('%s' and '%s'); an adapter goes with --adapter",
                           a->model, arg);
     a->model = arg;
     return LM_OK;
+}
+
+lm_status lm_cmd_run_scan(lm_run_args *a, int64_t min_seq_len, int argc, char **argv, const lm_opt *opts, size_t n,
+                          lm_opt_fn own, void *ctx, lm_err *err)
+{
+    memset(a, 0, sizeof *a);
+    a->device = "auto";
+    a->min_seq_len = min_seq_len;
+    run_scan rs = {a, own, ctx};
+    return lm_cmd_scan(argc, argv, opts, n, run_scan_option, run_scan_operand, &rs, err);
 }
 
 // Opens what `path` names as `want` (a model or an adapter directory); *resolved (caller frees)
@@ -402,4 +424,39 @@ void lm_cmd_run_fallbacks(lm_progress *p, const lm_fwd_runner *u)
         lm_progress_note(p, "fallbacks: %" PRId64 " batch%s halved, %" PRId64 " sequence%s (%" PRId64 " tokens) on "
                          "cpu, %.2f s", u->n_halved, u->n_halved == 1 ? "" : "es", u->n_seq_cpu,
                          u->n_seq_cpu == 1 ? "" : "s", u->tokens_cpu, u->fallback_s);
+}
+
+void lm_cmd_model_run_free(lm_model_run *r)
+{
+    lm_fwd_runner_free(&r->runner);
+    lm_dev_destroy(r->dev);
+    free(r->seqs);
+    lm_calib_free(&r->data);
+    lm_adapter_free(r->adapter);
+    lm_model_free(r->model);
+    lm_guard_free(&r->guard);
+    lm_progress_free(&r->progress);
+}
+
+lm_status lm_cmd_model_run_begin(lm_model_run *r, const lm_run_args *a, const char *what, const char *phase,
+                                 lm_err *err)
+{
+    lm_progress *p = &r->progress;
+    char threads[32] = "";
+    int n_threads = lm_dev_threads(r->dev);
+    if (n_threads > 0)
+        snprintf(threads, sizeof threads, ", %d thread%s", n_threads, n_threads == 1 ? "" : "s");
+    lm_progress_note(p, "%s %s%s%s on %s: %" PRId64 " sequence%s, %" PRId64 " tokens (%s%s)", what, a->model,
+                     a->adapter ? " with " : "", a->adapter ? a->adapter : "", a->data, r->data.n_seqs,
+                     r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);
+    lm_cmd_run_notes(p, a, &r->data, r->seq_len, r->dev);
+    if (r->adapter) {
+        char who[LM_ERR_MSG_MAX / 2];
+        snprintf(who, sizeof who, "--adapter %s", a->adapter);
+        lm_cmd_adapter_warnings(p, who, r->adapter, "applied", a->model);
+    }
+    r->t0 = lm_now();
+    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, phase, a->model, 0, lm_cmd_note, p, err);
+    r->runner.sticky = a->sticky;
+    return s;
 }

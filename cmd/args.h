@@ -89,6 +89,8 @@ enum {
     LM_RUN_OPT_STICKY,
     LM_RUN_OPT_QUIET,
     LM_RUN_OPT_HELP,
+    LM_RUN_OPT_DATA,      // the token file: eval's --data, hessian's --calib
+    LM_RUN_OPT_LOG_JSON,  // opened by the skeleton, whether or not the rest parses (command.h)
 };
 
 // Their entries in a command's option table; `samples` is the name of the cap on sequences
@@ -103,25 +105,23 @@ enum {
 // What those options and the MODEL operand say.
 typedef struct lm_run_args {
     const char *model;     // MODEL (one)
+    const char *data;      // the token file (LM_RUN_OPT_DATA), or NULL
     const char *adapter;   // --adapter, or NULL
-    const char *device;    // --device (lm_cmd_run_init: "auto")
+    const char *device;    // --device (lm_cmd_run_scan: "auto")
     int64_t seq_len;       // --seq-len, 0 when not given
-    int64_t min_seq_len;   // the least --seq-len the command takes (lm_cmd_run_init: 1)
+    int64_t min_seq_len;   // the least --seq-len the command takes
     int64_t samples;       // the cap on sequences, 0: all
     uint64_t gpu_mem;      // --gpu-mem, 0 when not given
     int threads;           // --threads, 0: all cores
     bool sticky, quiet, help;
 } lm_run_args;
 
-// Zeroes *a and sets the defaults (device auto, --seq-len from 1).
-void lm_cmd_run_init(lm_run_args *a);
-
-// Applies shared option d (id LM_RUN_OPT_*) with value v as lm_opt_fn does; LM_ERR_USAGE naming
-// the option as the user wrote it (`shown`) for a bad value.
-lm_status lm_cmd_run_option(lm_run_args *a, const lm_opt *d, const char *shown, const char *v, lm_err *err);
-
-// The operand: MODEL, once.
-lm_status lm_cmd_run_operand(lm_run_args *a, const char *arg, lm_err *err);
+// Scans argv as lm_cmd_scan does against the n options, LM_RUN_OPTS among them, into *a (zeroed,
+// then the defaults: device auto, --seq-len from min_seq_len): the shared options and the
+// operand, MODEL once, into a; each of the command's own options (ids below LM_RUN_OPT_FIRST)
+// to own(ctx, ...). LM_ERR_USAGE naming the option as the user wrote it for a bad value.
+lm_status lm_cmd_run_scan(lm_run_args *a, int64_t min_seq_len, int argc, char **argv, const lm_opt *opts, size_t n,
+                          lm_opt_fn own, void *ctx, lm_err *err);
 
 // Opens MODEL (a model directory of an architecture the forward pass runs, resolved as
 // lm_input_detect resolves it) and, with --adapter, the adapter (checked against MODEL). *m
@@ -156,5 +156,33 @@ void lm_cmd_note(void *ctx, const char *line, const lm_fallback *fb);
 
 // The note after the work when batches were halved or sequences ran on the CPU.
 void lm_cmd_run_fallbacks(lm_progress *p, const lm_fwd_runner *u);
+
+// What a command that runs a model over token data holds while it runs, from its lm_run_args:
+// MODEL and the adapter opened, the tokens read, the device opened, the forward pass's runner.
+// The caller zeroes it; lm_cmd_model_run_free frees what it holds.
+typedef struct lm_model_run {
+    lm_progress progress;
+    lm_guard guard;          // the inputs, which no output may be, hold or lie inside
+    lm_model *model;
+    lm_adapter *adapter;     // --adapter, or NULL
+    lm_calib data;           // the token file
+    int64_t seq_len;         // in effect (0: none)
+    lm_fwd_seq *seqs;        // (data.n_seqs)
+    lm_dev *dev;
+    char dev_why[512];       // what --device opened and, for auto, why
+    lm_fwd_runner runner;
+    double t0;               // when the work began (lm_cmd_model_run_begin)
+} lm_model_run;
+
+// Frees everything r holds, the progress and the guard included; r itself is the caller's.
+void lm_cmd_model_run_free(lm_model_run *r);
+
+// Begins the work: the notes "WHAT MODEL[ with ADAPTER] on FILE: N sequences, T tokens
+// (DEVICE[, N threads])" (what: "evaluating", ...; FILE: a->data), lm_cmd_run_notes and the
+// adapter's warnings; then r->t0, and r->runner initialised with --sticky-fallback (phase names
+// the command in its fallbacks: "eval", "hessian"; fallbacks and notes go to lm_cmd_note).
+// Returns the runner's status; r->runner is freed with r.
+lm_status lm_cmd_model_run_begin(lm_model_run *r, const lm_run_args *a, const char *what, const char *phase,
+                                 lm_err *err);
 
 #endif

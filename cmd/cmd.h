@@ -14,10 +14,10 @@
 // outlives the call.
 int lm_cmd_inspect(int argc, char **argv);
 
-// `llmerge ties|dare|dare-ties|task-arithmetic BASE FT [FT...] -o OUT [options]`: merges the
-// fine-tuned inputs into BASE by the method named in argv[0] and writes the model directory
-// OUT atomically (nothing is left there when it fails). Allocates nothing that outlives the
-// call.
+// `llmerge METHOD BASE FT [FT...] -o OUT [options]`, METHOD one of lib/methods/ (ties, dare,
+// ...): merges the fine-tuned inputs into BASE by the method named in argv[0] and writes the
+// model directory OUT atomically (nothing is left there when it fails). Allocates nothing that
+// outlives the call.
 int lm_cmd_merge(int argc, char **argv);
 
 // `llmerge eval MODEL [--adapter DIR] --data FILE [options]`: prints the perplexity of MODEL
@@ -41,10 +41,10 @@ size_t lm_cmd_edit_distance(const char *a, const char *b);
 // returns true; returns false for any other name. Allocates nothing.
 bool lm_cmd_mergekit_hint(const char *name, char *buf, size_t cap);
 
-// The line that follows an unknown method: llmerge's methods and where mergekit's are mapped.
-#define LM_CMD_METHODS_LINE                                                                                   \
-    "merge methods: ties, dare, dare-ties, task-arithmetic, sparsegpt (llmerge METHOD --help); "            \
-    "docs/mergekit.md says which of mergekit's methods llmerge has and what it calls them"
+// Writes llmerge's method names, in the order of the registry (lib/methods/methods.c) and
+// separated by ", " ("ties, dare, ..."), into buf (cap bytes, cut short if need be). Allocates
+// nothing.
+void lm_cmd_method_names(char *buf, size_t cap);
 
 
 // `llmerge plan METHOD BASE FT [FT...] -o OUT [merge options] [--json]`: what a merge with

@@ -1,8 +1,6 @@
 // The entry skeleton of the subcommands that do a run (command.h).
 #include "command.h"
 
-#include "args.h"
-
 int lm_command_run(const lm_command *c, int argc, char **argv)
 {
     lm_progress *p = c->progress;
@@ -10,21 +8,25 @@ int lm_command_run(const lm_command *c, int argc, char **argv)
     lm_err err = {0}, log_err = {0};
     int rc;
     if (argc < 2) {
-        c->usage(c->ctx, stderr);
+        c->usage(stderr, c->usage_arg);
         rc = 2;
         goto done;
     }
     const char *log_json = lm_cmd_find_log_json(argc, argv);
-    bool help = false, no_log = false;
-    lm_status ps = c->parse(c->ctx, argc, argv, &help, &err), s = ps;
+    bool no_log = false;
+    lm_status ps = c->parse(c->ctx, argc, argv, &err), s = ps;
+    bool help = *c->help;
     // the inputs the command line names, which no output may be: also when it does not parse
-    if (c->guard_args(c->ctx, argc, argv, &log_err) != LM_OK) {
+    if (lm_cmd_guard_args(c->guard, argc, argv, c->opts, c->n_opts, c->inputs, c->n_inputs, c->first, c->rest,
+                          &log_err) != LM_OK) {
         lm_progress_error(p, 1, "%s", log_err.msg);
         rc = 1;
         goto done;
     }
-    if (ps == LM_OK && !help)
+    if (ps == LM_OK && !help) {
+        p->quiet = *c->quiet;
         s = c->prepare(c->ctx, &no_log, &err);
+    }
     if (no_log)
         log_json = NULL;
     // The log opens whether or not the rest was good, so that a usage error is logged too, but
@@ -45,7 +47,7 @@ int lm_command_run(const lm_command *c, int argc, char **argv)
         goto done;
     }
     if (help) {
-        c->usage(c->ctx, stdout);
+        c->usage(stdout, c->usage_arg);
         rc = 0;
         goto done;
     }
@@ -58,4 +60,58 @@ int lm_command_run(const lm_command *c, int argc, char **argv)
 done:
     c->cleanup(c->ctx);
     return rc;
+}
+
+// ---- a command that runs a model ------------------------------------------------------------
+
+// What lm_command_run_model hands the skeleton as its ctx.
+typedef struct model_ctx {
+    const lm_model_command *mc;
+    void *run;
+    lm_run_args *a;
+} model_ctx;
+
+static void model_usage(FILE *out, const void *mc)
+{
+    ((const lm_model_command *)mc)->usage(out);
+}
+
+static lm_status model_parse(void *ctx, int argc, char **argv, lm_err *err)
+{
+    model_ctx *x = ctx;
+    return lm_cmd_run_scan(x->a, x->mc->min_seq_len, argc, argv, x->mc->opts, x->mc->n_opts, x->mc->option, x->run,
+                           err);
+}
+
+static lm_status model_prepare(void *ctx, bool *no_log, lm_err *err)
+{
+    model_ctx *x = ctx;
+    return x->mc->prepare(x->run, no_log, err);
+}
+
+static int model_work(void *ctx)
+{
+    model_ctx *x = ctx;
+    return x->mc->work(x->run);
+}
+
+static void model_cleanup(void *ctx)
+{
+    model_ctx *x = ctx;
+    x->mc->cleanup(x->run);
+}
+
+int lm_command_run_model(const lm_model_command *mc, void *run, lm_model_run *m, lm_run_args *a, int argc,
+                         char **argv)
+{
+    static const int inputs[] = {LM_RUN_OPT_ADAPTER, LM_RUN_OPT_DATA};
+    model_ctx x = {mc, run, a};
+    lm_command c = {
+        .prefix = mc->prefix, .log_error_prefix = "--log-json: ", .progress = &m->progress, .guard = &m->guard,
+        .opts = mc->opts, .n_opts = mc->n_opts, .inputs = inputs, .n_inputs = 2, .first = "MODEL", .rest = "MODEL",
+        .help = &a->help, .quiet = &a->quiet,
+        .usage = model_usage, .usage_arg = mc, .parse = model_parse, .prepare = model_prepare, .work = model_work,
+        .cleanup = model_cleanup, .ctx = &x,
+    };
+    return lm_command_run(&c, argc, argv);
 }

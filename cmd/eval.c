@@ -82,108 +82,68 @@ static void usage(FILE *out)
 
 // eval's own options; the rest are those of every command that runs a model (args.h).
 typedef enum opt_id {
-    OPT_DATA, OPT_JSON, OPT_LOG_JSON,
+    OPT_JSON,
 } opt_id;
 
 static const lm_opt opt_defs[] = {
-    {"data", 0, true, OPT_DATA},
+    {"data", 0, true, LM_RUN_OPT_DATA},
     {"json", 0, false, OPT_JSON},
-    {"log-json", 0, true, OPT_LOG_JSON},  // opened whether or not the rest parses (lm_cmd_find_log_json)
+    {"log-json", 0, true, LM_RUN_OPT_LOG_JSON},  // opened whether or not the rest parses (lm_cmd_find_log_json)
     LM_RUN_OPTS("samples"),
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
 
 typedef struct eval_args {
-    lm_run_args run;   // MODEL, --adapter, --seq-len, --samples, the device, -q, -h
-    const char *data;
+    lm_run_args run;   // MODEL, --adapter, --data, --seq-len, --samples, the device, -q, -h
     bool json;
 } eval_args;
 
-// Applies option `d` with value `v` (NULL for a flag); `shown` is how the user wrote it.
-static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+// Applies eval's one option of its own, --json (lm_opt_fn; ctx: the run, whose first member is
+// its eval_args).
+static lm_status apply_json(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
-    eval_args *a = ctx;
-    switch (d->id) {
-    case OPT_DATA:
-        if (!*v)
-            return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-        a->data = v;
-        return LM_OK;
-    case OPT_JSON:
-        a->json = true;
-        return LM_OK;
-    case OPT_LOG_JSON:
-        if (!*v)
-            return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-        return LM_OK;
-    }
-    return lm_cmd_run_option(&a->run, d, shown, v, err);
-}
-
-static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
-{
-    return lm_cmd_run_operand(&((eval_args *)ctx)->run, arg, err);
-}
-
-// Parses argv into *a: MODEL anywhere among the options, "--" ends them.
-static lm_status parse_args(eval_args *a, int argc, char **argv, lm_err *err)
-{
-    lm_cmd_run_init(&a->run);
-    a->run.min_seq_len = 2;  // a sequence needs two tokens to predict one
-    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, apply_option, on_operand, a, err);
+    (void)d, (void)shown, (void)v, (void)err;
+    ((eval_args *)ctx)->json = true;
+    return LM_OK;
 }
 
 // ==== the run =================================================================================
 
 typedef struct eval_run {
-    eval_args args;
-    lm_progress progress;
-    lm_model *model;
-    lm_adapter *adapter;
-    lm_calib data;
-    int64_t seq_len;      // in effect (0: none)
-    lm_fwd_seq *seqs;     // (data.n_seqs)
+    eval_args args;       // first: apply_json takes the run for it
+    lm_model_run run;     // its guard: the inputs, which --log-json may not be, hold or lie inside
     int64_t n_pred;       // next-token predictions
-    lm_dev *dev;
-    char dev_why[512];
-    lm_fwd_runner runner;
-    float *nll;           // (data.n_tokens)
-    lm_guard guard;       // the inputs, which --log-json may not be, hold or lie inside
+    float *nll;           // (run.data.n_tokens)
 } eval_run;
 
-static void run_free(eval_run *r)
+static void run_free(void *ctx)
 {
-    lm_fwd_runner_free(&r->runner);
-    lm_dev_destroy(r->dev);
+    eval_run *r = ctx;
     free(r->nll);
-    free(r->seqs);
-    lm_calib_free(&r->data);
-    lm_adapter_free(r->adapter);
-    lm_model_free(r->model);
-    lm_guard_free(&r->guard);
-    lm_progress_free(&r->progress);
+    lm_cmd_model_run_free(&r->run);
 }
 
 // Everything before the work: inputs opened and checked, the data read, the device opened.
-static lm_status prepare(eval_run *r, lm_err *err)
+static lm_status open_inputs(eval_run *r, lm_err *err)
 {
     eval_args *a = &r->args;
     lm_status s;
     if (!a->run.model)
         return lm_err_set(err, LM_ERR_USAGE, "needs MODEL (usage: llmerge eval MODEL [--adapter DIR] --data FILE)");
-    if (!a->data)
+    if (!a->run.data)
         return lm_err_set(err, LM_ERR_USAGE, "no data: give --data FILE (.jsonl or .txt)");
-    if ((s = lm_cmd_run_open(&a->run, &r->model, &r->adapter, err)) != LM_OK ||
-        (s = lm_cmd_run_tokens(&a->run, r->model, a->data, &r->data, &r->seq_len, &r->seqs, err)) != LM_OK)
+    if ((s = lm_cmd_run_open(&a->run, &r->run.model, &r->run.adapter, err)) != LM_OK ||
+        (s = lm_cmd_run_tokens(&a->run, r->run.model, a->run.data, &r->run.data, &r->run.seq_len, &r->run.seqs,
+                               err)) != LM_OK)
         return s;
-    if (!(r->nll = calloc((size_t)(r->data.n_tokens ? r->data.n_tokens : 1), sizeof *r->nll)))
+    if (!(r->nll = calloc((size_t)(r->run.data.n_tokens ? r->run.data.n_tokens : 1), sizeof *r->nll)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    for (int64_t i = 0; i < r->data.n_seqs; i++)
-        r->n_pred += r->seqs[i].len - 1;
+    for (int64_t i = 0; i < r->run.data.n_seqs; i++)
+        r->n_pred += r->run.seqs[i].len - 1;
     if (r->n_pred == 0)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: no next-token predictions (every sequence has one token)",
-                          a->data);
-    return lm_cmd_run_device(&a->run, &r->dev, r->dev_why, sizeof r->dev_why, err);
+                          a->run.data);
+    return lm_cmd_run_device(&a->run, &r->run.dev, r->run.dev_why, sizeof r->run.dev_why, err);
 }
 
 static void on_progress(void *ctx, int64_t done)
@@ -202,19 +162,19 @@ static lm_status check_interrupt(void *ctx, lm_dev *dev, int layer, lm_fwd_point
 
 static int print_json(const eval_run *r, double nll_mean, double ppl, double secs)
 {
-    const lm_fwd_runner *u = &r->runner;
+    const lm_fwd_runner *u = &r->run.runner;
     cJSON *o = cJSON_CreateObject(), *fb = NULL;
     bool ok = o && cJSON_AddNumberToObject(o, "perplexity", ppl) && cJSON_AddNumberToObject(o, "nll_mean", nll_mean) &&
               cJSON_AddNumberToObject(o, "tokens", (double)r->n_pred) &&
-              cJSON_AddNumberToObject(o, "sequences", (double)r->data.n_seqs) &&
-              cJSON_AddNumberToObject(o, "sequences_cut", (double)r->data.n_cut) &&
+              cJSON_AddNumberToObject(o, "sequences", (double)r->run.data.n_seqs) &&
+              cJSON_AddNumberToObject(o, "sequences_cut", (double)r->run.data.n_cut) &&
               cJSON_AddStringToObject(o, "model", r->args.run.model) &&
               (r->args.run.adapter ? cJSON_AddStringToObject(o, "adapter", r->args.run.adapter)
                                : cJSON_AddNullToObject(o, "adapter")) &&
-              cJSON_AddStringToObject(o, "data", r->args.data) &&
-              (r->seq_len ? cJSON_AddNumberToObject(o, "seq_len", (double)r->seq_len)
+              cJSON_AddStringToObject(o, "data", r->args.run.data) &&
+              (r->run.seq_len ? cJSON_AddNumberToObject(o, "seq_len", (double)r->run.seq_len)
                           : cJSON_AddNullToObject(o, "seq_len")) &&
-              cJSON_AddStringToObject(o, "device", lm_dev_name(r->dev)) &&
+              cJSON_AddStringToObject(o, "device", lm_dev_name(r->run.dev)) &&
               (fb = cJSON_AddObjectToObject(o, "fallbacks")) &&
               cJSON_AddBoolToObject(fb, "weights_on_cpu", u->weights_fell_back) &&
               cJSON_AddNumberToObject(fb, "batches_halved", (double)u->n_halved) &&
@@ -234,40 +194,24 @@ static int print_json(const eval_run *r, double nll_mean, double ppl, double sec
 }
 
 // The work: the model placed, every batch run, the result printed. Returns the exit status.
-static int work(eval_run *r)
+static int work(void *ctx)
 {
-    eval_args *a = &r->args;
-    lm_progress *p = &r->progress;
-    lm_err err = {0};
-    char threads[32] = "";
-    int n_threads = lm_dev_threads(r->dev);
-    if (n_threads > 0)
-        snprintf(threads, sizeof threads, ", %d thread%s", n_threads, n_threads == 1 ? "" : "s");
-    lm_progress_note(p, "evaluating %s%s%s on %s: %" PRId64 " sequence%s, %" PRId64 " tokens (%s%s)", a->run.model,
-                     a->run.adapter ? " with " : "", a->run.adapter ? a->run.adapter : "", a->data, r->data.n_seqs,
-                     r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);
-    lm_cmd_run_notes(p, &a->run, &r->data, r->seq_len, r->dev);
-    if (r->adapter) {
-        char who[LM_ERR_MSG_MAX / 2];
-        snprintf(who, sizeof who, "--adapter %s", a->run.adapter);
-        lm_cmd_adapter_warnings(p, who, r->adapter, "applied", a->run.model);
-    }
-
-    double t0 = lm_now();
     lm_signals_install();  // Ctrl-C stops at the next layer: exit 128 + the signal, no result
-    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "eval", a->run.model, 0, lm_cmd_note, p,
-                                     &err);
-    r->runner.sticky = a->run.sticky;
+    eval_run *r = ctx;
+    eval_args *a = &r->args;
+    lm_progress *p = &r->run.progress;
+    lm_err err = {0};
+    lm_status s = lm_cmd_model_run_begin(&r->run, &a->run, "evaluating", "eval", &err);
     if (s != LM_OK) {
         int code = lm_status_exit_code(s);
         lm_progress_error(p, code, "%s", err.msg);
         return code;
     }
-    r->runner.progress = on_progress;
-    r->runner.progress_ctx = p;
-    lm_progress_start(p, "sequence", r->data.n_seqs, 0);
+    r->run.runner.progress = on_progress;
+    r->run.runner.progress_ctx = p;
+    lm_progress_start(p, "sequence", r->run.data.n_seqs, 0);
     lm_fwd_req req = {.nll = r->nll, .hook = check_interrupt};
-    s = lm_fwd_runner_run(&r->runner, r->seqs, r->data.n_seqs, &req, &err);
+    s = lm_fwd_runner_run(&r->run.runner, r->run.seqs, r->run.data.n_seqs, &req, &err);
     lm_progress_end(p);
     if (s == LM_ERR_INTERRUPTED || (s == LM_OK && lm_interrupted())) {
         int sig = lm_interrupted() ? lm_interrupted() : SIGINT;
@@ -284,17 +228,17 @@ static int work(eval_run *r)
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;
     }
-    double secs = lm_now() - t0;
+    double secs = lm_now() - r->run.t0;
 
     // Summed in sequence order in double: the same total whatever ran where.
     double sum = 0;
-    for (int64_t i = 0; i < r->data.n_tokens; i++)
+    for (int64_t i = 0; i < r->run.data.n_tokens; i++)
         sum += r->nll[i];
     double mean = sum / (double)r->n_pred, ppl = exp(mean);
-    const lm_fwd_runner *u = &r->runner;
+    const lm_fwd_runner *u = &r->run.runner;
     lm_progress_note(p, "%" PRId64 " predictions in %.2f s (%.0f tokens/s) on %s", r->n_pred, secs,
-                     secs > 0 ? (double)r->data.n_tokens / secs : 0.0,
-                     u->weights_fell_back ? "cpu" : lm_dev_name(r->dev));
+                     secs > 0 ? (double)r->run.data.n_tokens / secs : 0.0,
+                     u->weights_fell_back ? "cpu" : lm_dev_name(r->run.dev));
     lm_cmd_run_fallbacks(p, u);
     if (!isfinite(mean)) {
         lm_progress_error(p, 1, "the mean negative log-likelihood is %g (the model produced non-finite logits)",
@@ -309,58 +253,27 @@ static int work(eval_run *r)
 
 // ==== the entry (command.h) ===================================================================
 
-static void cmd_usage(void *ctx, FILE *out)
-{
-    (void)ctx;
-    usage(out);
-}
-
-static lm_status cmd_parse(void *ctx, int argc, char **argv, bool *help, lm_err *err)
-{
-    eval_run *r = ctx;
-    lm_status s = parse_args(&r->args, argc, argv, err);
-    *help = r->args.run.help;
-    return s;
-}
-
-static lm_status cmd_guard_args(void *ctx, int argc, char **argv, lm_err *err)
-{
-    static const int inputs[] = {LM_RUN_OPT_ADAPTER, OPT_DATA};
-    return lm_cmd_guard_args(&((eval_run *)ctx)->guard, argc, argv, opt_defs, N_OPTS, inputs, 2, "MODEL", "MODEL",
-                             err);
-}
-
-static lm_status cmd_prepare(void *ctx, bool *no_log, lm_err *err)
+// open_inputs, and the files it read from added to the guard, whatever it said.
+static lm_status prepare(void *ctx, bool *no_log, lm_err *err)
 {
     eval_run *r = ctx;
     lm_err gerr;
-    r->progress.quiet = r->args.run.quiet;
-    lm_status s = prepare(r, err);
-    // and the files they were read from
-    if (lm_cmd_guard_model(&r->guard, "MODEL", r->model, &gerr) != LM_OK ||
-        lm_cmd_guard_adapter(&r->guard, "--adapter", r->adapter, &gerr) != LM_OK)
+    lm_status s = open_inputs(r, err);
+    if (lm_cmd_guard_model(&r->run.guard, "MODEL", r->run.model, &gerr) != LM_OK ||
+        lm_cmd_guard_adapter(&r->run.guard, "--adapter", r->run.adapter, &gerr) != LM_OK)
         *no_log = true;  // out of memory: no log rather than an unchecked one
     return s;
 }
 
-static int cmd_work(void *ctx)
-{
-    return work(ctx);
-}
-
-static void cmd_cleanup(void *ctx)
-{
-    run_free(ctx);
-}
+static const lm_model_command command = {
+    .prefix = "llmerge eval", .opts = opt_defs, .n_opts = N_OPTS,
+    .min_seq_len = 2,  // a sequence needs two tokens to predict one
+    .option = apply_json, .usage = usage, .prepare = prepare, .work = work, .cleanup = run_free,
+};
 
 int lm_cmd_eval(int argc, char **argv)
 {
     eval_run r;
     memset(&r, 0, sizeof r);
-    lm_command c = {
-        .prefix = "llmerge eval", .progress = &r.progress, .guard = &r.guard, .log_error_prefix = "--log-json: ",
-        .usage = cmd_usage, .parse = cmd_parse, .guard_args = cmd_guard_args, .prepare = cmd_prepare,
-        .work = cmd_work, .cleanup = cmd_cleanup, .ctx = &r,
-    };
-    return lm_command_run(&c, argc, argv);
+    return lm_command_run_model(&command, &r, &r.run, &r.args.run, argc, argv);
 }

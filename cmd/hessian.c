@@ -91,91 +91,58 @@ static void usage(FILE *out)
 
 // hessian's own options; the rest are those of every command that runs a model (args.h).
 typedef enum opt_id {
-    OPT_OUTPUT, OPT_FORCE, OPT_CALIB, OPT_LOG_JSON,
+    OPT_OUTPUT, OPT_FORCE,
 } opt_id;
 
 static const lm_opt opt_defs[] = {
     {"output", 'o', true, OPT_OUTPUT},
     {"force", 0, false, OPT_FORCE},
-    {"calib", 0, true, OPT_CALIB},
-    {"log-json", 0, true, OPT_LOG_JSON},
+    {"calib", 0, true, LM_RUN_OPT_DATA},
+    {"log-json", 0, true, LM_RUN_OPT_LOG_JSON},
     LM_RUN_OPTS("calib-samples"),
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
 
 typedef struct hess_args {
-    lm_run_args run;   // MODEL, --adapter, --seq-len, --calib-samples, the device, -q, -h
-    const char *calib, *output, *log_json;
+    lm_run_args run;   // MODEL, --adapter, --calib, --seq-len, --calib-samples, the device, -q, -h
+    const char *output;
     bool force;
 } hess_args;
 
-// Applies option `d` with value `v` (NULL for a flag); `shown` is how the user wrote it.
+// Applies hessian's own options, -o and --force (lm_opt_fn; ctx: the run, whose first member is
+// its hess_args). Short options with a value (-o) take the rest of the word or the next word.
 static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
     hess_args *a = ctx;
-    switch (d->id) {
-    case OPT_OUTPUT:
-    case OPT_CALIB:
-    case OPT_LOG_JSON:
-        if (!*v)
-            return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
-        *(d->id == OPT_OUTPUT ? &a->output : d->id == OPT_CALIB ? &a->calib : &a->log_json) = v;
-        return LM_OK;
-    case OPT_FORCE:
+    if (d->id == OPT_FORCE)
         a->force = true;
-        return LM_OK;
-    }
-    return lm_cmd_run_option(&a->run, d, shown, v, err);
-}
-
-static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
-{
-    return lm_cmd_run_operand(&((hess_args *)ctx)->run, arg, err);
-}
-
-// Parses argv into *a: MODEL anywhere among the options, "--" ends them. Short options with a
-// value (-o) take the rest of the word or the next word.
-static lm_status parse_args(hess_args *a, int argc, char **argv, lm_err *err)
-{
-    lm_cmd_run_init(&a->run);
-    return lm_cmd_scan(argc, argv, opt_defs, N_OPTS, apply_option, on_operand, a, err);
+    else if (!*v)
+        return lm_err_set(err, LM_ERR_USAGE, "%s needs a value", shown);
+    else
+        a->output = v;
+    return LM_OK;
 }
 
 // ==== the run =================================================================================
 
 typedef struct hess_run {
-    hess_args args;
-    lm_progress progress;
-    lm_model *model;
-    lm_adapter *adapter;
-    lm_calib data;
-    int64_t seq_len;      // in effect (0: none)
-    lm_fwd_seq *seqs;     // (data.n_seqs)
-    lm_dev *dev;
-    char dev_why[512];
-    lm_fwd_runner runner;
+    hess_args args;       // first: apply_option takes the run for it
+    lm_model_run run;     // its guard: the inputs, which neither -o nor --log-json may be, hold or lie inside
     lm_hess hess;
     int64_t n_out;        // tensors written: n_layers · LM_FWD_N_POINTS
     lm_st_desc *desc;     // (n_out)
     char **names;         // (n_out)
-    lm_guard guard;       // the inputs, which neither -o nor --log-json may be, hold or lie inside
 } hess_run;
 
-static void run_free(hess_run *r)
+static void run_free(void *ctx)
 {
+    hess_run *r = ctx;
     for (int64_t i = 0; r->names && i < r->n_out; i++)
         free(r->names[i]);
     free(r->names);
     free(r->desc);
     lm_hess_free(&r->hess);
-    lm_fwd_runner_free(&r->runner);
-    lm_dev_destroy(r->dev);
-    free(r->seqs);
-    lm_calib_free(&r->data);
-    lm_adapter_free(r->adapter);
-    lm_model_free(r->model);
-    lm_guard_free(&r->guard);
-    lm_progress_free(&r->progress);
+    lm_cmd_model_run_free(&r->run);
 }
 
 // The output path: not a directory, not an existing file without --force, in a directory that
@@ -200,32 +167,36 @@ static lm_status check_output(const hess_args *a, lm_err *err)
     return LM_OK;
 }
 
-// Everything before the work: inputs opened and checked, the data read, the device opened.
-static lm_status prepare(hess_run *r, lm_err *err)
+// Everything before the work: inputs opened and checked, the data read, the device opened. The
+// files of the inputs are guarded here, before -o is checked against them.
+static lm_status prepare(void *ctx, bool *no_log, lm_err *err)
 {
+    hess_run *r = ctx;
     hess_args *a = &r->args;
+    (void)no_log;
     lm_status s;
     if (!a->run.model)
         return lm_err_set(err, LM_ERR_USAGE, "needs MODEL (usage: llmerge hessian MODEL [--adapter DIR] --calib FILE "
                           "-o H.safetensors)");
-    if (!a->calib)
+    if (!a->run.data)
         return lm_err_set(err, LM_ERR_USAGE, "no calibration data: give --calib FILE (.jsonl or .txt)");
     if (!a->output)
         return lm_err_set(err, LM_ERR_USAGE, "no output: give -o H.safetensors");
     // never an input (checked again once the inputs' files are known), whatever --force says
-    if ((s = lm_guard_check(&r->guard, "-o", a->output, err)) != LM_OK || (s = check_output(a, err)) != LM_OK)
+    if ((s = lm_guard_check(&r->run.guard, "-o", a->output, err)) != LM_OK || (s = check_output(a, err)) != LM_OK)
         return s;
-    s = lm_cmd_run_open(&a->run, &r->model, &r->adapter, err);
+    s = lm_cmd_run_open(&a->run, &r->run.model, &r->run.adapter, err);
     lm_err gerr;
-    if (lm_cmd_guard_model(&r->guard, "MODEL", r->model, &gerr) != LM_OK ||
-        lm_cmd_guard_adapter(&r->guard, "--adapter", r->adapter, &gerr) != LM_OK)
+    if (lm_cmd_guard_model(&r->run.guard, "MODEL", r->run.model, &gerr) != LM_OK ||
+        lm_cmd_guard_adapter(&r->run.guard, "--adapter", r->run.adapter, &gerr) != LM_OK)
         return s != LM_OK ? s : lm_err_set(err, LM_ERR_NOMEM, "%s", gerr.msg);
-    if (s != LM_OK || (s = lm_guard_check(&r->guard, "-o", a->output, err)) != LM_OK ||
-        (s = lm_cmd_run_tokens(&a->run, r->model, a->calib, &r->data, &r->seq_len, &r->seqs, err)) != LM_OK)
+    if (s != LM_OK || (s = lm_guard_check(&r->run.guard, "-o", a->output, err)) != LM_OK ||
+        (s = lm_cmd_run_tokens(&a->run, r->run.model, a->run.data, &r->run.data, &r->run.seq_len, &r->run.seqs,
+                               err)) != LM_OK)
         return s;
 
     // the output's tensors, named and sized before any work
-    const lm_config *cfg = &r->model->config;
+    const lm_config *cfg = &r->run.model->config;
     r->n_out = cfg->num_hidden_layers * LM_FWD_N_POINTS;
     if (!(r->desc = calloc((size_t)r->n_out, sizeof *r->desc)) || !(r->names = calloc((size_t)r->n_out, sizeof *r->names)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
@@ -239,7 +210,7 @@ static lm_status prepare(hess_run *r, lm_err *err)
                 return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
             r->desc[i] = (lm_st_desc){.name = r->names[i], .dtype = LM_DTYPE_F32, .ndim = 2, .shape = {dims[p], dims[p]}};
         }
-    return lm_cmd_run_device(&a->run, &r->dev, r->dev_why, sizeof r->dev_why, err);
+    return lm_cmd_run_device(&a->run, &r->run.dev, r->run.dev_why, sizeof r->run.dev_why, err);
 }
 
 static void on_progress(void *ctx, int64_t done)
@@ -251,19 +222,19 @@ static void on_progress(void *ctx, int64_t done)
 // batch's activations; the rest in host memory, said as a fallback.
 static lm_status place_accumulators(hess_run *r, lm_err *err)
 {
-    lm_fwd_runner *u = &r->runner;
-    lm_dev *dev = u->on_dev ? r->dev : NULL;
+    lm_fwd_runner *u = &r->run.runner;
+    lm_dev *dev = u->on_dev ? r->run.dev : NULL;
     size_t reserve = 0;
     if (u->on_dev) {
         int64_t longest = 0;
-        for (int64_t i = 0; i < r->data.n_seqs; i++)
-            longest = r->seqs[i].len > longest ? r->seqs[i].len : longest;
-        int64_t batch = r->data.n_tokens < u->max_tokens ? r->data.n_tokens : u->max_tokens;
+        for (int64_t i = 0; i < r->run.data.n_seqs; i++)
+            longest = r->run.seqs[i].len > longest ? r->run.seqs[i].len : longest;
+        int64_t batch = r->run.data.n_tokens < u->max_tokens ? r->run.data.n_tokens : u->max_tokens;
         reserve = lm_fwd_arena_bytes(u->on_dev, batch > longest ? batch : longest);
         if (reserve == SIZE_MAX)
             reserve = 0;
     }
-    lm_status s = lm_hess_init(&r->hess, r->model, r->dev, dev != NULL, reserve, err);
+    lm_status s = lm_hess_init(&r->hess, r->run.model, r->run.dev, dev != NULL, reserve, err);
     if (s != LM_OK)
         return s;
     lm_hess *h = &r->hess;
@@ -275,7 +246,7 @@ static lm_status place_accumulators(hess_run *r, lm_err *err)
         lm_dev_mem_info(dev, &fr, &tot);
         snprintf(reason, sizeof reason, "%s out of memory: %s free, kept for activations", lm_dev_name(dev),
                  lm_format_bytes(b, sizeof b, fr));
-        lm_progress_fallback(&r->progress, &(lm_fallback){"hessian", unit, lm_dev_name(dev), "cpu", reason});
+        lm_progress_fallback(&r->run.progress, &(lm_fallback){"hessian", unit, lm_dev_name(dev), "cpu", reason});
     }
     return LM_OK;
 }
@@ -290,10 +261,10 @@ static lm_status write_hessians(hess_run *r, lm_err *err)
     hess_args *a = &r->args;
     char n_tokens[32], n_seqs[32], seq_len[32];
     snprintf(n_tokens, sizeof n_tokens, "%" PRId64, r->hess.n_tokens);
-    snprintf(n_seqs, sizeof n_seqs, "%" PRId64, r->data.n_seqs);
-    snprintf(seq_len, sizeof seq_len, "%" PRId64, r->seq_len);
+    snprintf(n_seqs, sizeof n_seqs, "%" PRId64, r->run.data.n_seqs);
+    snprintf(seq_len, sizeof seq_len, "%" PRId64, r->run.seq_len);
     const char *meta[] = {"n_tokens", n_tokens, "n_sequences", n_seqs, "seq_len", seq_len, "model", a->run.model,
-                          "calib", a->calib, "llmerge", "hessian " LLMERGE_VERSION, "adapter", a->run.adapter, NULL};
+                          "calib", a->run.data, "llmerge", "hessian " LLMERGE_VERSION, "adapter", a->run.adapter, NULL};
     if (!a->run.adapter)
         meta[12] = NULL;  // no adapter key at all
     int64_t most = 0;
@@ -361,116 +332,60 @@ out:
 }
 
 // The work: the model placed, every batch run, the Hessians written. Returns the exit status.
-static int work(hess_run *r)
+static int work(void *ctx)
 {
+    hess_run *r = ctx;
     hess_args *a = &r->args;
-    lm_progress *p = &r->progress;
+    lm_progress *p = &r->run.progress;
     lm_err err = {0};
-    char threads[32] = "";
-    int n_threads = lm_dev_threads(r->dev);
-    if (n_threads > 0)
-        snprintf(threads, sizeof threads, ", %d thread%s", n_threads, n_threads == 1 ? "" : "s");
-    lm_progress_note(p, "capturing Hessians of %s%s%s on %s: %" PRId64 " sequence%s, %" PRId64 " tokens (%s%s)",
-                     a->run.model, a->run.adapter ? " with " : "", a->run.adapter ? a->run.adapter : "", a->calib,
-                     r->data.n_seqs, r->data.n_seqs == 1 ? "" : "s", r->data.n_tokens, r->dev_why, threads);
-    lm_cmd_run_notes(p, &a->run, &r->data, r->seq_len, r->dev);
-    if (r->adapter) {
-        char who[LM_ERR_MSG_MAX / 2];
-        snprintf(who, sizeof who, "--adapter %s", a->run.adapter);
-        lm_cmd_adapter_warnings(p, who, r->adapter, "applied", a->run.model);
-    }
-
-    double t0 = lm_now();
-    lm_status s = lm_fwd_runner_init(&r->runner, r->model, r->adapter, r->dev, "hessian", a->run.model, 0, lm_cmd_note,
-                                     p, &err);
-    r->runner.sticky = a->run.sticky;
+    lm_status s = lm_cmd_model_run_begin(&r->run, &a->run, "capturing Hessians of", "hessian", &err);
     if (s == LM_OK)
         s = place_accumulators(r, &err);
     if (s != LM_OK) {
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;
     }
-    r->runner.progress = on_progress;
-    r->runner.progress_ctx = p;
-    lm_progress_start(p, "sequence", r->data.n_seqs, 0);
-    s = lm_hess_capture(&r->hess, &r->runner, r->seqs, r->data.n_seqs, &err);
+    r->run.runner.progress = on_progress;
+    r->run.runner.progress_ctx = p;
+    lm_progress_start(p, "sequence", r->run.data.n_seqs, 0);
+    s = lm_hess_capture(&r->hess, &r->run.runner, r->run.seqs, r->run.data.n_seqs, &err);
     lm_progress_end(p);
-    if (s == LM_OK && r->hess.n_tokens != r->data.n_tokens)
+    if (s == LM_OK && r->hess.n_tokens != r->run.data.n_tokens)
         s = lm_err_set(&err, LM_ERR_DEVICE, "captured %" PRId64 " tokens of %" PRId64, r->hess.n_tokens,
-                       r->data.n_tokens);
+                       r->run.data.n_tokens);
     if (s != LM_OK) {
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;
     }
-    double t_capture = lm_now() - t0;
+    double t_capture = lm_now() - r->run.t0;
     // The weights are done with (the runner keeps its counts): their memory goes before 5 GB
     // of Hessians pass through the page cache.
-    lm_fwd_runner_free(&r->runner);
+    lm_fwd_runner_free(&r->run.runner);
 
     if ((s = write_hessians(r, &err)) != LM_OK) {
         lm_progress_error(p, 1, "%s", err.msg);
         return 1;
     }
-    double secs = lm_now() - t0;
-    const lm_fwd_runner *u = &r->runner;
+    double secs = lm_now() - r->run.t0;
+    const lm_fwd_runner *u = &r->run.runner;
     lm_progress_note(p, "%" PRId64 " tokens captured in %.2f s (%.0f tokens/s) on %s; %" PRId64 " Hessians finished "
                      "and written to %s in %.2f s more", r->hess.n_tokens, t_capture,
                      t_capture > 0 ? (double)r->hess.n_tokens / t_capture : 0.0,
-                     u->weights_fell_back ? "cpu" : lm_dev_name(r->dev), r->n_out, a->output, secs - t_capture);
+                     u->weights_fell_back ? "cpu" : lm_dev_name(r->run.dev), r->n_out, a->output, secs - t_capture);
     lm_cmd_run_fallbacks(p, u);
     return 0;
 }
 
 // ==== the entry (command.h) ===================================================================
 
-static void cmd_usage(void *ctx, FILE *out)
-{
-    (void)ctx;
-    usage(out);
-}
-
-static lm_status cmd_parse(void *ctx, int argc, char **argv, bool *help, lm_err *err)
-{
-    hess_run *r = ctx;
-    lm_status s = parse_args(&r->args, argc, argv, err);
-    *help = r->args.run.help;
-    return s;
-}
-
-static lm_status cmd_guard_args(void *ctx, int argc, char **argv, lm_err *err)
-{
-    static const int inputs[] = {LM_RUN_OPT_ADAPTER, OPT_CALIB};
-    return lm_cmd_guard_args(&((hess_run *)ctx)->guard, argc, argv, opt_defs, N_OPTS, inputs, 2, "MODEL", "MODEL",
-                             err);
-}
-
-// The files of the inputs are guarded inside prepare, before -o is checked against them.
-static lm_status cmd_prepare(void *ctx, bool *no_log, lm_err *err)
-{
-    hess_run *r = ctx;
-    (void)no_log;
-    r->progress.quiet = r->args.run.quiet;
-    return prepare(r, err);
-}
-
-static int cmd_work(void *ctx)
-{
-    return work(ctx);
-}
-
-static void cmd_cleanup(void *ctx)
-{
-    run_free(ctx);
-}
+static const lm_model_command command = {
+    .prefix = "llmerge hessian", .opts = opt_defs, .n_opts = N_OPTS, .min_seq_len = 1, .option = apply_option,
+    .usage = usage, .prepare = prepare, .work = work, .cleanup = run_free,
+};
 
 int lm_cmd_hessian(int argc, char **argv)
 {
     hess_run r;
     memset(&r, 0, sizeof r);
-    lm_command c = {
-        .prefix = "llmerge hessian", .progress = &r.progress, .guard = &r.guard, .log_error_prefix = "--log-json: ",
-        .usage = cmd_usage, .parse = cmd_parse, .guard_args = cmd_guard_args, .prepare = cmd_prepare,
-        .work = cmd_work, .cleanup = cmd_cleanup, .ctx = &r,
-    };
-    return lm_command_run(&c, argc, argv);
+    return lm_command_run_model(&command, &r, &r.run, &r.args.run, argc, argv);
 }

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cmd.h"
+#include "method.h"
 #include "signals.h"
 
 typedef struct command {
@@ -15,18 +16,37 @@ typedef struct command {
     int (*run)(int argc, char **argv);
 } command;
 
+// The commands other than the merge methods, which come first (the registry, method.h).
 static const command commands[] = {
-    {"ties", "TIES merge: trim each task vector to its largest entries, elect signs, average", lm_cmd_merge},
-    {"dare", "DARE merge: drop task-vector entries at random, rescale the rest, sum", lm_cmd_merge},
-    {"dare-ties", "DARE's random drop with TIES's sign election", lm_cmd_merge},
-    {"task-arithmetic", "add the weighted sum of the task vectors to the base", lm_cmd_merge},
-    {"sparsegpt", "TIES with entries kept by Hessian importance on calibration data", lm_cmd_merge},
     {"eval", "perplexity of a model (with a LoRA adapter applied) on token data", lm_cmd_eval},
     {"hessian", "input Hessians of a model's linear layers from calibration data", lm_cmd_hessian},
     {"plan", "what a merge will need: memory per phase and device, fallbacks, disk", lm_cmd_plan},
     {"inspect", "show the tensors of a safetensors file, a model directory or an adapter", lm_cmd_inspect},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])
+
+// Command i in the order --help lists them: each merge method (lm_cmd_merge runs them all),
+// then commands[]. False past the last.
+static bool command_at(size_t i, command *c)
+{
+    const lm_method *m = lm_method_at(i);
+    if (m)
+        *c = (command){m->name, m->brief, lm_cmd_merge};
+    else if ((i -= lm_method_count()) < N_COMMANDS)
+        *c = commands[i];
+    else
+        return false;
+    return true;
+}
+
+// The line that follows an unknown method: llmerge's methods and where mergekit's are mapped.
+static void methods_line(void)
+{
+    char names[256];
+    lm_cmd_method_names(names, sizeof names);
+    fprintf(stderr, "llmerge: merge methods: %s (llmerge METHOD --help); docs/mergekit.md says which of mergekit's "
+            "methods llmerge has and what it calls them\n", names);
+}
 
 static void usage(FILE *out)
 {
@@ -37,8 +57,9 @@ static void usage(FILE *out)
             "\n"
             "Commands:\n",
             LLMERGE_VERSION);
-    for (size_t i = 0; i < N_COMMANDS; i++)
-        fprintf(out, "  %-16s %s\n", commands[i].name, commands[i].summary);
+    command c;
+    for (size_t i = 0; command_at(i, &c); i++)
+        fprintf(out, "  %-16s %s\n", c.name, c.summary);
     fprintf(out,
             "\n"
             "Options:\n"
@@ -152,36 +173,37 @@ int main(int argc, char **argv)
         );
         return 0;
     }
-    for (size_t i = 0; i < N_COMMANDS; i++)
-        if (strcmp(cmd, commands[i].name) == 0) {
+    command c;
+    for (size_t i = 0; command_at(i, &c); i++)
+        if (strcmp(cmd, c.name) == 0) {
             // An input truncated while it is mapped raises SIGBUS: named, output removed, exit 1.
             static char prefix[64];
-            snprintf(prefix, sizeof prefix, "llmerge %s", commands[i].name);
+            snprintf(prefix, sizeof prefix, "llmerge %s", c.name);
             lm_signals_init(prefix);
-            return commands[i].run(argc - 1, argv + 1);
+            return c.run(argc - 1, argv + 1);
         }
 
     // a method named as mergekit names it: what llmerge calls it, or that it has none
     char hint[256];
     if (lm_cmd_mergekit_hint(cmd, hint, sizeof hint)) {
         fprintf(stderr, "llmerge: error: unknown command '%s': %s\n", cmd, hint);
-        fprintf(stderr, "llmerge: %s\n", LM_CMD_METHODS_LINE);
+        methods_line();
         return 2;
     }
     const char *best = NULL;
     size_t best_d = 3;
-    for (size_t i = 0; i < N_COMMANDS; i++) {
-        size_t d = lm_cmd_edit_distance(cmd, commands[i].name);
+    for (size_t i = 0; command_at(i, &c); i++) {
+        size_t d = lm_cmd_edit_distance(cmd, c.name);
         if (d < best_d) {
             best_d = d;
-            best = commands[i].name;
+            best = c.name;
         }
     }
     if (best) {
         fprintf(stderr, "llmerge: error: unknown command '%s'; did you mean '%s'?\n", cmd, best);
     } else {
         fprintf(stderr, "llmerge: error: unknown command '%s' (the commands: see llmerge --help)\n", cmd);
-        fprintf(stderr, "llmerge: %s\n", LM_CMD_METHODS_LINE);
+        methods_line();
     }
     return 2;
 }

@@ -140,12 +140,9 @@ static const char *dtype_flag(lm_dtype dt)
     return dt == LM_DTYPE_BF16 ? "bf16" : dt == LM_DTYPE_F16 ? "f16" : "f32";
 }
 
-// The inputs the command line names, for r->guard: BASE, the FTs, sparsegpt's --calib files.
-static lm_status guard_args(merge_run *r, int argc, char **argv, lm_err *err)
-{
-    static const int inputs[] = {OPT_CALIB};
-    return lm_cmd_guard_args(&r->guard, argc, argv, lm_merge_opt_defs, lm_merge_n_opts, inputs, 1, "BASE", "FT", err);
-}
+// The options whose values are inputs, for r->guard with the operands BASE and the FTs:
+// sparsegpt's --calib files.
+static const int guarded_opts[] = {OPT_CALIB};
 
 // What the merge writes, checked against the inputs known so far (r->guard): OUT and OUT.lock,
 // and sparsegpt's cache directory (--cache-dir, or the default one). --log-json is checked when
@@ -154,7 +151,7 @@ static lm_status check_outputs(merge_run *r, lm_err *err)
 {
     const merge_args *a = &r->args;
     lm_status s = lm_guard_check_outdir(&r->guard, a->out, err);
-    if (s != LM_OK || a->m->method != LM_MERGE_SPARSEGPT)
+    if (s != LM_OK || !a->use.hessians)
         return s;
     char *dir = lm_cache_dir(a->cache_dir);
     if (dir)  // no directory at all (no HOME) is said when the cache is opened
@@ -182,24 +179,24 @@ static lm_status check_parent(const char *out, lm_err *err)
 static void note_unused(merge_run *r)
 {
     const merge_args *a = &r->args;
-    const method_info *m = a->m;
+    const merge_uses *use = &a->use;
     struct { bool unused; const char *opt; const char *why; } u[] = {
-        {!m->density && (a->given[OPT_DENSITY] || a->given[OPT_DENSITIES]), a->density_opt,
+        {!use->density && (a->given[OPT_DENSITY] || a->given[OPT_DENSITIES]), a->density_opt,
          "task vectors are used whole"},
-        {!m->sign && a->given[OPT_SIGN], "--sign", "it elects no signs"},
-        {!m->topk && a->given[OPT_TOPK], "--topk", "it has no magnitude trim"},
-        {!m->rescale && a->given[OPT_RESCALE], "--rescale", "it drops nothing at random"},
-        {!m->seed && a->given[OPT_SEED], "--seed", "it draws nothing at random"},
-        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CACHE_DIR], "--cache-dir", "it keeps nothing between runs"},
-        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CALIB], "--calib", "it uses no Hessians"},
-        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_CALIB_SAMPLES], "--calib-samples", "it uses no Hessians"},
-        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
-        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_HESSIAN_FROM], "--hessian-from", "it uses no Hessians"},
-        {m->method != LM_MERGE_SPARSEGPT && a->given[OPT_STICKY], "--sticky-fallback", "it uses no Hessians"},
+        {!use->sign && a->given[OPT_SIGN], "--sign", "it elects no signs"},
+        {!use->topk && a->given[OPT_TOPK], "--topk", "it has no magnitude trim"},
+        {!use->rescale && a->given[OPT_RESCALE], "--rescale", "it drops nothing at random"},
+        {!use->seed && a->given[OPT_SEED], "--seed", "it draws nothing at random"},
+        {!use->hessians && a->given[OPT_CACHE_DIR], "--cache-dir", "it keeps nothing between runs"},
+        {!use->hessians && a->given[OPT_CALIB], "--calib", "it uses no Hessians"},
+        {!use->hessians && a->given[OPT_CALIB_SAMPLES], "--calib-samples", "it uses no Hessians"},
+        {!use->hessians && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
+        {!use->hessians && a->given[OPT_HESSIAN_FROM], "--hessian-from", "it uses no Hessians"},
+        {!use->hessians && a->given[OPT_STICKY], "--sticky-fallback", "it uses no Hessians"},
     };
     for (size_t i = 0; i < sizeof u / sizeof u[0]; i++)
         if (u[i].unused)
-            lm_progress_note(&r->progress, "note: %s has no effect on %s (%s)", u[i].opt, m->name,
+            lm_progress_note(&r->progress, "note: %s has no effect on %s (%s)", u[i].opt, a->m->name,
                              u[i].why);
 }
 
@@ -372,12 +369,12 @@ static lm_status prepare(merge_run *r, lm_err *err)
                           : a->n_densities == 1 ? a->densities[0] : a->densities[i];
     }
     lm_merge_opts *o = &r->opts;
-    o->method = a->m->method;
+    o->method = a->m->id;
     o->n_ft = a->n_ft;
     o->weights = r->weights;
     o->densities = r->densities;
     o->lambda = a->lambda;
-    o->normalize = a->normalize < 0 ? lm_merge_default_normalize(a->m->method) : a->normalize;
+    o->normalize = a->normalize < 0 ? a->m->normalize : a->normalize;
     o->sign = a->sign;
     o->topk_global = a->topk_global;
     o->rescale = a->rescale;
@@ -386,7 +383,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->threads = a->threads;
     if ((s = lm_merge_check_opts(o, err)) != LM_OK)
         return s;
-    if (a->m->method == LM_MERGE_SPARSEGPT && (s = read_calib(r, err)) != LM_OK)
+    if (a->use.hessians && (s = read_calib(r, err)) != LM_OK)
         return s;
 
     // the device
@@ -468,7 +465,7 @@ static void describe_run(merge_run *r)
         else
             snprintf(what, sizeof what, "%" PRId64 " tensors", ft->model->n_tensors);
         char density[32] = "";
-        if (a->m->density)
+        if (a->use.density)
             snprintf(density, sizeof density, ", density %g", o->densities[i]);
         lm_progress_note(&r->progress, "  FT %d %s: %s (%s), weight %g%s", i + 1, ft->path,
                          ft_kind(ft), what, o->weights[i], density);
@@ -553,7 +550,7 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
               cJSON_AddBoolToObject(opt, "strict", a->strict);
     if (!ok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    if (a->m->method == LM_MERGE_SPARSEGPT) {
+    if (a->use.hessians) {
         // what the Hessians came from: each calibration file with its xxHash64, the caps
         cJSON *files = cJSON_AddArrayToObject(opt, "calib");
         for (int i = 0; files && i < a->n_calib; i++) {
@@ -667,12 +664,13 @@ static lm_status write_card(merge_run *r, lm_err *err)
 {
     const merge_args *a = &r->args;
     const lm_merge_opts *o = &r->opts;
-    const method_info *m = a->m;
+    const lm_method *m = a->m;
+    const merge_uses *u = &a->use;
     int n = a->n_ft;
     lm_card_input inputs[n];
     for (int i = 0; i < n; i++)
         inputs[i] = (lm_card_input){a->fts[i], r->fts[i]->adapter ? "LoRA adapter" : "model", o->weights[i],
-                                    m->density ? o->densities[i] : -1};
+                                    u->density ? o->densities[i] : -1};
 
     lm_buf weights = {0}, densities = {0};
     number_list(&weights, o->weights, n);
@@ -688,20 +686,20 @@ static lm_status write_card(merge_run *r, lm_err *err)
     lm_card_number(damp, sizeof damp, SGPT_DAMP);
     const char *sign = o->sign == LM_SIGN_COUNT ? "count" : "sum", *topk = o->topk_global ? "global" : "tensor";
     const char *rescale = o->rescale == LM_RESCALE_L1 ? "l1" : "inv", *dtype = dtype_flag(o->out_dtype);
-    bool sgpt = m->method == LM_MERGE_SPARSEGPT;
+    bool sgpt = u->hessians;
 
     // the options shown in the body, those the method uses
     lm_card_option opts[16 + a->n_calib];
     int k = 0;
     opts[k++] = (lm_card_option){"lambda", lambda, false};
     opts[k++] = (lm_card_option){"normalize", o->normalize ? "on" : "off", false};
-    if (m->sign)
+    if (u->sign)
         opts[k++] = (lm_card_option){"sign election", sign, false};
-    if (m->topk)
+    if (u->topk)
         opts[k++] = (lm_card_option){"top-k", topk, false};
-    if (m->rescale)
+    if (u->rescale)
         opts[k++] = (lm_card_option){"rescale", rescale, false};
-    if (m->seed)
+    if (u->seed)
         opts[k++] = (lm_card_option){"seed", seed, false};
     opts[k++] = (lm_card_option){"dtype", dtype, false};
     opts[k++] = (lm_card_option){"shard size", shard_h, false};
@@ -736,26 +734,26 @@ static lm_status write_card(merge_run *r, lm_err *err)
     argv[c++] = a->out;
     argv[c++] = "--weights";
     argv[c++] = weights.p;
-    if (m->density) {
+    if (u->density) {
         argv[c++] = "--densities";
         argv[c++] = densities.p;
     }
     argv[c++] = "--lambda";
     argv[c++] = lambda;
     argv[c++] = o->normalize ? "--normalize" : "--no-normalize";
-    if (m->sign) {
+    if (u->sign) {
         argv[c++] = "--sign";
         argv[c++] = sign;
     }
-    if (m->topk) {
+    if (u->topk) {
         argv[c++] = "--topk";
         argv[c++] = topk;
     }
-    if (m->rescale) {
+    if (u->rescale) {
         argv[c++] = "--rescale";
         argv[c++] = rescale;
     }
-    if (m->seed) {
+    if (u->seed) {
         argv[c++] = "--seed";
         argv[c++] = seed;
     }
@@ -900,7 +898,7 @@ static int work(merge_run *r, double t_loaded)
             numel *= (uint64_t)r->descs[i].shape[d];
         out_bytes += numel * lm_dtype_bits(r->descs[i].dtype) / 8;
     }
-    if (a->m->method == LM_MERGE_SPARSEGPT) {
+    if (a->use.hessians) {
         lm_cmd_sgpt_in in = {
             .base = r->base, .fts = r->fts, .n_ft = a->n_ft, .densities = r->densities, .topk_global = a->topk_global,
             .calib = r->calib, .n_calib = r->n_calib, .calib_samples = a->calib_samples, .seq_len = a->seq_len,
@@ -915,7 +913,7 @@ static int work(merge_run *r, double t_loaded)
     // A device without the importance operations (every built-in one has them) leaves sparsegpt's merge to
     // the CPU: said, not silent.
     lm_dev *merge_dev = r->dev;
-    if (a->m->method == LM_MERGE_SPARSEGPT && !lm_dev_supports(r->dev, LM_OP_IMPORTANCE)) {
+    if (a->use.hessians && !lm_dev_supports(r->dev, LM_OP_IMPORTANCE)) {
         if ((s = lm_dev_cpu_companion(r->dev, &merge_dev, &err)) != LM_OK)
             goto fail;
         lm_progress_note(p, "note: %s has no importance operations: the merge runs on the cpu",
@@ -929,7 +927,7 @@ static int work(merge_run *r, double t_loaded)
     if (s != LM_OK)
         goto fail;
     warn_nonfinite(r);
-    if (a->m->method == LM_MERGE_SPARSEGPT)
+    if (a->use.hessians)
         lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
     double t_merged = lm_now();
     if ((s = lm_st_writer_finish(r->writer, &err)) != LM_OK)
@@ -1019,30 +1017,20 @@ fail:
 
 // ---- the entry (command.h) ------------------------------------------------------------------
 
-static void cmd_usage(void *ctx, FILE *out)
+static void usage(FILE *out, const void *m)
 {
-    lm_merge_usage(out, ((merge_run *)ctx)->args.m);
+    lm_merge_usage(out, m);
 }
 
-static lm_status cmd_parse(void *ctx, int argc, char **argv, bool *help, lm_err *err)
+static lm_status parse(void *ctx, int argc, char **argv, lm_err *err)
 {
-    merge_run *r = ctx;
-    lm_status s = lm_merge_parse_args(&r->args, argc, argv, err);
-    *help = r->args.help;
-    return s;
-}
-
-static lm_status cmd_guard_args(void *ctx, int argc, char **argv, lm_err *err)
-{
-    return guard_args(ctx, argc, argv, err);
+    return lm_merge_parse_args(&((merge_run *)ctx)->args, argc, argv, err);
 }
 
 static lm_status cmd_prepare(void *ctx, bool *no_log, lm_err *err)
 {
-    merge_run *r = ctx;
     (void)no_log;
-    r->progress.quiet = r->args.quiet;
-    return prepare(r, err);
+    return prepare(ctx, err);
 }
 
 // The notes on what the command line asked, then the work.
@@ -1056,7 +1044,7 @@ static int cmd_work(void *ctx)
     return work(r, lm_now());
 }
 
-static void cmd_cleanup(void *ctx)
+static void cleanup(void *ctx)
 {
     run_free(ctx);
 }
@@ -1066,16 +1054,18 @@ int lm_cmd_merge(int argc, char **argv)
     merge_run r;
     memset(&r, 0, sizeof r);
     r.t0 = lm_now();
-    r.args.m = lm_merge_method_find(argv[0]);
+    r.args.m = lm_method_find(argv[0]);
     if (!r.args.m) {
         fprintf(stderr, "llmerge: %s is not a merge method\n", argv[0]);
         return 2;
     }
     snprintf(r.prefix, sizeof r.prefix, "llmerge %s", r.args.m->name);
     lm_command c = {
-        .prefix = r.prefix, .progress = &r.progress, .guard = &r.guard, .log_error_prefix = "",
-        .usage = cmd_usage, .parse = cmd_parse, .guard_args = cmd_guard_args, .prepare = cmd_prepare,
-        .work = cmd_work, .cleanup = cmd_cleanup, .ctx = &r,
+        .prefix = r.prefix, .log_error_prefix = "", .progress = &r.progress, .guard = &r.guard,
+        .opts = lm_merge_opt_defs, .n_opts = lm_merge_n_opts, .inputs = guarded_opts, .n_inputs = 1, .first = "BASE",
+        .rest = "FT", .help = &r.args.help, .quiet = &r.args.quiet,
+        .usage = usage, .usage_arg = r.args.m, .parse = parse, .prepare = cmd_prepare, .work = cmd_work,
+        .cleanup = cleanup, .ctx = &r,
     };
     return lm_command_run(&c, argc, argv);
 }
@@ -1092,13 +1082,14 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         return 1;
     }
     out->priv = r;
-    r->args.m = lm_merge_method_find(argv[0]);
+    r->args.m = lm_method_find(argv[0]);
     if (!r->args.m) {
-        char hint[256];
+        char hint[256], names[256];
         bool mk = lm_cmd_mergekit_hint(argv[0], hint, sizeof hint);
-        fprintf(stderr, "%s: error: '%s' is not a merge method of llmerge (ties, dare, dare-ties, task-arithmetic, "
-                "sparsegpt)%s%s\n%s: docs/mergekit.md says which of mergekit's methods llmerge has and what it calls "
-                "them\n", prefix, argv[0], mk ? ": " : "", mk ? hint : "", prefix);
+        lm_cmd_method_names(names, sizeof names);
+        fprintf(stderr, "%s: error: '%s' is not a merge method of llmerge (%s)%s%s\n%s: docs/mergekit.md says which "
+                "of mergekit's methods llmerge has and what it calls them\n", prefix, argv[0], names, mk ? ": " : "",
+                mk ? hint : "", prefix);
         return 2;
     }
     snprintf(r->prefix, sizeof r->prefix, "%s", prefix);
@@ -1110,7 +1101,8 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         lm_progress_error(&r->progress, 2, "%s (see llmerge %s --help)", err.msg, r->args.m->name);
         return 2;
     }
-    if ((s = guard_args(r, argc, argv, &err)) != LM_OK) {
+    if ((s = lm_cmd_guard_args(&r->guard, argc, argv, lm_merge_opt_defs, lm_merge_n_opts, guarded_opts, 1, "BASE",
+                               "FT", &err)) != LM_OK) {
         lm_progress_error(&r->progress, 1, "%s", err.msg);
         return 1;
     }
@@ -1134,7 +1126,7 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     out->dev_why = r->dev_why;
     out->gpu_mem = r->args.gpu_mem;
     out->shard_size = r->args.shard_size;
-    if (r->args.m->method == LM_MERGE_SPARSEGPT) {
+    if (r->args.use.hessians) {
         const lm_config *cfg = &r->base->config;
         out->calib = r->calib;
         out->n_calib = r->n_calib;

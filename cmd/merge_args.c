@@ -9,59 +9,30 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cmd.h"
 #include "util.h"
 
 // ==== the methods =============================================================================
 
-const method_info lm_merge_methods[] = {
-    {"ties", LM_MERGE_TIES,
-     "TIES merging: trim each task vector to its largest entries, elect a sign per entry, and\n"
-     "average the entries that agree with it.",
-     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter), trimmed to the k = floor(d_i * numel)\n"
-     "  entries of largest |tau_i| (ties at the threshold go to the lower index);\n"
-     "  W_i = w_i * tau_i; s = sign(sum_i W_i) per entry (--sign count: of sum_i sign(W_i));\n"
-     "  delta = sum of the W_i whose sign is s, divided by the sum of their w_i (normalize);\n"
-     "  result = BASE + lambda * delta.\n",
-     true, true, true, false, false},
-    {"dare", LM_MERGE_DARE,
-     "DARE merging: drop each task-vector entry at random, rescale the kept ones, and sum.",
-     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter); each entry kept with probability d_i\n"
-     "  (a pure function of the seed, the input, the tensor name and the index) and the kept\n"
-     "  ones multiplied by 1/d_i (--rescale l1: by |tau_i|_1 / |kept|_1);\n"
-     "  delta = sum_i w_i * tau_i (divided by sum_i w_i with --normalize);\n"
-     "  result = BASE + lambda * delta.\n",
-     true, false, false, true, true},
-    {"dare-ties", LM_MERGE_DARE_TIES,
-     "DARE-TIES merging: DARE's random drop and rescale, then TIES's sign election.",
-     "  tau_i dropped and rescaled as in dare; W_i = w_i * tau_i; s = sign(sum_i W_i) per entry\n"
-     "  (--sign count: of sum_i sign(W_i)); delta = sum of the W_i whose sign is s (divided by\n"
-     "  the sum of their w_i with --normalize); result = BASE + lambda * delta.\n",
-     true, true, false, true, true},
-    {"task-arithmetic", LM_MERGE_TASK_ARITHMETIC,
-     "Task arithmetic: add the weighted sum of the task vectors to the base.",
-     "  tau_i = FT_i - BASE (s*B@A for a LoRA adapter), whole (no density);\n"
-     "  delta = sum_i w_i * tau_i (divided by sum_i w_i with --normalize);\n"
-     "  result = BASE + lambda * delta.\n",
-     false, false, false, false, false},
-    {"sparsegpt", LM_MERGE_SPARSEGPT,
-     "SparseGPT-importance merging: TIES, with each task vector trimmed to the entries that\n"
-     "matter most to its layer's outputs on calibration data.",
-     "  H = 2/n sum x x^T over the calibration tokens x entering each linear layer (from each\n"
-     "  FT's own model, or the base's with --hessian-from base); U = the upper Cholesky factor\n"
-     "  of (H + 0.01 mean(diag H) I)^-1; tau_i trimmed to the k = floor(d_i * numel) entries of\n"
-     "  largest importance tau_jc^2 / U_cc^2 (ties to the lower index; tensors without a\n"
-     "  Hessian, such as embeddings and norms, by |tau|); then TIES's sign election and\n"
-     "  disjoint mean; result = BASE + lambda * delta.\n",
-     true, true, true, false, false},
-};
-const size_t lm_merge_n_methods = sizeof lm_merge_methods / sizeof lm_merge_methods[0];
-
-const method_info *lm_merge_method_find(const char *name)
+merge_uses lm_merge_uses(const lm_method *m)
 {
-    for (size_t i = 0; i < lm_merge_n_methods; i++)
-        if (strcmp(name, lm_merge_methods[i].name) == 0)
-            return &lm_merge_methods[i];
-    return NULL;
+    return (merge_uses){
+        .density = m->density,
+        .sign = m->elect,
+        .topk = m->rank != LM_RANK_NONE,
+        .rescale = m->drop,
+        .seed = m->drop,
+        .hessians = m->rank == LM_RANK_IMPORTANCE,
+    };
+}
+
+void lm_cmd_method_names(char *buf, size_t cap)
+{
+    size_t len = 0;
+    buf[0] = '\0';
+    const lm_method *m;
+    for (size_t i = 0; (m = lm_method_at(i)) && len < cap; i++)
+        len += (size_t)snprintf(buf + len, cap - len, "%s%s", i ? ", " : "", m->name);
 }
 
 // ==== options =================================================================================
@@ -99,8 +70,9 @@ const lm_opt lm_merge_opt_defs[] = {
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
 
-void lm_merge_usage(FILE *out, const method_info *m)
+void lm_merge_usage(FILE *out, const lm_method *m)
 {
+    merge_uses u = lm_merge_uses(m);
     fprintf(out,
             "Usage: llmerge %s BASE FT [FT...] -o OUT [options]\n"
             "\n"
@@ -151,18 +123,18 @@ void lm_merge_usage(FILE *out, const method_info *m)
             "  --threads N            CPU threads (default: all cores)\n"
             "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
             "                         $XDG_CACHE_HOME/llmerge;%s)\n",
-            m->name, m->summary, m->formula, m->density ? "" : "; no effect on this method",
-            m->name, lm_merge_default_normalize(m->method) ? "on" : "off",
-            m->sign ? "" : ";\n                         no effect on this method",
-            m->topk ? "" : ";\n                         no effect on this method",
-            m->rescale ? "" : ";\n                         no effect on this method",
-            m->seed ? "" : ";\n                         no effect on this method",
-            m->method == LM_MERGE_SPARSEGPT ? "\n"
-                                              "                         sparsegpt keeps each model's Hessians, their U_cc^2\n"
-                                              "                         and each FT's top-k masks there, so a rerun skips the\n"
-                                              "                         capture and the selection; LLMERGE_CACHE_HESSIANS=0:\n"
-                                              "                         not the Hessians, about 5 GB per model for a 1B Llama"
-                                            : " this method keeps nothing there");
+            m->name, m->summary, m->formula, u.density ? "" : "; no effect on this method",
+            m->name, m->normalize ? "on" : "off",
+            u.sign ? "" : ";\n                         no effect on this method",
+            u.topk ? "" : ";\n                         no effect on this method",
+            u.rescale ? "" : ";\n                         no effect on this method",
+            u.seed ? "" : ";\n                         no effect on this method",
+            u.hessians ? "\n"
+                         "                         sparsegpt keeps each model's Hessians, their U_cc^2\n"
+                         "                         and each FT's top-k masks there, so a rerun skips the\n"
+                         "                         capture and the selection; LLMERGE_CACHE_HESSIANS=0:\n"
+                         "                         not the Hessians, about 5 GB per model for a 1B Llama"
+                       : " this method keeps nothing there");
     fprintf(out,
             "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
             "                         start, warnings, each tensor, end, error or interrupted\n"
@@ -183,7 +155,7 @@ void lm_merge_usage(FILE *out, const method_info *m)
             "tokenizer and generation files, README.md (the model card, unless --no-card), and\n"
             "llmerge.json: inputs with xxHash64 of their files, options, per-tensor xxHash64 of the\n"
             "output, timings.\n",
-            m->method != LM_MERGE_SPARSEGPT ? "" :
+            !u.hessians ? "" :
             "\nHessians (sparsegpt):\n"
             "  --calib FILE           calibration data, .jsonl ({\"input_ids\": [...]} per line) or\n"
             "                         .txt (space-separated ids per line), a regular file: once for\n"
@@ -436,6 +408,7 @@ static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
 // anywhere among the options; "--" ends the options.
 lm_status lm_merge_parse_args(merge_args *a, int argc, char **argv, lm_err *err)
 {
+    a->use = lm_merge_uses(a->m);
     a->lambda = 1.0;
     a->normalize = -1;
     a->shard_size = DEFAULT_SHARD_SIZE;

@@ -1,5 +1,6 @@
-// The merge commands' command line (cmd/merge.c runs them): the methods llmerge merges with,
-// their options, --help, and the parsing of argv into merge_args. Private to cmd/: merge.c and
+// The merge commands' command line (cmd/merge.c runs them): the options of the methods llmerge
+// merges with (each method's descriptor, lib/methods/, gives its --help text and the fields its
+// options derive from), --help, and the parsing of argv into merge_args. Private to cmd/: merge.c and
 // merge_args.c share it.
 #ifndef LM_CMD_MERGE_ARGS_H
 #define LM_CMD_MERGE_ARGS_H
@@ -11,22 +12,24 @@
 #include "args.h"
 #include "dtype.h"
 #include "merge.h"
+#include "method.h"
 #include "status.h"
 
-typedef struct method_info {
-    const char *name;
-    lm_merge_method method;
-    const char *summary;     // the first line of --help
-    const char *formula;     // how Δ is formed, for --help
-    bool density, sign, topk, rescale, seed;  // which options it uses
-} method_info;
+// Which options of the merge commands method m reads, derived from its descriptor (method.h):
+// an option a method does not read is said to have no effect in --help and, when given, in a
+// note before the work.
+typedef struct merge_uses {
+    bool density;   // --density, --densities: m->density
+    bool sign;      // --sign: m->elect
+    bool topk;      // --topk: a top-k trim, m->rank
+    bool rescale;   // --rescale: the random drop, m->drop
+    bool seed;      // --seed: the random drop, m->drop
+    bool hessians;  // --calib and the Hessians' options, and what --cache-dir keeps: importance
+                    // ranks (LM_RANK_IMPORTANCE), which come from the Hessians of calibration data
+} merge_uses;
 
-// The methods, in --help's order, and how many there are.
-extern const method_info lm_merge_methods[];
-extern const size_t lm_merge_n_methods;
-
-// The method called `name` ("ties", ...), or NULL.
-const method_info *lm_merge_method_find(const char *name);
+// The options method m reads. Allocates nothing.
+merge_uses lm_merge_uses(const lm_method *m);
 
 typedef enum opt_id {
     OPT_OUTPUT, OPT_WEIGHTS, OPT_DENSITY, OPT_DENSITIES, OPT_LAMBDA, OPT_NORMALIZE,
@@ -45,7 +48,8 @@ extern const size_t lm_merge_n_opts;
 
 // What the command line says, parsed but not yet checked against the inputs.
 typedef struct merge_args {
-    const method_info *m;
+    const lm_method *m;
+    merge_uses use;            // lm_merge_uses(m), set by lm_merge_parse_args
     const char *base;
     const char **fts;          // (n_ft) pointers into argv
     int n_ft;
@@ -83,9 +87,9 @@ typedef struct merge_args {
 } merge_args;
 
 // Prints the --help of method m to out.
-void lm_merge_usage(FILE *out, const method_info *m);
+void lm_merge_usage(FILE *out, const lm_method *m);
 
-// Parses argv (argv[0] the method's name) into a, whose m is already set; a->fts (and the
+// Parses argv (argv[0] the method's name) into a, whose m is already set (use is set here); a->fts (and the
 // weight and density lists) are allocated and freed by the caller. LM_ERR_USAGE naming the
 // option or value that is wrong.
 lm_status lm_merge_parse_args(merge_args *a, int argc, char **argv, lm_err *err);

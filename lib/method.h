@@ -24,6 +24,7 @@
 #define LM_METHOD_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #include "merge.h"
 
@@ -48,6 +49,12 @@ typedef enum lm_method_stat {
 typedef struct lm_method {
     const char *name;        // on the command line: "ties", "dare", ...
     lm_merge_method id;
+    // What the command line says of it (cmd/merge_args.c derives which options it takes from the
+    // fields below: --density from density, --sign from elect, --topk from rank, --rescale and
+    // --seed from drop, the Hessians' options and --cache-dir from LM_RANK_IMPORTANCE).
+    const char *brief;       // its line in `llmerge --help`
+    const char *summary;     // the first paragraph of `llmerge NAME --help`, and of the model card
+    const char *formula;     // how Δ is formed, for `llmerge NAME --help`: lines of two-space indent
     lm_method_input input;
     bool density;            // reads a density d_i per FT (--density)
     bool normalize;          // --normalize's default (docs/merging.md "Defaults")
@@ -74,6 +81,11 @@ const lm_method *lm_method_of(lm_merge_method id);
 
 // The descriptor called `name` ("ties", ...), or NULL. Static: nothing to free.
 const lm_method *lm_method_find(const char *name);
+
+// The i-th method of the registry (lib/methods/methods.c), in the order `llmerge --help` lists
+// them, or NULL when i is lm_method_count() or more. Static: nothing to free.
+const lm_method *lm_method_at(size_t i);
+size_t lm_method_count(void);
 
 // The LM_STAT_* bits method m needs per tensor under options o (LM_STAT_L1 only with
 // --rescale l1).

@@ -1,11 +1,26 @@
-// The methods llmerge merges with: the registry of method.h's descriptors.
+// The methods llmerge merges with: the registry of method.h's descriptors. A method is its
+// descriptor file and its line here; this order is the order `llmerge --help` lists them in.
 #include <string.h>
 
 #include "method.h"
 
 static const lm_method *const methods[] = {
-    &lm_method_ties, &lm_method_dare, &lm_method_dare_ties, &lm_method_task_arithmetic, &lm_method_sparsegpt,
+    &lm_method_ties,
+    &lm_method_dare,
+    &lm_method_dare_ties,
+    &lm_method_task_arithmetic,
+    &lm_method_sparsegpt,
 };
+
+const lm_method *lm_method_at(size_t i)
+{
+    return i < sizeof methods / sizeof methods[0] ? methods[i] : NULL;
+}
+
+size_t lm_method_count(void)
+{
+    return sizeof methods / sizeof methods[0];
+}
 
 const lm_method *lm_method_of(lm_merge_method id)
 {
