@@ -9,6 +9,7 @@
 
 #include "device.h"
 #include "hasher.h"
+#include "method.h"
 #include "sparsify.h"
 #include "util.h"
 
@@ -362,9 +363,11 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     lm_status s = lm_merge_check_opts(o, err);
     if (s != LM_OK)
         return s;
-    bool sparsegpt = o->method == LM_MERGE_SPARSEGPT;
-    if (sparsegpt && (!hin || hin->n_calib < 1))
-        return lm_err_set(err, LM_ERR_USAGE, "sparsegpt needs calibration data: --calib FILE (once, or once per FT)");
+    // a method that ranks by Hessian importance (sparsegpt) captures Hessians first
+    const lm_method *m = lm_method_of(o->method);
+    bool hessians = m->rank == LM_RANK_IMPORTANCE;
+    if (hessians && (!hin || hin->n_calib < 1))
+        return lm_err_set(err, LM_ERR_USAGE, "%s needs calibration data: --calib FILE (once, or once per FT)", m->name);
     lm_st_desc *descs = NULL;
     int64_t n_out = 0;
     lm_shard_plan shards = {0};
@@ -374,7 +377,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     hess_ctx hc = {.n_layers = base->config.num_hidden_layers, .mask_hit = hin ? hin->mask_hit : NULL};
     lm_hess_dims(&base->config, hc.dim);
     lm_merge_opts so = *o;
-    if (sparsegpt) {
+    if (hessians) {
         so.ucc2 = plan_ucc2;
         so.ucc2_ctx = &hc;
         so.mask_load = plan_mask;
@@ -383,7 +386,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     o = &so;
     p->dev_accelerator = !dev->host_memory;
     // a device without the importance operations leaves sparsegpt's merge to the CPU
-    p->accelerator = !dev->host_memory && (!sparsegpt || dev->importance_ops);
+    p->accelerator = !dev->host_memory && (!hessians || dev->importance_ops);
     p->budget = dev->cap && dev->cap < dev->free_bytes ? dev->cap : dev->free_bytes;
     p->n_ft = o->n_ft;
     p->n_tensors = base->n_tensors;
@@ -401,7 +404,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
 
     // capture (sparsegpt): before the merge, on the device asked for
     uint64_t capture_mapped = 0;
-    if (sparsegpt && (s = plan_captures(p, base, fts, dev, hin, &hc, &capture_mapped, err)) != LM_OK)
+    if (hessians && (s = plan_captures(p, base, fts, dev, hin, &hc, &capture_mapped, err)) != LM_OK)
         goto fail;
 
     // place: every adapter's factors in host memory, then on the device in FT order while
@@ -490,7 +493,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
         }
         // sparsegpt: the masks of the FTs the cache holds them for, read whole; the others'
         // recorded for the cache as each tensor is merged
-        if (sparsegpt) {
+        if (hessians) {
             uint64_t bits = (uint64_t)lm_dev_mask_bytes(base->tensors[i]->numel), recorded = 0;
             for (int f = 0; f < o->n_ft; f++) {
                 if (!(t->cpu.part_mask >> (f < 63 ? f : 63) & 1))
@@ -515,7 +518,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
         for (int f = 0; f < o->n_ft; f++)
             c->ws_touched += tau_touch[f];
         // sparsegpt: the CPU's buffers have an importance buffer per FT besides
-        if (sparsegpt) {
+        if (hessians) {
             c->keys_reserved = (uint64_t)o->n_ft * (uint64_t)p->slab_max * sizeof(float);
             for (int f = 0; f < o->n_ft; f++)
                 c->keys_touched += key_touch[f];
@@ -526,7 +529,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     if (lm_merge_plan_selects(o))
         c->select = 2ull * (uint64_t)o->n_ft * LM_HIST_BINS * sizeof(uint64_t);
     c->device_host = is_sim(dev) ? dev_host : 0;
-    if (sparsegpt) {
+    if (hessians) {
         // the U_cc² sets and the calibration data stay to the end; the models' pages the captures
         // read are still mapped when the merge starts, and it lets them go tensor by tensor
         for (int i = 0; i < p->n_captures; i++)
