@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "cmd.h"
+#include "device_registry.h"
 #include "util.h"
 
 bool lm_cmd_parse_int(const char *text, int64_t lo, int64_t hi, int64_t *out)

@@ -37,6 +37,7 @@
 #include "card.h"
 #include "calib.h"
 #include "device.h"
+#include "device_registry.h"
 #include "hessian.h"
 #include "manifest.h"
 #include "merge.h"

@@ -3,7 +3,7 @@
 // with it), so it sits in a library of its own, llmerge_devices, above the core (which holds the
 // dispatcher and the CPU and sim backends) and the CUDA backend (which uses the core's helpers):
 // the command and the tests that open devices by name link it, and nothing below calls it.
-#include "device.h"
+#include "device_registry.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -19,6 +19,7 @@
 #include "adapter.h"
 #include "check.h"
 #include "device.h"
+#include "device_registry.h"
 #include "dtype.h"
 #include "fixture.h"
 #include "merge.h"

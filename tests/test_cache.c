@@ -30,6 +30,7 @@
 #include "cache.h"
 #include "check.h"
 #include "device.h"
+#include "device_registry.h"
 #include "fixture.h"
 #include "device_impl.h"  // a device lacking the mask operations, built by hand
 #include "merge.h"

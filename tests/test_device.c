@@ -8,6 +8,7 @@
 // particular to the sim device is test_sim's.
 #include "check.h"
 #include "device.h"
+#include "device_registry.h"
 #include "merge_desc.h"
 #include "device_impl.h"  // the backends' vtables, and devices built by hand
 #include "sparsify.h"

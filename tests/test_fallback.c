@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "device_registry.h"
 #include "fixture.h"
 #include "merge.h"
 #include "testfs.h"

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "device_registry.h"
 #include "fallback.h"
 #include "notes.h"
 

@@ -26,6 +26,7 @@
 #include "check.h"
 #include "device.h"
 #include "device_impl.h"  // a device lacking syrk, built by hand
+#include "device_registry.h"
 #include "forward.h"
 #include "hessian.h"
 #include "model.h"

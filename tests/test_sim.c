@@ -6,6 +6,7 @@
 #include "check.h"
 #include "device.h"
 #include "device_impl.h"  // the sim's vtable, read entry by entry
+#include "device_registry.h"
 #include "merge_desc.h"
 #include "sparsify.h"
 
