@@ -119,10 +119,11 @@ lm_status lm_dev_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int
 lm_status lm_dev_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
 
 // Row-major C[m,n] = alpha · op(A) op(B) + beta · C, op transposing when ta / tb is set
-// (op(A) is [m,k], op(B) is [k,n]); lda, ldb, ldc are row strides of A, B, C as stored. On the
-// CPU a product without transposes of rank k <= LM_DEV_LOWRANK_MAX (a LoRA pair's B @ A) gives
-// each element as the fused multiply-add chain Σ A[i,q]·B[q,j] in q order, then times alpha,
-// whatever the shape: the fused dense operations make LoRA products the same way.
+// (op(A) is [m,k], op(B) is [k,n]); lda, ldb, ldc are row strides of A, B, C as stored. A
+// product without transposes of rank k <= LM_DEV_LOWRANK_MAX (a LoRA pair's B @ A) gives each
+// element as the fused multiply-add chain Σ A[i,q]·B[q,j] in q order, then times alpha, whatever
+// the shape, on every device (the same bits on the CPU and CUDA): the fused dense operations
+// make LoRA products the same way. Other products agree across devices to float32 rounding.
 #define LM_DEV_LOWRANK_MAX 64
 lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                       const float *a, int64_t lda, const float *b, int64_t ldb, float beta,

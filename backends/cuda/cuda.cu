@@ -434,6 +434,10 @@ static lm_status cuda_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, in
     lm_status s = begin(d, err);
     if (s != LM_OK)
         return s;
+    // LoRA's B @ A in the CPU's order (lm_dev_gemm's contract), so that τ and the masks taken
+    // from it are the CPU's bit for bit; cuBLAS for every other product.
+    if (!ta && !tb && k <= LM_DEV_LOWRANK_MAX)
+        return lm_cuda_lowrank(c, ldc, a, lda, b, ldb, m, n, k, alpha, beta, ctx_of(d)->stream, err);
     return lm_cuda_sgemm(ctx_of(d)->blas, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, ctx_of(d)->stream,
                          err);
 }

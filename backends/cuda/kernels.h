@@ -39,7 +39,7 @@ lm_status lm_cuda_load_libs(lm_err *err);
 
 // ---- merge operations (merge_ops.cu) --------------------------------------------------------
 // The arithmetic of the CPU backend per element, in the same order, so results match the CPU
-// backend bit for bit wherever it can (everything but the GEMM). Each function only enqueues
+// backend bit for bit wherever it can (everything but the GEMMs cuBLAS makes). Each function only enqueues
 // work on `stream` (a cudaStream_t): results are ready once the stream has reached them, and
 // faults during a kernel surface at the next synchronising call. n == 0 launches nothing.
 
@@ -52,11 +52,21 @@ lm_status lm_cuda_load_libs(lm_err *err);
 #define LM_CUDA_COMBINE_MAX 256
 
 // Row-major d_c[m,n] = alpha * op(A) op(B) + beta * d_c with cuBLAS (`blas`, a cublasHandle_t
-// bound to the stream the caller wants): lm_dev_gemm's contract. LM_ERR_UNSUPPORTED when a
-// dimension or stride does not fit in an int, as on the CPU.
+// bound to the stream the caller wants): lm_dev_gemm's contract to float32 rounding (cuda.cu
+// makes the low-rank products with lm_cuda_lowrank instead, bit for bit). LM_ERR_UNSUPPORTED
+// when a dimension or stride does not fit in an int, as on the CPU.
 lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                         const float *d_a, int64_t lda, const float *d_b, int64_t ldb, float beta, float *d_c,
                         int64_t ldc, void *stream, lm_err *err);
+
+// The low-rank product of lm_dev_gemm's contract (no transposes, rank k <= LM_DEV_LOWRANK_MAX):
+// row-major d_c[i, j] = alpha * (the fused multiply-add chain over q = 0 .. k-1, in order, of
+// d_a[i, q] * d_b[q, j]) (+ beta * d_c[i, j] unless beta is 0, d_c then not read), for i < m,
+// j < n, with row strides lda, ldb, ldc: the CPU backend's low-rank kernel bit for bit. k == 0
+// gives alpha * 0 (+ beta * d_c), as on the CPU. LM_ERR_DEVICE for a negative size or k above
+// LM_DEV_LOWRANK_MAX.
+lm_status lm_cuda_lowrank(float *d_c, int64_t ldc, const float *d_a, int64_t lda, const float *d_b, int64_t ldb,
+                          int64_t m, int64_t n, int64_t k, float alpha, float beta, void *stream, lm_err *err);
 
 // d_y = a * d_y + b * d_x over n elements (d_x may equal d_y).
 lm_status lm_cuda_axpby(float *d_y, float a, const float *d_x, float b, int64_t n, void *stream, lm_err *err);

@@ -1,14 +1,16 @@
 // Kernels and host launchers for the merge operations of the CUDA backend (cuda.cu):
-// GEMM through cuBLAS, element-wise arithmetic (dense task vectors, Hessian importance), DoRA
-// row norms, magnitude histograms (whole, or a window of level-1 bins), top-k masks by value or
-// by key, random masks, L1 partial sums and the sign-elected combination.
+// GEMM through cuBLAS, low-rank products (LoRA's B @ A) in the CPU's order, element-wise
+// arithmetic (dense task vectors, Hessian importance), DoRA row norms, magnitude histograms
+// (whole, or a window of level-1 bins), top-k masks by value or by key, random masks, L1 partial
+// sums and the sign-elected combination.
 //
 // Every per-element computation is the CPU backend's, written out in the same order, so that the
 // results agree with the CPU backend bit for bit: this file is compiled with --fmad=false (no
 // a*b+c contracted into an FMA, as GCC does not contract in ISO C mode), without fast-math, and
 // double sums the CPU computes sequentially are computed sequentially here too (one warp per
-// sum, lane 0's value added first: seq_sum.cuh). Only the GEMM differs: cuBLAS and OpenBLAS block their dot
-// products differently, so C agrees to float32 rounding.
+// sum, lane 0's value added first: seq_sum.cuh). The low-rank products (LoRA's B @ A) are a kernel
+// of their own in the CPU's order (k_lowrank); only the other GEMMs differ: cuBLAS and OpenBLAS
+// block their dot products differently, so C agrees to float32 rounding there.
 //
 // The launchers only enqueue work on the stream they are given; nothing here synchronises,
 // allocates or copies to the host (cuda.cu does that). Index arithmetic is int64_t
@@ -27,6 +29,7 @@
 #include "seq_sum.cuh"
 
 extern "C" {
+#include "device.h"  // LM_DEV_LOWRANK_MAX
 #include "sparsify.h"
 }
 
@@ -92,6 +95,30 @@ __global__ void k_scale_rows(float *c, int64_t m, int64_t n, int64_t ldc, float 
         int64_t r = i / n, j = i - r * n;
         float *p = c + r * ldc + j;
         *p = beta == 0.0f ? 0.0f : beta * *p;
+    }
+}
+
+// ==== low-rank products ======================================================================
+
+// c[i·ldc + j] = alpha · Σ_q a[i·lda + q] · b[q·ldb + j] (+ beta · c[i·ldc + j] unless beta is 0,
+// c then not read), for i < m, j < n: cpu_arith.c's low-rank kernel (lowrank_plain, whose
+// results its vector versions repeat), one thread per element. The sum is one fused
+// multiply-add chain from zero in q order, then the scaling with a separate multiply and add
+// (this file is built with --fmad=false), so each element is the CPU's bit for bit whatever the
+// shape. Threads of a warp take neighbouring columns of a row: they read b's rows coalesced and
+// a's row as one broadcast. Rows are grid-stride over blockIdx.y, columns over blockIdx.x.
+__global__ void k_lowrank(float *c, int64_t ldc, const float *a, int64_t lda, const float *b, int64_t ldb, int64_t m,
+                          int64_t n, int k, float alpha, float beta)
+{
+    for (int64_t i = blockIdx.y; i < m; i += gridDim.y) {
+        const float *ai = a + i * lda;
+        for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < n; j += (int64_t)gridDim.x * blockDim.x) {
+            float acc = 0.0f;
+            for (int q = 0; q < k; q++)
+                acc = __fmaf_rn(ai[q], b[q * ldb + j], acc);
+            float *ci = c + i * ldc + j;
+            *ci = beta != 0.0f ? alpha * acc + beta * *ci : alpha * acc;
+        }
     }
 }
 
@@ -415,6 +442,23 @@ extern "C" lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int6
         cudaGetLastError();  // whatever CUDA error lay behind it must not fail the next launch check
     }
     return status;
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_lowrank(float *d_c, int64_t ldc, const float *d_a, int64_t lda, const float *d_b,
+                                     int64_t ldb, int64_t m, int64_t n, int64_t k, float alpha, float beta,
+                                     void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (m < 0 || n < 0 || k < 0 || k > LM_DEV_LOWRANK_MAX)
+        return lm_err_set(err, LM_ERR_DEVICE, "cuda: low-rank product of invalid shape %lld x %lld x %lld (rank at "
+                          "most %d)", (long long)m, (long long)n, (long long)k, LM_DEV_LOWRANK_MAX);
+    if (m == 0 || n == 0)
+        return LM_OK;
+    dim3 grid(lm_cuda_grid(n, THREADS), lm_cuda_grid(m, 1));
+    k_lowrank<<<grid, THREADS, 0, (cudaStream_t)stream>>>(d_c, ldc, d_a, lda, d_b, ldb, m, n, (int)k, alpha, beta);
+    CUDA_LAUNCHED("k_lowrank");
 fail:
     return status;
 }
