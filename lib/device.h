@@ -115,7 +115,8 @@ lm_status lm_dev_sync(lm_dev *d, lm_err *err);
 
 // dst[0..n) = float32 of src (dtype dt); LM_ERR_UNSUPPORTED for a dtype llmerge cannot read.
 lm_status lm_dev_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
-// dst (dtype dt) = src rounded to nearest even.
+// dst (dtype dt) = src rounded to nearest even, every NaN written as the dtype's canonical quiet
+// NaN (dtype.h) whatever its sign and payload in src, so every device writes the same bits.
 lm_status lm_dev_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
 
 // Row-major C[m,n] = alpha · op(A) op(B) + beta · C, op transposing when ta / tb is set

@@ -126,7 +126,10 @@ LM_VECTOR_CLONES lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const flo
     unsigned char *d = dst;
     switch (dt) {
     case LM_DTYPE_F32:
-        memmove(dst, src, (size_t)n * 4);
+        for (int64_t i = 0; i < n; i++) {
+            float v = lm_f32_canonical(src[i]);
+            memcpy(d + 4 * i, &v, 4);
+        }
         return LM_OK;
     case LM_DTYPE_BF16:
         for (int64_t i = 0; i < n; i++)

@@ -2,6 +2,10 @@
 // the safetensors format parses, so a file holding FP8 or integer tensors can be read and
 // inspected; arithmetic happens in float32, converted from F32, F16, BF16 or F64 and back to
 // F32, F16 or BF16 with round-to-nearest-even (NaN stays NaN, Inf stays Inf, subnormals kept).
+// Every NaN written is the canonical quiet NaN (LM_F32_NAN, LM_F16_NAN, LM_BF16_NAN: sign clear,
+// no payload), whatever sign and payload the float32 held: arithmetic on a GPU does not carry
+// payloads as x86 does, so only a canonical NaN lets every device write the same bits. Reading
+// keeps the bits (F16 and BF16 NaNs widen with their sign and payload).
 // The conversion loops are branch-free per element so the compiler can vectorise them.
 #ifndef LM_DTYPE_H
 #define LM_DTYPE_H
@@ -75,6 +79,11 @@ bool lm_dtype_writable(lm_dtype dt);
 #define LM_HD
 #endif
 
+// The NaN every conversion to F32, F16 or BF16 writes.
+#define LM_F32_NAN 0x7FC00000u
+#define LM_F16_NAN 0x7E00u
+#define LM_BF16_NAN 0x7FC0u
+
 LM_HD static inline float lm_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 LM_HD static inline uint32_t lm_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
@@ -84,8 +93,7 @@ LM_HD static inline uint16_t lm_f32_to_bf16(float f)
 {
     uint32_t u = lm_f32_bits(f);
     uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    uint32_t nan = (u >> 16) | 0x40u;  // keep the sign and top payload, force quiet
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? nan : rounded);
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? LM_BF16_NAN : rounded);
 }
 
 LM_HD static inline float lm_f16_to_f32(uint16_t h)
@@ -111,11 +119,18 @@ LM_HD static inline uint16_t lm_f32_to_f16(float f)
     // Subnormal range: adding 0.5f aligns the bits so the FPU's own rounding (to nearest
     // even) does the work; 0.5f's bits are subtracted back out.
     uint32_t sub = lm_f32_bits(lm_bits_f32(x) + 0.5f) - 0x3F000000u;
-    uint32_t nan = 0x7E00u | ((x >> 13) & 0x3FFu);
     uint32_t h = x < 0x38800000u ? sub : normal;
     h = x >= 0x477FF000u ? 0x7C00u : h;  // 65520 and up round to Inf
-    h = x > 0x7F800000u ? nan : h;
-    return (uint16_t)(h | sign);
+    h |= sign;
+    h = x > 0x7F800000u ? LM_F16_NAN : h;
+    return (uint16_t)h;
+}
+
+// f, or the canonical NaN when f is a NaN: the float32 a conversion to F32 writes.
+LM_HD static inline float lm_f32_canonical(float f)
+{
+    uint32_t u = lm_f32_bits(f);
+    return lm_bits_f32((u & 0x7FFFFFFFu) > 0x7F800000u ? LM_F32_NAN : u);
 }
 
 // ---- bulk conversions -----------------------------------------------------------------------
@@ -131,7 +146,8 @@ typedef struct lm_nonfinite {
 lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
 
 // Converts n float32 values to `dt` (F32, F16 or BF16) into `dst` (any alignment), rounding
-// to nearest even. Returns LM_ERR_UNSUPPORTED when dt is not writable.
+// to nearest even, every NaN written as the dtype's canonical NaN (dst may equal src). Returns
+// LM_ERR_UNSUPPORTED when dt is not writable.
 lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
 
 // lm_convert_to_f32, also adding to *nf the NaN and Inf among the float32 values written (an

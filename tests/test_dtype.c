@@ -153,6 +153,71 @@ static void test_counts(void)
     free(plain);
 }
 
+// NaN: whatever its sign and payload, quiet or signalling, a NaN is written as the canonical
+// quiet NaN (0x7FC00000, 0x7E00, 0x7FC0) by the scalar conversions and by the bulk ones into
+// every writable dtype, misaligned, counting or not, and in place for F32; the values around
+// the NaNs (Inf, the largest finite, zeros of both signs) are untouched. Reading keeps a 16-bit
+// NaN's sign and payload.
+static void test_nan_bits(void)
+{
+    static const uint32_t nans[] = {0x7FC00000u, 0xFFC00000u, 0x7F800001u, 0xFF800001u, 0x7FC01234u, 0xFFFFFFFFu,
+                                    0x7FFFFFFFu, 0xFFA5A5A5u, 0x7FBFFFFFu};
+    enum { NN = sizeof nans / sizeof nans[0], M = 3 * NN + 5 };
+    int bad = 0;
+    for (int i = 0; i < NN; i++) {
+        float f = lm_bits_f32(nans[i]);
+        bad += lm_f32_to_bf16(f) != 0x7FC0 || lm_f32_to_f16(f) != 0x7E00 ||
+               lm_f32_bits(lm_f32_canonical(f)) != 0x7FC00000u;
+    }
+    CHECK_MSG(bad == 0, "%d NaNs not converted to the canonical NaN", bad);
+    CHECK(lm_f32_to_f16(-INFINITY) == 0xFC00 && lm_f32_to_bf16(-INFINITY) == 0xFF80 &&
+          lm_f32_bits(lm_f32_canonical(-INFINITY)) == 0xFF800000u && lm_f32_to_f16(-0.0f) == 0x8000 &&
+          lm_f32_bits(lm_f32_canonical(-0.0f)) == 0x80000000u);
+    CHECK(LM_F32_NAN == 0x7FC00000u && LM_F16_NAN == 0x7E00u && LM_BF16_NAN == 0x7FC0u);
+    // reading keeps the bits: sign and payload of F16 and BF16 NaNs
+    CHECK(lm_f32_bits(lm_bf16_to_f32(0xFFC1)) == 0xFFC10000u && lm_f32_bits(lm_bf16_to_f32(0x7F81)) == 0x7F810000u);
+    CHECK(lm_f32_bits(lm_f16_to_f32(0xFE01)) == 0xFFC02000u && lm_f32_bits(lm_f16_to_f32(0x7C01)) == 0x7F802000u);
+
+    // the bulk conversions: NaNs between other values
+    float src[M], in_place[M];
+    static const float others[] = {INFINITY, -INFINITY, 3.4028235e38f, -0.0f, 0.0f, 1.5f, -1e-40f};
+    int n_nan = 0;
+    for (int i = 0; i < M; i++) {
+        src[i] = i % 3 == 1 ? lm_bits_f32(nans[(i / 3) % NN]) : others[i % 7];
+        n_nan += isnan(src[i]) != 0;
+    }
+    lm_err err = {0};
+    const lm_dtype kinds[] = {LM_DTYPE_F32, LM_DTYPE_F16, LM_DTYPE_BF16};
+    for (int k = 0; k < 3; k++) {
+        size_t es = lm_dtype_bits(kinds[k]) / 8;
+        unsigned char raw[4 * M + 1], raw_nf[4 * M + 1];
+        lm_nonfinite nf = {0, 0};
+        CHECK_OK(lm_convert_from_f32(raw + 1, kinds[k], src, M, &err), &err);
+        CHECK_OK(lm_convert_from_f32_nf(raw_nf + 1, kinds[k], src, M, &nf, &err), &err);
+        int wrong = 0;
+        for (int i = 0; i < M; i++) {
+            uint32_t got = 0, want;
+            memcpy(&got, raw + 1 + es * (size_t)i, es);
+            if (kinds[k] == LM_DTYPE_F32)
+                want = isnan(src[i]) ? 0x7FC00000u : lm_f32_bits(src[i]);
+            else if (kinds[k] == LM_DTYPE_F16)
+                want = isnan(src[i]) ? 0x7E00u : lm_f32_to_f16(src[i]);
+            else
+                want = isnan(src[i]) ? 0x7FC0u : lm_f32_to_bf16(src[i]);
+            wrong += got != want;
+        }
+        CHECK_MSG(wrong == 0 && memcmp(raw + 1, raw_nf + 1, es * M) == 0 && nf.nan == (uint64_t)n_nan,
+                  "from f32 to %s: %d values wrong, %llu NaN counted of %d", lm_dtype_name(kinds[k]), wrong,
+                  (unsigned long long)nf.nan, n_nan);
+    }
+    memcpy(in_place, src, sizeof src);
+    CHECK_OK(lm_convert_from_f32(in_place, LM_DTYPE_F32, in_place, M, &err), &err);
+    bad = 0;
+    for (int i = 0; i < M; i++)
+        bad += lm_f32_bits(in_place[i]) != (isnan(src[i]) ? 0x7FC00000u : lm_f32_bits(src[i]));
+    CHECK_MSG(bad == 0, "from f32 to F32 in place: %d values wrong", bad);
+}
+
 int main(void)
 {
     // Names round-trip and sizes.
@@ -225,9 +290,7 @@ int main(void)
     CHECK(lm_f32_to_f16(65519.99f) == 0x7BFF);
     CHECK(lm_f32_to_bf16(1.0f + 0x1p-8f) == 0x3F80);          // tie, even stays
     CHECK(lm_f32_to_bf16(1.0f + 0x1p-7f + 0x1p-8f) == 0x3F82); // tie, odd rounds up
-    CHECK((lm_f32_to_bf16(NAN) & 0x7FC0) == 0x7FC0);
-    CHECK((lm_f32_to_bf16(lm_bits_f32(0x7F800001u)) & 0x7F80) == 0x7F80 &&
-          (lm_f32_to_bf16(lm_bits_f32(0x7F800001u)) & 0x7F) != 0);  // signalling NaN stays NaN
+    test_nan_bits();
 
     // Bulk conversions at odd alignments agree with the scalar ones.
     enum { N = 1027 };

@@ -1,6 +1,7 @@
 // dtype conversion kernels: float32 to and from BF16 and F16 (and F64 in), element-wise with
 // grid-stride loops. The per-element code is dtype.h's, shared with the CPU, so results are
-// identical bit for bit on both. Also the device self-test that `--device auto` runs.
+// identical bit for bit on both, every NaN written the canonical one. Also the device self-test
+// that `--device auto` runs.
 #include <cuda_runtime.h>
 
 #include <stdlib.h>
@@ -30,6 +31,15 @@ __global__ void k_f64_to_f32(float *dst, const double *src, int64_t n)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         dst[i] = __double2float_rn(src[i]);
+}
+
+// An F32 output: the values as they are but for NaNs, which become the canonical NaN (dtype.h),
+// so that the NaNs this GPU's arithmetic made (0x7FFFFFFF) and those the CPU's kept from its
+// inputs are written the same. dst may equal src.
+__global__ void k_f32_canonical(float *dst, const float *src, int64_t n)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = lm_f32_canonical(src[i]);
 }
 
 __global__ void k_f32_to_bf16(uint16_t *dst, const float *src, int64_t n)
@@ -93,7 +103,7 @@ extern "C" lm_status lm_cuda_convert_from_f32(void *d_dst, lm_dtype dt, const fl
         return LM_OK;
     switch (dt) {
     case LM_DTYPE_F32:
-        CUDA_TRY(cudaMemcpyAsync(d_dst, d_src, (size_t)n * 4, cudaMemcpyDeviceToDevice, s));
+        k_f32_canonical<<<grid_for(n), 256, 0, s>>>((float *)d_dst, d_src, n);
         break;
     case LM_DTYPE_BF16:
         k_f32_to_bf16<<<grid_for(n), 256, 0, s>>>((uint16_t *)d_dst, d_src, n);
@@ -130,7 +140,8 @@ extern "C" lm_status lm_cuda_selftest(int device, lm_err *err)
     {
         const uint32_t edge[] = {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u,
                                  0x7F800001u, 0x00000001u, 0x33800000u, 0x3F808000u, 0x3F818000u,
-                                 0x477FF000u, 0x477FEFFFu, 0x387FC000u, 0x7F7FFFFFu};
+                                 0x477FF000u, 0x477FEFFFu, 0x387FC000u, 0x7F7FFFFFu, 0xFFC01234u,
+                                 0x7FFFFFFFu};
         for (int i = 0; i < N; i++) {
             x ^= x << 13; x ^= x >> 17; x ^= x << 5;
             uint32_t bits = i < (int)(sizeof edge / sizeof edge[0]) ? edge[i] : x;

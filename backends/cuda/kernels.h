@@ -24,7 +24,8 @@ lm_status lm_cuda_device_count(int *count, lm_err *err);
 lm_status lm_cuda_convert_to_f32(float *d_dst, const void *d_src, lm_dtype dt, int64_t n,
                                  void *stream, lm_err *err);
 
-// Converts n float32 values to F32, F16 or BF16, rounding to nearest even as the CPU does.
+// Converts n float32 values to F32, F16 or BF16, rounding to nearest even as the CPU does, every
+// NaN written as the dtype's canonical NaN (dtype.h), F32 included. d_dst may equal d_src.
 lm_status lm_cuda_convert_from_f32(void *d_dst, lm_dtype dt, const float *d_src, int64_t n,
                                    void *stream, lm_err *err);
 
