@@ -146,8 +146,8 @@ typedef struct lm_nonfinite {
 lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
 
 // Converts n float32 values to `dt` (F32, F16 or BF16) into `dst` (any alignment), rounding
-// to nearest even, every NaN written as the dtype's canonical NaN (dst may equal src). Returns
-// LM_ERR_UNSUPPORTED when dt is not writable.
+// to nearest even, every NaN written as the dtype's canonical NaN (for F32, dst may equal src).
+// Returns LM_ERR_UNSUPPORTED when dt is not writable.
 lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err);
 
 // lm_convert_to_f32, also adding to *nf the NaN and Inf among the float32 values written (an

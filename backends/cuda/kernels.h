@@ -25,7 +25,7 @@ lm_status lm_cuda_convert_to_f32(float *d_dst, const void *d_src, lm_dtype dt, i
                                  void *stream, lm_err *err);
 
 // Converts n float32 values to F32, F16 or BF16, rounding to nearest even as the CPU does, every
-// NaN written as the dtype's canonical NaN (dtype.h), F32 included. d_dst may equal d_src.
+// NaN written as the dtype's canonical NaN (dtype.h), F32 included (there d_dst may equal d_src).
 lm_status lm_cuda_convert_from_f32(void *d_dst, lm_dtype dt, const float *d_src, int64_t n,
                                    void *stream, lm_err *err);
 
@@ -64,8 +64,9 @@ lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int64_t n, int6
 // row-major d_c[i, j] = alpha * (the fused multiply-add chain over q = 0 .. k-1, in order, of
 // d_a[i, q] * d_b[q, j]) (+ beta * d_c[i, j] unless beta is 0, d_c then not read), for i < m,
 // j < n, with row strides lda, ldb, ldc: the CPU backend's low-rank kernel bit for bit. k == 0
-// gives alpha * 0 (+ beta * d_c), as on the CPU. LM_ERR_DEVICE for a negative size or k above
-// LM_DEV_LOWRANK_MAX.
+// gives alpha * 0 (+ beta * d_c), as on the CPU. LM_ERR_UNSUPPORTED when a dimension or stride
+// does not fit in an int (as lm_cuda_sgemm and the CPU), LM_ERR_DEVICE for a negative size or k
+// above LM_DEV_LOWRANK_MAX.
 lm_status lm_cuda_lowrank(float *d_c, int64_t ldc, const float *d_a, int64_t lda, const float *d_b, int64_t ldb,
                           int64_t m, int64_t n, int64_t k, float alpha, float beta, void *stream, lm_err *err);
 

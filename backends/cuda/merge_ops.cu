@@ -451,6 +451,9 @@ extern "C" lm_status lm_cuda_lowrank(float *d_c, int64_t ldc, const float *d_a, 
                                      void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
+    if (m > INT32_MAX || n > INT32_MAX || lda > INT32_MAX || ldb > INT32_MAX || ldc > INT32_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cuda: GEMM of %lld x %lld x %lld is too large", (long long)m,
+                          (long long)n, (long long)k);
     if (m < 0 || n < 0 || k < 0 || k > LM_DEV_LOWRANK_MAX)
         return lm_err_set(err, LM_ERR_DEVICE, "cuda: low-rank product of invalid shape %lld x %lld x %lld (rank at "
                           "most %d)", (long long)m, (long long)n, (long long)k, LM_DEV_LOWRANK_MAX);
