@@ -1019,7 +1019,8 @@ static void count_lib(cuda_ctx *c, size_t before)
 }
 
 // cuBLAS: its handle on the stream, in plain FP32, with a workspace of ours counted against the
-// cap (the recommended size, or the least that fails no GEMM when the cap leaves no more), and
+// cap (the recommended size, or the least that fails no GEMM when the cap leaves no more, or
+// none when it leaves not even that), and
 // one small GEMM run, so that its module and first kernel are loaded now.
 static lm_status open_cublas(lm_dev *d, lm_err *err)
 {
@@ -1039,11 +1040,19 @@ static lm_status open_cublas(lm_dev *d, lm_err *err)
     count_lib(c, before);
     CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->ordinal));
     c->blas_ws_size = major >= 9 ? (size_t)32 << 20 : (size_t)4 << 20;
-    if (dev_malloc(d, c->blas_ws_size, &c->blas_ws, err) != LM_OK) {
+    if ((status = dev_malloc(d, c->blas_ws_size, &c->blas_ws, err)) == LM_ERR_DEVICE_OOM) {
         c->blas_ws_size = BLAS_WS_MIN;
-        if ((status = dev_malloc(d, c->blas_ws_size, &c->blas_ws, err)) != LM_OK)
-            return lm_err_prefix(err, "cuBLAS's workspace");
+        status = dev_malloc(d, c->blas_ws_size, &c->blas_ws, err);
     }
+    if (status == LM_ERR_DEVICE_OOM) {
+        // the cap leaves nothing: no workspace, rather than cuBLAS's own uncounted one; a GEMM
+        // that needs one then fails as out of memory (CUBLAS_STATUS_ALLOC_FAILED) and falls back
+        c->blas_ws = NULL;
+        c->blas_ws_size = 0;
+        status = LM_OK;
+    }
+    if (status != LM_OK)
+        return lm_err_prefix(err, "cuBLAS's workspace");
     // Plain FP32 arithmetic: CUBLAS_DEFAULT_MATH never uses TF32 (only CUBLAS_TF32_TENSOR_OP_MATH
     // or a TF32 compute type would), so the GEMM agrees with the CPU's to float32 rounding. The
     // workspace after the stream: cublasSetStream puts back cuBLAS's own.
