@@ -449,7 +449,7 @@ static void describe_run(merge_run *r)
     lm_progress_note(&r->progress, "merging %d fine-tune%s onto %s into %s (%s, %s, %d thread%s)",
                      a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, dtype_flag(o->out_dtype),
                      lm_dev_name(r->dev), o->threads, o->threads == 1 ? "" : "s");
-    if (strncmp(r->dev_why, "auto:", 5) == 0 || a->verbose)
+    if (strncmp(r->dev_why, "auto:", 5) == 0 || strcmp(r->dev_why, lm_dev_name(r->dev)) != 0 || a->verbose)
         lm_progress_note(&r->progress, "device %s", r->dev_why);
     if (!a->verbose)
         return;

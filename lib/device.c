@@ -121,6 +121,11 @@ lm_status lm_dev_sync(lm_dev *d, lm_err *err)
     return d->iface->sync ? d->iface->sync(d, err) : LM_OK;
 }
 
+lm_status lm_dev_check(lm_dev *d, lm_err *err)
+{
+    return d->iface->check ? d->iface->check(d, err) : LM_OK;
+}
+
 lm_status lm_dev_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err)
 {
     return d->iface->to_f32(d, dst, src, dt, n, err);

@@ -110,6 +110,12 @@ void lm_dev_buf_free(lm_dev *d, void *ptr);
 lm_status lm_dev_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
 lm_status lm_dev_download(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
 lm_status lm_dev_sync(lm_dev *d, lm_err *err);
+// The device's error state: a failure kept from a call that could not report it (a release,
+// mem_info) or a fault of work still in flight (waited for), as LM_ERR_DEVICE with the
+// device's message; LM_OK when there is none. Starts no work and is not an operation (the sim
+// device's fault switch does not count it). The callers run it at the end of every unit that
+// can fall back (lm_fallback_run) and of every merge, so that a fault is never left unreported.
+lm_status lm_dev_check(lm_dev *d, lm_err *err);
 
 // ---- operations (all pointers are device memory) ---------------------------------------------
 

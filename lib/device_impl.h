@@ -19,6 +19,7 @@ typedef struct lm_dev_i {
     lm_status (*upload)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
     lm_status (*download)(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err);
     lm_status (*sync)(lm_dev *d, lm_err *err);  // optional: no-op
+    lm_status (*check)(lm_dev *d, lm_err *err);  // optional: LM_OK (lm_dev_check)
     void (*destroy)(lm_dev *d);
 
     lm_status (*to_f32)(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);

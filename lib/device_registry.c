@@ -46,19 +46,30 @@ static bool parse_cuda(const char *spec, int *ordinal)
     return true;
 }
 
-static lm_status open_cuda(lm_dev **out, const char *spec, int ordinal, const lm_dev_opts *o, lm_err *err)
+static lm_status open_cuda(lm_dev **out, const char *spec, int ordinal, const lm_dev_opts *o, char *why,
+                           size_t why_size, lm_err *err)
 {
 #ifdef LLMERGE_HAVE_CUDA
     lm_status s = lm_dev_cuda_create(out, ordinal, o->mem_cap, o->threads, err);
-    return s == LM_OK ? s : lm_err_prefix(err, "--device %s", spec);
+    if (s != LM_OK)
+        return lm_err_prefix(err, "--device %s", spec);
+    const char *note = lm_cuda_device_note(*out);
+    if (note)
+        say(why, why_size, "%s (%s)", lm_dev_name(*out), note);
+    else
+        say(why, why_size, "%s", lm_dev_name(*out));
+    return LM_OK;
 #else
-    (void)out, (void)ordinal, (void)o;
+    (void)out, (void)ordinal, (void)o, (void)why, (void)why_size;
     return lm_err_set(err, LM_ERR_USAGE, "--device %s: this llmerge was built without CUDA "
                       "(use auto, cpu or sim:SIZE)", spec);
 #endif
 }
 
 // --device auto: CUDA device 0 when there is one and it passes the self-test, else the CPU.
+// Why it chose the CPU says what stood in the way: no driver or one too old for this build's
+// runtime (lm_cuda_device_count's message, with both versions), no device, the self-test, or
+// the device failing to open (a library missing, with the dynamic linker's words).
 static lm_status open_auto(lm_dev **out, const lm_dev_opts *o, char *why, size_t why_size, lm_err *err)
 {
 #ifdef LLMERGE_HAVE_CUDA
@@ -73,7 +84,9 @@ static lm_status open_auto(lm_dev **out, const lm_dev_opts *o, char *why, size_t
     } else if (lm_dev_cuda_create(out, 0, o->mem_cap, o->threads, &probe) != LM_OK) {
         say(why, why_size, "auto: cpu (cuda:0 could not be opened: %s)", probe.msg);
     } else {
-        say(why, why_size, "auto: %s (passed its self-test)", lm_dev_name(*out));
+        const char *note = lm_cuda_device_note(*out);
+        say(why, why_size, "auto: %s (passed its self-test%s%s)", lm_dev_name(*out), note ? "; " : "",
+            note ? note : "");
         return LM_OK;
     }
 #else
@@ -95,7 +108,7 @@ lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char
     if (strcmp(spec, "cpu") == 0) {
         s = lm_dev_cpu_create(out, o->threads, err);
     } else if (parse_cuda(spec, &ordinal)) {
-        s = open_cuda(out, spec, ordinal, o, err);
+        return open_cuda(out, spec, ordinal, o, why, why_size, err);
     } else if (strncmp(spec, "sim:", 4) == 0) {
         uint64_t budget;
         if (lm_parse_size(spec + 4, &budget, err) != LM_OK)

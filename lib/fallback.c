@@ -19,6 +19,13 @@ void lm_fallback_say(lm_fallback_fn say, void *ctx, const lm_fallback *fb)
     say(ctx, lm_fallback_line(line, sizeof line, fb), fb);
 }
 
+// Ends a unit that ran on dev, or left it: a fault of the unit's last work on dev, or a failure
+// kept from a release that could not report it, stops the run here rather than going unseen.
+static lm_status unit_end(lm_dev *dev, lm_dev *cpu, lm_status s, lm_err *err)
+{
+    return s == LM_OK && dev && dev != cpu ? lm_dev_check(dev, err) : s;
+}
+
 lm_status lm_fallback_run(lm_fallback_unit *u, lm_dev *dev, lm_dev *cpu, lm_err *err)
 {
     u->fell_back = false;
@@ -26,7 +33,7 @@ lm_status lm_fallback_run(lm_fallback_unit *u, lm_dev *dev, lm_dev *cpu, lm_err 
     double t0 = lm_now();
     lm_status s = u->work(u->ctx, dev, err);
     if (s != LM_ERR_DEVICE_OOM || dev == cpu)
-        return s;
+        return unit_end(dev, cpu, s, err);
     if (u->undo)
         u->undo(u->ctx);
     u->fell_back = true;
@@ -35,5 +42,5 @@ lm_status lm_fallback_run(lm_fallback_unit *u, lm_dev *dev, lm_dev *cpu, lm_err 
     lm_err_clear(err);
     s = u->work(u->ctx, cpu, err);
     u->seconds = lm_now() - t0;
-    return s;
+    return unit_end(dev, cpu, s, err);
 }

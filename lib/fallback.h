@@ -68,7 +68,9 @@ typedef struct lm_fallback_unit {
 // reason the message in err), clears err and runs u->work again on cpu. When dev is cpu the
 // unit runs once, and its status is returned as it is, LM_ERR_DEVICE_OOM included. Returns the
 // status of the last try; any failure other than running out of device memory on dev is
-// returned at once, with nothing undone or redone. Allocates nothing.
+// returned at once, with nothing undone or redone. A unit that succeeded, on dev or after its
+// fallback, ends with lm_dev_check(dev) (not on the CPU device itself): a device fault the unit
+// left, or a failed release, is returned then as the unit's failure. Allocates nothing.
 lm_status lm_fallback_run(lm_fallback_unit *u, lm_dev *dev, lm_dev *cpu, lm_err *err);
 
 #endif

@@ -368,18 +368,24 @@ static lm_status place_residents(engine *e)
             s = lm_dev_upload(e->dev, rd->data, rs->data, bytes, e->err);
             e->res->bytes_to_device += bytes;
         }
-        if (s == LM_OK) {
+        if (s != LM_OK) {
+            lm_dev_buf_free(e->dev, rd->data);
+            rd->data = NULL;
+        }
+        if (s == LM_ERR_DEVICE_OOM) {
+            e->res->fallback_place++;
+            fell_back(e, "place", e->fts[i]->path, lm_now() - t0);
+            s = LM_OK;
+        } else if (s == LM_OK) {
             e->res->ft_on_device++;
             rd->a_off = rs->a_off;  // the same layout; owned by res_cpu
             rd->b_off = rs->b_off;
-            continue;
         }
-        lm_dev_buf_free(e->dev, rd->data);
-        rd->data = NULL;
-        if (s != LM_ERR_DEVICE_OOM)
+        // the unit's end: a fault of the upload, or a failed release, is this unit's failure
+        if (s == LM_OK)
+            s = lm_dev_check(e->dev, e->err);
+        if (s != LM_OK)
             return lm_err_prefix(e->err, "%s: placing the LoRA factors on %s", e->fts[i]->path, lm_dev_name(e->dev));
-        e->res->fallback_place++;
-        fell_back(e, "place", e->fts[i]->path, lm_now() - t0);
     }
     return LM_OK;
 }
@@ -827,6 +833,12 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     res->seconds = lm_now() - t0;
     XXH64_freeState(hash);
     engine_free(&e);
+    // The run's end: a failure of the releases just made, or one the device kept, fails the run.
+    if ((s = lm_dev_check(dev, err)) != LM_OK) {
+        lm_err_prefix(err, "ending the merge on %s", lm_dev_name(dev));
+        lm_merge_result_free(res);
+        return s;
+    }
     return LM_OK;
 fail:
     if (hash)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# One command for a machine with an NVIDIA GPU: builds llmerge with CUDA, runs the whole test
+# One command for a machine with an NVIDIA GPU: prints the driver's and the toolkit's versions
+# (a driver older than the toolkit is the usual reason CUDA is not usable), builds llmerge with
+# CUDA, runs the whole test
 # suite with the CUDA device under test as well (test_device compares every device operation on
 # cuda against the CPU), runs the end-to-end device comparison on cuda with room and with a
 # small --gpu-mem that forces real CUDA out-of-memory fallbacks, compares the forward pass on
@@ -16,10 +18,37 @@ bench=1
 step() { printf '\n==== %s\n' "$*"; }
 failed=()
 
+step "driver and runtime versions"
+# Printed first, whatever follows: the driver must support the toolkit's CUDA version (CUDA 13
+# needs driver R580 or newer). nvidia-smi may be missing; the kernel module says the version too.
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
+    echo "nvidia-smi failed"
+  nvidia-smi | grep -m1 "CUDA Version" || true
+else
+  echo "nvidia-smi: not installed"
+fi
+if [ -r /proc/driver/nvidia/version ]; then
+  head -1 /proc/driver/nvidia/version
+else
+  echo "driver: no NVIDIA kernel module loaded (/proc/driver/nvidia/version is missing)"
+fi
+nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+if [ -x "$nvcc" ]; then
+  "$nvcc" --version | grep -m1 release | sed 's/^/toolkit (nvcc): /'
+else
+  echo "toolkit: nvcc not found"
+fi
+
 step "setup"
 bash scripts/bootstrap.sh || exit 1
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L; then
-  echo "gpu-check: no NVIDIA GPU visible (nvidia-smi -L failed)" >&2
+  echo "gpu-check: no NVIDIA GPU visible (nvidia-smi -L failed or missing); what llmerge says:" >&2
+  # llmerge says why CUDA is not usable (with the driver's and the runtime's CUDA versions)
+  if cmake -S . -B build-gpu -DLLMERGE_CUDA=ON >/dev/null &&
+    cmake --build build-gpu -j"$(nproc)" --target test_cuda_host >/dev/null; then
+    LLMERGE_TEST_DEVICE=cuda ./build-gpu/test_cuda_host 2>&1 | grep -m1 "device cuda" >&2
+  fi
   exit 1
 fi
 
@@ -37,8 +66,10 @@ step "test_device on cuda, verbose"
   failed+=("test_device on cuda")
 
 step "end to end on cuda against the cpu (to 1 ulp), with room and with --gpu-mem 1200KiB"
-# The CUDA backend keeps 1 MiB of scratch; 1200 KiB leaves too little for the fixtures' larger
-# tensors, so they fall back for real (cudaMalloc never runs out: the cap refuses first).
+# The CUDA backend keeps 1 MiB of scratch, and the cap also counts what the cuBLAS and cuSOLVER
+# handles took and each buffer at the driver's rounding; 1200 KiB leaves too little for the
+# fixtures' larger tensors (if not for all), so they fall back for real (cudaMalloc never runs
+# out: the cap refuses first).
 bash tests/e2e_device.sh build-gpu/llmerge build-gpu/fixtures build-gpu/st_diff 1 \
   --device cuda -- --device cuda --gpu-mem 1200KiB || failed+=("e2e_device on cuda")
 

@@ -102,6 +102,60 @@ static void test_run(lm_dev *sim, lm_dev *cpu)
 
 }
 
+// A unit whose work succeeds but leaves the device in error: it releases a pointer the device
+// never gave out (which a release cannot report), on dev and, when it falls back, in its undo.
+typedef struct leaky {
+    lm_dev *dev;
+    bool oom_first;  // the try on dev runs out of memory, and the undo makes the bad release
+    int runs;
+} leaky;
+
+static lm_status leaky_work(void *ctx, lm_dev *dev, lm_err *err)
+{
+    leaky *l = ctx;
+    static char not_a_buffer[8];
+    l->runs++;
+    if (dev == l->dev && l->oom_first)
+        return lm_err_set(err, LM_ERR_DEVICE_OOM, "%s: out of memory", lm_dev_name(dev));
+    if (dev == l->dev)
+        lm_dev_buf_free(dev, not_a_buffer);
+    return LM_OK;
+}
+
+static void leaky_undo(void *ctx)
+{
+    leaky *l = ctx;
+    static char not_a_buffer[8];
+    lm_dev_buf_free(l->dev, not_a_buffer);
+}
+
+// lm_fallback_run ends a unit with lm_dev_check: a failure the device kept from the unit is the
+// unit's, whether the unit ran there or fell back; on the CPU alone nothing is checked.
+static void test_unit_end(lm_dev *sim, lm_dev *cpu)
+{
+    lm_err err = {0};
+    notes n = {0};
+    leaky l = {.dev = sim};
+    lm_fallback_unit u = {.phase = "merge", .unit = "t", .work = leaky_work, .undo = leaky_undo, .ctx = &l,
+                          .say = collect_note, .say_ctx = &n};
+    CHECK_FAILS(lm_fallback_run(&u, sim, cpu, &err), LM_ERR_DEVICE, "not a live sim buffer", &err);
+    CHECK(l.runs == 1 && !u.fell_back);
+    // reported once: the device is clean again
+    CHECK_OK(lm_dev_check(sim, &err), &err);
+
+    leaky f = {.dev = sim, .oom_first = true};
+    u.ctx = &f;
+    CHECK_FAILS(lm_fallback_run(&u, sim, cpu, &err), LM_ERR_DEVICE, "not a live sim buffer", &err);
+    CHECK(f.runs == 2 && u.fell_back && n.fallbacks == 1);
+    CHECK_OK(lm_dev_check(sim, &err), &err);
+
+    // a unit that leaves the device clean passes the check
+    leaky ok = {.dev = cpu};
+    u.ctx = &ok;
+    CHECK_OK(lm_fallback_run(&u, sim, cpu, &err), &err);
+    CHECK(ok.runs == 1);
+}
+
 int main(void)
 {
     test_line();
@@ -110,8 +164,10 @@ int main(void)
     lm_dev_opts o = {.threads = 1};
     CHECK_OK(lm_dev_open(&sim, "sim:1MiB", &o, NULL, 0, &err), &err);
     CHECK_OK(lm_dev_cpu_create(&cpu, 1, &err), &err);
-    if (sim && cpu)
+    if (sim && cpu) {
         test_run(sim, cpu);
+        test_unit_end(sim, cpu);
+    }
     lm_dev_destroy(sim);
     lm_dev_destroy(cpu);
     return check_report("test_fallback_run");

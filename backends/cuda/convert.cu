@@ -54,18 +54,6 @@ __global__ void k_f32_to_f16(uint16_t *dst, const float *src, int64_t n)
         dst[i] = lm_f32_to_f16(src[i]);
 }
 
-extern "C" lm_status lm_cuda_device_count(int *count, lm_err *err)
-{
-    (void)err;
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess) {
-        cudaGetLastError();
-        n = 0;  // no driver or no device: the CPU it is
-    }
-    *count = n;
-    return LM_OK;
-}
-
 extern "C" lm_status lm_cuda_convert_to_f32(float *d_dst, const void *d_src, lm_dtype dt, int64_t n,
                                             void *stream, lm_err *err)
 {
@@ -179,3 +167,10 @@ fail:
     free(h_half);
     return status;
 }
+
+// Loaded when a device opens (cuda_check.h).
+LM_CUDA_PRELOAD(k_bf16_to_f32);
+LM_CUDA_PRELOAD(k_f16_to_f32);
+LM_CUDA_PRELOAD(k_f64_to_f32);
+LM_CUDA_PRELOAD(k_f32_to_bf16);
+LM_CUDA_PRELOAD(k_f32_to_f16);

@@ -11,10 +11,19 @@
 // hist_window, l1, the tie counts of topk_apply and topk_apply_by), lm_dev_sync, and before
 // freeing memory the stream may still use.
 //
-// Errors. A failed allocation is LM_ERR_DEVICE_OOM and leaves the device usable; any other
-// CUDA failure is LM_ERR_DEVICE naming the call. A fault inside a kernel is reported by the
-// next call that waits on the stream. Freeing cannot return a status: a failure there is kept
-// and returned by the next call that can (as the sim device does).
+// Errors. A failed allocation, and a kernel launch refused for want of memory, are
+// LM_ERR_DEVICE_OOM and leave the device usable; any other CUDA failure is LM_ERR_DEVICE naming
+// the call. A fault inside a kernel is reported by the next call that waits on the stream.
+// Freeing and mem_info cannot return a status: a failure there is kept and returned by the next
+// call that can (as the sim device does), and lm_dev_check, which the callers run at the end of
+// every unit and of every run, returns it at the latest. A refusal by --gpu-mem's cap asks the
+// device first, so that a device in error is never mistaken for a full one.
+//
+// Memory. --gpu-mem caps what the device shows as taken (nvidia-smi): every buffer is counted
+// as the driver rounds it (charge()), and so are cuBLAS's workspace and what the cuBLAS and
+// cuSOLVER handles took when they were made, and cuSOLVER's workspace of each factorisation.
+// Every kernel, and cuBLAS's first GEMM kernel, is loaded when the device opens, so that no
+// launch later has to find memory for code.
 //
 // One caller at a time: like the other backends, a device is not shared between threads
 // without a lock. Every entry point makes the device current for the calling thread.
@@ -44,6 +53,12 @@ extern "C" {
 #include "kernels.h"
 
 #define STAGE_BYTES ((size_t)8 << 20)   // each of the two pinned staging buffers
+#define PAGE_BYTES ((size_t)2 << 20)    // the driver's page: buffers above SMALL_BYTES take whole ones
+#define SMALL_BYTES ((size_t)1 << 20)   // buffers up to this share pages, in steps of SMALL_ALIGN
+#define SMALL_ALIGN ((size_t)512)
+#define BLAS_WS_MIN ((size_t)16 << 10)  // the least cuBLAS workspace with which no GEMM fails for want
+                                        // of one; the recommended one is 4 MiB (32 MiB from Hopper on)
+#define PRELOAD_MAX 128                 // kernels LM_CUDA_PRELOAD can list
 #define SCRATCH_MIN ((size_t)1 << 20)   // device scratch for reductions: enough for any slab
 #define TIE_COUNTS_OFF 256              // topk_apply's scratch: the tie end at 0, counts here
 #define HIST_WIN_OFF 256                // hist_window's scratch: the count above at 0, the bins here
@@ -61,13 +76,20 @@ typedef struct cuda_ctx {
     char name[24];            // "cuda:N"
     uint64_t mem_cap;         // the most bytes llmerge may hold on the device (0: no cap)
     uint64_t used;            // bytes it holds: buffers and scratch
+    uint64_t lib_bytes;       // of used: what the cuBLAS and cuSOLVER handles took when made
     cuda_buf *bufs;           // (n_bufs) live buffers from alloc, in no order
     size_t n_bufs, cap_bufs;
     cudaStream_t stream;      // everything runs on it (non-blocking: no implicit sync with stream 0)
     const lm_cublas_fns *cublas;  // cuBLAS, loaded when the device was opened
     cublasHandle_t blas;      // bound to stream
-    const lm_cusolver_fns *cusolver;  // cuSOLVER, loaded by the first factorisation (potrf)
-    cusolverDnHandle_t solver;  // bound to stream; NULL until then
+    void *blas_ws;            // (blas_ws_size bytes) cuBLAS's workspace, counted in used
+    size_t blas_ws_size;
+    const lm_cusolver_fns *cusolver;  // cuSOLVER, loaded when the device was opened; NULL when it
+                                      // could not be, and potrf factors on the CPU
+    cusolverDnHandle_t solver;  // bound to stream
+    cusolverDnParams_t solver_params;  // Xpotrf's (the defaults)
+    char note[LM_ERR_MSG_MAX + 64];  // what the device does without (lm_cuda_device_note), or ""
+    size_t last_free, last_total;  // the last answer of cudaMemGetInfo
     void *pinned[2];          // (STAGE_BYTES each) staging buffers; both NULL when pinned memory
                               // could not be had, and copies go straight from pageable memory
     cudaEvent_t staged[2];    // recorded after the last copy into or out of pinned[i]
@@ -119,18 +141,53 @@ static const char *cuda_name(lm_dev *d)
     return ctx_of(d)->name;
 }
 
+// What a buffer of `size` bytes takes on the device: the driver hands out 2 MiB pages, a
+// buffer above 1 MiB takes whole pages of its own and smaller ones share pages in steps of
+// 512 bytes. (An approximation of the driver's allocator, which documents no rule: what it
+// leaves out is a fraction of a page per page of small buffers.)
+static uint64_t charge(size_t size)
+{
+    size_t step = size > SMALL_BYTES ? PAGE_BYTES : SMALL_ALIGN;
+    return ((uint64_t)size + step - 1) / step * step;
+}
+
+// Waits for the stream and reads the device's error state: a fault of earlier work (sticky:
+// the context is lost) or an error no call has reported yet. LM_ERR_DEVICE naming it, or LM_OK.
+// The caller has made the device current.
+static lm_status device_state(cuda_ctx *c, lm_err *err)
+{
+    cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (e == cudaSuccess)
+        e = cudaPeekAtLastError();
+    if (e == cudaSuccess)
+        return LM_OK;
+    cudaGetLastError();
+    return lm_err_set(err, LM_ERR_DEVICE, "%s: an operation failed on the device: %s", c->name,
+                      cudaGetErrorString(e));
+}
+
 // Free: what the driver reports, but no more than the cap leaves; total: the device's, or the
-// cap when that is smaller.
+// cap when that is smaller. Should the driver fail to answer (a device in error), the failure
+// is kept for the next call that can report it and the last answer stands in: a device in
+// error must stop the run, not look full and send the work to the CPU.
 static void cuda_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes)
 {
     cuda_ctx *c = ctx_of(d);
     size_t fr = 0, tot = 0;
-    if (cudaSetDevice(c->ordinal) != cudaSuccess || cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+    cudaError_t e = cudaSetDevice(c->ordinal);
+    if (e == cudaSuccess)
+        e = cudaMemGetInfo(&fr, &tot);
+    if (e == cudaSuccess) {
+        c->last_free = fr;
+        c->last_total = tot;
+    } else {
         cudaGetLastError();
-        fr = tot = 0;
+        defer(c, "cudaMemGetInfo", e);
+        fr = c->last_free;
+        tot = c->last_total;
     }
     if (c->mem_cap) {
-        uint64_t room = c->mem_cap - c->used;
+        uint64_t room = c->mem_cap > c->used ? c->mem_cap - c->used : 0;
         if (fr > room)
             fr = (size_t)room;
         if (tot == 0 || tot > c->mem_cap)
@@ -149,14 +206,17 @@ static lm_status out_of_memory(lm_dev *d, size_t size, lm_err *err)
                       lm_format_bytes(need, sizeof need, size), lm_format_bytes(have, sizeof have, fr));
 }
 
-// cudaMalloc within the cap, counted in c->used. Out of memory, from the cap or the driver,
-// is LM_ERR_DEVICE_OOM, and the failure is cleared so the device stays usable.
+// cudaMalloc within the cap, counted in c->used at charge(size). Out of memory, from the cap or
+// the driver, is LM_ERR_DEVICE_OOM, and the failure is cleared so the device stays usable. The
+// cap refuses only once the device has said it is not in error.
 static lm_status dev_malloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     *ptr = NULL;
-    if (c->mem_cap && size > c->mem_cap - c->used)
-        return out_of_memory(d, size, err);
+    if (c->mem_cap && (c->used > c->mem_cap || charge(size) > c->mem_cap - c->used)) {
+        lm_status s = device_state(c, err);
+        return s != LM_OK ? s : out_of_memory(d, size, err);
+    }
     cudaError_t e = cudaMalloc(ptr, size);
     if (e != cudaSuccess) {
         cudaGetLastError();
@@ -167,7 +227,7 @@ static lm_status dev_malloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
         return lm_err_set(err, LM_ERR_DEVICE, "%s: cudaMalloc of %s: %s", c->name, lm_format_bytes(b, sizeof b, size),
                           cudaGetErrorString(e));
     }
-    c->used += size;
+    c->used += charge(size);
     return LM_OK;
 }
 
@@ -175,6 +235,8 @@ static lm_status dev_malloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
 // queued that uses the memory, so the stream is drained first. Failures are deferred.
 static void dev_free(cuda_ctx *c, void *p, size_t size)
 {
+    if (!p)
+        return;
     cudaError_t e = cudaStreamSynchronize(c->stream);
     if (e != cudaSuccess) {
         cudaGetLastError();
@@ -185,7 +247,7 @@ static void dev_free(cuda_ctx *c, void *p, size_t size)
         cudaGetLastError();
         defer(c, "cudaFree", e);
     }
-    c->used -= size;
+    c->used -= charge(size);
 }
 
 static lm_status cuda_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
@@ -372,8 +434,17 @@ static lm_status cuda_sync(lm_dev *d, lm_err *err)
     return LM_OK;
 }
 
+// The device's error state, for lm_dev_check: a failure kept from a call that could not report
+// it, then a fault of any work enqueued (the stream is drained).
+static lm_status cuda_check(lm_dev *d, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : device_state(ctx_of(d), err);
+}
+
 // Releases everything, also after a device error (each call's failure is ignored: there is
-// nobody left to report it to) and on a half-built device from lm_dev_cuda_create.
+// nobody left to report it to; the callers ran lm_dev_check before) and on a half-built device
+// from lm_dev_cuda_create.
 static void cuda_destroy(lm_dev *d)
 {
     cuda_ctx *c = ctx_of(d);
@@ -385,6 +456,8 @@ static void cuda_destroy(lm_dev *d)
             cudaFree(c->bufs[i].p);
         if (c->scratch)
             cudaFree(c->scratch);
+        if (c->blas_ws)
+            cudaFree(c->blas_ws);
         for (int b = 0; b < 2; b++) {
             if (c->pinned[b])
                 cudaFreeHost(c->pinned[b]);
@@ -393,6 +466,8 @@ static void cuda_destroy(lm_dev *d)
         }
         if (c->blas)
             c->cublas->destroy(c->blas);
+        if (c->solver_params)
+            c->cusolver->destroy_params(c->solver_params);
         if (c->solver)
             c->cusolver->destroy(c->solver);
         if (c->stream)
@@ -473,60 +548,76 @@ static lm_status cuda_importance(lm_dev *d, float *key, const float *tau, const 
     return s != LM_OK ? s : lm_cuda_importance(key, tau, ucc2, rows, cols, ctx_of(d)->stream, err);
 }
 
-// cuSOLVER's handle on the device's stream, made (and the library loaded) by the first call.
-static lm_status solver_ready(lm_dev *d, lm_err *err)
+// The factorisation on the CPU, for a device without cuSOLVER: a copied home, factored by
+// LAPACKE (lm_cpu_potrf), the factor and its diagonal copied back. As the CPU backend's potrf:
+// LM_ERR_FORMAT when a is not positive definite.
+static lm_status potrf_on_cpu(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
-    cusolverStatus_t ss;
-    if (c->solver)
-        return LM_OK;
-    if (lm_cuda_load_cusolver(&c->cusolver, err) != LM_OK)
-        return lm_err_prefix(err, "%s", c->name);
-    if ((ss = c->cusolver->create(&c->solver)) != CUSOLVER_STATUS_SUCCESS) {
-        c->solver = NULL;
-        cudaGetLastError();
-        return lm_err_set(err, ss == CUSOLVER_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
-                          "%s: cusolverDnCreate: cuSOLVER status %d", c->name, (int)ss);
+    lm_status status = LM_OK;
+    size_t bytes = (size_t)n * (size_t)n * sizeof(double);
+    int info = 0;
+    double *h = (double *)malloc(bytes + (size_t)n * sizeof(double));
+    if (!h)
+        return lm_err_set(err, LM_ERR_NOMEM, "%s: out of host memory for a %lld x %lld factorisation", c->name,
+                          (long long)n, (long long)n);
+    double *h_diag = h + (size_t)n * (size_t)n;
+    if ((status = copy_home(c, h, a, bytes, err)) != LM_OK)
+        goto fail;
+    if (lm_cpu_potrf(h, n, h_diag, &info) != LM_OK) {
+        status = lm_err_set(err, LM_ERR_FORMAT, "%s: the %lld x %lld matrix is not positive definite (LAPACK dpotrf "
+                            "info %d, factored on the CPU without cuSOLVER)", c->name, (long long)n, (long long)n,
+                            info);
+        goto fail;
     }
-    if ((ss = c->cusolver->set_stream(c->solver, c->stream)) != CUSOLVER_STATUS_SUCCESS) {
-        c->cusolver->destroy(c->solver);
-        c->solver = NULL;
-        cudaGetLastError();
-        return lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnSetStream: cuSOLVER status %d", c->name, (int)ss);
-    }
-    return LM_OK;
+    if ((status = cuda_upload(d, a, h, bytes, err)) == LM_OK)
+        status = cuda_upload(d, diag, h_diag, (size_t)n * sizeof(double), err);
+fail:
+    free(h);
+    return status;
 }
 
-// cuSOLVER's dpotrf on the stream, with a workspace allocated for the call (which is where the
-// factorisation runs out of memory, and falls back, when the matrix itself fits) and the
+// cuSOLVER's 64-bit Cholesky factorisation (Xpotrf, in double) on the stream, with a device
+// workspace allocated for the call (which is where the factorisation runs out of memory, and
+// falls back, when the matrix itself fits), a host workspace when it asks for one, and the
 // factor's info in the device scratch; the diagonal is gathered by one strided copy. The host
-// waits for the info, to tell a matrix that is not positive definite.
+// waits for the info, to tell a matrix that is not positive definite. Without cuSOLVER, on the
+// CPU (potrf_on_cpu).
 static lm_status cuda_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     lm_status status = begin(d, err);
     cusolverStatus_t ss;
-    int lwork = 0, info = 0;
-    double *work = NULL;
-    size_t work_bytes = 0;
-    if (status != LM_OK || (status = solver_ready(d, err)) != LM_OK ||
-        (status = scratch_reserve(d, sizeof(int), err)) != LM_OK ||
-        (status = host_reserve(c, sizeof(int), err)) != LM_OK)
+    int info = 0;
+    void *work = NULL, *host_work = NULL;
+    size_t work_bytes = 0, host_bytes = 0;
+    if (status != LM_OK)
         return status;
-    ss = c->cusolver->dpotrf_buffer_size(c->solver, CUBLAS_FILL_MODE_UPPER, (int)n, a, (int)n, &lwork);
+    if (!c->solver)
+        return potrf_on_cpu(d, a, n, diag, err);
+    if ((status = scratch_reserve(d, sizeof(int), err)) != LM_OK || (status = host_reserve(c, sizeof(int), err)) != LM_OK)
+        return status;
+    ss = c->cusolver->xpotrf_buffer_size(c->solver, c->solver_params, CUBLAS_FILL_MODE_UPPER, n, CUDA_R_64F, a, n,
+                                         CUDA_R_64F, &work_bytes, &host_bytes);
     if (ss != CUSOLVER_STATUS_SUCCESS) {
         cudaGetLastError();
-        return lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnDpotrf_bufferSize (n %lld): cuSOLVER status %d", c->name,
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnXpotrf_bufferSize (n %lld): cuSOLVER status %d", c->name,
                           (long long)n, (int)ss);
     }
-    work_bytes = (size_t)(lwork > 0 ? lwork : 1) * sizeof(double);
-    if ((status = dev_malloc(d, work_bytes, (void **)&work, err)) != LM_OK)
+    if (work_bytes == 0)
+        work_bytes = 1;
+    if ((status = dev_malloc(d, work_bytes, &work, err)) != LM_OK)
         return status;
-    ss = c->cusolver->dpotrf(c->solver, CUBLAS_FILL_MODE_UPPER, (int)n, a, (int)n, work, lwork, (int *)c->scratch);
+    if (host_bytes && !(host_work = malloc(host_bytes))) {
+        status = lm_err_set(err, LM_ERR_NOMEM, "%s: out of host memory for cuSOLVER's workspace", c->name);
+        goto fail;
+    }
+    ss = c->cusolver->xpotrf(c->solver, c->solver_params, CUBLAS_FILL_MODE_UPPER, n, CUDA_R_64F, a, n, CUDA_R_64F,
+                             work, work_bytes, host_work, host_bytes, (int *)c->scratch);
     if (ss != CUSOLVER_STATUS_SUCCESS) {
         cudaGetLastError();
         status = lm_err_set(err, ss == CUSOLVER_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
-                            "%s: cusolverDnDpotrf (n %lld): cuSOLVER status %d", c->name, (long long)n, (int)ss);
+                            "%s: cusolverDnXpotrf (n %lld): cuSOLVER status %d", c->name, (long long)n, (int)ss);
         goto fail;
     }
     CUDA_TRY(cudaMemcpy2DAsync(diag, sizeof(double), a, (size_t)(n + 1) * sizeof(double), sizeof(double), (size_t)n,
@@ -536,11 +627,12 @@ static lm_status cuda_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_er
     memcpy(&info, c->host_scratch, sizeof info);
     if (info > 0)
         status = lm_err_set(err, LM_ERR_FORMAT, "%s: the %lld x %lld matrix is not positive definite (cuSOLVER "
-                            "dpotrf info %d)", c->name, (long long)n, (long long)n, info);
+                            "Xpotrf info %d)", c->name, (long long)n, (long long)n, info);
     else if (info < 0)
-        status = lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnDpotrf refused argument %d", c->name, -info);
+        status = lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnXpotrf refused argument %d", c->name, -info);
 fail:
-    dev_free(c, work, work_bytes);
+    dev_free(c, work, work_bytes);  // drains the stream first: the host workspace is free then
+    free(host_work);
     return status;
 }
 
@@ -799,6 +891,7 @@ static lm_dev_i make_iface(void)
     i.upload = cuda_upload;
     i.download = cuda_download;
     i.sync = cuda_sync;
+    i.check = cuda_check;
     i.destroy = cuda_destroy;
     i.to_f32 = cuda_to_f32;
     i.from_f32 = cuda_from_f32;
@@ -827,24 +920,210 @@ static lm_dev_i make_iface(void)
 
 static const lm_dev_i cuda_iface = make_iface();
 
+// ==== opening =================================================================================
+
+// The kernels LM_CUDA_PRELOAD lists (cuda_check.h), filled before main.
+static struct {
+    const void *kernel;
+    const char *name;
+} preload[PRELOAD_MAX];
+static int n_preload, preload_dropped;
+
+int lm_cuda_preload_add(const void *kernel, const char *name)
+{
+    if (n_preload == PRELOAD_MAX) {
+        preload_dropped++;
+        return -1;
+    }
+    preload[n_preload].kernel = kernel;
+    preload[n_preload].name = name;
+    return n_preload++;
+}
+
+// Loads every listed kernel on the current device. Out of memory is LM_ERR_DEVICE_OOM.
+static lm_status load_kernels(cuda_ctx *c, lm_err *err)
+{
+    if (preload_dropped)
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: %d kernels beyond the %d LM_CUDA_PRELOAD can list", c->name,
+                          preload_dropped, PRELOAD_MAX);
+    for (int i = 0; i < n_preload; i++) {
+        cudaFuncAttributes attr;
+        cudaError_t e = cudaFuncGetAttributes(&attr, preload[i].kernel);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            return lm_err_set(err, e == cudaErrorMemoryAllocation ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
+                              "%s: loading kernel %s: %s", c->name, preload[i].name, cudaGetErrorString(e));
+        }
+    }
+    return LM_OK;
+}
+
+// "13.0" from the CUDA version number 13000.
+static const char *cuda_version(char *buf, size_t size, int v)
+{
+    snprintf(buf, size, "%d.%d", v / 1000, v % 1000 / 10);
+    return buf;
+}
+
+extern "C" lm_status lm_cuda_device_count(int *count, lm_err *err)
+{
+    int n = 0, driver = 0, runtime = 0;
+    char dv[16], rv[16];
+    *count = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e == cudaSuccess) {
+        *count = n;
+        return LM_OK;
+    }
+    cudaGetLastError();
+    if (e == cudaErrorNoDevice)
+        return LM_OK;
+    // cudaDriverGetVersion answers 0 when there is no driver; the runtime's is this build's
+    if (cudaDriverGetVersion(&driver) != cudaSuccess)
+        driver = 0;
+    if (cudaRuntimeGetVersion(&runtime) != cudaSuccess)
+        runtime = CUDART_VERSION;
+    cudaGetLastError();
+    cuda_version(rv, sizeof rv, runtime);
+    if (e == cudaErrorInsufficientDriver && driver == 0)
+        return lm_err_set(err, LM_ERR_DEVICE, "no NVIDIA driver is installed (the CUDA %s runtime found no libcuda)",
+                          rv);
+    if (e == cudaErrorInsufficientDriver)
+        return lm_err_set(err, LM_ERR_DEVICE, "the NVIDIA driver supports CUDA %s, older than this llmerge's CUDA %s "
+                          "runtime: install a driver for CUDA %s or newer%s", cuda_version(dv, sizeof dv, driver), rv,
+                          rv, runtime / 1000 == 13 ? " (R580 or newer)" : "");
+    return lm_err_set(err, LM_ERR_DEVICE, "cudaGetDeviceCount: %s (driver for CUDA %s, CUDA %s runtime)",
+                      cudaGetErrorString(e), driver ? cuda_version(dv, sizeof dv, driver) : "none", rv);
+}
+
+extern "C" const char *lm_cuda_device_note(lm_dev *d)
+{
+    return d && d->iface == &cuda_iface && ctx_of(d)->note[0] ? ctx_of(d)->note : NULL;
+}
+
+// What the driver says is free, for measuring what a library's handle takes; 0 when it cannot.
+static size_t driver_free(void)
+{
+    size_t fr = 0, tot = 0;
+    if (cudaMemGetInfo(&fr, &tot) != cudaSuccess) {
+        cudaGetLastError();
+        fr = 0;
+    }
+    return fr;
+}
+
+// Counts what the driver's free memory lost from `before` as taken by a library's handle.
+static void count_lib(cuda_ctx *c, size_t before)
+{
+    size_t after = driver_free();
+    if (before > after && after) {
+        c->lib_bytes += before - after;
+        c->used += before - after;
+    }
+}
+
+// cuBLAS: its handle on the stream, in plain FP32, with a workspace of ours counted against the
+// cap (the recommended size, or the least that fails no GEMM when the cap leaves no more, or
+// none when it leaves not even that), and
+// one small GEMM run, so that its module and first kernel are loaded now.
+static lm_status open_cublas(lm_dev *d, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status status = LM_OK;
+    cublasStatus_t bs;
+    int major = 0;
+    if ((status = lm_cuda_load_cublas(&c->cublas, err)) != LM_OK)
+        return lm_err_prefix(err, "%s", c->name);
+    size_t before = driver_free();
+    if ((bs = c->cublas->create(&c->blas)) != CUBLAS_STATUS_SUCCESS) {
+        c->blas = NULL;
+        cudaGetLastError();
+        return lm_err_set(err, bs == CUBLAS_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
+                          "%s: cublasCreate: %s", c->name, c->cublas->status_string(bs));
+    }
+    count_lib(c, before);
+    CUDA_TRY(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, c->ordinal));
+    c->blas_ws_size = major >= 9 ? (size_t)32 << 20 : (size_t)4 << 20;
+    if ((status = dev_malloc(d, c->blas_ws_size, &c->blas_ws, err)) == LM_ERR_DEVICE_OOM) {
+        c->blas_ws_size = BLAS_WS_MIN;
+        status = dev_malloc(d, c->blas_ws_size, &c->blas_ws, err);
+    }
+    if (status == LM_ERR_DEVICE_OOM) {
+        // the cap leaves nothing: no workspace, rather than cuBLAS's own uncounted one; a GEMM
+        // that needs one then fails as out of memory (CUBLAS_STATUS_ALLOC_FAILED) and falls back
+        c->blas_ws = NULL;
+        c->blas_ws_size = 0;
+        status = LM_OK;
+    }
+    if (status != LM_OK)
+        return lm_err_prefix(err, "cuBLAS's workspace");
+    // Plain FP32 arithmetic: CUBLAS_DEFAULT_MATH never uses TF32 (only CUBLAS_TF32_TENSOR_OP_MATH
+    // or a TF32 compute type would), so the GEMM agrees with the CPU's to float32 rounding. The
+    // workspace after the stream: cublasSetStream puts back cuBLAS's own.
+    if ((bs = c->cublas->set_stream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
+        (bs = c->cublas->set_math_mode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS ||
+        (bs = c->cublas->set_workspace(c->blas, c->blas_ws, c->blas_ws_size)) != CUBLAS_STATUS_SUCCESS) {
+        cudaGetLastError();
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: setting up cuBLAS: %s", c->name, c->cublas->status_string(bs));
+    }
+    // C (8 x 8) = A B in the scratch when there is one (the cap may leave none)
+    if (c->scratch) {
+        float *m = (float *)c->scratch;
+        CUDA_TRY(cudaMemsetAsync(m, 0, 3 * 64 * sizeof(float), c->stream));
+        if ((status = lm_cuda_sgemm(c->blas, false, false, 8, 8, 8, 1.0f, m, 8, m + 64, 8, 0.0f, m + 128, 8, c->stream,
+                                    err)) != LM_OK ||
+            (status = device_state(c, err)) != LM_OK)
+            return lm_err_prefix(err, "%s: cuBLAS's first GEMM", c->name);
+    }
+    return LM_OK;
+fail:
+    return status;
+}
+
+// cuSOLVER: loaded, its handle on the stream and Xpotrf's parameters. A library that cannot be
+// loaded is no failure: the device factors on the CPU, and says so in its note.
+static lm_status open_cusolver(lm_dev *d, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    cusolverStatus_t ss;
+    lm_err why;
+    if (lm_cuda_load_cusolver(&c->cusolver, &why) != LM_OK) {
+        c->cusolver = NULL;
+        snprintf(c->note, sizeof c->note, "Cholesky factorisations on the CPU: %s", why.msg);
+        return LM_OK;
+    }
+    size_t before = driver_free();
+    if ((ss = c->cusolver->create(&c->solver)) != CUSOLVER_STATUS_SUCCESS) {
+        c->solver = NULL;
+        cudaGetLastError();
+        return lm_err_set(err, ss == CUSOLVER_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
+                          "%s: cusolverDnCreate: cuSOLVER status %d", c->name, (int)ss);
+    }
+    count_lib(c, before);
+    if ((ss = c->cusolver->set_stream(c->solver, c->stream)) != CUSOLVER_STATUS_SUCCESS ||
+        (ss = c->cusolver->create_params(&c->solver_params)) != CUSOLVER_STATUS_SUCCESS) {
+        c->solver_params = NULL;
+        cudaGetLastError();
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: setting up cuSOLVER: cuSOLVER status %d", c->name, (int)ss);
+    }
+    return LM_OK;
+}
+
 // Opens CUDA device `ordinal`: checks that it exists, then creates the stream, the staging
-// buffers and their events, the cuBLAS handle and a first scratch buffer. The caller frees the
-// device with lm_dev_destroy; on failure nothing is left allocated and *out stays NULL.
+// buffers and their events, a first scratch buffer, loads every kernel, makes the cuBLAS and
+// cuSOLVER handles and cuBLAS's workspace. The caller frees the device with lm_dev_destroy; on
+// failure nothing is left allocated and *out stays NULL.
 extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_cap, int threads, lm_err *err)
 {
     lm_status status = LM_OK;
     lm_dev *d = NULL;
     cuda_ctx *c = NULL;
-    cublasStatus_t bs;
     int count = 0;
-    cudaError_t e;
 
     *out = NULL;
-    e = cudaGetDeviceCount(&count);
-    if (e != cudaSuccess) {
-        cudaGetLastError();
-        return lm_err_set(err, LM_ERR_USAGE, "cuda:%d: no usable CUDA driver or device (%s)", ordinal,
-                          cudaGetErrorString(e));
+    if (lm_cuda_device_count(&count, err) != LM_OK) {
+        err->status = LM_ERR_USAGE;  // as a device that does not exist
+        return lm_err_prefix(err, "cuda:%d: CUDA is not usable", ordinal);
     }
     if (ordinal < 0 || ordinal >= count)
         return lm_err_set(err, LM_ERR_USAGE, "cuda:%d: no such device (%d CUDA device%s found)", ordinal, count,
@@ -869,25 +1148,9 @@ extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_
     CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
     for (int b = 0; b < 2; b++)
         CUDA_TRY(cudaEventCreateWithFlags(&c->staged[b], cudaEventDisableTiming));
-    if ((status = lm_cuda_load_cublas(&c->cublas, err)) != LM_OK) {
-        lm_err_prefix(err, "%s", c->name);
+    CUDA_TRY(cudaMemGetInfo(&c->last_free, &c->last_total));
+    if ((status = load_kernels(c, err)) != LM_OK)
         goto fail;
-    }
-    if ((bs = c->cublas->create(&c->blas)) != CUBLAS_STATUS_SUCCESS) {
-        c->blas = NULL;
-        status = lm_err_set(err, bs == CUBLAS_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
-                            "%s: cublasCreate: %s", c->name, c->cublas->status_string(bs));
-        cudaGetLastError();
-        goto fail;
-    }
-    // Plain FP32 arithmetic: CUBLAS_DEFAULT_MATH never uses TF32 (only CUBLAS_TF32_TENSOR_OP_MATH
-    // or a TF32 compute type would), so the GEMM agrees with the CPU's to float32 rounding.
-    if ((bs = c->cublas->set_stream(c->blas, c->stream)) != CUBLAS_STATUS_SUCCESS ||
-        (bs = c->cublas->set_math_mode(c->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS) {
-        status = lm_err_set(err, LM_ERR_DEVICE, "%s: setting up cuBLAS: %s", c->name, c->cublas->status_string(bs));
-        cudaGetLastError();
-        goto fail;
-    }
     // Pinned staging buffers. Without them (pinned memory is a limited resource of the host)
     // copies go straight from pageable memory and wait for themselves: slower, still correct.
     for (int b = 0; b < 2; b++) {
@@ -912,6 +1175,9 @@ extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_
             goto fail;
         }
     }
+    if ((status = open_cublas(d, err)) != LM_OK || (status = open_cusolver(d, err)) != LM_OK ||
+        (status = device_state(c, err)) != LM_OK)
+        goto fail;
     *out = d;
     return LM_OK;
 fail:

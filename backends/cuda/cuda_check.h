@@ -29,18 +29,35 @@
         }                                                                                     \
     } while (0)
 
-// Follows every kernel launch: a launch that was refused (bad configuration, no kernel image
-// for this GPU, a device already in error) is LM_ERR_DEVICE naming the kernel. Faults while the
-// kernel runs surface later, at the next synchronising call (a download, lm_dev_sync).
+// Follows every kernel launch: a launch that was refused is named with the kernel. One refused
+// for want of memory (a kernel whose code or local memory could not be loaded on a full device)
+// is LM_ERR_DEVICE_OOM, so the unit falls back, and is cleared like a failed allocation; any
+// other refusal (bad configuration, no kernel image for this GPU, a device already in error) is
+// LM_ERR_DEVICE. Faults while the kernel runs surface later, at the next synchronising call (a
+// download, lm_dev_sync, lm_dev_check).
 #define CUDA_LAUNCHED(kernel)                                                                 \
     do {                                                                                      \
         cudaError_t e_ = cudaGetLastError();                                                  \
         if (e_ != cudaSuccess) {                                                              \
-            status = lm_err_set(err, LM_ERR_DEVICE, "cuda: launching %s: %s (%s, %s:%d)",     \
-                                kernel, cudaGetErrorString(e_), __func__, __FILE__, __LINE__); \
+            status = lm_err_set(err, e_ == cudaErrorMemoryAllocation ? LM_ERR_DEVICE_OOM      \
+                                                                    : LM_ERR_DEVICE,          \
+                                "cuda: launching %s: %s (%s, %s:%d)", kernel,                 \
+                                cudaGetErrorString(e_), __func__, __FILE__, __LINE__);        \
             goto fail;                                                                        \
         }                                                                                     \
     } while (0)
+
+// Kernels are loaded when a device opens, not at their first launch (the runtime loads them
+// lazily from CUDA 12.2 on, and a load on a full device fails for memory in the middle of a
+// run). Each .cu file lists its kernels with LM_CUDA_PRELOAD(kernel), at file scope after their
+// definitions; lm_dev_cuda_create loads every kernel listed (cudaFuncGetAttributes loads one).
+// lm_cuda_preload_add records one kernel for that, before main; it returns its index.
+int lm_cuda_preload_add(const void *kernel, const char *name);
+#define LM_CUDA_PRELOAD(kernel)                                                               \
+    static const int LM_CUDA_CAT(lm_preload_, __LINE__) __attribute__((unused)) =             \
+        lm_cuda_preload_add(reinterpret_cast<const void *>(&kernel), #kernel)
+#define LM_CUDA_CAT(a, b) LM_CUDA_CAT2(a, b)
+#define LM_CUDA_CAT2(a, b) a##b
 
 // Blocks for a grid-stride loop over n items with `threads` threads per block: enough to fill
 // any current GPU, at least 1 (a launch of 0 blocks is an error) and within gridDim.x's limit

@@ -1,4 +1,4 @@
-// Loading cuBLAS and cuSOLVER when first needed (cuda_libs.h).
+// Loading cuBLAS and cuSOLVER when a device opens (cuda_libs.h).
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -70,8 +70,9 @@ static lm_status load(const char *soname, const char *const *syms, void **slots,
 lm_status lm_cuda_load_cublas(const lm_cublas_fns **fns, lm_err *err)
 {
     static const char *const syms[] = {"cublasCreate_v2", "cublasDestroy_v2", "cublasSetStream_v2",
-                                       "cublasSetMathMode", "cublasGetStatusString", "cublasSgemm_v2", NULL};
-    static_assert(sizeof cublas_fns == 6 * sizeof(void *), "one name per function of lm_cublas_fns");
+                                       "cublasSetMathMode", "cublasSetWorkspace_v2", "cublasGetStatusString",
+                                       "cublasSgemm_v2", NULL};
+    static_assert(sizeof cublas_fns == 7 * sizeof(void *), "one name per function of lm_cublas_fns");
     lm_status s = load("libcublas.so." STR(CUBLAS_VER_MAJOR), syms, (void **)&cublas_fns, &cublas_loaded, err);
     *fns = s == LM_OK ? &cublas_fns : NULL;
     return s;
@@ -80,8 +81,9 @@ lm_status lm_cuda_load_cublas(const lm_cublas_fns **fns, lm_err *err)
 lm_status lm_cuda_load_cusolver(const lm_cusolver_fns **fns, lm_err *err)
 {
     static const char *const syms[] = {"cusolverDnCreate", "cusolverDnDestroy", "cusolverDnSetStream",
-                                       "cusolverDnDpotrf_bufferSize", "cusolverDnDpotrf", NULL};
-    static_assert(sizeof cusolver_fns == 5 * sizeof(void *), "one name per function of lm_cusolver_fns");
+                                       "cusolverDnCreateParams", "cusolverDnDestroyParams",
+                                       "cusolverDnXpotrf_bufferSize", "cusolverDnXpotrf", NULL};
+    static_assert(sizeof cusolver_fns == 7 * sizeof(void *), "one name per function of lm_cusolver_fns");
     lm_status s = load("libcusolver.so." STR(CUSOLVER_VER_MAJOR), syms, (void **)&cusolver_fns, &cusolver_loaded,
                        err);
     *fns = s == LM_OK ? &cusolver_fns : NULL;

@@ -367,3 +367,12 @@ extern "C" lm_status lm_cuda_nll_rows(float *d_nll, const float *d_logits, const
 fail:
     return status;
 }
+
+// Loaded when a device opens (cuda_check.h).
+LM_CUDA_PRELOAD(k_gather_rows);
+LM_CUDA_PRELOAD(k_add_rows);
+LM_CUDA_PRELOAD(k_rmsnorm);
+LM_CUDA_PRELOAD(k_rope);
+LM_CUDA_PRELOAD(k_silu_mul);
+LM_CUDA_PRELOAD(k_attention);
+LM_CUDA_PRELOAD(k_nll_rows);

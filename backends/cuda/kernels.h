@@ -15,9 +15,17 @@
 extern "C" {
 #endif
 
-// Sets *count to the number of CUDA devices (0 when there is no driver or no device: that is
-// not an error).
+// Sets *count to the number of CUDA devices (0 when the driver finds none: that is not an
+// error). A driver that cannot serve this build's runtime is LM_ERR_DEVICE saying why: no
+// driver installed, or one older than the runtime (with both CUDA versions), or the runtime's
+// own error. Defined in cuda.cu.
 lm_status lm_cuda_device_count(int *count, lm_err *err);
+
+struct lm_dev;
+// What CUDA device d, opened, does without, as one line for the user ("Cholesky factorisations
+// on the CPU: cannot load libcusolver.so.12 (...)"), or NULL: it lacks nothing, or it is not a
+// CUDA device. The text is d's, valid until d is destroyed.
+const char *lm_cuda_device_note(struct lm_dev *d);
 
 // Converts n elements of d_src (F32, F16, BF16 or F64) to float32 in d_dst on `stream`
 // (a cudaStream_t, NULL for the default stream), with the same rounding as the CPU loops.
@@ -34,7 +42,7 @@ lm_status lm_cuda_convert_from_f32(void *d_dst, lm_dtype dt, const float *d_src,
 // copies the results home and compares them bit for bit with the CPU conversions.
 lm_status lm_cuda_selftest(int device, lm_err *err);
 
-// Loads cuBLAS and cuSOLVER as a CUDA device does when it needs them (cuda_libs.h), without a
+// Loads cuBLAS and cuSOLVER as a CUDA device does when it opens (cuda_libs.h), without a
 // device: LM_ERR_DEVICE naming the library that cannot be opened or the function it lacks.
 lm_status lm_cuda_load_libs(lm_err *err);
 

@@ -643,3 +643,21 @@ extern "C" lm_status lm_cuda_combine(float *d_out, const float *d_base, const fl
 fail:
     return status;
 }
+
+// Loaded when a device opens (cuda_check.h).
+LM_CUDA_PRELOAD(k_axpby);
+LM_CUDA_PRELOAD(k_random_drop);
+LM_CUDA_PRELOAD(k_delta<LM_DTYPE_F32>);
+LM_CUDA_PRELOAD(k_delta<LM_DTYPE_BF16>);
+LM_CUDA_PRELOAD(k_delta<LM_DTYPE_F16>);
+LM_CUDA_PRELOAD(k_delta<LM_DTYPE_F64>);
+LM_CUDA_PRELOAD(k_importance);
+LM_CUDA_PRELOAD(k_scale_rows);
+LM_CUDA_PRELOAD(k_l1_blocks);
+LM_CUDA_PRELOAD(k_dora_rows);
+LM_CUDA_PRELOAD(k_hist_abs);
+LM_CUDA_PRELOAD(k_hist_window);
+LM_CUDA_PRELOAD(k_tie_counts);
+LM_CUDA_PRELOAD(k_tie_find);
+LM_CUDA_PRELOAD(k_topk_mask);
+LM_CUDA_PRELOAD(k_combine);

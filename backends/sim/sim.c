@@ -227,6 +227,19 @@ static lm_status sim_sync(lm_dev *d, lm_err *err)
     return begin(d, "sync", err);
 }
 
+// lm_dev_check: a bad release seen earlier, as begin reports it. Not an operation: the fault
+// switch does not count it.
+static lm_status sim_check(lm_dev *d, lm_err *err)
+{
+    sim_ctx *c = d->ctx;
+    if (!c->bad_free)
+        return LM_OK;
+    const void *p = c->bad_free;
+    c->bad_free = NULL;
+    return lm_err_set(err, LM_ERR_DEVICE, "sim: check: an earlier release was given %p, which is not a live sim buffer",
+                      p);
+}
+
 // ==== operations ==============================================================================
 
 static lm_status sim_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err)
@@ -450,6 +463,7 @@ static const lm_dev_i sim_iface = {
     .upload = sim_upload,
     .download = sim_download,
     .sync = sim_sync,
+    .check = sim_check,
     .destroy = sim_destroy,
     .to_f32 = sim_to_f32,
     .from_f32 = sim_from_f32,

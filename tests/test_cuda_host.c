@@ -1,0 +1,179 @@
+// Tests of the CUDA backend's host code (backends/cuda/cuda.cu) on a CUDA device: the emulated
+// one, cuda-emu, where the build has it, or the device LLMERGE_TEST_DEVICE names (cuda or
+// cuda:N on a GPU machine). What they check: --gpu-mem counts buffers as the driver rounds them
+// and counts cuBLAS's workspace; the 64-bit factorisation factors and refuses a matrix that is
+// not positive definite; lm_dev_check reports a fault that no call has reported yet, and
+// mem_info does not turn a device in error into a full one; an out-of-memory at an allocation
+// or a launch is LM_ERR_DEVICE_OOM and leaves the device usable. Where the build has no such
+// device (lm_dev_open: LM_ERR_USAGE), the test says so and passes; a device LLMERGE_TEST_DEVICE
+// names must open.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "device_registry.h"
+
+#define CAP ((uint64_t)48 << 20)  // --gpu-mem of the tests: below any device's (the emulation's) size
+
+// The device under test with --gpu-mem CAP and the fault switch `fail` (cuda-emu's
+// LLMERGE_EMU_FAIL, NULL for none); NULL when the build has no such device and none was named.
+static lm_dev *open_device(const char *fail)
+{
+    const char *named = getenv("LLMERGE_TEST_DEVICE");
+    bool asked = named && strncmp(named, "cuda", 4) == 0;
+    const char *spec = asked ? named : "cuda-emu:256MiB";
+    lm_dev_opts o = {.threads = 2, .mem_cap = CAP};
+    lm_dev *d = NULL;
+    lm_err err = {0};
+    if (fail)
+        setenv("LLMERGE_EMU_FAIL", fail, 1);
+    lm_status s = lm_dev_open(&d, spec, &o, NULL, 0, &err);
+    unsetenv("LLMERGE_EMU_FAIL");
+    if (s == LM_ERR_USAGE && !asked) {
+        CHECK_MSG(strstr(err.msg, spec) != NULL, "the refusal does not name %s: %s", spec, err.msg);
+        printf("test_cuda_host: skipped: %s\n", err.msg);
+        return NULL;
+    }
+    CHECK_OK(s, &err);
+    return d;
+}
+
+static size_t used_of(lm_dev *d)
+{
+    size_t fr = 0, tot = 0;
+    lm_dev_mem_info(d, &fr, &tot);
+    CHECK(tot == CAP);
+    return tot - fr;
+}
+
+// --gpu-mem's accounting: a small buffer costs its size rounded to 512 bytes, one above 1 MiB
+// whole 2 MiB pages; the scratch and cuBLAS's workspace are counted from the start.
+static void test_accounting(lm_dev *d)
+{
+    lm_err err = {0};
+    size_t base = used_of(d);
+    CHECK_MSG(base >= ((size_t)1 << 20) + ((size_t)16 << 10),
+              "%zu bytes in use after opening: not the 1 MiB scratch and cuBLAS's workspace", base);
+    void *small = NULL, *large = NULL;
+    CHECK_OK(lm_dev_alloc(d, 1000, &small, &err), &err);
+    CHECK_MSG(used_of(d) - base == 1024, "a 1000-byte buffer counted as %zu", used_of(d) - base);
+    CHECK_OK(lm_dev_alloc(d, ((size_t)1 << 20) + 1, &large, &err), &err);
+    CHECK_MSG(used_of(d) - base == 1024 + ((size_t)2 << 20), "1 MiB + 1 counted as %zu",
+              used_of(d) - base - 1024);
+    lm_dev_buf_free(d, small);
+    lm_dev_buf_free(d, large);
+    CHECK(used_of(d) == base);
+    // the cap refuses what its rounding would not fit, as out of memory
+    size_t fr = 0, tot = 0;
+    lm_dev_mem_info(d, &fr, &tot);
+    void *p = NULL;
+    CHECK_FAILS(lm_dev_alloc(d, fr - ((size_t)1 << 20) + 1, &p, &err), LM_ERR_DEVICE_OOM, "out of memory", &err);
+    CHECK_OK(lm_dev_check(d, &err), &err);
+}
+
+// The factorisation: a positive definite matrix's diagonal as LAPACK's, one that is not as
+// LM_ERR_FORMAT.
+static void test_potrf(lm_dev *d)
+{
+    enum { N = 40 };
+    lm_err err = {0};
+    double *a = malloc(N * N * sizeof *a), *want = malloc(N * N * sizeof *a), diag[N], want_diag[N];
+    double *da = NULL, *dd = NULL;
+    if (!a || !want) {
+        CHECK(!"out of memory");
+        goto done;
+    }
+    for (int i = 0; i < N; i++)
+        for (int j = 0; j < N; j++)
+            a[i * N + j] = (i == j ? N : 0) + 1.0 / (1 + i + j);  // symmetric, diagonally dominant
+    memcpy(want, a, N * N * sizeof *a);
+    int info = 0;
+    CHECK(lm_cpu_potrf(want, N, want_diag, &info) == LM_OK);
+    CHECK_OK(lm_dev_alloc(d, N * N * sizeof *a, (void **)&da, &err), &err);
+    CHECK_OK(lm_dev_alloc(d, N * sizeof *dd, (void **)&dd, &err), &err);
+    if (!da || !dd)
+        goto done;
+    CHECK_OK(lm_dev_upload(d, da, a, N * N * sizeof *a, &err), &err);
+    CHECK_OK(lm_dev_potrf(d, da, N, dd, &err), &err);
+    CHECK_OK(lm_dev_download(d, diag, dd, sizeof diag, &err), &err);
+    for (int i = 0; i < N; i++)
+        CHECK_NEAR(diag[i], want_diag[i], 1e-12 * want_diag[i]);
+    a[5 * N + 5] = -1.0;  // no longer positive definite
+    CHECK_OK(lm_dev_upload(d, da, a, N * N * sizeof *a, &err), &err);
+    CHECK_FAILS(lm_dev_potrf(d, da, N, dd, &err), LM_ERR_FORMAT, "not positive definite", &err);
+    CHECK_OK(lm_dev_check(d, &err), &err);
+done:
+    lm_dev_buf_free(d, da);
+    lm_dev_buf_free(d, dd);
+    free(a);
+    free(want);
+}
+
+// Runs `n` axpby's on a small buffer; returns the first status other than LM_OK (or LM_OK).
+static lm_status some_work(lm_dev *d, int n, lm_err *err)
+{
+    float *x = NULL;
+    float h[256] = {0};
+    lm_status s = lm_dev_alloc(d, sizeof h, (void **)&x, err);
+    if (s == LM_OK)
+        s = lm_dev_upload(d, x, h, sizeof h, err);
+    for (int i = 0; s == LM_OK && i < n; i++)
+        s = lm_dev_axpby(d, x, 1.0f, x, 1.0f, 256, err);
+    lm_dev_buf_free(d, x);
+    return s;
+}
+
+// The injected faults: an out-of-memory at an allocation or a launch is LM_ERR_DEVICE_OOM and
+// the device goes on; a sticky fault is reported, by the work or at the latest by lm_dev_check,
+// as LM_ERR_DEVICE, and mem_info keeps saying what it said before.
+static void test_faults(void)
+{
+    lm_err err = {0};
+    lm_dev *d = open_device("alloc-oom:1");
+    if (d) {
+        void *p = NULL;
+        CHECK_FAILS(lm_dev_alloc(d, 4096, &p, &err), LM_ERR_DEVICE_OOM, "out of memory", &err);
+        CHECK_OK(some_work(d, 4, &err), &err);
+        CHECK_OK(lm_dev_check(d, &err), &err);
+        lm_dev_destroy(d);
+    }
+    // launches at opening (none but cuBLAS's first GEMM, which is no kernel of ours) come first:
+    // the 3rd launch is one of some_work's
+    d = open_device("launch-oom:3");
+    if (d) {
+        CHECK_FAILS(some_work(d, 8, &err), LM_ERR_DEVICE_OOM, "out of memory", &err);
+        CHECK_OK(some_work(d, 8, &err), &err);
+        CHECK_OK(lm_dev_check(d, &err), &err);
+        lm_dev_destroy(d);
+    }
+    d = open_device("launch-fault:3");
+    if (d) {
+        size_t fr0 = 0, tot0 = 0, fr = 0, tot = 0;
+        lm_dev_mem_info(d, &fr0, &tot0);
+        lm_status s = some_work(d, 8, &err);
+        CHECK_MSG(s == LM_OK || s == LM_ERR_DEVICE, "a fault was reported as %s: %s", lm_status_name(s), err.msg);
+        if (s == LM_OK) {
+            // nothing waited on the stream since: lm_dev_check does
+            lm_dev_mem_info(d, &fr, &tot);
+            CHECK_MSG(fr > 0 && tot == tot0, "a device in error says %zu of %zu bytes free", fr, tot);
+            CHECK_FAILS(lm_dev_check(d, &err), LM_ERR_DEVICE, "cuda", &err);
+        }
+        // sticky: everything after fails as a device error, never as out of memory
+        CHECK_FAILS(some_work(d, 1, &err), LM_ERR_DEVICE, "", &err);
+        CHECK_FAILS(lm_dev_check(d, &err), LM_ERR_DEVICE, "", &err);
+        lm_dev_destroy(d);
+    }
+}
+
+int main(void)
+{
+    lm_dev *d = open_device(NULL);
+    if (d) {
+        test_accounting(d);
+        test_potrf(d);
+        lm_dev_destroy(d);
+        test_faults();
+    }
+    return check_report("test_cuda_host");
+}
