@@ -133,4 +133,13 @@ rc=$?
 check '[ "$rc" -eq 1 ] && grep -q "mlp.down_proj.weight:" "$work/diff2" && ! grep -q "self_attn.q_proj.weight:" "$work/diff2"' \
   "task-arithmetic --normalize should differ from linear on the tensors the adapter leaves alone only (st_diff exit $rc): $(tail -n 8 "$work/diff2")"
 
+
+# Every CUDA kernel is loaded when the device opens (LM_CUDA_PRELOAD): one left out would be
+# loaded at its first launch, where a full device fails it.
+for cu in "$src"/backends/cuda/*.cu; do
+  for k in $(sed -n 's/^__global__ void \(k_[a-z0-9_]*\)(.*/\1/p' "$cu"); do
+    check 'grep -q "^LM_CUDA_PRELOAD($k[<)]" "$cu"' "$(basename "$cu"): kernel $k is not in its LM_CUDA_PRELOAD list"
+  done
+done
+
 e2e_end

@@ -172,5 +172,6 @@ fail:
 LM_CUDA_PRELOAD(k_bf16_to_f32);
 LM_CUDA_PRELOAD(k_f16_to_f32);
 LM_CUDA_PRELOAD(k_f64_to_f32);
+LM_CUDA_PRELOAD(k_f32_canonical);
 LM_CUDA_PRELOAD(k_f32_to_bf16);
 LM_CUDA_PRELOAD(k_f32_to_f16);

@@ -653,6 +653,7 @@ LM_CUDA_PRELOAD(k_delta<LM_DTYPE_F16>);
 LM_CUDA_PRELOAD(k_delta<LM_DTYPE_F64>);
 LM_CUDA_PRELOAD(k_importance);
 LM_CUDA_PRELOAD(k_scale_rows);
+LM_CUDA_PRELOAD(k_lowrank);
 LM_CUDA_PRELOAD(k_l1_blocks);
 LM_CUDA_PRELOAD(k_dora_rows);
 LM_CUDA_PRELOAD(k_hist_abs);
