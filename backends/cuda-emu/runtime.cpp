@@ -1,0 +1,593 @@
+// The emulated device's runtime (the CUDA runtime API of cuda_runtime.h): device memory as host
+// memory within a byte budget, pinned memory, streams and events that run everything in order
+// at once, copies that check which side of the bus each pointer is on, the last error and the
+// sticky one, and the injected failures of LLMERGE_EMU_FAIL:
+//
+//   alloc-oom:N    the Nth cudaMalloc since the device opened fails with cudaErrorMemoryAllocation
+//   launch-oom:N   the Nth kernel launch is refused with cudaErrorMemoryAllocation (as a lazily
+//                  loaded kernel is when the device is full)
+//   launch-fault:N the Nth kernel launch faults: the device is poisoned with the sticky
+//                  cudaErrorLaunchFailure, which every later call returns
+//
+// Several switches may be given, separated by '|' or ','.
+#include "emu_impl.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include <map>
+#include <set>
+
+namespace lm_emu {
+
+#define STREAM_MAGIC 0x5354524du
+#define EVENT_MAGIC 0x45564e54u
+#define MAX_SHARED ((size_t)48 << 10)
+#define DEFAULT_MAX_BLOCKS 64
+
+struct stream_s {
+    unsigned magic;
+};
+struct event_s {
+    unsigned magic;
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static bool opened;
+static uint64_t budget = (uint64_t)1 << 30, used;
+static std::map<uintptr_t, size_t> *device_bufs;  // base -> size of every live cudaMalloc
+static std::set<void *> *host_bufs;                // live pinned buffers
+static uint64_t allocs, launches;
+static uint64_t alloc_oom_at, launch_oom_at, launch_fault_at;
+static unsigned max_blocks = DEFAULT_MAX_BLOCKS;
+static cudaError_t last_error = cudaSuccess, sticky = cudaSuccess, pending = cudaSuccess;
+
+static void tables(void)
+{
+    if (!device_bufs) {
+        device_bufs = new std::map<uintptr_t, size_t>;
+        host_bufs = new std::set<void *>;
+    }
+}
+
+cudaError_t set_error(cudaError_t e)
+{
+    if (e != cudaSuccess && last_error == cudaSuccess)
+        last_error = e;
+    return e;
+}
+
+void set_sticky(cudaError_t e)
+{
+    if (sticky == cudaSuccess)
+        sticky = e;
+    set_error(e);
+}
+
+cudaError_t sticky_error(void)
+{
+    return sticky;
+}
+
+// Starts every call but the error queries: a fault since the last call now poisons the device,
+// and a poisoned device answers every call with its fault.
+static cudaError_t enter(void)
+{
+    if (pending != cudaSuccess) {
+        set_sticky(pending);
+        pending = cudaSuccess;
+    }
+    return sticky != cudaSuccess ? set_error(sticky) : cudaSuccess;
+}
+
+#define ENTER()                          \
+    do {                                 \
+        cudaError_t e_ = enter();        \
+        if (e_ != cudaSuccess)           \
+            return e_;                   \
+    } while (0)
+
+static bool parse_n(const char *s, const char *prefix, const char *end, uint64_t *n)
+{
+    size_t len = strlen(prefix);
+    if ((size_t)(end - s) <= len || strncmp(s, prefix, len) != 0)
+        return false;
+    uint64_t v = 0;
+    for (const char *p = s + len; p < end; p++) {
+        if (*p < '0' || *p > '9' || v > 1000000000000ull)
+            return false;
+        v = v * 10 + (uint64_t)(*p - '0');
+    }
+    *n = v;
+    return v > 0;
+}
+
+bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
+{
+    uint64_t a = 0, lo = 0, lf = 0;
+    for (const char *s = fail ? fail : ""; *s;) {
+        const char *end = s + strcspn(s, "|,");
+        if (!parse_n(s, "alloc-oom:", end, &a) && !parse_n(s, "launch-oom:", end, &lo) &&
+            !parse_n(s, "launch-fault:", end, &lf)) {
+            snprintf(why, why_size, "LLMERGE_EMU_FAIL=%s: expected alloc-oom:N, launch-oom:N or launch-fault:N "
+                     "with N >= 1, separated by '|'", fail);
+            return false;
+        }
+        s = *end ? end + 1 : end;
+    }
+    const char *mb = getenv("LLMERGE_EMU_BLOCKS");
+    pthread_mutex_lock(&lock);
+    tables();
+    if (opened) {
+        pthread_mutex_unlock(&lock);
+        snprintf(why, why_size, "the emulated device is open already (one at a time)");
+        return false;
+    }
+    opened = true;
+    budget = bytes;
+    allocs = launches = 0;
+    alloc_oom_at = a;
+    launch_oom_at = lo;
+    launch_fault_at = lf;
+    max_blocks = mb && atoi(mb) > 0 ? (unsigned)atoi(mb) : DEFAULT_MAX_BLOCKS;
+    last_error = sticky = pending = cudaSuccess;
+    pthread_mutex_unlock(&lock);
+    return true;
+}
+
+void close_device(void)
+{
+    pthread_mutex_lock(&lock);
+    opened = false;
+    pthread_mutex_unlock(&lock);
+}
+
+bool is_device(const void *p, size_t n)
+{
+    pthread_mutex_lock(&lock);
+    tables();
+    bool ok = false;
+    auto it = device_bufs->upper_bound((uintptr_t)p);
+    if (it != device_bufs->begin()) {
+        --it;
+        uintptr_t base = it->first, q = (uintptr_t)p;
+        ok = q >= base && q - base <= it->second && n <= it->second - (q - base);
+    }
+    pthread_mutex_unlock(&lock);
+    return ok;
+}
+
+bool take_bytes(size_t n)
+{
+    pthread_mutex_lock(&lock);
+    bool ok = n <= budget - used;
+    if (ok)
+        used += n;
+    pthread_mutex_unlock(&lock);
+    return ok;
+}
+
+void give_bytes(size_t n)
+{
+    pthread_mutex_lock(&lock);
+    used -= n;
+    pthread_mutex_unlock(&lock);
+}
+
+// ---- errors ----------------------------------------------------------------------------------
+
+const char *cudaGetErrorString(cudaError_t e)
+{
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInitializationError: return "initialization error";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorInvalidMemcpyDirection: return "invalid copy direction for memcpy";
+    case cudaErrorInsufficientDriver: return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorInvalidResourceHandle: return "invalid resource handle";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+    }
+    return "unrecognized error code";
+}
+
+const char *cudaGetErrorName(cudaError_t e)
+{
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    default: return "cudaError";
+    }
+}
+
+cudaError_t cudaGetLastError(void)
+{
+    if (pending != cudaSuccess)
+        return sticky == cudaSuccess ? cudaSuccess : sticky;
+    cudaError_t e = last_error;
+    last_error = sticky;
+    return e != cudaSuccess ? e : sticky;
+}
+
+cudaError_t cudaPeekAtLastError(void)
+{
+    return last_error != cudaSuccess ? last_error : sticky;
+}
+
+// ---- the device ------------------------------------------------------------------------------
+
+cudaError_t cudaDriverGetVersion(int *v)
+{
+    *v = CUDART_VERSION;
+    return cudaSuccess;
+}
+
+cudaError_t cudaRuntimeGetVersion(int *v)
+{
+    *v = CUDART_VERSION;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceCount(int *count)
+{
+    *count = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device)
+{
+    ENTER();
+    return device == 0 ? cudaSuccess : set_error(cudaErrorInvalidDevice);
+}
+
+cudaError_t cudaGetDevice(int *device)
+{
+    ENTER();
+    *device = 0;
+    return cudaSuccess;
+}
+
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp *prop, int device)
+{
+    ENTER();
+    if (device != 0)
+        return set_error(cudaErrorInvalidDevice);
+    memset(prop, 0, sizeof *prop);
+    snprintf(prop->name, sizeof prop->name, "cuda-emu");
+    prop->totalGlobalMem = (size_t)budget;
+    prop->sharedMemPerBlock = MAX_SHARED;
+    prop->regsPerBlock = 65536;
+    prop->warpSize = 32;
+    prop->maxThreadsPerBlock = 1024;
+    prop->maxThreadsDim[0] = prop->maxThreadsDim[1] = 1024;
+    prop->maxThreadsDim[2] = 64;
+    prop->maxGridSize[0] = 0x7FFFFFFF;
+    prop->maxGridSize[1] = prop->maxGridSize[2] = 65535;
+    prop->major = 8;
+    prop->minor = 0;
+    prop->multiProcessorCount = 1;
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device)
+{
+    cudaDeviceProp p;
+    cudaError_t e = cudaGetDeviceProperties(&p, device);
+    if (e != cudaSuccess)
+        return e;
+    switch (attr) {
+    case cudaDevAttrMaxThreadsPerBlock: *value = p.maxThreadsPerBlock; break;
+    case cudaDevAttrMaxGridDimX: *value = p.maxGridSize[0]; break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = (int)p.sharedMemPerBlock; break;
+    case cudaDevAttrWarpSize: *value = p.warpSize; break;
+    case cudaDevAttrMultiProcessorCount: *value = p.multiProcessorCount; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = p.major; break;
+    case cudaDevAttrComputeCapabilityMinor: *value = p.minor; break;
+    default: return set_error(cudaErrorInvalidValue);
+    }
+    return cudaSuccess;
+}
+
+cudaError_t cudaDeviceSynchronize(void)
+{
+    ENTER();
+    return cudaSuccess;
+}
+
+// ---- memory ----------------------------------------------------------------------------------
+
+cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
+{
+    ENTER();
+    pthread_mutex_lock(&lock);
+    *free_bytes = (size_t)(budget - used);
+    *total_bytes = (size_t)budget;
+    pthread_mutex_unlock(&lock);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMalloc(void **p, size_t size)
+{
+    *p = NULL;
+    ENTER();
+    pthread_mutex_lock(&lock);
+    tables();
+    allocs++;
+    bool refuse = allocs == alloc_oom_at || size > budget - used;
+    if (!refuse && size) {
+        // Fresh device memory holds no zeroes to rely on: all ones, NaN as floats.
+        if (posix_memalign(p, 256, size) != 0) {
+            *p = NULL;
+            refuse = true;
+        } else {
+            memset(*p, 0xFF, size);
+            used += size;
+            (*device_bufs)[(uintptr_t)*p] = size;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return refuse ? set_error(cudaErrorMemoryAllocation) : cudaSuccess;
+}
+
+cudaError_t cudaFree(void *p)
+{
+    ENTER();
+    if (!p)
+        return cudaSuccess;
+    pthread_mutex_lock(&lock);
+    tables();
+    auto it = device_bufs->find((uintptr_t)p);
+    bool ok = it != device_bufs->end();
+    if (ok) {
+        used -= it->second;
+        device_bufs->erase(it);
+        free(p);
+    }
+    pthread_mutex_unlock(&lock);
+    return ok ? cudaSuccess : set_error(cudaErrorInvalidDevicePointer);
+}
+
+cudaError_t cudaHostAlloc(void **p, size_t size, unsigned flags)
+{
+    (void)flags;
+    *p = NULL;
+    ENTER();
+    if (posix_memalign(p, 4096, size ? size : 1) != 0) {
+        *p = NULL;
+        return set_error(cudaErrorMemoryAllocation);
+    }
+    pthread_mutex_lock(&lock);
+    tables();
+    host_bufs->insert(*p);
+    pthread_mutex_unlock(&lock);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMallocHost(void **p, size_t size)
+{
+    return cudaHostAlloc(p, size, cudaHostAllocDefault);
+}
+
+cudaError_t cudaFreeHost(void *p)
+{
+    ENTER();
+    if (!p)
+        return cudaSuccess;
+    pthread_mutex_lock(&lock);
+    tables();
+    bool ok = host_bufs->erase(p) == 1;
+    pthread_mutex_unlock(&lock);
+    if (!ok)
+        return set_error(cudaErrorInvalidValue);
+    free(p);
+    return cudaSuccess;
+}
+
+// Whether a copy of n bytes from src to dst goes the way `kind` says: device pointers inside
+// one allocation, host pointers outside every one.
+static bool check_sides(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
+{
+    if (n == 0)
+        return true;
+    bool dd = is_device(dst, n), sd = is_device(src, n);
+    switch (kind) {
+    case cudaMemcpyHostToHost: return !dd && !sd;
+    case cudaMemcpyHostToDevice: return dd && !sd;
+    case cudaMemcpyDeviceToHost: return !dd && sd;
+    case cudaMemcpyDeviceToDevice: return dd && sd;
+    case cudaMemcpyDefault: return true;
+    }
+    return false;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
+{
+    ENTER();
+    if (!check_sides(dst, src, n, kind))
+        return set_error(cudaErrorInvalidValue);
+    if (n)
+        memmove(dst, src, n);
+    return cudaSuccess;
+}
+
+static bool stream_ok(cudaStream_t s)
+{
+    return !s || s->magic == STREAM_MAGIC;
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s)
+{
+    if (!stream_ok(s))
+        return set_error(cudaErrorInvalidResourceHandle);
+    return cudaMemcpy(dst, src, n, kind);
+}
+
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                              cudaMemcpyKind kind, cudaStream_t s)
+{
+    ENTER();
+    if (!stream_ok(s))
+        return set_error(cudaErrorInvalidResourceHandle);
+    if (width > dpitch || width > spitch)
+        return set_error(cudaErrorInvalidValue);
+    if (height == 0 || width == 0)
+        return cudaSuccess;
+    size_t dspan = (height - 1) * dpitch + width, sspan = (height - 1) * spitch + width;
+    bool dd = is_device(dst, dspan), sd = is_device(src, sspan);
+    bool ok = kind == cudaMemcpyDefault || (kind == cudaMemcpyHostToDevice && dd && !sd) ||
+              (kind == cudaMemcpyDeviceToHost && !dd && sd) || (kind == cudaMemcpyDeviceToDevice && dd && sd) ||
+              (kind == cudaMemcpyHostToHost && !dd && !sd);
+    if (!ok)
+        return set_error(cudaErrorInvalidValue);
+    for (size_t r = 0; r < height; r++)
+        memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void *p, int value, size_t n)
+{
+    ENTER();
+    if (n && !is_device(p, n))
+        return set_error(cudaErrorInvalidValue);
+    memset(p, value, n);
+    return cudaSuccess;
+}
+
+cudaError_t cudaMemsetAsync(void *p, int value, size_t n, cudaStream_t s)
+{
+    if (!stream_ok(s))
+        return set_error(cudaErrorInvalidResourceHandle);
+    return cudaMemset(p, value, n);
+}
+
+// ---- streams and events: everything has run by the time a call returns ------------------------
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
+{
+    (void)flags;
+    *s = NULL;
+    ENTER();
+    *s = new stream_s{STREAM_MAGIC};
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamCreate(cudaStream_t *s)
+{
+    return cudaStreamCreateWithFlags(s, cudaStreamDefault);
+}
+
+cudaError_t cudaStreamDestroy(cudaStream_t s)
+{
+    if (!s || s->magic != STREAM_MAGIC)
+        return set_error(cudaErrorInvalidResourceHandle);
+    s->magic = 0;
+    delete s;
+    return enter();
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t s)
+{
+    ENTER();
+    return stream_ok(s) ? cudaSuccess : set_error(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
+{
+    (void)flags;
+    ENTER();
+    return stream_ok(s) && e && e->magic == EVENT_MAGIC ? cudaSuccess : set_error(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
+{
+    (void)flags;
+    *e = NULL;
+    ENTER();
+    *e = new event_s{EVENT_MAGIC};
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventCreate(cudaEvent_t *e)
+{
+    return cudaEventCreateWithFlags(e, cudaEventDefault);
+}
+
+cudaError_t cudaEventDestroy(cudaEvent_t e)
+{
+    if (!e || e->magic != EVENT_MAGIC)
+        return set_error(cudaErrorInvalidResourceHandle);
+    e->magic = 0;
+    delete e;
+    return enter();
+}
+
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
+{
+    ENTER();
+    return e && e->magic == EVENT_MAGIC && stream_ok(s) ? cudaSuccess : set_error(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaEventSynchronize(cudaEvent_t e)
+{
+    ENTER();
+    return e && e->magic == EVENT_MAGIC ? cudaSuccess : set_error(cudaErrorInvalidResourceHandle);
+}
+
+cudaError_t cudaEventQuery(cudaEvent_t e)
+{
+    return cudaEventSynchronize(e);
+}
+
+cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end)
+{
+    ENTER();
+    if (!start || !end || start->magic != EVENT_MAGIC || end->magic != EVENT_MAGIC)
+        return set_error(cudaErrorInvalidResourceHandle);
+    *ms = 0.0f;
+    return cudaSuccess;
+}
+
+// ---- kernels ---------------------------------------------------------------------------------
+
+void launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t stream, void (*body)(void *),
+            void *arg)
+{
+    if (enter() != cudaSuccess)
+        return;
+    uint64_t threads = (uint64_t)block.x * block.y * block.z;
+    if (!stream_ok(stream)) {
+        set_error(cudaErrorInvalidResourceHandle);
+        return;
+    }
+    if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+        grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 || shmem > MAX_SHARED) {
+        set_error(cudaErrorInvalidConfiguration);
+        return;
+    }
+    pthread_mutex_lock(&lock);
+    uint64_t nth = ++launches;
+    pthread_mutex_unlock(&lock);
+    if (nth == launch_oom_at) {
+        set_error(cudaErrorMemoryAllocation);
+        return;
+    }
+    if (nth == launch_fault_at) {
+        pending = cudaErrorLaunchFailure;  // seen by the next call, as a fault is once the kernel ran
+        return;
+    }
+    char why[512];
+    if (!run_grid(name, grid, block, shmem, max_blocks, body, arg, why, sizeof why)) {
+        fprintf(stderr, "cuda-emu: %s\n", why);
+        pending = cudaErrorLaunchFailure;
+    }
+}
+
+}  // namespace lm_emu
