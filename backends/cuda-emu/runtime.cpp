@@ -9,7 +9,8 @@
 //   launch-fault:N the Nth kernel launch faults: the device is poisoned with the sticky
 //                  cudaErrorLaunchFailure, which every later call returns
 //
-// Several switches may be given, separated by '|' or ','.
+// Several switches may be given, separated by '|' or ','. With LLMERGE_EMU_STATS set, closing the
+// device prints how many allocations and launches it saw (so a test can inject at each).
 #include "emu_impl.h"
 
 #include <pthread.h>
@@ -139,6 +140,9 @@ bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
 void close_device(void)
 {
     pthread_mutex_lock(&lock);
+    if (getenv("LLMERGE_EMU_STATS"))
+        fprintf(stderr, "cuda-emu: %llu allocations, %llu launches\n", (unsigned long long)allocs,
+                (unsigned long long)launches);
     opened = false;
     pthread_mutex_unlock(&lock);
 }
