@@ -210,6 +210,8 @@ static void release_barrier(block_s *b)
     b->at_barrier = 0;
 }
 
+static bool try_complete(block_s *b, int w);
+
 static void fiber_main(void *p)
 {
     fiber *f = (fiber *)p;
@@ -223,6 +225,7 @@ static void fiber_main(void *p)
     b->warps[f->linear / WARP].exited |= 1u << (f->linear % WARP);
     if (b->at_barrier && b->at_barrier == b->live)
         release_barrier(b);
+    try_complete(b, f->linear / WARP);  // an __activemask the lanes left waiting for it
     yield();
     abort();  // an exited fiber is never resumed
 }
@@ -285,15 +288,6 @@ void __syncthreads(void)
     yield();
 }
 
-unsigned __activemask(void)
-{
-    block_s *b = cur_block;
-    if (!b || !cur)
-        no_block("__activemask");
-    warp_s *w = &b->warps[cur->linear / WARP];
-    return w->present & ~w->exited;
-}
-
 // Computes every waiting lane's result of the operation the lanes of `need` meet at.
 static void complete(block_s *b, int w0, unsigned need)
 {
@@ -320,7 +314,9 @@ static void complete(block_s *b, int w0, unsigned need)
         default:
             break;
         }
-        if (f->op == WARP_BALLOT || f->op == WARP_MATCH_ANY || f->op == WARP_SYNC) {
+        if (f->op == WARP_ACTIVE) {
+            f->out = need;
+        } else if (f->op == WARP_BALLOT || f->op == WARP_MATCH_ANY || f->op == WARP_SYNC) {
             uint64_t r = 0;
             for (int k = 0; k < WARP; k++) {
                 if (!(need >> k & 1))
@@ -339,6 +335,29 @@ static void complete(block_s *b, int w0, unsigned need)
             lanes[l].state = RUNNABLE;
 }
 
+// Completes the operation the lanes of warp w wait at when every lane it needs is there: the
+// lanes of the mask (for __activemask, every lane that has not exited). The lanes that meet must
+// agree on the operation and the mask; when they do not, they stay waiting (the block's
+// deadlock). True when it completed.
+static bool try_complete(block_s *b, int w)
+{
+    warp_s *ws = &b->warps[w];
+    if (!ws->arrived)
+        return false;
+    fiber *first = &b->f[w * WARP + __builtin_ctz(ws->arrived)];
+    unsigned need = first->op == WARP_ACTIVE ? ws->present & ~ws->exited : first->mask & ws->present;
+    if ((ws->arrived & need) != need)
+        return false;
+    for (int l = 0; l < WARP; l++) {
+        fiber *o = &b->f[w * WARP + l];
+        if (need >> l & 1 && (o->op != first->op || (first->op != WARP_ACTIVE && (o->mask & ws->present) != need)))
+            return false;
+    }
+    ws->arrived &= ~need;
+    complete(b, w * WARP, need);
+    return true;
+}
+
 uint64_t warp_exchange(warp_op op, unsigned mask, uint64_t v, int arg, int width)
 {
     block_s *b = cur_block;
@@ -353,23 +372,10 @@ uint64_t warp_exchange(warp_op op, unsigned mask, uint64_t v, int arg, int width
     f->arg = arg;
     f->width = width;
     f->out = 0;
-    unsigned need = mask & ws->present;
     ws->arrived |= 1u << lane;
     f->state = AT_WARP;
-    if ((ws->arrived & need) == need) {
-        // Everyone is here: the lanes that meet must agree on the operation and the mask.
-        bool agree = true;
-        for (int l = 0; l < WARP; l++) {
-            fiber *o = &b->f[w * WARP + l];
-            if (need >> l & 1 && (o->op != op || (o->mask & ws->present) != need))
-                agree = false;
-        }
-        if (agree) {
-            ws->arrived &= ~need;
-            complete(b, w * WARP, need);
-            return f->out;
-        }
-    }
+    if (try_complete(b, w) && f->state == RUNNABLE)
+        return f->out;
     yield();
     return f->out;
 }

@@ -235,15 +235,19 @@ inline void launch_kernel(const char *name, void (*kernel)(P...), dim3 grid, dim
 // A barrier of the block's threads; threads that have exited no longer count.
 void __syncthreads(void);
 
-enum warp_op { WARP_SHFL, WARP_SHFL_DOWN, WARP_SHFL_UP, WARP_SHFL_XOR, WARP_BALLOT, WARP_MATCH_ANY, WARP_SYNC };
+enum warp_op { WARP_SHFL, WARP_SHFL_DOWN, WARP_SHFL_UP, WARP_SHFL_XOR, WARP_BALLOT, WARP_MATCH_ANY, WARP_SYNC, WARP_ACTIVE };
 
 // Every lane of `mask` in the calling warp meets here with its value v (the bits of a value of at
 // most 8 bytes) and argument arg; each gets its result once all have arrived. A lane of mask
 // that has exited, or lanes that meet at different operations, are a deadlock the launch reports.
 uint64_t warp_exchange(warp_op op, unsigned mask, uint64_t v, int arg, int width);
 
-// The lanes of the calling warp that have not exited.
-unsigned __activemask(void);
+// The lanes of the calling warp that reach it: those that have not exited, once every lane has
+// either come here or exited.
+inline unsigned __activemask(void)
+{
+    return (unsigned)warp_exchange(WARP_ACTIVE, 0xFFFFFFFFu, 0, 0, 32);
+}
 
 template <class T>
 inline uint64_t to_bits(T v)
