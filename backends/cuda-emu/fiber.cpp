@@ -139,6 +139,7 @@ struct block_s {
 };
 
 static thread_local char *stacks;     // MAX_THREADS stacks of STACK_BYTES, mapped on first use
+static thread_local int guarded;      // how many of them have their guard page yet
 static thread_local fiber *fibers;    // MAX_THREADS
 static thread_local block_s *cur_block;
 static thread_local fiber *cur;
@@ -157,10 +158,15 @@ static bool map_stacks(void)
         return false;
     }
     stacks = (char *)m;
-    // A guard page at the bottom of each stack: an overflow faults instead of corrupting the next.
-    for (int i = 0; i < MAX_THREADS; i++)
-        mprotect(stacks + (size_t)i * STACK_BYTES, 4096, PROT_NONE);
     return true;
+}
+
+// A guard page at the bottom of each of the first n stacks: an overflow faults instead of
+// corrupting the next stack.
+static void guard_stacks(int n)
+{
+    for (; guarded < n; guarded++)
+        mprotect(stacks + (size_t)guarded * STACK_BYTES, 4096, PROT_NONE);
 }
 
 // ---- switching -------------------------------------------------------------------------------
@@ -443,6 +449,7 @@ bool run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, unsigned ma
         snprintf(why, why_size, "cannot map the fibers' stacks");
         return false;
     }
+    guard_stacks(nthreads);
     block_s *b = (block_s *)calloc(1, sizeof *b);
     char *dyn = (char *)calloc(1, shmem ? shmem : 1);
     if (!b || !dyn) {
