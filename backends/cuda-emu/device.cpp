@@ -1,8 +1,8 @@
 // lm_dev_cuda_emu_create (cuda_emu.h): the CUDA backend's own constructor, built for the
 // emulator (every extern "C" name of the backend carries an _emu suffix in this build, see
 // CMakeLists.txt), on an emulated device set up with its budget and failures. The device keeps
-// the backend's interface but for its name and its destroy, which also closes the emulated
-// device.
+// the backend's interface but for its name (also in the backend's own messages) and its destroy,
+// which also closes the emulated device.
 #include "emu_impl.h"
 
 #include <stdio.h>
@@ -13,6 +13,9 @@ extern "C" {
 }
 
 #include "cuda_emu.h"
+
+// cuda_tail.inc, compiled into the backend's cuda.cu.
+extern "C" void lm_cuda_emu_rename(lm_dev *d, const char *name);
 
 static lm_dev_i emu_iface;
 static const lm_dev_i *cuda_iface;
@@ -50,6 +53,7 @@ extern "C" lm_status lm_dev_cuda_emu_create(lm_dev **out, uint64_t budget, uint6
         u++;
     }
     snprintf(emu_name, sizeof emu_name, "cuda-emu:%llu%s", (unsigned long long)v, units[u]);
+    lm_cuda_emu_rename(*out, emu_name);
     cuda_iface = (*out)->iface;
     emu_iface = *cuda_iface;
     emu_iface.name = emu_dev_name;

@@ -10,8 +10,9 @@
 // (shmem and stream default to 0 as in CUDA), and each `extern __shared__ T name[];` into a
 // pointer to the block's dynamic shared memory. Line breaks are kept, and OUT begins with a
 // #line naming IN, so diagnostics point at the original file and line. Comments, string and
-// character literals are copied untouched. Usage: rewrite_launch IN OUT. Exit status 1, with a
-// message naming the file and line, on a launch it cannot parse.
+// character literals are copied untouched. Usage: rewrite_launch IN OUT [TAIL]: with TAIL, OUT
+// ends with an #include of it (code of the emulator's that needs the file's private types).
+// Exit status 1, with a message naming the file and line, on a launch it cannot parse.
 #include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -115,8 +116,8 @@ static int is_ident(char c)
 
 int main(int argc, char **argv)
 {
-    if (argc != 3) {
-        fprintf(stderr, "usage: rewrite_launch IN OUT\n");
+    if (argc != 3 && argc != 4) {
+        fprintf(stderr, "usage: rewrite_launch IN OUT [TAIL]\n");
         return 2;
     }
     path = argv[1];
@@ -234,6 +235,8 @@ int main(int argc, char **argv)
         done = i = p_end;
     }
     fwrite(src + done, 1, len - done, out);
+    if (argc == 4)
+        fprintf(out, "\n#include \"%s\"\n", argv[3]);
     if (fclose(out) != 0) {
         perror(argv[2]);
         return 1;
