@@ -5,6 +5,7 @@
 // runner reports, and the runtime: the budget, copies checked for their direction, the last and
 // the sticky error, the injected failures, and the cuBLAS/cuSOLVER wrappers behind the loader.
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -311,6 +312,7 @@ static void test_runtime(void)
     CHECK(cudaFree(host) == cudaErrorInvalidDevicePointer);
     cudaGetLastError();
     CHECK(cudaFree(a) == cudaSuccess);
+    CHECK(cudaMallocAsync(&a, 4096, 0) == cudaSuccess && cudaFreeAsync(a, 0) == cudaSuccess);
     // the injected failures
     reopen(1 << 20, "alloc-oom:2|launch-oom:1|launch-fault:3");
     void *p[3] = {NULL, NULL, NULL};
@@ -359,6 +361,17 @@ static void test_libs(void)
               C[1], C[2], C[3]);
     CHECK(blas->sgemm(h, CUBLAS_OP_N, CUBLAS_OP_N, 2, 2, 3, &one, dA, 1, dB, 3, &zero, dC, 2) ==
           CUBLAS_STATUS_INVALID_VALUE);
+    // syrk, looked up as a loader would: the upper triangle of A Aᵀ (2 x 2)
+    typedef cublasStatus_t (*syrk_fn)(cublasHandle_t, cublasFillMode_t, cublasOperation_t, int, int, const float *,
+                                      const float *, int, const float *, float *, int);
+    void *lib = dlopen("libcublas.so.12", RTLD_NOW);
+    syrk_fn syrk = lib ? (syrk_fn)dlsym(lib, "cublasSsyrk_v2") : NULL;
+    CHECK(syrk && !dlsym(lib, "cublasNoSuchFunction") && dlerror() && !dlopen("libcufft.so.11", RTLD_NOW));
+    if (syrk) {
+        CHECK(syrk(h, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N, 2, 3, &one, dA, 2, &zero, dC, 2) == CUBLAS_STATUS_SUCCESS);
+        cudaMemcpy(C, dC, sizeof C, cudaMemcpyDeviceToHost);
+        CHECK_MSG(C[0] == 1 + 9 + 25 && C[2] == 2 + 12 + 30 && C[3] == 4 + 16 + 36, "ssyrk %g %g %g", C[0], C[2], C[3]);
+    }
     blas->destroy(h);
     // a 2 x 2 factorisation, then one that is not positive definite: LAPACK's info
     cusolverDnHandle_t sh;

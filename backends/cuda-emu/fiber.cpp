@@ -31,7 +31,7 @@
 #define STACK_BYTES ((size_t)64 << 10)
 #endif
 
-#if defined(__x86_64__)
+#if defined(__x86_64__) && !defined(LM_EMU_UCONTEXT)  // LM_EMU_UCONTEXT: the portable switch, to test it
 #define LM_EMU_ASM_SWITCH 1
 #else
 #include <ucontext.h>

@@ -139,6 +139,28 @@ static cublasStatus_t blas_sgemm(cublasHandle_t h, cublasOperation_t ta, cublasO
     return CUBLAS_STATUS_SUCCESS;
 }
 
+static cublasStatus_t blas_ssyrk(cublasHandle_t h, cublasFillMode_t uplo, cublasOperation_t trans, int n, int k,
+                                 const float *alpha, const float *a, int lda, const float *beta, float *c, int ldc)
+{
+    if (!h)
+        return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (n < 0 || k < 0 || (uplo != CUBLAS_FILL_MODE_UPPER && uplo != CUBLAS_FILL_MODE_LOWER) ||
+        (trans != CUBLAS_OP_N && trans != CUBLAS_OP_T))
+        return CUBLAS_STATUS_INVALID_VALUE;
+    int64_t ar = trans == CUBLAS_OP_N ? n : k, ac = trans == CUBLAS_OP_N ? k : n;
+    if (lda < (ar > 1 ? ar : 1) || ldc < (n > 1 ? n : 1))
+        return CUBLAS_STATUS_INVALID_VALUE;
+    if (n == 0)
+        return CUBLAS_STATUS_SUCCESS;
+    const void *ptrs[2] = {a, c};
+    size_t sizes[2] = {k ? span(ar, ac, lda, 4) : 0, span(n, n, ldc, 4)};
+    if (!can_run(ptrs, sizes, 2))
+        return CUBLAS_STATUS_EXECUTION_FAILED;
+    cblas_ssyrk(CblasColMajor, uplo == CUBLAS_FILL_MODE_UPPER ? CblasUpper : CblasLower,
+                trans == CUBLAS_OP_N ? CblasNoTrans : CblasTrans, n, k, *alpha, a, lda, *beta, c, ldc);
+    return CUBLAS_STATUS_SUCCESS;
+}
+
 // ---- cuSOLVER ----------------------------------------------------------------------------------
 
 // Doubles of device workspace a factorisation of order n asks for (as cuSOLVER, some per row).
@@ -266,7 +288,8 @@ static const sym cublas_syms[] = {
     SYM("cublasCreate_v2", blas_create),           SYM("cublasDestroy_v2", blas_destroy),
     SYM("cublasSetStream_v2", blas_set_stream),    SYM("cublasSetMathMode", blas_set_math_mode),
     SYM("cublasGetStatusString", blas_status_string), SYM("cublasSgemm_v2", blas_sgemm),
-    SYM("cublasSetWorkspace_v2", blas_set_workspace), {NULL, NULL}};
+    SYM("cublasSetWorkspace_v2", blas_set_workspace), SYM("cublasSetWorkspace", blas_set_workspace),
+    SYM("cublasSsyrk_v2", blas_ssyrk),             {NULL, NULL}};
 static const sym cusolver_syms[] = {
     SYM("cusolverDnCreate", solver_create),       SYM("cusolverDnDestroy", solver_destroy),
     SYM("cusolverDnSetStream", solver_set_stream), SYM("cusolverDnDpotrf_bufferSize", dpotrf_buffer_size),

@@ -308,6 +308,11 @@ cudaError_t cudaDeviceSynchronize(void)
 
 // ---- memory ----------------------------------------------------------------------------------
 
+static bool stream_ok(cudaStream_t s)
+{
+    return !s || s->magic == STREAM_MAGIC;
+}
+
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes)
 {
     ENTER();
@@ -357,6 +362,36 @@ cudaError_t cudaFree(void *p)
     }
     pthread_mutex_unlock(&lock);
     return ok ? cudaSuccess : set_error(cudaErrorInvalidDevicePointer);
+}
+
+cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t s)
+{
+    if (!stream_ok(s)) {
+        *p = NULL;
+        return set_error(cudaErrorInvalidResourceHandle);
+    }
+    return cudaMalloc(p, size);
+}
+
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s)
+{
+    if (!stream_ok(s))
+        return set_error(cudaErrorInvalidResourceHandle);
+    return cudaFree(p);
+}
+
+// Registered host memory is host memory that copies may use as pinned: nothing to do but check.
+cudaError_t cudaHostRegister(void *p, size_t size, unsigned flags)
+{
+    (void)flags;
+    ENTER();
+    return p && size && !is_device(p, 1) ? cudaSuccess : set_error(cudaErrorInvalidValue);
+}
+
+cudaError_t cudaHostUnregister(void *p)
+{
+    ENTER();
+    return p ? cudaSuccess : set_error(cudaErrorInvalidValue);
 }
 
 cudaError_t cudaHostAlloc(void **p, size_t size, unsigned flags)
@@ -420,11 +455,6 @@ cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind
     if (n)
         memmove(dst, src, n);
     return cudaSuccess;
-}
-
-static bool stream_ok(cudaStream_t s)
-{
-    return !s || s->magic == STREAM_MAGIC;
 }
 
 cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s)

@@ -91,6 +91,9 @@ typedef event_s *cudaEvent_t;
 #define cudaEventDisableTiming 0x2u
 #define cudaHostAllocDefault 0x0u
 #define cudaHostAllocPortable 0x1u
+#define cudaHostRegisterDefault 0x0u
+#define cudaHostRegisterPortable 0x1u
+#define cudaHostRegisterReadOnly 0x8u
 
 struct cudaDeviceProp {
     char name[256];
@@ -144,6 +147,11 @@ cudaError_t cudaDeviceSynchronize(void);
 cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes);
 cudaError_t cudaMalloc(void **p, size_t size);
 cudaError_t cudaFree(void *p);
+// Stream-ordered allocation: in order, as everything here.
+cudaError_t cudaMallocAsync(void **p, size_t size, cudaStream_t s);
+cudaError_t cudaFreeAsync(void *p, cudaStream_t s);
+cudaError_t cudaHostRegister(void *p, size_t size, unsigned flags);
+cudaError_t cudaHostUnregister(void *p);
 cudaError_t cudaHostAlloc(void **p, size_t size, unsigned flags);
 cudaError_t cudaMallocHost(void **p, size_t size);
 cudaError_t cudaFreeHost(void *p);
@@ -170,6 +178,11 @@ template <class T>
 inline cudaError_t cudaMalloc(T **p, size_t size)
 {
     return cudaMalloc((void **)p, size);
+}
+template <class T>
+inline cudaError_t cudaMallocAsync(T **p, size_t size, cudaStream_t s)
+{
+    return cudaMallocAsync((void **)p, size, s);
 }
 template <class T>
 inline cudaError_t cudaHostAlloc(T **p, size_t size, unsigned flags)
