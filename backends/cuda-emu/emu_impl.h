@@ -10,10 +10,11 @@ namespace lm_emu {
 
 // Runs every block of `grid` (at most `max_blocks` of them, the rest left to the grid-stride
 // loops) with `block` threads as fibers on the calling OS thread, shmem bytes of dynamic shared
-// memory each. False, with a message in why, when the kernel deadlocked (a barrier or a warp
-// operation some threads never reach).
-bool run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, unsigned max_blocks, void (*body)(void *),
-              void *arg, char *why, size_t why_size);
+// memory each; the threads in thread order, or in an order drawn from `seed` when it is not 0.
+// False, with a message in why, when the kernel deadlocked (a barrier or a warp operation some
+// threads never reach).
+bool run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, unsigned max_blocks, uint64_t seed,
+              void (*body)(void *), void *arg, char *why, size_t why_size);
 
 // Sets the error cudaGetLastError returns next; a sticky one poisons the device for good.
 cudaError_t set_error(cudaError_t e);

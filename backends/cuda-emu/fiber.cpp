@@ -2,7 +2,9 @@
 // so that __syncthreads is a real barrier and the warp operations exchange values among the 32
 // lanes of a warp. A fiber runs until it reaches a barrier or a warp operation that is not
 // complete yet, or exits; the scheduler then switches to the next runnable one, in thread order.
-// When none can run and some have not exited, the block has deadlocked.
+// When none can run and some have not exited, the block has deadlocked. With a seed
+// (LLMERGE_EMU_SEED) the runnable threads are taken in a random order instead, so that races
+// the fixed order hides (a thread reading what a later one overwrites) can show.
 //
 // The switch is hand-written for x86-64 (the callee-saved registers, MXCSR and the x87 control
 // word: some 20 ns, against a microsecond for swapcontext's signal-mask system call), with
@@ -421,15 +423,30 @@ static void describe_deadlock(block_s *b, char *why, size_t why_size)
     }
 }
 
-// Runs one block to its end; false on a deadlock.
-static bool run_block(block_s *b, char *why, size_t why_size)
+// Runs one block to its end; false on a deadlock. Each pass switches to every runnable thread
+// in thread order, or, with a seed, in an order drawn afresh for the pass.
+static bool run_block(block_s *b, uint64_t *seed, char *why, size_t why_size)
 {
+    static thread_local int order[MAX_THREADS];
+    for (int i = 0; i < b->nthreads; i++)
+        order[i] = i;
     for (;;) {
         bool ran = false;
-        for (int i = 0; i < b->nthreads; i++) {
-            if (b->f[i].state != RUNNABLE)
+        if (*seed) {
+            for (int i = b->nthreads - 1; i > 0; i--) {
+                *seed ^= *seed << 13;
+                *seed ^= *seed >> 7;
+                *seed ^= *seed << 17;
+                int j = (int)(*seed % (uint64_t)(i + 1)), t = order[i];
+                order[i] = order[j];
+                order[j] = t;
+            }
+        }
+        for (int k = 0; k < b->nthreads; k++) {
+            fiber *f = &b->f[order[k]];
+            if (f->state != RUNNABLE)
                 continue;
-            switch_in(b, &b->f[i]);
+            switch_in(b, f);
             ran = true;
         }
         if (b->live == 0)
@@ -441,8 +458,8 @@ static bool run_block(block_s *b, char *why, size_t why_size)
     }
 }
 
-bool run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, unsigned max_blocks, void (*body)(void *),
-              void *arg, char *why, size_t why_size)
+bool run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, unsigned max_blocks, uint64_t seed,
+              void (*body)(void *), void *arg, char *why, size_t why_size)
 {
     int nthreads = (int)(block.x * block.y * block.z);
     if (!map_stacks()) {
@@ -490,7 +507,7 @@ bool run_grid(const char *name, dim3 grid, dim3 block, size_t shmem, unsigned ma
             fiber_init(f, i);
             b->warps[i / WARP].present |= 1u << (i % WARP);
         }
-        if (!run_block(b, why, why_size)) {
+        if (!run_block(b, &seed, why, why_size)) {
             ok = false;
 #ifdef LM_EMU_ASAN
             // The abandoned fibers' frames leave their poison on the stacks.

@@ -9,7 +9,9 @@
 //   launch-fault:N the Nth kernel launch faults: the device is poisoned with the sticky
 //                  cudaErrorLaunchFailure, which every later call returns
 //
-// Several switches may be given, separated by '|' or ','. With LLMERGE_EMU_STATS set, closing the
+// Several switches may be given, separated by '|' or ','. LLMERGE_EMU_BLOCKS caps the blocks a
+// launch runs (64; the kernels are grid-stride loops), and LLMERGE_EMU_SEED, when set to a number
+// other than 0, runs each block's threads in a random order drawn from it. With LLMERGE_EMU_STATS set, closing the
 // device prints how many allocations and launches it saw (so a test can inject at each).
 #include "emu_impl.h"
 
@@ -42,6 +44,7 @@ static std::set<void *> *host_bufs;                // live pinned buffers
 static uint64_t allocs, launches;
 static uint64_t alloc_oom_at, launch_oom_at, launch_fault_at;
 static unsigned max_blocks = DEFAULT_MAX_BLOCKS;
+static uint64_t seed;  // LLMERGE_EMU_SEED: 0 runs a block's threads in order
 static cudaError_t last_error = cudaSuccess, sticky = cudaSuccess, pending = cudaSuccess;
 
 static void tables(void)
@@ -117,7 +120,7 @@ bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
         }
         s = *end ? end + 1 : end;
     }
-    const char *mb = getenv("LLMERGE_EMU_BLOCKS");
+    const char *mb = getenv("LLMERGE_EMU_BLOCKS"), *sd = getenv("LLMERGE_EMU_SEED");
     pthread_mutex_lock(&lock);
     tables();
     if (opened) {
@@ -132,6 +135,7 @@ bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
     launch_oom_at = lo;
     launch_fault_at = lf;
     max_blocks = mb && atoi(mb) > 0 ? (unsigned)atoi(mb) : DEFAULT_MAX_BLOCKS;
+    seed = sd ? strtoull(sd, NULL, 10) : 0;
     last_error = sticky = pending = cudaSuccess;
     pthread_mutex_unlock(&lock);
     return true;
@@ -618,7 +622,9 @@ void launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t 
         return;
     }
     char why[512];
-    if (!run_grid(name, grid, block, shmem, max_blocks, body, arg, why, sizeof why)) {
+    // each launch its own order, the same in every run with the same seed
+    uint64_t order = seed ? (seed ^ 0x9E3779B97F4A7C15ull) * (nth | 1) | 1 : 0;
+    if (!run_grid(name, grid, block, shmem, max_blocks, order, body, arg, why, sizeof why)) {
         fprintf(stderr, "cuda-emu: %s\n", why);
         pending = cudaErrorLaunchFailure;
     }
