@@ -2,8 +2,8 @@
 // rewritten by rewrite_launch and compiled by the host C++ compiler as the backend is. Barriers
 // (exited threads stop counting), shared memory per block (static and dynamic), the warp
 // operations over 32 lanes, atomics, grid-stride launches with a capped grid, the deadlocks the
-// runner reports, and the runtime: the budget, copies checked for their direction, the last and
-// the sticky error, the injected failures, and the cuBLAS/cuSOLVER wrappers behind the loader.
+// runner reports, and the runtime: the budget, copies checked for their direction, work queued
+// until the host waits, the last and the sticky error, the injected failures, and the cuBLAS/cuSOLVER wrappers behind the loader.
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
@@ -267,6 +267,40 @@ static void test_launches(void)
     cudaFree(d_out);
 }
 
+// Work is queued until the host waits, as on a GPU: a copy into pinned memory is not there
+// before the wait, a copy out of pinned memory reads it when it runs, one out of pageable memory
+// when it is issued.
+static void test_deferred(void)
+{
+    enum { N = 64 };
+    float *pin = NULL, *d = dev_alloc<float>(N), page[N];
+    CHECK(cudaHostAlloc(&pin, N * sizeof(float), cudaHostAllocDefault) == cudaSuccess);
+    cudaStream_t s;
+    cudaEvent_t ev;
+    CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess);
+    for (int i = 0; i < N; i++)
+        pin[i] = page[i] = 1.0f;
+    cudaMemcpyAsync(d, pin, sizeof page, cudaMemcpyHostToDevice, s);  // reads pin when it runs
+    for (int i = 0; i < N; i++)
+        pin[i] = 2.0f;  // a staging buffer refilled before its copy ran
+    k_scale<3><<<1, 32, 0, s>>>(d, N);
+    cudaMemcpyAsync(pin, d, sizeof page, cudaMemcpyDeviceToHost, s);
+    cudaEventRecord(ev, s);
+    CHECK_MSG(pin[0] == 2.0f, "a copy home was there before the wait: %g", pin[0]);
+    CHECK(cudaEventSynchronize(ev) == cudaSuccess);
+    CHECK_MSG(pin[0] == 6.0f && pin[N - 1] == 6.0f, "after the wait: %g %g", pin[0], pin[N - 1]);
+    cudaMemcpyAsync(d, page, sizeof page, cudaMemcpyHostToDevice, s);  // pageable: read now
+    for (int i = 0; i < N; i++)
+        page[i] = 5.0f;
+    cudaMemcpyAsync(page, d, sizeof page, cudaMemcpyDeviceToHost, s);  // pageable: waits
+    CHECK_MSG(page[0] == 1.0f && page[N - 1] == 1.0f, "pageable copies: %g %g", page[0], page[N - 1]);
+    cudaEventDestroy(ev);
+    cudaStreamDestroy(s);
+    cudaFreeHost(pin);
+    cudaFree(d);
+}
+
 // A kernel that deadlocks poisons the device: the launch itself returns, the next call sees a
 // sticky cudaErrorLaunchFailure.
 static void deadlock(void (*launch)(int *), const char *what)
@@ -407,6 +441,7 @@ int main(void)
     test_barriers();
     test_warps();
     test_launches();
+    test_deferred();
     test_runtime();
     deadlock(launch_warp_deadlock, "a shuffle after lanes left");
     deadlock(launch_barrier_deadlock, "a barrier and a shuffle");

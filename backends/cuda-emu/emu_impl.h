@@ -23,6 +23,9 @@ void set_sticky(cudaError_t e);
 // Device memory: whether [p, p + n) lies inside one live allocation.
 bool is_device(const void *p, size_t n);
 
+// Runs all queued work (the library calls, which run at once, wait for it first).
+void wait_idle(void);
+
 // Takes and returns bytes of the budget for the libraries' own workspaces (cuBLAS, cuSOLVER):
 // false when the budget has not `n` bytes left.
 bool take_bytes(size_t n);

@@ -34,7 +34,8 @@ namespace lm_emu {
 // (with its byte size) is device memory; a host pointer poisons the device.
 static bool can_run(const void *const *ptrs, const size_t *sizes, int n)
 {
-    if (sticky_error() != cudaSuccess)
+    // the queued work before it, then this, at once; a fault on the way poisons the device
+    if (cudaDeviceSynchronize() != cudaSuccess && sticky_error() != cudaSuccess)
         return false;
     for (int i = 0; i < n; i++) {
         if (sizes[i] && !is_device(ptrs[i], sizes[i])) {

@@ -1,7 +1,19 @@
 // The emulated device's runtime (the CUDA runtime API of cuda_runtime.h): device memory as host
-// memory within a byte budget, pinned memory, streams and events that run everything in order
-// at once, copies that check which side of the bus each pointer is on, the last error and the
-// sticky one, and the injected failures of LLMERGE_EMU_FAIL:
+// memory within a byte budget, pinned memory, copies that check which side of the bus each
+// pointer is on, the last error and the sticky one, and the injected failures of
+// LLMERGE_EMU_FAIL (below).
+//
+// Work is deferred as on a GPU: kernels, asynchronous copies that touch device or pinned memory
+// and memsets are queued, in the order they were issued (one order every stream's work may run
+// in), and run only when the host waits: a stream, event or device synchronisation, a
+// synchronous copy, cudaFree, cudaFreeHost, a library call (cuBLAS, cuSOLVER). So a host that
+// reads a pinned buffer before waiting for the copy into it, or refills a staging buffer a queued
+// copy has yet to read, sees what it would see on a GPU that had not got there yet. An
+// asynchronous copy from pageable memory reads its source at once, one to pageable memory waits
+// for the queue, as CUDA's do. A kernel's fault, or a deadlock, is seen by the call that ran it
+// and every call after.
+//
+// The failures:
 //
 //   alloc-oom:N    the Nth cudaMalloc since the device opened fails with cudaErrorMemoryAllocation
 //   launch-oom:N   the Nth kernel launch is refused with cudaErrorMemoryAllocation (as a lazily
@@ -19,8 +31,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include <deque>
 #include <map>
-#include <set>
 
 namespace lm_emu {
 
@@ -31,16 +43,42 @@ namespace lm_emu {
 
 struct stream_s {
     unsigned magic;
+    uint64_t last;  // the queue position of the last work issued to it
 };
 struct event_s {
     unsigned magic;
+    uint64_t at;  // the queue position it was recorded at (0: never)
+};
+
+// Queued work.
+enum op_kind { OP_LAUNCH, OP_COPY, OP_SET };
+struct op {
+    op_kind kind;
+    uint64_t seq;
+    // OP_LAUNCH
+    const char *name;
+    dim3 grid, block;
+    size_t shmem;
+    void (*body)(void *);
+    void *arg;
+    void (*drop)(void *);
+    uint64_t nth;
+    // OP_COPY (height rows of width bytes) and OP_SET (value over width bytes)
+    void *dst;
+    const void *src;
+    size_t dpitch, spitch, width, height;
+    void *owned;  // a snapshot of a pageable source, freed once copied
+    int value;
 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static bool opened;
 static uint64_t budget = (uint64_t)1 << 30, used;
 static std::map<uintptr_t, size_t> *device_bufs;  // base -> size of every live cudaMalloc
-static std::set<void *> *host_bufs;                // live pinned buffers
+static std::map<uintptr_t, size_t> *host_bufs;    // base -> size of pinned and registered host memory
+static std::deque<op> *queue;                      // work not run yet, in issue order
+static uint64_t issued;                            // the queue position of the last work issued
+static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;  // the queue, while work runs
 static uint64_t allocs, launches;
 static uint64_t alloc_oom_at, launch_oom_at, launch_fault_at;
 static unsigned max_blocks = DEFAULT_MAX_BLOCKS;
@@ -51,7 +89,8 @@ static void tables(void)
 {
     if (!device_bufs) {
         device_bufs = new std::map<uintptr_t, size_t>;
-        host_bufs = new std::set<void *>;
+        host_bufs = new std::map<uintptr_t, size_t>;
+        queue = new std::deque<op>;
     }
 }
 
@@ -91,6 +130,92 @@ static cudaError_t enter(void)
         if (e_ != cudaSuccess)           \
             return e_;                   \
     } while (0)
+
+// ---- the queue -------------------------------------------------------------------------------
+
+// Whether [p, p + n) lies inside one entry of `m` (base -> size).
+static bool inside(const std::map<uintptr_t, size_t> *m, const void *p, size_t n)
+{
+    auto it = m->upper_bound((uintptr_t)p);
+    if (it == m->begin())
+        return false;
+    --it;
+    uintptr_t base = it->first, q = (uintptr_t)p;
+    return q >= base && q - base <= it->second && n <= it->second - (q - base);
+}
+
+static bool is_pinned(const void *p, size_t n)
+{
+    pthread_mutex_lock(&lock);
+    tables();
+    bool ok = inside(host_bufs, p, n);
+    pthread_mutex_unlock(&lock);
+    return ok;
+}
+
+static void run_op(op &o)
+{
+    if (o.kind == OP_LAUNCH) {
+        // a device that has faulted runs nothing more
+        if (sticky == cudaSuccess && pending == cudaSuccess) {
+            char why[512];
+            // each launch its own order, the same in every run with the same seed
+            uint64_t order = seed ? (seed ^ 0x9E3779B97F4A7C15ull) * (o.nth | 1) | 1 : 0;
+            if (o.nth == launch_fault_at) {
+                pending = cudaErrorLaunchFailure;
+            } else if (!run_grid(o.name, o.grid, o.block, o.shmem, max_blocks, order, o.body, o.arg, why,
+                                 sizeof why)) {
+                fprintf(stderr, "cuda-emu: %s\n", why);
+                pending = cudaErrorLaunchFailure;
+            }
+        }
+        o.drop(o.arg);
+    } else if (o.kind == OP_COPY) {
+        if (sticky == cudaSuccess && pending == cudaSuccess)
+            for (size_t r = 0; r < o.height; r++)
+                memmove((char *)o.dst + r * o.dpitch, (const char *)o.src + r * o.spitch, o.width);
+        free(o.owned);
+    } else if (sticky == cudaSuccess && pending == cudaSuccess) {
+        memset(o.dst, o.value, o.width);
+    }
+}
+
+// Runs the queued work up to and including position `upto`.
+static void drain(uint64_t upto)
+{
+    pthread_mutex_lock(&qlock);
+    tables();
+    while (!queue->empty() && queue->front().seq <= upto) {
+        op o = queue->front();
+        queue->pop_front();
+        run_op(o);
+    }
+    pthread_mutex_unlock(&qlock);
+}
+
+static void drain_all(void)
+{
+    drain(UINT64_MAX);
+}
+
+// Queues o on stream s.
+static void enqueue(op o, cudaStream_t s)
+{
+    pthread_mutex_lock(&qlock);
+    tables();
+    o.seq = ++issued;
+    if (s)
+        s->last = o.seq;
+    queue->push_back(o);
+    pthread_mutex_unlock(&qlock);
+}
+
+// Waits for the queue up to `upto`; the device's error, a fault found on the way included.
+static cudaError_t wait_for(uint64_t upto)
+{
+    drain(upto);
+    return enter();
+}
 
 static bool parse_n(const char *s, const char *prefix, const char *end, uint64_t *n)
 {
@@ -143,6 +268,7 @@ bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
 
 void close_device(void)
 {
+    drain_all();
     pthread_mutex_lock(&lock);
     if (getenv("LLMERGE_EMU_STATS"))
         fprintf(stderr, "cuda-emu: %llu allocations, %llu launches\n", (unsigned long long)allocs,
@@ -155,13 +281,7 @@ bool is_device(const void *p, size_t n)
 {
     pthread_mutex_lock(&lock);
     tables();
-    bool ok = false;
-    auto it = device_bufs->upper_bound((uintptr_t)p);
-    if (it != device_bufs->begin()) {
-        --it;
-        uintptr_t base = it->first, q = (uintptr_t)p;
-        ok = q >= base && q - base <= it->second && n <= it->second - (q - base);
-    }
+    bool ok = inside(device_bufs, p, n);
     pthread_mutex_unlock(&lock);
     return ok;
 }
@@ -307,7 +427,7 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device)
 cudaError_t cudaDeviceSynchronize(void)
 {
     ENTER();
-    return cudaSuccess;
+    return wait_for(UINT64_MAX);
 }
 
 // ---- memory ----------------------------------------------------------------------------------
@@ -355,6 +475,9 @@ cudaError_t cudaFree(void *p)
     ENTER();
     if (!p)
         return cudaSuccess;
+    // cudaFree waits for the device's work
+    if (wait_for(UINT64_MAX) != cudaSuccess)
+        return sticky;
     pthread_mutex_lock(&lock);
     tables();
     auto it = device_bufs->find((uintptr_t)p);
@@ -384,18 +507,29 @@ cudaError_t cudaFreeAsync(void *p, cudaStream_t s)
     return cudaFree(p);
 }
 
-// Registered host memory is host memory that copies may use as pinned: nothing to do but check.
+// Registered host memory is pinned for the copies: they read and write it when they run.
 cudaError_t cudaHostRegister(void *p, size_t size, unsigned flags)
 {
     (void)flags;
     ENTER();
-    return p && size && !is_device(p, 1) ? cudaSuccess : set_error(cudaErrorInvalidValue);
+    if (!p || !size || is_device(p, 1) || is_pinned(p, 1))
+        return set_error(cudaErrorInvalidValue);
+    pthread_mutex_lock(&lock);
+    (*host_bufs)[(uintptr_t)p] = size;
+    pthread_mutex_unlock(&lock);
+    return cudaSuccess;
 }
 
 cudaError_t cudaHostUnregister(void *p)
 {
     ENTER();
-    return p ? cudaSuccess : set_error(cudaErrorInvalidValue);
+    if (wait_for(UINT64_MAX) != cudaSuccess)
+        return sticky;
+    pthread_mutex_lock(&lock);
+    tables();
+    bool ok = host_bufs->erase((uintptr_t)p) == 1;
+    pthread_mutex_unlock(&lock);
+    return ok ? cudaSuccess : set_error(cudaErrorInvalidValue);
 }
 
 cudaError_t cudaHostAlloc(void **p, size_t size, unsigned flags)
@@ -409,7 +543,7 @@ cudaError_t cudaHostAlloc(void **p, size_t size, unsigned flags)
     }
     pthread_mutex_lock(&lock);
     tables();
-    host_bufs->insert(*p);
+    (*host_bufs)[(uintptr_t)*p] = size ? size : 1;
     pthread_mutex_unlock(&lock);
     return cudaSuccess;
 }
@@ -424,9 +558,11 @@ cudaError_t cudaFreeHost(void *p)
     ENTER();
     if (!p)
         return cudaSuccess;
+    if (wait_for(UINT64_MAX) != cudaSuccess)  // as cudaFreeHost does
+        return sticky;
     pthread_mutex_lock(&lock);
     tables();
-    bool ok = host_bufs->erase(p) == 1;
+    bool ok = host_bufs->erase((uintptr_t)p) == 1;
     pthread_mutex_unlock(&lock);
     if (!ok)
         return set_error(cudaErrorInvalidValue);
@@ -434,13 +570,13 @@ cudaError_t cudaFreeHost(void *p)
     return cudaSuccess;
 }
 
-// Whether a copy of n bytes from src to dst goes the way `kind` says: device pointers inside
-// one allocation, host pointers outside every one.
-static bool check_sides(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
+// Whether a copy of rows from src to dst goes the way `kind` says: device pointers inside one
+// allocation, host pointers outside every one. dspan and sspan are the bytes each side spans.
+static bool check_sides(void *dst, size_t dspan, const void *src, size_t sspan, cudaMemcpyKind kind)
 {
-    if (n == 0)
+    if (dspan == 0)
         return true;
-    bool dd = is_device(dst, n), sd = is_device(src, n);
+    bool dd = is_device(dst, dspan), sd = is_device(src, sspan);
     switch (kind) {
     case cudaMemcpyHostToHost: return !dd && !sd;
     case cudaMemcpyHostToDevice: return dd && !sd;
@@ -451,25 +587,10 @@ static bool check_sides(void *dst, const void *src, size_t n, cudaMemcpyKind kin
     return false;
 }
 
-cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
-{
-    ENTER();
-    if (!check_sides(dst, src, n, kind))
-        return set_error(cudaErrorInvalidValue);
-    if (n)
-        memmove(dst, src, n);
-    return cudaSuccess;
-}
-
-cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s)
-{
-    if (!stream_ok(s))
-        return set_error(cudaErrorInvalidResourceHandle);
-    return cudaMemcpy(dst, src, n, kind);
-}
-
-cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
-                              cudaMemcpyKind kind, cudaStream_t s)
+// A copy of height rows of width bytes on stream s; run at once and waited for when sync, else
+// queued (a pageable source read now, a pageable destination waited for).
+static cudaError_t copy(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                        cudaMemcpyKind kind, cudaStream_t s, bool sync)
 {
     ENTER();
     if (!stream_ok(s))
@@ -479,15 +600,50 @@ cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t 
     if (height == 0 || width == 0)
         return cudaSuccess;
     size_t dspan = (height - 1) * dpitch + width, sspan = (height - 1) * spitch + width;
-    bool dd = is_device(dst, dspan), sd = is_device(src, sspan);
-    bool ok = kind == cudaMemcpyDefault || (kind == cudaMemcpyHostToDevice && dd && !sd) ||
-              (kind == cudaMemcpyDeviceToHost && !dd && sd) || (kind == cudaMemcpyDeviceToDevice && dd && sd) ||
-              (kind == cudaMemcpyHostToHost && !dd && !sd);
-    if (!ok)
+    if (!check_sides(dst, dspan, src, sspan, kind))
         return set_error(cudaErrorInvalidValue);
-    for (size_t r = 0; r < height; r++)
-        memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+    bool dst_host = !is_device(dst, dspan), src_host = !is_device(src, sspan);
+    if (sync || (dst_host && !is_pinned(dst, dspan)) || (src_host && dst_host)) {
+        cudaError_t e = wait_for(sync || !s ? UINT64_MAX : s->last);
+        if (e != cudaSuccess)
+            return e;
+        for (size_t r = 0; r < height; r++)
+            memmove((char *)dst + r * dpitch, (const char *)src + r * spitch, width);
+        return cudaSuccess;
+    }
+    op o = {};
+    o.kind = OP_COPY;
+    o.dst = dst;
+    o.src = src;
+    o.dpitch = dpitch;
+    o.spitch = spitch;
+    o.width = width;
+    o.height = height;
+    if (src_host && !is_pinned(src, sspan)) {
+        o.owned = malloc(sspan);
+        if (!o.owned)
+            return set_error(cudaErrorMemoryAllocation);
+        memcpy(o.owned, src, sspan);
+        o.src = o.owned;
+    }
+    enqueue(o, s);
     return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind kind)
+{
+    return copy(dst, n, src, n, n, 1, kind, NULL, true);
+}
+
+cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind kind, cudaStream_t s)
+{
+    return copy(dst, n, src, n, n, 1, kind, s, false);
+}
+
+cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                              cudaMemcpyKind kind, cudaStream_t s)
+{
+    return copy(dst, dpitch, src, spitch, width, height, kind, s, false);
 }
 
 cudaError_t cudaMemset(void *p, int value, size_t n)
@@ -495,15 +651,29 @@ cudaError_t cudaMemset(void *p, int value, size_t n)
     ENTER();
     if (n && !is_device(p, n))
         return set_error(cudaErrorInvalidValue);
+    cudaError_t e = wait_for(UINT64_MAX);
+    if (e != cudaSuccess)
+        return e;
     memset(p, value, n);
     return cudaSuccess;
 }
 
 cudaError_t cudaMemsetAsync(void *p, int value, size_t n, cudaStream_t s)
 {
+    ENTER();
     if (!stream_ok(s))
         return set_error(cudaErrorInvalidResourceHandle);
-    return cudaMemset(p, value, n);
+    if (n && !is_device(p, n))
+        return set_error(cudaErrorInvalidValue);
+    if (!n)
+        return cudaSuccess;
+    op o = {};
+    o.kind = OP_SET;
+    o.dst = p;
+    o.width = n;
+    o.value = value;
+    enqueue(o, s);
+    return cudaSuccess;
 }
 
 // ---- streams and events: everything has run by the time a call returns ------------------------
@@ -513,7 +683,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned flags)
     (void)flags;
     *s = NULL;
     ENTER();
-    *s = new stream_s{STREAM_MAGIC};
+    *s = new stream_s{STREAM_MAGIC, 0};
     return cudaSuccess;
 }
 
@@ -526,6 +696,7 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 {
     if (!s || s->magic != STREAM_MAGIC)
         return set_error(cudaErrorInvalidResourceHandle);
+    drain(s->last);  // its work still runs
     s->magic = 0;
     delete s;
     return enter();
@@ -534,7 +705,9 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 cudaError_t cudaStreamSynchronize(cudaStream_t s)
 {
     ENTER();
-    return stream_ok(s) ? cudaSuccess : set_error(cudaErrorInvalidResourceHandle);
+    if (!stream_ok(s))
+        return set_error(cudaErrorInvalidResourceHandle);
+    return wait_for(s ? s->last : UINT64_MAX);
 }
 
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags)
@@ -549,7 +722,7 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags)
     (void)flags;
     *e = NULL;
     ENTER();
-    *e = new event_s{EVENT_MAGIC};
+    *e = new event_s{EVENT_MAGIC, 0};
     return cudaSuccess;
 }
 
@@ -567,16 +740,25 @@ cudaError_t cudaEventDestroy(cudaEvent_t e)
     return enter();
 }
 
+// An event marks the queue position of its stream's last work (everything issued before it, on
+// any stream, in this emulation's one order).
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s)
 {
     ENTER();
-    return e && e->magic == EVENT_MAGIC && stream_ok(s) ? cudaSuccess : set_error(cudaErrorInvalidResourceHandle);
+    if (!e || e->magic != EVENT_MAGIC || !stream_ok(s))
+        return set_error(cudaErrorInvalidResourceHandle);
+    pthread_mutex_lock(&qlock);
+    e->at = s ? s->last : issued;
+    pthread_mutex_unlock(&qlock);
+    return cudaSuccess;
 }
 
 cudaError_t cudaEventSynchronize(cudaEvent_t e)
 {
     ENTER();
-    return e && e->magic == EVENT_MAGIC ? cudaSuccess : set_error(cudaErrorInvalidResourceHandle);
+    if (!e || e->magic != EVENT_MAGIC)
+        return set_error(cudaErrorInvalidResourceHandle);
+    return wait_for(e->at);
 }
 
 cudaError_t cudaEventQuery(cudaEvent_t e)
@@ -596,38 +778,48 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end)
 // ---- kernels ---------------------------------------------------------------------------------
 
 void launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t stream, void (*body)(void *),
-            void *arg)
+            void *arg, void (*drop)(void *))
 {
-    if (enter() != cudaSuccess)
-        return;
     uint64_t threads = (uint64_t)block.x * block.y * block.z;
+    if (enter() != cudaSuccess) {
+        drop(arg);
+        return;
+    }
     if (!stream_ok(stream)) {
         set_error(cudaErrorInvalidResourceHandle);
+        drop(arg);
         return;
     }
     if (threads == 0 || threads > 1024 || block.z > 64 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
         grid.x > 0x7FFFFFFFu || grid.y > 65535 || grid.z > 65535 || shmem > MAX_SHARED) {
         set_error(cudaErrorInvalidConfiguration);
+        drop(arg);
         return;
     }
     pthread_mutex_lock(&lock);
     uint64_t nth = ++launches;
     pthread_mutex_unlock(&lock);
-    if (nth == launch_oom_at) {
+    if (nth == launch_oom_at) {  // refused at the launch, as a kernel that cannot be loaded
         set_error(cudaErrorMemoryAllocation);
+        drop(arg);
         return;
     }
-    if (nth == launch_fault_at) {
-        pending = cudaErrorLaunchFailure;  // seen by the next call, as a fault is once the kernel ran
-        return;
-    }
-    char why[512];
-    // each launch its own order, the same in every run with the same seed
-    uint64_t order = seed ? (seed ^ 0x9E3779B97F4A7C15ull) * (nth | 1) | 1 : 0;
-    if (!run_grid(name, grid, block, shmem, max_blocks, order, body, arg, why, sizeof why)) {
-        fprintf(stderr, "cuda-emu: %s\n", why);
-        pending = cudaErrorLaunchFailure;
-    }
+    op o = {};
+    o.kind = OP_LAUNCH;
+    o.name = name;
+    o.grid = grid;
+    o.block = block;
+    o.shmem = shmem;
+    o.body = body;
+    o.arg = arg;
+    o.drop = drop;
+    o.nth = nth;
+    enqueue(o, stream);
+}
+
+void wait_idle(void)
+{
+    drain_all();
 }
 
 }  // namespace lm_emu

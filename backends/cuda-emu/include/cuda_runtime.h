@@ -207,12 +207,12 @@ inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, void (*)(P...))
 }
 
 // ---- kernels --------------------------------------------------------------------------------
-// The launch: runs body(arg) as every thread of every block of the grid (fewer blocks than asked
-// where the grid exceeds the emulator's block limit: the kernels are grid-stride loops), or
-// records why it could not (bad configuration, an injected failure, a deadlock) as the error
-// cudaGetLastError returns.
+// The launch: queues body(arg) to run as every thread of every block of the grid (fewer blocks
+// than asked where the grid exceeds the emulator's block limit: the kernels are grid-stride
+// loops) when the host next waits, then drop(arg); or records why it could not (a bad
+// configuration, an injected out-of-memory) as the error cudaGetLastError returns, and drops arg.
 void launch(const char *name, dim3 grid, dim3 block, size_t shmem, cudaStream_t stream, void (*body)(void *),
-            void *arg);
+            void *arg, void (*drop)(void *));
 
 // The calling block's dynamic shared memory (the launch's shmem bytes).
 void *dynamic_shared(void);
@@ -224,8 +224,8 @@ inline T pass_as(T v)
 }
 
 // What `name<<<grid, block, shmem, stream>>>(args...)` becomes: the arguments converted to the
-// kernel's parameter types once, as CUDA copies them at the launch, then the kernel run by
-// every thread.
+// kernel's parameter types and copied, as CUDA copies them at the launch, then the kernel queued
+// to run by every thread.
 template <class... P, class... A>
 inline void launch_kernel(const char *name, void (*kernel)(P...), dim3 grid, dim3 block, size_t shmem,
                           cudaStream_t stream, A &&...args)
@@ -239,9 +239,14 @@ inline void launch_kernel(const char *name, void (*kernel)(P...), dim3 grid, dim
             call *c = (call *)p;
             std::apply(c->kernel, c->args);
         }
+        static void drop(void *p)
+        {
+            delete (call *)p;
+        }
     };
-    call c{kernel, std::tuple<typename std::decay<P>::type...>(pass_as<typename std::decay<P>::type>(args)...)};
-    launch(name, grid, block, shmem, stream, call::run, &c);
+    call *c =
+        new call{kernel, std::tuple<typename std::decay<P>::type...>(pass_as<typename std::decay<P>::type>(args)...)};
+    launch(name, grid, block, shmem, stream, call::run, c, call::drop);
 }
 
 // ---- synchronisation and warp operations (fiber.cpp) ----------------------------------------
