@@ -362,6 +362,13 @@ static void test_runtime(void)
     k_scale<2><<<1, 16>>>(d, 16);  // the fault: seen from the next call on
     CHECK(cudaStreamSynchronize(0) == cudaErrorLaunchFailure);
     CHECK(cudaMemcpy(p[2], p[0], 4, cudaMemcpyDeviceToDevice) == cudaErrorLaunchFailure);
+    // an old driver, a missing library
+    reopen(1 << 20, "driver-old|no-cusolver");
+    int count = -1, drv = 0, rt = 0;
+    CHECK(cudaGetDeviceCount(&count) == cudaErrorInsufficientDriver && count == 0);
+    CHECK(cudaDriverGetVersion(&drv) == cudaSuccess && cudaRuntimeGetVersion(&rt) == cudaSuccess && drv < rt);
+    CHECK(dlopen("libcublas.so.12", RTLD_NOW) && !dlopen("libcusolver.so.11", RTLD_NOW));
+    CHECK(strstr(dlerror(), "libcusolver.so.11: cannot open shared object file") != NULL);
     char why[256];
     lm_emu::close_device();
     CHECK(!lm_emu::open_device(1, "launch-fault:0", why, sizeof why) && strstr(why, "LLMERGE_EMU_FAIL=launch-fault:0"));

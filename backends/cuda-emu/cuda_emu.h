@@ -22,8 +22,9 @@ extern "C" {
 // LM_ERR_DEVICE_OOM) and at most mem_cap of them for llmerge (0: no cap), running the host side
 // on `threads` threads. `fail` injects failures: "alloc-oom:N" (the Nth cudaMalloc runs out of
 // memory), "launch-oom:N" (the Nth kernel launch is refused for lack of memory),
-// "launch-fault:N" (the Nth kernel faults and poisons the device), several joined by '|'; NULL
-// or "" for none, anything else LM_ERR_USAGE. One emulated device may be open at a time
+// "launch-fault:N" (the Nth kernel faults and poisons the device), "driver-old" (the driver is
+// older than the runtime), "no-cublas", "no-cusolver" (the library cannot be loaded), several
+// joined by '|'; NULL or "" for none, anything else LM_ERR_USAGE. One emulated device may be open at a time
 // (LM_ERR_USAGE otherwise). The device is named "cuda-emu:SIZE" after its budget. The caller
 // frees it with lm_dev_destroy.
 lm_status lm_dev_cuda_emu_create(lm_dev **out, uint64_t budget, uint64_t mem_cap, const char *fail, int threads,

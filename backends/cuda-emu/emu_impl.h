@@ -23,6 +23,9 @@ void set_sticky(cudaError_t e);
 // Device memory: whether [p, p + n) lies inside one live allocation.
 bool is_device(const void *p, size_t n);
 
+// Whether LLMERGE_EMU_FAIL makes the library `soname` (a file name) missing.
+bool lib_missing(const char *soname);
+
 // Runs all queued work (the library calls, which run at once, wait for it first).
 void wait_idle(void);
 

@@ -314,6 +314,8 @@ void *emu_dlopen(const char *file, int mode)
     (void)mode;
     const char *base = file ? strrchr(file, '/') : NULL;
     base = base ? base + 1 : file;
+    if (base && lib_missing(base))
+        return fail_dl("%s: cannot open shared object file: No such file or directory", base);
     for (const lib &l : libs)
         if (base && strncmp(base, l.prefix, strlen(l.prefix)) == 0)
             return (void *)&l;

@@ -20,6 +20,9 @@
 //                  loaded kernel is when the device is full)
 //   launch-fault:N the Nth kernel launch faults: the device is poisoned with the sticky
 //                  cudaErrorLaunchFailure, which every later call returns
+//   driver-old     the driver is older than the runtime: cudaGetDeviceCount fails with
+//                  cudaErrorInsufficientDriver
+//   no-cublas, no-cusolver  the library cannot be loaded (dlopen fails as for a missing file)
 //
 // Several switches may be given, separated by '|' or ','. LLMERGE_EMU_BLOCKS caps the blocks a
 // launch runs (64; the kernels are grid-stride loops), and LLMERGE_EMU_SEED, when set to a number
@@ -81,6 +84,7 @@ static uint64_t issued;                            // the queue position of the 
 static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;  // the queue, while work runs
 static uint64_t allocs, launches;
 static uint64_t alloc_oom_at, launch_oom_at, launch_fault_at;
+static bool driver_old, no_cublas, no_cusolver;
 static unsigned max_blocks = DEFAULT_MAX_BLOCKS;
 static uint64_t seed;  // LLMERGE_EMU_SEED: 0 runs a block's threads in order
 static cudaError_t last_error = cudaSuccess, sticky = cudaSuccess, pending = cudaSuccess;
@@ -235,12 +239,20 @@ static bool parse_n(const char *s, const char *prefix, const char *end, uint64_t
 bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
 {
     uint64_t a = 0, lo = 0, lf = 0;
+    bool dold = false, nb = false, ns = false;
     for (const char *s = fail ? fail : ""; *s;) {
         const char *end = s + strcspn(s, "|,");
-        if (!parse_n(s, "alloc-oom:", end, &a) && !parse_n(s, "launch-oom:", end, &lo) &&
-            !parse_n(s, "launch-fault:", end, &lf)) {
+        size_t len = (size_t)(end - s);
+        if (len == 10 && strncmp(s, "driver-old", len) == 0) {
+            dold = true;
+        } else if (len == 9 && strncmp(s, "no-cublas", len) == 0) {
+            nb = true;
+        } else if (len == 11 && strncmp(s, "no-cusolver", len) == 0) {
+            ns = true;
+        } else if (!parse_n(s, "alloc-oom:", end, &a) && !parse_n(s, "launch-oom:", end, &lo) &&
+                   !parse_n(s, "launch-fault:", end, &lf)) {
             snprintf(why, why_size, "LLMERGE_EMU_FAIL=%s: expected alloc-oom:N, launch-oom:N or launch-fault:N "
-                     "with N >= 1, separated by '|'", fail);
+                     "with N >= 1, driver-old, no-cublas or no-cusolver, separated by '|'", fail);
             return false;
         }
         s = *end ? end + 1 : end;
@@ -259,6 +271,9 @@ bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
     alloc_oom_at = a;
     launch_oom_at = lo;
     launch_fault_at = lf;
+    driver_old = dold;
+    no_cublas = nb;
+    no_cusolver = ns;
     max_blocks = mb && atoi(mb) > 0 ? (unsigned)atoi(mb) : DEFAULT_MAX_BLOCKS;
     seed = sd ? strtoull(sd, NULL, 10) : 0;
     last_error = sticky = pending = cudaSuccess;
@@ -354,7 +369,7 @@ cudaError_t cudaPeekAtLastError(void)
 
 cudaError_t cudaDriverGetVersion(int *v)
 {
-    *v = CUDART_VERSION;
+    *v = driver_old ? CUDART_VERSION - 60 : CUDART_VERSION;
     return cudaSuccess;
 }
 
@@ -366,8 +381,14 @@ cudaError_t cudaRuntimeGetVersion(int *v)
 
 cudaError_t cudaGetDeviceCount(int *count)
 {
-    *count = 1;
-    return cudaSuccess;
+    *count = driver_old ? 0 : 1;
+    return driver_old ? set_error(cudaErrorInsufficientDriver) : cudaSuccess;
+}
+
+bool lib_missing(const char *soname)
+{
+    return (no_cublas && strncmp(soname, "libcublas.", 10) == 0) ||
+           (no_cusolver && strncmp(soname, "libcusolver.", 12) == 0);
 }
 
 cudaError_t cudaSetDevice(int device)
