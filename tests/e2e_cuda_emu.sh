@@ -2,7 +2,8 @@
 # End-to-end tests of the CUDA backend on the emulated device, cuda-emu, through the binary, on
 # the fixtures: what scripts/gpu-check.sh checks on a GPU that e2e_device does not (the forward
 # pass and the Hessians against the CPU, with room and with budgets under which a batch, a
-# sequence and the whole model do not fit), and the injected failures of LLMERGE_EMU_FAIL: an
+# sequence and the whole model do not fit), a merge where one FT's factors do not fit, and the
+# injected failures of LLMERGE_EMU_FAIL: an
 # out-of-memory at each allocation falls back and gives the CPU's output; a fault (sticky, as a
 # kernel's crash) stops the run with exit 1, a message naming the phase and the unit, and no
 # output.
@@ -79,6 +80,24 @@ hessian_same qwen-bias cuda-emu:1GiB "" "$fx/qwen" --adapter "$fx/lora_bias"
 hessian_same llama3 cuda-emu:1GiB "" "$fx/llama3"
 hessian_same accumulators cuda-emu:540KiB "fallback: hessian accumulators of layers" "$B"
 hessian_same model cuda-emu:64KiB "fallback: hessian weights of $B on cpu" "$B"
+
+# ---- merges at a budget where one FT's factors do not fit -------------------------------------
+# (e2e_device covers room and 64 KiB; the backend keeps 1 MiB of scratch, so 1040 KiB leaves
+# room for one adapter's factors and the smaller tensors.) To 1 ulp: the LoRA products are a GEMM.
+rm -rf "$work/tc" "$work/te"
+"$llmerge" task-arithmetic "$B" "$fx/lora_plain" "$fx/lora_dora" "$fx/ft_full" -o "$work/tc" --device cpu -q ||
+  bad "task-arithmetic on cpu failed"
+run factors task-arithmetic "$B" "$fx/lora_plain" "$fx/lora_dora" "$fx/ft_full" -o "$work/te" --device cuda-emu:1040KiB
+if [ "$(grep -c "fallback: place " "$work/factors.err")" = 1 ]; then ok; else
+  bad "at cuda-emu:1040KiB not exactly one adapter's factors fell back: $(grep fallback "$work/factors.err" | head -5)"
+fi
+if grep -qE "devices: [1-9][0-9]* tensors merged on cuda-emu:1040KiB, [1-9]" "$work/factors.err"; then ok; else
+  bad "at cuda-emu:1040KiB not some tensors on each device: $(grep devices: "$work/factors.err")"
+fi
+if "$st_diff" --ulps 1 "$work/tc/model.safetensors" "$work/te/model.safetensors" >"$work/diff" 2>&1; then ok; else
+  bad "task-arithmetic at cuda-emu:1040KiB differs from the cpu: $(tail -3 "$work/diff")"
+fi
+rm -rf "$work/tc" "$work/te"
 
 # ---- injected failures ---------------------------------------------------------------------
 # counts MERGE-ARGS...: "ALLOCATIONS LAUNCHES" the merge makes on cuda-emu:1GiB
