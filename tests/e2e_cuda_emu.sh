@@ -3,10 +3,9 @@
 # the fixtures: what scripts/gpu-check.sh checks on a GPU that e2e_device does not (the forward
 # pass and the Hessians against the CPU, with room and with budgets under which a batch, a
 # sequence and the whole model do not fit), a merge where one FT's factors do not fit, and the
-# injected failures of LLMERGE_EMU_FAIL: an
-# out-of-memory at each allocation falls back and gives the CPU's output; a fault (sticky, as a
-# kernel's crash) stops the run with exit 1, a message naming the phase and the unit, and no
-# output.
+# injected failures of LLMERGE_EMU_FAIL: an out-of-memory at each allocation falls back and
+# gives the CPU's output; a fault (sticky, as a kernel's crash) stops the run with exit 1, a
+# message naming the phase and the unit, and no output.
 #
 # LAUNCH_OOM says what an out-of-memory at a kernel launch (a lazily loaded kernel on a full
 # device) must do: "fallback" (the same output as the CPU's, like an allocation's) or "error"
