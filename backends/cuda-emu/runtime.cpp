@@ -25,9 +25,10 @@
 //   no-cublas, no-cusolver  the library cannot be loaded (dlopen fails as for a missing file)
 //
 // Several switches may be given, separated by '|' or ','. LLMERGE_EMU_BLOCKS caps the blocks a
-// launch runs (64; the kernels are grid-stride loops), and LLMERGE_EMU_SEED, when set to a number
-// other than 0, runs each block's threads in a random order drawn from it. With LLMERGE_EMU_STATS set, closing the
-// device prints how many allocations and launches it saw (so a test can inject at each).
+// launch runs (64; the kernels are grid-stride loops), and LLMERGE_EMU_SEED, when set to a
+// number other than 0, runs each block's threads in a random order drawn from it. With
+// LLMERGE_EMU_STATS set, closing the device prints how many allocations and launches it saw (so
+// a test can inject a failure at each).
 #include "emu_impl.h"
 
 #include <pthread.h>
