@@ -24,10 +24,10 @@ typedef struct lm_dev_opts {
 // "sim:SIZE", the simulated accelerator with a budget of SIZE bytes (lm_parse_size's syntax,
 // further capped by mem_cap); "cuda-emu" or "cuda-emu:SIZE", the CUDA backend on an emulated GPU
 // of SIZE bytes (1 GiB by default; its failures from LLMERGE_EMU_FAIL, cuda_emu.h); or "auto":
-// CUDA device 0 when this build has CUDA, the device
-// exists and passes lm_cuda_selftest, else the CPU. When `why` is not NULL it receives one
-// line saying what was chosen and why (for auto) or what was opened. Unknown, malformed or
-// unavailable devices are LM_ERR_USAGE naming them. Free with lm_dev_destroy.
+// CUDA device 0 when this build has CUDA, the device exists and passes lm_cuda_selftest, else
+// the CPU (never cuda-emu). When `why` is not NULL it receives one line saying what was chosen
+// and why (for auto) or what was opened. Unknown, malformed or unavailable devices are
+// LM_ERR_USAGE naming them. Free with lm_dev_destroy.
 lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char *why, size_t why_size,
                       lm_err *err);
 
