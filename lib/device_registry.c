@@ -2,13 +2,17 @@
 // one place that knows every backend (the CPU, the simulated accelerator, and CUDA in builds
 // with it), so it sits in a library of its own, llmerge_devices, above the core (which holds the
 // dispatcher and the CPU and sim backends) and the CUDA backend (which uses the core's helpers):
-// the command and the tests that open devices by name link it, and nothing below calls it.
+// the command and the tests that open devices by name link it, and nothing below calls it. The
+// emulated CUDA device (cuda-emu, backends/cuda-emu/) is in every build, for testing; auto never
+// picks it.
 #include "device_registry.h"
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "cuda_emu.h"
 #include "util.h"
 
 #ifdef LLMERGE_HAVE_CUDA
@@ -44,6 +48,27 @@ static bool parse_cuda(const char *spec, int *ordinal)
     }
     *ordinal = (int)v;
     return true;
+}
+
+// "cuda-emu" or "cuda-emu:SIZE": the emulated CUDA device (default 1 GiB), whatever the build;
+// LLMERGE_EMU_FAIL injects its failures.
+static lm_status open_cuda_emu(lm_dev **out, const char *spec, const lm_dev_opts *o, char *why, size_t why_size,
+                               lm_err *err)
+{
+    uint64_t budget = (uint64_t)1 << 30;
+    if (spec[8] && lm_parse_size(spec + 9, &budget, err) != LM_OK)
+        return lm_err_prefix(err, "--device %s", spec);
+    if (budget == 0)
+        return lm_err_set(err, LM_ERR_USAGE, "--device %s: the emulated device needs a size above 0", spec);
+    lm_status s = lm_dev_cuda_emu_create(out, budget, o->mem_cap, getenv("LLMERGE_EMU_FAIL"), o->threads, err);
+    if (s != LM_OK)
+        return lm_err_prefix(err, "--device %s", spec);
+    const char *note = lm_cuda_device_note_emu(*out);
+    if (note)
+        say(why, why_size, "%s (%s)", lm_dev_name(*out), note);
+    else
+        say(why, why_size, "%s", lm_dev_name(*out));
+    return LM_OK;
 }
 
 static lm_status open_cuda(lm_dev **out, const char *spec, int ordinal, const lm_dev_opts *o, char *why,
@@ -109,6 +134,8 @@ lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char
         s = lm_dev_cpu_create(out, o->threads, err);
     } else if (parse_cuda(spec, &ordinal)) {
         return open_cuda(out, spec, ordinal, o, why, why_size, err);
+    } else if (strcmp(spec, "cuda-emu") == 0 || strncmp(spec, "cuda-emu:", 9) == 0) {
+        return open_cuda_emu(out, spec, o, why, why_size, err);
     } else if (strncmp(spec, "sim:", 4) == 0) {
         uint64_t budget;
         if (lm_parse_size(spec + 4, &budget, err) != LM_OK)
@@ -119,7 +146,8 @@ lm_status lm_dev_open(lm_dev **out, const char *spec, const lm_dev_opts *o, char
             budget = o->mem_cap;
         s = lm_dev_sim_create(out, budget, o->sim_fail, o->threads, err);
     } else {
-        return lm_err_set(err, LM_ERR_USAGE, "--device %s: unknown device (use auto, cpu, cuda[:N] or sim:SIZE)",
+        return lm_err_set(err, LM_ERR_USAGE, "--device %s: unknown device (use auto, cpu, cuda[:N], sim:SIZE "
+                          "or cuda-emu[:SIZE])",
                           spec);
     }
     if (s == LM_OK)

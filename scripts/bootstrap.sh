@@ -4,8 +4,8 @@
 # and `make demo` can call it every time.
 set -euo pipefail
 
-pkgs=(cmake make gcc clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev
-      libpcre2-dev
+pkgs=(cmake make gcc g++ clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev
+      libpcre2-dev  # g++ (clang++ comes with clang): the CUDA backend built for cuda-emu
       gnuplot-nox  # gnuplot: the plot of examples/sweep
       strace       # strace: tests/e2e_robust.sh checks the order of fsync and rename with it
       groff-base)  # groff: tests/e2e_docs.sh renders the man page

@@ -1096,8 +1096,12 @@ static lm_status open_cusolver(lm_dev *d, lm_err *err)
     if ((ss = c->cusolver->create(&c->solver)) != CUSOLVER_STATUS_SUCCESS) {
         c->solver = NULL;
         cudaGetLastError();
-        return lm_err_set(err, ss == CUSOLVER_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
-                          "%s: cusolverDnCreate: cuSOLVER status %d", c->name, (int)ss);
+        // A device (or --gpu-mem) too small for the handle still merges: it factors on the CPU.
+        if (ss == CUSOLVER_STATUS_ALLOC_FAILED) {
+            snprintf(c->note, sizeof c->note, "Cholesky factorisations on the CPU: no room for cuSOLVER's handle");
+            return LM_OK;
+        }
+        return lm_err_set(err, LM_ERR_DEVICE, "%s: cusolverDnCreate: cuSOLVER status %d", c->name, (int)ss);
     }
     count_lib(c, before);
     if ((ss = c->cusolver->set_stream(c->solver, c->stream)) != CUSOLVER_STATUS_SUCCESS ||

@@ -1,0 +1,41 @@
+// The emulated CUDA device, cuda-emu: the real CUDA backend (backends/cuda/*.cu) compiled with
+// the host C++ compiler against an emulation of the CUDA runtime, cuBLAS and cuSOLVER of the
+// project's own (backends/cuda-emu/), so that the backend's kernels and host code run, and are
+// tested, on machines without a GPU. Kernels run block by block with their threads as fibers:
+// barriers, shared memory and warp operations behave as on a GPU for the interleaving the
+// emulator uses. It is a device for testing (docs/devices.md says what it proves and what it
+// cannot); --device auto never picks it.
+#ifndef LM_CUDA_EMU_H
+#define LM_CUDA_EMU_H
+
+#include <stdint.h>
+
+#include "device.h"
+#include "status.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// Opens the emulated device with `budget` bytes of device memory (cudaMemGetInfo's total;
+// cudaMalloc beyond it is cudaErrorMemoryAllocation, which the backend turns into
+// LM_ERR_DEVICE_OOM) and at most mem_cap of them for llmerge (0: no cap), running the host side
+// on `threads` threads. `fail` injects failures: "alloc-oom:N" (the Nth cudaMalloc runs out of
+// memory), "launch-oom:N" (the Nth kernel launch is refused for lack of memory),
+// "launch-fault:N" (the Nth kernel faults and poisons the device), "driver-old" (the driver is
+// older than the runtime), "no-cublas", "no-cusolver" (the library cannot be loaded), several
+// joined by '|'; NULL or "" for none, anything else LM_ERR_USAGE. One emulated device may be open at a time
+// (LM_ERR_USAGE otherwise). The device is named "cuda-emu:SIZE" after its budget. The caller
+// frees it with lm_dev_destroy.
+lm_status lm_dev_cuda_emu_create(lm_dev **out, uint64_t budget, uint64_t mem_cap, const char *fail, int threads,
+                                 lm_err *err);
+
+// What the emulated device said when it opened beyond its name (lm_cuda_device_note's, as
+// kernels.h says it for CUDA), or NULL.
+const char *lm_cuda_device_note_emu(lm_dev *d);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
