@@ -63,7 +63,7 @@ static lm_status open_cuda_emu(lm_dev **out, const char *spec, const lm_dev_opts
     lm_status s = lm_dev_cuda_emu_create(out, budget, o->mem_cap, getenv("LLMERGE_EMU_FAIL"), o->threads, err);
     if (s != LM_OK)
         return lm_err_prefix(err, "--device %s", spec);
-    const char *note = lm_cuda_device_note_emu(*out);
+    const char *note = lm_cuda_emu_note(*out);
     if (note)
         say(why, why_size, "%s (%s)", lm_dev_name(*out), note);
     else

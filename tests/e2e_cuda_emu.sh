@@ -181,6 +181,28 @@ if "$st_diff" --ulps 0 "$work/sgc/model.safetensors" "$work/sge/model.safetensor
   bad "sparsegpt with its Hessians on cuda-emu:300KiB differs from the cpu: $(tail -3 "$work/diff")"
 fi
 
+# ---- the libraries and the driver --------------------------------------------------------------
+# A driver older than the runtime is said as such (not "no CUDA device"), before any work.
+rm -rf "$work/drv"
+LLMERGE_EMU_FAIL=driver-old expect 2 "older than this llmerge's CUDA" ties "$B" "$fx/lora_plain" -o "$work/drv" \
+  --device cuda-emu
+no_output "$work/drv"
+# Without cuBLAS the device does not open: exit 2 naming the library, no output.
+LLMERGE_EMU_FAIL=no-cublas expect 2 "cannot load libcublas" ties "$B" "$fx/lora_plain" -o "$work/drv" --device cuda-emu
+no_output "$work/drv"
+# Without cuSOLVER it opens and says, once, that it factors on the CPU; sparsegpt then runs to
+# the end with the CPU's output.
+rm -rf "$work/nosolver" "$work/nosolver-c" "$work/cache-ns" "$work/cache-nsc"
+"$llmerge" sparsegpt "$B" "$fx/lora_plain" "$fx/ft_full" -o "$work/nosolver-c" --calib "$data" --density 0.3 \
+  --cache-dir "$work/cache-nsc" --device cpu -q || bad "sparsegpt on cpu failed"
+LLMERGE_EMU_FAIL=no-cusolver run nosolver sparsegpt "$B" "$fx/lora_plain" "$fx/ft_full" -o "$work/nosolver" \
+  --calib "$data" --density 0.3 --cache-dir "$work/cache-ns" --device cuda-emu
+if [ "$(grep -c "Cholesky factorisations on the CPU: cannot load libcusolver" "$work/nosolver.err")" = 1 ]; then ok; else
+  bad "without cuSOLVER: not said once: $(head -c 600 "$work/nosolver.err")"
+fi
+if "$st_diff" --ulps 0 "$work/nosolver-c/model.safetensors" "$work/nosolver/model.safetensors" >"$work/diff" 2>&1; then ok
+else bad "sparsegpt on cuda-emu without cuSOLVER differs from the cpu: $(tail -3 "$work/diff")"; fi
+
 # ---- the device's name and usage -------------------------------------------------------------
 LLMERGE_EMU_FAIL=bogus expect 2 "LLMERGE_EMU_FAIL=bogus: expected alloc-oom:N" ties "$B" "$fx/lora_plain" -o "$work/u" --device cuda-emu
 LLMERGE_EMU_FAIL= expect 2 "--device cuda-emu:0: the emulated device needs a size above 0" ties "$B" "$fx/lora_plain" \

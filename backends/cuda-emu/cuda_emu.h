@@ -30,9 +30,9 @@ extern "C" {
 lm_status lm_dev_cuda_emu_create(lm_dev **out, uint64_t budget, uint64_t mem_cap, const char *fail, int threads,
                                  lm_err *err);
 
-// What the emulated device said when it opened beyond its name (lm_cuda_device_note's, as
-// kernels.h says it for CUDA), or NULL.
-const char *lm_cuda_device_note_emu(lm_dev *d);
+// What the emulated device does without, as lm_cuda_device_note says it for CUDA (kernels.h),
+// or NULL (cuda_tail.inc).
+const char *lm_cuda_emu_note(lm_dev *d);
 
 #ifdef __cplusplus
 }

@@ -1032,8 +1032,10 @@ static lm_status open_cublas(lm_dev *d, lm_err *err)
     lm_status status = LM_OK;
     cublasStatus_t bs;
     int major = 0;
-    if ((status = lm_cuda_load_cublas(&c->cublas, err)) != LM_OK)
+    if ((status = lm_cuda_load_cublas(&c->cublas, err)) != LM_OK) {
+        err->status = LM_ERR_USAGE;  // a device that cannot be used, as lm_dev_open says them
         return lm_err_prefix(err, "%s", c->name);
+    }
     size_t before = driver_free();
     if ((bs = c->cublas->create(&c->blas)) != CUBLAS_STATUS_SUCCESS) {
         c->blas = NULL;
