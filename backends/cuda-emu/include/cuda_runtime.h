@@ -196,19 +196,20 @@ inline cudaError_t cudaMallocHost(T **p, size_t size)
 }
 
 // Kernels are functions of this file's translation unit, so a kernel's attributes are known
-// without loading anything: every kernel can run 1024 threads a block.
-template <class... P>
-inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, void (*)(P...))
+// without loading anything: every kernel can run 1024 threads a block. The runtime API's form
+// takes the kernel by its address; the C++ form, by its type.
+inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, const void *func)
 {
+    (void)func;
     memset(a, 0, sizeof *a);
     a->maxThreadsPerBlock = 1024;
     a->ptxVersion = a->binaryVersion = 80;
     return sticky_error();
 }
-// The runtime API's form, the kernel given by its address.
-inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, const void *func)
+template <class... P>
+inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, void (*func)(P...))
 {
-    return cudaFuncGetAttributes(a, reinterpret_cast<void (*)()>(func));
+    return cudaFuncGetAttributes(a, reinterpret_cast<const void *>(func));
 }
 
 // ---- kernels --------------------------------------------------------------------------------
