@@ -9,7 +9,8 @@
 // run; kernels run while the host stages the next input. The host waits only where a result
 // must reach it: downloads, the reductions whose result is a host value (hist_abs,
 // hist_window, l1, the tie counts of topk_apply and topk_apply_by), lm_dev_sync, and before
-// freeing memory the stream may still use.
+// giving memory back to the driver (only when the cache below must make room, at the end of a
+// factorisation and when the device closes).
 //
 // Errors. A failed allocation, and a kernel launch refused for want of memory, are
 // LM_ERR_DEVICE_OOM and leave the device usable; any other CUDA failure is LM_ERR_DEVICE naming
@@ -22,6 +23,14 @@
 // Memory. --gpu-mem caps what the device shows as taken (nvidia-smi): every buffer is counted
 // as the driver rounds it (charge()), and so are cuBLAS's workspace and what the cuBLAS and
 // cuSOLVER handles took when they were made, and cuSOLVER's workspace of each factorisation.
+// A released buffer is not given back to the driver but kept in a cache, stream-ordered as
+// cudaFreeAsync's pools are: every later use of the memory is on the same stream, after the
+// work that used it before, so the release neither waits nor frees, and the next allocation
+// of the same rounded size takes it back without a cudaMalloc. The cache counts as taken
+// against the cap and as free in mem_info; when an allocation would pass the cap, or the
+// driver refuses it, the cache is given back (one wait for the stream, then cudaFree) and the
+// allocation tried again, so out of memory is still out of memory only when the live buffers
+// leave no room.
 // Every kernel, and cuBLAS's first GEMM kernel, is loaded when the device opens, so that no
 // launch later has to find memory for code.
 //
@@ -79,6 +88,11 @@ typedef struct cuda_ctx {
     uint64_t lib_bytes;       // of used: what the cuBLAS and cuSOLVER handles took when made
     cuda_buf *bufs;           // (n_bufs) live buffers from alloc, in no order
     size_t n_bufs, cap_bufs;
+    cuda_buf *cache;          // (n_cache) released buffers kept for reuse, in no order
+    size_t n_cache, cap_cache;
+    uint64_t cached;          // of used: what the cache holds, at charge()
+    uint64_t cached_asked;    // what the cache holds in bytes asked for (what the driver gives
+                              // back at least when the cache is freed)
     cudaStream_t stream;      // everything runs on it (non-blocking: no implicit sync with stream 0)
     const lm_cublas_fns *cublas;  // cuBLAS, loaded when the device was opened
     cublasHandle_t blas;      // bound to stream
@@ -178,6 +192,9 @@ static void cuda_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes)
     if (e == cudaSuccess)
         e = cudaMemGetInfo(&fr, &tot);
     if (e == cudaSuccess) {
+        fr += (size_t)c->cached_asked;  // the cache's buffers are free for the next allocations
+        if (fr > tot)
+            fr = tot;
         c->last_free = fr;
         c->last_total = tot;
     } else {
@@ -187,7 +204,8 @@ static void cuda_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes)
         tot = c->last_total;
     }
     if (c->mem_cap) {
-        uint64_t room = c->mem_cap > c->used ? c->mem_cap - c->used : 0;
+        uint64_t live = c->used - c->cached;
+        uint64_t room = c->mem_cap > live ? c->mem_cap - live : 0;
         if (fr > room)
             fr = (size_t)room;
         if (tot == 0 || tot > c->mem_cap)
@@ -206,18 +224,34 @@ static lm_status out_of_memory(lm_dev *d, size_t size, lm_err *err)
                       lm_format_bytes(need, sizeof need, size), lm_format_bytes(have, sizeof have, fr));
 }
 
-// cudaMalloc within the cap, counted in c->used at charge(size). Out of memory, from the cap or
-// the driver, is LM_ERR_DEVICE_OOM, and the failure is cleared so the device stays usable. The
-// cap refuses only once the device has said it is not in error.
+static void cache_trim(cuda_ctx *c);
+
+static bool over_cap(const cuda_ctx *c, size_t size)
+{
+    return c->mem_cap && (c->used > c->mem_cap || charge(size) > c->mem_cap - c->used);
+}
+
+// cudaMalloc within the cap, counted in c->used at charge(size). When the cap or the driver
+// refuses and the cache holds memory, the cache is given back and the allocation tried once
+// more. Out of memory, from the cap or the driver, is LM_ERR_DEVICE_OOM, and the failure is
+// cleared so the device stays usable. The cap refuses only once the device has said it is not
+// in error.
 static lm_status dev_malloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     *ptr = NULL;
-    if (c->mem_cap && (c->used > c->mem_cap || charge(size) > c->mem_cap - c->used)) {
+    if (over_cap(c, size) && c->n_cache)
+        cache_trim(c);
+    if (over_cap(c, size)) {
         lm_status s = device_state(c, err);
         return s != LM_OK ? s : out_of_memory(d, size, err);
     }
     cudaError_t e = cudaMalloc(ptr, size);
+    if (e == cudaErrorMemoryAllocation && c->n_cache) {
+        cudaGetLastError();
+        cache_trim(c);
+        e = cudaMalloc(ptr, size);
+    }
     if (e != cudaSuccess) {
         cudaGetLastError();
         *ptr = NULL;
@@ -250,6 +284,80 @@ static void dev_free(cuda_ctx *c, void *p, size_t size)
     c->used -= charge(size);
 }
 
+// Gives every cached buffer back to the driver: one wait for the stream (the buffers' last
+// work), then a cudaFree each. Failures are deferred.
+static void cache_trim(cuda_ctx *c)
+{
+    cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        defer(c, "an operation failed on the device", e);
+    }
+    for (size_t i = 0; i < c->n_cache; i++) {
+        e = cudaFree(c->cache[i].p);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            defer(c, "cudaFree", e);
+        }
+        c->used -= charge(c->cache[i].size);
+    }
+    c->n_cache = 0;
+    c->cached = c->cached_asked = 0;
+}
+
+// Takes a cached buffer of size's rounding (charge()) that holds at least `size` bytes, the
+// smallest such, out of the cache into *ptr and its size into *got; false when there is none.
+// No wait is needed: the buffer's earlier work is on the stream every later use goes on.
+static bool cache_take(cuda_ctx *c, size_t size, void **ptr, size_t *got)
+{
+    size_t best = c->n_cache;
+    uint64_t want = charge(size);
+    for (size_t i = 0; i < c->n_cache; i++) {
+        size_t have = c->cache[i].size;
+        if (have >= size && charge(have) == want && (best == c->n_cache || have < c->cache[best].size))
+            best = i;
+    }
+    if (best == c->n_cache)
+        return false;
+    *ptr = c->cache[best].p;
+    *got = c->cache[best].size;
+    c->cache[best] = c->cache[--c->n_cache];
+    c->cached -= want;
+    c->cached_asked -= *got;
+    return true;
+}
+
+// Keeps buffer p of `size` bytes (from dev_malloc) for reuse; gives it back to the driver
+// (dev_free) when the cache's table cannot grow.
+static void cache_put(cuda_ctx *c, void *p, size_t size)
+{
+    if (c->n_cache == c->cap_cache) {
+        size_t cap = c->cap_cache ? 2 * c->cap_cache : 16;
+        cuda_buf *b = (cuda_buf *)realloc(c->cache, cap * sizeof *b);
+        if (!b) {
+            dev_free(c, p, size);
+            return;
+        }
+        c->cache = b;
+        c->cap_cache = cap;
+    }
+    c->cache[c->n_cache].p = p;
+    c->cache[c->n_cache].size = size;
+    c->n_cache++;
+    c->cached += charge(size);
+    c->cached_asked += size;
+}
+
+// A buffer of at least `size` bytes: from the cache when it has one of that rounding, else from
+// dev_malloc. Its size, to release it with, in *got.
+static lm_status take(lm_dev *d, size_t size, void **ptr, size_t *got, lm_err *err)
+{
+    *got = size;
+    if (cache_take(ctx_of(d), size, ptr, got))
+        return LM_OK;
+    return dev_malloc(d, size, ptr, err);
+}
+
 static lm_status cuda_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
@@ -266,10 +374,11 @@ static lm_status cuda_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
         c->bufs = b;
         c->cap_bufs = cap;
     }
-    if ((s = dev_malloc(d, size, ptr, err)) != LM_OK)
+    size_t got;
+    if ((s = take(d, size, ptr, &got, err)) != LM_OK)
         return s;
     c->bufs[c->n_bufs].p = *ptr;
-    c->bufs[c->n_bufs].size = size;
+    c->bufs[c->n_bufs].size = got;
     c->n_bufs++;
     return LM_OK;
 }
@@ -283,7 +392,7 @@ static void cuda_free(lm_dev *d, void *ptr)
         if (c->bufs[i].p == ptr) {
             size_t size = c->bufs[i].size;
             c->bufs[i] = c->bufs[--c->n_bufs];
-            dev_free(c, ptr, size);
+            cache_put(c, ptr, size);
             return;
         }
     }
@@ -296,22 +405,22 @@ static void cuda_free(lm_dev *d, void *ptr)
     }
 }
 
-// Makes the device scratch at least `bytes` long. The old one is freed only once the stream is
-// done with it (dev_free drains the stream).
+// Makes the device scratch at least `bytes` long. The old one goes to the cache, where the
+// stream orders its reuse after the work still queued on it.
 static lm_status scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     if (bytes <= c->scratch_size)
         return LM_OK;
-    size_t want = bytes < SCRATCH_MIN ? SCRATCH_MIN : bytes;
+    size_t want = bytes < SCRATCH_MIN ? SCRATCH_MIN : bytes, got;
     if (c->scratch) {
-        dev_free(c, c->scratch, c->scratch_size);
+        cache_put(c, c->scratch, c->scratch_size);
         c->scratch = NULL;
         c->scratch_size = 0;
     }
-    lm_status s = dev_malloc(d, want, &c->scratch, err);
+    lm_status s = take(d, want, &c->scratch, &got, err);
     if (s == LM_OK)
-        c->scratch_size = want;
+        c->scratch_size = got;
     return s;
 }
 
@@ -454,6 +563,8 @@ static void cuda_destroy(lm_dev *d)
             cudaStreamSynchronize(c->stream);
         for (size_t i = 0; i < c->n_bufs; i++)
             cudaFree(c->bufs[i].p);
+        for (size_t i = 0; i < c->n_cache; i++)
+            cudaFree(c->cache[i].p);
         if (c->scratch)
             cudaFree(c->scratch);
         if (c->blas_ws)
@@ -474,6 +585,7 @@ static void cuda_destroy(lm_dev *d)
             cudaStreamDestroy(c->stream);
         cudaGetLastError();
         free(c->bufs);
+        free(c->cache);
         free(c->host_scratch);
         free(c);
     }
