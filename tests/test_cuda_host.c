@@ -207,6 +207,41 @@ done:
     free(back);
 }
 
+// Copies of several staging buffers' worth, whole and in parts: uploaded and downloaded bytes
+// come back as they went, chunk boundaries and the staging buffers' turns included (the host
+// threads fill and empty them in slices).
+static void test_copies(lm_dev *d)
+{
+    const size_t n = ((size_t)36 << 20) + 12;  // two whole 16 MiB chunks and part of a third
+    lm_err err = {0};
+    unsigned char *h = malloc(n), *back = malloc(n);
+    void *x = NULL;
+    CHECK(h && back);
+    if (!h || !back)
+        goto done;
+    for (size_t i = 0; i < n; i++)
+        h[i] = (unsigned char)(i * 2654435761u >> 13);
+    CHECK_OK(lm_dev_alloc(d, n, &x, &err), &err);
+    if (!x)
+        goto done;
+    for (int round = 0; round < 3; round++) {  // each starts at another staging buffer
+        size_t skip = (size_t)round * ((size_t)5 << 20) + 7;
+        memset(back, 0, n);
+        CHECK_OK(lm_dev_upload(d, x, h, n, &err), &err);
+        CHECK_OK(lm_dev_upload(d, (char *)x + skip, h, n - skip, &err), &err);
+        CHECK_OK(lm_dev_download(d, back, x, n, &err), &err);
+        CHECK_MSG(memcmp(back, h, skip) == 0 && memcmp(back + skip, h, n - skip) == 0,
+                  "round %d: %zu bytes uploaded at %zu did not come back", round, n - skip, skip);
+        CHECK_OK(lm_dev_download(d, back, (char *)x + skip, n - skip, &err), &err);
+        CHECK_MSG(memcmp(back, h, n - skip) == 0, "round %d: a download from %zu differs", round, skip);
+    }
+    lm_dev_buf_free(d, x);
+    CHECK_OK(lm_dev_check(d, &err), &err);
+done:
+    free(h);
+    free(back);
+}
+
 // The injected faults: an out-of-memory at an allocation or a launch is LM_ERR_DEVICE_OOM and
 // the device goes on; a sticky fault is reported, by the work or at the latest by lm_dev_check,
 // as LM_ERR_DEVICE, and mem_info keeps saying what it said before.
@@ -274,6 +309,7 @@ int main(void)
         test_accounting(d);
         test_potrf(d);
         test_cache(d);
+        test_copies(d);
         lm_dev_destroy(d);
         test_faults();
     }

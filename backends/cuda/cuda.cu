@@ -61,7 +61,9 @@ extern "C" {
 #include "cuda_libs.h"
 #include "kernels.h"
 
-#define STAGE_BYTES ((size_t)8 << 20)   // each of the two pinned staging buffers
+#define N_STAGE 4                       // pinned staging buffers, used in turn
+#define STAGE_BYTES ((size_t)16 << 20)  // each of them
+#define SLICE_BYTES ((size_t)1 << 20)   // what one host thread copies into or out of one at a time
 #define PAGE_BYTES ((size_t)2 << 20)    // the driver's page: buffers above SMALL_BYTES take whole ones
 #define SMALL_BYTES ((size_t)1 << 20)   // buffers up to this share pages, in steps of SMALL_ALIGN
 #define SMALL_ALIGN ((size_t)512)
@@ -104,10 +106,12 @@ typedef struct cuda_ctx {
     cusolverDnParams_t solver_params;  // Xpotrf's (the defaults)
     char note[LM_ERR_MSG_MAX + 64];  // what the device does without (lm_cuda_device_note), or ""
     size_t last_free, last_total;  // the last answer of cudaMemGetInfo
-    void *pinned[2];          // (STAGE_BYTES each) staging buffers; both NULL when pinned memory
-                              // could not be had, and copies go straight from pageable memory
-    cudaEvent_t staged[2];    // recorded after the last copy into or out of pinned[i]
+    void *pinned[N_STAGE];    // (STAGE_BYTES each) staging buffers, n_stage of them (at least 2);
+    int n_stage;              // 0 when pinned memory could not be had, and copies go straight
+                              // from pageable memory
+    cudaEvent_t staged[N_STAGE];  // recorded after the last copy into or out of pinned[i]
     int next_stage;           // the staging buffer the next copy starts with
+    lm_pool *pool;            // the host threads that fill and empty the staging buffers
     void *scratch;            // (scratch_size bytes) device scratch of the reductions
     size_t scratch_size;
     void *host_scratch;       // (host_scratch_size bytes) their results, fetched home
@@ -448,18 +452,43 @@ static cudaError_t record_staged(cuda_ctx *c, int b)
     return e;
 }
 
-// Host → device through the two pinned buffers in turn: chunk i is copied into one while the
-// DMA of chunk i - 1 runs from the other. A buffer is refilled only after its event says the
-// DMA that read it is done. Returns when every chunk is in pinned memory and its DMA enqueued:
-// src is no longer needed, and the DMAs still in flight are ordered before every later
-// operation by the stream.
+// A host-side copy between a staging buffer and the caller's memory, in SLICE_BYTES slices
+// shared among the pool's threads.
+typedef struct stage_copy {
+    char *dst;
+    const char *src;
+    size_t n;
+} stage_copy;
+
+static void stage_copy_task(void *ctx, int64_t i)
+{
+    const stage_copy *j = (const stage_copy *)ctx;
+    size_t off = (size_t)i * SLICE_BYTES, len = j->n - off < SLICE_BYTES ? j->n - off : SLICE_BYTES;
+    memcpy(j->dst + off, j->src + off, len);
+}
+
+static void copy_host(cuda_ctx *c, void *dst, const void *src, size_t n)
+{
+    if (n <= SLICE_BYTES || !c->pool || lm_pool_threads(c->pool) < 2) {
+        memcpy(dst, src, n);
+        return;
+    }
+    stage_copy j = {(char *)dst, (const char *)src, n};
+    lm_pool_run(c->pool, (int64_t)((n + SLICE_BYTES - 1) / SLICE_BYTES), stage_copy_task, &j);
+}
+
+// Host → device through the pinned buffers in turn: chunk i is copied into one by the host
+// threads while the DMAs of the chunks before it run from the others. A buffer is refilled
+// only after its event says the DMA that read it is done. Returns when every chunk is in
+// pinned memory and its DMA enqueued: src is no longer needed, and the DMAs still in flight
+// are ordered before every later operation by the stream.
 static lm_status cuda_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     lm_status status = begin(d, err);
     if (status != LM_OK)
         return status;
-    if (!c->pinned[0]) {
+    if (!c->n_stage) {
         // No pinned memory: the driver stages pageable memory itself; waiting for the copy
         // keeps src free to be released on return whatever the driver does.
         CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream));
@@ -470,10 +499,10 @@ static lm_status cuda_upload(lm_dev *d, void *dst, const void *src, size_t n, lm
         size_t len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
         int b = c->next_stage;
         CUDA_TRY(cudaEventSynchronize(c->staged[b]));
-        memcpy(c->pinned[b], (const char *)src + off, len);
+        copy_host(c, c->pinned[b], (const char *)src + off, len);
         CUDA_TRY(cudaMemcpyAsync((char *)dst + off, c->pinned[b], len, cudaMemcpyHostToDevice, c->stream));
         CUDA_TRY(record_staged(c, b));
-        c->next_stage = b ^ 1;
+        c->next_stage = (b + 1) % c->n_stage;
         off += len;
     }
     return LM_OK;
@@ -489,33 +518,34 @@ static cudaError_t stage_home(cuda_ctx *c, const void *src, size_t n, size_t i, 
     return e != cudaSuccess ? e : record_staged(c, b);
 }
 
-// Device → host through the pinned buffers: the DMA of chunk i + 1 is enqueued before chunk i
-// is copied out, so the two overlap. Returns when dst holds all n bytes. A fault of an earlier
+// Device → host through the pinned buffers: the DMAs of the chunks up to i + n_stage - 1 are
+// enqueued before chunk i is copied out by the host threads, so they overlap. Returns when dst holds all n bytes. A fault of an earlier
 // kernel on the stream surfaces here.
 static lm_status copy_home(cuda_ctx *c, void *dst, const void *src, size_t n, lm_err *err)
 {
     lm_status status = LM_OK;
     size_t chunks = (n + STAGE_BYTES - 1) / STAGE_BYTES;
+    size_t ahead = 0;  // the chunks whose DMA is enqueued
     int first = c->next_stage;
     if (n == 0)
         return LM_OK;
-    if (!c->pinned[0]) {
+    if (!c->n_stage) {
         CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream));
         CUDA_TRY(cudaStreamSynchronize(c->stream));
         return LM_OK;
     }
-    // Chunk i uses buffer (first + i) % 2. The DMA into a buffer is ordered by the stream after
-    // any earlier DMA out of it, and the host has finished reading it (chunk i - 2) before.
-    CUDA_TRY(stage_home(c, src, n, 0, first));
+    // Chunk i uses buffer (first + i) % n_stage. The DMA into a buffer is ordered by the stream
+    // after any earlier DMA out of it, and the host has finished reading it (chunk i - n_stage)
+    // before.
     for (size_t i = 0; i < chunks; i++) {
-        int b = (first + (int)(i & 1)) & 1;
+        for (; ahead < chunks && ahead < i + (size_t)c->n_stage; ahead++)
+            CUDA_TRY(stage_home(c, src, n, ahead, (int)((first + ahead) % (size_t)c->n_stage)));
+        int b = (int)((first + i) % (size_t)c->n_stage);
         size_t off = i * STAGE_BYTES, len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
-        if (i + 1 < chunks)
-            CUDA_TRY(stage_home(c, src, n, i + 1, b ^ 1));
         CUDA_TRY(cudaEventSynchronize(c->staged[b]));
-        memcpy((char *)dst + off, c->pinned[b], len);
+        copy_host(c, (char *)dst + off, c->pinned[b], len);
     }
-    c->next_stage = (first + (int)(chunks & 1)) & 1;
+    c->next_stage = (int)((first + chunks) % (size_t)c->n_stage);
     return LM_OK;
 fail:
     return status;
@@ -569,12 +599,13 @@ static void cuda_destroy(lm_dev *d)
             cudaFree(c->scratch);
         if (c->blas_ws)
             cudaFree(c->blas_ws);
-        for (int b = 0; b < 2; b++) {
+        for (int b = 0; b < N_STAGE; b++) {
             if (c->pinned[b])
                 cudaFreeHost(c->pinned[b]);
             if (c->staged[b])
                 cudaEventDestroy(c->staged[b]);
         }
+        lm_pool_free(c->pool);
         if (c->blas)
             c->cublas->destroy(c->blas);
         if (c->solver_params)
@@ -1262,23 +1293,29 @@ extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_
 
     CUDA_TRY(cudaSetDevice(ordinal));
     CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
-    for (int b = 0; b < 2; b++)
+    for (int b = 0; b < N_STAGE; b++)
         CUDA_TRY(cudaEventCreateWithFlags(&c->staged[b], cudaEventDisableTiming));
+    if ((status = lm_pool_create(&c->pool, d->threads, err)) != LM_OK)
+        goto fail;
     CUDA_TRY(cudaMemGetInfo(&c->last_free, &c->last_total));
     if ((status = load_kernels(c, err)) != LM_OK)
         goto fail;
-    // Pinned staging buffers. Without them (pinned memory is a limited resource of the host)
-    // copies go straight from pageable memory and wait for themselves: slower, still correct.
-    for (int b = 0; b < 2; b++) {
+    // Pinned staging buffers, as many as can be had up to N_STAGE. With fewer than two
+    // (pinned memory is a limited resource of the host) copies go straight from pageable memory
+    // and wait for themselves: slower, still correct.
+    for (int b = 0; b < N_STAGE; b++) {
         if (cudaHostAlloc(&c->pinned[b], STAGE_BYTES, cudaHostAllocDefault) != cudaSuccess) {
             cudaGetLastError();
-            for (int j = 0; j < 2; j++) {
-                if (c->pinned[j])
-                    cudaFreeHost(c->pinned[j]);
-                c->pinned[j] = NULL;
-            }
+            c->pinned[b] = NULL;
             break;
         }
+        c->n_stage = b + 1;
+    }
+    if (c->n_stage < 2) {
+        if (c->pinned[0])
+            cudaFreeHost(c->pinned[0]);
+        c->pinned[0] = NULL;
+        c->n_stage = 0;
     }
     // A first scratch buffer now, while memory is free, so the reductions need not allocate
     // later. When the cap leaves no room for it they try again when they need it; any other
