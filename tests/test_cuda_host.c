@@ -4,7 +4,9 @@
 // and counts cuBLAS's workspace; the 64-bit factorisation factors and refuses a matrix that is
 // not positive definite; lm_dev_check reports a fault that no call has reported yet, and
 // mem_info does not turn a device in error into a full one; an out-of-memory at an allocation
-// or a launch is LM_ERR_DEVICE_OOM and leaves the device usable. Where the build has no such
+// or a launch is LM_ERR_DEVICE_OOM and leaves the device usable; a released buffer is reused
+// without a cudaMalloc and without waiting for the device (counted on cuda-emu), and copies of
+// several staging buffers' worth come back as they went. Where the build has no such
 // device (lm_dev_open: LM_ERR_USAGE), the test says so and passes; a device LLMERGE_TEST_DEVICE
 // names must open.
 #include <stdio.h>
