@@ -145,6 +145,30 @@ oom_each launch ties-lora ties "$B" "$fx/lora_plain"
 oom_each alloc ta-full task-arithmetic "$B" "$fx/ft_full"
 oom_each launch ta-full task-arithmetic "$B" "$fx/ft_full"
 
+# ---- released buffers are reused, and releasing does not wait ------------------------------
+# A released buffer goes back to the device's cache, the next allocation of its size takes it
+# without a cudaMalloc, and nothing is given back to the driver (a cudaFree, which waits for the
+# device) before the device closes: per tensor the host waits for the device about once (its
+# download), where a wait and a cudaFree per release made it k + 4 times; and the work makes
+# fewer cudaMalloc than it has tensors.
+rm -rf "$work/count"
+LLMERGE_EMU_STATS=1 "$llmerge" task-arithmetic "$B" "$fx/ft_full" -o "$work/count" --device cuda-emu:1GiB \
+  >"$work/stats" 2>&1
+rm -rf "$work/count"
+read -r allocs < <(sed -n 's/^cuda-emu: \([0-9]*\) allocations, [0-9]* launches$/\1/p' "$work/stats")
+read -r syncs frees < <(sed -n 's/^cuda-emu: \([0-9]*\) synchronisations, \([0-9]*\) frees$/\1 \2/p' "$work/stats")
+read -r tensors < <(sed -n 's/.*devices: \([0-9]*\) tensors merged on cuda-emu.*/\1/p' "$work/stats")
+if [ "${tensors:-0}" -gt 0 ] && [ -n "$allocs" ] && [ -n "$syncs" ]; then
+  ok
+  # the frees are those of the close, each one wait; the waits of the work come before
+  if [ "$frees" -eq "$allocs" ] && [ $((syncs - frees)) -le $((2 * tensors)) ]; then ok; else
+    bad "$tensors tensors: $((syncs - frees)) waits for the device and $frees cudaFree (of $allocs cudaMalloc)"
+  fi
+  if [ "$allocs" -lt "$tensors" ]; then ok; else bad "$tensors tensors made $allocs cudaMalloc"; fi
+else
+  bad "no counts from LLMERGE_EMU_STATS: $(tail -3 "$work/stats")"
+fi
+
 # a fault: exit 1, the phase and the unit named, no output (nor a temporary left behind)
 no_output() {
   if [ ! -e "$1" ] && ! ls "$work" | grep -q "$(basename "$1").*tmp"; then ok; else bad "a failed run left output: $(ls "$work")"; fi

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "cuda_emu.h"
 #include "device_registry.h"
 
 #define CAP ((uint64_t)48 << 20)  // --gpu-mem of the tests: below any device's (the emulation's) size
@@ -126,6 +127,123 @@ static lm_status some_work(lm_dev *d, int n, lm_err *err)
     return s;
 }
 
+// cuda-emu's counts since the device opened (all zero on another device).
+static lm_cuda_emu_stats emu_stats(lm_dev *d)
+{
+    lm_cuda_emu_stats st = {0};
+    if (strncmp(lm_dev_name(d), "cuda-emu", 8) == 0)
+        lm_cuda_emu_get_stats(&st);
+    return st;
+}
+
+// The cache of released buffers: a released buffer is taken back by the next allocation of its
+// rounded size, the same memory, without a cudaMalloc, and neither the release nor the taking
+// waits for the device; a tensor's work (buffers taken, uploaded, worked on, downloaded,
+// released) waits for the device only for its download. The cache counts as free in mem_info,
+// and an allocation it stands in the way of gets its memory: up to the cap, when all is
+// released. The counts are cuda-emu's; on another device only what the API shows is checked.
+static void test_cache(lm_dev *d)
+{
+    enum { TENSORS = 6, BUFS = 5, N = 300000 };  // 1.2 MB a buffer: whole pages
+    lm_err err = {0};
+    size_t base = used_of(d);
+    float *host = calloc(N, sizeof *host), *back = malloc(N * sizeof *back);
+    CHECK(host && back);
+    if (!host || !back)
+        goto done;
+    void *a = NULL, *b = NULL;
+    CHECK_OK(lm_dev_alloc(d, N * sizeof(float), &a, &err), &err);
+    lm_dev_buf_free(d, a);
+    CHECK_MSG(used_of(d) == base, "a released buffer still counted as %zu bytes in use", used_of(d) - base);
+    lm_cuda_emu_stats st0 = emu_stats(d);
+    CHECK_OK(lm_dev_alloc(d, N * sizeof(float) - 100, &b, &err), &err);  // the same rounding
+    lm_cuda_emu_stats st1 = emu_stats(d);
+    CHECK_MSG(b == a, "a released buffer was not taken back by the next allocation of its size");
+    CHECK_MSG(st1.allocs == st0.allocs && st1.syncs == st0.syncs,
+              "taking a released buffer back made %llu cudaMalloc and %llu waits",
+              (unsigned long long)(st1.allocs - st0.allocs), (unsigned long long)(st1.syncs - st0.syncs));
+    lm_dev_buf_free(d, b);
+    lm_cuda_emu_stats st2 = emu_stats(d);
+    CHECK_MSG(st2.syncs == st1.syncs && st2.frees == st1.frees, "a release waited %llu times, freed %llu",
+              (unsigned long long)(st2.syncs - st1.syncs), (unsigned long long)(st2.frees - st1.frees));
+
+    // tensors: BUFS buffers each, one download
+    for (int t = 0; t < TENSORS; t++) {
+        float *buf[BUFS] = {0};
+        host[t] = (float)(t + 1);
+        for (int i = 0; i < BUFS; i++) {
+            CHECK_OK(lm_dev_alloc(d, N * sizeof(float), (void **)&buf[i], &err), &err);
+            CHECK_OK(lm_dev_upload(d, buf[i], host, N * sizeof(float), &err), &err);
+        }
+        for (int i = 1; i < BUFS; i++)
+            CHECK_OK(lm_dev_axpby(d, buf[0], 1.0f, buf[i], 1.0f, N, &err), &err);
+        CHECK_OK(lm_dev_download(d, back, buf[0], N * sizeof(float), &err), &err);
+        for (int i = 0; i < BUFS; i++)
+            lm_dev_buf_free(d, buf[i]);
+    }
+    lm_cuda_emu_stats st3 = emu_stats(d);
+    CHECK_MSG(back[TENSORS - 1] == (float)(BUFS * TENSORS), "the last tensor's sum %g, not %d", back[TENSORS - 1],
+              BUFS * TENSORS);
+    if (st3.launches) {
+        // the first tensor's buffers are cudaMalloc'ed (one of them the cache's), the rest reused
+        CHECK_MSG(st3.allocs - st2.allocs == BUFS - 1, "%d tensors of %d buffers made %llu cudaMalloc", TENSORS, BUFS,
+                  (unsigned long long)(st3.allocs - st2.allocs));
+        CHECK_MSG(st3.syncs - st2.syncs == 0 && st3.frees == st2.frees,
+                  "%d tensors waited for the device %llu times and freed %llu buffers", TENSORS,
+                  (unsigned long long)(st3.syncs - st2.syncs), (unsigned long long)(st3.frees - st2.frees));
+    }
+    CHECK(used_of(d) == base);
+    // all the cap leaves, the cache's buffers given back for it
+    size_t fr = 0, tot = 0;
+    lm_dev_mem_info(d, &fr, &tot);
+    void *all = NULL;
+    CHECK_OK(lm_dev_alloc(d, fr - ((size_t)2 << 20), &all, &err), &err);
+    lm_cuda_emu_stats st4 = emu_stats(d);
+    if (st4.launches)
+        CHECK_MSG(st4.frees - st3.frees >= BUFS, "%llu cached buffers given back, not all %d",
+                  (unsigned long long)(st4.frees - st3.frees), BUFS);
+    lm_dev_buf_free(d, all);
+    CHECK_OK(lm_dev_check(d, &err), &err);
+done:
+    free(host);
+    free(back);
+}
+
+// Copies of several staging buffers' worth, whole and in parts: uploaded and downloaded bytes
+// come back as they went, chunk boundaries and the staging buffers' turns included (the host
+// threads fill and empty them in slices).
+static void test_copies(lm_dev *d)
+{
+    const size_t n = ((size_t)36 << 20) + 12;  // two whole 16 MiB chunks and part of a third
+    lm_err err = {0};
+    unsigned char *h = malloc(n), *back = malloc(n);
+    void *x = NULL;
+    CHECK(h && back);
+    if (!h || !back)
+        goto done;
+    for (size_t i = 0; i < n; i++)
+        h[i] = (unsigned char)(i * 2654435761u >> 13);
+    CHECK_OK(lm_dev_alloc(d, n, &x, &err), &err);
+    if (!x)
+        goto done;
+    for (int round = 0; round < 3; round++) {  // each starts at another staging buffer
+        size_t skip = (size_t)round * ((size_t)5 << 20) + 7;
+        memset(back, 0, n);
+        CHECK_OK(lm_dev_upload(d, x, h, n, &err), &err);
+        CHECK_OK(lm_dev_upload(d, (char *)x + skip, h, n - skip, &err), &err);
+        CHECK_OK(lm_dev_download(d, back, x, n, &err), &err);
+        CHECK_MSG(memcmp(back, h, skip) == 0 && memcmp(back + skip, h, n - skip) == 0,
+                  "round %d: %zu bytes uploaded at %zu did not come back", round, n - skip, skip);
+        CHECK_OK(lm_dev_download(d, back, (char *)x + skip, n - skip, &err), &err);
+        CHECK_MSG(memcmp(back, h, n - skip) == 0, "round %d: a download from %zu differs", round, skip);
+    }
+    lm_dev_buf_free(d, x);
+    CHECK_OK(lm_dev_check(d, &err), &err);
+done:
+    free(h);
+    free(back);
+}
+
 // The injected faults: an out-of-memory at an allocation or a launch is LM_ERR_DEVICE_OOM and
 // the device goes on; a sticky fault is reported, by the work or at the latest by lm_dev_check,
 // as LM_ERR_DEVICE, and mem_info keeps saying what it said before.
@@ -192,6 +310,8 @@ int main(void)
     if (d) {
         test_accounting(d);
         test_potrf(d);
+        test_cache(d);
+        test_copies(d);
         lm_dev_destroy(d);
         test_faults();
     }

@@ -34,6 +34,16 @@ lm_status lm_dev_cuda_emu_create(lm_dev **out, uint64_t budget, uint64_t mem_cap
 // or NULL (cuda_tail.inc).
 const char *lm_cuda_emu_note(lm_dev *d);
 
+// What the emulated device opened last has counted since it opened, for the tests. syncs counts every host wait for a whole stream or the device (cudaStreamSynchronize,
+// cudaDeviceSynchronize, and cudaFree, which waits for the device), frees the cudaFree calls.
+typedef struct lm_cuda_emu_stats {
+    uint64_t allocs;    // cudaMalloc (and cudaMallocAsync) calls
+    uint64_t launches;  // kernel launches
+    uint64_t syncs;
+    uint64_t frees;
+} lm_cuda_emu_stats;
+void lm_cuda_emu_get_stats(lm_cuda_emu_stats *out);
+
 #ifdef __cplusplus
 }
 #endif

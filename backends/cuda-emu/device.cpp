@@ -61,3 +61,13 @@ extern "C" lm_status lm_dev_cuda_emu_create(lm_dev **out, uint64_t budget, uint6
     (*out)->iface = &emu_iface;
     return LM_OK;
 }
+
+extern "C" void lm_cuda_emu_get_stats(lm_cuda_emu_stats *out)
+{
+    uint64_t c[4];
+    lm_emu::stats(c);
+    out->allocs = c[0];
+    out->launches = c[1];
+    out->syncs = c[2];
+    out->frees = c[3];
+}

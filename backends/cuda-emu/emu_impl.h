@@ -40,6 +40,10 @@ void give_bytes(size_t n);
 // process, as there is one GPU).
 bool open_device(uint64_t budget, const char *fail, char *why, size_t why_size);
 
+// What the device counted since it opened: cudaMalloc calls, kernel launches, host waits for a
+// stream or the device (cudaStreamSynchronize, cudaDeviceSynchronize, cudaFree), cudaFree calls.
+void stats(uint64_t counts[4]);
+
 // Ends the device open_device began: what is still allocated stays valid until freed.
 void close_device(void);
 

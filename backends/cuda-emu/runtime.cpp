@@ -28,7 +28,9 @@
 // launch runs (64; the kernels are grid-stride loops), and LLMERGE_EMU_SEED, when set to a
 // number other than 0, runs each block's threads in a random order drawn from it. With
 // LLMERGE_EMU_STATS set, closing the device prints how many allocations and launches it saw (so
-// a test can inject a failure at each).
+// a test can inject a failure at each), and on a second line how many times the host waited for
+// a whole stream or the device (cudaStreamSynchronize, cudaDeviceSynchronize, cudaFree) and how
+// many cudaFree calls it made; stats() gives the same counts to a test.
 #include "emu_impl.h"
 
 #include <pthread.h>
@@ -84,6 +86,7 @@ static std::deque<op> *queue;                      // work not run yet, in issue
 static uint64_t issued;                            // the queue position of the last work issued
 static pthread_mutex_t qlock = PTHREAD_MUTEX_INITIALIZER;  // the queue, while work runs
 static uint64_t allocs, launches;
+static uint64_t syncs, frees;  // host waits for a whole stream or the device; cudaFree calls
 static uint64_t alloc_oom_at, launch_oom_at, launch_fault_at;
 static bool driver_old, no_cublas, no_cusolver;
 static unsigned max_blocks = DEFAULT_MAX_BLOCKS;
@@ -268,7 +271,7 @@ bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
     }
     opened = true;
     budget = bytes;
-    allocs = launches = 0;
+    allocs = launches = syncs = frees = 0;
     alloc_oom_at = a;
     launch_oom_at = lo;
     launch_fault_at = lf;
@@ -282,13 +285,35 @@ bool open_device(uint64_t bytes, const char *fail, char *why, size_t why_size)
     return true;
 }
 
+// Counts a host wait for the whole device or a stream (and a cudaFree, which is one).
+static void count_sync(bool is_free)
+{
+    pthread_mutex_lock(&lock);
+    syncs++;
+    frees += is_free;
+    pthread_mutex_unlock(&lock);
+}
+
+void stats(uint64_t counts[4])
+{
+    pthread_mutex_lock(&lock);
+    counts[0] = allocs;
+    counts[1] = launches;
+    counts[2] = syncs;
+    counts[3] = frees;
+    pthread_mutex_unlock(&lock);
+}
+
 void close_device(void)
 {
     drain_all();
     pthread_mutex_lock(&lock);
-    if (getenv("LLMERGE_EMU_STATS"))
+    if (getenv("LLMERGE_EMU_STATS")) {
         fprintf(stderr, "cuda-emu: %llu allocations, %llu launches\n", (unsigned long long)allocs,
                 (unsigned long long)launches);
+        fprintf(stderr, "cuda-emu: %llu synchronisations, %llu frees\n", (unsigned long long)syncs,
+                (unsigned long long)frees);
+    }
     opened = false;
     pthread_mutex_unlock(&lock);
 }
@@ -449,6 +474,7 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device)
 cudaError_t cudaDeviceSynchronize(void)
 {
     ENTER();
+    count_sync(false);
     return wait_for(UINT64_MAX);
 }
 
@@ -497,6 +523,7 @@ cudaError_t cudaFree(void *p)
     ENTER();
     if (!p)
         return cudaSuccess;
+    count_sync(true);
     // cudaFree waits for the device's work
     if (wait_for(UINT64_MAX) != cudaSuccess)
         return sticky;
@@ -729,6 +756,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s)
     ENTER();
     if (!stream_ok(s))
         return set_error(cudaErrorInvalidResourceHandle);
+    count_sync(false);
     return wait_for(s ? s->last : UINT64_MAX);
 }
 

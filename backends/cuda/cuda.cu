@@ -9,7 +9,8 @@
 // run; kernels run while the host stages the next input. The host waits only where a result
 // must reach it: downloads, the reductions whose result is a host value (hist_abs,
 // hist_window, l1, the tie counts of topk_apply and topk_apply_by), lm_dev_sync, and before
-// freeing memory the stream may still use.
+// giving memory back to the driver (only when the cache below must make room, at the end of a
+// factorisation and when the device closes).
 //
 // Errors. A failed allocation, and a kernel launch refused for want of memory, are
 // LM_ERR_DEVICE_OOM and leave the device usable; any other CUDA failure is LM_ERR_DEVICE naming
@@ -22,6 +23,14 @@
 // Memory. --gpu-mem caps what the device shows as taken (nvidia-smi): every buffer is counted
 // as the driver rounds it (charge()), and so are cuBLAS's workspace and what the cuBLAS and
 // cuSOLVER handles took when they were made, and cuSOLVER's workspace of each factorisation.
+// A released buffer is not given back to the driver but kept in a cache, stream-ordered as
+// cudaFreeAsync's pools are: every later use of the memory is on the same stream, after the
+// work that used it before, so the release neither waits nor frees, and the next allocation
+// of the same rounded size takes it back without a cudaMalloc. The cache counts as taken
+// against the cap and as free in mem_info; when an allocation would pass the cap, or the
+// driver refuses it, the cache is given back (one wait for the stream, then cudaFree) and the
+// allocation tried again, so out of memory is still out of memory only when the live buffers
+// leave no room.
 // Every kernel, and cuBLAS's first GEMM kernel, is loaded when the device opens, so that no
 // launch later has to find memory for code.
 //
@@ -52,7 +61,9 @@ extern "C" {
 #include "cuda_libs.h"
 #include "kernels.h"
 
-#define STAGE_BYTES ((size_t)8 << 20)   // each of the two pinned staging buffers
+#define N_STAGE 4                       // pinned staging buffers, used in turn
+#define STAGE_BYTES ((size_t)16 << 20)  // each of them
+#define SLICE_BYTES ((size_t)1 << 20)   // what one host thread copies into or out of one at a time
 #define PAGE_BYTES ((size_t)2 << 20)    // the driver's page: buffers above SMALL_BYTES take whole ones
 #define SMALL_BYTES ((size_t)1 << 20)   // buffers up to this share pages, in steps of SMALL_ALIGN
 #define SMALL_ALIGN ((size_t)512)
@@ -79,6 +90,11 @@ typedef struct cuda_ctx {
     uint64_t lib_bytes;       // of used: what the cuBLAS and cuSOLVER handles took when made
     cuda_buf *bufs;           // (n_bufs) live buffers from alloc, in no order
     size_t n_bufs, cap_bufs;
+    cuda_buf *cache;          // (n_cache) released buffers kept for reuse, in no order
+    size_t n_cache, cap_cache;
+    uint64_t cached;          // of used: what the cache holds, at charge()
+    uint64_t cached_asked;    // what the cache holds in bytes asked for (what the driver gives
+                              // back at least when the cache is freed)
     cudaStream_t stream;      // everything runs on it (non-blocking: no implicit sync with stream 0)
     const lm_cublas_fns *cublas;  // cuBLAS, loaded when the device was opened
     cublasHandle_t blas;      // bound to stream
@@ -90,10 +106,12 @@ typedef struct cuda_ctx {
     cusolverDnParams_t solver_params;  // Xpotrf's (the defaults)
     char note[LM_ERR_MSG_MAX + 64];  // what the device does without (lm_cuda_device_note), or ""
     size_t last_free, last_total;  // the last answer of cudaMemGetInfo
-    void *pinned[2];          // (STAGE_BYTES each) staging buffers; both NULL when pinned memory
-                              // could not be had, and copies go straight from pageable memory
-    cudaEvent_t staged[2];    // recorded after the last copy into or out of pinned[i]
+    void *pinned[N_STAGE];    // (STAGE_BYTES each) staging buffers, n_stage of them (at least 2);
+    int n_stage;              // 0 when pinned memory could not be had, and copies go straight
+                              // from pageable memory
+    cudaEvent_t staged[N_STAGE];  // recorded after the last copy into or out of pinned[i]
     int next_stage;           // the staging buffer the next copy starts with
+    lm_pool *pool;            // the host threads that fill and empty the staging buffers
     void *scratch;            // (scratch_size bytes) device scratch of the reductions
     size_t scratch_size;
     void *host_scratch;       // (host_scratch_size bytes) their results, fetched home
@@ -178,6 +196,9 @@ static void cuda_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes)
     if (e == cudaSuccess)
         e = cudaMemGetInfo(&fr, &tot);
     if (e == cudaSuccess) {
+        fr += (size_t)c->cached_asked;  // the cache's buffers are free for the next allocations
+        if (fr > tot)
+            fr = tot;
         c->last_free = fr;
         c->last_total = tot;
     } else {
@@ -187,7 +208,8 @@ static void cuda_mem_info(lm_dev *d, size_t *free_bytes, size_t *total_bytes)
         tot = c->last_total;
     }
     if (c->mem_cap) {
-        uint64_t room = c->mem_cap > c->used ? c->mem_cap - c->used : 0;
+        uint64_t live = c->used - c->cached;
+        uint64_t room = c->mem_cap > live ? c->mem_cap - live : 0;
         if (fr > room)
             fr = (size_t)room;
         if (tot == 0 || tot > c->mem_cap)
@@ -206,18 +228,34 @@ static lm_status out_of_memory(lm_dev *d, size_t size, lm_err *err)
                       lm_format_bytes(need, sizeof need, size), lm_format_bytes(have, sizeof have, fr));
 }
 
-// cudaMalloc within the cap, counted in c->used at charge(size). Out of memory, from the cap or
-// the driver, is LM_ERR_DEVICE_OOM, and the failure is cleared so the device stays usable. The
-// cap refuses only once the device has said it is not in error.
+static void cache_trim(cuda_ctx *c);
+
+static bool over_cap(const cuda_ctx *c, size_t size)
+{
+    return c->mem_cap && (c->used > c->mem_cap || charge(size) > c->mem_cap - c->used);
+}
+
+// cudaMalloc within the cap, counted in c->used at charge(size). When the cap or the driver
+// refuses and the cache holds memory, the cache is given back and the allocation tried once
+// more. Out of memory, from the cap or the driver, is LM_ERR_DEVICE_OOM, and the failure is
+// cleared so the device stays usable. The cap refuses only once the device has said it is not
+// in error.
 static lm_status dev_malloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     *ptr = NULL;
-    if (c->mem_cap && (c->used > c->mem_cap || charge(size) > c->mem_cap - c->used)) {
+    if (over_cap(c, size) && c->n_cache)
+        cache_trim(c);
+    if (over_cap(c, size)) {
         lm_status s = device_state(c, err);
         return s != LM_OK ? s : out_of_memory(d, size, err);
     }
     cudaError_t e = cudaMalloc(ptr, size);
+    if (e == cudaErrorMemoryAllocation && c->n_cache) {
+        cudaGetLastError();
+        cache_trim(c);
+        e = cudaMalloc(ptr, size);
+    }
     if (e != cudaSuccess) {
         cudaGetLastError();
         *ptr = NULL;
@@ -250,6 +288,80 @@ static void dev_free(cuda_ctx *c, void *p, size_t size)
     c->used -= charge(size);
 }
 
+// Gives every cached buffer back to the driver: one wait for the stream (the buffers' last
+// work), then a cudaFree each. Failures are deferred.
+static void cache_trim(cuda_ctx *c)
+{
+    cudaError_t e = cudaStreamSynchronize(c->stream);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        defer(c, "an operation failed on the device", e);
+    }
+    for (size_t i = 0; i < c->n_cache; i++) {
+        e = cudaFree(c->cache[i].p);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            defer(c, "cudaFree", e);
+        }
+        c->used -= charge(c->cache[i].size);
+    }
+    c->n_cache = 0;
+    c->cached = c->cached_asked = 0;
+}
+
+// Takes a cached buffer of size's rounding (charge()) that holds at least `size` bytes, the
+// smallest such, out of the cache into *ptr and its size into *got; false when there is none.
+// No wait is needed: the buffer's earlier work is on the stream every later use goes on.
+static bool cache_take(cuda_ctx *c, size_t size, void **ptr, size_t *got)
+{
+    size_t best = c->n_cache;
+    uint64_t want = charge(size);
+    for (size_t i = 0; i < c->n_cache; i++) {
+        size_t have = c->cache[i].size;
+        if (have >= size && charge(have) == want && (best == c->n_cache || have < c->cache[best].size))
+            best = i;
+    }
+    if (best == c->n_cache)
+        return false;
+    *ptr = c->cache[best].p;
+    *got = c->cache[best].size;
+    c->cache[best] = c->cache[--c->n_cache];
+    c->cached -= want;
+    c->cached_asked -= *got;
+    return true;
+}
+
+// Keeps buffer p of `size` bytes (from dev_malloc) for reuse; gives it back to the driver
+// (dev_free) when the cache's table cannot grow.
+static void cache_put(cuda_ctx *c, void *p, size_t size)
+{
+    if (c->n_cache == c->cap_cache) {
+        size_t cap = c->cap_cache ? 2 * c->cap_cache : 16;
+        cuda_buf *b = (cuda_buf *)realloc(c->cache, cap * sizeof *b);
+        if (!b) {
+            dev_free(c, p, size);
+            return;
+        }
+        c->cache = b;
+        c->cap_cache = cap;
+    }
+    c->cache[c->n_cache].p = p;
+    c->cache[c->n_cache].size = size;
+    c->n_cache++;
+    c->cached += charge(size);
+    c->cached_asked += size;
+}
+
+// A buffer of at least `size` bytes: from the cache when it has one of that rounding, else from
+// dev_malloc. Its size, to release it with, in *got.
+static lm_status take(lm_dev *d, size_t size, void **ptr, size_t *got, lm_err *err)
+{
+    *got = size;
+    if (cache_take(ctx_of(d), size, ptr, got))
+        return LM_OK;
+    return dev_malloc(d, size, ptr, err);
+}
+
 static lm_status cuda_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
@@ -266,10 +378,11 @@ static lm_status cuda_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
         c->bufs = b;
         c->cap_bufs = cap;
     }
-    if ((s = dev_malloc(d, size, ptr, err)) != LM_OK)
+    size_t got;
+    if ((s = take(d, size, ptr, &got, err)) != LM_OK)
         return s;
     c->bufs[c->n_bufs].p = *ptr;
-    c->bufs[c->n_bufs].size = size;
+    c->bufs[c->n_bufs].size = got;
     c->n_bufs++;
     return LM_OK;
 }
@@ -283,7 +396,7 @@ static void cuda_free(lm_dev *d, void *ptr)
         if (c->bufs[i].p == ptr) {
             size_t size = c->bufs[i].size;
             c->bufs[i] = c->bufs[--c->n_bufs];
-            dev_free(c, ptr, size);
+            cache_put(c, ptr, size);
             return;
         }
     }
@@ -296,22 +409,22 @@ static void cuda_free(lm_dev *d, void *ptr)
     }
 }
 
-// Makes the device scratch at least `bytes` long. The old one is freed only once the stream is
-// done with it (dev_free drains the stream).
+// Makes the device scratch at least `bytes` long. The old one goes to the cache, where the
+// stream orders its reuse after the work still queued on it.
 static lm_status scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     if (bytes <= c->scratch_size)
         return LM_OK;
-    size_t want = bytes < SCRATCH_MIN ? SCRATCH_MIN : bytes;
+    size_t want = bytes < SCRATCH_MIN ? SCRATCH_MIN : bytes, got;
     if (c->scratch) {
-        dev_free(c, c->scratch, c->scratch_size);
+        cache_put(c, c->scratch, c->scratch_size);
         c->scratch = NULL;
         c->scratch_size = 0;
     }
-    lm_status s = dev_malloc(d, want, &c->scratch, err);
+    lm_status s = take(d, want, &c->scratch, &got, err);
     if (s == LM_OK)
-        c->scratch_size = want;
+        c->scratch_size = got;
     return s;
 }
 
@@ -339,18 +452,43 @@ static cudaError_t record_staged(cuda_ctx *c, int b)
     return e;
 }
 
-// Host → device through the two pinned buffers in turn: chunk i is copied into one while the
-// DMA of chunk i - 1 runs from the other. A buffer is refilled only after its event says the
-// DMA that read it is done. Returns when every chunk is in pinned memory and its DMA enqueued:
-// src is no longer needed, and the DMAs still in flight are ordered before every later
-// operation by the stream.
+// A host-side copy between a staging buffer and the caller's memory, in SLICE_BYTES slices
+// shared among the pool's threads.
+typedef struct stage_copy {
+    char *dst;
+    const char *src;
+    size_t n;
+} stage_copy;
+
+static void stage_copy_task(void *ctx, int64_t i)
+{
+    const stage_copy *j = (const stage_copy *)ctx;
+    size_t off = (size_t)i * SLICE_BYTES, len = j->n - off < SLICE_BYTES ? j->n - off : SLICE_BYTES;
+    memcpy(j->dst + off, j->src + off, len);
+}
+
+static void copy_host(cuda_ctx *c, void *dst, const void *src, size_t n)
+{
+    if (n <= SLICE_BYTES || !c->pool || lm_pool_threads(c->pool) < 2) {
+        memcpy(dst, src, n);
+        return;
+    }
+    stage_copy j = {(char *)dst, (const char *)src, n};
+    lm_pool_run(c->pool, (int64_t)((n + SLICE_BYTES - 1) / SLICE_BYTES), stage_copy_task, &j);
+}
+
+// Host → device through the pinned buffers in turn: chunk i is copied into one by the host
+// threads while the DMAs of the chunks before it run from the others. A buffer is refilled
+// only after its event says the DMA that read it is done. Returns when every chunk is in
+// pinned memory and its DMA enqueued: src is no longer needed, and the DMAs still in flight
+// are ordered before every later operation by the stream.
 static lm_status cuda_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     lm_status status = begin(d, err);
     if (status != LM_OK)
         return status;
-    if (!c->pinned[0]) {
+    if (!c->n_stage) {
         // No pinned memory: the driver stages pageable memory itself; waiting for the copy
         // keeps src free to be released on return whatever the driver does.
         CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyHostToDevice, c->stream));
@@ -361,10 +499,10 @@ static lm_status cuda_upload(lm_dev *d, void *dst, const void *src, size_t n, lm
         size_t len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
         int b = c->next_stage;
         CUDA_TRY(cudaEventSynchronize(c->staged[b]));
-        memcpy(c->pinned[b], (const char *)src + off, len);
+        copy_host(c, c->pinned[b], (const char *)src + off, len);
         CUDA_TRY(cudaMemcpyAsync((char *)dst + off, c->pinned[b], len, cudaMemcpyHostToDevice, c->stream));
         CUDA_TRY(record_staged(c, b));
-        c->next_stage = b ^ 1;
+        c->next_stage = (b + 1) % c->n_stage;
         off += len;
     }
     return LM_OK;
@@ -380,33 +518,34 @@ static cudaError_t stage_home(cuda_ctx *c, const void *src, size_t n, size_t i, 
     return e != cudaSuccess ? e : record_staged(c, b);
 }
 
-// Device → host through the pinned buffers: the DMA of chunk i + 1 is enqueued before chunk i
-// is copied out, so the two overlap. Returns when dst holds all n bytes. A fault of an earlier
+// Device → host through the pinned buffers: the DMAs of the chunks up to i + n_stage - 1 are
+// enqueued before chunk i is copied out by the host threads, so they overlap. Returns when dst holds all n bytes. A fault of an earlier
 // kernel on the stream surfaces here.
 static lm_status copy_home(cuda_ctx *c, void *dst, const void *src, size_t n, lm_err *err)
 {
     lm_status status = LM_OK;
     size_t chunks = (n + STAGE_BYTES - 1) / STAGE_BYTES;
+    size_t ahead = 0;  // the chunks whose DMA is enqueued
     int first = c->next_stage;
     if (n == 0)
         return LM_OK;
-    if (!c->pinned[0]) {
+    if (!c->n_stage) {
         CUDA_TRY(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToHost, c->stream));
         CUDA_TRY(cudaStreamSynchronize(c->stream));
         return LM_OK;
     }
-    // Chunk i uses buffer (first + i) % 2. The DMA into a buffer is ordered by the stream after
-    // any earlier DMA out of it, and the host has finished reading it (chunk i - 2) before.
-    CUDA_TRY(stage_home(c, src, n, 0, first));
+    // Chunk i uses buffer (first + i) % n_stage. The DMA into a buffer is ordered by the stream
+    // after any earlier DMA out of it, and the host has finished reading it (chunk i - n_stage)
+    // before.
     for (size_t i = 0; i < chunks; i++) {
-        int b = (first + (int)(i & 1)) & 1;
+        for (; ahead < chunks && ahead < i + (size_t)c->n_stage; ahead++)
+            CUDA_TRY(stage_home(c, src, n, ahead, (int)((first + ahead) % (size_t)c->n_stage)));
+        int b = (int)((first + i) % (size_t)c->n_stage);
         size_t off = i * STAGE_BYTES, len = n - off < STAGE_BYTES ? n - off : STAGE_BYTES;
-        if (i + 1 < chunks)
-            CUDA_TRY(stage_home(c, src, n, i + 1, b ^ 1));
         CUDA_TRY(cudaEventSynchronize(c->staged[b]));
-        memcpy((char *)dst + off, c->pinned[b], len);
+        copy_host(c, (char *)dst + off, c->pinned[b], len);
     }
-    c->next_stage = (first + (int)(chunks & 1)) & 1;
+    c->next_stage = (int)((first + chunks) % (size_t)c->n_stage);
     return LM_OK;
 fail:
     return status;
@@ -454,16 +593,19 @@ static void cuda_destroy(lm_dev *d)
             cudaStreamSynchronize(c->stream);
         for (size_t i = 0; i < c->n_bufs; i++)
             cudaFree(c->bufs[i].p);
+        for (size_t i = 0; i < c->n_cache; i++)
+            cudaFree(c->cache[i].p);
         if (c->scratch)
             cudaFree(c->scratch);
         if (c->blas_ws)
             cudaFree(c->blas_ws);
-        for (int b = 0; b < 2; b++) {
+        for (int b = 0; b < N_STAGE; b++) {
             if (c->pinned[b])
                 cudaFreeHost(c->pinned[b]);
             if (c->staged[b])
                 cudaEventDestroy(c->staged[b]);
         }
+        lm_pool_free(c->pool);
         if (c->blas)
             c->cublas->destroy(c->blas);
         if (c->solver_params)
@@ -474,6 +616,7 @@ static void cuda_destroy(lm_dev *d)
             cudaStreamDestroy(c->stream);
         cudaGetLastError();
         free(c->bufs);
+        free(c->cache);
         free(c->host_scratch);
         free(c);
     }
@@ -1152,23 +1295,29 @@ extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_
 
     CUDA_TRY(cudaSetDevice(ordinal));
     CUDA_TRY(cudaStreamCreateWithFlags(&c->stream, cudaStreamNonBlocking));
-    for (int b = 0; b < 2; b++)
+    for (int b = 0; b < N_STAGE; b++)
         CUDA_TRY(cudaEventCreateWithFlags(&c->staged[b], cudaEventDisableTiming));
+    if ((status = lm_pool_create(&c->pool, d->threads, err)) != LM_OK)
+        goto fail;
     CUDA_TRY(cudaMemGetInfo(&c->last_free, &c->last_total));
     if ((status = load_kernels(c, err)) != LM_OK)
         goto fail;
-    // Pinned staging buffers. Without them (pinned memory is a limited resource of the host)
-    // copies go straight from pageable memory and wait for themselves: slower, still correct.
-    for (int b = 0; b < 2; b++) {
+    // Pinned staging buffers, as many as can be had up to N_STAGE. With fewer than two
+    // (pinned memory is a limited resource of the host) copies go straight from pageable memory
+    // and wait for themselves: slower, still correct.
+    for (int b = 0; b < N_STAGE; b++) {
         if (cudaHostAlloc(&c->pinned[b], STAGE_BYTES, cudaHostAllocDefault) != cudaSuccess) {
             cudaGetLastError();
-            for (int j = 0; j < 2; j++) {
-                if (c->pinned[j])
-                    cudaFreeHost(c->pinned[j]);
-                c->pinned[j] = NULL;
-            }
+            c->pinned[b] = NULL;
             break;
         }
+        c->n_stage = b + 1;
+    }
+    if (c->n_stage < 2) {
+        if (c->pinned[0])
+            cudaFreeHost(c->pinned[0]);
+        c->pinned[0] = NULL;
+        c->n_stage = 0;
     }
     // A first scratch buffer now, while memory is free, so the reductions need not allocate
     // later. When the cap leaves no room for it they try again when they need it; any other
