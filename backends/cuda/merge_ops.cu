@@ -278,13 +278,33 @@ __global__ void k_dora_rows(float *tau, const float *base, const float *mag, int
 
 #define NO_BIN 0xFFFFFFFFu
 
+// The level-0 bins each block counts in shared memory: the top 16 bits of magnitudes from 2⁻⁶³
+// to 2 (biased exponents 64 to 127, 128 bins each), where weights and task vectors lie. 32-bit
+// counts, 32 KiB, within the 48 KiB every GPU gives a block.
+#define HIST_HOT_LO 8192u
+#define HIST_HOT_BINS 8192u
+// Elements per block at least, so that zeroing and flushing its shared bins stays a small part
+// of its work.
+#define HIST_BLOCK_MIN 32768
+
 // Adds the level-0 (top 16 magnitude bits) or level-1 (low 16 bits of the magnitudes whose top
-// 16 bits are hi_bin) histogram of x to hist. The lanes of a warp that fall into the same bin
-// add their count with one atomic. The loop runs whole warps (base is the warp's first
-// element), so every lane reaches __match_any_sync.
+// 16 bits are hi_bin) histogram of x to hist, for n <= UINT32_MAX (the shared counts are 32 bits
+// wide). Level 0 counts the bins from HIST_HOT_LO in the block's shared memory and adds them to
+// hist once at the end; the rest of level 0 and level 1 (whose values all lie in one level-0
+// bin, a narrow band, and whose 65536 bins do not fit in shared memory) go to hist directly.
+// Either way the lanes of a warp that fall into the same bin add their count with one atomic.
+// The loop runs whole warps (base is the warp's first element), so every lane reaches
+// __match_any_sync. Exact: every element is counted once, in integers.
 __global__ void k_hist_abs(unsigned long long *hist, const float *x, int64_t n, int level, uint32_t hi_bin)
 {
+    __shared__ unsigned hot[HIST_HOT_BINS];
     const int lane = threadIdx.x & 31;
+    const bool privatise = level == 0;  // uniform: a kernel argument
+    if (privatise) {
+        for (unsigned b = threadIdx.x; b < HIST_HOT_BINS; b += blockDim.x)
+            hot[b] = 0;
+        __syncthreads();
+    }
     for (int64_t base = blockIdx.x * (int64_t)blockDim.x + (threadIdx.x & ~31u); base < n;
          base += (int64_t)gridDim.x * blockDim.x) {
         int64_t i = base + lane;
@@ -297,8 +317,18 @@ __global__ void k_hist_abs(unsigned long long *hist, const float *x, int64_t n, 
                 bin = bits & 0xFFFFu;
         }
         unsigned peers = __match_any_sync(FULL_MASK, bin);
-        if (bin != NO_BIN && lane == __ffs(peers) - 1)
-            atomicAdd(&hist[bin], (unsigned long long)__popc(peers));
+        if (bin != NO_BIN && lane == __ffs(peers) - 1) {
+            if (privatise && bin - HIST_HOT_LO < HIST_HOT_BINS)  // unsigned: also false below
+                atomicAdd(&hot[bin - HIST_HOT_LO], (unsigned)__popc(peers));
+            else
+                atomicAdd(&hist[bin], (unsigned long long)__popc(peers));
+        }
+    }
+    if (privatise) {
+        __syncthreads();
+        for (unsigned b = threadIdx.x; b < HIST_HOT_BINS; b += blockDim.x)
+            if (hot[b])
+                atomicAdd(&hist[HIST_HOT_LO + b], (unsigned long long)hot[b]);
     }
 }
 
@@ -659,11 +689,19 @@ extern "C" lm_status lm_cuda_hist_abs(uint64_t *d_hist, const float *d_x, int64_
                                       void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
-    if (n <= 0)
-        return LM_OK;
-    k_hist_abs<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>((unsigned long long *)d_hist, d_x, n,
-                                                                              level, hi_bin);
-    CUDA_LAUNCHED("k_hist_abs");
+    // a piece of at most UINT32_MAX elements per launch, so that no block's shared count can
+    // overflow; level 0 with fewer blocks, each worth its shared bins
+    for (int64_t off = 0; off < n;) {
+        int64_t cnt = n - off < (int64_t)UINT32_MAX ? n - off : (int64_t)UINT32_MAX;
+        unsigned blocks = lm_cuda_grid(cnt, THREADS);
+        if (level == 0 && (int64_t)blocks > cnt / HIST_BLOCK_MIN)
+            blocks = cnt / HIST_BLOCK_MIN > 1 ? (unsigned)(cnt / HIST_BLOCK_MIN) : 1u;
+        k_hist_abs<<<blocks, THREADS, 0, (cudaStream_t)stream>>>((unsigned long long *)d_hist, d_x + off, cnt, level,
+                                                                 hi_bin);
+        CUDA_LAUNCHED("k_hist_abs");
+        off += cnt;
+    }
+    return LM_OK;
 fail:
     return status;
 }
