@@ -168,9 +168,11 @@ lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const 
 // bit, the others to float32 rounding (CUDA's expf, sin, cos and log may differ from glibc's in
 // the last bit). Like the merge operations, each only enqueues work on `stream`.
 
-// The largest head_dim lm_cuda_attention takes: a block keeps the query and its accumulator in
-// shared memory, 2 x head_dim floats with a tile of 128 scores, within the 48 KiB every GPU
-// gives a block without opting in. Sequences are not limited: keys are taken in tiles.
+// The largest head_dim lm_cuda_attention takes. Up to 128 a block takes 8 query rows of a head
+// and tiles of 32 keys and values in shared memory; above, one row at a time, keeping the query
+// and its accumulator in shared memory, 2 x head_dim floats with a tile of 128 scores, within
+// the 48 KiB every GPU gives a block without opting in. Sequences are not limited: keys are
+// taken in tiles.
 #define LM_CUDA_ATTN_MAX_HEAD_DIM 4096
 
 lm_status lm_cuda_gather_rows(float *d_out, const float *d_table, int64_t table_rows, int64_t cols,
