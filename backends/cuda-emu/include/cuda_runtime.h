@@ -208,7 +208,7 @@ inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, void (*)(P...))
 // The runtime API's form, the kernel given by its address.
 inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes *a, const void *func)
 {
-    return cudaFuncGetAttributes(a, reinterpret_cast<void (*)()>(func));
+    return cudaFuncGetAttributes(a, reinterpret_cast<void (*)()>(const_cast<void *>(func)));
 }
 
 // ---- kernels --------------------------------------------------------------------------------
