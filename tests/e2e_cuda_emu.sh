@@ -190,7 +190,7 @@ LLMERGE_EMU_FAIL=launch-fault:10 expect 1 "error: hessian sequences 1-8 on cuda-
   --calib "$data" -o "$work/f.safetensors" --device cuda-emu:1GiB
 no_output "$work/f.safetensors"
 # sparsegpt's Hessians captured on the device: a fault there names the FT whose Hessians failed
-LLMERGE_EMU_FAIL=launch-fault:20 expect 1 "error: Hessians of $fx/ft_full: hessian sequences 1-8 on cuda-emu:1GiB: layer 0: Hessian of model.layers.0." sparsegpt "$B" "$fx/lora_plain" "$fx/ft_full" \
+LLMERGE_EMU_FAIL=launch-fault:28 expect 1 "error: Hessians of $fx/ft_full: hessian sequences 1-8 on cuda-emu:1GiB: layer 0: Hessian of model.layers.0." sparsegpt "$B" "$fx/lora_plain" "$fx/ft_full" \
   -o "$work/sg" --calib "$data" --density 0.3 --cache-dir "$work/cache" --device cuda-emu:1GiB
 no_output "$work/sg"
 # an out-of-memory while capturing falls back; the output is the CPU's capture's

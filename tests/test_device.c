@@ -991,6 +991,47 @@ static void h_by_key(harness *h, int64_t n)
     free(got);
 }
 
+// A stored mask taken and applied, bit for bit with the CPU's, at offsets that are and are not
+// multiples of 8, into a mask whose other bits (set and clear, before first and after the last
+// bit) must survive; x holds zeros of both signs and NaNs. dx is overwritten.
+static void h_masks(harness *h, const float *x, float *dx, int64_t n)
+{
+    const int64_t firsts[] = {0, 3, 8, 61, 8 * 70001 + 5};
+    float *want = hmalloc((size_t)n * 4), *got = hmalloc((size_t)n * 4), *y = hmalloc((size_t)n * 4);
+    memcpy(y, x, (size_t)n * 4);
+    for (int64_t i = 0; i < n; i += 5)
+        y[i] = i % 10 ? -0.0f : 0.0f;
+    for (int64_t i = 2; i < n; i += 97)
+        y[i] = NAN;
+    for (size_t f = 0; f < sizeof firsts / sizeof firsts[0]; f++) {
+        int64_t first = firsts[f];
+        size_t nbytes = (size_t)((first + n) / 8 + 2);
+        uint8_t *wbits = hmalloc(nbytes), *gbits = hmalloc(nbytes);
+        for (size_t b = 0; b < nbytes; b++)
+            wbits[b] = (uint8_t)lm_mix64(state++);
+        memcpy(gbits, wbits, nbytes);
+        CHECK_OK(lm_dev_mask_get(h->cpu, wbits, first, y, n, &h->err), &h->err);
+        if (DEV_OK(h, lm_dev_upload(h->dev, dx, y, (size_t)n * 4, &h->err)) &&
+            DEV_OK(h, lm_dev_mask_get(h->dev, gbits, first, dx, n, &h->err)))
+            CHECK_MSG(memcmp(gbits, wbits, nbytes) == 0, "mask_get first=%lld n=%lld on %s differs from the CPU's",
+                      (long long)first, (long long)n, lm_dev_name(h->dev));
+        // apply a mask of random bits (not the one just taken) to x
+        for (size_t b = 0; b < nbytes; b++)
+            wbits[b] = (uint8_t)lm_mix64(state++);
+        memcpy(want, x, (size_t)n * 4);
+        CHECK_OK(lm_dev_mask_apply(h->cpu, want, wbits, first, n, &h->err), &h->err);
+        if (DEV_OK(h, lm_dev_upload(h->dev, dx, x, (size_t)n * 4, &h->err)) &&
+            DEV_OK(h, lm_dev_mask_apply(h->dev, dx, wbits, first, n, &h->err)) && get(h, got, dx, (size_t)n * 4))
+            CHECK_MSG(same_bits(got, want, n), "mask_apply first=%lld n=%lld on %s differs from the CPU's",
+                      (long long)first, (long long)n, lm_dev_name(h->dev));
+        free(wbits);
+        free(gbits);
+    }
+    free(want);
+    free(got);
+    free(y);
+}
+
 static void h_select(harness *h, int64_t n)
 {
     float *x = hmalloc((size_t)n * 4);
@@ -1001,6 +1042,7 @@ static void h_select(harness *h, int64_t n)
         h_hist_window(h, x, dx, n);
         h_topk(h, x, dx, n);
         h_drop_l1(h, x, dx, n);
+        h_masks(h, x, dx, n);
     }
     lm_dev_buf_free(h->dev, dx);
     free(x);
@@ -1370,8 +1412,12 @@ static void test_against_cpu(lm_dev *dev)
     h_gemm(&h, 3, 2049, 1, -1.5f, 0.75f);
     h_gemm(&h, 70, 90, LM_DEV_LOWRANK_MAX + 1, 1.0f, 0.0f);  // one past: any order
     h_gemm(&h, 5, 7, 0, 2.0f, 0.5f);                        // an empty sum
+    if (strncmp(name, "cuda", 4) == 0)  // cuBLAS's syrk, which the Hessian's accumulation uses
+        CHECK(lm_dev_supports(dev, LM_OP_SYRK));
     h_syrk(&h, 300, 41, 1.0f, 1.0f);
     h_syrk(&h, 5, 2, 0.5f, 0.0f);
+    h_syrk(&h, 70, 0, 1.0f, 0.5f);  // an empty sum: C scaled
+    h_syrk(&h, 33, 0, 1.0f, 1.0f);  // nothing to add: mirrored only
     h_dora(&h, 3, 23335);
     h_dora(&h, 70, 3);
     h_dora(&h, 1, 1);

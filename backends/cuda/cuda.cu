@@ -660,6 +660,15 @@ static lm_status cuda_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, in
                          err);
 }
 
+static lm_status cuda_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
+                           bool mirror, float *c, int64_t ldc, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s
+                      : lm_cuda_syrk(ctx_of(d)->blas, n, k, alpha, a, lda, beta, mirror, c, ldc, ctx_of(d)->stream,
+                                     err);
+}
+
 static lm_status cuda_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
 {
     lm_status s = begin(d, err);
@@ -922,6 +931,75 @@ static lm_status cuda_topk_apply_by(lm_dev *d, float *x, const float *key, int64
     return topk_run(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
 }
 
+// Elements per piece of the mask operations: a piece's bits (and the first byte's others) fill
+// at most the scratch every device keeps.
+#define MASK_PIECE ((int64_t)(SCRATCH_MIN - 1) * 8)
+
+// Packs x's non-zeros into device scratch a piece at a time (lm_cuda_mask_get), fetches the
+// bytes home and merges them into the caller's, keeping the bits of the first and last bytes
+// that lie outside the piece: n/8 bytes cross the bus instead of n floats.
+static lm_status cuda_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status status = begin(d, err);
+    if (status != LM_OK)
+        return status;
+    if (n < 0 || first < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "mask of %lld elements from %lld", (long long)n, (long long)first);
+    if (n == 0)
+        return LM_OK;
+    const int64_t piece = n < MASK_PIECE ? n : MASK_PIECE;
+    if ((status = scratch_reserve(d, (size_t)(piece + 7) / 8 + 1, err)) != LM_OK ||
+        (status = host_reserve(c, (size_t)(piece + 7) / 8 + 1, err)) != LM_OK)
+        return status;
+    for (int64_t off = 0; off < n; off += MASK_PIECE) {
+        int64_t cnt = n - off < MASK_PIECE ? n - off : MASK_PIECE, b0 = (first + off) >> 3;
+        int sh = (int)((first + off) & 7);
+        size_t nbytes = (size_t)((sh + cnt + 7) / 8);
+        if ((status = lm_cuda_mask_get((uint8_t *)c->scratch, x + off, cnt, sh, c->stream, err)) != LM_OK ||
+            (status = copy_home(c, c->host_scratch, c->scratch, nbytes, err)) != LM_OK)
+            return status;
+        const uint8_t *h = (const uint8_t *)c->host_scratch;
+        for (size_t o = 0; o < nbytes; o++) {
+            // the bits of byte o that belong to this piece: bit q is bit sh + j for j in [0, cnt)
+            int64_t lo = (int64_t)o * 8 - sh, hi = lo + 8;  // j of bits 0 and 8
+            unsigned keep = 0xFFu;
+            if (lo < 0)
+                keep &= 0xFFu << -lo;
+            if (hi > cnt)
+                keep &= 0xFFu >> (hi - cnt);
+            bits[b0 + (int64_t)o] = (uint8_t)((bits[b0 + (int64_t)o] & ~keep) | (h[o] & keep));
+        }
+    }
+    return LM_OK;
+}
+
+// Sends the piece's bytes of the caller's mask to device scratch and zeroes what they clear
+// there (lm_cuda_mask_apply): n/8 bytes cross the bus instead of n floats both ways.
+static lm_status cuda_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status status = begin(d, err);
+    if (status != LM_OK)
+        return status;
+    if (n < 0 || first < 0)
+        return lm_err_set(err, LM_ERR_USAGE, "mask of %lld elements from %lld", (long long)n, (long long)first);
+    if (n == 0)
+        return LM_OK;
+    const int64_t piece = n < MASK_PIECE ? n : MASK_PIECE;
+    if ((status = scratch_reserve(d, (size_t)(piece + 7) / 8 + 1, err)) != LM_OK)
+        return status;
+    for (int64_t off = 0; off < n; off += MASK_PIECE) {
+        int64_t cnt = n - off < MASK_PIECE ? n - off : MASK_PIECE, b0 = (first + off) >> 3;
+        int sh = (int)((first + off) & 7);
+        size_t nbytes = (size_t)((sh + cnt + 7) / 8);
+        if ((status = cuda_upload(d, c->scratch, bits + b0, nbytes, err)) != LM_OK ||
+            (status = lm_cuda_mask_apply(x + off, (const uint8_t *)c->scratch, cnt, sh, c->stream, err)) != LM_OK)
+            return status;
+    }
+    return LM_OK;
+}
+
 static lm_status cuda_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
                                   uint64_t keep_below, lm_err *err)
 {
@@ -1039,6 +1117,7 @@ static lm_dev_i make_iface(void)
     i.to_f32 = cuda_to_f32;
     i.from_f32 = cuda_from_f32;
     i.gemm = cuda_gemm;
+    i.syrk = cuda_syrk;
     i.axpby = cuda_axpby;
     i.delta = cuda_delta;
     i.dora_rows = cuda_dora_rows;
@@ -1048,6 +1127,8 @@ static lm_dev_i make_iface(void)
     i.topk_apply_by = cuda_topk_apply_by;
     i.importance = cuda_importance;
     i.potrf = cuda_potrf;
+    i.mask_get = cuda_mask_get;
+    i.mask_apply = cuda_mask_apply;
     i.random_drop = cuda_random_drop;
     i.l1 = cuda_l1;
     i.combine = cuda_combine;

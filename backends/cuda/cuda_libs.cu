@@ -71,8 +71,8 @@ lm_status lm_cuda_load_cublas(const lm_cublas_fns **fns, lm_err *err)
 {
     static const char *const syms[] = {"cublasCreate_v2", "cublasDestroy_v2", "cublasSetStream_v2",
                                        "cublasSetMathMode", "cublasSetWorkspace_v2", "cublasGetStatusString",
-                                       "cublasSgemm_v2", NULL};
-    static_assert(sizeof cublas_fns == 7 * sizeof(void *), "one name per function of lm_cublas_fns");
+                                       "cublasSgemm_v2", "cublasSsyrk_v2", NULL};
+    static_assert(sizeof cublas_fns == 8 * sizeof(void *), "one name per function of lm_cublas_fns");
     lm_status s = load("libcublas.so." STR(CUBLAS_VER_MAJOR), syms, (void **)&cublas_fns, &cublas_loaded, err);
     *fns = s == LM_OK ? &cublas_fns : NULL;
     return s;

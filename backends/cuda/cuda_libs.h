@@ -27,6 +27,8 @@ typedef struct lm_cublas_fns {
     cublasStatus_t (*sgemm)(cublasHandle_t handle, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
                             const float *alpha, const float *a, int lda, const float *b, int ldb, const float *beta,
                             float *c, int ldc);
+    cublasStatus_t (*ssyrk)(cublasHandle_t handle, cublasFillMode_t uplo, cublasOperation_t trans, int n, int k,
+                            const float *alpha, const float *a, int lda, const float *beta, float *c, int ldc);
 } lm_cublas_fns;
 
 // The cuSOLVER functions llmerge calls: the 64-bit API (Xpotrf), whose sizes and offsets are

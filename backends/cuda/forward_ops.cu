@@ -28,7 +28,7 @@
 
 #define ROW_THREADS 256   // threads per block of the row-wise kernels (a block walks a row)
 #define ELEM_THREADS 256  // threads per block of the element-wise kernels
-#define ATTN_THREADS 128  // threads per block of attention: keys scored at once
+#define ATTN_THREADS 128  // threads per block of attention
 #define NLL_WARPS (ROW_THREADS / 32)
 
 // Blocks for a loop over `rows` rows, one block per row at a time.
@@ -152,7 +152,116 @@ __device__ __forceinline__ float dot8(const float *a, const float *b, int64_t n)
     return (((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]))) + tail;
 }
 
-// Causal attention, one block per (query row r, head h) at a time: cpu_forward.c's attn_task.
+#define ATTN_QT 8          // query rows of one head a block of k_attention takes at once
+#define ATTN_KT 32         // keys per tile of k_attention (one per lane when scoring)
+#define ATTN_ROW_THREADS (ATTN_THREADS / ATTN_QT)  // threads that share one query row: 16
+#define ATTN_TILE_MAX_HD 128  // the largest head_dim k_attention takes: its tiles fill ~38 KiB
+#define ATTN_ACC ((ATTN_TILE_MAX_HD + ATTN_ROW_THREADS - 1) / ATTN_ROW_THREADS)  // dims per thread
+
+// Causal attention, tiled: cpu_forward.c's attn_task for ATTN_QT consecutive query rows of one
+// head per block at a time. The block loads the rows' queries, then the keys and values of
+// their windows [start[r], r] ATTN_KT at a time, into shared memory with coalesced reads (a key's
+// head_dim floats are contiguous; every stored row is padded by one float, so the lanes that
+// read different keys hit different banks), shared by the ATTN_QT rows. Each tile's scores
+// (scale · q·k with the CPU's dot8, a warp scoring one row against the tile's 32 keys) go to
+// shared memory; then the ATTN_ROW_THREADS threads of each row walk them in key order with the
+// CPU's online softmax (the running maximum m and sum l, the accumulator rescaled whenever m
+// grows), all computing the same m and l, each updating the accumulator dimensions it owns
+// (d ≡ its index mod ATTN_ROW_THREADS), kept in registers. Keys outside a row's window (the
+// block's rows may lie in different packed sequences, or have a sliding window) are skipped by
+// that row. The order of operations is the CPU's for every element, so only expf's last bit
+// can differ. Dynamic shared memory: ATTN_QT + 2 · ATTN_KT rows of head_dim + 1 floats and
+// ATTN_QT · ATTN_KT scores; head_dim at most ATTN_TILE_MAX_HD.
+__global__ void k_attention(float *out, const float *q, const float *k, const float *v, const int32_t *start,
+                            int64_t rows, int64_t heads, int64_t group, int64_t head_dim, float scale)
+{
+    extern __shared__ float sh[];
+    const int64_t hd = head_dim, ld = head_dim + 1, qw = heads * hd, kw = (heads / group) * hd;
+    float *qs = sh;                    // (ATTN_QT x ld) the queries
+    float *ks = qs + ATTN_QT * ld;     // (ATTN_KT x ld) the tile's keys
+    float *vs = ks + ATTN_KT * ld;     // (ATTN_KT x ld) the tile's values
+    float *score = vs + ATTN_KT * ld;  // (ATTN_QT x ATTN_KT) the tile's scores
+    const int tid = threadIdx.x, qi = tid / ATTN_ROW_THREADS, own = tid % ATTN_ROW_THREADS;
+    const int64_t row_tiles = (rows + ATTN_QT - 1) / ATTN_QT;
+    for (int64_t t = blockIdx.x; t < row_tiles * heads; t += gridDim.x) {  // uniform across the block
+        int64_t r0 = t / heads * ATTN_QT, h = t % heads, g = h / group;
+        int64_t nq = rows - r0 < ATTN_QT ? rows - r0 : ATTN_QT;
+        // the keys any of the rows needs: from the least start to the last row
+        int64_t lo = r0 + nq - 1;
+        for (int i = 0; i < nq; i++) {
+            int64_t s0 = start[r0 + i];
+            s0 = s0 < 0 ? 0 : s0 > r0 + i ? r0 + i : s0;
+            lo = s0 < lo ? s0 : lo;
+        }
+        for (int64_t e = tid; e < nq * hd; e += blockDim.x) {
+            int64_t i = e / hd, d = e - i * hd;
+            qs[i * ld + d] = q[(r0 + i) * qw + h * hd + d];
+        }
+        // this thread's row
+        const int64_t r = r0 + qi;
+        int64_t s0 = r < rows ? start[r] : 0;
+        if (r < rows && (s0 < 0 || s0 > r))
+            s0 = s0 < 0 ? 0 : r;
+        float m = -INFINITY, l = 0.0f, acc[ATTN_ACC];
+#pragma unroll
+        for (int a = 0; a < ATTN_ACC; a++)
+            acc[a] = 0.0f;
+        for (int64_t c0 = lo; c0 < r0 + nq; c0 += ATTN_KT) {
+            int64_t cnt = r0 + nq - c0 < ATTN_KT ? r0 + nq - c0 : ATTN_KT;
+            __syncthreads();  // the last tile's keys, values and scores have been used
+            for (int64_t e = tid; e < cnt * hd; e += blockDim.x) {
+                int64_t j = e / hd, d = e - j * hd, at = (c0 + j) * kw + g * hd + d;
+                ks[j * ld + d] = k[at];
+                vs[j * ld + d] = v[at];
+            }
+            __syncthreads();  // the tile (and, the first time, the queries) are in
+            for (int e = tid; e < ATTN_QT * ATTN_KT; e += blockDim.x) {
+                int i = e / ATTN_KT, j = e % ATTN_KT;
+                if (i < nq && j < cnt)
+                    score[e] = dot8(qs + i * ld, ks + j * ld, hd) * scale;
+            }
+            __syncthreads();  // the scores are in
+            if (r < rows) {
+                for (int64_t j = 0; j < cnt; j++) {
+                    int64_t c = c0 + j;
+                    if (c < s0 || c > r)
+                        continue;
+                    float s = score[qi * ATTN_KT + j];
+                    const float *vc = vs + j * ld;
+                    if (s > m) {
+                        float f = expf(m - s);  // 0 for the first key (m = -inf)
+                        l *= f;
+#pragma unroll
+                        for (int a = 0; a < ATTN_ACC; a++)
+                            acc[a] *= f;
+                        m = s;
+                    }
+                    float p = expf(s - m);
+                    l += p;
+#pragma unroll
+                    for (int a = 0; a < ATTN_ACC; a++) {
+                        int64_t d = own + (int64_t)a * ATTN_ROW_THREADS;
+                        if (d < hd)
+                            acc[a] += p * vc[d];
+                    }
+                }
+            }
+        }
+        if (r < rows) {
+            float *o = out + r * qw + h * hd;
+#pragma unroll
+            for (int a = 0; a < ATTN_ACC; a++) {
+                int64_t d = own + (int64_t)a * ATTN_ROW_THREADS;
+                if (d < hd)
+                    o[d] = acc[a] / l;
+            }
+        }
+        __syncthreads();  // qs is written again for the next rows
+    }
+}
+
+// Causal attention for a head_dim above ATTN_TILE_MAX_HD (k_attention's tiles would not fit in
+// shared memory), one block per (query row r, head h) at a time: cpu_forward.c's attn_task.
 // The keys of r's window [start[r], r] are taken in tiles of blockDim: each thread scores one
 // key of the tile (scale · q·k with dot8) into shared memory; then every thread walks the tile's
 // scores in key order with the CPU's online softmax (the running maximum m and sum l, the
@@ -162,8 +271,8 @@ __device__ __forceinline__ float dot8(const float *a, const float *b, int64_t n)
 // Dynamic shared memory: q (head_dim floats), the accumulator (head_dim) and a tile of scores
 // (blockDim); the launcher bounds head_dim so that it fits. Keys are tiled, so the length of a
 // sequence is not bounded.
-__global__ void k_attention(float *out, const float *q, const float *k, const float *v, const int32_t *start,
-                            int64_t rows, int64_t heads, int64_t group, int64_t head_dim, float scale)
+__global__ void k_attention_wide(float *out, const float *q, const float *k, const float *v, const int32_t *start,
+                                 int64_t rows, int64_t heads, int64_t group, int64_t head_dim, float scale)
 {
     extern __shared__ float sh[];
     float *qs = sh;                   // (head_dim) the query vector
@@ -337,10 +446,19 @@ extern "C" lm_status lm_cuda_attention(float *d_out, const float *d_q, const flo
                           LM_CUDA_ATTN_MAX_HEAD_DIM);
     if (rows <= 0 || head_dim == 0)
         return LM_OK;
-    size_t shared = ((size_t)2 * (size_t)head_dim + ATTN_THREADS) * sizeof(float);
-    k_attention<<<lm_cuda_grid(rows * heads, 1), ATTN_THREADS, shared, (cudaStream_t)stream>>>(
-        d_out, d_q, d_k, d_v, d_start, rows, heads, heads / kv_heads, head_dim, scale);
-    CUDA_LAUNCHED("k_attention");
+    if (head_dim <= ATTN_TILE_MAX_HD) {
+        size_t shared =
+            ((size_t)(ATTN_QT + 2 * ATTN_KT) * (size_t)(head_dim + 1) + ATTN_QT * ATTN_KT) * sizeof(float);
+        int64_t row_tiles = (rows + ATTN_QT - 1) / ATTN_QT;
+        k_attention<<<lm_cuda_grid(row_tiles * heads, 1), ATTN_THREADS, shared, (cudaStream_t)stream>>>(
+            d_out, d_q, d_k, d_v, d_start, rows, heads, heads / kv_heads, head_dim, scale);
+        CUDA_LAUNCHED("k_attention");
+    } else {
+        size_t shared = ((size_t)2 * (size_t)head_dim + ATTN_THREADS) * sizeof(float);
+        k_attention_wide<<<lm_cuda_grid(rows * heads, 1), ATTN_THREADS, shared, (cudaStream_t)stream>>>(
+            d_out, d_q, d_k, d_v, d_start, rows, heads, heads / kv_heads, head_dim, scale);
+        CUDA_LAUNCHED("k_attention_wide");
+    }
 fail:
     return status;
 }
@@ -375,4 +493,5 @@ LM_CUDA_PRELOAD(k_rmsnorm);
 LM_CUDA_PRELOAD(k_rope);
 LM_CUDA_PRELOAD(k_silu_mul);
 LM_CUDA_PRELOAD(k_attention);
+LM_CUDA_PRELOAD(k_attention_wide);
 LM_CUDA_PRELOAD(k_nll_rows);

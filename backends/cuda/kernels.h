@@ -68,6 +68,15 @@ lm_status lm_cuda_sgemm(void *blas, bool ta, bool tb, int64_t m, int64_t n, int6
                         const float *d_a, int64_t lda, const float *d_b, int64_t ldb, float beta, float *d_c,
                         int64_t ldc, void *stream, lm_err *err);
 
+// lm_dev_syrk on row-major device matrices with cuBLAS (cublasSsyrk on the transposes, which are
+// column-major): the upper triangle of d_c[n,n] = alpha * AᵀA + beta * d_c for A = d_a[k,n], to
+// float32 rounding; the strictly lower triangle untouched, or with `mirror` overwritten with the
+// transpose of the upper one. k == 0 scales the upper triangle by beta (beta 0 stores zeros).
+// LM_ERR_UNSUPPORTED when a dimension or stride does not fit in an int, LM_ERR_DEVICE_OOM when
+// cuBLAS lacks workspace.
+lm_status lm_cuda_syrk(void *blas, int64_t n, int64_t k, float alpha, const float *d_a, int64_t lda, float beta,
+                       bool mirror, float *d_c, int64_t ldc, void *stream, lm_err *err);
+
 // The low-rank product of lm_dev_gemm's contract (no transposes, rank k <= LM_DEV_LOWRANK_MAX):
 // row-major d_c[i, j] = alpha * (the fused multiply-add chain over q = 0 .. k-1, in order, of
 // d_a[i, q] * d_b[q, j]) (+ beta * d_c[i, j] unless beta is 0, d_c then not read), for i < m,
@@ -126,6 +135,16 @@ lm_status lm_cuda_tie_find(int64_t *d_index, const float *d_x, int64_t lo, int64
 lm_status lm_cuda_topk_mask(float *d_x, const float *d_key, int64_t n, uint32_t thr_bits, int64_t tie_end,
                             const int64_t *d_tie_end, void *stream, lm_err *err);
 
+// The packing half of lm_dev_mask_get on one byte-aligned run of bits: bit s + j of d_bytes
+// (byte (s + j) / 8, bit (s + j) % 8) set where d_x[j] != 0, clear where it is zero, for j < n,
+// 0 <= s < 8; the other bits of the (s + n + 7) / 8 bytes are clear (the caller merges them
+// into its mask keeping its own bits there).
+lm_status lm_cuda_mask_get(uint8_t *d_bytes, const float *d_x, int64_t n, int s, void *stream, lm_err *err);
+
+// lm_dev_mask_apply on one byte-aligned run of bits: zeroes d_x[j] where bit s + j of d_bytes
+// is clear, for j < n, 0 <= s < 8.
+lm_status lm_cuda_mask_apply(float *d_x, const uint8_t *d_bytes, int64_t n, int s, void *stream, lm_err *err);
+
 // lm_dev_random_drop.
 lm_status lm_cuda_random_drop(float *d_x, int64_t n, uint64_t key, int64_t first, uint64_t keep_below,
                               void *stream, lm_err *err);
@@ -149,9 +168,11 @@ lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const 
 // bit, the others to float32 rounding (CUDA's expf, sin, cos and log may differ from glibc's in
 // the last bit). Like the merge operations, each only enqueues work on `stream`.
 
-// The largest head_dim lm_cuda_attention takes: a block keeps the query and its accumulator in
-// shared memory, 2 x head_dim floats with a tile of 128 scores, within the 48 KiB every GPU
-// gives a block without opting in. Sequences are not limited: keys are taken in tiles.
+// The largest head_dim lm_cuda_attention takes. Up to 128 a block takes 8 query rows of a head
+// and tiles of 32 keys and values in shared memory; above, one row at a time, keeping the query
+// and its accumulator in shared memory, 2 x head_dim floats with a tile of 128 scores, within
+// the 48 KiB every GPU gives a block without opting in. Sequences are not limited: keys are
+// taken in tiles.
 #define LM_CUDA_ATTN_MAX_HEAD_DIM 4096
 
 lm_status lm_cuda_gather_rows(float *d_out, const float *d_table, int64_t table_rows, int64_t cols,

@@ -1,8 +1,9 @@
 // Kernels and host launchers for the merge operations of the CUDA backend (cuda.cu):
 // GEMM through cuBLAS, low-rank products (LoRA's B @ A) in the CPU's order, element-wise
-// arithmetic (dense task vectors, Hessian importance), DoRA row norms, magnitude histograms
-// (whole, or a window of level-1 bins), top-k masks by value or by key, random masks, L1 partial
-// sums and the sign-elected combination.
+// arithmetic (dense task vectors, Hessian importance), symmetric rank-k updates through cuBLAS
+// (and their mirroring), DoRA row norms, magnitude histograms (whole, or a window of level-1
+// bins), top-k masks by value or by key, random masks, stored masks packed and applied, L1
+// partial sums and the sign-elected combination.
 //
 // Every per-element computation is the CPU backend's, written out in the same order, so that the
 // results agree with the CPU backend bit for bit: this file is compiled with --fmad=false (no
@@ -98,6 +99,54 @@ __global__ void k_scale_rows(float *c, int64_t m, int64_t n, int64_t ldc, float 
     }
 }
 
+// C = beta * C on the upper triangle (row <= col) of the n x n row-major C: syrk with k == 0,
+// by the same rule as k_scale_rows.
+__global__ void k_scale_upper(float *c, int64_t n, int64_t ldc, float beta)
+{
+    int64_t total = n * n;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t r = i / n, j = i - r * n;
+        if (j >= r) {
+            float *p = c + r * ldc + j;
+            *p = beta == 0.0f ? 0.0f : beta * *p;
+        }
+    }
+}
+
+#define MIRROR_TILE 32  // side of the square tiles k_mirror_upper transposes through shared memory
+
+// The strictly lower triangle of the n x n row-major C from its upper one, one MIRROR_TILE-square
+// tile below the diagonal per block at a time: the tile's mirror image above the diagonal is read
+// row by row into shared memory (coalesced), then written out transposed (coalesced). The tiles
+// are numbered over the whole square and those above the diagonal skipped (grid-stride; a block
+// of THREADS threads is 8 rows of 32).
+__global__ void k_mirror_upper(float *c, int64_t n, int64_t ldc)
+{
+    __shared__ float tile[MIRROR_TILE][MIRROR_TILE + 1];  // + 1: no bank conflicts on the transpose
+    const int64_t nt = (n + MIRROR_TILE - 1) / MIRROR_TILE;
+    const int tx = threadIdx.x % MIRROR_TILE, ty = threadIdx.x / MIRROR_TILE, rows = blockDim.x / MIRROR_TILE;
+    for (int64_t t = blockIdx.x; t < nt * nt; t += gridDim.x) {
+        int64_t tr = t / nt, tc = t - tr * nt;  // the tile written: rows tr, columns tc
+        if (tc > tr)
+            continue;  // uniform over the block
+        int64_t r0 = tr * MIRROR_TILE, c0 = tc * MIRROR_TILE;
+        // read C[c0 + y][r0 + x], above the diagonal where c0 + y < r0 + x
+        for (int y = ty; y < MIRROR_TILE; y += rows) {
+            int64_t r = c0 + y, col = r0 + tx;
+            if (r < n && col < n && r < col)
+                tile[y][tx] = c[r * ldc + col];
+        }
+        __syncthreads();
+        // write C[r0 + y][c0 + x] = C[c0 + x][r0 + y] below the diagonal
+        for (int y = ty; y < MIRROR_TILE; y += rows) {
+            int64_t r = r0 + y, col = c0 + tx;
+            if (r < n && col < n && col < r)
+                c[r * ldc + col] = tile[tx][y];
+        }
+        __syncthreads();
+    }
+}
+
 // ==== low-rank products ======================================================================
 
 // c[i·ldc + j] = alpha · Σ_q a[i·lda + q] · b[q·ldb + j] (+ beta · c[i·ldc + j] unless beta is 0,
@@ -119,6 +168,37 @@ __global__ void k_lowrank(float *c, int64_t ldc, const float *a, int64_t lda, co
             float *ci = c + i * ldc + j;
             *ci = beta != 0.0f ? alpha * acc + beta * *ci : alpha * acc;
         }
+    }
+}
+
+// ==== masks ===================================================================================
+
+// Packs x's non-zeros into bits: bit s + j (byte (s + j) / 8, bit (s + j) % 8) of bytes is set
+// where x[j] != 0 and clear where it is zero, for j < n; the bits below s and from s + n to the
+// end of the last byte are clear. Bytes cover (s + n + 7) / 8. A warp takes 32 consecutive bits
+// (4 bytes): its lanes read 32 neighbouring elements and four lanes store the ballot's bytes. The
+// loop runs whole warps (base is the warp's first bit), so every lane reaches __ballot_sync.
+__global__ void k_mask_get(uint8_t *bytes, const float *x, int64_t n, int s)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t nbits = s + n, nbytes = (nbits + 7) / 8;
+    for (int64_t base = blockIdx.x * (int64_t)blockDim.x + (threadIdx.x & ~31u); base < nbits;
+         base += (int64_t)gridDim.x * blockDim.x) {
+        int64_t j = base + lane - s;
+        unsigned word = __ballot_sync(FULL_MASK, j >= 0 && j < n && x[j] != 0.0f);
+        int64_t o = base / 8 + lane;
+        if (lane < 4 && o < nbytes)
+            bytes[o] = (uint8_t)(word >> (8 * lane));
+    }
+}
+
+// Zeroes x[j] (to +0.0) where bit s + j of bytes is clear, for j < n.
+__global__ void k_mask_apply(float *x, const uint8_t *bytes, int64_t n, int s)
+{
+    for (int64_t j = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; j < n; j += (int64_t)gridDim.x * blockDim.x) {
+        int64_t b = j + s;
+        if (!(bytes[b >> 3] >> (b & 7) & 1))
+            x[j] = 0.0f;
     }
 }
 
@@ -198,13 +278,33 @@ __global__ void k_dora_rows(float *tau, const float *base, const float *mag, int
 
 #define NO_BIN 0xFFFFFFFFu
 
+// The level-0 bins each block counts in shared memory: the top 16 bits of magnitudes from 2⁻⁶³
+// to 2 (biased exponents 64 to 127, 128 bins each), where weights and task vectors lie. 32-bit
+// counts, 32 KiB, within the 48 KiB every GPU gives a block.
+#define HIST_HOT_LO 8192u
+#define HIST_HOT_BINS 8192u
+// Elements per block at least, so that zeroing and flushing its shared bins stays a small part
+// of its work.
+#define HIST_BLOCK_MIN 32768
+
 // Adds the level-0 (top 16 magnitude bits) or level-1 (low 16 bits of the magnitudes whose top
-// 16 bits are hi_bin) histogram of x to hist. The lanes of a warp that fall into the same bin
-// add their count with one atomic. The loop runs whole warps (base is the warp's first
-// element), so every lane reaches __match_any_sync.
+// 16 bits are hi_bin) histogram of x to hist, for n <= UINT32_MAX (the shared counts are 32 bits
+// wide). Level 0 counts the bins from HIST_HOT_LO in the block's shared memory and adds them to
+// hist once at the end; the rest of level 0 and level 1 (whose values all lie in one level-0
+// bin, a narrow band, and whose 65536 bins do not fit in shared memory) go to hist directly.
+// Either way the lanes of a warp that fall into the same bin add their count with one atomic.
+// The loop runs whole warps (base is the warp's first element), so every lane reaches
+// __match_any_sync. Exact: every element is counted once, in integers.
 __global__ void k_hist_abs(unsigned long long *hist, const float *x, int64_t n, int level, uint32_t hi_bin)
 {
+    __shared__ unsigned hot[HIST_HOT_BINS];
     const int lane = threadIdx.x & 31;
+    const bool privatise = level == 0;  // uniform: a kernel argument
+    if (privatise) {
+        for (unsigned b = threadIdx.x; b < HIST_HOT_BINS; b += blockDim.x)
+            hot[b] = 0;
+        __syncthreads();
+    }
     for (int64_t base = blockIdx.x * (int64_t)blockDim.x + (threadIdx.x & ~31u); base < n;
          base += (int64_t)gridDim.x * blockDim.x) {
         int64_t i = base + lane;
@@ -217,8 +317,18 @@ __global__ void k_hist_abs(unsigned long long *hist, const float *x, int64_t n, 
                 bin = bits & 0xFFFFu;
         }
         unsigned peers = __match_any_sync(FULL_MASK, bin);
-        if (bin != NO_BIN && lane == __ffs(peers) - 1)
-            atomicAdd(&hist[bin], (unsigned long long)__popc(peers));
+        if (bin != NO_BIN && lane == __ffs(peers) - 1) {
+            if (privatise && bin - HIST_HOT_LO < HIST_HOT_BINS)  // unsigned: also false below
+                atomicAdd(&hot[bin - HIST_HOT_LO], (unsigned)__popc(peers));
+            else
+                atomicAdd(&hist[bin], (unsigned long long)__popc(peers));
+        }
+    }
+    if (privatise) {
+        __syncthreads();
+        for (unsigned b = threadIdx.x; b < HIST_HOT_BINS; b += blockDim.x)
+            if (hot[b])
+                atomicAdd(&hist[HIST_HOT_LO + b], (unsigned long long)hot[b]);
     }
 }
 
@@ -446,6 +556,50 @@ fail:
     return status;
 }
 
+extern "C" lm_status lm_cuda_syrk(void *blas, int64_t n, int64_t k, float alpha, const float *d_a, int64_t lda,
+                                  float beta, bool mirror, float *d_c, int64_t ldc, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    cublasStatus_t bs = CUBLAS_STATUS_SUCCESS;
+    if (n > INT32_MAX || k > INT32_MAX || lda > INT32_MAX || ldc > INT32_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cuda: syrk of %lld x %lld is too large for cuBLAS", (long long)n,
+                          (long long)k);
+    if (n < 0 || k < 0)
+        return lm_err_set(err, LM_ERR_DEVICE, "cuda: syrk of invalid shape %lld x %lld", (long long)n, (long long)k);
+    if (n == 0)
+        return LM_OK;
+    if (k == 0) {
+        // An empty sum, as in lm_cuda_sgemm: C = beta * C by BLAS's rule, on the upper triangle.
+        if (beta != 1.0f) {
+            k_scale_upper<<<lm_cuda_grid(n * n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_c, n, ldc, beta);
+            CUDA_LAUNCHED("k_scale_upper");
+        }
+    } else {
+        const lm_cublas_fns *f;
+        if ((status = lm_cuda_load_cublas(&f, err)) != LM_OK)  // loaded already: the handle came from it
+            return status;
+        // The row-major C and A are the column-major C' = Cᵀ (ld ldc) and A' = Aᵀ, n x k (ld lda):
+        // C' = alpha A' A'ᵀ + beta C', and C's upper triangle is C''s lower one.
+        bs = f->ssyrk((cublasHandle_t)blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_N, (int)n, (int)k, &alpha, d_a, (int)lda,
+                      &beta, d_c, (int)ldc);
+        if (bs != CUBLAS_STATUS_SUCCESS) {
+            status = lm_err_set(err, bs == CUBLAS_STATUS_ALLOC_FAILED ? LM_ERR_DEVICE_OOM : LM_ERR_DEVICE,
+                                "cuda: cublasSsyrk (n %lld, k %lld, lda %lld, ldc %lld): %s", (long long)n,
+                                (long long)k, (long long)lda, (long long)ldc, f->status_string(bs));
+            cudaGetLastError();
+            return status;
+        }
+    }
+    if (mirror) {
+        int64_t nt = (n + MIRROR_TILE - 1) / MIRROR_TILE;
+        k_mirror_upper<<<lm_cuda_grid(nt * nt, 1), THREADS, 0, (cudaStream_t)stream>>>(d_c, n, ldc);
+        CUDA_LAUNCHED("k_mirror_upper");
+    }
+    return LM_OK;
+fail:
+    return status;
+}
+
 extern "C" lm_status lm_cuda_lowrank(float *d_c, int64_t ldc, const float *d_a, int64_t lda, const float *d_b,
                                      int64_t ldb, int64_t m, int64_t n, int64_t k, float alpha, float beta,
                                      void *stream, lm_err *err)
@@ -535,11 +689,19 @@ extern "C" lm_status lm_cuda_hist_abs(uint64_t *d_hist, const float *d_x, int64_
                                       void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
-    if (n <= 0)
-        return LM_OK;
-    k_hist_abs<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>((unsigned long long *)d_hist, d_x, n,
-                                                                              level, hi_bin);
-    CUDA_LAUNCHED("k_hist_abs");
+    // a piece of at most UINT32_MAX elements per launch, so that no block's shared count can
+    // overflow; level 0 with fewer blocks, each worth its shared bins
+    for (int64_t off = 0; off < n;) {
+        int64_t cnt = n - off < (int64_t)UINT32_MAX ? n - off : (int64_t)UINT32_MAX;
+        unsigned blocks = lm_cuda_grid(cnt, THREADS);
+        if (level == 0 && (int64_t)blocks > cnt / HIST_BLOCK_MIN)
+            blocks = cnt / HIST_BLOCK_MIN > 1 ? (unsigned)(cnt / HIST_BLOCK_MIN) : 1u;
+        k_hist_abs<<<blocks, THREADS, 0, (cudaStream_t)stream>>>((unsigned long long *)d_hist, d_x + off, cnt, level,
+                                                                 hi_bin);
+        CUDA_LAUNCHED("k_hist_abs");
+        off += cnt;
+    }
+    return LM_OK;
 fail:
     return status;
 }
@@ -556,6 +718,34 @@ extern "C" lm_status lm_cuda_hist_window(uint32_t *d_above, uint32_t above_from,
     k_hist_window<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_above, above_from, d_win, d_x, n,
                                                                                  lo_bin, (uint32_t)n_win);
     CUDA_LAUNCHED("k_hist_window");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_mask_get(uint8_t *d_bytes, const float *d_x, int64_t n, int s, void *stream,
+                                      lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (n <= 0)
+        return LM_OK;
+    if (s < 0 || s > 7)
+        return lm_err_set(err, LM_ERR_DEVICE, "cuda: mask_get from bit %d of its first byte", s);
+    k_mask_get<<<lm_cuda_grid(s + n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_bytes, d_x, n, s);
+    CUDA_LAUNCHED("k_mask_get");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_mask_apply(float *d_x, const uint8_t *d_bytes, int64_t n, int s, void *stream,
+                                        lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (n <= 0)
+        return LM_OK;
+    if (s < 0 || s > 7)
+        return lm_err_set(err, LM_ERR_DEVICE, "cuda: mask_apply from bit %d of its first byte", s);
+    k_mask_apply<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, d_bytes, n, s);
+    CUDA_LAUNCHED("k_mask_apply");
 fail:
     return status;
 }
@@ -653,6 +843,8 @@ LM_CUDA_PRELOAD(k_delta<LM_DTYPE_F16>);
 LM_CUDA_PRELOAD(k_delta<LM_DTYPE_F64>);
 LM_CUDA_PRELOAD(k_importance);
 LM_CUDA_PRELOAD(k_scale_rows);
+LM_CUDA_PRELOAD(k_scale_upper);
+LM_CUDA_PRELOAD(k_mirror_upper);
 LM_CUDA_PRELOAD(k_lowrank);
 LM_CUDA_PRELOAD(k_l1_blocks);
 LM_CUDA_PRELOAD(k_dora_rows);
@@ -661,4 +853,6 @@ LM_CUDA_PRELOAD(k_hist_window);
 LM_CUDA_PRELOAD(k_tie_counts);
 LM_CUDA_PRELOAD(k_tie_find);
 LM_CUDA_PRELOAD(k_topk_mask);
+LM_CUDA_PRELOAD(k_mask_get);
+LM_CUDA_PRELOAD(k_mask_apply);
 LM_CUDA_PRELOAD(k_combine);
