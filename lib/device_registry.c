@@ -50,6 +50,15 @@ static bool parse_cuda(const char *spec, int *ordinal)
     return true;
 }
 
+// Says what was opened: d's name, and after it in parentheses what it does without (its note).
+static void say_opened(char *why, size_t why_size, lm_dev *d, const char *note)
+{
+    if (note)
+        say(why, why_size, "%s (%s)", lm_dev_name(d), note);
+    else
+        say(why, why_size, "%s", lm_dev_name(d));
+}
+
 // "cuda-emu" or "cuda-emu:SIZE": the emulated CUDA device (default 1 GiB), whatever the build;
 // LLMERGE_EMU_FAIL injects its failures.
 static lm_status open_cuda_emu(lm_dev **out, const char *spec, const lm_dev_opts *o, char *why, size_t why_size,
@@ -63,11 +72,7 @@ static lm_status open_cuda_emu(lm_dev **out, const char *spec, const lm_dev_opts
     lm_status s = lm_dev_cuda_emu_create(out, budget, o->mem_cap, getenv("LLMERGE_EMU_FAIL"), o->threads, err);
     if (s != LM_OK)
         return lm_err_prefix(err, "--device %s", spec);
-    const char *note = lm_cuda_emu_note(*out);
-    if (note)
-        say(why, why_size, "%s (%s)", lm_dev_name(*out), note);
-    else
-        say(why, why_size, "%s", lm_dev_name(*out));
+    say_opened(why, why_size, *out, lm_cuda_emu_note(*out));
     return LM_OK;
 }
 
@@ -78,11 +83,7 @@ static lm_status open_cuda(lm_dev **out, const char *spec, int ordinal, const lm
     lm_status s = lm_dev_cuda_create(out, ordinal, o->mem_cap, o->threads, err);
     if (s != LM_OK)
         return lm_err_prefix(err, "--device %s", spec);
-    const char *note = lm_cuda_device_note(*out);
-    if (note)
-        say(why, why_size, "%s (%s)", lm_dev_name(*out), note);
-    else
-        say(why, why_size, "%s", lm_dev_name(*out));
+    say_opened(why, why_size, *out, lm_cuda_device_note(*out));
     return LM_OK;
 #else
     (void)out, (void)ordinal, (void)o, (void)why, (void)why_size;
