@@ -935,22 +935,36 @@ static lm_status cuda_topk_apply_by(lm_dev *d, float *x, const float *key, int64
 // at most the scratch every device keeps.
 #define MASK_PIECE ((int64_t)(SCRATCH_MIN - 1) * 8)
 
-// Packs x's non-zeros into device scratch a piece at a time (lm_cuda_mask_get), fetches the
-// bytes home and merges them into the caller's, keeping the bits of the first and last bytes
-// that lie outside the piece: n/8 bytes cross the bus instead of n floats.
-static lm_status cuda_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
+// What both mask operations do first: the device's state checked, the range checked, and room
+// for a piece's bytes in device scratch (and, when `home`, in host scratch). LM_OK with *work
+// false when there is nothing to do (n is 0).
+static lm_status mask_begin(lm_dev *d, int64_t first, int64_t n, bool home, bool *work, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     lm_status status = begin(d, err);
+    *work = false;
     if (status != LM_OK)
         return status;
     if (n < 0 || first < 0)
         return lm_err_set(err, LM_ERR_USAGE, "mask of %lld elements from %lld", (long long)n, (long long)first);
     if (n == 0)
         return LM_OK;
-    const int64_t piece = n < MASK_PIECE ? n : MASK_PIECE;
-    if ((status = scratch_reserve(d, (size_t)(piece + 7) / 8 + 1, err)) != LM_OK ||
-        (status = host_reserve(c, (size_t)(piece + 7) / 8 + 1, err)) != LM_OK)
+    size_t bytes = (size_t)((n < MASK_PIECE ? n : MASK_PIECE) + 7) / 8 + 1;
+    if ((status = scratch_reserve(d, bytes, err)) != LM_OK || (home && (status = host_reserve(c, bytes, err)) != LM_OK))
+        return status;
+    *work = true;
+    return LM_OK;
+}
+
+// Packs x's non-zeros into device scratch a piece at a time (lm_cuda_mask_get), fetches the
+// bytes home and merges them into the caller's, keeping the bits of the first and last bytes
+// that lie outside the piece: n/8 bytes cross the bus instead of n floats.
+static lm_status cuda_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    bool work;
+    lm_status status = mask_begin(d, first, n, true, &work, err);
+    if (status != LM_OK || !work)
         return status;
     for (int64_t off = 0; off < n; off += MASK_PIECE) {
         int64_t cnt = n - off < MASK_PIECE ? n - off : MASK_PIECE, b0 = (first + off) >> 3;
@@ -979,15 +993,9 @@ static lm_status cuda_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const fl
 static lm_status cuda_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
-    lm_status status = begin(d, err);
-    if (status != LM_OK)
-        return status;
-    if (n < 0 || first < 0)
-        return lm_err_set(err, LM_ERR_USAGE, "mask of %lld elements from %lld", (long long)n, (long long)first);
-    if (n == 0)
-        return LM_OK;
-    const int64_t piece = n < MASK_PIECE ? n : MASK_PIECE;
-    if ((status = scratch_reserve(d, (size_t)(piece + 7) / 8 + 1, err)) != LM_OK)
+    bool work;
+    lm_status status = mask_begin(d, first, n, false, &work, err);
+    if (status != LM_OK || !work)
         return status;
     for (int64_t off = 0; off < n; off += MASK_PIECE) {
         int64_t cnt = n - off < MASK_PIECE ? n - off : MASK_PIECE, b0 = (first + off) >> 3;
