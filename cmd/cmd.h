@@ -35,10 +35,9 @@ int lm_cmd_hessian(int argc, char **argv);
 // you mean" suggestions.
 size_t lm_cmd_edit_distance(const char *a, const char *b);
 
-// When `name` is one of mergekit's merge methods (its merge_method values, with - or _ between
-// words), writes into buf (cap bytes) what llmerge calls it ("mergekit's dare_ties is llmerge's
-// dare-ties: llmerge dare-ties BASE FT [FT...] -o OUT ...") or that llmerge does not have it, and
-// returns true; returns false for any other name. Allocates nothing.
+// When `name` is one of mergekit's merge methods that llmerge does not have (its merge_method
+// values, with - or _ between words), writes into buf (cap bytes) that llmerge does not have it
+// and returns true; returns false for any other name. Allocates nothing.
 bool lm_cmd_mergekit_hint(const char *name, char *buf, size_t cap);
 
 // Writes llmerge's method names, in the order of the registry (lib/methods/methods.c) and

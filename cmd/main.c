@@ -71,29 +71,10 @@ static void usage(FILE *out)
 
 // ==== mergekit's method names =================================================================
 
-// mergekit's merge_method values (docs/mergekit.md) that are not llmerge commands (ties is both):
-// what llmerge calls the method, with what to add, or NULL where llmerge has no such method.
-static const struct {
-    const char *name;
-    const char *ours;  // the command, or NULL
-    const char *how;   // options to add and when the two agree, or NULL
-} mergekit_methods[] = {
-    {"task_arithmetic", "task-arithmetic", NULL},
-    {"dare_ties", "dare-ties", "add --rescale l1 for mergekit's rescaling"},
-    {"dare_linear", "dare", "add --rescale l1 for mergekit's rescaling"},
-    {"linear", "task-arithmetic", "for fine-tunes of one base, the base not among the averaged models"},
-    {"slerp", NULL, NULL},
-    {"nuslerp", NULL, NULL},
-    {"multislerp", NULL, NULL},
-    {"karcher", NULL, NULL},
-    {"della", NULL, NULL},
-    {"della_linear", NULL, NULL},
-    {"breadcrumbs", NULL, NULL},
-    {"breadcrumbs_ties", NULL, NULL},
-    {"model_stock", NULL, NULL},
-    {"passthrough", NULL, NULL},
-    {"sce", NULL, NULL},
-    {"nearswap", NULL, NULL},
+// mergekit's merge_method values (docs/mergekit.md) that llmerge does not have. Its others are
+// llmerge's methods, found under mergekit's spelling too (lm_method_find).
+static const char *const mergekit_missing[] = {
+    "della", "della_linear", "breadcrumbs", "breadcrumbs_ties", "passthrough", "sce", "arcee_fusion",
 };
 
 // Whether `name` is mergekit's `mk`, written with - or _ between words.
@@ -107,20 +88,11 @@ static bool mergekit_name_is(const char *name, const char *mk)
 
 bool lm_cmd_mergekit_hint(const char *name, char *buf, size_t cap)
 {
-    for (size_t i = 0; i < sizeof mergekit_methods / sizeof mergekit_methods[0]; i++) {
-        const char *mk = mergekit_methods[i].name, *ours = mergekit_methods[i].ours, *how = mergekit_methods[i].how;
-        if (!mergekit_name_is(name, mk))
-            continue;
-        if (!ours)
-            snprintf(buf, cap, "mergekit's %s is not in llmerge (yet)", mk);
-        else if (strcmp(mk, "linear") == 0)
-            snprintf(buf, cap, "mergekit's linear (%s) is llmerge's task-arithmetic with --normalize: "
-                     "llmerge task-arithmetic BASE FT [FT...] -o OUT --normalize", how);
-        else
-            snprintf(buf, cap, "mergekit's %s is llmerge's %s: llmerge %s BASE FT [FT...] -o OUT%s%s%s", mk, ours, ours,
-                     how ? " (" : "", how ? how : "", how ? ")" : "");
-        return true;
-    }
+    for (size_t i = 0; i < sizeof mergekit_missing / sizeof mergekit_missing[0]; i++)
+        if (mergekit_name_is(name, mergekit_missing[i])) {
+            snprintf(buf, cap, "mergekit's %s is not in llmerge (yet)", mergekit_missing[i]);
+            return true;
+        }
     return false;
 }
 
@@ -183,7 +155,15 @@ int main(int argc, char **argv)
             return c.run(argc - 1, argv + 1);
         }
 
-    // a method named as mergekit names it: what llmerge calls it, or that it has none
+    // a method named as mergekit names it (dare_ties, dare_linear): the same method
+    const lm_method *m = lm_method_find(cmd);
+    if (m) {
+        static char prefix[64];
+        snprintf(prefix, sizeof prefix, "llmerge %s", m->name);
+        lm_signals_init(prefix);
+        return lm_cmd_merge(argc - 1, argv + 1);
+    }
+    // or one llmerge does not have
     char hint[256];
     if (lm_cmd_mergekit_hint(cmd, hint, sizeof hint)) {
         fprintf(stderr, "llmerge: error: unknown command '%s': %s\n", cmd, hint);

@@ -194,6 +194,10 @@ static void note_unused(merge_run *r)
         {!use->hessians && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_HESSIAN_FROM], "--hessian-from", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_STICKY], "--sticky-fallback", "it uses no Hessians"},
+        {!use->t && a->given[OPT_T], "--t", "it interpolates by weights or not at all"},
+        {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
+        {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
+         use->models ? "its inputs are models already" : "it merges task vectors against BASE"},
     };
     for (size_t i = 0; i < sizeof u / sizeof u[0]; i++)
         if (u[i].unused)
@@ -298,10 +302,13 @@ static lm_status prepare(merge_run *r, lm_err *err)
                           "BASE FT [FT...] -o OUT)", a->m->name);
     if (!a->out)
         return lm_err_set(err, LM_ERR_USAGE, "no output directory: give -o OUT");
-    if (a->weights && a->n_weights != a->n_ft)
-        return lm_err_set(err, LM_ERR_USAGE, "--weights gives %d weight%s for %d FT%s (one per FT)",
-                          a->n_weights, a->n_weights == 1 ? "" : "s", a->n_ft,
-                          a->n_ft == 1 ? "" : "s");
+    // the methods whose base is one of the models take a weight for it first
+    bool models = a->use.models || (a->use.models_only && a->models_only);
+    int n_w = a->n_ft + (models ? 1 : 0);
+    if (a->weights && a->n_weights != n_w)
+        return lm_err_set(err, LM_ERR_USAGE, "--weights gives %d weight%s for %d %s%s (one per %s)", a->n_weights,
+                          a->n_weights == 1 ? "" : "s", n_w, models ? "model" : "FT", n_w == 1 ? "" : "s",
+                          models ? "MODEL, the first one's first" : "FT");
     if (a->densities && a->n_densities != 1 && a->n_densities != a->n_ft)
         return lm_err_set(err, LM_ERR_USAGE, "%s gives %d densities for %d FT%s (one per FT, or "
                           "one for all)", a->density_opt, a->n_densities, a->n_ft,
@@ -365,7 +372,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     if (!r->weights || !r->densities)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     for (int i = 0; i < a->n_ft; i++) {
-        r->weights[i] = a->weights ? a->weights[i] : 1.0;
+        r->weights[i] = a->weights ? a->weights[i + (models ? 1 : 0)] : 1.0;
         r->densities[i] = !a->densities ? DEFAULT_DENSITY
                           : a->n_densities == 1 ? a->densities[0] : a->densities[i];
     }
@@ -382,6 +389,11 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->seed = a->seed;
     o->out_dtype = a->have_dtype ? a->dtype : base_dtype(r->base);
     o->threads = a->threads;
+    o->base_weight = models && a->weights ? a->weights[0] : 1.0;
+    o->models_only = a->models_only;
+    o->t = a->t;
+    o->max_iter = a->max_iter;
+    o->tol = a->tol;
     if ((s = lm_merge_check_opts(o, err)) != LM_OK)
         return s;
     if (a->use.hessians && (s = read_calib(r, err)) != LM_OK)

@@ -23,6 +23,10 @@ merge_uses lm_merge_uses(const lm_method *m)
         .rescale = m->drop,
         .seed = m->drop,
         .hessians = m->rank == LM_RANK_IMPORTANCE,
+        .t = m->reads_t,
+        .iter = m->reads_iter,
+        .models_only = m->input == LM_METHOD_EITHER,
+        .models = m->input == LM_METHOD_MODELS,
     };
 }
 
@@ -66,30 +70,56 @@ const lm_opt lm_merge_opt_defs[] = {
     {"sticky-fallback", 0, false, OPT_STICKY},
     {"no-card", 0, false, OPT_NO_CARD},
     {"strict", 0, false, OPT_STRICT},
+    {"t", 0, true, OPT_T},
+    {"max-iter", 0, true, OPT_MAX_ITER},
+    {"tol", 0, true, OPT_TOL},
+    {"models-only", 0, false, OPT_MODELS_ONLY},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
 
+// The inputs method m takes on the command line, "BASE FT [FT...]" and the like, from its
+// descriptor: `first` and `more` name them, min and max count them (max 0: any).
+static void operands(char *buf, size_t cap, const char *first, const char *more, int min, int max)
+{
+    size_t len = (size_t)snprintf(buf, cap, "%s", first);
+    for (int i = 0; i < (min > 1 ? min : 1) && len < cap; i++)
+        len += (size_t)snprintf(buf + len, cap - len, " %s", more);
+    if (max == 0 && len < cap)
+        snprintf(buf + len, cap - len, " [%s...]", more);
+}
+
 void lm_merge_usage(FILE *out, const lm_method *m)
 {
     merge_uses u = lm_merge_uses(m);
+    char usage[128], models[128];
+    if (u.models)
+        operands(usage, sizeof usage, "MODEL", "MODEL", m->min_inputs - 1, m->max_inputs ? m->max_inputs - 1 : 0);
+    else
+        operands(usage, sizeof usage, "BASE", "FT", m->min_inputs, m->max_inputs);
+    operands(models, sizeof models, "MODEL", "MODEL", m->min_inputs - 1, m->max_inputs ? m->max_inputs - 1 : 0);
+    char alt[256] = "";
+    if (u.models_only)
+        snprintf(alt, sizeof alt, "       llmerge %s --models-only %s -o OUT [options]\n", m->name, models);
     fprintf(out,
-            "Usage: llmerge %s BASE FT [FT...] -o OUT [options]\n"
+            "Usage: llmerge %s %s -o OUT [options]\n"
+            "%s"
             "\n"
             "%s\n"
             "\n"
             "%s"
             "\n"
-            "BASE is a Hugging Face model directory (config.json with model.safetensors, or shards\n"
-            "and model.safetensors.index.json). Each FT is a PEFT LoRA adapter directory\n"
+            "%s is a Hugging Face model directory (config.json with model.safetensors, or shards\n"
+            "and model.safetensors.index.json). Each %s is a PEFT LoRA adapter directory\n"
             "(adapter_config.json + adapter_model.safetensors) or a full fine-tuned model directory\n"
-            "of BASE, also when the directory holds exactly one such subdirectory. Task vectors are\n"
+            "of %s, also when the directory holds exactly one such subdirectory. Task vectors are\n"
             "computed in float32 whatever the input dtype; adapters are never expanded into models.\n"
+            "%s"
             "\n"
             "Options (also as --name=value):\n"
             "  -o, --output DIR       the output model directory (required); an existing one is\n"
             "                         refused unless --force is given\n"
-            "  --weights W1,W2,...    one weight per FT (default: 1 each)\n"
+            "  --weights W1,W2,...    one weight per %s (default: 1 each)\n"
             "  --density D            fraction of each task vector kept, in (0, 1], for every FT\n"
             "                         (default 0.2)%s\n"
             "  --densities D1,D2,...  one density per FT (a single value applies to all)\n"
@@ -123,7 +153,12 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --threads N            CPU threads (default: all cores)\n"
             "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
             "                         $XDG_CACHE_HOME/llmerge;%s)\n",
-            m->name, m->summary, m->formula, u.density ? "" : "; no effect on this method",
+            m->name, usage, alt, m->summary, m->formula,
+            u.models ? "The first MODEL" : "BASE", u.models ? "other MODEL" : "FT", u.models ? "the first" : "BASE",
+            u.models ? "The first MODEL is one of the models averaged, and the one the others are checked\n"
+                       "against (its tensors, shapes and config.json are the output's).\n"
+                     : "",
+            u.models ? "MODEL" : "FT", u.density ? "" : "; no effect on this method",
             m->name, m->normalize ? "on" : "off",
             u.sign ? "" : ";\n                         no effect on this method",
             u.topk ? "" : ";\n                         no effect on this method",
@@ -148,7 +183,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --strict               refuse a full FT holding a tensor the base does not have\n"
             "                         (default: such a tensor is left out, with a warning)\n"
             "  -h, --help             this help\n"
-            "%s"
+            "%s%s%s%s%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
@@ -167,7 +202,19 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         BASE) on its calibration file (default ft), or BASE's on the\n"
             "                         first file for all\n"
             "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
-            "                         later batch there too (default: try the device again)\n");
+            "                         later batch there too (default: try the device again)\n",
+            !(u.t || u.iter || u.models_only) ? "" : "\nOptions of this method:\n",
+            !u.t ? "" :
+            "  --t T                  the position between the base (0) and the FT (1) for slerp,\n"
+            "                         the largest change per entry for nearswap (default 0.5)\n",
+            !u.iter ? "" :
+            "  --max-iter N           most iterations of the mean (default 10)\n"
+            "  --tol X                stop when the step is below X; norms below X count as zero\n"
+            "                         (default 1e-5)\n",
+            !u.models_only ? "" :
+            "  --models-only          interpolate the models themselves, the first MODEL one of them,\n"
+            "                         rather than task vectors against BASE (mergekit without a\n"
+            "                         base_model); --weights then has one weight per MODEL\n");
     fprintf(out,
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
@@ -386,6 +433,24 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
             return lm_err_set(err, LM_ERR_USAGE, "%s %s: use ft or base", shown, v);
         a->hessian_from_base = strcmp(v, "base") == 0;
         return LM_OK;
+    case OPT_T:
+        if (!parse_number(v, &a->t))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a number", shown, v);
+        return LM_OK;
+    case OPT_MAX_ITER: {
+        int64_t n;
+        if (!lm_cmd_parse_int(v, 0, 1000000, &n))
+            return lm_err_set(err, LM_ERR_USAGE, "%s %s: needs a whole number from 0 to 1000000", shown, v);
+        a->max_iter = (int)n;
+        return LM_OK;
+    }
+    case OPT_TOL:
+        if (!parse_number(v, &a->tol) || a->tol < 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a number of at least 0", shown, v);
+        return LM_OK;
+    case OPT_MODELS_ONLY:
+        a->models_only = true;
+        return LM_OK;
     case OPT_HELP:
         a->help = true;
         return LM_OK;
@@ -413,6 +478,9 @@ lm_status lm_merge_parse_args(merge_args *a, int argc, char **argv, lm_err *err)
     a->normalize = -1;
     a->shard_size = DEFAULT_SHARD_SIZE;
     a->device = "auto";
+    a->t = 0.5;
+    a->max_iter = 10;
+    a->tol = 1e-5;
     a->fts = calloc((size_t)argc, sizeof *a->fts);
     if (!a->fts)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");

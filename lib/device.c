@@ -310,6 +310,17 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
     return d->iface->l1(d, x, n, out, err);
 }
 
+lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
+                         lm_err *err)
+{
+    return d->iface->row_dot(d, x, y, rows, cols, out, err);
+}
+
+lm_status lm_dev_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
+{
+    return d->iface->nearswap(d, x, n, t, err);
+}
+
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                          const float *weights, int k, int64_t n, lm_combine_how how, lm_err *err)
 {

@@ -226,6 +226,17 @@ lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64
 // *out = Σ |x[j]| in double, summed in fixed blocks in a fixed order.
 lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
 
+// out[r] = Σ_c x[r, c]·y[r, c] for each row r of two rows × cols matrices: each product and
+// the sum in double, in column order, so the same bits on every device and thread count (and a
+// caller that adds the rows in order gets a whole-tensor sum that does not depend on how the
+// rows were split). out is host memory (rows values); x may equal y (squared norms).
+lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
+                         lm_err *err);
+
+// NearSwap's step per element: x[j] = w·x[j] with w = min(1, max(0, t / max(|x[j]|, 1e-6))),
+// in float32: entries of τ within t of zero are kept whole, larger ones pulled to ±t.
+lm_status lm_dev_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err);
+
 // The combination of docs/merging.md "The methods" for k task vectors w_tau[i] (each already
 // sparsified and rescaled, not yet weighted) with weights[i]: W_i = weights[i]·w_tau[i]; with an
 // election, Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,

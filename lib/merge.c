@@ -66,6 +66,28 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
     }
     if (!isfinite(o->lambda))
         return lm_err_set(err, LM_ERR_USAGE, "--lambda %g is not a finite number", o->lambda);
+    const lm_method *m = lm_method_of(o->method);
+    bool models = m->input == LM_METHOD_MODELS || (m->input == LM_METHOD_EITHER && o->models_only);
+    int inputs = o->n_ft + (models ? 1 : 0);
+    if (inputs < m->min_inputs || (m->max_inputs > 0 && inputs > m->max_inputs)) {
+        int want = inputs < m->min_inputs ? m->min_inputs : m->max_inputs;
+        const char *what = models ? (want == 1 ? "model" : "models")
+                                  : (want == 1 ? "fine-tuned input besides the base" : "fine-tuned inputs besides the base");
+        return lm_err_set(err, LM_ERR_USAGE, "%s takes %s%d %s, not %d", m->name,
+                          m->min_inputs == m->max_inputs ? "" : inputs < m->min_inputs ? "at least " : "at most ", want,
+                          what, inputs);
+    }
+    if (models && !isfinite(o->base_weight))
+        return lm_err_set(err, LM_ERR_USAGE, "--weights: the first model's weight %g is not a finite number",
+                          o->base_weight);
+    if (m->reads_t && !isfinite(o->t))
+        return lm_err_set(err, LM_ERR_USAGE, "--t %g is not a finite number", o->t);
+    if (m->reads_iter && (o->max_iter < 0 || !(o->tol >= 0)))
+        return lm_err_set(err, LM_ERR_USAGE, "--max-iter %d and --tol %g must not be negative", o->max_iter, o->tol);
+    if (o->tensor_params && o->topk_global)
+        return lm_err_set(err, LM_ERR_USAGE,
+                          "--topk global takes one density per FT for the whole model: it cannot be combined "
+                          "with parameters that vary by tensor");
     if (!lm_dtype_writable(o->out_dtype))
         return lm_err_set(err, LM_ERR_USAGE, "--dtype %s: llmerge writes f32, f16 or bf16",
                           lm_dtype_name(o->out_dtype));
@@ -654,8 +676,39 @@ static void merge_undo(unit *u)
     XXH64_reset(((merge_ctx *)u->ctx)->hash, 0);
 }
 
+// Fills e->tp with tensor `name`'s parameters: the options', then o->tensor_params' changes,
+// checked as lm_merge_check_opts checks the options.
+static lm_status tensor_params(engine *e, const char *name)
+{
+    const lm_merge_opts *o = e->o;
+    for (int i = 0; i < o->n_ft; i++) {
+        e->tp.weights[i] = o->weights[i];
+        e->tp.densities[i] = o->densities ? o->densities[i] : 1.0;
+    }
+    e->tp.base_weight = o->base_weight;
+    e->tp.lambda = o->lambda;
+    e->tp.t = o->t;
+    if (!o->tensor_params)
+        return LM_OK;
+    lm_status s = o->tensor_params(o->params_ctx, name, &e->tp, e->err);
+    if (s != LM_OK)
+        return s;
+    for (int i = 0; i < o->n_ft; i++) {
+        if (!isfinite(e->tp.weights[i]))
+            return lm_err_set(e->err, LM_ERR_USAGE, "weight of input %d is %g in tensor '%s', not a finite number",
+                              i + 1, e->tp.weights[i], name);
+        if (e->m->density && !(e->tp.densities[i] > 0 && e->tp.densities[i] <= 1))
+            return lm_err_set(e->err, LM_ERR_USAGE, "density of input %d is %g in tensor '%s', not in (0, 1]", i + 1,
+                              e->tp.densities[i], name);
+    }
+    if (!isfinite(e->tp.base_weight) || !isfinite(e->tp.lambda) || !isfinite(e->tp.t))
+        return lm_err_set(e->err, LM_ERR_USAGE, "a weight, lambda or t of tensor '%s' is not a finite number", name);
+    return LM_OK;
+}
+
 // One output tensor: merged where its FTs change it, else the base's values converted (on the
-// CPU: a copy gains nothing from an accelerator).
+// CPU: a copy gains nothing from an accelerator). A method with coefficients but no Gram matrix
+// (linear) may scale even a tensor no FT changes (unnormalised weights): that runs as a merge.
 static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, bool *merged)
 {
     const lm_st_tensor *bt = e->base->tensors[idx];
@@ -664,7 +717,29 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
     *merged = k > 0;
     lm_status s;
     count_reset(e);
-    if (k == 0 || bt->numel == 0) {
+    if ((s = tensor_params(e, bt->name)) != LM_OK)
+        return s;
+    bool scaled = false;
+    if (k == 0 && e->m->coeffs && !e->m->gram && lm_dtype_readable(bt->dtype) && bt->numel > 0) {
+        double a = 1.0, *c = calloc((size_t)e->o->n_ft, sizeof *c);
+        bool *present = calloc((size_t)e->o->n_ft, sizeof *present);
+        if (!c || !present) {
+            free(c);
+            free(present);
+            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        }
+        for (int i = 0; i < e->o->n_ft; i++)
+            present[i] = e->fts[i]->adapter || lm_model_find(e->fts[i]->model, bt->name);
+        lm_coef_in in = {.o = e->o, .tp = &e->tp, .tensor = bt->name, .numel = bt->numel, .n = e->o->n_ft,
+                         .present = present};
+        s = e->m->coeffs(&in, &a, c, e->err);
+        free(c);
+        free(present);
+        if (s != LM_OK)
+            return s;
+        scaled = (float)a != 1.0f;
+    }
+    if ((k == 0 && !scaled) || bt->numel == 0) {
         if ((s = lm_eng_cpu_ready(e)) != LM_OK || (s = lm_eng_copy_tensor(e, &e->cpu_ws, idx, bt, desc->dtype,
                                                                           hash)) != LM_OK)
             return s;
@@ -679,6 +754,7 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
         }
     merge_ctx c = {desc, hash};
     unit u = {"merge", idx, parts, k, merge_work, merge_undo, &c};
+    *merged = true;
     bool on_device = false;
     if (s == LM_OK)
         s = lm_eng_run_unit(e, &u, &on_device);
@@ -732,6 +808,9 @@ static void engine_free(engine *e)
     free(e->sel_block);
     free(e->counted);
     free(e->in);
+    free(e->tp.weights);
+    free(e->tp.densities);
+    free(e->coef);
 }
 
 lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base,
@@ -773,11 +852,14 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.counted = calloc((size_t)o->n_ft + 1, sizeof *e.counted);
     e.in = calloc((size_t)o->n_ft + 1, sizeof *e.in);
     e.out_host = malloc(lm_eng_out_host_bytes());  // merge_pieces fills one half while the other is written
+    e.tp.weights = calloc((size_t)o->n_ft, sizeof *e.tp.weights);
+    e.tp.densities = calloc((size_t)o->n_ft, sizeof *e.tp.densities);
+    e.coef = calloc((size_t)o->n_ft, sizeof *e.coef);
     if (o->topk_global && e.m->rank != LM_RANK_NONE)
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();
     if (!res->tensor_xxh64 || !e.cpu_ws.tau_buf || !e.dev_ws.tau_buf || !e.res_cpu || !e.res_dev || !e.out_host ||
-        !e.counted || !e.in ||
+        !e.counted || !e.in || !e.tp.weights || !e.tp.densities || !e.coef ||
         !hash || (o->topk_global && e.m->rank != LM_RANK_NONE && !e.global) ||
         (sparsegpt && (!e.cpu_ws.key_buf || !e.dev_ws.key_buf || !e.cpu_ws.ucc2_buf || !e.dev_ws.ucc2_buf))) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");

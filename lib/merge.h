@@ -25,6 +25,13 @@ typedef enum lm_merge_method {
     LM_MERGE_DARE_TIES,        // DARE masks with TIES sign election
     LM_MERGE_TASK_ARITHMETIC,  // weighted sum of task vectors
     LM_MERGE_SPARSEGPT,        // TIES with entries kept by Hessian importance (docs/merging.md)
+    LM_MERGE_LINEAR,           // weighted average of the models, the base one of them
+    LM_MERGE_SLERP,            // spherical interpolation between the base and one FT
+    LM_MERGE_NUSLERP,          // spherical interpolation of two FTs (task vectors) or two models
+    LM_MERGE_MULTISLERP,       // spherical barycentre of several FTs or models
+    LM_MERGE_KARCHER,          // Riemannian (Karcher) mean of the models on the sphere
+    LM_MERGE_MODEL_STOCK,      // the FTs' mean, interpolated from the base by their angles
+    LM_MERGE_NEARSWAP,         // the FT's values where they are within t of the base's
 } lm_merge_method;
 
 typedef enum lm_sign_rule {
@@ -45,12 +52,37 @@ const char *lm_merge_method_name(lm_merge_method m);
 // "Defaults"): on for ties and sparsegpt, off for dare, dare-ties and task-arithmetic.
 bool lm_merge_default_normalize(lm_merge_method m);
 
+// One tensor's parameters, where they vary from tensor to tensor (lm_merge_opts' tensor_params):
+// the engine fills them from the options, then lets the caller change them.
+typedef struct lm_tensor_params {
+    double *weights;      // (n_ft) w_i
+    double *densities;    // (n_ft) d_i in (0, 1]
+    double base_weight;   // the base's weight, for the methods whose base is one of the models
+    double lambda;
+    double t;             // slerp's and nearswap's t
+} lm_tensor_params;
+
 typedef struct lm_merge_opts {
     lm_merge_method method;
     int n_ft;
     const double *weights;    // (n_ft) w_i
     const double *densities;  // (n_ft) d_i in (0, 1]; unused by task-arithmetic
     double lambda;            // scale of the merged task vector
+    // The methods whose base is one of the models averaged (linear, karcher, and nuslerp and
+    // multislerp where `models_only`): the base's weight (linear's w_0; unused by karcher).
+    double base_weight;
+    // nuslerp and multislerp: the base is the first of the models, not a base the task vectors
+    // are taken against (mergekit's configurations without base_model).
+    bool models_only;
+    double t;                 // slerp: the position from the base (0) to the FT (1); nearswap: the threshold
+    int max_iter;             // karcher: most iterations (mergekit's default 10)
+    double tol;               // karcher: convergence tolerance (1e-5)
+    // When not NULL, called before each tensor is merged with tp filled from the options above;
+    // it may change any value for `tensor` (mergekit's gradients and filters). A status other
+    // than LM_OK stops the merge (err names the tensor and the parameter). Not with --topk
+    // global, whose densities are the whole model's.
+    lm_status (*tensor_params)(void *ctx, const char *tensor, lm_tensor_params *tp, lm_err *err);
+    void *params_ctx;
     bool normalize;           // resolved: the caller applies lm_merge_default_normalize
     lm_sign_rule sign;
     bool topk_global;         // magnitude threshold per model over all its tensors

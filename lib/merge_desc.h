@@ -72,14 +72,16 @@ typedef struct lm_dense_part {
 
 // How lm_dev_combine and lm_dev_dense_merge combine the parts: with the sign election `sign`,
 // divided by the sum of the weights where normalize, scaled by lambda (lm_dev_combine's
-// contract, device.h); or, lm_dev_dense_merge only, where linear is set, as task arithmetic's
-// sequence out = base, then out = 1·out + weight_i·τ_i for each part in turn (lm_dev_axpby),
-// whose rounding differs.
+// contract, device.h); or, lm_dev_dense_merge only, where linear is set, as the linear pass's
+// sequence out = base (times base_scale where scale_base), then out = 1·out + weight_i·τ_i for
+// each part in turn (lm_dev_axpby), whose rounding differs.
 typedef struct lm_combine_how {
     lm_combine_sign sign;
     bool normalize;
     float lambda;
     bool linear;
+    bool scale_base;   // linear only: out = base_scale·base + 0·base first (lm_dev_axpby's arithmetic)
+    float base_scale;
     // when not NULL, lm_dev_dense_merge adds the NaN and Inf among the base values it reads to
     // *base_nf, and among the output values it writes (in out_dt) to *out_nf
     lm_nonfinite *base_nf, *out_nf;

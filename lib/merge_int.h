@@ -9,6 +9,8 @@
 //                     pieces pass over τ in buffers, the linear pass, the separate operations,
 //                     the copy of an untouched tensor;
 //   merge_select.c  - selection: sampled windows, histograms, exact top-k, --topk global;
+//   merge_coef.c    - the methods with coefficients (linear, slerp, ...): the Gram pass, the
+//                     coefficients, then the linear pass; and nearswap's;
 //   merge_plan.c    - the sizing functions (slabs, working sets, staging, mapped pages, the
 //                     selection's block) that the run allocates by and `llmerge plan` reports;
 //   methods/*.c     - one descriptor per method (method.h), read by all of the above.
@@ -123,6 +125,11 @@ typedef struct engine {
     int64_t *counted;     // (1 + n_ft) elements of each input counted so far
     lm_nonfinite *in;     // (1 + n_ft)
     lm_nonfinite out;
+    // the tensor being merged: its parameters (the options', changed by o->tensor_params), and
+    // the linear pass's coefficients θ = base_coef·θ_b + Σ coef[ft]·τ_ft
+    lm_tensor_params tp;  // its arrays (n_ft) owned here
+    float *coef;          // (n_ft)
+    float base_coef;
 } engine;
 
 // The bytes of one element of dtype dt.
@@ -236,6 +243,15 @@ lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tenso
                              XXH64_state_t *hash);
 lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash,
                               part *parts, int k);
+lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
+                              part *parts, int k, int64_t slab_rows, bool have_slab, XXH64_state_t *hash);
+lm_status lm_eng_merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
+                             part *parts, int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash);
+
+// ==== merge_coef.c: the methods with coefficients, and nearswap =================================
+
+lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash,
+                            part *parts, int k, int64_t slab_rows);
 
 // ==== merge_select.c: selection (histograms, top-k windows, --topk global) ====================
 

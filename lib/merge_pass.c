@@ -306,34 +306,53 @@ lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tenso
     return LM_OK;
 }
 
-// Task arithmetic is linear: θ = θ_b + Σ_i c_i τ_i with c_i = λ w_i / (Σ w_i when normalizing),
-// so each τ is added into the result as soon as it exists, and a plain LoRA τ is never
-// materialised at all: one GEMM adds c_i s B@A to the result in place.
-static lm_status merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
-                              part *parts, int k, int64_t slab_rows, XXH64_state_t *hash)
+// Task arithmetic's coefficients: c_i = λ w_i / (Σ w_i over the parts when normalizing), the
+// base's 1.
+static void task_arithmetic_coef(engine *e, const part *parts, int k)
 {
-    const lm_merge_opts *o = e->o;
-    int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
     double div = 0;
     for (int i = 0; i < k; i++)
-        div += o->weights[parts[i].ft];
-    if (!o->normalize || div == 0)
+        div += e->tp.weights[parts[i].ft];
+    if (!e->o->normalize || div == 0)
         div = 1;
+    for (int i = 0; i < k; i++)
+        e->coef[parts[i].ft] = (float)(e->tp.lambda * e->tp.weights[parts[i].ft] / div);
+    e->base_coef = 1.0f;
+}
+
+// The linear pass: θ = a θ_b + Σ_i c_i τ_i with the engine's coefficients (e->base_coef,
+// e->coef), so each τ is added into the result as soon as it exists, and a plain LoRA τ is
+// never materialised at all: one GEMM adds c_i s B@A to the result in place. NearSwap's step
+// (the method's nearswap) is applied to each τ first, which then is materialised. With
+// have_slab the tensor is one slab whose base values and τ are in the buffers already (the
+// Gram pass left them).
+lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
+                              part *parts, int k, int64_t slab_rows, bool have_slab, XXH64_state_t *hash)
+{
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
+    bool near = e->m->nearswap;
     lm_status s = LM_OK;
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
             return lm_interrupted_err(e->err);
-        s = lm_eng_load_base(e, ws, bt, r0, nr);
+        if (!have_slab)
+            s = lm_eng_load_base(e, ws, bt, r0, nr);
         // Task vectors that need the base's values (full models, DoRA, biases) first, while
         // base_buf still holds them; then everything is added in.
-        for (int i = 0; s == LM_OK && i < k; i++)
-            if (parts[i].src != SRC_LORA || parts[i].mod->magnitude)
+        for (int i = 0; s == LM_OK && !have_slab && i < k; i++)
+            if (parts[i].src != SRC_LORA || parts[i].mod->magnitude || near)
                 s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
+        for (int i = 0; s == LM_OK && near && i < k; i++)
+            s = lm_dev_nearswap(ws->dev, parts[i].tau, cnt, (float)e->tp.t, e->err);
+        // the base's own coefficient (1 but for the methods that interpolate): a·θ_b + 0·θ_b,
+        // the fused pass's arithmetic
+        if (s == LM_OK && e->base_coef != 1.0f)
+            s = lm_dev_axpby(ws->dev, ws->base_buf, e->base_coef, ws->base_buf, 0.0f, cnt, e->err);
         for (int i = 0; s == LM_OK && i < k; i++) {
             part *p = &parts[i];
-            float c = (float)(o->lambda * o->weights[p->ft] / div);
-            if (p->src == SRC_LORA && !p->mod->magnitude)
+            float c = e->coef[p->ft];
+            if (p->src == SRC_LORA && !p->mod->magnitude && !near && !have_slab)
                 s = lora_gemm(e, ws, p, bt, r0, nr, c * (float)p->mod->scale, 1.0f, ws->base_buf);
             else
                 s = lm_dev_axpby(ws->dev, ws->base_buf, 1.0f, p->tau, c, cnt, e->err);
@@ -359,12 +378,7 @@ static lm_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const
                                       lm_dense_part *d)
 {
     const lm_merge_opts *o = e->o;
-    bool linear = e->m->linear;
-    double div = 0;  // task arithmetic's normalization, as merge_linear's
-    for (int i = 0; i < k; i++)
-        div += o->weights[parts[i].ft];
-    if (!o->normalize || div == 0)
-        div = 1;
+    bool linear = e->m->linear;  // the coefficients are the engine's, as lm_eng_merge_linear's
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
     for (int i = 0; i < k; i++) {
         const part *p = &parts[i];
@@ -375,13 +389,14 @@ static lm_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const
             .thr_bits = t->thr_bits,
             .drop = e->m->drop && !p->dropped,
             .key = lm_rng_key(o->seed, p->ft, name_hash),
-            .keep_below = lm_rng_threshold(o->densities[p->ft]),
+            .keep_below = lm_rng_threshold(e->tp.densities[p->ft]),
             .rescale = (float)p->rescale,
-            .weight = linear ? (float)(o->lambda * o->weights[p->ft] / div) : (float)o->weights[p->ft],
+            .weight = linear ? e->coef[p->ft] : (float)e->tp.weights[p->ft],
         };
     }
-    return (lm_combine_how){.sign = combine_sign(e),
-                                .normalize = o->normalize, .lambda = (float)o->lambda, .linear = linear};
+    return (lm_combine_how){.sign = combine_sign(e), .normalize = o->normalize, .lambda = (float)e->tp.lambda,
+                            .linear = linear, .scale_base = linear && e->base_coef != 1.0f,
+                            .base_scale = e->base_coef};
 }
 
 // Merges elements [first0, first0 + cnt) of tensor idx with lm_dev_dense_merge, an OUT_PIECE of
@@ -458,7 +473,7 @@ static lm_status merge_pieces(engine *e, wset *ws, int64_t idx, const lm_st_desc
 
 // The merge pass of a tensor whose passes are fused (full models and plain LoRA pairs): τ is made
 // (or read back from the kept candidates) as each piece is merged, slab by slab.
-static lm_status merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
+lm_status lm_eng_merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
                              part *parts, int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash)
 {
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
@@ -500,6 +515,9 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
     bool one_slab = slab_rows >= rows;
     lm_status s = LM_OK;
 
+    if (e->m->coeffs || e->m->nearswap)
+        return lm_eng_merge_coef(e, ws, idx, desc, hash, parts, k, slab_rows);
+
     // select: exact top-k per part over the whole tensor (none when every part has a stored mask).
     int n_masked = 0;
     for (int i = 0; i < k; i++)
@@ -532,7 +550,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
                     break;
                 uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
                 if ((s = lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols,
-                                            lm_rng_threshold(o->densities[p->ft]), e->err)) != LM_OK ||
+                                            lm_rng_threshold(e->tp.densities[p->ft]), e->err)) != LM_OK ||
                     (s = lm_dev_l1(ws->dev, p->tau, cnt, &b, e->err)) != LM_OK)
                     break;
                 l1_all[i] += a;
@@ -548,7 +566,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
             parts[i].rescale = l1_all[i] >= 1e-7 && l1_kept[i] >= 1e-7 ? l1_all[i] / l1_kept[i] : 1.0;
     } else if (random) {
         for (int i = 0; i < k; i++)
-            parts[i].rescale = 1.0 / o->densities[parts[i].ft];
+            parts[i].rescale = 1.0 / e->tp.densities[parts[i].ft];
     }
 
     // merge: τ, sparsify, rescale, combine, convert, write.
@@ -556,7 +574,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
     float weights[k];
     for (int i = 0; i < k; i++) {
         taus[i] = parts[i].tau;
-        weights[i] = (float)o->weights[parts[i].ft];
+        weights[i] = (float)e->tp.weights[parts[i].ft];
     }
     // τ is still in the buffers after the passes above only when they ran over a single slab
     // and the last thing each did to it is what the merge needs next.
@@ -566,10 +584,12 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
     bool have_base = have_tau && (random || lm_eng_needs_base(parts, k));
     uint64_t name_hash = lm_xxh64(bt->name, strlen(bt->name));
     lm_combine_sign sign = combine_sign(e);
-    if (lm_eng_fused(e, ws->dev, bt, parts, k))
-        return merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
     if (e->m->linear)
-        return merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, hash);
+        task_arithmetic_coef(e, parts, k);
+    if (lm_eng_fused(e, ws->dev, bt, parts, k))
+        return lm_eng_merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
+    if (e->m->linear)
+        return lm_eng_merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, false, hash);
     // With τ in the buffers, the rest of the pass in one operation where the device has it.
     bool pieces = pieces_from_buf(ws, bt, parts, k);
     lm_dense_part d[k];
@@ -609,7 +629,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
                     e->global[p->ft].ties_allowed -= used;
             } else if (random && !p->dropped) {
                 uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
-                if ((s = lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols, lm_rng_threshold(o->densities[p->ft]),
+                if ((s = lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols, lm_rng_threshold(e->tp.densities[p->ft]),
                                             e->err)) != LM_OK)
                     break;
             }
@@ -619,7 +639,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
         }
         if (s == LM_OK)
             s = lm_dev_combine(ws->dev, ws->base_buf, ws->base_buf, taus, weights, k, cnt,
-                               (lm_combine_how){.sign = sign, .normalize = o->normalize, .lambda = (float)o->lambda},
+                               (lm_combine_how){.sign = sign, .normalize = o->normalize, .lambda = (float)e->tp.lambda},
                                e->err);
         if (s == LM_OK)
             s = write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype),

@@ -248,7 +248,6 @@ bool lm_eng_keeps_fit(const engine *e, const lm_dev *dev, const lm_st_tensor *bt
 
 lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
 {
-    const lm_merge_opts *o = e->o;
     uint64_t *hists[k];
     const lm_topk *sel[k];
     window wins[k];
@@ -277,8 +276,8 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
         parts[i].keeps = fuse && aligned && parts[i].src == SRC_LORA && !parts[i].mask &&
                          keep_store(e, parts[i].ft, bt->numel);
         // a part with a stored mask selects nothing (k = 0 makes every pass skip it)
-        lm_topk_init(&parts[i].topk, parts[i].mask ? 0 : (int64_t)floor(o->densities[parts[i].ft] * (double)bt->numel),
-                     bt->numel);
+        int64_t keep = (int64_t)floor(e->tp.densities[parts[i].ft] * (double)bt->numel);
+        lm_topk_init(&parts[i].topk, parts[i].mask ? 0 : keep, bt->numel);
         hists[i] = &above[i];
         uint64_t *region = block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
         wins[i] = (window){region, region + (size_t)LM_HIST_WINDOW * LM_HIST_BINS, 0,

@@ -47,6 +47,17 @@ LM_HD static inline bool lm_rng_keep(uint64_t key, int64_t j, uint64_t keep_belo
     return (x >> 32) < keep_below;
 }
 
+// ---- NearSwap ---------------------------------------------------------------------------------
+
+// NearSwap's weight of a task-vector entry x for threshold t: min(1, max(0, t / max(|x|, 1e-6))),
+// in float32. x·weight is x where |x| <= t, else ±t (a NaN x stays NaN).
+LM_HD static inline float lm_nearswap_weight(float x, float t)
+{
+    float a = x < 0 ? -x : x;
+    float w = t / (a > 1e-6f ? a : 1e-6f);
+    return w < 0.0f ? 0.0f : w > 1.0f ? 1.0f : w;
+}
+
 // ---- exact top-k by magnitude -----------------------------------------------------------------
 
 // The magnitude bits of a float: its bits without the sign. For finite values and infinities

@@ -928,29 +928,34 @@ expect 0 "default for task-arithmetic: off" task-arithmetic -h
 expect 0 "default for dare-ties: off" dare-ties --help
 expect 0 "task-arithmetic" --help
 expect 2 "llmerge: error: unknown command 'daer'; did you mean 'dare'" daer "$B" "$lp" -o "$x"
-# mergekit's method names: what llmerge calls the method, or that it has no such method yet, with
-# llmerge's methods and the page that maps mergekit's to them
-methods="ties, dare, dare-ties, task-arithmetic, sparsegpt"
-expect 2 "llmerge: error: unknown command 'slerp': mergekit's slerp is not in llmerge (yet)" slerp "$B" "$lp" "$lp" -o "$x"
-check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "slerp: $(cat "$work/out")"
-for m in linear nuslerp della della_linear breadcrumbs breadcrumbs_ties model_stock passthrough sce karcher \
-  multislerp nearswap dare_linear dare_ties task_arithmetic breadcrumbs-ties; do
-  expect 2 "llmerge: error: unknown command '$m': mergekit's ${m//-/_} " "$m" "$B" "$lp" -o "$x"
+# mergekit's method names: its spellings run llmerge's methods (dare_linear is dare); one llmerge
+# does not have is refused, with llmerge's methods and the page that maps mergekit's to them
+methods="ties, dare, dare-ties, task-arithmetic, sparsegpt, linear, slerp, nuslerp, multislerp, karcher, model-stock, nearswap"
+for m in della della_linear breadcrumbs breadcrumbs_ties passthrough sce breadcrumbs-ties; do
+  expect 2 "llmerge: error: unknown command '$m': mergekit's ${m//-/_} is not in llmerge (yet)" "$m" "$B" "$lp" -o "$x"
   check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "$m: $(cat "$work/out")"
 done
-expect 2 "mergekit's dare_ties is llmerge's dare-ties: llmerge dare-ties BASE FT" dare_ties "$B" "$lp" -o "$x"
-expect 2 "mergekit's task_arithmetic is llmerge's task-arithmetic" task_arithmetic "$B" "$lp" -o "$x"
-expect 2 "mergekit's dare_linear is llmerge's dare" dare_linear "$B" "$lp" -o "$x"
-expect 2 "llmerge task-arithmetic BASE FT [FT...] -o OUT --normalize" linear "$B" "$lp" -o "$x"
-expect 2 "mergekit's model_stock is not in llmerge (yet)" model_stock "$B" "$lp" -o "$x"
+for m in dare_linear dare_ties task_arithmetic model_stock; do
+  run "mk-$m" "$m" "$B" "$lp" "$lp" -o "$x" -q
+  rm -rf "$x"
+done
+expect 0 "Usage: llmerge dare BASE FT [FT...] -o OUT" dare_linear --help
+expect 0 "Usage: llmerge model-stock BASE FT FT [FT...] -o OUT" model_stock --help
+expect 0 "Usage: llmerge linear MODEL MODEL [MODEL...] -o OUT" linear --help
+expect 0 "llmerge nuslerp --models-only MODEL MODEL -o OUT" nuslerp --help
+expect 2 "slerp takes 1 fine-tuned input besides the base, not 2" slerp "$B" "$lp" "$lp" -o "$x"
+expect 2 "model-stock takes at least 2 fine-tuned inputs besides the base, not 1" model-stock "$B" "$lp" -o "$x"
+expect 2 "--weights gives 1 weight for 2 models (one per MODEL, the first one's first)" linear "$B" "$lp" -o "$x" --weights 1
+expect 0 "note: --t has no effect on linear" linear "$B" "$lp" -o "$x" --t 0.3
+rm -rf "$x"
 # any other unknown command: the error, the commands and the methods
 expect 2 "llmerge: error: unknown command 'frobnicate'" frobnicate "$B"
 check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "llmerge --help" "$work/out"' "frobnicate: $(cat "$work/out")"
 # llmerge plan takes a method too
-expect 2 "llmerge plan: error: 'slerp' is not a merge method of llmerge ($methods): mergekit's slerp is not in llmerge (yet)" \
-  plan slerp "$B" "$lp" -o "$x"
-check 'grep -qF "docs/mergekit.md" "$work/out"' "plan slerp: $(cat "$work/out")"
-expect 2 "mergekit's dare_ties is llmerge's dare-ties" plan dare_ties "$B" "$lp" -o "$x"
+expect 2 "llmerge plan: error: 'della' is not a merge method of llmerge ($methods): mergekit's della is not in llmerge (yet)" \
+  plan della "$B" "$lp" -o "$x"
+check 'grep -qF "docs/mergekit.md" "$work/out"' "plan della: $(cat "$work/out")"
+expect 0 "merge: largest tensor" plan dare_ties "$B" "$lp" -o "$x"
 no_output "$x"
 
 e2e_end

@@ -400,7 +400,12 @@ static void dense_merge_task(void *ctx, int64_t task)
                 dense_sparsify(tp[i], p, keep[i], &left[i], p->first + c, cnt);
             }
             if (j->how.linear) {
-                memcpy(o, b, (size_t)cnt * sizeof *o);
+                float bs = j->how.base_scale;
+                if (j->how.scale_base)
+                    for (int64_t e = 0; e < cnt; e++)
+                        o[e] = bs * b[e] + 0.0f * b[e];
+                else
+                    memcpy(o, b, (size_t)cnt * sizeof *o);
                 for (int i = 0; i < k; i++)
                     for (int64_t e = 0; e < cnt; e++)
                         o[e] = 1.0f * o[e] + w[i] * tp[i][e];

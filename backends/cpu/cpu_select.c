@@ -3,6 +3,7 @@
 // Cholesky factorisation it needs (LAPACKE), stored masks, random drops and L1 sums. See
 // cpu_impl.h.
 #include "cpu_impl.h"
+#include "sparsify.h"
 
 #include <lapacke.h>
 
@@ -497,5 +498,56 @@ lm_status cpu_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err)
         s += j.partial[b];
     free(j.partial);
     *out = s;
+    return LM_OK;
+}
+
+typedef struct row_dot_job {
+    const float *x, *y;
+    int64_t rows, cols, per_task;
+    double *out;  // (rows)
+} row_dot_job;
+
+static void row_dot_task(void *ctx, int64_t t)
+{
+    row_dot_job *j = ctx;
+    int64_t r1 = (t + 1) * j->per_task < j->rows ? (t + 1) * j->per_task : j->rows;
+    for (int64_t r = t * j->per_task; r < r1; r++) {
+        const float *x = j->x + r * j->cols, *y = j->y + r * j->cols;
+        double s = 0;
+        for (int64_t c = 0; c < j->cols; c++)
+            s += (double)x[c] * (double)y[c];
+        j->out[r] = s;
+    }
+}
+
+lm_status cpu_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
+                      lm_err *err)
+{
+    (void)err;
+    int64_t per = cols > 0 ? (BLOCK + cols - 1) / cols : rows;  // about a block of elements per task
+    row_dot_job j = {x, y, rows, cols, per > 0 ? per : 1, out};
+    lm_pool_run(pool_of(d), rows > 0 ? (rows + j.per_task - 1) / j.per_task : 0, row_dot_task, &j);
+    return LM_OK;
+}
+
+typedef struct near_job {
+    float *x;
+    int64_t n;
+    float t;
+} near_job;
+
+static void near_task(void *ctx, int64_t blk)
+{
+    near_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    for (int64_t i = lo; i < hi; i++)
+        j->x[i] *= lm_nearswap_weight(j->x[i], j->t);
+}
+
+lm_status cpu_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
+{
+    (void)err;
+    near_job j = {x, n, t};
+    lm_pool_run(pool_of(d), n_blocks(n), near_task, &j);
     return LM_OK;
 }

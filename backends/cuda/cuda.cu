@@ -1041,6 +1041,28 @@ static lm_status cuda_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_e
     return LM_OK;
 }
 
+// Per-row sums on the device, copied home.
+static lm_status cuda_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
+                              lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = begin(d, err);
+    if (s != LM_OK || rows <= 0)
+        return s;
+    size_t bytes = (size_t)rows * sizeof(double);
+    if ((s = scratch_reserve(d, bytes, err)) != LM_OK ||
+        (s = lm_cuda_row_dot((double *)c->scratch, x, y, rows, cols, c->stream, err)) != LM_OK ||
+        (s = copy_home(c, out, c->scratch, bytes, err)) != LM_OK)
+        return s;
+    return LM_OK;
+}
+
+static lm_status cuda_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
+{
+    lm_status s = begin(d, err);
+    return s != LM_OK ? s : lm_cuda_nearswap(x, n, t, ctx_of(d)->stream, err);
+}
+
 static lm_status cuda_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                               const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
                               float lambda, lm_err *err)
@@ -1139,6 +1161,8 @@ static lm_dev_i make_iface(void)
     i.mask_apply = cuda_mask_apply;
     i.random_drop = cuda_random_drop;
     i.l1 = cuda_l1;
+    i.row_dot = cuda_row_dot;
+    i.nearswap = cuda_nearswap;
     i.combine = cuda_combine;
     i.gather_rows = cuda_gather_rows;
     i.add_rows = cuda_add_rows;

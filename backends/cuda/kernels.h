@@ -153,6 +153,13 @@ lm_status lm_cuda_random_drop(float *d_x, int64_t n, uint64_t key, int64_t first
 // index order, for each of the ceil(n / LM_CUDA_L1_BLOCK) blocks: the CPU's partial sums.
 lm_status lm_cuda_l1_blocks(double *d_partial, const float *d_x, int64_t n, void *stream, lm_err *err);
 
+// d_out[r] = sum of d_x[r, c]·d_y[r, c] in double over the columns, in order (lm_dev_row_dot).
+lm_status lm_cuda_row_dot(double *d_out, const float *d_x, const float *d_y, int64_t rows, int64_t cols, void *stream,
+                          lm_err *err);
+
+// lm_dev_nearswap.
+lm_status lm_cuda_nearswap(float *d_x, int64_t n, float t, void *stream, lm_err *err);
+
 // lm_dev_combine for k <= LM_CUDA_COMBINE_MAX task vectors: d_tau is a HOST array of k device
 // pointers and weights a host array of k floats (both copied into the kernel's arguments).
 // elect: with sign election; count_signs: the elected sign is that of the sum of signs

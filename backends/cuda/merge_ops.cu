@@ -46,6 +46,12 @@ __global__ void k_axpby(float *y, float a, const float *x, float b, int64_t n)
         y[i] = a * y[i] + b * x[i];
 }
 
+__global__ void k_nearswap(float *x, int64_t n, float t)
+{
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] *= lm_nearswap_weight(x[i], t);
+}
+
 __global__ void k_random_drop(float *x, int64_t n, uint64_t key, int64_t first, uint64_t keep_below)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -798,6 +804,63 @@ fail:
     return status;
 }
 
+// out[r] = Σ_c x[r, c]·y[r, c], each product and the sum in double, in column order:
+// cpu_select.c's row_dot_task. One warp per row, as k_l1_blocks walks a block.
+__global__ void k_row_dot(double *out, const float *x, const float *y, int64_t rows, int64_t cols)
+{
+    const int lane = threadIdx.x & 31;
+    const int64_t warp = (blockIdx.x * (int64_t)blockDim.x + threadIdx.x) >> 5;
+    const int64_t warps = ((int64_t)gridDim.x * blockDim.x) >> 5;
+    for (int64_t r = warp; r < rows; r += warps) {  // uniform across the warp
+        int64_t lo = r * cols, hi = lo + cols;
+        float nx[SEQ_TILES], ny[SEQ_TILES];
+        load_tiles(nx, x, lo, hi, lane);
+        load_tiles(ny, y, lo, hi, lane);
+        double s = 0.0;
+        for (int64_t g = lo; g < hi; g += 32 * SEQ_TILES) {
+            float cx[SEQ_TILES], cy[SEQ_TILES];
+#pragma unroll
+            for (int j = 0; j < SEQ_TILES; j++) {
+                cx[j] = nx[j];
+                cy[j] = ny[j];
+            }
+            load_tiles(nx, x, g + 32 * SEQ_TILES, hi, lane);
+            load_tiles(ny, y, g + 32 * SEQ_TILES, hi, lane);
+#pragma unroll
+            for (int j = 0; j < SEQ_TILES; j++) {
+                int64_t t0 = g + 32 * j;
+                if (t0 < hi)
+                    s = add_lanes_in_order(s, (double)cx[j] * (double)cy[j], hi - t0 < 32 ? (int)(hi - t0) : 32);
+            }
+        }
+        if (lane == 0)
+            out[r] = s;
+    }
+}
+
+extern "C" lm_status lm_cuda_row_dot(double *d_out, const float *d_x, const float *d_y, int64_t rows, int64_t cols,
+                                     void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (rows <= 0)
+        return LM_OK;
+    k_row_dot<<<grid_warps(rows), 128, 0, (cudaStream_t)stream>>>(d_out, d_x, d_y, rows, cols);
+    CUDA_LAUNCHED("k_row_dot");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_nearswap(float *d_x, int64_t n, float t, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (n <= 0)
+        return LM_OK;
+    k_nearswap<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, n, t);
+    CUDA_LAUNCHED("k_nearswap");
+fail:
+    return status;
+}
+
 extern "C" lm_status lm_cuda_l1_blocks(double *d_partial, const float *d_x, int64_t n, void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
@@ -847,6 +910,8 @@ LM_CUDA_PRELOAD(k_scale_upper);
 LM_CUDA_PRELOAD(k_mirror_upper);
 LM_CUDA_PRELOAD(k_lowrank);
 LM_CUDA_PRELOAD(k_l1_blocks);
+LM_CUDA_PRELOAD(k_row_dot);
+LM_CUDA_PRELOAD(k_nearswap);
 LM_CUDA_PRELOAD(k_dora_rows);
 LM_CUDA_PRELOAD(k_hist_abs);
 LM_CUDA_PRELOAD(k_hist_window);

@@ -419,6 +419,24 @@ static lm_status sim_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_er
     return cpu_of(d)->iface->l1(cpu_of(d), x, n, out, err);
 }
 
+static lm_status sim_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
+                             lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "row_dot", err)) || (s = need_n(d, "x", x, rows * cols, 32, err)) ||
+        (s = need_n(d, "y", y, rows * cols, 32, err)) || (s = host(d, "out", out, err)))
+        return s;
+    return cpu_of(d)->iface->row_dot(cpu_of(d), x, y, rows, cols, out, err);
+}
+
+static lm_status sim_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "nearswap", err)) || (s = need_n(d, "x", x, n, 32, err)))
+        return s;
+    return cpu_of(d)->iface->nearswap(cpu_of(d), x, n, t, err);
+}
+
 // w_tau and weights are host arrays; the vectors w_tau points at are device memory.
 static lm_status sim_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                              const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
@@ -482,6 +500,8 @@ static const lm_dev_i sim_iface = {
     .mask_apply = sim_mask_apply,
     .random_drop = sim_random_drop,
     .l1 = sim_l1,
+    .row_dot = sim_row_dot,
+    .nearswap = sim_nearswap,
     .combine = sim_combine,
     .gather_rows = sim_gather_rows,
     .add_rows = sim_add_rows,

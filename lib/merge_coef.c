@@ -1,0 +1,119 @@
+// The merge pass of the methods with coefficients (method.h's coeffs: linear, slerp, nuslerp,
+// multislerp, karcher, model_stock) and of nearswap: a pass computing the tensor's Gram matrix
+// where the method reads it (the dot products of θ_b and the parts' τ, on the device, slab by
+// slab), the method's coefficients from it, then the linear pass (lm_eng_merge_linear) or the
+// fused dense pass with those coefficients. See merge_int.h for the engine's files.
+#include <stdlib.h>
+#include <string.h>
+
+#include "merge_int.h"
+#include "signals.h"
+
+// acc += Σ_r x[r, :]·y[r, :] over the slab's rows, added in row order (rows[] is scratch).
+static lm_status add_dot(engine *e, wset *ws, const float *x, const float *y, int64_t nr, int64_t cols, double *rows,
+                         double *acc)
+{
+    lm_status s = lm_dev_row_dot(ws->dev, x, y, nr, cols, rows, e->err);
+    for (int64_t r = 0; s == LM_OK && r < nr; r++)
+        *acc += rows[r];
+    return s;
+}
+
+// g ((n_ft + 1)², zeroed by the caller) = the dot products of the base and the parts' τ over
+// the whole tensor: g[0] = θ_b·θ_b, g[1 + ft] = θ_b·τ_ft, g[(1 + a)(n_ft + 1) + 1 + b] = τ_a·τ_b,
+// and their mirror images. Each is a sum of per-row sums in row order, the same bits however the
+// tensor is cut into slabs (lm_dev_row_dot). When the tensor is one slab its base values and τ
+// stay in the buffers (*have_slab).
+static lm_status gram_pass(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, int64_t slab_rows,
+                           double *g, bool *have_slab)
+{
+    int s1 = e->o->n_ft + 1;
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
+    bool one_slab = slab_rows >= rows;
+    double *row = malloc((size_t)(slab_rows < rows ? slab_rows : rows) * sizeof *row);
+    if (!row)
+        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = LM_OK;
+    for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+        int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows;
+        if (r0 > 0 && lm_interrupted()) {
+            s = lm_interrupted_err(e->err);
+            break;
+        }
+        if ((s = lm_eng_load_base(e, ws, bt, r0, nr)) != LM_OK ||
+            (s = add_dot(e, ws, ws->base_buf, ws->base_buf, nr, cols, row, &g[0])) != LM_OK)
+            break;
+        for (int i = 0; s == LM_OK && i < k; i++)
+            s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            int a = 1 + parts[i].ft;
+            s = add_dot(e, ws, ws->base_buf, parts[i].tau, nr, cols, row, &g[a]);
+            for (int j = 0; s == LM_OK && j <= i; j++)
+                s = add_dot(e, ws, parts[i].tau, parts[j].tau, nr, cols, row, &g[a * s1 + 1 + parts[j].ft]);
+        }
+        if (!one_slab)
+            lm_eng_release_slab(e, bt, parts, k, r0, nr);
+    }
+    free(row);
+    if (s != LM_OK)
+        return s;
+    // filled: row 0 (θ_b·τ) and the lower triangle of the τ·τ block; mirrored across the diagonal
+    for (int a = 1; a < s1; a++) {
+        g[a * s1] = g[a];
+        for (int b = 1; b < a; b++)
+            g[b * s1 + a] = g[a * s1 + b];
+    }
+    *have_slab = one_slab;
+    return LM_OK;
+}
+
+// Merges tensor idx from its k parts with the method's coefficients (or, for nearswap, its
+// per-entry step and a coefficient of 1 per part) and writes it.
+lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash,
+                            part *parts, int k, int64_t slab_rows)
+{
+    const lm_st_tensor *bt = e->base->tensors[idx];
+    int n = e->o->n_ft;
+    bool have_slab = false;
+    lm_status s = LM_OK;
+    for (int i = 0; i < n; i++)
+        e->coef[i] = 0.0f;
+    e->base_coef = 1.0f;
+    if (e->m->nearswap) {
+        for (int i = 0; i < k; i++)
+            e->coef[parts[i].ft] = 1.0f;
+        return lm_eng_merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, false, hash);
+    }
+    double *g = e->m->gram ? calloc((size_t)(n + 1) * (size_t)(n + 1), sizeof *g) : NULL;
+    double *c = calloc((size_t)n + 1, sizeof *c);
+    bool *present = calloc((size_t)n + 1, sizeof *present);
+    if ((e->m->gram && !g) || !c || !present) {
+        s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    // A part's τ mirrors to 0 where it has none: an FT that does not change the tensor.
+    if (e->m->gram && (s = gram_pass(e, ws, bt, parts, k, slab_rows, g, &have_slab)) != LM_OK)
+        goto done;
+    for (int i = 0; i < n; i++)
+        present[i] = e->fts[i]->adapter || lm_model_find(e->fts[i]->model, bt->name);
+    lm_coef_in in = {.o = e->o, .tp = &e->tp, .tensor = bt->name, .numel = bt->numel, .n = n, .present = present,
+                     .gram = g};
+    double a = 1.0;
+    if ((s = e->m->coeffs(&in, &a, c, e->err)) != LM_OK)
+        goto done;
+    e->base_coef = (float)a;
+    for (int i = 0; i < n; i++)
+        e->coef[i] = (float)c[i];
+    if (!have_slab && lm_eng_fused(e, ws->dev, bt, parts, k)) {
+        int64_t ties_left[k];
+        memset(ties_left, 0, sizeof ties_left);
+        s = lm_eng_merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
+    } else {
+        s = lm_eng_merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, have_slab, hash);
+    }
+done:
+    free(g);
+    free(c);
+    free(present);
+    return s;
+}
