@@ -1,5 +1,5 @@
 // Model Stock (Jang et al. 2024): the fine-tunes' mean, interpolated from the base by a ratio
-// that follows from the angle between their task vectors (docs/merging.md "model_stock").
+// that follows from the angle between their task vectors (docs/merging.md "model-stock").
 #include <math.h>
 
 #include "method.h"
