@@ -3,7 +3,7 @@
 // argument form (ORG/NAME, NAME, @branch, @tag, @refs/pr/N, @commit whole and abbreviated, a
 // branch before a hash), the environment's precedence (HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE,
 // HF_HOME, XDG_CACHE_HOME, HOME), every error's status and text, that an existing path always
-// wins, and lm_input_detect on what the cache holds.
+// wins, lm_input_detect on what the cache holds, and the Hub ids the model card finds.
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "adapter.h"
+#include "card.h"
 #include "check.h"
 #include "hfcache.h"
 #include "testfs.h"
@@ -400,6 +401,17 @@ static void test_detect(void)
     CHECK(res == NULL);
 }
 
+// The model card names an input given by its Hub id (not on disk) by that id, whatever revision.
+static void test_card(void)
+{
+    char id[256];
+    CHECK(lm_card_hub_id("org/base", id, sizeof id) && strcmp(id, "org/base") == 0);
+    CHECK(lm_card_hub_id("org/base@v1.0", id, sizeof id) && strcmp(id, "org/base") == 0);
+    CHECK(lm_card_hub_id("gpt2", id, sizeof id) && strcmp(id, "gpt2") == 0);
+    CHECK(!lm_card_hub_id("org/missing", id, sizeof id));
+    CHECK(!lm_card_hub_id("org/gone", id, sizeof id));
+}
+
 int main(void)
 {
     tmp = make_tmpdir();
@@ -410,6 +422,7 @@ int main(void)
     test_errors();
     test_path_wins();
     test_detect();
+    test_card();
     test_env();  // last: it changes the environment
     free(hub);
     remove_tmpdir(tmp);
