@@ -757,8 +757,12 @@ int lm_cmd_inspect(int argc, char **argv)
         }
         base = base_resolved;
     }
-    if (!json && strcmp(resolved, path) != 0)
-        printf("(%s holds one %s: %s)\n", path, lm_input_kind_name(kind), resolved);
+    if (!json && strcmp(resolved, path) != 0) {
+        if (lm_is_dir(path) || lm_is_file(path))
+            printf("(%s holds one %s: %s)\n", path, lm_input_kind_name(kind), resolved);
+        else  // a Hub id, found in the Hugging Face cache
+            printf("(%s: the %s %s, from the Hugging Face cache)\n", path, lm_input_kind_name(kind), resolved);
+    }
 
     int rc;
     switch (kind) {

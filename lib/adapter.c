@@ -18,6 +18,7 @@
 #include <strings.h>
 #include <sys/stat.h>
 
+#include "hfcache.h"
 #include "json.h"
 
 #define ADAPTER_CONFIG_MAX_BYTES (16u << 20)
@@ -928,8 +929,21 @@ lm_status lm_input_detect(const char *path, lm_input_kind *kind, char **resolved
 {
     *resolved = NULL;
     struct stat st;
-    if (stat(path, &st) != 0)
-        return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: no such file or directory", path);
+    if (stat(path, &st) != 0) {
+        // not on disk: a Hub id (ORG/NAME[@REVISION]) names a snapshot of the Hugging Face cache,
+        // which is then detected as any directory is
+        char *snap = NULL;
+        lm_status s = lm_hf_resolve(path, &snap, err);
+        if (s != LM_OK)
+            return s;
+        if (strcmp(snap, path) == 0) {  // a dangling symbolic link
+            free(snap);
+            return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: no such file or directory", path);
+        }
+        s = lm_input_detect(snap, kind, resolved, err);
+        free(snap);
+        return s == LM_OK ? s : lm_err_prefix(err, "%s", path);
+    }
     if (S_ISREG(st.st_mode)) {
         // A directory's own description file stands for the directory.
         const char *base = lm_path_base(path);

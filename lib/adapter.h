@@ -256,9 +256,12 @@ typedef enum lm_input_kind {
 // when a directory holds exactly one subdirectory that is one of those (a common layout of
 // downloads). adapter_config.json wins over config.json (some trainers save both). A path to
 // a directory's config.json, adapter_config.json or model.safetensors.index.json stands for
-// that directory. *resolved gets a new string, the path to use (the subdirectory in the nested
-// case, the directory for a description file); caller frees. Returns LM_ERR_NOT_FOUND for a
-// missing path or a directory that is none of these, with a message saying what was expected;
+// that directory. A `path` that does not exist on disk is looked up in the Hugging Face cache
+// as a Hub id, ORG/NAME[@REVISION] (lm_hf_resolve, hfcache.h), and its snapshot directory is
+// detected as above. *resolved gets a new string, the path to use (the subdirectory in the nested
+// case, the directory for a description file, the snapshot); caller frees. Returns
+// LM_ERR_NOT_FOUND for a missing path, a model the cache does not hold or a directory that is
+// none of these, with a message saying what was expected (or where it looked);
 // LM_ERR_FORMAT for a file that is not .safetensors (LM_ERR_UNSUPPORTED for a torch pickle).
 lm_status lm_input_detect(const char *path, lm_input_kind *kind, char **resolved, lm_err *err);
 

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "hfcache.h"
+
 // ==== quoting =================================================================================
 
 // The length of the UTF-8 sequence at s (its code point in *cp), or 0 when it is not one.
@@ -109,8 +111,15 @@ void lm_card_md_code(lm_buf *b, const char *s)
 bool lm_card_hub_id(const char *path, char *buf, size_t cap)
 {
     char real[PATH_MAX];
-    if (!realpath(path, real))
-        return false;
+    if (!realpath(path, real)) {
+        // not on disk: a Hub id given on the command line names the cache's snapshot
+        char *snap = NULL;
+        lm_err err;
+        bool found = lm_hf_resolve(path, &snap, &err) == LM_OK && realpath(snap, real);
+        free(snap);
+        if (!found)
+            return false;
+    }
     // the cache names a repository's directory models--ORG--NAME (the Hub allows no "--" within
     // an organisation or a name), with its revisions under snapshots/
     for (const char *p = strstr(real, "/models--"); p; p = strstr(p + 1, "/models--")) {

@@ -79,8 +79,8 @@ void lm_card_shell_word(lm_buf *b, const char *s);
 // backticks, padded with a space where it starts or ends with a backtick or a space.
 void lm_card_md_code(lm_buf *b, const char *s);
 
-// When `path` (resolved with realpath) lies in a snapshot of the Hub's cache
-// (models--ORG--NAME/snapshots/...), writes ORG/NAME (NAME alone for a model without an
+// When `path` (resolved with realpath; one not on disk, as lm_hf_resolve resolves it) lies in a
+// snapshot of the Hub's cache (models--ORG--NAME/snapshots/...), writes ORG/NAME (NAME alone for a model without an
 // organisation) into buf and returns true; else returns false.
 bool lm_card_hub_id(const char *path, char *buf, size_t cap);
 
