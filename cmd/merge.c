@@ -74,6 +74,7 @@ typedef struct merge_run {
     lm_cmd_sgpt sgpt;          // sparsegpt: each FT's masks or Hessian terms, the cache
     double *weights;           // (n_ft) resolved
     double *densities;         // (n_ft) resolved
+    double *gammas;            // (n_ft) resolved
     lm_merge_opts opts;
     lm_st_desc *descs;         // (n_descs) the output tensors
     int64_t n_descs;
@@ -103,8 +104,10 @@ static void run_free(merge_run *r)
     lm_dev_destroy(r->dev);
     free(r->weights);
     free(r->densities);
+    free(r->gammas);
     free(r->args.weights);
     free(r->args.densities);
+    free(r->args.gammas);
     free(r->args.fts);
     free(r->args.calib);
     for (int i = 0; r->calib && i < r->n_calib; i++)
@@ -195,6 +198,7 @@ static void note_unused(merge_run *r)
         {!use->hessians && a->given[OPT_HESSIAN_FROM], "--hessian-from", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_STICKY], "--sticky-fallback", "it uses no Hessians"},
         {!use->t && a->given[OPT_T], "--t", "it interpolates by weights or not at all"},
+        {!use->gamma && a->given[OPT_GAMMA], "--gamma", "it drops no outliers"},
         {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
         {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
          use->models ? "its inputs are models already" : "it merges task vectors against BASE"},
@@ -309,6 +313,9 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "--weights gives %d weight%s for %d %s%s (one per %s)", a->n_weights,
                           a->n_weights == 1 ? "" : "s", n_w, models ? "model" : "FT", n_w == 1 ? "" : "s",
                           models ? "MODEL, the first one's first" : "FT");
+    if (a->gammas && a->n_gammas != 1 && a->n_gammas != a->n_ft)
+        return lm_err_set(err, LM_ERR_USAGE, "--gamma gives %d values for %d FT%s (one per FT, or one for all)",
+                          a->n_gammas, a->n_ft, a->n_ft == 1 ? "" : "s");
     if (a->densities && a->n_densities != 1 && a->n_densities != a->n_ft)
         return lm_err_set(err, LM_ERR_USAGE, "%s gives %d densities for %d FT%s (one per FT, or "
                           "one for all)", a->density_opt, a->n_densities, a->n_ft,
@@ -369,9 +376,11 @@ static lm_status prepare(merge_run *r, lm_err *err)
     // options, resolved
     r->weights = malloc((size_t)a->n_ft * sizeof *r->weights);
     r->densities = malloc((size_t)a->n_ft * sizeof *r->densities);
-    if (!r->weights || !r->densities)
+    r->gammas = malloc((size_t)a->n_ft * sizeof *r->gammas);
+    if (!r->weights || !r->densities || !r->gammas)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     for (int i = 0; i < a->n_ft; i++) {
+        r->gammas[i] = !a->gammas ? 0.01 : a->n_gammas == 1 ? a->gammas[0] : a->gammas[i];
         r->weights[i] = a->weights ? a->weights[i + (models ? 1 : 0)] : 1.0;
         r->densities[i] = !a->densities ? DEFAULT_DENSITY
                           : a->n_densities == 1 ? a->densities[0] : a->densities[i];
@@ -381,6 +390,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->n_ft = a->n_ft;
     o->weights = r->weights;
     o->densities = r->densities;
+    o->gammas = r->gammas;
     o->lambda = a->lambda;
     o->normalize = a->normalize < 0 ? a->m->normalize : a->normalize;
     o->sign = a->sign;

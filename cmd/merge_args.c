@@ -24,6 +24,7 @@ merge_uses lm_merge_uses(const lm_method *m)
         .seed = m->drop,
         .hessians = m->rank == LM_RANK_IMPORTANCE,
         .t = m->reads_t,
+        .gamma = m->outliers,
         .iter = m->reads_iter,
         .models_only = m->input == LM_METHOD_EITHER,
         .models = m->input == LM_METHOD_MODELS,
@@ -74,6 +75,7 @@ const lm_opt lm_merge_opt_defs[] = {
     {"max-iter", 0, true, OPT_MAX_ITER},
     {"tol", 0, true, OPT_TOL},
     {"models-only", 0, false, OPT_MODELS_ONLY},
+    {"gamma", 0, true, OPT_GAMMA},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
@@ -183,7 +185,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --strict               refuse a full FT holding a tensor the base does not have\n"
             "                         (default: such a tensor is left out, with a warning)\n"
             "  -h, --help             this help\n"
-            "%s%s%s%s%s"
+            "%s%s%s%s%s%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
@@ -203,7 +205,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         first file for all\n"
             "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
             "                         later batch there too (default: try the device again)\n",
-            !(u.t || u.iter || u.models_only) ? "" : "\nOptions of this method:\n",
+            !(u.t || u.iter || u.models_only || u.gamma) ? "" : "\nOptions of this method:\n",
             !u.t ? "" :
             "  --t T                  the position between the base (0) and the FT (1) for slerp,\n"
             "                         the largest change per entry for nearswap (default 0.5)\n",
@@ -214,7 +216,10 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             !u.models_only ? "" :
             "  --models-only          interpolate the models themselves, the first MODEL one of them,\n"
             "                         rather than task vectors against BASE (mergekit without a\n"
-            "                         base_model); --weights then has one weight per MODEL\n");
+            "                         base_model); --weights then has one weight per MODEL\n",
+            !u.gamma ? "" :
+            "  --gamma G[,G2,...]     the fraction of each task vector's largest magnitudes dropped,\n"
+            "                         in [0, 1]: one for every FT, or one per FT (default 0.01)\n");
     fprintf(out,
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
@@ -450,6 +455,14 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
         return LM_OK;
     case OPT_MODELS_ONLY:
         a->models_only = true;
+        return LM_OK;
+    case OPT_GAMMA:
+        if ((s = parse_list(shown, v, &a->gammas, &a->n_gammas, err)) != LM_OK)
+            return s;
+        for (int i = 0; i < a->n_gammas; i++)
+            if (!(a->gammas[i] >= 0.0 && a->gammas[i] <= 1.0))
+                return lm_err_set(err, LM_ERR_USAGE, "%s %s: a gamma must be in [0, 1], the fraction of largest "
+                                  "magnitudes dropped", shown, v);
         return LM_OK;
     case OPT_HELP:
         a->help = true;

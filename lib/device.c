@@ -206,6 +206,12 @@ lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, i
     return d->iface->topk_apply(d, x, n, thr_bits, ties_allowed, ties_used, err);
 }
 
+lm_status lm_dev_topk_drop(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                           int64_t *ties_used, lm_err *err)
+{
+    return d->iface->topk_drop(d, x, n, thr_bits, ties_allowed, ties_used, err);
+}
+
 lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
                                int64_t ties_allowed, int64_t *ties_used, lm_err *err)
 {

@@ -179,6 +179,12 @@ lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_wi
 lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err);
 
+// The complement of lm_dev_topk_apply: zeroes every x[j] that it would keep (|x| bits >
+// thr_bits, and the first ties_allowed of those == thr_bits in index order) and keeps the others.
+// *ties_used gets how many ties were zeroed. For the outliers breadcrumbs removes.
+lm_status lm_dev_topk_drop(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                           int64_t *ties_used, lm_err *err);
+
 // lm_dev_topk_apply with the decision taken on key[j] instead of x[j]: zeroes every x[j] whose
 // key is not kept (key is not changed). For selection by importance (sparsegpt).
 lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,

@@ -40,6 +40,8 @@ typedef struct lm_dev_i {
                              const float *x, int64_t n, lm_err *err);  // optional: n_win + 1 hist_abs
     lm_status (*topk_apply)(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err);
+    lm_status (*topk_drop)(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                            int64_t *ties_used, lm_err *err);
     lm_status (*topk_apply_by)(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
                                int64_t ties_allowed, int64_t *ties_used, lm_err *err);  // optional
     lm_status (*importance)(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows,

@@ -84,6 +84,11 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "--t %g is not a finite number", o->t);
     if (m->reads_iter && (o->max_iter < 0 || !(o->tol >= 0)))
         return lm_err_set(err, LM_ERR_USAGE, "--max-iter %d and --tol %g must not be negative", o->max_iter, o->tol);
+    for (int i = 0; m->outliers && o->gammas && i < o->n_ft; i++)
+        if (!(o->gammas[i] >= 0 && o->gammas[i] <= 1))
+            return lm_err_set(err, LM_ERR_USAGE, "--gamma: gamma %d is %g, not in [0, 1]", i + 1, o->gammas[i]);
+    if (m->outliers && o->topk_global)
+        return lm_err_set(err, LM_ERR_USAGE, "--topk global: %s trims each tensor on its own", m->name);
     if (o->tensor_params && o->topk_global)
         return lm_err_set(err, LM_ERR_USAGE,
                           "--topk global takes one density per FT for the whole model: it cannot be combined "
@@ -684,6 +689,7 @@ static lm_status tensor_params(engine *e, const char *name)
     for (int i = 0; i < o->n_ft; i++) {
         e->tp.weights[i] = o->weights[i];
         e->tp.densities[i] = o->densities ? o->densities[i] : 1.0;
+        e->tp.gammas[i] = o->gammas ? o->gammas[i] : 0.01;
     }
     e->tp.base_weight = o->base_weight;
     e->tp.lambda = o->lambda;
@@ -700,6 +706,9 @@ static lm_status tensor_params(engine *e, const char *name)
         if (e->m->density && !(e->tp.densities[i] > 0 && e->tp.densities[i] <= 1))
             return lm_err_set(e->err, LM_ERR_USAGE, "density of input %d is %g in tensor '%s', not in (0, 1]", i + 1,
                               e->tp.densities[i], name);
+        if (e->m->outliers && !(e->tp.gammas[i] >= 0 && e->tp.gammas[i] <= 1))
+            return lm_err_set(e->err, LM_ERR_USAGE, "gamma of input %d is %g in tensor '%s', not in [0, 1]", i + 1,
+                              e->tp.gammas[i], name);
     }
     if (!isfinite(e->tp.base_weight) || !isfinite(e->tp.lambda) || !isfinite(e->tp.t))
         return lm_err_set(e->err, LM_ERR_USAGE, "a weight, lambda or t of tensor '%s' is not a finite number", name);
@@ -810,6 +819,7 @@ static void engine_free(engine *e)
     free(e->in);
     free(e->tp.weights);
     free(e->tp.densities);
+    free(e->tp.gammas);
     free(e->coef);
 }
 
@@ -854,12 +864,13 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.out_host = malloc(lm_eng_out_host_bytes());  // merge_pieces fills one half while the other is written
     e.tp.weights = calloc((size_t)o->n_ft, sizeof *e.tp.weights);
     e.tp.densities = calloc((size_t)o->n_ft, sizeof *e.tp.densities);
+    e.tp.gammas = calloc((size_t)o->n_ft, sizeof *e.tp.gammas);
     e.coef = calloc((size_t)o->n_ft, sizeof *e.coef);
     if (o->topk_global && e.m->rank != LM_RANK_NONE)
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();
     if (!res->tensor_xxh64 || !e.cpu_ws.tau_buf || !e.dev_ws.tau_buf || !e.res_cpu || !e.res_dev || !e.out_host ||
-        !e.counted || !e.in || !e.tp.weights || !e.tp.densities || !e.coef ||
+        !e.counted || !e.in || !e.tp.weights || !e.tp.densities || !e.tp.gammas || !e.coef ||
         !hash || (o->topk_global && e.m->rank != LM_RANK_NONE && !e.global) ||
         (sparsegpt && (!e.cpu_ws.key_buf || !e.dev_ws.key_buf || !e.cpu_ws.ucc2_buf || !e.dev_ws.ucc2_buf))) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");

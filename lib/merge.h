@@ -32,6 +32,8 @@ typedef enum lm_merge_method {
     LM_MERGE_KARCHER,          // Riemannian (Karcher) mean of the models on the sphere
     LM_MERGE_MODEL_STOCK,      // the FTs' mean, interpolated from the base by their angles
     LM_MERGE_NEARSWAP,         // the FT's values where they are within t of the base's
+    LM_MERGE_BREADCRUMBS,      // the largest and the smallest magnitudes dropped, summed
+    LM_MERGE_BREADCRUMBS_TIES, // breadcrumbs' trim with TIES sign election
 } lm_merge_method;
 
 typedef enum lm_sign_rule {
@@ -57,6 +59,7 @@ bool lm_merge_default_normalize(lm_merge_method m);
 typedef struct lm_tensor_params {
     double *weights;      // (n_ft) w_i
     double *densities;    // (n_ft) d_i in (0, 1]
+    double *gammas;       // (n_ft) breadcrumbs' γ_i in [0, 1]
     double base_weight;   // the base's weight, for the methods whose base is one of the models
     double lambda;
     double t;             // slerp's and nearswap's t
@@ -67,6 +70,8 @@ typedef struct lm_merge_opts {
     int n_ft;
     const double *weights;    // (n_ft) w_i
     const double *densities;  // (n_ft) d_i in (0, 1]; unused by task-arithmetic
+    const double *gammas;     // (n_ft) breadcrumbs: the fraction γ_i of largest magnitudes removed
+                              // (NULL: mergekit's 0.01 each)
     double lambda;            // scale of the merged task vector
     // The methods whose base is one of the models averaged (linear, karcher, and nuslerp and
     // multislerp where `models_only`): the base's weight (linear's w_0; unused by karcher).

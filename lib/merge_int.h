@@ -53,6 +53,7 @@ typedef struct part {
     const double *ucc2;           // sparsegpt: U_cc² of the tensor's Hessian (host), or NULL
     const double *ucc2_dev;       // the same where the unit runs
     lm_topk topk;                 // per-tensor threshold (magnitude, --topk tensor)
+    lm_topk topk_hi;              // breadcrumbs: the outliers' threshold (the entries dropped)
     double rescale;               // factor applied to kept entries
     bool dropped;                 // tau (kept whole) already has its random mask applied
     bool keeps;                   // a fused LoRA part whose selection pass keeps its candidates for
@@ -258,7 +259,9 @@ lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *
 void lm_eng_sample_runs(int64_t cnt, int64_t *n_runs, int64_t *run, int64_t *stride);
 bool lm_eng_keeps_fit(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k,
                       bool one_slab);
-lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab);
+lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab,
+                               const int64_t *keep);
+void lm_eng_band(double density, double gamma, int64_t n, int64_t *k_lo, int64_t *k_hi);
 lm_status lm_eng_select_global(engine *e, int64_t n_out);
 
 // ==== merge_plan.c: the sizing functions the run and the plan share ===========================

@@ -176,7 +176,8 @@ bool lm_eng_dense_part(const engine *e, const part *p)
 // rescale (whose norms need τ before the merge).
 bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
-    if (!lm_dev_supports(dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype) || (lm_method_stats(e->m, e->o) & LM_STAT_L1))
+    if (!lm_dev_supports(dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype) || (lm_method_stats(e->m, e->o) & LM_STAT_L1) ||
+        e->m->outliers)
         return false;
     for (int i = 0; i < k; i++)
         if (!lm_eng_dense_part(e, &parts[i]) || parts[i].key || parts[i].mask || parts[i].bits)
@@ -385,7 +386,7 @@ static lm_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const
         const lm_topk *t = o->topk_global && e->global ? &e->global[p->ft] : &p->topk;
         d[i] = (lm_dense_part){
             .dt = p->src == SRC_FULL ? p->full->dtype : LM_DTYPE_F32,
-            .trim = e->m->rank != LM_RANK_NONE,
+            .trim = e->m->rank != LM_RANK_NONE && !e->m->outliers,  // breadcrumbs trims in the buffers first
             .thr_bits = t->thr_bits,
             .drop = e->m->drop && !p->dropped,
             .key = lm_rng_key(o->seed, p->ft, name_hash),
@@ -491,6 +492,21 @@ lm_status lm_eng_merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc 
     return s;
 }
 
+// Breadcrumbs' trim of part p's τ in its buffer (cnt entries, the next of the tensor's): its
+// band's top k_lo kept, then the top k_hi of those dropped (the same ties in index order as
+// both selections count them, since the first keeps a prefix of the ties the second drops).
+static lm_status trim_band(engine *e, wset *ws, part *p, int64_t cnt, int64_t *ties_lo, int64_t *ties_hi)
+{
+    int64_t used = 0;
+    lm_status s = lm_dev_topk_apply(ws->dev, p->tau, cnt, p->topk.thr_bits, *ties_lo, &used, e->err);
+    *ties_lo -= used;
+    if (s != LM_OK || p->topk_hi.none)
+        return s;
+    s = lm_dev_topk_drop(ws->dev, p->tau, cnt, p->topk_hi.thr_bits, *ties_hi, &used, e->err);
+    *ties_hi -= used;
+    return s;
+}
+
 // Whether the merge pass of a tensor whose τ are in buffers runs as lm_dev_dense_merge: on a
 // device that has it, unless a part is ranked by importance or by a stored mask, or records one.
 static bool pieces_from_buf(const wset *ws, const lm_st_tensor *bt, const part *parts, int k)
@@ -524,13 +540,28 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
         n_masked += parts[i].mask != NULL;
     unsigned stats = lm_method_stats(e->m, o);
     bool select = (stats & LM_STAT_TOPK) && !o->topk_global && n_masked < k;
-    if (select && (s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab)) != LM_OK)
+    if (select && e->m->outliers) {
+        // breadcrumbs: the outliers' threshold, then the band's lower one
+        int64_t k_lo[k], k_hi[k];
+        for (int i = 0; i < k; i++)
+            lm_eng_band(e->tp.densities[parts[i].ft], e->tp.gammas[parts[i].ft], bt->numel, &k_lo[i], &k_hi[i]);
+        if ((s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, k_hi)) != LM_OK)
+            return s;
+        for (int i = 0; i < k; i++)
+            parts[i].topk_hi = parts[i].topk;
+        s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, k_lo);
+    } else if (select) {
+        s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, NULL);
+    }
+    if (s != LM_OK)
         return s;
 
-    // The ties budget each part may still spend in this tensor.
-    int64_t ties_left[k];
-    for (int i = 0; i < k; i++)
+    // The ties budget each part may still spend in this tensor (and breadcrumbs' drop).
+    int64_t ties_left[k], ties_hi[k];
+    for (int i = 0; i < k; i++) {
         ties_left[i] = e->global ? e->global[parts[i].ft].ties_allowed : parts[i].topk.ties_allowed;
+        ties_hi[i] = parts[i].topk_hi.ties_allowed;
+    }
 
     // l1: DARE's L1-matching rescale needs both norms over the whole tensor first.
     bool random = e->m->drop;
@@ -602,6 +633,8 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
             s = lm_eng_load_base(e, ws, bt, r0, nr);
         for (int i = 0; s == LM_OK && pieces && !have_tau && i < k; i++)
             s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
+        for (int i = 0; s == LM_OK && pieces && e->m->outliers && i < k; i++)
+            s = trim_band(e, ws, &parts[i], cnt, &ties_left[i], &ties_hi[i]);
         if (pieces) {
             if (s == LM_OK)
                 s = merge_pieces(e, ws, idx, desc, bt, parts, k, d, how, r0 * cols, cnt, true, ties_left, hash);
@@ -613,7 +646,9 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
             part *p = &parts[i];
             if (!have_tau && (s = lm_eng_tau_for(e, ws, p, bt, r0, nr, ws->base_buf)) != LM_OK)
                 break;
-            if (e->m->rank != LM_RANK_NONE) {
+            if (e->m->outliers) {
+                s = trim_band(e, ws, p, cnt, &ties_left[i], &ties_hi[i]);
+            } else if (e->m->rank != LM_RANK_NONE) {
                 const lm_topk *t = o->topk_global ? &e->global[p->ft] : &p->topk;
                 int64_t used = 0;
                 s = p->mask  ? lm_dev_mask_apply(ws->dev, p->tau, p->mask, r0 * cols, cnt, e->err)

@@ -246,7 +246,28 @@ bool lm_eng_keeps_fit(const engine *e, const lm_dev *dev, const lm_st_tensor *bt
     return one_slab || lm_eng_slab_rows(e, dev, bt, parts, k) * cols % LM_DENSE_KEEP_SEGMENT == 0;
 }
 
-lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab)
+// Breadcrumbs' band for a part of n entries with density d and γ: the k_lo largest magnitudes
+// but the k_hi largest are kept (mergekit's magnitude_outliers: target = floor(d·n), n_top =
+// floor(γ·n), cut to n − target when the two exceed n; d >= 1 keeps everything). mergekit keeps
+// nothing where n_top is 0 (its slice [n_bot:-0] is empty); here the band is then the top target.
+void lm_eng_band(double density, double gamma, int64_t n, int64_t *k_lo, int64_t *k_hi)
+{
+    if (density >= 1) {
+        *k_lo = n;
+        *k_hi = 0;
+        return;
+    }
+    int64_t target = (int64_t)floor(density * (double)n), top = (int64_t)floor(gamma * (double)n);
+    if (target + top > n)
+        top = n - target;
+    *k_lo = target + top;
+    *k_hi = top;
+}
+
+// Finds each part's exact top-k threshold over the whole tensor into its topk: k = keep[i] for
+// part i, or floor(d_i · numel) where keep is NULL.
+lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab,
+                               const int64_t *keep_k)
 {
     uint64_t *hists[k];
     const lm_topk *sel[k];
@@ -276,7 +297,7 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
         parts[i].keeps = fuse && aligned && parts[i].src == SRC_LORA && !parts[i].mask &&
                          keep_store(e, parts[i].ft, bt->numel);
         // a part with a stored mask selects nothing (k = 0 makes every pass skip it)
-        int64_t keep = (int64_t)floor(e->tp.densities[parts[i].ft] * (double)bt->numel);
+        int64_t keep = keep_k ? keep_k[i] : (int64_t)floor(e->tp.densities[parts[i].ft] * (double)bt->numel);
         lm_topk_init(&parts[i].topk, parts[i].mask ? 0 : keep, bt->numel);
         hists[i] = &above[i];
         uint64_t *region = block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;

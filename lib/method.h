@@ -92,6 +92,8 @@ typedef struct lm_method {
                              // parts that agree averaged (lm_dev_combine's disjoint mean)
     bool linear;             // θ_b + λ Σ_i c_i τ_i with c_i = w_i (÷ Σ w_i when normalizing): each τ
                              // added in as soon as it exists, a plain LoRA's as one GEMM
+    bool outliers;           // with the magnitude trim, the γ_i·numel largest entries dropped too
+                             // (breadcrumbs: the kept ones rank from there down; lm_dev_topk_drop)
     bool nearswap;           // each τ_i replaced by NearSwap's step at t first (lm_dev_nearswap)
     // coefficients: θ = a·θ_b + Σ_i c_i τ_i, a and c (n values) from coeffs; the merge pass is
     // then the linear one. err names what is wrong (a degenerate tensor the method cannot merge).
@@ -117,6 +119,8 @@ extern const lm_method lm_method_multislerp;
 extern const lm_method lm_method_karcher;
 extern const lm_method lm_method_model_stock;
 extern const lm_method lm_method_nearswap;
+extern const lm_method lm_method_breadcrumbs;
+extern const lm_method lm_method_breadcrumbs_ties;
 
 // The descriptor of method `id`; never NULL for a value of lm_merge_method (an unknown value
 // gets ties', which no caller passes). Static: nothing to free.

@@ -762,9 +762,77 @@ static void h_topk(harness *h, const float *x, float *dx, int64_t n)
             CHECK_MSG(same_bits(got, want, n) && ug == uw, "topk_apply ties_allowed=%lld n=%lld on %s: mask %s, "
                       "ties used %lld (cpu %lld)", (long long)allowed[a], (long long)n, lm_dev_name(h->dev),
                       same_bits(got, want, n) ? "same" : "differs", (long long)ug, (long long)uw);
+        // topk_drop zeroes exactly what topk_apply keeps: every entry is in one of the two
+        float *dropped = hmalloc((size_t)n * 4);
+        int64_t dw = -1, dg = -2;
+        memcpy(dropped, x, (size_t)n * 4);
+        CHECK_OK(lm_dev_topk_drop(h->cpu, dropped, n, thr, allowed[a], &dw, &h->err), &h->err);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < n; i++)
+            bad += lm_f32_bits(want[i]) == lm_f32_bits(x[i]) ? dropped[i] != 0.0f
+                                                             : lm_f32_bits(dropped[i]) != lm_f32_bits(x[i]);
+        CHECK_MSG(bad == 0 && dw == uw, "topk_drop ties_allowed=%lld n=%lld on cpu: %lld entries not the complement, "
+                  "ties %lld (apply %lld)", (long long)allowed[a], (long long)n, (long long)bad, (long long)dw,
+                  (long long)uw);
+        if (DEV_OK(h, lm_dev_upload(h->dev, dx, x, (size_t)n * 4, &h->err)) &&
+            DEV_OK(h, lm_dev_topk_drop(h->dev, dx, n, thr, allowed[a], &dg, &h->err)) &&
+            get(h, got, dx, (size_t)n * 4))
+            CHECK_MSG(same_bits(got, dropped, n) && dg == dw, "topk_drop ties_allowed=%lld n=%lld on %s differs",
+                      (long long)allowed[a], (long long)n, lm_dev_name(h->dev));
+        free(dropped);
     }
     free(want);
     free(got);
+}
+
+// row_dot against sums in double, the same bits as the CPU's; nearswap against its formula.
+static void h_row_dot_near(harness *h, int64_t rows, int64_t cols)
+{
+    int64_t n = rows * cols;
+    float *x = hmalloc((size_t)(n ? n : 1) * 4), *y = hmalloc((size_t)(n ? n : 1) * 4),
+          *got = hmalloc((size_t)(n ? n : 1) * 4);
+    double *rw = hmalloc((size_t)(rows ? rows : 1) * 8), *rg = hmalloc((size_t)(rows ? rows : 1) * 8);
+    fill(x, n);
+    fill(y, n);
+    CHECK_OK(lm_dev_row_dot(h->cpu, x, y, rows, cols, rw, &h->err), &h->err);
+    for (int64_t r = 0; r < rows; r++) {
+        double s = 0, m = 0;
+        for (int64_t c = 0; c < cols; c++) {
+            s += (double)x[r * cols + c] * (double)y[r * cols + c];
+            m += fabs((double)x[r * cols + c] * (double)y[r * cols + c]);
+        }
+        CHECK_MSG(fabs(rw[r] - s) <= 1e-12 * m, "row_dot row %lld of %lldx%lld: %.17g, wanted %.17g", (long long)r,
+                  (long long)rows, (long long)cols, rw[r], s);
+    }
+    float *dx = put(h, x, (size_t)n * 4), *dy = put(h, y, (size_t)n * 4);
+    if (dx && dy && DEV_OK(h, lm_dev_row_dot(h->dev, dx, dy, rows, cols, rg, &h->err)))
+        CHECK_MSG(rows == 0 || memcmp(rg, rw, (size_t)rows * 8) == 0, "row_dot %lldx%lld on %s: not the cpu's sums",
+                  (long long)rows, (long long)cols, lm_dev_name(h->dev));
+    const float ts[] = {0.0f, 0.3f, 2.0f};
+    for (int k = 0; k < 3; k++) {
+        float *want = hmalloc((size_t)(n ? n : 1) * 4);
+        memcpy(want, x, (size_t)n * 4);
+        CHECK_OK(lm_dev_nearswap(h->cpu, want, n, ts[k], &h->err), &h->err);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < n; i++) {
+            float a = fabsf(x[i]), w = ts[k] / (a > 1e-6f ? a : 1e-6f);
+            w = w < 0 ? 0 : w > 1 ? 1 : w;
+            bad += lm_f32_bits(want[i]) != lm_f32_bits(w * x[i]);
+        }
+        CHECK_MSG(bad == 0, "nearswap t=%g on cpu: %lld values differ from the formula", ts[k], (long long)bad);
+        if (dx && DEV_OK(h, lm_dev_upload(h->dev, dx, x, (size_t)n * 4, &h->err)) &&
+            DEV_OK(h, lm_dev_nearswap(h->dev, dx, n, ts[k], &h->err)) && get(h, got, dx, (size_t)n * 4))
+            CHECK_MSG(same_bits(got, want, n), "nearswap t=%g n=%lld on %s differs", ts[k], (long long)n,
+                      lm_dev_name(h->dev));
+        free(want);
+    }
+    lm_dev_buf_free(h->dev, dx);
+    lm_dev_buf_free(h->dev, dy);
+    free(x);
+    free(y);
+    free(got);
+    free(rw);
+    free(rg);
 }
 
 // A random drop keyed by the element's index in its whole tensor, and an L1 norm. dx is
@@ -1010,6 +1078,10 @@ static void test_against_cpu(lm_dev *dev)
     h_syrk(&h, 5, 2, 0.5f, 0.0f);
     h_syrk(&h, 70, 0, 1.0f, 0.5f);  // an empty sum: C scaled
     h_syrk(&h, 33, 0, 1.0f, 1.0f);  // nothing to add: mirrored only
+    h_row_dot_near(&h, 3, 70001);
+    h_row_dot_near(&h, 700, 33);
+    h_row_dot_near(&h, 1, 1);
+    h_row_dot_near(&h, 0, 5);
     h_dora(&h, 3, 23335);
     h_dora(&h, 70, 3);
     h_dora(&h, 1, 1);

@@ -157,6 +157,7 @@ static const lm_dev_i cpu_iface = {
     .hist_abs = cpu_hist_abs,
     .hist_window = cpu_hist_window,
     .topk_apply = cpu_topk_apply,
+    .topk_drop = cpu_topk_drop,
     .topk_apply_by = cpu_topk_apply_by,
     .importance = cpu_importance,
     .potrf = cpu_potrf,

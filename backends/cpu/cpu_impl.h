@@ -112,6 +112,8 @@ lm_status cpu_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, 
                           int64_t n, lm_err *err);
 lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                          int64_t *ties_used, lm_err *err);
+lm_status cpu_topk_drop(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed, int64_t *ties_used,
+                        lm_err *err);
 lm_status cpu_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
                             int64_t ties_allowed, int64_t *ties_used, lm_err *err);
 lm_status cpu_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols,

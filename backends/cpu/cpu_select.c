@@ -223,6 +223,7 @@ typedef struct topk_job {
     uint32_t thr;
     int64_t *ties;    // (2 nb) ties in each block, then the ties each block may keep
     int64_t nb;       // blocks
+    bool drop;        // zero what top-k keeps, keep the rest (lm_dev_topk_drop)
 } topk_job;
 
 LM_VECTOR_CLONES int64_t cpu_count_ties(const float *x, int64_t lo, int64_t hi, uint32_t thr)
@@ -257,9 +258,19 @@ LM_VECTOR_CLONES static void topk_keep_by(float *restrict x, const float *restri
         x[i] = lm_abs_bits(key[i]) >= floor ? x[i] : 0.0f;
 }
 
+// Zeroes x[i] for i in [lo, hi) when its magnitude bits exceed thr, or equal it and drop_ties.
+static void topk_zero(float *x, int64_t lo, int64_t hi, uint32_t thr, bool drop_ties)
+{
+    uint32_t floor = drop_ties ? thr : thr + 1;
+    for (int64_t i = lo; i < hi; i++)
+        x[i] = lm_abs_bits(x[i]) >= floor ? 0.0f : x[i];
+}
+
 static void keep_range(const topk_job *j, int64_t lo, int64_t hi, bool keep_ties)
 {
-    if (j->key == j->x)
+    if (j->drop)
+        topk_zero(j->x, lo, hi, j->thr, keep_ties);
+    else if (j->key == j->x)
         cpu_topk_keep(j->x, lo, hi, j->thr, keep_ties);
     else
         topk_keep_by(j->x, j->key, lo, hi, j->thr, keep_ties);
@@ -291,17 +302,17 @@ static void topk_apply_task(void *ctx, int64_t blk)
 }
 
 static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
-                          int64_t *ties_used, lm_err *err)
+                          bool drop, int64_t *ties_used, lm_err *err)
 {
     int64_t nb = n_blocks(n);
     if (ties_allowed == LM_TIES_ALL) {
         // Every tie is kept: one pass, no counting.
-        topk_job all = {x, key, n, thr_bits, NULL, nb};
+        topk_job all = {x, key, n, thr_bits, NULL, nb, drop};
         lm_pool_run(pool_of(d), nb, topk_all_task, &all);
         *ties_used = 0;
         return LM_OK;
     }
-    topk_job j = {x, key, n, thr_bits, calloc((size_t)(nb ? 2 * nb : 1), sizeof(int64_t)), nb};
+    topk_job j = {x, key, n, thr_bits, calloc((size_t)(nb ? 2 * nb : 1), sizeof(int64_t)), nb, drop};
     if (!j.ties)
         return lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory");
     lm_pool_run(pool_of(d), nb, topk_count_task, &j);
@@ -322,13 +333,19 @@ static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint
 lm_status cpu_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                          int64_t *ties_used, lm_err *err)
 {
-    return topk_run(d, x, x, n, thr_bits, ties_allowed, ties_used, err);
+    return topk_run(d, x, x, n, thr_bits, ties_allowed, false, ties_used, err);
+}
+
+lm_status cpu_topk_drop(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed, int64_t *ties_used,
+                        lm_err *err)
+{
+    return topk_run(d, x, x, n, thr_bits, ties_allowed, true, ties_used, err);
 }
 
 lm_status cpu_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
                             int64_t ties_allowed, int64_t *ties_used, lm_err *err)
 {
-    return topk_run(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
+    return topk_run(d, x, key, n, thr_bits, ties_allowed, false, ties_used, err);
 }
 
 typedef struct imp_job {

@@ -866,7 +866,7 @@ fail:
 // (into scratch), and the mask keeps the ties below that index, all without another wait.
 // The decision is taken on key (x itself for plain top-k), x is what is zeroed.
 static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
-                          int64_t *ties_used, lm_err *err)
+                          bool drop, int64_t *ties_used, lm_err *err)
 {
     cuda_ctx *c = ctx_of(d);
     lm_status s = begin(d, err);
@@ -877,8 +877,8 @@ static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint
         return LM_OK;
     }
     if (ties_allowed == LM_TIES_ALL || ties_allowed <= 0) {
-        if ((s = lm_cuda_topk_mask(x, key, n, thr_bits, ties_allowed == LM_TIES_ALL ? n : 0, NULL, c->stream, err)) !=
-            LM_OK)
+        int64_t tie_end = ties_allowed == LM_TIES_ALL ? n : 0;
+        if ((s = lm_cuda_topk_mask(x, key, n, thr_bits, tie_end, NULL, drop, c->stream, err)) != LM_OK)
             return s;
         // LM_TIES_ALL is not counted; a negative allowance keeps no tie and is reported back
         // as the CPU backend reports it.
@@ -905,7 +905,7 @@ static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint
         total += counts[i];
     }
     if (cut_chunk < 0) {
-        if ((s = lm_cuda_topk_mask(x, key, n, thr_bits, n, NULL, c->stream, err)) != LM_OK)
+        if ((s = lm_cuda_topk_mask(x, key, n, thr_bits, n, NULL, drop, c->stream, err)) != LM_OK)
             return s;
         *ties_used = total;
         return LM_OK;
@@ -913,7 +913,7 @@ static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint
     // The tie of rank ties_allowed - before in cut_chunk is the first not kept.
     int64_t lo = cut_chunk * LM_CUDA_TIE_CHUNK, hi = n - lo < LM_CUDA_TIE_CHUNK ? n : lo + LM_CUDA_TIE_CHUNK;
     if ((s = lm_cuda_tie_find(d_tie_end, key, lo, hi, thr_bits, ties_allowed - before, c->stream, err)) != LM_OK ||
-        (s = lm_cuda_topk_mask(x, key, n, thr_bits, 0, d_tie_end, c->stream, err)) != LM_OK)
+        (s = lm_cuda_topk_mask(x, key, n, thr_bits, 0, d_tie_end, drop, c->stream, err)) != LM_OK)
         return s;
     *ties_used = ties_allowed;
     return LM_OK;
@@ -922,13 +922,19 @@ static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint
 static lm_status cuda_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                                  int64_t *ties_used, lm_err *err)
 {
-    return topk_run(d, x, x, n, thr_bits, ties_allowed, ties_used, err);
+    return topk_run(d, x, x, n, thr_bits, ties_allowed, false, ties_used, err);
+}
+
+static lm_status cuda_topk_drop(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                                int64_t *ties_used, lm_err *err)
+{
+    return topk_run(d, x, x, n, thr_bits, ties_allowed, true, ties_used, err);
 }
 
 static lm_status cuda_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
                                     int64_t ties_allowed, int64_t *ties_used, lm_err *err)
 {
-    return topk_run(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
+    return topk_run(d, x, key, n, thr_bits, ties_allowed, false, ties_used, err);
 }
 
 // Elements per piece of the mask operations: a piece's bits (and the first byte's others) fill
@@ -1154,6 +1160,7 @@ static lm_dev_i make_iface(void)
     i.hist_abs = cuda_hist_abs;
     i.hist_window = cuda_hist_window;
     i.topk_apply = cuda_topk_apply;
+    i.topk_drop = cuda_topk_drop;
     i.topk_apply_by = cuda_topk_apply_by;
     i.importance = cuda_importance;
     i.potrf = cuda_potrf;

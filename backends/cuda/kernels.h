@@ -130,10 +130,10 @@ lm_status lm_cuda_tie_find(int64_t *d_index, const float *d_x, int64_t lo, int64
                            int64_t rank, void *stream, lm_err *err);
 
 // Zeroes every d_x[i] except those whose d_key[i] has magnitude bits > thr_bits and the ties
-// (bits == thr_bits) at indices below tie_end, read from *d_tie_end when that is not NULL.
-// d_key is d_x itself for plain top-k.
+// (bits == thr_bits) at indices below tie_end, read from *d_tie_end when that is not NULL (with
+// drop: zeroes exactly those and keeps the others). d_key is d_x itself for plain top-k.
 lm_status lm_cuda_topk_mask(float *d_x, const float *d_key, int64_t n, uint32_t thr_bits, int64_t tie_end,
-                            const int64_t *d_tie_end, void *stream, lm_err *err);
+                            const int64_t *d_tie_end, bool drop, void *stream, lm_err *err);
 
 // The packing half of lm_dev_mask_get on one byte-aligned run of bits: bit s + j of d_bytes
 // (byte (s + j) / 8, bit (s + j) % 8) set where d_x[j] != 0, clear where it is zero, for j < n,

@@ -436,16 +436,17 @@ __global__ void k_tie_find(int64_t *index, const float *x, int64_t lo, int64_t h
     }
 }
 
-// Zeroes x[i] unless the magnitude bits of key[i] are > thr, or == thr with i below the tie end.
-// key is x itself for plain top-k (each element is read before its own thread writes it).
+// Zeroes x[i] unless the magnitude bits of key[i] are > thr, or == thr with i below the tie end
+// (with drop: zeroes exactly those instead). key is x itself for plain top-k (each element is
+// read before its own thread writes it).
 __global__ void k_topk_mask(float *x, const float *key, int64_t n, uint32_t thr, int64_t tie_end,
-                            const int64_t *d_tie_end)
+                            const int64_t *d_tie_end, bool drop)
 {
     const int64_t end = d_tie_end ? *d_tie_end : tie_end;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         uint32_t bits = lm_abs_bits(key[i]);
         bool keep = bits > thr || (bits == thr && i < end);
-        if (!keep)
+        if (keep == drop)
             x[i] = 0.0f;
     }
 }
@@ -780,13 +781,13 @@ fail:
 }
 
 extern "C" lm_status lm_cuda_topk_mask(float *d_x, const float *d_key, int64_t n, uint32_t thr_bits, int64_t tie_end,
-                                       const int64_t *d_tie_end, void *stream, lm_err *err)
+                                       const int64_t *d_tie_end, bool drop, void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
     if (n <= 0)
         return LM_OK;
     k_topk_mask<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, d_key, n, thr_bits, tie_end,
-                                                                                d_tie_end);
+                                                                                d_tie_end, drop);
     CUDA_LAUNCHED("k_topk_mask");
 fail:
     return status;

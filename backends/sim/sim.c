@@ -402,6 +402,16 @@ static lm_status sim_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bit
     return cpu_of(d)->iface->topk_apply(cpu_of(d), x, n, thr_bits, ties_allowed, ties_used, err);
 }
 
+static lm_status sim_topk_drop(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
+                                int64_t *ties_used, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "topk_drop", err)) || (s = need_n(d, "x", x, n, 32, err)) ||
+        (s = host(d, "ties_used", ties_used, err)))
+        return s;
+    return cpu_of(d)->iface->topk_drop(cpu_of(d), x, n, thr_bits, ties_allowed, ties_used, err);
+}
+
 static lm_status sim_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
                                  uint64_t keep_below, lm_err *err)
 {
@@ -493,6 +503,7 @@ static const lm_dev_i sim_iface = {
     .hist_abs = sim_hist_abs,
     .hist_window = sim_hist_window,
     .topk_apply = sim_topk_apply,
+    .topk_drop = sim_topk_drop,
     .topk_apply_by = sim_topk_apply_by,
     .importance = sim_importance,
     .potrf = sim_potrf,

@@ -17,6 +17,8 @@ static const lm_method *const methods[] = {
     &lm_method_karcher,
     &lm_method_model_stock,
     &lm_method_nearswap,
+    &lm_method_breadcrumbs,
+    &lm_method_breadcrumbs_ties,
 };
 
 // mergekit's names where they differ from llmerge's by more than '_' for '-'.
