@@ -75,6 +75,7 @@ typedef struct merge_run {
     double *weights;           // (n_ft) resolved
     double *densities;         // (n_ft) resolved
     double *gammas;            // (n_ft) resolved
+    double *epsilons;          // (n_ft) resolved
     lm_merge_opts opts;
     lm_st_desc *descs;         // (n_descs) the output tensors
     int64_t n_descs;
@@ -105,6 +106,8 @@ static void run_free(merge_run *r)
     free(r->weights);
     free(r->densities);
     free(r->gammas);
+    free(r->epsilons);
+    free(r->args.epsilons);
     free(r->args.weights);
     free(r->args.densities);
     free(r->args.gammas);
@@ -199,6 +202,7 @@ static void note_unused(merge_run *r)
         {!use->hessians && a->given[OPT_STICKY], "--sticky-fallback", "it uses no Hessians"},
         {!use->t && a->given[OPT_T], "--t", "it interpolates by weights or not at all"},
         {!use->gamma && a->given[OPT_GAMMA], "--gamma", "it drops no outliers"},
+        {!use->epsilon && a->given[OPT_EPSILON], "--epsilon", "its keep probabilities do not vary by rank"},
         {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
         {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
          use->models ? "its inputs are models already" : "it merges task vectors against BASE"},
@@ -313,6 +317,9 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "--weights gives %d weight%s for %d %s%s (one per %s)", a->n_weights,
                           a->n_weights == 1 ? "" : "s", n_w, models ? "model" : "FT", n_w == 1 ? "" : "s",
                           models ? "MODEL, the first one's first" : "FT");
+    if (a->epsilons && a->n_epsilons != 1 && a->n_epsilons != a->n_ft)
+        return lm_err_set(err, LM_ERR_USAGE, "--epsilon gives %d values for %d FT%s (one per FT, or one for all)",
+                          a->n_epsilons, a->n_ft, a->n_ft == 1 ? "" : "s");
     if (a->gammas && a->n_gammas != 1 && a->n_gammas != a->n_ft)
         return lm_err_set(err, LM_ERR_USAGE, "--gamma gives %d values for %d FT%s (one per FT, or one for all)",
                           a->n_gammas, a->n_ft, a->n_ft == 1 ? "" : "s");
@@ -377,10 +384,12 @@ static lm_status prepare(merge_run *r, lm_err *err)
     r->weights = malloc((size_t)a->n_ft * sizeof *r->weights);
     r->densities = malloc((size_t)a->n_ft * sizeof *r->densities);
     r->gammas = malloc((size_t)a->n_ft * sizeof *r->gammas);
-    if (!r->weights || !r->densities || !r->gammas)
+    r->epsilons = malloc((size_t)a->n_ft * sizeof *r->epsilons);
+    if (!r->weights || !r->densities || !r->gammas || !r->epsilons)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     for (int i = 0; i < a->n_ft; i++) {
         r->gammas[i] = !a->gammas ? 0.01 : a->n_gammas == 1 ? a->gammas[0] : a->gammas[i];
+        r->epsilons[i] = !a->epsilons ? 0.15 : a->n_epsilons == 1 ? a->epsilons[0] : a->epsilons[i];
         r->weights[i] = a->weights ? a->weights[i + (models ? 1 : 0)] : 1.0;
         r->densities[i] = !a->densities ? DEFAULT_DENSITY
                           : a->n_densities == 1 ? a->densities[0] : a->densities[i];
@@ -391,6 +400,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->weights = r->weights;
     o->densities = r->densities;
     o->gammas = r->gammas;
+    o->epsilons = r->epsilons;
     o->lambda = a->lambda;
     o->normalize = a->normalize < 0 ? a->m->normalize : a->normalize;
     o->sign = a->sign;
@@ -497,7 +507,7 @@ static void describe_run(merge_run *r)
                      "seed %" PRIu64 ", shard size %s (%" PRIu64 " bytes)", o->lambda,
                      o->normalize ? "on" : "off", o->sign == LM_SIGN_COUNT ? "count" : "sum",
                      o->topk_global ? "global" : "tensor",
-                     o->rescale == LM_RESCALE_L1 ? "l1" : "inv", o->seed, shard, a->shard_size);
+                     lm_rescale_name(o->rescale), o->seed, shard, a->shard_size);
     lm_progress_note(&r->progress, "  %" PRId64 " output tensors", r->n_descs);
 }
 
@@ -708,7 +718,7 @@ static lm_status write_card(merge_run *r, lm_err *err)
     snprintf(seq_len, sizeof seq_len, "%" PRId64, a->seq_len);
     lm_card_number(damp, sizeof damp, SGPT_DAMP);
     const char *sign = o->sign == LM_SIGN_COUNT ? "count" : "sum", *topk = o->topk_global ? "global" : "tensor";
-    const char *rescale = o->rescale == LM_RESCALE_L1 ? "l1" : "inv", *dtype = dtype_flag(o->out_dtype);
+    const char *rescale = lm_rescale_name(o->rescale), *dtype = dtype_flag(o->out_dtype);
     bool sgpt = u->hessians;
 
     // the options shown in the body, those the method uses

@@ -25,6 +25,7 @@ merge_uses lm_merge_uses(const lm_method *m)
         .hessians = m->rank == LM_RANK_IMPORTANCE,
         .t = m->reads_t,
         .gamma = m->outliers,
+        .epsilon = m->della,
         .iter = m->reads_iter,
         .models_only = m->input == LM_METHOD_EITHER,
         .models = m->input == LM_METHOD_MODELS,
@@ -76,6 +77,7 @@ const lm_opt lm_merge_opt_defs[] = {
     {"tol", 0, true, OPT_TOL},
     {"models-only", 0, false, OPT_MODELS_ONLY},
     {"gamma", 0, true, OPT_GAMMA},
+    {"epsilon", 0, true, OPT_EPSILON},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
@@ -134,8 +136,9 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         count of signs (default sum)%s\n"
             "  --topk tensor|global   keep the top D of each tensor, or of each model as a whole\n"
             "                         as in the TIES paper (default tensor)%s\n"
-            "  --rescale inv|l1       multiply the kept entries by 1/D (DARE paper, PEFT), or match\n"
-            "                         the L1 norm of the task vector (mergekit) (default inv)%s\n"
+            "  --rescale inv|l1|none  multiply the kept entries by 1/D (DARE paper, PEFT; della: by\n"
+            "                         1/p, each its own), match the L1 norm of the task vector\n"
+            "                         (mergekit), or leave them (default inv)%s\n"
             "  --seed N               seed of the random masks: the same seed gives the same\n"
             "                         output on any device and thread count (default 0)%s\n"
             "  --dtype f32|f16|bf16   output dtype (default: the base's, from config.json or\n"
@@ -185,7 +188,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --strict               refuse a full FT holding a tensor the base does not have\n"
             "                         (default: such a tensor is left out, with a warning)\n"
             "  -h, --help             this help\n"
-            "%s%s%s%s%s%s"
+            "%s%s%s%s%s%s%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
@@ -205,7 +208,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         first file for all\n"
             "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
             "                         later batch there too (default: try the device again)\n",
-            !(u.t || u.iter || u.models_only || u.gamma) ? "" : "\nOptions of this method:\n",
+            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon) ? "" : "\nOptions of this method:\n",
             !u.t ? "" :
             "  --t T                  the position between the base (0) and the FT (1) for slerp,\n"
             "                         the largest change per entry for nearswap (default 0.5)\n",
@@ -219,7 +222,11 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         base_model); --weights then has one weight per MODEL\n",
             !u.gamma ? "" :
             "  --gamma G[,G2,...]     the fraction of each task vector's largest magnitudes dropped,\n"
-            "                         in [0, 1]: one for every FT, or one per FT (default 0.01)\n");
+            "                         in [0, 1]: one for every FT, or one per FT (default 0.01)\n",
+            !u.epsilon ? "" :
+            "  --epsilon E[,E2,...]   the spread of the keep probabilities: from D - E for a row's\n"
+            "                         smallest entry to D + E for its largest, both in (0, 1); one\n"
+            "                         for every FT, or one per FT (default 0.15)\n");
     fprintf(out,
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
@@ -361,8 +368,10 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
             a->rescale = LM_RESCALE_INV;
         else if (strcmp(v, "l1") == 0)
             a->rescale = LM_RESCALE_L1;
+        else if (strcmp(v, "none") == 0)
+            a->rescale = LM_RESCALE_NONE;
         else
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': use inv or l1", shown, v);
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': use inv, l1 or none", shown, v);
         return LM_OK;
     case OPT_SEED:
         if (!parse_u64(v, 0, UINT64_MAX, &a->seed))
@@ -455,6 +464,13 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
         return LM_OK;
     case OPT_MODELS_ONLY:
         a->models_only = true;
+        return LM_OK;
+    case OPT_EPSILON:
+        if ((s = parse_list(shown, v, &a->epsilons, &a->n_epsilons, err)) != LM_OK)
+            return s;
+        for (int i = 0; i < a->n_epsilons; i++)
+            if (!(a->epsilons[i] >= 0.0 && a->epsilons[i] < 0.5))
+                return lm_err_set(err, LM_ERR_USAGE, "%s %s: an epsilon must be in [0, 0.5)", shown, v);
         return LM_OK;
     case OPT_GAMMA:
         if ((s = parse_list(shown, v, &a->gammas, &a->n_gammas, err)) != LM_OK)

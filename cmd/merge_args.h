@@ -28,6 +28,7 @@ typedef struct merge_uses {
                     // ranks (LM_RANK_IMPORTANCE), which come from the Hessians of calibration data
     bool t;         // --t: m->reads_t
     bool gamma;     // --gamma: m->outliers
+    bool epsilon;   // --epsilon: m->della
     bool iter;      // --max-iter, --tol: m->reads_iter
     bool models_only;  // --models-only: task vectors or the models themselves (LM_METHOD_EITHER)
     bool models;    // the inputs are models, the first the reference (LM_METHOD_MODELS): --weights
@@ -42,7 +43,7 @@ typedef enum opt_id {
     OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
     OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD,
-    OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_HELP,
+    OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_EPSILON, OPT_HELP,
 } opt_id;
 
 // The options every merge command takes, for lm_cmd_scan and the output guard.
@@ -92,6 +93,8 @@ typedef struct merge_args {
     double t;                  // --t (default 0.5)
     double *gammas;            // (n_gammas) --gamma, or NULL: 0.01 each
     int n_gammas;
+    double *epsilons;          // (n_epsilons) --epsilon, or NULL: 0.15 each
+    int n_epsilons;
     int max_iter;              // --max-iter (default 10)
     double tol;                // --tol (default 1e-5)
     bool models_only;          // --models-only

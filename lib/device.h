@@ -239,6 +239,14 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
                          lm_err *err);
 
+// DELLA's random drop of a rows × cols slab whose first element is element `first` of its
+// tensor: in each row the entries are ranked by magnitude (r = 0 the smallest; equal magnitudes
+// by index, the lower first) and entry j of rank r is kept with probability
+// p = lm_della_p(r, cols, p_lo, p_hi), decided by lm_rng_keep(key, first + j, ...) and, with
+// inv, multiplied by 1/p (lm_della_keep: the same bits on every device).
+lm_status lm_dev_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first, double p_lo,
+                            double p_hi, bool inv, lm_err *err);
+
 // NearSwap's step per element: x[j] = w·x[j] with w = min(1, max(0, t / max(|x[j]|, 1e-6))),
 // in float32: entries of τ within t of zero are kept whole, larger ones pulled to ±t.
 lm_status lm_dev_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err);

@@ -95,7 +95,7 @@ lm_status lm_manifest_merge_options(lm_manifest *m, const lm_merge_opts *o, lm_e
               cJSON_AddBoolToObject(opt, "normalize", o->normalize) &&
               cJSON_AddStringToObject(opt, "sign", o->sign == LM_SIGN_COUNT ? "count" : "sum") &&
               cJSON_AddStringToObject(opt, "topk", o->topk_global ? "global" : "tensor") &&
-              cJSON_AddStringToObject(opt, "rescale", o->rescale == LM_RESCALE_L1 ? "l1" : "inv") &&
+              cJSON_AddStringToObject(opt, "rescale", lm_rescale_name(o->rescale)) &&
               cJSON_AddStringToObject(opt, "seed", seed) &&
               cJSON_AddStringToObject(opt, "dtype", user_dtype(o->out_dtype)) &&
               cJSON_AddNumberToObject(opt, "threads", o->threads);

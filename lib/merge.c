@@ -35,6 +35,11 @@
 
 // ==== names and options =======================================================================
 
+const char *lm_rescale_name(lm_rescale r)
+{
+    return r == LM_RESCALE_L1 ? "l1" : r == LM_RESCALE_NONE ? "none" : "inv";
+}
+
 const char *lm_merge_method_name(lm_merge_method m)
 {
     const lm_method *d = lm_method_of(m);
@@ -87,6 +92,14 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
     for (int i = 0; m->outliers && o->gammas && i < o->n_ft; i++)
         if (!(o->gammas[i] >= 0 && o->gammas[i] <= 1))
             return lm_err_set(err, LM_ERR_USAGE, "--gamma: gamma %d is %g, not in [0, 1]", i + 1, o->gammas[i]);
+    for (int i = 0; m->della && i < o->n_ft; i++) {
+        double d = o->densities ? o->densities[i] : 1, eps = o->epsilons ? o->epsilons[i] : 0.15;
+        if (d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
+            return lm_err_set(err, LM_ERR_USAGE,
+                              "--epsilon: input %d has density %g and epsilon %g: density - epsilon and density + "
+                              "epsilon must lie in (0, 1)",
+                              i + 1, d, eps);
+    }
     if (m->outliers && o->topk_global)
         return lm_err_set(err, LM_ERR_USAGE, "--topk global: %s trims each tensor on its own", m->name);
     if (o->tensor_params && o->topk_global)
@@ -690,6 +703,7 @@ static lm_status tensor_params(engine *e, const char *name)
         e->tp.weights[i] = o->weights[i];
         e->tp.densities[i] = o->densities ? o->densities[i] : 1.0;
         e->tp.gammas[i] = o->gammas ? o->gammas[i] : 0.01;
+        e->tp.epsilons[i] = o->epsilons ? o->epsilons[i] : 0.15;
     }
     e->tp.base_weight = o->base_weight;
     e->tp.lambda = o->lambda;
@@ -706,6 +720,12 @@ static lm_status tensor_params(engine *e, const char *name)
         if (e->m->density && !(e->tp.densities[i] > 0 && e->tp.densities[i] <= 1))
             return lm_err_set(e->err, LM_ERR_USAGE, "density of input %d is %g in tensor '%s', not in (0, 1]", i + 1,
                               e->tp.densities[i], name);
+        double d = e->tp.densities[i], eps = e->tp.epsilons[i];
+        if (e->m->della && d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
+            return lm_err_set(e->err, LM_ERR_USAGE,
+                              "epsilon of input %d is %g in tensor '%s' with density %g: density - epsilon and "
+                              "density + epsilon must lie in (0, 1)",
+                              i + 1, eps, name, d);
         if (e->m->outliers && !(e->tp.gammas[i] >= 0 && e->tp.gammas[i] <= 1))
             return lm_err_set(e->err, LM_ERR_USAGE, "gamma of input %d is %g in tensor '%s', not in [0, 1]", i + 1,
                               e->tp.gammas[i], name);
@@ -820,6 +840,7 @@ static void engine_free(engine *e)
     free(e->tp.weights);
     free(e->tp.densities);
     free(e->tp.gammas);
+    free(e->tp.epsilons);
     free(e->coef);
 }
 
@@ -865,12 +886,13 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     e.tp.weights = calloc((size_t)o->n_ft, sizeof *e.tp.weights);
     e.tp.densities = calloc((size_t)o->n_ft, sizeof *e.tp.densities);
     e.tp.gammas = calloc((size_t)o->n_ft, sizeof *e.tp.gammas);
+    e.tp.epsilons = calloc((size_t)o->n_ft, sizeof *e.tp.epsilons);
     e.coef = calloc((size_t)o->n_ft, sizeof *e.coef);
     if (o->topk_global && e.m->rank != LM_RANK_NONE)
         e.global = calloc((size_t)o->n_ft, sizeof *e.global);
     XXH64_state_t *hash = XXH64_createState();
     if (!res->tensor_xxh64 || !e.cpu_ws.tau_buf || !e.dev_ws.tau_buf || !e.res_cpu || !e.res_dev || !e.out_host ||
-        !e.counted || !e.in || !e.tp.weights || !e.tp.densities || !e.tp.gammas || !e.coef ||
+        !e.counted || !e.in || !e.tp.weights || !e.tp.densities || !e.tp.gammas || !e.tp.epsilons || !e.coef ||
         !hash || (o->topk_global && e.m->rank != LM_RANK_NONE && !e.global) ||
         (sparsegpt && (!e.cpu_ws.key_buf || !e.dev_ws.key_buf || !e.cpu_ws.ucc2_buf || !e.dev_ws.ucc2_buf))) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");

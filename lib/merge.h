@@ -34,6 +34,8 @@ typedef enum lm_merge_method {
     LM_MERGE_NEARSWAP,         // the FT's values where they are within t of the base's
     LM_MERGE_BREADCRUMBS,      // the largest and the smallest magnitudes dropped, summed
     LM_MERGE_BREADCRUMBS_TIES, // breadcrumbs' trim with TIES sign election
+    LM_MERGE_DELLA,            // drop by per-row magnitude rank, TIES sign election
+    LM_MERGE_DELLA_LINEAR,     // della's drop, summed
 } lm_merge_method;
 
 typedef enum lm_sign_rule {
@@ -44,7 +46,11 @@ typedef enum lm_sign_rule {
 typedef enum lm_rescale {
     LM_RESCALE_INV,  // kept entries times 1/d (DARE paper, PEFT)
     LM_RESCALE_L1,   // kept entries times ‖τ‖₁ / ‖τ ⊙ m‖₁ (mergekit)
+    LM_RESCALE_NONE, // kept entries as they are (mergekit's rescale: false)
 } lm_rescale;
+
+// The name of a rescale rule on the command line: "inv", "l1" or "none".
+const char *lm_rescale_name(lm_rescale r);
 
 // The method's name on the command line ("ties", "dare", "dare-ties", "task-arithmetic",
 // "sparsegpt").
@@ -60,6 +66,7 @@ typedef struct lm_tensor_params {
     double *weights;      // (n_ft) w_i
     double *densities;    // (n_ft) d_i in (0, 1]
     double *gammas;       // (n_ft) breadcrumbs' γ_i in [0, 1]
+    double *epsilons;     // (n_ft) della's ε_i
     double base_weight;   // the base's weight, for the methods whose base is one of the models
     double lambda;
     double t;             // slerp's and nearswap's t
@@ -72,6 +79,8 @@ typedef struct lm_merge_opts {
     const double *densities;  // (n_ft) d_i in (0, 1]; unused by task-arithmetic
     const double *gammas;     // (n_ft) breadcrumbs: the fraction γ_i of largest magnitudes removed
                               // (NULL: mergekit's 0.01 each)
+    const double *epsilons;   // (n_ft) della: keep probabilities d_i ± ε_i across each row's ranks
+                              // (NULL: mergekit's 0.15 each)
     double lambda;            // scale of the merged task vector
     // The methods whose base is one of the models averaged (linear, karcher, and nuslerp and
     // multislerp where `models_only`): the base's weight (linear's w_0; unused by karcher).

@@ -177,7 +177,7 @@ bool lm_eng_dense_part(const engine *e, const part *p)
 bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
     if (!lm_dev_supports(dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype) || (lm_method_stats(e->m, e->o) & LM_STAT_L1) ||
-        e->m->outliers)
+        e->m->outliers || e->m->della)
         return false;
     for (int i = 0; i < k; i++)
         if (!lm_eng_dense_part(e, &parts[i]) || parts[i].key || parts[i].mask || parts[i].bits)
@@ -388,7 +388,7 @@ static lm_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const
             .dt = p->src == SRC_FULL ? p->full->dtype : LM_DTYPE_F32,
             .trim = e->m->rank != LM_RANK_NONE && !e->m->outliers,  // breadcrumbs trims in the buffers first
             .thr_bits = t->thr_bits,
-            .drop = e->m->drop && !p->dropped,
+            .drop = e->m->drop && !p->dropped && !e->m->della,  // della drops in the buffers first
             .key = lm_rng_key(o->seed, p->ft, name_hash),
             .keep_below = lm_rng_threshold(e->tp.densities[p->ft]),
             .rescale = (float)p->rescale,
@@ -507,6 +507,26 @@ static lm_status trim_band(engine *e, wset *ws, part *p, int64_t cnt, int64_t *t
     return s;
 }
 
+// DELLA's drop of part p's τ in its buffer, rows [r0, r0 + nr) of bt: a vector is one row, as
+// mergekit ranks it (whole: a vector longer than a slab is refused). A density of 1 keeps it
+// whole, as mergekit does.
+static lm_status della_drop(engine *e, wset *ws, part *p, const lm_st_tensor *bt, int64_t r0, int64_t nr)
+{
+    double d = e->tp.densities[p->ft], eps = e->tp.epsilons[p->ft];
+    if (d >= 1)
+        return LM_OK;
+    int64_t cols = bt->numel / tensor_rows(bt), rows = nr;
+    if (bt->ndim < 2) {
+        if (nr < tensor_rows(bt))
+            return lm_err_set(e->err, LM_ERR_UNSUPPORTED, "della: the vector '%s' does not fit in one slab", bt->name);
+        cols = nr * cols;
+        rows = 1;
+    }
+    uint64_t key = lm_rng_key(e->o->seed, p->ft, lm_xxh64(bt->name, strlen(bt->name)));
+    return lm_dev_della_drop(ws->dev, p->tau, rows, cols, key, r0 * (bt->numel / tensor_rows(bt)), d - eps, d + eps,
+                             e->o->rescale == LM_RESCALE_INV, e->err);
+}
+
 // Whether the merge pass of a tensor whose τ are in buffers runs as lm_dev_dense_merge: on a
 // device that has it, unless a part is ranked by importance or by a stored mask, or records one.
 static bool pieces_from_buf(const wset *ws, const lm_st_tensor *bt, const part *parts, int k)
@@ -580,8 +600,9 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
                     (s = lm_dev_l1(ws->dev, p->tau, cnt, &a, e->err)) != LM_OK)
                     break;
                 uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
-                if ((s = lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols,
-                                            lm_rng_threshold(e->tp.densities[p->ft]), e->err)) != LM_OK ||
+                if ((s = e->m->della ? della_drop(e, ws, p, bt, r0, nr)
+                                     : lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols,
+                                                          lm_rng_threshold(e->tp.densities[p->ft]), e->err)) != LM_OK ||
                     (s = lm_dev_l1(ws->dev, p->tau, cnt, &b, e->err)) != LM_OK)
                     break;
                 l1_all[i] += a;
@@ -595,7 +616,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
             return s;
         for (int i = 0; i < k; i++)
             parts[i].rescale = l1_all[i] >= 1e-7 && l1_kept[i] >= 1e-7 ? l1_all[i] / l1_kept[i] : 1.0;
-    } else if (random) {
+    } else if (random && o->rescale == LM_RESCALE_INV && !e->m->della) {  // della's 1/p is per entry
         for (int i = 0; i < k; i++)
             parts[i].rescale = 1.0 / e->tp.densities[parts[i].ft];
     }
@@ -635,6 +656,9 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
             s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
         for (int i = 0; s == LM_OK && pieces && e->m->outliers && i < k; i++)
             s = trim_band(e, ws, &parts[i], cnt, &ties_left[i], &ties_hi[i]);
+        for (int i = 0; s == LM_OK && pieces && e->m->della && i < k; i++)
+            if (!parts[i].dropped)
+                s = della_drop(e, ws, &parts[i], bt, r0, nr);
         if (pieces) {
             if (s == LM_OK)
                 s = merge_pieces(e, ws, idx, desc, bt, parts, k, d, how, r0 * cols, cnt, true, ties_left, hash);
@@ -664,8 +688,9 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
                     e->global[p->ft].ties_allowed -= used;
             } else if (random && !p->dropped) {
                 uint64_t key = lm_rng_key(o->seed, p->ft, name_hash);
-                if ((s = lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols, lm_rng_threshold(e->tp.densities[p->ft]),
-                                            e->err)) != LM_OK)
+                if ((s = e->m->della ? della_drop(e, ws, p, bt, r0, nr)
+                                     : lm_dev_random_drop(ws->dev, p->tau, cnt, key, r0 * cols,
+                                                          lm_rng_threshold(e->tp.densities[p->ft]), e->err)) != LM_OK)
                     break;
             }
             if (p->rescale != 1.0 &&

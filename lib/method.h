@@ -2,9 +2,9 @@
 // needs of each tensor and how it combines the parts per element; the merge engine (merge.c
 // and the files merge_int.h names) reads the descriptor and runs the passes those needs call
 // for, on the device, with fallback to the CPU, in bounded memory. A method has no code of its
-// own: adding one that needs only the statistics and combines below is a new descriptor;
-// docs/design.md ("The merge engine") says how the next methods would be expressed and what
-// the engine would gain for them.
+// own but for the methods with coefficients (their coeffs function, in their file): adding one
+// that needs only the statistics and combines below is a new descriptor; docs/design.md ("The
+// merge engine") says how the methods are expressed.
 //
 // Per tensor the engine offers:
 //   input      - the parts' task vectors τ_i = θ_i − θ_base (a LoRA adapter's s·B@A, made
@@ -92,6 +92,9 @@ typedef struct lm_method {
                              // parts that agree averaged (lm_dev_combine's disjoint mean)
     bool linear;             // θ_b + λ Σ_i c_i τ_i with c_i = w_i (÷ Σ w_i when normalizing): each τ
                              // added in as soon as it exists, a plain LoRA's as one GEMM
+    bool della;              // the drop keeps entry j of a row with probability d_i ± ε_i by its
+                             // magnitude rank in the row (DELLA; lm_dev_della_drop), 1/p its own
+                             // rescale with --rescale inv
     bool outliers;           // with the magnitude trim, the γ_i·numel largest entries dropped too
                              // (breadcrumbs: the kept ones rank from there down; lm_dev_topk_drop)
     bool nearswap;           // each τ_i replaced by NearSwap's step at t first (lm_dev_nearswap)
@@ -121,6 +124,8 @@ extern const lm_method lm_method_model_stock;
 extern const lm_method lm_method_nearswap;
 extern const lm_method lm_method_breadcrumbs;
 extern const lm_method lm_method_breadcrumbs_ties;
+extern const lm_method lm_method_della;
+extern const lm_method lm_method_della_linear;
 
 // The descriptor of method `id`; never NULL for a value of lm_merge_method (an unknown value
 // gets ties', which no caller passes). Static: nothing to free.

@@ -30,7 +30,7 @@ static inline uint64_t lm_rng_key(uint64_t seed, int model, uint64_t name_hash)
 }
 
 // The threshold for keeping an entry with probability d: floor(d · 2^32), so d = 1 keeps all.
-static inline uint64_t lm_rng_threshold(double d)
+LM_HD static inline uint64_t lm_rng_threshold(double d)
 {
     if (!(d > 0))
         return 0;
@@ -45,6 +45,24 @@ LM_HD static inline bool lm_rng_keep(uint64_t key, int64_t j, uint64_t keep_belo
 {
     uint64_t x = lm_mix64(key + (uint64_t)(j + 1) * 0x9E3779B97F4A7C15ull);
     return (x >> 32) < keep_below;
+}
+
+// ---- DELLA ------------------------------------------------------------------------------------
+
+// DELLA's keep probability of the entry of rank r (0 the smallest magnitude) among a row of
+// `cols`: p_lo + (p_hi − p_lo)·r/(cols − 1), in double, p_lo for a row of one.
+LM_HD static inline double lm_della_p(int64_t r, int64_t cols, double p_lo, double p_hi)
+{
+    return cols > 1 ? p_lo + (p_hi - p_lo) * ((double)r / (double)(cols - 1)) : p_lo;
+}
+
+// DELLA's decision for entry x at index j of its tensor with keep probability p: zero, or x
+// (times 1/p in double with inv).
+LM_HD static inline float lm_della_keep(float x, uint64_t key, int64_t j, double p, bool inv)
+{
+    if (!lm_rng_keep(key, j, lm_rng_threshold(p)))
+        return 0.0f;
+    return inv ? (float)((double)x / p) : x;
 }
 
 // ---- NearSwap ---------------------------------------------------------------------------------

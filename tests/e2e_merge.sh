@@ -416,7 +416,7 @@ expect 2 "did you mean '--force'" ties "$B" "$lp" -o "$x" -force
 expect 2 "not an output dtype" ties "$B" "$lp" -o "$x" --dtype int8
 expect 2 "use sum or count" ties "$B" "$lp" -o "$x" --sign max
 expect 2 "use tensor or global" ties "$B" "$lp" -o "$x" --topk=layer
-expect 2 "use inv or l1" dare "$B" "$lp" -o "$x" --rescale l2
+expect 2 "use inv, l1 or none" dare "$B" "$lp" -o "$x" --rescale l2
 expect 2 "--seed" dare "$B" "$lp" -o "$x" --seed -1
 expect 2 "--threads" ties "$B" "$lp" -o "$x" --threads many
 expect 2 "unknown suffix" ties "$B" "$lp" -o "$x" --shard-size 5XB
@@ -930,12 +930,12 @@ expect 0 "task-arithmetic" --help
 expect 2 "llmerge: error: unknown command 'daer'; did you mean 'dare'" daer "$B" "$lp" -o "$x"
 # mergekit's method names: its spellings run llmerge's methods (dare_linear is dare); one llmerge
 # does not have is refused, with llmerge's methods and the page that maps mergekit's to them
-methods="ties, dare, dare-ties, task-arithmetic, sparsegpt, linear, slerp, nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties"
-for m in della della_linear passthrough sce; do
+methods="ties, dare, dare-ties, task-arithmetic, sparsegpt, linear, slerp, nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties, della, della-linear"
+for m in passthrough sce; do
   expect 2 "llmerge: error: unknown command '$m': mergekit's ${m//-/_} is not in llmerge (yet)" "$m" "$B" "$lp" -o "$x"
   check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "$m: $(cat "$work/out")"
 done
-for m in dare_linear dare_ties task_arithmetic model_stock breadcrumbs_ties; do
+for m in dare_linear dare_ties task_arithmetic model_stock breadcrumbs_ties della_linear; do
   run "mk-$m" "$m" "$B" "$lp" "$lp" -o "$x" -q
   rm -rf "$x"
 done
@@ -952,9 +952,9 @@ rm -rf "$x"
 expect 2 "llmerge: error: unknown command 'frobnicate'" frobnicate "$B"
 check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "llmerge --help" "$work/out"' "frobnicate: $(cat "$work/out")"
 # llmerge plan takes a method too
-expect 2 "llmerge plan: error: 'della' is not a merge method of llmerge ($methods): mergekit's della is not in llmerge (yet)" \
-  plan della "$B" "$lp" -o "$x"
-check 'grep -qF "docs/mergekit.md" "$work/out"' "plan della: $(cat "$work/out")"
+expect 2 "llmerge plan: error: 'sce' is not a merge method of llmerge ($methods): mergekit's sce is not in llmerge (yet)" \
+  plan sce "$B" "$lp" -o "$x"
+check 'grep -qF "docs/mergekit.md" "$work/out"' "plan sce: $(cat "$work/out")"
 expect 0 "merge: largest tensor" plan dare_ties "$B" "$lp" -o "$x"
 no_output "$x"
 

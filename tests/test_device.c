@@ -808,6 +808,20 @@ static void h_row_dot_near(harness *h, int64_t rows, int64_t cols)
     if (dx && dy && DEV_OK(h, lm_dev_row_dot(h->dev, dx, dy, rows, cols, rg, &h->err)))
         CHECK_MSG(rows == 0 || memcmp(rg, rw, (size_t)rows * 8) == 0, "row_dot %lldx%lld on %s: not the cpu's sums",
                   (long long)rows, (long long)cols, lm_dev_name(h->dev));
+    // della_drop: ranks by magnitude per row (fill_ties-like repeats from fill's rounding), both
+    // rescales; the device's bits are the CPU's
+    for (int inv = 0; inv < 2; inv++) {
+        float *want = hmalloc((size_t)(n ? n : 1) * 4);
+        memcpy(want, x, (size_t)n * 4);
+        uint64_t key = lm_rng_key(5, 1, 0x1234);
+        CHECK_OK(lm_dev_della_drop(h->cpu, want, rows, cols, key, 77, 0.3, 0.7, inv, &h->err), &h->err);
+        if (dx && DEV_OK(h, lm_dev_upload(h->dev, dx, x, (size_t)n * 4, &h->err)) &&
+            DEV_OK(h, lm_dev_della_drop(h->dev, dx, rows, cols, key, 77, 0.3, 0.7, inv, &h->err)) &&
+            get(h, got, dx, (size_t)n * 4))
+            CHECK_MSG(same_bits(got, want, n), "della_drop %lldx%lld inv=%d on %s differs", (long long)rows,
+                      (long long)cols, inv, lm_dev_name(h->dev));
+        free(want);
+    }
     const float ts[] = {0.0f, 0.3f, 2.0f};
     for (int k = 0; k < 3; k++) {
         float *want = hmalloc((size_t)(n ? n : 1) * 4);
@@ -1078,7 +1092,7 @@ static void test_against_cpu(lm_dev *dev)
     h_syrk(&h, 5, 2, 0.5f, 0.0f);
     h_syrk(&h, 70, 0, 1.0f, 0.5f);  // an empty sum: C scaled
     h_syrk(&h, 33, 0, 1.0f, 1.0f);  // nothing to add: mirrored only
-    h_row_dot_near(&h, 3, 70001);
+    h_row_dot_near(&h, 3, 7001);
     h_row_dot_near(&h, 700, 33);
     h_row_dot_near(&h, 1, 1);
     h_row_dot_near(&h, 0, 5);

@@ -13,6 +13,8 @@
 #include "merge_fixture.h"
 #include "ref_merge.h"
 #include "safetensors.h"
+#include "sparsify.h"
+#include "util.h"
 
 // A base with tensors of 1, 30, 96 and 221 entries.
 static void band_base(tset *b)
@@ -134,8 +136,125 @@ static void test_breadcrumbs(void)
     fx_close(&f);
 }
 
+// ==== della ===================================================================================
+
+static const double *g_row;
+
+static int cmp_rank(const void *pa, const void *pb)
+{
+    int64_t a = *(const int64_t *)pa, b = *(const int64_t *)pb;
+    double ma = fabs(g_row[a]), mb = fabs(g_row[b]);
+    if (ma != mb)
+        return ma < mb ? -1 : 1;
+    return a < b ? -1 : a > b;
+}
+
+// out = τ after DELLA's drop as docs/merging.md states it: per row (a vector one row), entries
+// ranked by magnitude ascending (ties: the lower index first), p = (d − ε) + 2ε·r/(n − 1), kept
+// when the counter-based draw of (seed, model, tensor, index) is below p, then times 1/p (inv),
+// the whole tensor times ‖τ‖₁/‖kept‖₁ (l1), or as is; d = 1 keeps τ whole.
+static void della_ref(const double *tau, const tensor *t, int ft, double d, double eps, lm_rescale rescale,
+                      double *out)
+{
+    int64_t rows = t->ndim == 2 ? t->shape[0] : 1, cols = t->n / rows;
+    if (d >= 1) {
+        memcpy(out, tau, (size_t)t->n * sizeof *out);
+        return;
+    }
+    uint64_t key = lm_rng_key(0, ft, lm_xxh64(t->name, strlen(t->name)));
+    int64_t *idx = malloc((size_t)cols * sizeof *idx);
+    double l1_all = 0, l1_kept = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        g_row = tau + r * cols;
+        for (int64_t c = 0; c < cols; c++)
+            idx[c] = c;
+        qsort(idx, (size_t)cols, sizeof *idx, cmp_rank);
+        for (int64_t rank = 0; rank < cols; rank++) {
+            int64_t j = r * cols + idx[rank];
+            double p = cols > 1 ? (d - eps) + 2 * eps * (double)rank / (double)(cols - 1) : d - eps;
+            bool keep = lm_rng_keep(key, j, (uint64_t)(p * 4294967296.0));
+            out[j] = keep ? (rescale == LM_RESCALE_INV ? tau[j] / p : tau[j]) : 0;
+            l1_all += fabs(tau[j]);
+            l1_kept += fabs(keep ? tau[j] : 0);
+        }
+    }
+    if (rescale == LM_RESCALE_L1 && l1_all >= 1e-7 && l1_kept >= 1e-7)
+        for (int64_t j = 0; j < t->n; j++)
+            out[j] *= l1_all / l1_kept;
+    free(idx);
+}
+
+static void test_della(void)
+{
+    fixture f;
+    fx_open(&f, band_base, "float32");
+    char *dirs_own[3];
+    double *tau[3][MAX_T];
+    rng_seed(93);
+    make_fts(&f, 3, dirs_own, tau);
+    const char *dirs[3] = {dirs_own[0], dirs_own[1], dirs_own[2]};
+    static const struct {
+        lm_merge_method m;
+        double w[3], d[3], eps[3];
+        lm_rescale rescale;
+        bool normalize;
+    } runs[] = {
+        {LM_MERGE_DELLA, {1, 1, 1}, {0.5, 0.5, 0.5}, {0.15, 0.15, 0.15}, LM_RESCALE_INV, true},
+        {LM_MERGE_DELLA, {1, 0.5, 2}, {0.3, 1.0, 0.6}, {0.1, 0.2, 0.3}, LM_RESCALE_L1, true},
+        {LM_MERGE_DELLA_LINEAR, {1, 1, 0.5}, {0.4, 0.7, 0.5}, {0.0, 0.25, 0.1}, LM_RESCALE_NONE, false},
+        {LM_MERGE_DELLA_LINEAR, {0.5, 1, 1}, {0.6, 0.6, 0.2}, {0.1, 0.1, 0.1}, LM_RESCALE_INV, false},
+    };
+    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        lm_merge_opts o = fixture_merge_opts(runs[r].m, 3, runs[r].w, runs[r].d);
+        o.epsilons = runs[r].eps;
+        o.rescale = runs[r].rescale;
+        o.normalize = runs[r].normalize;
+        combo c = {.k = 3, .w = runs[r].w, .sign = runs[r].m == LM_MERGE_DELLA ? SIGN_SUM : SIGN_NONE,
+                   .normalize = runs[r].normalize, .lambda = 1.0};
+        double *tp[3][MAX_T] = {{0}};
+        for (int i = 0; i < 3; i++)
+            for (int t = 0; t < f.base.n; t++) {
+                tp[i][t] = malloc((size_t)f.base.t[t].n * sizeof(double));
+                della_ref(tau[i][t], &f.base.t[t], i, runs[r].d[i], runs[r].eps[i], runs[r].rescale, tp[i][t]);
+            }
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+        if (st)
+            check_combined(st, &f.base, &c, tp);
+        const char *devices[] = {NULL, NULL, "sim:64MiB", "sim:900", "cuda-emu:900"};
+        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
+            lm_merge_opts o2 = o;
+            o2.slab_elems = v == 0 ? 24 : 0;  // slabs of whole rows (vectors stay whole: one slab)
+            o2.threads = v == 1 ? 3 : 1;
+            g_device = devices[v];
+            lm_merge_result res;
+            memset(&res, 0, sizeof res);
+            lm_st_file *st2 = run_merge(f.root, &o2, f.base_dir, dirs, &res);
+            CHECK_MSG(same_output(st, st2), "%s run %zu: variant %zu differs", lm_merge_method_name(runs[r].m), r, v);
+            lm_merge_result_free(&res);
+            lm_st_close(st2);
+        }
+        g_device = NULL;
+        lm_st_close(st);
+        for (int i = 0; i < 3; i++)
+            for (int t = 0; t < f.base.n; t++)
+                free(tp[i][t]);
+    }
+    // d ± ε outside (0, 1) is refused, as mergekit refuses it
+    double w[3] = {1, 1, 1}, d[3] = {0.5, 0.1, 0.5}, eps[3] = {0.1, 0.1, 0.1};
+    lm_merge_opts o = fixture_merge_opts(LM_MERGE_DELLA, 3, w, d);
+    o.epsilons = eps;
+    lm_err err = {0};
+    CHECK_FAILS(lm_merge_check_opts(&o, &err), LM_ERR_USAGE, "input 2 has density 0.1 and epsilon 0.1", &err);
+    for (int i = 0; i < 3; i++) {
+        free_taus(tau[i]);
+        free(dirs_own[i]);
+    }
+    fx_close(&f);
+}
+
 int main(void)
 {
     test_breadcrumbs();
+    test_della();
     return check_report("test_merge_sparse");
 }

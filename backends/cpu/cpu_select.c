@@ -547,6 +547,53 @@ lm_status cpu_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, i
     return LM_OK;
 }
 
+typedef struct della_job {
+    float *x;
+    int64_t rows, cols;
+    uint64_t key;
+    int64_t first;
+    double p_lo, p_hi;
+    bool inv;
+    bool nomem;  // a row's scratch could not be allocated
+} della_job;
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+// Row r: each entry's rank from its magnitude bits and column in one 64-bit key, sorted.
+static void della_task(void *ctx, int64_t r)
+{
+    della_job *j = ctx;
+    float *x = j->x + r * j->cols;
+    uint64_t *k = malloc((size_t)j->cols * sizeof *k);
+    if (!k) {
+        j->nomem = true;
+        return;
+    }
+    for (int64_t c = 0; c < j->cols; c++)
+        k[c] = (uint64_t)lm_abs_bits(x[c]) << 32 | (uint64_t)c;
+    qsort(k, (size_t)j->cols, sizeof *k, cmp_u64);
+    for (int64_t rank = 0; rank < j->cols; rank++) {
+        int64_t c = (int64_t)(k[rank] & 0xFFFFFFFFu);
+        double p = lm_della_p(rank, j->cols, j->p_lo, j->p_hi);
+        x[c] = lm_della_keep(x[c], j->key, j->first + r * j->cols + c, p, j->inv);
+    }
+    free(k);
+}
+
+lm_status cpu_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first, double p_lo,
+                         double p_hi, bool inv, lm_err *err)
+{
+    if (cols > 0xFFFFFFFFll)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cpu: della_drop of rows of %lld entries", (long long)cols);
+    della_job j = {x, rows, cols, key, first, p_lo, p_hi, inv, false};
+    lm_pool_run(pool_of(d), rows, della_task, &j);
+    return j.nomem ? lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory") : LM_OK;
+}
+
 typedef struct near_job {
     float *x;
     int64_t n;

@@ -1063,6 +1063,23 @@ static lm_status cuda_row_dot(lm_dev *d, const float *x, const float *y, int64_t
     return LM_OK;
 }
 
+// The ranks go through device scratch (4 bytes an element of the slab: an allocation that may
+// fail with LM_ERR_DEVICE_OOM, and the unit then falls back).
+static lm_status cuda_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first,
+                                 double p_lo, double p_hi, bool inv, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    if (cols > INT32_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: della_drop of rows of %lld entries", lm_dev_name(d),
+                          (long long)cols);
+    if ((s = scratch_reserve(d, (size_t)(rows * cols) * sizeof(int32_t), err)) != LM_OK)
+        return s;
+    return lm_cuda_della_drop(x, (int32_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
+}
+
 static lm_status cuda_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
 {
     lm_status s = begin(d, err);
@@ -1170,6 +1187,7 @@ static lm_dev_i make_iface(void)
     i.l1 = cuda_l1;
     i.row_dot = cuda_row_dot;
     i.nearswap = cuda_nearswap;
+    i.della_drop = cuda_della_drop;
     i.combine = cuda_combine;
     i.gather_rows = cuda_gather_rows;
     i.add_rows = cuda_add_rows;

@@ -851,6 +851,62 @@ fail:
     return status;
 }
 
+// DELLA's ranks: rank[r, j] = the entries of row r below x[r, j] in magnitude bits, or equal
+// with a lower index (the CPU's sort order). One block per row; each thread counts for its
+// entries against the whole row, read in tiles through shared memory.
+#define RANK_TILE 1024
+__global__ void k_row_rank(int32_t *rank, const float *x, int64_t rows, int64_t cols)
+{
+    __shared__ uint32_t tile[RANK_TILE];
+    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float *row = x + r * cols;
+        for (int64_t base = 0; base < cols; base += blockDim.x) {  // uniform across the block
+            int64_t j = base + threadIdx.x;
+            uint32_t bj = j < cols ? lm_abs_bits(row[j]) : 0;
+            int32_t cnt = 0;
+            for (int64_t t0 = 0; t0 < cols; t0 += RANK_TILE) {
+                __syncthreads();
+                for (int64_t k = threadIdx.x; k < RANK_TILE && t0 + k < cols; k += blockDim.x)
+                    tile[k] = lm_abs_bits(row[t0 + k]);
+                __syncthreads();
+                int64_t n = cols - t0 < RANK_TILE ? cols - t0 : RANK_TILE;
+                for (int64_t k = 0; k < n; k++) {
+                    uint32_t b = tile[k];
+                    cnt += b < bj || (b == bj && t0 + k < j);
+                }
+            }
+            if (j < cols)
+                rank[r * cols + j] = cnt;
+        }
+        __syncthreads();
+    }
+}
+
+__global__ void k_della_apply(float *x, const int32_t *rank, int64_t rows, int64_t cols, uint64_t key, int64_t first,
+                              double p_lo, double p_hi, bool inv)
+{
+    int64_t n = rows * cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        x[i] = lm_della_keep(x[i], key, first + i, lm_della_p(rank[i], cols, p_lo, p_hi), inv);
+}
+
+extern "C" lm_status lm_cuda_della_drop(float *d_x, int32_t *d_rank, int64_t rows, int64_t cols, uint64_t key,
+                                        int64_t first, double p_lo, double p_hi, bool inv, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    unsigned blocks = (unsigned)(rows > 65535 ? 65535 : rows);
+    k_row_rank<<<blocks, 256, 0, (cudaStream_t)stream>>>(d_rank, d_x, rows, cols);
+    CUDA_LAUNCHED("k_row_rank");
+    k_della_apply<<<lm_cuda_grid(rows * cols, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, d_rank, rows, cols,
+                                                                                            key, first, p_lo, p_hi,
+                                                                                            inv);
+    CUDA_LAUNCHED("k_della_apply");
+fail:
+    return status;
+}
+
 extern "C" lm_status lm_cuda_nearswap(float *d_x, int64_t n, float t, void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
@@ -913,6 +969,8 @@ LM_CUDA_PRELOAD(k_lowrank);
 LM_CUDA_PRELOAD(k_l1_blocks);
 LM_CUDA_PRELOAD(k_row_dot);
 LM_CUDA_PRELOAD(k_nearswap);
+LM_CUDA_PRELOAD(k_row_rank);
+LM_CUDA_PRELOAD(k_della_apply);
 LM_CUDA_PRELOAD(k_dora_rows);
 LM_CUDA_PRELOAD(k_hist_abs);
 LM_CUDA_PRELOAD(k_hist_window);

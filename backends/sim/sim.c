@@ -439,6 +439,15 @@ static lm_status sim_row_dot(lm_dev *d, const float *x, const float *y, int64_t 
     return cpu_of(d)->iface->row_dot(cpu_of(d), x, y, rows, cols, out, err);
 }
 
+static lm_status sim_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first,
+                                double p_lo, double p_hi, bool inv, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "della_drop", err)) || (s = need_n(d, "x", x, rows * cols, 32, err)))
+        return s;
+    return cpu_of(d)->iface->della_drop(cpu_of(d), x, rows, cols, key, first, p_lo, p_hi, inv, err);
+}
+
 static lm_status sim_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
 {
     lm_status s;
@@ -513,6 +522,7 @@ static const lm_dev_i sim_iface = {
     .l1 = sim_l1,
     .row_dot = sim_row_dot,
     .nearswap = sim_nearswap,
+    .della_drop = sim_della_drop,
     .combine = sim_combine,
     .gather_rows = sim_gather_rows,
     .add_rows = sim_add_rows,

@@ -19,6 +19,8 @@ static const lm_method *const methods[] = {
     &lm_method_nearswap,
     &lm_method_breadcrumbs,
     &lm_method_breadcrumbs_ties,
+    &lm_method_della,
+    &lm_method_della_linear,
 };
 
 // mergekit's names where they differ from llmerge's by more than '_' for '-'.
