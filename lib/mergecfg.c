@@ -1,6 +1,7 @@
 // mergekit's merge configuration files (mergecfg.h): libyaml's events are built into a small
-// tree of nodes under the limits, then the tree is walked key by key, in the file's order, so
-// that the first defect in the file is the one reported.
+// tree of nodes under the limits, then the tree is walked key by key, in the file's order (a
+// mapping's keys are checked, strings and each once, before its values are read), so that a
+// defect is reported where it is, and the first one the walk meets.
 #include "mergecfg.h"
 
 #include <errno.h>
