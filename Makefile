@@ -16,6 +16,7 @@ JOBS       ?= $(shell nproc 2>/dev/null || echo 2)
 CUDA       ?= AUTO
 FUZZ_SECONDS ?= 60
 FUZZ_JSON_SECONDS ?= 30
+FUZZ_YAML_SECONDS ?= 30
 PREFIX     ?= /usr/local
 
 .PHONY: all build bootstrap test test-cpu test-asan demo bench clean install
@@ -33,7 +34,8 @@ build: $(BUILD)/CMakeCache.txt
 
 $(ASAN_BUILD)/CMakeCache.txt:
 	CC=clang cmake -S . -B $(ASAN_BUILD) -DLLMERGE_CUDA=OFF -DLLMERGE_SANITIZE=ON \
-	  -DLLMERGE_FUZZ=ON -DLLMERGE_FUZZ_SECONDS=$(FUZZ_SECONDS) -DLLMERGE_FUZZ_JSON_SECONDS=$(FUZZ_JSON_SECONDS)
+	  -DLLMERGE_FUZZ=ON -DLLMERGE_FUZZ_SECONDS=$(FUZZ_SECONDS) -DLLMERGE_FUZZ_JSON_SECONDS=$(FUZZ_JSON_SECONDS) \
+	  -DLLMERGE_FUZZ_YAML_SECONDS=$(FUZZ_YAML_SECONDS)
 
 test: bootstrap
 	@$(MAKE) --no-print-directory test-cpu

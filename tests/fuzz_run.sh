@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs a fuzzer (fuzz_safetensors, fuzz_json) for a bounded time: the seed corpus is what the
+# Runs a fuzzer (fuzz_safetensors, fuzz_json, fuzz_yaml) for a bounded time: the seed corpus is what the
 # module's test program writes with --write-corpus (afresh each run), new inputs go to a working
 # corpus in the build tree; DICT, when given, is a libFuzzer dictionary of the format's tokens.
 # Usage: fuzz_run.sh FUZZER TEST_PROGRAM WORKDIR SECONDS [DICT]
