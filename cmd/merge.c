@@ -76,6 +76,12 @@ typedef struct merge_run {
     double *densities;         // (n_ft) resolved
     double *gammas;            // (n_ft) resolved
     double *epsilons;          // (n_ft) resolved
+    // the command line's per-tensor settings (args.sets) as the engine reads them: the global
+    // ones and each model's (the base's, then each FT's), pointing at args.sets' values
+    lm_merge_params cli_params;
+    lm_params cli_global;
+    lm_params *cli_models;     // (n_ft + 1)
+    const lm_params **cli_model_ptrs;  // (n_ft + 1)
     lm_merge_opts opts;
     lm_st_desc *descs;         // (n_descs) the output tensors
     int64_t n_descs;
@@ -106,6 +112,14 @@ static void run_free(merge_run *r)
     free(r->weights);
     free(r->densities);
     free(r->gammas);
+    free(r->cli_global.items);
+    for (int i = 0; r->cli_models && i <= r->args.n_ft; i++)
+        free(r->cli_models[i].items);
+    free(r->cli_models);
+    free(r->cli_model_ptrs);
+    lm_merge_args_free_sets(&r->args);
+    if (r->args.preset_free)
+        r->args.preset_free(r->args.preset);
     free(r->epsilons);
     free(r->args.epsilons);
     free(r->args.weights);
@@ -299,6 +313,61 @@ static void note_dropped(merge_run *r)
     }
 }
 
+// Adds setting v named `name` to ps (the item's name is static, its value the caller's).
+static lm_status add_setting(lm_params *ps, const char *name, lm_pval *v, lm_err *err)
+{
+    lm_param *items = realloc(ps->items, (size_t)(ps->n + 1) * sizeof *items);
+    if (!items)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    ps->items = items;
+    items[ps->n++] = (lm_param){.name = (char *)name, .value = v};
+    return LM_OK;
+}
+
+// The command line's per-tensor settings (args.sets) as the engine's tensor_params: each
+// per-input option's settings, one for every input or one per input (the first model's first
+// where the base is one of the models), and the merge-wide ones.
+static lm_status cli_settings(merge_run *r, bool models, lm_err *err)
+{
+    merge_args *a = &r->args;
+    static const char *const names[SET_COUNT] = {"weight", "density", "gamma", "epsilon", "t", "lambda"};
+    static const char *const opts[SET_COUNT] = {"--weights", "--densities", "--gamma", "--epsilon", "--t", "--lambda"};
+    bool any = false;
+    for (int id = 0; id < SET_COUNT; id++)
+        any = any || a->sets[id].n > 0;
+    if (!any)
+        return LM_OK;
+    int n = a->n_ft;
+    r->cli_models = calloc((size_t)n + 1, sizeof *r->cli_models);
+    r->cli_model_ptrs = calloc((size_t)n + 1, sizeof *r->cli_model_ptrs);
+    if (!r->cli_models || !r->cli_model_ptrs)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = LM_OK;
+    for (int id = 0; s == LM_OK && id < SET_COUNT; id++) {
+        const cli_setting *c = &a->sets[id];
+        if (c->n == 0)
+            continue;
+        if (id >= SET_T) {
+            s = add_setting(&r->cli_global, names[id], c->v[0], err);
+            continue;
+        }
+        // the inputs the option is given for: the FTs, and the first model for weights
+        int first = id == SET_WEIGHT && models ? 0 : 1, count = n + 1 - first;
+        if (c->n != 1 && c->n != count)
+            return lm_err_set(err, LM_ERR_USAGE, "%s gives %d settings for %d input%s (one for all, or one per %s, "
+                              "separated by '|')", opts[id], c->n, count, count == 1 ? "" : "s",
+                              first == 0 ? "MODEL" : "FT");
+        for (int m = first; s == LM_OK && m <= n; m++)
+            s = add_setting(&r->cli_models[m], names[id], c->v[c->n == 1 ? 0 : m - first], err);
+    }
+    for (int m = 0; m <= n; m++)
+        r->cli_model_ptrs[m] = &r->cli_models[m];
+    r->cli_params = (lm_merge_params){.global = &r->cli_global, .models = r->cli_model_ptrs, .n_ft = n,
+                                      .n_layers = r->base->config.num_hidden_layers, .base_is_model = models};
+    a->params = &r->cli_params;
+    return s;
+}
+
 // Everything before the work: inputs opened and checked, options resolved, the device opened.
 // Returns the status; err says what is wrong.
 static lm_status prepare(merge_run *r, lm_err *err)
@@ -414,6 +483,13 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->t = a->t;
     o->max_iter = a->max_iter;
     o->tol = a->tol;
+    if (!a->params && (s = cli_settings(r, models, err)) != LM_OK)
+        return s;
+    if (a->params) {
+        o->tensor_params = lm_merge_params_tensor;
+        o->params_ctx = a->params;
+        a->params->n_layers = r->base->config.num_hidden_layers;
+    }
     if ((s = lm_merge_check_opts(o, err)) != LM_OK)
         return s;
     if (a->use.hessians && (s = read_calib(r, err)) != LM_OK)

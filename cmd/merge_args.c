@@ -311,6 +311,70 @@ static bool parse_u64(const char *text, uint64_t lo, uint64_t hi, uint64_t *out)
     return true;
 }
 
+// Whether an option's value is written as settings (params.h) rather than plain numbers.
+static bool is_setting(const char *v)
+{
+    return strpbrk(v, "|=;") != NULL;
+}
+
+// Parses `v`, items separated by '|', into the settings of option `id` (replacing any before).
+static lm_status parse_settings(merge_args *a, set_id id, const char *shown, const char *v, bool one, lm_err *err)
+{
+    cli_setting *c = &a->sets[id];
+    for (int i = 0; i < c->n; i++)
+        lm_pval_free(c->v[i]);
+    free(c->v);
+    c->v = NULL;
+    c->n = 0;
+    size_t cap = 1;
+    for (const char *p = v; *p; p++)
+        cap += *p == '|';
+    if (one && cap > 1)
+        return lm_err_set(err, LM_ERR_USAGE, "%s %s: one setting for the whole merge, not one per input ('|')", shown,
+                          v);
+    if (!(c->v = calloc(cap, sizeof *c->v)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    char *copy = lm_strdup(v);
+    if (!copy)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_status s = LM_OK;
+    char *item = copy;
+    for (;;) {
+        char *bar = strchr(item, '|');
+        if (bar)
+            *bar = '\0';
+        // spaces around an item are for reading only
+        while (*item == ' ')
+            item++;
+        for (char *e = item + strlen(item); e > item && e[-1] == ' ';)
+            *--e = '\0';
+        if ((s = lm_pval_parse_cli(item, &c->v[c->n], err)) != LM_OK) {
+            if (cap > 1)
+                lm_err_prefix(err, "%s: input %d's setting '%s'", shown, c->n + 1, item);
+            else
+                lm_err_prefix(err, "%s '%s'", shown, item);
+            break;
+        }
+        c->n++;
+        if (!bar)
+            break;
+        item = bar + 1;
+    }
+    free(copy);
+    return s;
+}
+
+void lm_merge_args_free_sets(merge_args *a)
+{
+    for (int id = 0; id < SET_COUNT; id++) {
+        for (int i = 0; i < a->sets[id].n; i++)
+            lm_pval_free(a->sets[id].v[i]);
+        free(a->sets[id].v);
+        a->sets[id].v = NULL;
+        a->sets[id].n = 0;
+    }
+}
+
 // Applies option `d` with value `v` (NULL for a flag). `shown` is how the user wrote it.
 static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
@@ -324,10 +388,14 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
         a->out = v;
         return LM_OK;
     case OPT_WEIGHTS:
+        if (is_setting(v))
+            return parse_settings(a, SET_WEIGHT, shown, v, false, err);
         return parse_list(shown, v, &a->weights, &a->n_weights, err);
     case OPT_DENSITY:
     case OPT_DENSITIES:
         a->density_opt = d->id == OPT_DENSITY ? "--density" : "--densities";
+        if (is_setting(v))
+            return parse_settings(a, SET_DENSITY, shown, v, false, err);
         if ((s = parse_list(shown, v, &a->densities, &a->n_densities, err)) != LM_OK)
             return s;
         for (int i = 0; i < a->n_densities; i++)
@@ -340,6 +408,8 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
             }
         return LM_OK;
     case OPT_LAMBDA:
+        if (is_setting(v) || strchr(v, ','))
+            return parse_settings(a, SET_LAMBDA, shown, v, true, err);
         if (!parse_number(v, &a->lambda))
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a number", shown, v);
         return LM_OK;
@@ -448,6 +518,8 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
         a->hessian_from_base = strcmp(v, "base") == 0;
         return LM_OK;
     case OPT_T:
+        if (is_setting(v) || strchr(v, ','))
+            return parse_settings(a, SET_T, shown, v, true, err);
         if (!parse_number(v, &a->t))
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a number", shown, v);
         return LM_OK;
@@ -466,6 +538,8 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
         a->models_only = true;
         return LM_OK;
     case OPT_EPSILON:
+        if (is_setting(v))
+            return parse_settings(a, SET_EPSILON, shown, v, false, err);
         if ((s = parse_list(shown, v, &a->epsilons, &a->n_epsilons, err)) != LM_OK)
             return s;
         for (int i = 0; i < a->n_epsilons; i++)
@@ -473,6 +547,8 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
                 return lm_err_set(err, LM_ERR_USAGE, "%s %s: an epsilon must be in [0, 0.5)", shown, v);
         return LM_OK;
     case OPT_GAMMA:
+        if (is_setting(v))
+            return parse_settings(a, SET_GAMMA, shown, v, false, err);
         if ((s = parse_list(shown, v, &a->gammas, &a->n_gammas, err)) != LM_OK)
             return s;
         for (int i = 0; i < a->n_gammas; i++)

@@ -12,7 +12,9 @@
 #include "args.h"
 #include "dtype.h"
 #include "merge.h"
+#include "merge_params.h"
 #include "method.h"
+#include "params.h"
 #include "status.h"
 
 // Which options of the merge commands method m reads, derived from its descriptor (method.h):
@@ -52,6 +54,17 @@ extern const size_t lm_merge_n_opts;
 
 #define DEFAULT_DENSITY 0.2
 #define DEFAULT_SHARD_SIZE 5000000000ull  // "5GB", as transformers
+
+// The options that take per-tensor settings (params.h) on the command line: a per-input one
+// (--weights, --density/--densities, --gamma, --epsilon) as settings separated by '|', one for
+// every input or one per input; a merge-wide one (--t, --lambda) as one setting.
+typedef enum set_id { SET_WEIGHT, SET_DENSITY, SET_GAMMA, SET_EPSILON, SET_T, SET_LAMBDA, SET_COUNT } set_id;
+
+// The settings of one such option: NULL where the option gave plain numbers (or was not given).
+typedef struct cli_setting {
+    lm_pval **v;  // (n)
+    int n;
+} cli_setting;
 
 // What the command line says, parsed but not yet checked against the inputs.
 typedef struct merge_args {
@@ -99,7 +112,23 @@ typedef struct merge_args {
     double tol;                // --tol (default 1e-5)
     bool models_only;          // --models-only
     bool given[OPT_HELP + 1];  // which options appeared
+    cli_setting sets[SET_COUNT];  // per-tensor settings given on the command line
+    // llmerge run: the settings of a configuration file (the parse of cmd/run.c sets them), else
+    // NULL; with sets[] given, the merge builds its own from those (merge.c)
+    lm_merge_params *params;
+    // what llmerge run adds (cmd/run.c): its context, freed by preset_free with the run
+    void *preset;
+    void (*preset_free)(void *preset);
+    // llmerge run: the configuration's text, written into OUT as mergekit_config.yml and shown
+    // in the model card (NULL for the merge commands)
+    const char *config_text;
+    const char *config_path;
+    const char *tokenizer_dir;  // tokenizer files from this model's directory rather than BASE's
+    const char *chat_template;  // set in OUT's tokenizer_config.json, or NULL
 } merge_args;
+
+// Frees the settings of sets[] (not the struct).
+void lm_merge_args_free_sets(merge_args *a);
 
 // Prints the --help of method m to out.
 void lm_merge_usage(FILE *out, const lm_method *m);

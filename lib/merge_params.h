@@ -1,0 +1,39 @@
+// A merge's parameters per tensor, from settings (params.h): mergekit's gradients over the layers
+// and filters on tensor names, given in a configuration file or on the command line. It is the
+// callback lm_merge_opts' tensor_params calls before each tensor: the engine's values there are
+// the options' (the method's defaults), and each setting that gives a value for the tensor
+// replaces one. Per-model settings (weight, density, gamma, epsilon) are looked up in the
+// model's own settings, then in the global ones; the merge's own (lambda, t) in the global
+// ones.
+#ifndef LM_MERGE_PARAMS_H
+#define LM_MERGE_PARAMS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "merge.h"
+#include "params.h"
+
+// Parameters a tensor must get from a setting (a configuration's required weight): a tensor
+// where none gives one is an error naming the model and the tensor.
+enum {
+    LM_MP_WEIGHT = 1u << 0,
+};
+
+typedef struct lm_merge_params {
+    const lm_params *global;        // the global settings, or NULL
+    const lm_params *const *models; // (n_ft + 1): [0] the base's, [1 + i] FT i's; any may be NULL
+    int n_ft;
+    int64_t n_layers;               // the base's num_hidden_layers (the gradients' positions)
+    unsigned required;              // LM_MP_* for the FTs (and the base where it is a model)
+    bool base_is_model;             // the base takes a weight (linear, karcher, --models-only)
+    const char *const *names;       // (n_ft + 1) how each model was named, for messages, or NULL
+} lm_merge_params;
+
+// lm_merge_opts' tensor_params for ctx, an lm_merge_params: sets tp's values for `tensor` where
+// a setting gives one (t from the tensor's layer, lm_param_position). LM_ERR_USAGE naming the
+// parameter, the model and the tensor when a setting gives a string, or a required one gives
+// nothing. Allocates nothing.
+lm_status lm_merge_params_tensor(void *ctx, const char *tensor, lm_tensor_params *tp, lm_err *err);
+
+#endif
