@@ -1,7 +1,7 @@
 // `llmerge passthrough -o OUT --slice MODEL:FROM:TO[:SCALE] [--slice ...] [options]`: layer
-// stacking, mergekit's passthrough merge with slices (passthrough.h, docs/merging.md
-// "passthrough"). The slices' layers are stacked in order into OUT, the embeddings taken from the
-// first slice's model and the final norm and lm_head from the last's.
+// stacking, mergekit's passthrough merge with slices (passthrough.h; docs/merging.md
+// "Passthrough: layer stacking"). The slices' layers are stacked in order into OUT, the
+// embeddings taken from the first slice's model and the final norm and lm_head from the last's.
 //
 // As in the merge commands (merge.c): everything that can be checked is checked before any work
 // starts, and a problem found then is exit status 2 naming it (the options, OUT, each slice's

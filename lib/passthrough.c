@@ -22,7 +22,7 @@
 // The top-level config.json keys that hold one entry per layer (transformers' names), rebuilt
 // for the output layer by layer. Arrays that list layer indices (Qwen2-MoE's mlp_only_layers)
 // and numbers that count layers (Qwen2's max_window_layers) are kept as the first model has
-// them (docs/merging.md "passthrough").
+// them (docs/merging.md "Passthrough: layer stacking").
 static const char *const per_layer_keys[] = {"layer_types", "no_rope_layers", "block_configs", "layers_block_type"};
 
 // A model of the plan and its layers.
@@ -164,8 +164,8 @@ static lm_status check_arch(const lm_pt_plan_t *p, int slice, lm_err *err)
     if (!what)
         return LM_OK;
     return lm_err_set(err, LM_ERR_MISMATCH, "slice %d: %s is not of the first slice's architecture: its config.json "
-                      "has %s %s, %s has %s; the layers of models of one architecture stack", slice + 1, b->path, what,
-                      vb, a->path, va);
+                      "has %s %s, %s's has %s; the layers of models of one architecture stack", slice + 1,
+                      p->models[p->model_of[slice]].m->dir, what, vb, p->models[0].m->dir, va);
 }
 
 // ==== the plan ================================================================================

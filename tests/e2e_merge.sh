@@ -933,7 +933,7 @@ expect 2 "llmerge: error: unknown command 'daer'; did you mean 'dare'" daer "$B"
 methods="ties, dare, dare-ties, task-arithmetic, sparsegpt"
 expect 2 "llmerge: error: unknown command 'slerp': mergekit's slerp is not in llmerge (yet)" slerp "$B" "$lp" "$lp" -o "$x"
 check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "slerp: $(cat "$work/out")"
-for m in linear nuslerp della della_linear breadcrumbs breadcrumbs_ties model_stock passthrough sce karcher \
+for m in linear nuslerp della della_linear breadcrumbs breadcrumbs_ties model_stock sce karcher \
   multislerp nearswap dare_linear dare_ties task_arithmetic breadcrumbs-ties; do
   expect 2 "llmerge: error: unknown command '$m': mergekit's ${m//-/_} " "$m" "$B" "$lp" -o "$x"
   check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "$m: $(cat "$work/out")"
