@@ -132,6 +132,12 @@ check '[ -f "$w/model.safetensors.index.json" ] && [ "$(ls "$w"/model-*.safetens
 check '"$llmerge" inspect "$w" 2>&1 | grep -q "^check: ok"' "the f32 stack does not load"
 # ft_full2 has no tokenizer files: none are copied from the later slice's base
 check '[ ! -e "$w/tokenizer_config.json" ]' "side files came from another slice's model than the first"
+# a MODEL whose path ends in ':' and a number, with SCALE written out
+ln -s "$B" "$work/b:3"
+run colon passthrough -o "$work/colon" --slice "$work/b:3:0:2:1" -q
+json "$work/colon/llmerge.json" options.slices.0.layer_range '[0,2]'
+# without SCALE the number is read as FROM: the model is $work/b
+expect 2 "slice 1: $work/b: no such file or directory" passthrough -o "$work/colon2" --slice "$work/b:3:0:2"
 # the log
 run log passthrough -o "$work/log" --slice "$B:0:1" -q --log-json "$work/log.jsonl"
 check 'grep -q "\"event\":\"start\"" "$work/log.jsonl" && grep -q "\"event\":\"end\"" "$work/log.jsonl" &&
