@@ -25,6 +25,11 @@ int lm_cmd_merge(int argc, char **argv);
 // outlives the call.
 int lm_cmd_eval(int argc, char **argv);
 
+// `llmerge passthrough -o OUT --slice MODEL:FROM:TO[:SCALE] [--slice ...] [options]`: stacks the
+// slices' layers into the model directory OUT (passthrough.h), written atomically. Allocates
+// nothing that outlives the call.
+int lm_cmd_passthrough(int argc, char **argv);
+
 // `llmerge hessian MODEL [--adapter DIR] --calib FILE -o H.safetensors [options]`: writes the
 // input Hessians of MODEL's linear layers (with the adapter applied, not merged) over the
 // calibration tokens as one safetensors file, atomically. Allocates nothing that outlives the

@@ -18,6 +18,7 @@ typedef struct command {
 
 // The commands other than the merge methods, which come first (the registry, method.h).
 static const command commands[] = {
+    {"passthrough", "stack layer ranges of several models into one (mergekit's slices)", lm_cmd_passthrough},
     {"eval", "perplexity of a model (with a LoRA adapter applied) on token data", lm_cmd_eval},
     {"hessian", "input Hessians of a model's linear layers from calibration data", lm_cmd_hessian},
     {"plan", "what a merge will need: memory per phase and device, fallbacks, disk", lm_cmd_plan},
@@ -74,7 +75,7 @@ static void usage(FILE *out)
 // mergekit's merge_method values (docs/mergekit.md) that llmerge does not have. Its others are
 // llmerge's methods, found under mergekit's spelling too (lm_method_find).
 static const char *const mergekit_missing[] = {
-    "passthrough", "sce", "arcee_fusion", "ram",
+    "sce", "arcee_fusion", "ram",
 };
 
 // Whether `name` is mergekit's `mk`, written with - or _ between words.

@@ -136,26 +136,6 @@ static void run_free(merge_run *r)
     lm_progress_free(&r->progress);
 }
 
-// The default output dtype: config.json's when it is one a model is saved in, else the dtype
-// most floating tensors of the base have (F64 read as F32), else F32.
-static lm_dtype base_dtype(const lm_model *base)
-{
-    const lm_config *c = &base->config;
-    if (c->has_dtype && lm_dtype_writable(c->dtype))
-        return c->dtype;
-    int64_t counts[LM_DTYPE_COUNT];
-    lm_model_dtype_counts(base, counts);
-    static const lm_dtype order[] = {LM_DTYPE_BF16, LM_DTYPE_F16, LM_DTYPE_F32};
-    lm_dtype best = LM_DTYPE_F32;
-    int64_t best_n = counts[LM_DTYPE_F64];
-    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++)
-        if (counts[order[i]] > best_n) {
-            best_n = counts[order[i]];
-            best = order[i];
-        }
-    return best;
-}
-
 static const char *dtype_flag(lm_dtype dt)
 {
     return dt == LM_DTYPE_BF16 ? "bf16" : dt == LM_DTYPE_F16 ? "f16" : "f32";
@@ -476,7 +456,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->topk_global = a->topk_global;
     o->rescale = a->rescale;
     o->seed = a->seed;
-    o->out_dtype = a->have_dtype ? a->dtype : base_dtype(r->base);
+    o->out_dtype = a->have_dtype ? a->dtype : lm_model_out_dtype(r->base);
     o->threads = a->threads;
     o->base_weight = models && a->weights ? a->weights[0] : 1.0;
     o->models_only = a->models_only;

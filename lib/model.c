@@ -464,3 +464,21 @@ void lm_model_dtype_counts(const lm_model *m, int64_t counts[LM_DTYPE_COUNT])
         if ((unsigned)m->tensors[i]->dtype < LM_DTYPE_COUNT)
             counts[m->tensors[i]->dtype]++;
 }
+
+lm_dtype lm_model_out_dtype(const lm_model *m)
+{
+    const lm_config *c = &m->config;
+    if (c->has_dtype && lm_dtype_writable(c->dtype))
+        return c->dtype;
+    int64_t counts[LM_DTYPE_COUNT];
+    lm_model_dtype_counts(m, counts);
+    static const lm_dtype order[] = {LM_DTYPE_BF16, LM_DTYPE_F16, LM_DTYPE_F32};
+    lm_dtype best = LM_DTYPE_F32;
+    int64_t best_n = counts[LM_DTYPE_F64];
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++)
+        if (counts[order[i]] > best_n) {
+            best_n = counts[order[i]];
+            best = order[i];
+        }
+    return best;
+}

@@ -92,4 +92,9 @@ uint64_t lm_model_nbytes(const lm_model *m);
 // Counts tensors per dtype into counts[LM_DTYPE_COUNT] (zeroed first).
 void lm_model_dtype_counts(const lm_model *m, int64_t counts[LM_DTYPE_COUNT]);
 
+// The dtype an output made from m is written in when the user names none: config.json's dtype
+// when it is one a model is saved in (F32, F16, BF16), else the dtype most of m's floating
+// tensors have (F64 read as F32), else F32.
+lm_dtype lm_model_out_dtype(const lm_model *m);
+
 #endif
