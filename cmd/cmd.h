@@ -29,6 +29,7 @@ int lm_cmd_eval(int argc, char **argv);
 // slices' layers into the model directory OUT (passthrough.h), written atomically. Allocates
 // nothing that outlives the call.
 int lm_cmd_passthrough(int argc, char **argv);
+int lm_cmd_run(int argc, char **argv);
 
 // `llmerge hessian MODEL [--adapter DIR] --calib FILE -o H.safetensors [options]`: writes the
 // input Hessians of MODEL's linear layers (with the adapter applied, not merged) over the

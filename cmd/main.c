@@ -18,6 +18,7 @@ typedef struct command {
 
 // The commands other than the merge methods, which come first (the registry, method.h).
 static const command commands[] = {
+    {"run", "merge what a mergekit configuration file (YAML) says", lm_cmd_run},
     {"passthrough", "stack layer ranges of several models into one (mergekit's slices)", lm_cmd_passthrough},
     {"eval", "perplexity of a model (with a LoRA adapter applied) on token data", lm_cmd_eval},
     {"hessian", "input Hessians of a model's linear layers from calibration data", lm_cmd_hessian},

@@ -61,6 +61,8 @@ typedef struct dropped_tensor {
 
 typedef struct merge_run {
     merge_args args;
+    // llmerge run's parse (the command line and the configuration), or NULL: the merge commands'
+    lm_status (*parse_fn)(merge_args *a, int argc, char **argv, lm_err *err);
     char prefix[64];           // "llmerge ties"
     lm_progress progress;
     double t0;                 // when the command started
@@ -1031,7 +1033,8 @@ static int work(merge_run *r, double t_loaded)
         goto fail;
     free(path);
     path = NULL;
-    if ((s = lm_manifest_copy_side_files(r->base->dir, r->od.tmp, &n_side, &err)) != LM_OK)
+    if ((s = lm_manifest_copy_side_files(r->base->dir, r->od.tmp, &n_side, &err)) != LM_OK ||
+        (s = lm_cmd_run_outputs(a, r->od.tmp, &err)) != LM_OK)
         goto fail;
     if (!a->no_card && (s = write_card(r, &err)) != LM_OK)
         goto fail;
@@ -1113,7 +1116,10 @@ static void usage(FILE *out, const void *m)
 
 static lm_status parse(void *ctx, int argc, char **argv, lm_err *err)
 {
-    return lm_merge_parse_args(&((merge_run *)ctx)->args, argc, argv, err);
+    merge_run *r = ctx;
+    if (r->parse_fn)
+        return r->parse_fn(&r->args, argc, argv, err);
+    return lm_merge_parse_args(&r->args, argc, argv, err);
 }
 
 static lm_status cmd_prepare(void *ctx, bool *no_log, lm_err *err)
@@ -1154,6 +1160,25 @@ int lm_cmd_merge(int argc, char **argv)
         .opts = lm_merge_opt_defs, .n_opts = lm_merge_n_opts, .inputs = guarded_opts, .n_inputs = 1, .first = "BASE",
         .rest = "FT", .help = &r.args.help, .quiet = &r.args.quiet,
         .usage = usage, .usage_arg = r.args.m, .parse = parse, .prepare = cmd_prepare, .work = cmd_work,
+        .cleanup = cleanup, .ctx = &r,
+    };
+    return lm_command_run(&c, argc, argv);
+}
+
+int lm_cmd_merge_with(const char *prefix, void (*usage_fn)(FILE *out, const void *arg),
+                      lm_status (*parse_fn)(merge_args *a, int argc, char **argv, lm_err *err), const char *first,
+                      int argc, char **argv)
+{
+    merge_run r;
+    memset(&r, 0, sizeof r);
+    r.t0 = lm_now();
+    r.parse_fn = parse_fn;
+    snprintf(r.prefix, sizeof r.prefix, "%s", prefix);
+    lm_command c = {
+        .prefix = r.prefix, .log_error_prefix = "", .progress = &r.progress, .guard = &r.guard,
+        .opts = lm_merge_opt_defs, .n_opts = lm_merge_n_opts, .inputs = guarded_opts, .n_inputs = 1, .first = first,
+        .rest = first, .help = &r.args.help, .quiet = &r.args.quiet,
+        .usage = usage_fn, .usage_arg = NULL, .parse = parse, .prepare = cmd_prepare, .work = cmd_work,
         .cleanup = cleanup, .ctx = &r,
     };
     return lm_command_run(&c, argc, argv);

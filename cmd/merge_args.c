@@ -375,8 +375,7 @@ void lm_merge_args_free_sets(merge_args *a)
     }
 }
 
-// Applies option `d` with value `v` (NULL for a flag). `shown` is how the user wrote it.
-static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
     merge_args *a = ctx;
     a->given[d->id] = true;
@@ -574,11 +573,8 @@ static lm_status on_operand(void *ctx, const char *arg, lm_err *err)
     return LM_OK;
 }
 
-// Parses argv into *a (zeroed by the caller, m set). Positional arguments are BASE then the FTs,
-// anywhere among the options; "--" ends the options.
-lm_status lm_merge_parse_args(merge_args *a, int argc, char **argv, lm_err *err)
+void lm_merge_args_defaults(merge_args *a)
 {
-    a->use = lm_merge_uses(a->m);
     a->lambda = 1.0;
     a->normalize = -1;
     a->shard_size = DEFAULT_SHARD_SIZE;
@@ -586,8 +582,16 @@ lm_status lm_merge_parse_args(merge_args *a, int argc, char **argv, lm_err *err)
     a->t = 0.5;
     a->max_iter = 10;
     a->tol = 1e-5;
+}
+
+// Parses argv into *a (zeroed by the caller, m set). Positional arguments are BASE then the FTs,
+// anywhere among the options; "--" ends the options.
+lm_status lm_merge_parse_args(merge_args *a, int argc, char **argv, lm_err *err)
+{
+    a->use = lm_merge_uses(a->m);
+    lm_merge_args_defaults(a);
     a->fts = calloc((size_t)argc, sizeof *a->fts);
     if (!a->fts)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    return lm_cmd_scan(argc, argv, lm_merge_opt_defs, lm_merge_n_opts, apply_option, on_operand, a, err);
+    return lm_cmd_scan(argc, argv, lm_merge_opt_defs, lm_merge_n_opts, lm_merge_apply_option, on_operand, a, err);
 }

@@ -130,6 +130,32 @@ typedef struct merge_args {
 // Frees the settings of sets[] (not the struct).
 void lm_merge_args_free_sets(merge_args *a);
 
+// Sets the defaults of the options in a (zeroed by the caller): lambda 1, the method's
+// normalize, shard size, device auto, t, max_iter, tol.
+void lm_merge_args_defaults(merge_args *a);
+
+// Applies merge option `d` with value `v` (NULL for a flag) to a merge_args (ctx); `shown` is
+// how the user wrote it. LM_ERR_USAGE naming the option. lm_cmd_scan's lm_opt_fn.
+lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err);
+
+// llmerge run (cmd/run.c): reads the configuration at `path` into a (its method, inputs,
+// options and per-tensor settings; the configuration itself kept in a->preset until the run is
+// freed). Errors name the file, line and column (exit status 2).
+lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err);
+
+// Runs a merge whose arguments `parse_fn` reads from argv (argv[0] the command's name): the merge
+// commands' steps (command.h) with that parse, `usage_fn` for --help, `prefix` before messages
+// and `first` naming the operands for the output guard. llmerge run's entry. Returns the exit
+// status.
+int lm_cmd_merge_with(const char *prefix, void (*usage_fn)(FILE *out, const void *arg),
+                      lm_status (*parse_fn)(merge_args *a, int argc, char **argv, lm_err *err), const char *first,
+                      int argc, char **argv);
+
+// llmerge run: what OUT gets besides a merge's files, into out_dir (the temporary directory):
+// the configuration as mergekit_config.yml, tokenizer_source's tokenizer files and the chat
+// template. Nothing for the merge commands.
+lm_status lm_cmd_run_outputs(const merge_args *a, const char *out_dir, lm_err *err);
+
 // Prints the --help of method m to out.
 void lm_merge_usage(FILE *out, const lm_method *m);
 

@@ -1,0 +1,728 @@
+// llmerge run CONFIG.yml -o OUT [run options]: a mergekit configuration file merged as it says
+// (docs/mergekit.md). The file is read (lib/mergecfg.h) and checked against its method before
+// any work: every parameter the method does not take, every value llmerge does not support, is
+// an error naming it and its line (exit status 2). What it says becomes the merge's arguments
+// (merge_args): the base and the inputs in order, the method's options, and its parameters as
+// per-tensor settings (lib/merge_params.h), which the merge engine evaluates tensor by tensor
+// with mergekit's rules. The merge itself is the merge commands' (cmd/merge.c); OUT also gets
+// the configuration, as mergekit_config.yml.
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cJSON.h>
+
+#include "adapter.h"
+#include "cmd.h"
+#include "manifest.h"
+#include "merge_args.h"
+#include "mergecfg.h"
+#include "util.h"
+
+// ==== what each method takes ==================================================================
+
+// One parameter of a method as mergekit declares it: per model (a tensor parameter, looked up
+// in the model's settings and then the global ones) or global; required or with a default.
+typedef enum param_kind { P_SETTING, P_BOOL, P_INT, P_NUMBER } param_kind;
+
+typedef struct param_def {
+    const char *name;
+    bool per_model;    // a tensor parameter of mergekit's (weight, density, ...)
+    param_kind kind;   // P_SETTING: evaluated per tensor; the others one value for the merge
+    bool required;
+} param_def;
+
+#define MAX_PARAMS 8
+
+typedef struct method_params {
+    lm_merge_method id;
+    param_def p[MAX_PARAMS];
+} method_params;
+
+// mergekit's parameters of each method llmerge runs from a configuration (its registry and
+// merge_methods/), by llmerge's method.
+static const method_params method_table[] = {
+    {LM_MERGE_TASK_ARITHMETIC, {{"weight", true, P_SETTING, true}, {"lambda", false, P_SETTING, false},
+                                {"normalize", false, P_BOOL, false}, {"rescale", false, P_BOOL, false},
+                                {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_TIES, {{"weight", true, P_SETTING, true}, {"density", true, P_SETTING, false},
+                     {"lambda", false, P_SETTING, false}, {"normalize", false, P_BOOL, false},
+                     {"rescale", false, P_BOOL, false}, {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_DARE, {{"weight", true, P_SETTING, true}, {"density", true, P_SETTING, false},
+                     {"lambda", false, P_SETTING, false}, {"normalize", false, P_BOOL, false},
+                     {"rescale", false, P_BOOL, false}, {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_DARE_TIES, {{"weight", true, P_SETTING, true}, {"density", true, P_SETTING, false},
+                          {"lambda", false, P_SETTING, false}, {"normalize", false, P_BOOL, false},
+                          {"rescale", false, P_BOOL, false}, {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_BREADCRUMBS, {{"weight", true, P_SETTING, true}, {"density", true, P_SETTING, false},
+                            {"gamma", true, P_SETTING, false}, {"lambda", false, P_SETTING, false},
+                            {"normalize", false, P_BOOL, false}, {"rescale", false, P_BOOL, false},
+                            {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_BREADCRUMBS_TIES, {{"weight", true, P_SETTING, true}, {"density", true, P_SETTING, false},
+                                 {"gamma", true, P_SETTING, false}, {"lambda", false, P_SETTING, false},
+                                 {"normalize", false, P_BOOL, false}, {"rescale", false, P_BOOL, false},
+                                 {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_DELLA, {{"weight", true, P_SETTING, true}, {"density", true, P_SETTING, false},
+                      {"epsilon", true, P_SETTING, false}, {"lambda", false, P_SETTING, false},
+                      {"normalize", false, P_BOOL, false}, {"rescale", false, P_BOOL, false},
+                      {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_DELLA_LINEAR, {{"weight", true, P_SETTING, true}, {"density", true, P_SETTING, false},
+                             {"epsilon", true, P_SETTING, false}, {"lambda", false, P_SETTING, false},
+                             {"normalize", false, P_BOOL, false}, {"rescale", false, P_BOOL, false},
+                             {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_LINEAR, {{"weight", true, P_SETTING, true}, {"normalize", false, P_BOOL, false}}},
+    {LM_MERGE_SLERP, {{"t", false, P_SETTING, true}}},
+    {LM_MERGE_NUSLERP, {{"weight", true, P_SETTING, true}, {"nuslerp_flatten", false, P_BOOL, false},
+                        {"nuslerp_row_wise", false, P_BOOL, false}}},
+    {LM_MERGE_MULTISLERP, {{"weight", true, P_SETTING, true}, {"normalize_weights", false, P_BOOL, false},
+                           {"eps", false, P_NUMBER, false}}},
+    {LM_MERGE_KARCHER, {{"max_iter", false, P_INT, false}, {"tol", false, P_NUMBER, false}}},
+    {LM_MERGE_MODEL_STOCK, {{"filter_wise", false, P_BOOL, false}}},
+    {LM_MERGE_NEARSWAP, {{"t", false, P_SETTING, true}}},
+};
+
+static const method_params *params_of(lm_merge_method id)
+{
+    for (size_t i = 0; i < sizeof method_table / sizeof method_table[0]; i++)
+        if (method_table[i].id == id)
+            return &method_table[i];
+    return NULL;
+}
+
+static const param_def *param_find(const method_params *mp, const char *name)
+{
+    for (int i = 0; i < MAX_PARAMS && mp->p[i].name; i++)
+        if (strcmp(mp->p[i].name, name) == 0)
+            return &mp->p[i];
+    return NULL;
+}
+
+// The parameter names of mp, for messages.
+static void param_names(const method_params *mp, bool per_model, char *buf, size_t cap)
+{
+    size_t len = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < MAX_PARAMS && mp->p[i].name && len < cap; i++)
+        if (!per_model || mp->p[i].per_model)
+            len += (size_t)snprintf(buf + len, cap - len, "%s%s", len ? ", " : "", mp->p[i].name);
+    if (!buf[0])
+        snprintf(buf, cap, "none");
+}
+
+// ==== the run's own state =====================================================================
+
+// What a configuration becomes, kept until the merge is done (merge_args' preset).
+typedef struct run_preset {
+    lm_mergecfg *cfg;
+    char **owned;                   // (n_owned) strings made here (model paths, a template)
+    int n_owned;
+    const lm_params **models;       // (n_ft + 1) each model's settings: the base's, then each FT's
+    const char **names;             // (n_ft + 1) how each was written, for messages
+    lm_merge_params mp;
+} run_preset;
+
+static void preset_free(void *ctx)
+{
+    run_preset *p = ctx;
+    if (!p)
+        return;
+    lm_mergecfg_free(p->cfg);
+    for (int i = 0; i < p->n_owned; i++)
+        free(p->owned[i]);
+    free(p->owned);
+    free(p->models);
+    free(p->names);
+    free(p);
+}
+
+// Keeps s (made here) until the run is freed; NULL (and s freed) when memory runs out.
+static char *keep(run_preset *p, char *s)
+{
+    char **o = s ? realloc(p->owned, (size_t)(p->n_owned + 1) * sizeof *o) : NULL;
+    if (!o) {
+        free(s);
+        return NULL;
+    }
+    p->owned = o;
+    return p->owned[p->n_owned++] = s;
+}
+
+// ==== reading the configuration ===============================================================
+
+// "FILE:LINE:COL: " as the configuration reader writes it.
+#define AT(cfg, line, col) (cfg)->path, (line), (col)
+
+// Checks one parameter set (a model's, or the global one) against the method's.
+static lm_status check_params(const lm_mergecfg *cfg, const lm_params *ps, const method_params *mp, const char *mname,
+                              bool per_model, const char *where, lm_err *err)
+{
+    for (int i = 0; i < ps->n; i++) {
+        const lm_param *q = &ps->items[i];
+        const param_def *d = param_find(mp, q->name);
+        char names[256];
+        if (!d || (per_model && !d->per_model)) {
+            param_names(mp, per_model, names, sizeof names);
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: '%s' is not a%s parameter of %s (%s: %s)",
+                              AT(cfg, q->line, q->col), where, q->name, per_model ? " per-model" : "", mname,
+                              per_model ? "its per-model parameters" : "its parameters", names);
+        }
+        const lm_pval *v = q->value;
+        if (d->kind == P_SETTING) {
+            // a number, a gradient or conditions on those: the engine evaluates it per tensor
+            bool ok = v->kind == LM_PVAL_NUMBER || v->kind == LM_PVAL_GRADIENT || v->kind == LM_PVAL_CONDS;
+            for (int c = 0; v->kind == LM_PVAL_CONDS && c < v->n_conds; c++)
+                ok = ok && (v->conds[c].value->kind == LM_PVAL_NUMBER || v->conds[c].value->kind == LM_PVAL_GRADIENT);
+            if (!ok)
+                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: %s must be a number, a list of numbers (a gradient) "
+                                  "or a list of {filter, value} with such values", AT(cfg, v->line, v->col), where,
+                                  q->name);
+            continue;
+        }
+        bool ok = d->kind == P_BOOL ? v->kind == LM_PVAL_BOOL : v->kind == LM_PVAL_NUMBER;
+        if (ok && d->kind == P_INT)
+            ok = v->num == floor(v->num) && v->num >= 0 && v->num <= 1e6;
+        if (!ok)
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: %s takes %s here (one value for the whole merge)",
+                              AT(cfg, v->line, v->col), where, q->name,
+                              d->kind == P_BOOL ? "true or false" : d->kind == P_INT ? "a whole number" : "a number");
+    }
+    return LM_OK;
+}
+
+// The merge-wide value of global parameter `name`, when given.
+static const lm_pval *global_value(const lm_mergecfg *cfg, const char *name)
+{
+    const lm_param *q = lm_params_find(&cfg->params, name);
+    return q ? q->value : NULL;
+}
+
+// Whether two model strings name the same directory: the same text, or the same real path.
+static bool same_model(const char *a, const char *b)
+{
+    if (strcmp(a, b) == 0)
+        return true;
+    char ra[PATH_MAX], rb[PATH_MAX];
+    return realpath(a, ra) && realpath(b, rb) && strcmp(ra, rb) == 0;
+}
+
+// An input as the merge opens it: PATH, or for PATH+LORA (mergekit's LoRA applied to a model)
+// the adapter LORA, which llmerge merges onto the base as it is when PATH is the base.
+static lm_status model_input(run_preset *p, const lm_cfg_model *m, const char *base, const char **out, lm_err *err)
+{
+    const lm_mergecfg *cfg = p->cfg;
+    const char *plus = strchr(m->model, '+');
+    if (!plus || !plus[1]) {
+        *out = m->model;
+        return LM_OK;
+    }
+    char *path = keep(p, strndup(m->model, (size_t)(plus - m->model)));
+    if (!path)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if (!base || !same_model(path, base))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': a LoRA adapter on a model other than "
+                          "base_model ('%s') is not supported yet: merge the adapter into '%s' first, or give it "
+                          "as its own model", AT(cfg, m->line, m->col), m->model, base ? base : "none", path);
+    *out = plus + 1;
+    return LM_OK;
+}
+
+// The output dtype a configuration names: out_dtype, else dtype (mergekit writes in the dtype it
+// merges in), else none.
+static lm_status config_dtype(const lm_mergecfg *cfg, merge_args *a, lm_err *err)
+{
+    const char *name = cfg->out_dtype ? cfg->out_dtype : cfg->dtype;
+    int line = cfg->out_dtype ? cfg->out_dtype_line : cfg->dtype_line;
+    if (!name)
+        return LM_OK;
+    static const struct {
+        const char *name;
+        lm_dtype dt;
+    } names[] = {{"float32", LM_DTYPE_F32}, {"fp32", LM_DTYPE_F32}, {"float", LM_DTYPE_F32},
+                 {"float16", LM_DTYPE_F16}, {"fp16", LM_DTYPE_F16}, {"half", LM_DTYPE_F16},
+                 {"bfloat16", LM_DTYPE_BF16}, {"bf16", LM_DTYPE_BF16}};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (strcmp(names[i].name, name) == 0) {
+            a->have_dtype = true;
+            a->dtype = names[i].dt;
+            return LM_OK;
+        }
+    return lm_err_set(err, LM_ERR_USAGE, "%s:%d: %s: '%s' is not a dtype llmerge writes (float32, float16 or "
+                      "bfloat16)", cfg->path, line, cfg->out_dtype ? "out_dtype" : "dtype", name);
+}
+
+// The global parameters that are one value for the merge, into the merge's options.
+static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merge_args *a, lm_err *err)
+{
+    const lm_pval *v;
+    if ((v = global_value(cfg, "normalize")) || (v = global_value(cfg, "normalize_weights")))
+        a->normalize = v->num != 0;
+    if ((v = global_value(cfg, "rescale"))) {
+        if (m->drop)
+            a->rescale = v->num != 0 ? LM_RESCALE_L1 : LM_RESCALE_NONE;
+        else if (v->num != 0)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: rescale: true with %s (the kept entries' L1 norm "
+                              "matched after a magnitude trim) is not supported yet", AT(cfg, v->line, v->col),
+                              m->name);
+    } else if (m->drop) {
+        a->rescale = LM_RESCALE_L1;  // mergekit's default for dare and della: rescale: true
+    }
+    if ((v = global_value(cfg, "max_iter")))
+        a->max_iter = (int)v->num;
+    if ((v = global_value(cfg, "tol")))
+        a->tol = v->num;
+    if ((v = global_value(cfg, "eps")) && v->num != 1e-8)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: eps: only multislerp's default 1e-8 is supported",
+                          AT(cfg, v->line, v->col));
+    if ((v = global_value(cfg, "nuslerp_flatten")) && v->num == 0)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: nuslerp_flatten: false (a slerp per row or column) is "
+                          "not supported yet; llmerge takes each tensor as one vector", AT(cfg, v->line, v->col));
+    if ((v = global_value(cfg, "nuslerp_row_wise")) && v->num != 0)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: nuslerp_row_wise: true is not supported yet",
+                          AT(cfg, v->line, v->col));
+    if ((v = global_value(cfg, "filter_wise")) && v->num != 0)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: filter_wise: true (model_stock per row) is not "
+                          "supported yet", AT(cfg, v->line, v->col));
+    if (cfg->has_seed)
+        a->seed = cfg->random_seed;
+    return LM_OK;
+}
+
+// Appends input `path` with settings `ps` (named `name`) as FT n of the preset.
+static lm_status add_ft(run_preset *p, merge_args *a, const char *path, const lm_params *ps, const char *name,
+                        lm_err *err)
+{
+    (void)err;
+    a->fts[a->n_ft] = path;
+    p->models[1 + a->n_ft] = ps;
+    p->names[1 + a->n_ft] = name;
+    a->n_ft++;
+    return LM_OK;
+}
+
+// The models of a configuration as the merge's BASE and inputs, by what the method reads.
+static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a, lm_err *err)
+{
+    const lm_mergecfg *cfg = p->cfg;
+    int n = cfg->n_models;
+    a->fts = calloc((size_t)n + 1, sizeof *a->fts);
+    p->models = calloc((size_t)n + 2, sizeof *p->models);
+    p->names = calloc((size_t)n + 2, sizeof *p->names);
+    if (!a->fts || !p->models || !p->names)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    const char *base = cfg->base_model;
+    int base_at = -1;  // the entry of models: that is base_model
+    for (int i = 0; base && i < n; i++)
+        if (same_model(cfg->models[i].model, base)) {
+            base_at = i;
+            break;
+        }
+    bool models = m->input == LM_METHOD_MODELS || (m->input == LM_METHOD_EITHER && !base);
+    a->models_only = m->input == LM_METHOD_EITHER && !base;
+    lm_status s = LM_OK;
+    if (!models) {
+        if (!base)
+            return lm_err_set(err, LM_ERR_USAGE, "%s: %s needs base_model: the task vectors are taken against it",
+                              cfg->path, m->name);
+        if (m->input == LM_METHOD_EITHER && base_at >= 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s with base_model interpolates the other models' task "
+                              "vectors: base_model must not be among them", AT(cfg, cfg->models[base_at].line,
+                                                                                cfg->models[base_at].col), m->name);
+        a->base = base;
+        p->models[0] = base_at >= 0 ? &cfg->models[base_at].params : NULL;
+        p->names[0] = base;
+        for (int i = 0; s == LM_OK && i < n; i++) {
+            if (i == base_at)
+                continue;
+            const char *in;
+            if ((s = model_input(p, &cfg->models[i], base, &in, err)) == LM_OK)
+                s = add_ft(p, a, in, &cfg->models[i].params, cfg->models[i].model, err);
+        }
+        return s;
+    }
+    // the models themselves: the reference is base_model, or the first model
+    if (base && base_at < 0 && m->id == LM_MERGE_LINEAR)
+        return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: linear averages the models listed: base_model '%s' is not "
+                          "among them (mergekit would give it no weight)", AT(cfg, cfg->base_line, cfg->base_col),
+                          base);
+    int ref = base_at >= 0 ? base_at : base ? -1 : 0;
+    a->base = ref >= 0 ? cfg->models[ref].model : base;
+    p->models[0] = ref >= 0 ? &cfg->models[ref].params : NULL;
+    p->names[0] = a->base;
+    for (int i = 0; s == LM_OK && i < n; i++) {
+        if (i == ref)
+            continue;
+        const char *in;
+        if ((s = model_input(p, &cfg->models[i], a->base, &in, err)) == LM_OK)
+            s = add_ft(p, a, in, &cfg->models[i].params, cfg->models[i].model, err);
+    }
+    return s;
+}
+
+// Checks that every model has the method's required per-model parameters somewhere (its own
+// settings or the global ones), and the required global ones are there.
+static lm_status check_required(const run_preset *p, const method_params *mp, const lm_method *m,
+                                const merge_args *a, lm_err *err)
+{
+    const lm_mergecfg *cfg = p->cfg;
+    bool models = m->input == LM_METHOD_MODELS || (m->input == LM_METHOD_EITHER && a->models_only);
+    for (int i = 0; i < MAX_PARAMS && mp->p[i].name; i++) {
+        const param_def *d = &mp->p[i];
+        if (!d->required)
+            continue;
+        if (lm_params_find(&cfg->params, d->name))
+            continue;
+        if (!d->per_model)
+            return lm_err_set(err, LM_ERR_USAGE, "%s: %s needs parameters: %s (none given)", cfg->path, m->name,
+                              d->name);
+        for (int j = models ? 0 : 1; j <= a->n_ft; j++)
+            if (!p->models[j] || !lm_params_find(p->models[j], d->name))
+                return lm_err_set(err, LM_ERR_USAGE, "%s: model '%s' has no %s, and the global parameters give none "
+                                  "(%s needs one for every model%s)", cfg->path, p->names[j], d->name, m->name,
+                                  models ? "" : " but the base");
+    }
+    return LM_OK;
+}
+
+// tokenizer_source and chat_template.
+static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
+{
+    const lm_mergecfg *cfg = p->cfg;
+    const char *src = cfg->tokenizer_source;
+    if (src && strcmp(src, "base") != 0) {
+        // a model's tokenizer files, when its vocabulary is the base's: the same tokenizer.json
+        // (or tokenizer.model) bytes; mergekit would otherwise rebuild the embeddings
+        const char *dir = src;
+        for (int i = 0; i < cfg->n_models; i++)
+            if (strcmp(cfg->models[i].model, src) == 0 && strchr(src, '+'))
+                dir = keep(p, strndup(src, (size_t)(strchr(src, '+') - src)));
+        lm_input_kind kind;
+        char *resolved = NULL, *base_dir = NULL;
+        lm_status s = lm_input_detect(dir, &kind, &resolved, err);
+        if (s == LM_OK && kind != LM_INPUT_MODEL)
+            s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: tokenizer_source '%s' is not a model directory", cfg->path,
+                           cfg->tokenizer_line, src);
+        if (s == LM_OK)
+            s = lm_input_detect(a->base, &kind, &base_dir, err);
+        bool same = false;
+        static const char *const files[] = {"tokenizer.json", "tokenizer.model"};
+        for (int f = 0; s == LM_OK && f < 2 && !same; f++) {
+            char *pa = lm_path_join(resolved, files[f]), *pb = lm_path_join(base_dir, files[f]);
+            char *ta = NULL, *tb = NULL;
+            size_t la = 0, lb = 0;
+            lm_err e2 = {0};
+            if (pa && pb && lm_read_file(pa, 1u << 30, &ta, &la, &e2) == LM_OK &&
+                lm_read_file(pb, 1u << 30, &tb, &lb, &e2) == LM_OK)
+                same = la == lb && memcmp(ta, tb, la) == 0;
+            free(ta);
+            free(tb);
+            free(pa);
+            free(pb);
+        }
+        free(base_dir);
+        if (s == LM_OK && !same)
+            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': its tokenizer is not the base's "
+                           "(tokenizer.json or tokenizer.model differ); a vocabulary other than the base's would need "
+                           "the embeddings rebuilt, which llmerge does not do yet", cfg->path, cfg->tokenizer_line,
+                           src);
+        if (s != LM_OK) {
+            free(resolved);
+            return s;
+        }
+        if (!(a->tokenizer_dir = keep(p, resolved)))
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    const char *t = cfg->chat_template;
+    if (!t)
+        return LM_OK;
+    if (strcmp(t, "auto") == 0) {
+        a->chat_template = "auto";
+        return LM_OK;
+    }
+    if (strlen(t) < 20 || !strchr(t, '{'))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: chat_template '%s': mergekit's named templates are not in "
+                          "llmerge; give the template itself (a Jinja string), or auto", cfg->path,
+                          cfg->chat_template_line, t);
+    a->chat_template = t;
+    return LM_OK;
+}
+
+lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
+{
+    run_preset *p = calloc(1, sizeof *p);
+    if (!p)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    a->preset = p;
+    a->preset_free = preset_free;
+    lm_status s = lm_mergecfg_load(&p->cfg, path, err);
+    if (s != LM_OK)
+        return s;
+    const lm_mergecfg *cfg = p->cfg;
+    a->config_path = cfg->path;
+    a->config_text = cfg->text;
+    const lm_method *m = lm_method_find(cfg->merge_method);
+    if (!m || m->id == LM_MERGE_SPARSEGPT || !params_of(m->id)) {
+        char names[512];
+        lm_cmd_method_names(names, sizeof names);
+        if (strcmp(cfg->merge_method, "passthrough") == 0)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: merge_method: passthrough runs as `llmerge "
+                              "passthrough --slice MODEL:FROM:TO ...` (its slices from a configuration: not yet)",
+                              AT(cfg, cfg->method_line, cfg->method_col));
+        return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: merge_method: '%s' is not a method llmerge runs from a "
+                          "configuration (%s; sparsegpt needs calibration data: llmerge sparsegpt)",
+                          AT(cfg, cfg->method_line, cfg->method_col), cfg->merge_method, names);
+    }
+    a->m = m;
+    a->use = lm_merge_uses(m);
+    if (cfg->n_slices > 0)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: slices work with merge_method: passthrough only; %s takes "
+                          "models:", cfg->path, m->name);
+    const method_params *mp = params_of(m->id);
+    if ((s = check_params(cfg, &cfg->params, mp, m->name, false, "parameters", err)) != LM_OK)
+        return s;
+    for (int i = 0; i < cfg->n_models; i++) {
+        char where[64];
+        snprintf(where, sizeof where, "models[%d].parameters", i);
+        if ((s = check_params(cfg, &cfg->models[i].params, mp, m->name, true, where, err)) != LM_OK)
+            return s;
+    }
+    if ((s = config_models(p, m, a, err)) != LM_OK || (s = check_required(p, mp, m, a, err)) != LM_OK ||
+        (s = config_options(cfg, m, a, err)) != LM_OK || (s = config_dtype(cfg, a, err)) != LM_OK ||
+        (s = config_tokenizer(p, a, err)) != LM_OK)
+        return s;
+    // mergekit's defaults where the configuration gives none: density 1 (nothing trimmed)
+    if (!(a->densities = malloc(sizeof *a->densities)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    a->densities[0] = 1.0;
+    a->n_densities = 1;
+    a->density_opt = "density";
+    bool models = m->input == LM_METHOD_MODELS || (m->input == LM_METHOD_EITHER && a->models_only);
+    p->mp = (lm_merge_params){.global = &cfg->params, .models = p->models, .n_ft = a->n_ft,
+                              .required = param_find(mp, "weight") && param_find(mp, "weight")->required ? LM_MP_WEIGHT
+                                                                                                        : 0,
+                              .base_is_model = models, .names = p->names};
+    a->params = &p->mp;
+    return LM_OK;
+}
+
+// ==== the command line ========================================================================
+
+// The options of llmerge run: where and how the work runs. What the merge computes is the
+// configuration's to say.
+static bool run_option(int id)
+{
+    switch (id) {
+    case OPT_OUTPUT: case OPT_SHARD_SIZE: case OPT_DEVICE: case OPT_GPU_MEM: case OPT_THREADS: case OPT_CACHE_DIR:
+    case OPT_LOG_JSON: case OPT_QUIET: case OPT_VERBOSE: case OPT_FORCE: case OPT_NO_CARD: case OPT_STRICT:
+    case OPT_HELP:
+        return true;
+    default:
+        return false;
+    }
+}
+
+typedef struct run_scan {
+    merge_args *a;
+    const char *config;
+    int n_operands;
+} run_scan;
+
+static lm_status run_opt(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+{
+    run_scan *rs = ctx;
+    if (!run_option(d->id))
+        return lm_err_set(err, LM_ERR_USAGE, "%s shapes the merge: llmerge run takes it from CONFIG (its parameters: "
+                          "docs/mergekit.md), not from the command line", shown);
+    return lm_merge_apply_option(rs->a, d, shown, v, err);
+}
+
+static lm_status run_operand(void *ctx, const char *arg, lm_err *err)
+{
+    (void)err;
+    run_scan *rs = ctx;
+    if (rs->n_operands++ == 0)
+        rs->config = arg;
+    return LM_OK;
+}
+
+static lm_status run_parse(merge_args *a, int argc, char **argv, lm_err *err)
+{
+    lm_merge_args_defaults(a);
+    run_scan rs = {a, NULL, 0};
+    lm_status s = lm_cmd_scan(argc, argv, lm_merge_opt_defs, lm_merge_n_opts, run_opt, run_operand, &rs, err);
+    if (s != LM_OK || a->help)
+        return s;
+    if (rs.n_operands != 1)
+        return lm_err_set(err, LM_ERR_USAGE, "llmerge run takes one configuration file, not %d", rs.n_operands);
+    return lm_cmd_run_config(a, rs.config, err);
+}
+
+static void run_usage(FILE *out, const void *arg)
+{
+    (void)arg;
+    char names[512];
+    lm_cmd_method_names(names, sizeof names);
+    fprintf(out,
+            "Usage: llmerge run CONFIG.yml -o OUT [options]\n"
+            "\n"
+            "Merges what a mergekit configuration file says: merge_method, base_model, models (each\n"
+            "model: PATH, ORG/NAME from the Hugging Face cache, or PATH+LORA with PATH the base),\n"
+            "parameters (numbers, gradients over the layers, {filter, value} lists; a model's own\n"
+            "before the global ones), dtype, out_dtype, tokenizer_source, chat_template and\n"
+            "random_seed, with mergekit's defaults (density 1, normalize and rescale per method). A\n"
+            "key, parameter or value llmerge does not support is an error naming its line (exit\n"
+            "status 2), never ignored. docs/mergekit.md says what llmerge does with each key and\n"
+            "method, and where the results differ from mergekit's.\n"
+            "\n"
+            "Methods: %s.\n"
+            "\n"
+            "Options (also as --name=value): where and how the merge runs; what it computes is the\n"
+            "configuration's to say.\n"
+            "  -o, --output DIR       the output model directory (required); an existing one is\n"
+            "                         refused unless --force is given\n"
+            "  --shard-size SIZE      most tensor bytes per output shard (default 5GB)\n"
+            "  --device DEV           auto, cpu, cuda[:N], sim:SIZE, cuda-emu[:SIZE] (default auto)\n"
+            "  --gpu-mem SIZE         most device memory to use (default: all free)\n"
+            "  --threads N            CPU threads (default: all cores)\n"
+            "  --cache-dir DIR        where Hessians and masks are kept (no method of a\n"
+            "                         configuration keeps any yet)\n"
+            "  --log-json FILE        one JSON object per event to FILE\n"
+            "  -q, --quiet            nothing on stderr but errors\n"
+            "  -v, --verbose          also the resolved settings and each input\n"
+            "  --force                replace OUT if it exists (it is replaced only at the end)\n"
+            "  --no-card              do not write README.md, the model card\n"
+            "  --strict               refuse a full model holding a tensor the base does not have\n"
+            "  -h, --help             this help\n"
+            "\n"
+            "OUT gets what a merge command writes (the weights, config.json, the tokenizer and\n"
+            "generation files, README.md, llmerge.json) and the configuration itself as\n"
+            "mergekit_config.yml. llmerge plan CONFIG.yml -o OUT says what the merge will need.\n"
+            "\n"
+            "Exit status: 0 done; 1 the merge failed; 2 bad usage or a bad configuration or input,\n"
+            "found before any work; 128 + the signal when stopped by one (nothing is left at OUT).\n",
+            names);
+}
+
+int lm_cmd_run(int argc, char **argv)
+{
+    return lm_cmd_merge_with("llmerge run", run_usage, run_parse, "CONFIG", argc, argv);
+}
+
+// ==== what OUT gets besides a merge's files ===================================================
+
+// The chat template `auto` picks, as mergekit does: the one most of the models' tokenizers
+// have (base first, then the inputs in order; a tie goes to the first met), or NULL when none
+// has one. A new string the caller frees.
+static char *auto_template(const merge_args *a)
+{
+    int n = a->n_ft + 1, best = -1, best_count = 0;
+    char **t = calloc((size_t)n, sizeof *t);
+    if (!t)
+        return NULL;
+    for (int i = 0; i < n; i++) {
+        const char *dir_arg = i == 0 ? a->base : a->fts[i - 1];
+        lm_input_kind kind;
+        char *dir = NULL, *text = NULL;
+        size_t len = 0;
+        lm_err e = {0};
+        if (lm_input_detect(dir_arg, &kind, &dir, &e) != LM_OK) {
+            free(dir);
+            continue;
+        }
+        char *path = lm_path_join(dir, "tokenizer_config.json");
+        if (path && lm_read_file(path, 64u << 20, &text, &len, &e) == LM_OK) {
+            cJSON *j = cJSON_Parse(text);
+            const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
+            if (cJSON_IsString(ct) && ct->valuestring[0])
+                t[i] = lm_strdup(ct->valuestring);
+            cJSON_Delete(j);
+        }
+        free(text);
+        free(path);
+        free(dir);
+    }
+    for (int i = 0; i < n; i++) {
+        int count = 0;
+        for (int j = 0; t[i] && j < n; j++)
+            count += t[j] && strcmp(t[i], t[j]) == 0;
+        if (count > best_count) {
+            best_count = count;
+            best = i;
+        }
+    }
+    char *res = best >= 0 ? t[best] : NULL;
+    for (int i = 0; i < n; i++)
+        if (i != best)
+            free(t[i]);
+    free(t);
+    return res;
+}
+
+// Sets OUT's chat template: into chat_template.jinja where OUT has one (transformers reads it
+// first), else into tokenizer_config.json's "chat_template", else a new chat_template.jinja.
+static lm_status set_template(const char *dir, const char *tmpl, lm_err *err)
+{
+    char *jinja = lm_path_join(dir, "chat_template.jinja"), *cfg = lm_path_join(dir, "tokenizer_config.json");
+    lm_status s = LM_OK;
+    if (!jinja || !cfg) {
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    } else if (lm_is_file(jinja) || !lm_is_file(cfg)) {
+        s = lm_write_file(jinja, tmpl, strlen(tmpl), err);
+    } else {
+        char *text = NULL;
+        size_t len = 0;
+        if ((s = lm_read_file(cfg, 64u << 20, &text, &len, err)) == LM_OK) {
+            cJSON *j = cJSON_Parse(text);
+            char *out = NULL;
+            if (!cJSON_IsObject(j))
+                s = lm_err_set(err, LM_ERR_FORMAT, "%s: not a JSON object", cfg);
+            else if (!cJSON_ReplaceItemInObjectCaseSensitive(j, "chat_template", cJSON_CreateString(tmpl)) &&
+                     !cJSON_AddStringToObject(j, "chat_template", tmpl))
+                s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+            else if (!(out = cJSON_Print(j)))
+                s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+            else
+                s = lm_write_file(cfg, out, strlen(out), err);
+            free(out);
+            cJSON_Delete(j);
+        }
+        free(text);
+    }
+    free(jinja);
+    free(cfg);
+    return s;
+}
+
+lm_status lm_cmd_run_outputs(const merge_args *a, const char *out_dir, lm_err *err)
+{
+    if (!a->config_text)
+        return LM_OK;
+    lm_status s = LM_OK;
+    if (a->tokenizer_dir) {
+        // the tokenizer's files from tokenizer_source (generation_config.json stays the base's)
+        for (int i = 0; s == LM_OK && lm_manifest_side_files[i]; i++) {
+            if (strcmp(lm_manifest_side_files[i], "generation_config.json") == 0)
+                continue;
+            char *src = lm_path_join(a->tokenizer_dir, lm_manifest_side_files[i]);
+            char *dst = lm_path_join(out_dir, lm_manifest_side_files[i]);
+            if (!src || !dst)
+                s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+            else if (lm_is_file(src))
+                s = lm_copy_file(src, dst, err);
+            free(src);
+            free(dst);
+        }
+    }
+    if (s == LM_OK && a->chat_template) {
+        char *tmpl = strcmp(a->chat_template, "auto") == 0 ? auto_template(a) : lm_strdup(a->chat_template);
+        if (tmpl)  // auto with no template among the models: nothing to set, as mergekit
+            s = set_template(out_dir, tmpl, err);
+        free(tmpl);
+    }
+    char *path = lm_path_join(out_dir, "mergekit_config.yml");
+    if (s == LM_OK)
+        s = path ? lm_write_file(path, a->config_text, strlen(a->config_text), err)
+                 : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    free(path);
+    return s;
+}
