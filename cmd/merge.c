@@ -1197,7 +1197,10 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     }
     out->priv = r;
     r->args.m = lm_method_find(argv[0]);
-    if (!r->args.m) {
+    // a configuration file (llmerge plan CONFIG.yml) rather than a method
+    if (!r->args.m && lm_is_file(argv[0]))
+        r->parse_fn = lm_cmd_run_parse_file;
+    if (!r->args.m && !r->parse_fn) {
         char hint[256], names[256];
         bool mk = lm_cmd_mergekit_hint(argv[0], hint, sizeof hint);
         lm_cmd_method_names(names, sizeof names);
@@ -1210,9 +1213,10 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     lm_progress_init(&r->progress, r->prefix, false);
     r->progress.quiet = true;  // a plan says what it finds on stdout; errors still go to stderr
     lm_err err = {0};
-    lm_status s = lm_merge_parse_args(&r->args, argc, argv, &err);
+    lm_status s = r->parse_fn ? r->parse_fn(&r->args, argc, argv, &err) : lm_merge_parse_args(&r->args, argc, argv, &err);
     if (s != LM_OK) {
-        lm_progress_error(&r->progress, 2, "%s (see llmerge %s --help)", err.msg, r->args.m->name);
+        lm_progress_error(&r->progress, 2, "%s (see llmerge %s --help)", err.msg,
+                          r->parse_fn ? "run" : r->args.m->name);
         return 2;
     }
     if ((s = lm_cmd_guard_args(&r->guard, argc, argv, lm_merge_opt_defs, lm_merge_n_opts, guarded_opts, 1, "BASE",
@@ -1221,6 +1225,8 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         return 1;
     }
     if (r->args.help) {
+        if (!r->args.m)
+            return 2;  // llmerge plan's own --help comes first; a configuration has none
         lm_merge_usage(stdout, r->args.m);
         out->help = true;
         return 0;

@@ -156,6 +156,10 @@ int lm_cmd_merge_with(const char *prefix, void (*usage_fn)(FILE *out, const void
 // template. Nothing for the merge commands.
 lm_status lm_cmd_run_outputs(const merge_args *a, const char *out_dir, lm_err *err);
 
+// llmerge plan CONFIG.yml: argv[0] the configuration, the rest llmerge run's options, read into
+// a as llmerge run reads them.
+lm_status lm_cmd_run_parse_file(merge_args *a, int argc, char **argv, lm_err *err);
+
 // Prints the --help of method m to out.
 void lm_merge_usage(FILE *out, const lm_method *m);
 

@@ -557,6 +557,18 @@ static lm_status run_parse(merge_args *a, int argc, char **argv, lm_err *err)
     return lm_cmd_run_config(a, rs.config, err);
 }
 
+lm_status lm_cmd_run_parse_file(merge_args *a, int argc, char **argv, lm_err *err)
+{
+    lm_merge_args_defaults(a);
+    run_scan rs = {a, NULL, 0};
+    lm_status s = lm_cmd_scan(argc, argv, lm_merge_opt_defs, lm_merge_n_opts, run_opt, run_operand, &rs, err);
+    if (s != LM_OK || a->help)
+        return s;
+    if (rs.n_operands != 0)
+        return lm_err_set(err, LM_ERR_USAGE, "llmerge plan CONFIG.yml takes no other operand ('%s')", rs.config);
+    return lm_cmd_run_config(a, argv[0], err);
+}
+
 static void run_usage(FILE *out, const void *arg)
 {
     (void)arg;
