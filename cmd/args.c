@@ -461,3 +461,8 @@ lm_status lm_cmd_model_run_begin(lm_model_run *r, const lm_run_args *a, const ch
     r->runner.sticky = a->sticky;
     return s;
 }
+
+const char *lm_cmd_dtype_flag(lm_dtype dt)
+{
+    return dt == LM_DTYPE_BF16 ? "bf16" : dt == LM_DTYPE_F16 ? "f16" : "f32";
+}

@@ -38,6 +38,9 @@ typedef lm_status (*lm_operand_fn)(void *ctx, const char *arg, lm_err *err);
 // Whether text is a whole decimal number in [lo, hi] (no sign, nothing after it); *out gets it.
 bool lm_cmd_parse_int(const char *text, int64_t lo, int64_t hi, int64_t *out);
 
+// The --dtype word of an output dtype: "f32", "f16" or "bf16" (static).
+const char *lm_cmd_dtype_flag(lm_dtype dt);
+
 // The options several commands take, checked the same way everywhere: --gpu-mem SIZE (more
 // than 0 bytes) and --threads N (0 for all cores, at most LM_CMD_MAX_THREADS). LM_ERR_USAGE
 // naming the option as the user wrote it (`shown`).

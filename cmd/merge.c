@@ -138,11 +138,6 @@ static void run_free(merge_run *r)
     lm_progress_free(&r->progress);
 }
 
-static const char *dtype_flag(lm_dtype dt)
-{
-    return dt == LM_DTYPE_BF16 ? "bf16" : dt == LM_DTYPE_F16 ? "f16" : "f32";
-}
-
 // The options whose values are inputs, for r->guard with the operands BASE and the FTs:
 // sparsegpt's --calib files.
 static const int guarded_opts[] = {OPT_CALIB};
@@ -537,7 +532,7 @@ static void describe_run(merge_run *r)
     char shard[32];
     lm_format_bytes(shard, sizeof shard, a->shard_size);
     lm_progress_note(&r->progress, "merging %d fine-tune%s onto %s into %s (%s, %s, %d thread%s)",
-                     a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, dtype_flag(o->out_dtype),
+                     a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, lm_cmd_dtype_flag(o->out_dtype),
                      lm_dev_name(r->dev), o->threads, o->threads == 1 ? "" : "s");
     if (strncmp(r->dev_why, "auto:", 5) == 0 || strcmp(r->dev_why, lm_dev_name(r->dev)) != 0 || a->verbose)
         lm_progress_note(&r->progress, "device %s", r->dev_why);
@@ -583,7 +578,7 @@ static cJSON *start_event(const merge_run *r)
         cJSON_AddItemToArray(in, e);
     }
     cJSON_AddStringToObject(f, "output", a->out);
-    cJSON_AddStringToObject(f, "dtype", dtype_flag(r->opts.out_dtype));
+    cJSON_AddStringToObject(f, "dtype", lm_cmd_dtype_flag(r->opts.out_dtype));
     cJSON_AddStringToObject(f, "device", lm_dev_name(r->dev));
     cJSON_AddNumberToObject(f, "threads", r->opts.threads);
     cJSON_AddNumberToObject(f, "n_tensors", (double)r->n_descs);
@@ -624,6 +619,46 @@ static lm_status start_hasher(merge_run *r, lm_err *err)
     return lm_hasher_start(&r->hasher, paths, n, err);
 }
 
+// What llmerge.json's options add for the methods beyond ties and dare and for per-tensor
+// settings: t, the base's weight, gamma, epsilon, karcher's iteration, --models-only; each option
+// given as settings, as given; llmerge run's configuration, with the xxHash64 of its text.
+static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err *err)
+{
+    const merge_args *a = &r->args;
+    const lm_merge_opts *o = &r->opts;
+    const merge_uses *u = &a->use;
+    bool ok = true;
+    if (u->t)
+        ok = ok && cJSON_AddNumberToObject(opt, "t", o->t);
+    if (u->models || (u->models_only && o->models_only))
+        ok = ok && cJSON_AddNumberToObject(opt, "base_weight", o->base_weight);
+    if (u->models_only)
+        ok = ok && cJSON_AddBoolToObject(opt, "models_only", o->models_only);
+    if (u->iter)
+        ok = ok && cJSON_AddNumberToObject(opt, "max_iter", o->max_iter) && cJSON_AddNumberToObject(opt, "tol", o->tol);
+    cJSON *arr;
+    if (u->gamma)
+        ok = ok && (arr = cJSON_CreateDoubleArray(o->gammas, a->n_ft)) && cJSON_AddItemToObject(opt, "gammas", arr);
+    if (u->epsilon)
+        ok = ok && (arr = cJSON_CreateDoubleArray(o->epsilons, a->n_ft)) &&
+             cJSON_AddItemToObject(opt, "epsilons", arr);
+    static const char *const names[SET_COUNT] = {"weights", "densities", "gamma", "epsilon", "t", "lambda"};
+    cJSON *sets = NULL;
+    for (int id = 0; ok && id < SET_COUNT; id++) {
+        if (!a->sets[id].text)
+            continue;
+        ok = (sets || (sets = cJSON_AddObjectToObject(opt, "settings"))) &&
+             cJSON_AddStringToObject(sets, names[id], a->sets[id].text);
+    }
+    if (ok && a->config_text) {
+        char hex[17];
+        snprintf(hex, sizeof hex, "%016" PRIx64, lm_xxh64(a->config_text, strlen(a->config_text)));
+        cJSON *c = cJSON_AddObjectToObject(opt, "config");
+        ok = c && cJSON_AddStringToObject(c, "path", a->config_path) && cJSON_AddStringToObject(c, "xxh64", hex);
+    }
+    return ok ? LM_OK : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+}
+
 static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
 {
     const merge_args *a = &r->args;
@@ -641,6 +676,8 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
               cJSON_AddBoolToObject(opt, "strict", a->strict);
     if (!ok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if ((s = manifest_method_options(r, opt, err)) != LM_OK)
+        return s;
     if (a->use.hessians) {
         // what the Hessians came from: each calibration file with its xxHash64, the caps
         cJSON *files = cJSON_AddArrayToObject(opt, "calib");
@@ -725,170 +762,6 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
                                  r->res.n_copied, err);
 }
 
-// ---- the model card -------------------------------------------------------------------------
-
-// An operand as a word of the card's command line: a path starting with '-' would read as an
-// option there.
-static const char *operand_word(const char *path, char *buf, size_t cap)
-{
-    if (path[0] != '-')
-        return path;
-    snprintf(buf, cap, "./%s", path);
-    return buf;
-}
-
-// "1,0.5,2": the n values, each as lm_card_number writes it, into b.
-static void number_list(lm_buf *b, const double *v, int n)
-{
-    char num[40];
-    for (int i = 0; i < n; i++) {
-        lm_card_number(num, sizeof num, v[i]);
-        if (i)
-            lm_buf_put(b, ",", 1);
-        lm_buf_str(b, num);
-    }
-}
-
-// Writes OUT's model card (card.h) into the temporary directory: the inputs as given, the
-// resolved options, and a command line with every option that shapes the result spelled out.
-static lm_status write_card(merge_run *r, lm_err *err)
-{
-    const merge_args *a = &r->args;
-    const lm_merge_opts *o = &r->opts;
-    const lm_method *m = a->m;
-    const merge_uses *u = &a->use;
-    int n = a->n_ft;
-    lm_card_input inputs[n];
-    for (int i = 0; i < n; i++)
-        inputs[i] = (lm_card_input){a->fts[i], r->fts[i]->adapter ? "LoRA adapter" : "model", o->weights[i],
-                                    u->density ? o->densities[i] : -1};
-
-    lm_buf weights = {0}, densities = {0};
-    number_list(&weights, o->weights, n);
-    number_list(&densities, o->densities, n);
-    char lambda[40], seed[24], shard[24], shard_h[64], samples[24], seq_len[24], damp[40];
-    lm_card_number(lambda, sizeof lambda, o->lambda);
-    snprintf(seed, sizeof seed, "%" PRIu64, o->seed);
-    snprintf(shard, sizeof shard, "%" PRIu64, a->shard_size);
-    char h[32];
-    snprintf(shard_h, sizeof shard_h, "%s (%s bytes)", lm_format_bytes(h, sizeof h, a->shard_size), shard);
-    snprintf(samples, sizeof samples, "%" PRId64, a->calib_samples);
-    snprintf(seq_len, sizeof seq_len, "%" PRId64, a->seq_len);
-    lm_card_number(damp, sizeof damp, SGPT_DAMP);
-    const char *sign = o->sign == LM_SIGN_COUNT ? "count" : "sum", *topk = o->topk_global ? "global" : "tensor";
-    const char *rescale = lm_rescale_name(o->rescale), *dtype = dtype_flag(o->out_dtype);
-    bool sgpt = u->hessians;
-
-    // the options shown in the body, those the method uses
-    lm_card_option opts[16 + a->n_calib];
-    int k = 0;
-    opts[k++] = (lm_card_option){"lambda", lambda, false};
-    opts[k++] = (lm_card_option){"normalize", o->normalize ? "on" : "off", false};
-    if (u->sign)
-        opts[k++] = (lm_card_option){"sign election", sign, false};
-    if (u->topk)
-        opts[k++] = (lm_card_option){"top-k", topk, false};
-    if (u->rescale)
-        opts[k++] = (lm_card_option){"rescale", rescale, false};
-    if (u->seed)
-        opts[k++] = (lm_card_option){"seed", seed, false};
-    opts[k++] = (lm_card_option){"dtype", dtype, false};
-    opts[k++] = (lm_card_option){"shard size", shard_h, false};
-    for (int i = 0; sgpt && i < a->n_calib; i++)
-        opts[k++] = (lm_card_option){a->n_calib == 1 ? "calibration data" : "calibration data (in FT order)",
-                                     a->calib[i], true};
-    if (sgpt) {
-        opts[k++] = (lm_card_option){"Hessians from", a->hessian_from_base ? "the base" : "each FT's own model",
-                                     false};
-        opts[k++] = (lm_card_option){"calibration sequences", a->calib_samples ? samples : "all", false};
-        opts[k++] = (lm_card_option){"sequence length", a->seq_len ? seq_len : "the model's max_position_embeddings",
-                                     false};
-        opts[k++] = (lm_card_option){"damping", damp, false};
-    }
-
-    // the command line: every option that shapes the result, whatever its default
-    char base_w[PATH_MAX + 3];
-    char (*ft_w)[PATH_MAX + 3] = malloc((size_t)(n ? n : 1) * sizeof *ft_w);
-    const char **argv = malloc((size_t)(40 + n + 2 * a->n_calib) * sizeof *argv);
-    lm_status s = LM_OK;
-    if (!ft_w || !argv || weights.oom || densities.oom) {
-        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-        goto done;
-    }
-    int c = 0;
-    argv[c++] = "llmerge";
-    argv[c++] = m->name;
-    argv[c++] = operand_word(a->base, base_w, sizeof base_w);
-    for (int i = 0; i < n; i++)
-        argv[c++] = operand_word(a->fts[i], ft_w[i], sizeof ft_w[i]);
-    argv[c++] = "-o";
-    argv[c++] = a->out;
-    argv[c++] = "--weights";
-    argv[c++] = weights.p;
-    if (u->density) {
-        argv[c++] = "--densities";
-        argv[c++] = densities.p;
-    }
-    argv[c++] = "--lambda";
-    argv[c++] = lambda;
-    argv[c++] = o->normalize ? "--normalize" : "--no-normalize";
-    if (u->sign) {
-        argv[c++] = "--sign";
-        argv[c++] = sign;
-    }
-    if (u->topk) {
-        argv[c++] = "--topk";
-        argv[c++] = topk;
-    }
-    if (u->rescale) {
-        argv[c++] = "--rescale";
-        argv[c++] = rescale;
-    }
-    if (u->seed) {
-        argv[c++] = "--seed";
-        argv[c++] = seed;
-    }
-    argv[c++] = "--dtype";
-    argv[c++] = dtype;
-    argv[c++] = "--shard-size";
-    argv[c++] = shard;
-    for (int i = 0; sgpt && i < a->n_calib; i++) {
-        argv[c++] = "--calib";
-        argv[c++] = a->calib[i];
-    }
-    if (sgpt) {
-        argv[c++] = "--hessian-from";
-        argv[c++] = a->hessian_from_base ? "base" : "ft";
-        if (a->calib_samples) {
-            argv[c++] = "--calib-samples";
-            argv[c++] = samples;
-        }
-        if (a->seq_len) {
-            argv[c++] = "--seq-len";
-            argv[c++] = seq_len;
-        }
-    }
-
-    char name[PATH_MAX];  // OUT's last component names the model
-    snprintf(name, sizeof name, "%s", a->out);
-    for (size_t len = strlen(name); len > 1 && name[len - 1] == '/'; len--)
-        name[len - 1] = '\0';
-    const char *title = lm_path_base(name);
-    lm_card card = {
-        .title = *title ? title : "merged model", .version = LLMERGE_VERSION, .method = m->name,
-        .method_summary = m->summary, .base = a->base, .inputs = inputs, .n_inputs = n, .options = opts,
-        .n_options = k, .argv = argv, .argc = c,
-    };
-    char *path = lm_path_join(r->od.tmp, LM_CARD_NAME);
-    s = path ? lm_card_write(path, &card, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    free(path);
-done:
-    free(argv);
-    free(ft_w);
-    free(weights.p);
-    free(densities.p);
-    return s;
-}
 
 // Says which inputs and whether the output hold NaN or Inf (res->nonfinite): a warning line each,
 // on stderr and in the log, naming the first few tensors (llmerge.json lists them all).
@@ -1036,7 +909,8 @@ static int work(merge_run *r, double t_loaded)
     if ((s = lm_manifest_copy_side_files(r->base->dir, r->od.tmp, &n_side, &err)) != LM_OK ||
         (s = lm_cmd_run_outputs(a, r->od.tmp, &err)) != LM_OK)
         goto fail;
-    if (!a->no_card && (s = write_card(r, &err)) != LM_OK)
+    if (!a->no_card &&
+        (s = lm_merge_write_card(a, &r->opts, (const lm_ft *const *)r->fts, r->od.tmp, &err)) != LM_OK)
         goto fail;
     t_written = lm_now();
 

@@ -324,8 +324,11 @@ static lm_status parse_settings(merge_args *a, set_id id, const char *shown, con
     for (int i = 0; i < c->n; i++)
         lm_pval_free(c->v[i]);
     free(c->v);
+    free(c->text);
     c->v = NULL;
     c->n = 0;
+    if (!(c->text = lm_strdup(v)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     size_t cap = 1;
     for (const char *p = v; *p; p++)
         cap += *p == '|';
@@ -370,6 +373,8 @@ void lm_merge_args_free_sets(merge_args *a)
         for (int i = 0; i < a->sets[id].n; i++)
             lm_pval_free(a->sets[id].v[i]);
         free(a->sets[id].v);
+        free(a->sets[id].text);
+        a->sets[id].text = NULL;
         a->sets[id].v = NULL;
         a->sets[id].n = 0;
     }

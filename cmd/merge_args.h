@@ -64,6 +64,7 @@ typedef enum set_id { SET_WEIGHT, SET_DENSITY, SET_GAMMA, SET_EPSILON, SET_T, SE
 typedef struct cli_setting {
     lm_pval **v;  // (n)
     int n;
+    char *text;   // the option's value as given
 } cli_setting;
 
 // What the command line says, parsed but not yet checked against the inputs.
@@ -159,6 +160,11 @@ lm_status lm_cmd_run_outputs(const merge_args *a, const char *out_dir, lm_err *e
 // llmerge plan CONFIG.yml: argv[0] the configuration, the rest llmerge run's options, read into
 // a as llmerge run reads them.
 lm_status lm_cmd_run_parse_file(merge_args *a, int argc, char **argv, lm_err *err);
+
+// Writes OUT's model card (card.h) into `dir` for the merge of a with options o over the
+// opened inputs fts (cmd/merge_card.c). LM_ERR_IO naming the file, LM_ERR_NOMEM.
+lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const lm_ft *const *fts, const char *dir,
+                              lm_err *err);
 
 // Prints the --help of method m to out.
 void lm_merge_usage(FILE *out, const lm_method *m);

@@ -152,11 +152,6 @@ static void run_free(pt_run *r)
     lm_progress_free(&r->progress);
 }
 
-static const char *dtype_flag(lm_dtype dt)
-{
-    return dt == LM_DTYPE_BF16 ? "bf16" : dt == LM_DTYPE_F16 ? "f16" : "f32";
-}
-
 // ==== the command line ========================================================================
 
 // Reads "MODEL:FROM:TO" or "MODEL:FROM:TO:SCALE" into *s: the numbers are the last two or three
@@ -382,7 +377,7 @@ static lm_status write_card(pt_run *r, lm_err *err)
     lm_buf_str(&b, ", the tensors after the layers (the final norm, lm_head) from ");
     lm_card_md_code(&b, r->slices[r->n_slices - 1].model);
     lm_buf_fmt(&b, ", config.json from the first with num_hidden_layers %" PRId64 ".\n\n## Options\n\n- dtype: %s\n"
-               "- shard size: %s (%" PRIu64 " bytes)\n", lm_pt_n_layers(r->plan), dtype_flag(r->out_dtype),
+               "- shard size: %s (%" PRIu64 " bytes)\n", lm_pt_n_layers(r->plan), lm_cmd_dtype_flag(r->out_dtype),
                lm_format_bytes(h, sizeof h, r->shard_size), r->shard_size);
 
     // the command line, each slice's model as resolved
@@ -408,7 +403,7 @@ static lm_status write_card(pt_run *r, lm_err *err)
         free(sv.p);
         lm_buf_str(&cmd, " ");
     }
-    lm_buf_fmt(&cmd, "--dtype %s --shard-size %s", dtype_flag(r->out_dtype), shard);
+    lm_buf_fmt(&cmd, "--dtype %s --shard-size %s", lm_cmd_dtype_flag(r->out_dtype), shard);
     lm_buf_str(&b, "\n## Making it again\n\nWith llmerge " LLMERGE_VERSION ", from the same inputs:\n\n```sh\n");
     if (cmd.p)
         lm_buf_str(&b, cmd.p);
@@ -491,7 +486,7 @@ static lm_status build_manifest(pt_run *r, double *hash_s, lm_err *err)
         at += sl->to - sl->from;
     }
     ok = ok && cJSON_AddNumberToObject(opt, "num_hidden_layers", (double)lm_pt_n_layers(r->plan)) &&
-         cJSON_AddStringToObject(opt, "dtype", dtype_flag(r->out_dtype)) &&
+         cJSON_AddStringToObject(opt, "dtype", lm_cmd_dtype_flag(r->out_dtype)) &&
          cJSON_AddNumberToObject(opt, "shard_size", (double)r->shard_size);
     if (!ok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
@@ -543,7 +538,7 @@ static cJSON *start_event(const pt_run *r)
         cJSON_AddItemToArray(sl, e);
     }
     cJSON_AddStringToObject(f, "output", r->out);
-    cJSON_AddStringToObject(f, "dtype", dtype_flag(r->out_dtype));
+    cJSON_AddStringToObject(f, "dtype", lm_cmd_dtype_flag(r->out_dtype));
     cJSON_AddNumberToObject(f, "num_hidden_layers", (double)lm_pt_n_layers(r->plan));
     cJSON_AddNumberToObject(f, "n_tensors", (double)r->n_descs);
     return f;
@@ -591,7 +586,7 @@ static int work(void *ctx)
     lm_progress_event(p, "start", start_event(r));
     lm_progress_note(p, "stacking %" PRId64 " layers from %d slice%s of %d model%s into %s (%s)",
                      lm_pt_n_layers(r->plan), r->n_slices, r->n_slices == 1 ? "" : "s", lm_pt_n_models(r->plan),
-                     lm_pt_n_models(r->plan) == 1 ? "" : "s", r->out, dtype_flag(r->out_dtype));
+                     lm_pt_n_models(r->plan) == 1 ? "" : "s", r->out, lm_cmd_dtype_flag(r->out_dtype));
 
     char *path = NULL;
     int n_side = 0;

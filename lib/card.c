@@ -241,6 +241,20 @@ char *lm_card_text(const lm_card *c)
         lm_buf_str(&b, "\n");
     }
 
+    // the configuration, in a fence longer than any run of backticks inside it
+    if (c->config) {
+        size_t f = longest_run(c->config, '`') + 1;
+        f = f < 3 ? 3 : f;
+        lm_buf_str(&b, "\n## Configuration\n\nThe configuration merged (`mergekit_config.yml`, beside this card):\n\n");
+        put_repeat(&b, '`', f);
+        lm_buf_str(&b, "yaml\n");
+        lm_buf_str(&b, c->config);
+        if (c->config[0] && c->config[strlen(c->config) - 1] != '\n')
+            lm_buf_str(&b, "\n");
+        put_repeat(&b, '`', f);
+        lm_buf_str(&b, "\n");
+    }
+
     // the command line, in a fence longer than any run of backticks inside it
     lm_buf cmd = {0};
     for (int i = 0; i < c->argc; i++) {

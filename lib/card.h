@@ -52,6 +52,8 @@ typedef struct lm_card {
     int n_options;
     const char *const *argv;        // (argc) the words of a command line making the same merge,
     int argc;                       // unquoted ("llmerge", "ties", BASE, ...)
+    const char *config;             // the configuration file the merge ran (YAML), shown before
+                                    // the command line; NULL: none
 } lm_card;
 
 // The card's text, a new NUL-terminated string the caller frees; NULL when memory runs out.
