@@ -128,6 +128,10 @@ run recipe task-arithmetic "$B" "$fx/lora_plain" "$fx/ft_full" -o "$work/recipe"
 run normalized task-arithmetic "$B" "$fx/lora_plain" "$fx/ft_full" -o "$work/normalized" --normalize --dtype f32 -q
 check '"$st_diff" --rel 1e-6 "$work/linear/model.safetensors" "$work/recipe/model.safetensors" >"$work/diff1" 2>&1' \
   "the recipe of docs/mergekit.md is not mergekit's linear: $(tail -n 5 "$work/diff1" 2>/dev/null)"
+# llmerge's own linear (the base weighed 0: not among the averaged models) is that average too
+run own linear "$B" "$fx/lora_plain" "$fx/ft_full" -o "$work/own" --weights 0,1,1 --dtype f32 -q
+check '"$st_diff" --rel 1e-6 "$work/linear/model.safetensors" "$work/own/model.safetensors" >"$work/diff3" 2>&1' \
+  "llmerge linear is not mergekit's linear: $(tail -n 5 "$work/diff3" 2>/dev/null)"
 "$st_diff" --rel 1e-3 "$work/linear/model.safetensors" "$work/normalized/model.safetensors" >"$work/diff2" 2>&1
 rc=$?
 check '[ "$rc" -eq 1 ] && grep -q "mlp.down_proj.weight:" "$work/diff2" && ! grep -q "self_attn.q_proj.weight:" "$work/diff2"' \
