@@ -86,6 +86,7 @@ typedef struct pt_run {
     lm_hasher *hasher;
     lm_manifest manifest;
     lm_pt_result res;
+    const char *config_text;  // llmerge run: the configuration, written as mergekit_config.yml
 } pt_run;
 
 static void usage(FILE *out, const void *arg)
@@ -616,6 +617,16 @@ static int work(void *ctx)
         goto fail;
     if (!r->no_card && (s = write_card(r, &err)) != LM_OK)
         goto fail;
+    if (r->config_text) {
+        if (!(path = lm_path_join(r->od.tmp, "mergekit_config.yml"))) {
+            s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
+            goto fail;
+        }
+        if ((s = lm_write_file(path, r->config_text, strlen(r->config_text), &err)) != LM_OK)
+            goto fail;
+        free(path);
+        path = NULL;
+    }
     t_written = lm_now();
     if ((s = build_manifest(r, &hash_s, &err)) != LM_OK)
         goto fail;
@@ -683,11 +694,17 @@ static void cleanup(void *ctx)
 
 int lm_cmd_passthrough(int argc, char **argv)
 {
+    return lm_cmd_passthrough_config(argc, argv, NULL, "llmerge passthrough");
+}
+
+int lm_cmd_passthrough_config(int argc, char **argv, const char *config_text, const char *prefix)
+{
     pt_run r;
     memset(&r, 0, sizeof r);
     r.t0 = lm_now();
+    r.config_text = config_text;
     lm_command c = {
-        .prefix = "llmerge passthrough", .log_error_prefix = "", .progress = &r.progress, .guard = &r.guard,
+        .prefix = prefix, .log_error_prefix = "", .progress = &r.progress, .guard = &r.guard,
         .opts = opt_defs, .n_opts = N_OPTS, .inputs = NULL, .n_inputs = 0, .first = "MODEL", .rest = "MODEL",
         .help = &r.help, .quiet = &r.quiet, .usage = usage, .usage_arg = NULL, .parse = parse, .prepare = prepare,
         .work = work, .cleanup = cleanup, .ctx = &r,

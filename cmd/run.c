@@ -6,6 +6,7 @@
 // per-tensor settings (lib/merge_params.h), which the merge engine evaluates tensor by tensor
 // with mergekit's rules. The merge itself is the merge commands' (cmd/merge.c); OUT also gets
 // the configuration, as mergekit_config.yml.
+#include <inttypes.h>
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -464,9 +465,9 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     if (!m || m->id == LM_MERGE_SPARSEGPT || !params_of(m->id)) {
         char names[512];
         lm_cmd_method_names(names, sizeof names);
-        if (strcmp(cfg->merge_method, "passthrough") == 0)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: merge_method: passthrough runs as `llmerge "
-                              "passthrough --slice MODEL:FROM:TO ...` (its slices from a configuration: not yet)",
+        if (strcmp(cfg->merge_method, "passthrough") == 0)  // llmerge plan: llmerge run stacks them
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: merge_method: passthrough: llmerge plan does not "
+                              "plan a stack of layers (llmerge run CONFIG does it)",
                               AT(cfg, cfg->method_line, cfg->method_col));
         return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: merge_method: '%s' is not a method llmerge runs from a "
                           "configuration (%s; sparsegpt needs calibration data: llmerge sparsegpt)",
@@ -615,8 +616,117 @@ static void run_usage(FILE *out, const void *arg)
             names);
 }
 
+// ==== passthrough ==============================================================================
+
+// Any option, for finding the operand.
+static lm_status any_opt(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+{
+    (void)ctx, (void)d, (void)shown, (void)v, (void)err;
+    return LM_OK;
+}
+
+// A configuration of merge_method: passthrough runs as llmerge passthrough on its slices (one
+// source each, with an optional scalar scale), OUT getting the configuration too. Returns the
+// exit status; *handled false when argv's configuration is not one (it is then llmerge run's).
+static int run_passthrough(int argc, char **argv, bool *handled)
+{
+    *handled = false;
+    merge_args a;
+    memset(&a, 0, sizeof a);
+    run_scan rs = {&a, NULL, 0};
+    lm_err err = {0};
+    if (lm_cmd_scan(argc, argv, lm_merge_opt_defs, lm_merge_n_opts, any_opt, run_operand, &rs, &err) != LM_OK ||
+        rs.n_operands != 1)
+        return 0;
+    lm_mergecfg *cfg = NULL;
+    if (lm_mergecfg_load(&cfg, rs.config, &err) != LM_OK || strcmp(cfg->merge_method, "passthrough") != 0) {
+        lm_mergecfg_free(cfg);
+        return 0;
+    }
+    *handled = true;
+    lm_status s = LM_OK;
+    int n = cfg->n_slices, c = 0, rc = 2;
+    char **args = calloc((size_t)(argc + 2 * n + 4), sizeof *args), **owned = calloc((size_t)n + 1, sizeof *owned);
+    if (!args || !owned) {
+        s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
+        goto done;
+    }
+    if (cfg->n_models > 0 || n == 0)
+        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s: passthrough takes slices (layer ranges of models stacked); a "
+                       "passthrough of models: is not supported", cfg->path);
+    else if (cfg->params.n > 0)
+        s = lm_err_set(&err, LM_ERR_USAGE, "%s:%d:%d: passthrough takes no global parameters (a source's scale is "
+                       "its own)", AT(cfg, cfg->params.items[0].line, cfg->params.items[0].col));
+    else if (cfg->tokenizer_source || cfg->chat_template)
+        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source and chat_template with passthrough are not "
+                       "supported yet (the first slice's model gives the tokenizer)", cfg->path,
+                       cfg->tokenizer_source ? cfg->tokenizer_line : cfg->chat_template_line);
+    args[c++] = "passthrough";
+    for (int i = 1; i < argc; i++)
+        if (argv[i] != rs.config)
+            args[c++] = argv[i];
+    for (int i = 0; s == LM_OK && i < n; i++) {
+        const lm_cfg_slice *sl = &cfg->slices[i];
+        if (sl->n_sources != 1) {
+            s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d:%d: slices[%d] has %d sources: passthrough stacks one "
+                           "source per slice", AT(cfg, sl->line, sl->col), i, sl->n_sources);
+            break;
+        }
+        const lm_cfg_model *src = &sl->sources[0];
+        char scale[48] = "";
+        for (int q = 0; s == LM_OK && q < src->params.n; q++) {
+            const lm_param *p = &src->params.items[q];
+            if (strcmp(p->name, "scale") != 0)
+                s = lm_err_set(&err, LM_ERR_USAGE, "%s:%d:%d: '%s' is not a parameter of passthrough (its parameter: "
+                               "scale)", AT(cfg, p->line, p->col), p->name);
+            else if (p->value->kind != LM_PVAL_NUMBER)
+                s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d:%d: scale: one number per source (gradients and "
+                               "filters for passthrough's scale are not supported yet)",
+                               AT(cfg, p->value->line, p->value->col));
+            else
+                snprintf(scale, sizeof scale, ":%.17g", p->value->num);
+        }
+        if (s == LM_OK && strchr(src->model, '+'))
+            s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': a LoRA adapter in a slice is not "
+                           "supported", AT(cfg, src->line, src->col), src->model);
+        if (s != LM_OK)
+            break;
+        owned[i] = lm_strfmt("%s:%" PRId64 ":%" PRId64 "%s", src->model, src->layer_range[0], src->layer_range[1],
+                             scale);
+        if (!owned[i]) {
+            s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
+            break;
+        }
+        args[c++] = "--slice";
+        args[c++] = owned[i];
+    }
+    if (s == LM_OK && (cfg->out_dtype || cfg->dtype)) {
+        merge_args d;
+        memset(&d, 0, sizeof d);
+        if ((s = config_dtype(cfg, &d, &err)) == LM_OK) {
+            args[c++] = "--dtype";
+            args[c++] = (char *)lm_cmd_dtype_flag(d.dtype);
+        }
+    }
+    if (s == LM_OK)
+        rc = lm_cmd_passthrough_config(c, args, cfg->text, "llmerge run");
+done:
+    if (s != LM_OK)
+        fprintf(stderr, "llmerge run: error: %s\n", err.msg);
+    for (int i = 0; owned && i < n; i++)
+        free(owned[i]);
+    free(owned);
+    free(args);
+    lm_mergecfg_free(cfg);
+    return s != LM_OK ? lm_status_exit_code(s) : rc;
+}
+
 int lm_cmd_run(int argc, char **argv)
 {
+    bool handled;
+    int rc = run_passthrough(argc, argv, &handled);
+    if (handled)
+        return rc;
     return lm_cmd_merge_with("llmerge run", run_usage, run_parse, "CONFIG", argc, argv);
 }
 
