@@ -194,6 +194,7 @@ static void note_unused(merge_run *r)
         {!use->t && a->given[OPT_T], "--t", "it interpolates by weights or not at all"},
         {!use->gamma && a->given[OPT_GAMMA], "--gamma", "it drops no outliers"},
         {!use->epsilon && a->given[OPT_EPSILON], "--epsilon", "its keep probabilities do not vary by rank"},
+        {!use->per_row && a->given[OPT_PER_ROW], "--per-row", "it takes each tensor as one vector"},
         {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
         {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
          use->models ? "its inputs are models already" : "it merges task vectors against BASE"},
@@ -457,6 +458,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->threads = a->threads;
     o->base_weight = models && a->weights ? a->weights[0] : 1.0;
     o->models_only = a->models_only;
+    o->per_row = a->per_row;
     o->t = a->t;
     o->max_iter = a->max_iter;
     o->tol = a->tol;
@@ -634,6 +636,8 @@ static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err 
         ok = ok && cJSON_AddNumberToObject(opt, "base_weight", o->base_weight);
     if (u->models_only)
         ok = ok && cJSON_AddBoolToObject(opt, "models_only", o->models_only);
+    if (u->per_row)
+        ok = ok && cJSON_AddBoolToObject(opt, "per_row", o->per_row);
     if (u->iter)
         ok = ok && cJSON_AddNumberToObject(opt, "max_iter", o->max_iter) && cJSON_AddNumberToObject(opt, "tol", o->tol);
     cJSON *arr;

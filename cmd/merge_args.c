@@ -26,6 +26,7 @@ merge_uses lm_merge_uses(const lm_method *m)
         .t = m->reads_t,
         .gamma = m->outliers,
         .epsilon = m->della,
+        .per_row = m->rows_ok,
         .iter = m->reads_iter,
         .models_only = m->input == LM_METHOD_EITHER,
         .models = m->input == LM_METHOD_MODELS,
@@ -78,6 +79,7 @@ const lm_opt lm_merge_opt_defs[] = {
     {"models-only", 0, false, OPT_MODELS_ONLY},
     {"gamma", 0, true, OPT_GAMMA},
     {"epsilon", 0, true, OPT_EPSILON},
+    {"per-row", 0, false, OPT_PER_ROW},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
@@ -188,7 +190,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --strict               refuse a full FT holding a tensor the base does not have\n"
             "                         (default: such a tensor is left out, with a warning)\n"
             "  -h, --help             this help\n"
-            "%s%s%s%s%s%s%s"
+            "%s%s%s%s%s%s%s%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
@@ -208,7 +210,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         first file for all\n"
             "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
             "                         later batch there too (default: try the device again)\n",
-            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon) ? "" : "\nOptions of this method:\n",
+            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon || u.per_row) ? "" : "\nOptions of this method:\n",
             !u.t ? "" :
             "  --t T                  the position between the base (0) and the FT (1) for slerp,\n"
             "                         the largest change per entry for nearswap (default 0.5)\n",
@@ -226,7 +228,11 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             !u.epsilon ? "" :
             "  --epsilon E[,E2,...]   the spread of the keep probabilities: from D - E for a row's\n"
             "                         smallest entry to D + E for its largest, both in (0, 1); one\n"
-            "                         for every FT, or one per FT (default 0.15)\n");
+            "                         for every FT, or one per FT (default 0.15)\n",
+            !u.per_row ? "" :
+            "  --per-row              each row of a matrix its own vector with its own coefficients\n"
+            "                         (mergekit's nuslerp_flatten: false, model_stock's filter_wise:\n"
+            "                         true), rather than the whole tensor\n");
     fprintf(out,
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
@@ -540,6 +546,9 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
         return LM_OK;
     case OPT_MODELS_ONLY:
         a->models_only = true;
+        return LM_OK;
+    case OPT_PER_ROW:
+        a->per_row = true;
         return LM_OK;
     case OPT_EPSILON:
         if (is_setting(v))

@@ -128,6 +128,8 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     argv[c++] = m->name;
     if (u->models_only && o->models_only)
         argv[c++] = "--models-only";
+    if (u->per_row && o->per_row)
+        argv[c++] = "--per-row";
     argv[c++] = operand_word(a->base, base_w, sizeof base_w);
     for (int i = 0; i < n; i++)
         argv[c++] = operand_word(a->fts[i], ft_w[i], sizeof ft_w[i]);

@@ -275,15 +275,17 @@ static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merg
     if ((v = global_value(cfg, "eps")) && v->num != 1e-8)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: eps: only multislerp's default 1e-8 is supported",
                           AT(cfg, v->line, v->col));
-    if ((v = global_value(cfg, "nuslerp_flatten")) && v->num == 0)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: nuslerp_flatten: false (a slerp per row or column) is "
-                          "not supported yet; llmerge takes each tensor as one vector", AT(cfg, v->line, v->col));
-    if ((v = global_value(cfg, "nuslerp_row_wise")) && v->num != 0)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: nuslerp_row_wise: true is not supported yet",
-                          AT(cfg, v->line, v->col));
+    // nuslerp_flatten: false slerps each row (the last dimension), with nuslerp_row_wise: true
+    // each column; model_stock's filter_wise: true takes each row
+    const lm_pval *rw = global_value(cfg, "nuslerp_row_wise");
+    if ((v = global_value(cfg, "nuslerp_flatten")) && v->num == 0) {
+        if (rw && rw->num != 0)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: nuslerp_row_wise: true (a slerp per column) is not "
+                              "supported yet", AT(cfg, rw->line, rw->col));
+        a->per_row = true;
+    }
     if ((v = global_value(cfg, "filter_wise")) && v->num != 0)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: filter_wise: true (model_stock per row) is not "
-                          "supported yet", AT(cfg, v->line, v->col));
+        a->per_row = true;
     if (cfg->has_seed)
         a->seed = cfg->random_seed;
     return LM_OK;

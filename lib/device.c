@@ -322,6 +322,12 @@ lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows
     return d->iface->row_dot(d, x, y, rows, cols, out, err);
 }
 
+lm_status lm_dev_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                           int64_t cols, lm_err *err)
+{
+    return d->iface->row_axpby(d, y, a, x, b, rows, cols, err);
+}
+
 lm_status lm_dev_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first, double p_lo,
                             double p_hi, bool inv, lm_err *err)
 {

@@ -239,6 +239,11 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
                          lm_err *err);
 
+// y[r, c] = a[r]·y[r, c] + b[r]·x[r, c] for each row r of two rows × cols matrices, in float32 as
+// lm_dev_axpby computes each element (x may equal y). a and b are host arrays (rows values each).
+lm_status lm_dev_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                           int64_t cols, lm_err *err);
+
 // DELLA's random drop of a rows × cols slab whose first element is element `first` of its
 // tensor: in each row the entries are ranked by magnitude (r = 0 the smallest; equal magnitudes
 // by index, the lower first) and entry j of rank r is kept with probability

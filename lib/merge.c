@@ -85,6 +85,8 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
     if (models && !isfinite(o->base_weight))
         return lm_err_set(err, LM_ERR_USAGE, "--weights: the first model's weight %g is not a finite number",
                           o->base_weight);
+    if (o->per_row && !m->rows_ok)
+        return lm_err_set(err, LM_ERR_USAGE, "--per-row: %s takes each tensor as one vector", m->name);
     if (m->reads_t && !isfinite(o->t))
         return lm_err_set(err, LM_ERR_USAGE, "--t %g is not a finite number", o->t);
     if (m->reads_iter && (o->max_iter < 0 || !(o->tol >= 0)))

@@ -89,6 +89,10 @@ typedef struct lm_merge_opts {
     // are taken against (mergekit's configurations without base_model).
     bool models_only;
     double t;                 // slerp: the position from the base (0) to the FT (1); nearswap: the threshold
+    // nuslerp and model-stock: each row of a matrix is its own vector, with its own coefficients
+    // (mergekit's nuslerp_flatten: false, model_stock's filter_wise: true), rather than the
+    // whole tensor; a vector is one row either way
+    bool per_row;
     int max_iter;             // karcher: most iterations (mergekit's default 10)
     double tol;               // karcher: convergence tolerance (1e-5)
     // When not NULL, called before each tensor is merged with tp filled from the options above;

@@ -9,13 +9,17 @@
 #include "merge_int.h"
 #include "signals.h"
 
-// acc += Σ_r x[r, :]·y[r, :] over the slab's rows, added in row order (rows[] is scratch).
+// acc += Σ_r x[r, :]·y[r, :] over the slab's rows, added in row order (rows[] is scratch); with
+// per_row, each row's sum also goes to per_row[r · stride] (the row's Gram matrix entry).
 static lm_status add_dot(engine *e, wset *ws, const float *x, const float *y, int64_t nr, int64_t cols, double *rows,
-                         double *acc)
+                         double *acc, double *per_row, int64_t stride)
 {
     lm_status s = lm_dev_row_dot(ws->dev, x, y, nr, cols, rows, e->err);
-    for (int64_t r = 0; s == LM_OK && r < nr; r++)
+    for (int64_t r = 0; s == LM_OK && r < nr; r++) {
         *acc += rows[r];
+        if (per_row)
+            per_row[r * stride] = rows[r];
+    }
     return s;
 }
 
@@ -25,7 +29,7 @@ static lm_status add_dot(engine *e, wset *ws, const float *x, const float *y, in
 // tensor is cut into slabs (lm_dev_row_dot). When the tensor is one slab its base values and τ
 // stay in the buffers (*have_slab).
 static lm_status gram_pass(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, int64_t slab_rows,
-                           double *g, bool *have_slab)
+                           double *g, double *grows, bool *have_slab)
 {
     int s1 = e->o->n_ft + 1;
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
@@ -40,16 +44,20 @@ static lm_status gram_pass(engine *e, wset *ws, const lm_st_tensor *bt, part *pa
             s = lm_interrupted_err(e->err);
             break;
         }
+        int64_t st = (int64_t)s1 * s1;  // a row's Gram matrix, in grows
+        double *gr = grows ? grows + r0 * st : NULL;
         if ((s = lm_eng_load_base(e, ws, bt, r0, nr)) != LM_OK ||
-            (s = add_dot(e, ws, ws->base_buf, ws->base_buf, nr, cols, row, &g[0])) != LM_OK)
+            (s = add_dot(e, ws, ws->base_buf, ws->base_buf, nr, cols, row, &g[0], gr, st)) != LM_OK)
             break;
         for (int i = 0; s == LM_OK && i < k; i++)
             s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
         for (int i = 0; s == LM_OK && i < k; i++) {
             int a = 1 + parts[i].ft;
-            s = add_dot(e, ws, ws->base_buf, parts[i].tau, nr, cols, row, &g[a]);
-            for (int j = 0; s == LM_OK && j <= i; j++)
-                s = add_dot(e, ws, parts[i].tau, parts[j].tau, nr, cols, row, &g[a * s1 + 1 + parts[j].ft]);
+            s = add_dot(e, ws, ws->base_buf, parts[i].tau, nr, cols, row, &g[a], gr ? gr + a : NULL, st);
+            for (int j = 0; s == LM_OK && j <= i; j++) {
+                int b = a * s1 + 1 + parts[j].ft;
+                s = add_dot(e, ws, parts[i].tau, parts[j].tau, nr, cols, row, &g[b], gr ? gr + b : NULL, st);
+            }
         }
         if (!one_slab)
             lm_eng_release_slab(e, bt, parts, k, r0, nr);
@@ -58,13 +66,87 @@ static lm_status gram_pass(engine *e, wset *ws, const lm_st_tensor *bt, part *pa
     if (s != LM_OK)
         return s;
     // filled: row 0 (θ_b·τ) and the lower triangle of the τ·τ block; mirrored across the diagonal
-    for (int a = 1; a < s1; a++) {
-        g[a * s1] = g[a];
-        for (int b = 1; b < a; b++)
-            g[b * s1 + a] = g[a * s1 + b];
+    for (int64_t r = -1; r < (grows ? rows : 0); r++) {
+        double *m = r < 0 ? g : grows + r * s1 * s1;
+        for (int a = 1; a < s1; a++) {
+            m[a * s1] = m[a];
+            for (int b = 1; b < a; b++)
+                m[b * s1 + a] = m[a * s1 + b];
+        }
     }
     *have_slab = one_slab;
     return LM_OK;
+}
+
+// The merge pass with coefficients per row: θ[r] = a[r]·θ_b[r] + Σ_i c_i[r]·τ_i[r] (c[i] the
+// coefficients of parts[i], rows values each), every τ made in its buffer (a LoRA's too). With
+// have_slab the tensor is one slab whose base and τ are in the buffers already.
+static lm_status merge_rows(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
+                            part *parts, int k, int64_t slab_rows, bool have_slab, const float *a, float *const *c,
+                            XXH64_state_t *hash)
+{
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
+    int64_t cap = slab_rows < rows ? slab_rows : rows;
+    float *zero = calloc((size_t)cap, sizeof *zero), *one = malloc((size_t)cap * sizeof *one);
+    lm_status s = zero && one ? LM_OK : lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    for (int64_t r = 0; one && r < cap; r++)
+        one[r] = 1.0f;
+    for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+        int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
+        if (r0 > 0 && lm_interrupted()) {
+            s = lm_interrupted_err(e->err);
+            break;
+        }
+        if (!have_slab)
+            s = lm_eng_load_base(e, ws, bt, r0, nr);
+        for (int i = 0; s == LM_OK && !have_slab && i < k; i++)
+            s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
+        if (s == LM_OK)  // a·θ_b + 0·θ_b, then each part added in
+            s = lm_dev_row_axpby(ws->dev, ws->base_buf, a + r0, ws->base_buf, zero, nr, cols, e->err);
+        for (int i = 0; s == LM_OK && i < k; i++)
+            s = lm_dev_row_axpby(ws->dev, ws->base_buf, one, parts[i].tau, c[i] + r0, nr, cols, e->err);
+        if (s == LM_OK)
+            s = lm_eng_write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype),
+                                  hash);
+        if (rows > slab_rows)
+            lm_eng_release_slab(e, bt, parts, k, r0, nr);
+    }
+    free(zero);
+    free(one);
+    return s;
+}
+
+// Each row's coefficients from its Gram matrix (grows), then the per-row merge pass.
+static lm_status coef_rows(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
+                           part *parts, int k, int64_t slab_rows, bool have_slab, const double *grows,
+                           const bool *present, XXH64_state_t *hash)
+{
+    int n = e->o->n_ft, s1 = n + 1;
+    int64_t rows = tensor_rows(bt);
+    float *a = malloc((size_t)rows * sizeof *a), **c = calloc((size_t)(k ? k : 1), sizeof *c);
+    double *cd = calloc((size_t)n + 1, sizeof *cd);
+    lm_status s = a && c && cd ? LM_OK : lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    for (int i = 0; s == LM_OK && i < k; i++)
+        if (!(c[i] = malloc((size_t)rows * sizeof *c[i])))
+            s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    for (int64_t r = 0; s == LM_OK && r < rows; r++) {
+        lm_coef_in in = {.o = e->o, .tp = &e->tp, .tensor = bt->name, .numel = bt->numel / rows, .n = n,
+                         .present = present, .gram = grows + r * s1 * s1};
+        double ar = 1.0;
+        if ((s = e->m->coeffs(&in, &ar, cd, e->err)) != LM_OK)
+            break;
+        a[r] = (float)ar;
+        for (int i = 0; i < k; i++)
+            c[i][r] = (float)cd[parts[i].ft];
+    }
+    if (s == LM_OK)
+        s = merge_rows(e, ws, idx, desc, bt, parts, k, slab_rows, have_slab, a, c, hash);
+    for (int i = 0; c && i < k; i++)
+        free(c[i]);
+    free(c);
+    free(a);
+    free(cd);
+    return s;
 }
 
 // Merges tensor idx from its k parts with the method's coefficients (or, for nearswap, its
@@ -84,18 +166,26 @@ lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *
             e->coef[parts[i].ft] = 1.0f;
         return lm_eng_merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, false, hash);
     }
+    // per row: a Gram matrix for each row of a matrix (a vector is one row: the whole tensor)
+    bool per_row = e->o->per_row && e->m->rows_ok && bt->ndim == 2;
+    int64_t rows = tensor_rows(bt);
     double *g = e->m->gram ? calloc((size_t)(n + 1) * (size_t)(n + 1), sizeof *g) : NULL;
+    double *grows = per_row ? calloc((size_t)rows * (size_t)(n + 1) * (size_t)(n + 1), sizeof *grows) : NULL;
     double *c = calloc((size_t)n + 1, sizeof *c);
     bool *present = calloc((size_t)n + 1, sizeof *present);
-    if ((e->m->gram && !g) || !c || !present) {
+    if ((e->m->gram && !g) || (per_row && !grows) || !c || !present) {
         s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
         goto done;
     }
     // A part's τ mirrors to 0 where it has none: an FT that does not change the tensor.
-    if (e->m->gram && (s = gram_pass(e, ws, bt, parts, k, slab_rows, g, &have_slab)) != LM_OK)
+    if (e->m->gram && (s = gram_pass(e, ws, bt, parts, k, slab_rows, g, grows, &have_slab)) != LM_OK)
         goto done;
     for (int i = 0; i < n; i++)
         present[i] = e->fts[i]->adapter || lm_model_find(e->fts[i]->model, bt->name);
+    if (per_row) {
+        s = coef_rows(e, ws, idx, desc, bt, parts, k, slab_rows, have_slab, grows, present, hash);
+        goto done;
+    }
     lm_coef_in in = {.o = e->o, .tp = &e->tp, .tensor = bt->name, .numel = bt->numel, .n = n, .present = present,
                      .gram = g};
     double a = 1.0;
@@ -113,6 +203,7 @@ lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *
     }
 done:
     free(g);
+    free(grows);
     free(c);
     free(present);
     return s;

@@ -244,6 +244,8 @@ lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tenso
                              XXH64_state_t *hash);
 lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash,
                               part *parts, int k);
+lm_status lm_eng_write_slab(engine *e, wset *ws, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
+                            uint64_t offset, XXH64_state_t *hash);
 lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
                               part *parts, int k, int64_t slab_rows, bool have_slab, XXH64_state_t *hash);
 lm_status lm_eng_merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,

@@ -232,7 +232,7 @@ static lm_status put_piece(engine *e, int64_t idx, const void *piece, size_t nby
 // (whose copies overlap) and is then hashed and written by pieces. The output's NaN and Inf are
 // counted as it is converted, or (where the device does not count) in each piece before the
 // hash reads it.
-static lm_status write_slab(engine *e, wset *ws, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
+lm_status lm_eng_write_slab(engine *e, wset *ws, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,
                             uint64_t offset, XXH64_state_t *hash)
 {
     size_t es = esize(out_dt), total = (size_t)cnt * es;
@@ -299,7 +299,7 @@ lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tenso
         const char *src = (const char *)bt->data + (size_t)off * esize(bt->dtype);
         lm_status s = lm_eng_load_f32_nf(e, ws, ws->base_buf, src, bt->dtype, cnt, lm_eng_first_read(e, 0, off, cnt));
         if (s == LM_OK)
-            s = write_slab(e, ws, idx, out_dt, ws->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
+            s = lm_eng_write_slab(e, ws, idx, out_dt, ws->base_buf, cnt, (uint64_t)off * esize(out_dt), hash);
         if (s != LM_OK)
             return s;
         lm_eng_release_bytes(e, src, (uint64_t)cnt * esize(bt->dtype));
@@ -359,7 +359,7 @@ lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc
                 s = lm_dev_axpby(ws->dev, ws->base_buf, 1.0f, p->tau, c, cnt, e->err);
         }
         if (s == LM_OK)
-            s = write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype),
+            s = lm_eng_write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype),
                            hash);
         if (rows > slab_rows)
             lm_eng_release_slab(e, bt, parts, k, r0, nr);
@@ -702,7 +702,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
                                (lm_combine_how){.sign = sign, .normalize = o->normalize, .lambda = (float)e->tp.lambda},
                                e->err);
         if (s == LM_OK)
-            s = write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype),
+            s = lm_eng_write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype),
                            hash);
         if (!one_slab)
             lm_eng_release_slab(e, bt, parts, k, r0, nr);

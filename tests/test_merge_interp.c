@@ -649,6 +649,90 @@ static void test_nearswap(void)
     fx_close(&f);
 }
 
+// ==== per row =================================================================================
+
+// nuslerp and model_stock with each row of a matrix its own vector (a vector stays whole), against
+// the per-vector references applied row by row.
+static void test_per_row(void)
+{
+    fixture f;
+    fx_open(&f, interp_base, "float32");
+    inputs in = {0};
+    rng_seed(81);
+    add_full(&in, &f, 1.0);
+    add_full(&in, &f, 0.5);
+    add_lora_ft(&in, &f);
+    const char *d[MAX_FT];
+    dirs_of(&in, d);
+    double w[3] = {1, 3, 1};
+    for (int method = 0; method < 2; method++) {
+        inputs sub = in;
+        sub.n = method == 0 ? 2 : 3;
+        lm_merge_opts o = interp_opts(method == 0 ? LM_MERGE_NUSLERP : LM_MERGE_MODEL_STOCK, &sub, w, 1);
+        o.per_row = true;
+        o.slab_elems = 20;  // several slabs: the rows' sums do not depend on them
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, d, NULL);
+        for (int t = 0; st && t < NT; t++) {
+            const tensor *b = &f.base.t[t];
+            int64_t rows = b->ndim == 2 ? b->shape[0] : 1, cols = b->n / rows;
+            double *x[4];
+            int m = vectors(&f, &sub, t, false, x);
+            double *exp = malloc((size_t)b->n * sizeof *exp), *mag = scale_of(&f, &sub, t, 1);
+            for (int64_t r = 0; r < rows; r++) {
+                double *row[4];
+                for (int i = 0; i < m; i++)
+                    row[i] = x[i] + r * cols;
+                double *out = exp + r * cols;
+                if (method == 0) {
+                    nuslerp_ref(0.75, row[0], row[1], cols, out);
+                } else {
+                    double cs = 0;
+                    int pairs = 0;
+                    for (int i = 0; i < m; i++)
+                        for (int j = i + 1; j < m; j++, pairs++) {
+                            double c = vdot(row[i], row[j], cols) /
+                                       fmax(sqrt(vdot(row[i], row[i], cols) * vdot(row[j], row[j], cols)), 1e-6);
+                            cs += c < -1 ? -1 : c > 1 ? 1 : c;
+                        }
+                    cs /= pairs;
+                    double tt = m * cs / (1 + (m - 1) * cs);
+                    for (int64_t c = 0; c < cols; c++) {
+                        double mean = 0;
+                        for (int i = 0; i < m; i++)
+                            mean += row[i][c] / m;
+                        out[c] = tt * mean;
+                    }
+                }
+                for (int64_t c = 0; c < cols; c++)
+                    out[c] += b->v[r * cols + c];
+            }
+            check_values(st, b->name, exp, mag, b->n);
+            free(exp);
+            free(mag);
+            free_vecs(x, m);
+        }
+        // the same bytes on the devices, whole and with units falling back
+        const char *devices[] = {"sim:64MiB", "sim:600", "cuda-emu:600"};
+        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
+            g_device = devices[v];
+            lm_st_file *st2 = run_merge(f.root, &o, f.base_dir, d, NULL);
+            CHECK_MSG(same_output(st, st2), "%s per row on %s differs from the cpu's", method ? "model-stock" : "nuslerp",
+                      devices[v]);
+            lm_st_close(st2);
+        }
+        g_device = NULL;
+        lm_st_close(st);
+    }
+    // a method that takes each tensor whole refuses it
+    lm_merge_opts o = interp_opts(LM_MERGE_SLERP, &in, w, 1);
+    o.n_ft = 1;
+    o.per_row = true;
+    lm_err err = {0};
+    CHECK_FAILS(lm_merge_check_opts(&o, &err), LM_ERR_USAGE, "--per-row", &err);
+    free_inputs(&in);
+    fx_close(&f);
+}
+
 // ==== the same bytes on the simulated device ==================================================
 
 // Every method on the CPU and on the simulated device, whole and under budgets where units fall
@@ -716,6 +800,7 @@ int main(void)
     test_karcher();
     test_model_stock();
     test_nearswap();
+    test_per_row();
     test_devices();
     return check_report("test_merge_interp");
 }

@@ -167,6 +167,7 @@ static const lm_dev_i cpu_iface = {
     .l1 = cpu_l1,
     .row_dot = cpu_row_dot,
     .nearswap = cpu_nearswap,
+    .row_axpby = cpu_row_axpby,
     .della_drop = cpu_della_drop,
     .combine = cpu_combine,
     .dense_hist = cpu_dense_hist,

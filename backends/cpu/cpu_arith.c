@@ -381,6 +381,35 @@ static void axpby_task(void *ctx, int64_t blk)
         j->y[i] = j->a * j->y[i] + j->b * j->x[i];
 }
 
+typedef struct row_axpby_job {
+    float *y;
+    const float *a, *x, *b;
+    int64_t rows, cols, per_task;
+} row_axpby_job;
+
+static void row_axpby_task(void *ctx, int64_t t)
+{
+    row_axpby_job *j = ctx;
+    int64_t r1 = (t + 1) * j->per_task < j->rows ? (t + 1) * j->per_task : j->rows;
+    for (int64_t r = t * j->per_task; r < r1; r++) {
+        float a = j->a[r], b = j->b[r];
+        float *y = j->y + r * j->cols;
+        const float *x = j->x + r * j->cols;
+        for (int64_t c = 0; c < j->cols; c++)
+            y[c] = a * y[c] + b * x[c];
+    }
+}
+
+lm_status cpu_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                        int64_t cols, lm_err *err)
+{
+    (void)err;
+    int64_t per = cols > 0 ? (BLOCK + cols - 1) / cols : rows;  // about a block of elements per task
+    row_axpby_job j = {y, a, x, b, rows, cols, per > 0 ? per : 1};
+    lm_pool_run(pool_of(d), rows > 0 ? (rows + j.per_task - 1) / j.per_task : 0, row_axpby_task, &j);
+    return LM_OK;
+}
+
 lm_status cpu_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
 {
     (void)err;

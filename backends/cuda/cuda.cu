@@ -1080,6 +1080,23 @@ static lm_status cuda_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols
     return lm_cuda_della_drop(x, (int32_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
 }
 
+// The row factors go to device scratch first (2 × rows floats).
+static lm_status cuda_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                                int64_t cols, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    size_t bytes = (size_t)rows * sizeof(float);
+    if ((s = scratch_reserve(d, 2 * bytes, err)) != LM_OK)
+        return s;
+    float *da = (float *)c->scratch, *db = da + rows;
+    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
+        return s;
+    return lm_cuda_row_axpby(y, da, x, db, rows, cols, c->stream, err);
+}
+
 static lm_status cuda_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
 {
     lm_status s = begin(d, err);
@@ -1187,6 +1204,7 @@ static lm_dev_i make_iface(void)
     i.l1 = cuda_l1;
     i.row_dot = cuda_row_dot;
     i.nearswap = cuda_nearswap;
+    i.row_axpby = cuda_row_axpby;
     i.della_drop = cuda_della_drop;
     i.combine = cuda_combine;
     i.gather_rows = cuda_gather_rows;

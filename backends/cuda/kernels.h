@@ -161,6 +161,10 @@ lm_status lm_cuda_row_dot(double *d_out, const float *d_x, const float *d_y, int
 lm_status lm_cuda_della_drop(float *d_x, int32_t *d_rank, int64_t rows, int64_t cols, uint64_t key, int64_t first,
                              double p_lo, double p_hi, bool inv, void *stream, lm_err *err);
 
+// lm_dev_row_axpby with the row factors in device memory.
+lm_status lm_cuda_row_axpby(float *d_y, const float *d_a, const float *d_x, const float *d_b, int64_t rows,
+                            int64_t cols, void *stream, lm_err *err);
+
 // lm_dev_nearswap.
 lm_status lm_cuda_nearswap(float *d_x, int64_t n, float t, void *stream, lm_err *err);
 

@@ -46,6 +46,29 @@ __global__ void k_axpby(float *y, float a, const float *x, float b, int64_t n)
         y[i] = a * y[i] + b * x[i];
 }
 
+// y[r, c] = a[r]·y[r, c] + b[r]·x[r, c] (a, b device arrays of rows floats): k_axpby per row.
+__global__ void k_row_axpby(float *y, const float *a, const float *x, const float *b, int64_t rows, int64_t cols)
+{
+    int64_t n = rows * cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t r = i / cols;
+        y[i] = a[r] * y[i] + b[r] * x[i];
+    }
+}
+
+extern "C" lm_status lm_cuda_row_axpby(float *d_y, const float *d_a, const float *d_x, const float *d_b, int64_t rows,
+                                       int64_t cols, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    k_row_axpby<<<lm_cuda_grid(rows * cols, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_y, d_a, d_x, d_b, rows,
+                                                                                          cols);
+    CUDA_LAUNCHED("k_row_axpby");
+fail:
+    return status;
+}
+
 __global__ void k_nearswap(float *x, int64_t n, float t)
 {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
@@ -969,6 +992,7 @@ LM_CUDA_PRELOAD(k_lowrank);
 LM_CUDA_PRELOAD(k_l1_blocks);
 LM_CUDA_PRELOAD(k_row_dot);
 LM_CUDA_PRELOAD(k_nearswap);
+LM_CUDA_PRELOAD(k_row_axpby);
 LM_CUDA_PRELOAD(k_row_rank);
 LM_CUDA_PRELOAD(k_della_apply);
 LM_CUDA_PRELOAD(k_dora_rows);

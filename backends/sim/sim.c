@@ -448,6 +448,16 @@ static lm_status sim_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols,
     return cpu_of(d)->iface->della_drop(cpu_of(d), x, rows, cols, key, first, p_lo, p_hi, inv, err);
 }
 
+static lm_status sim_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                               int64_t cols, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "row_axpby", err)) || (s = need_n(d, "y", y, rows * cols, 32, err)) ||
+        (s = need_n(d, "x", x, rows * cols, 32, err)) || (s = host(d, "a", a, err)) || (s = host(d, "b", b, err)))
+        return s;
+    return cpu_of(d)->iface->row_axpby(cpu_of(d), y, a, x, b, rows, cols, err);
+}
+
 static lm_status sim_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
 {
     lm_status s;
@@ -522,6 +532,7 @@ static const lm_dev_i sim_iface = {
     .l1 = sim_l1,
     .row_dot = sim_row_dot,
     .nearswap = sim_nearswap,
+    .row_axpby = sim_row_axpby,
     .della_drop = sim_della_drop,
     .combine = sim_combine,
     .gather_rows = sim_gather_rows,

@@ -42,5 +42,6 @@ const lm_method lm_method_model_stock = {
     .linear = true,
     .coeffs = model_stock_coeffs,
     .gram = true,
+    .rows_ok = true,
     .min_inputs = 2,
 };

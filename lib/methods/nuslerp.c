@@ -49,6 +49,7 @@ const lm_method lm_method_nuslerp = {
     .linear = true,
     .coeffs = nuslerp_coeffs,
     .gram = true,
+    .rows_ok = true,
     .min_inputs = 2,
     .max_inputs = 2,
 };
