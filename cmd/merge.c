@@ -195,6 +195,7 @@ static void note_unused(merge_run *r)
         {!use->gamma && a->given[OPT_GAMMA], "--gamma", "it drops no outliers"},
         {!use->epsilon && a->given[OPT_EPSILON], "--epsilon", "its keep probabilities do not vary by rank"},
         {!use->per_row && a->given[OPT_PER_ROW], "--per-row", "it takes each tensor as one vector"},
+        {!use->select_topk && a->given[OPT_SELECT_TOPK], "--select-topk", "it has no variance mask"},
         {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
         {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
          use->models ? "its inputs are models already" : "it merges task vectors against BASE"},
@@ -308,8 +309,10 @@ static lm_status add_setting(lm_params *ps, const char *name, lm_pval *v, lm_err
 static lm_status cli_settings(merge_run *r, bool models, lm_err *err)
 {
     merge_args *a = &r->args;
-    static const char *const names[SET_COUNT] = {"weight", "density", "gamma", "epsilon", "t", "lambda"};
-    static const char *const opts[SET_COUNT] = {"--weights", "--densities", "--gamma", "--epsilon", "--t", "--lambda"};
+    static const char *const names[SET_COUNT] = {"weight", "density", "gamma", "epsilon", "t", "lambda",
+                                                 "select_topk"};
+    static const char *const opts[SET_COUNT] = {"--weights", "--densities", "--gamma", "--epsilon", "--t", "--lambda",
+                                                "--select-topk"};
     bool any = false;
     for (int id = 0; id < SET_COUNT; id++)
         any = any || a->sets[id].n > 0;
@@ -459,6 +462,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->base_weight = models && a->weights ? a->weights[0] : 1.0;
     o->models_only = a->models_only;
     o->per_row = a->per_row;
+    o->select_topk = a->select_topk;
     o->t = a->t;
     o->max_iter = a->max_iter;
     o->tol = a->tol;
@@ -632,6 +636,8 @@ static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err 
     bool ok = true;
     if (u->t)
         ok = ok && cJSON_AddNumberToObject(opt, "t", o->t);
+    if (u->select_topk)
+        ok = ok && cJSON_AddNumberToObject(opt, "select_topk", o->select_topk);
     if (u->models || (u->models_only && o->models_only))
         ok = ok && cJSON_AddNumberToObject(opt, "base_weight", o->base_weight);
     if (u->models_only)
@@ -646,7 +652,8 @@ static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err 
     if (u->epsilon)
         ok = ok && (arr = cJSON_CreateDoubleArray(o->epsilons, a->n_ft)) &&
              cJSON_AddItemToObject(opt, "epsilons", arr);
-    static const char *const names[SET_COUNT] = {"weights", "densities", "gamma", "epsilon", "t", "lambda"};
+    static const char *const names[SET_COUNT] = {"weights", "densities", "gamma", "epsilon", "t", "lambda",
+                                                 "select_topk"};
     cJSON *sets = NULL;
     for (int id = 0; ok && id < SET_COUNT; id++) {
         if (!a->sets[id].text)

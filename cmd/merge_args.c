@@ -27,6 +27,7 @@ merge_uses lm_merge_uses(const lm_method *m)
         .gamma = m->outliers,
         .epsilon = m->della,
         .per_row = m->rows_ok,
+        .select_topk = m->sce,
         .iter = m->reads_iter,
         .models_only = m->input == LM_METHOD_EITHER,
         .models = m->input == LM_METHOD_MODELS,
@@ -80,6 +81,7 @@ const lm_opt lm_merge_opt_defs[] = {
     {"gamma", 0, true, OPT_GAMMA},
     {"epsilon", 0, true, OPT_EPSILON},
     {"per-row", 0, false, OPT_PER_ROW},
+    {"select-topk", 0, true, OPT_SELECT_TOPK},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
@@ -190,7 +192,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --strict               refuse a full FT holding a tensor the base does not have\n"
             "                         (default: such a tensor is left out, with a warning)\n"
             "  -h, --help             this help\n"
-            "%s%s%s%s%s%s%s%s"
+            "%s%s%s%s%s%s%s%s%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
@@ -210,7 +212,8 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         first file for all\n"
             "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
             "                         later batch there too (default: try the device again)\n",
-            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon || u.per_row) ? "" : "\nOptions of this method:\n",
+            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon || u.per_row || u.select_topk)
+                ? "" : "\nOptions of this method:\n",
             !u.t ? "" :
             "  --t T                  the position between the base (0) and the FT (1) for slerp,\n"
             "                         the largest change per entry for nearswap (default 0.5)\n",
@@ -232,7 +235,10 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             !u.per_row ? "" :
             "  --per-row              each row of a matrix its own vector with its own coefficients\n"
             "                         (mergekit's nuslerp_flatten: false, model_stock's filter_wise:\n"
-            "                         true), rather than the whole tensor\n");
+            "                         true), rather than the whole tensor\n",
+            !u.select_topk ? "" :
+            "  --select-topk P        the fraction of the entries of nonzero variance across the FTs\n"
+            "                         kept, those of largest variance (default 1: all)\n");
     fprintf(out,
             "\n"
             "While a merge works, OUT.tmp-XXXXXX beside OUT holds the partial output and OUT.lock\n"
@@ -550,6 +556,12 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
     case OPT_PER_ROW:
         a->per_row = true;
         return LM_OK;
+    case OPT_SELECT_TOPK:
+        if (is_setting(v) || strchr(v, ','))
+            return parse_settings(a, SET_SELECT_TOPK, shown, v, true, err);
+        if (!parse_number(v, &a->select_topk))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a number", shown, v);
+        return LM_OK;
     case OPT_EPSILON:
         if (is_setting(v))
             return parse_settings(a, SET_EPSILON, shown, v, false, err);
@@ -594,6 +606,7 @@ void lm_merge_args_defaults(merge_args *a)
     a->shard_size = DEFAULT_SHARD_SIZE;
     a->device = "auto";
     a->t = 0.5;
+    a->select_topk = 1.0;
     a->max_iter = 10;
     a->tol = 1e-5;
 }

@@ -32,6 +32,7 @@ typedef struct merge_uses {
     bool gamma;     // --gamma: m->outliers
     bool epsilon;   // --epsilon: m->della
     bool per_row;   // --per-row: m->rows_ok
+    bool select_topk;  // --select-topk: m->sce
     bool iter;      // --max-iter, --tol: m->reads_iter
     bool models_only;  // --models-only: task vectors or the models themselves (LM_METHOD_EITHER)
     bool models;    // the inputs are models, the first the reference (LM_METHOD_MODELS): --weights
@@ -46,7 +47,7 @@ typedef enum opt_id {
     OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
     OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD,
-    OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_EPSILON, OPT_PER_ROW, OPT_HELP,
+    OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_EPSILON, OPT_PER_ROW, OPT_SELECT_TOPK, OPT_HELP,
 } opt_id;
 
 // The options every merge command takes, for lm_cmd_scan and the output guard.
@@ -59,7 +60,9 @@ extern const size_t lm_merge_n_opts;
 // The options that take per-tensor settings (params.h) on the command line: a per-input one
 // (--weights, --density/--densities, --gamma, --epsilon) as settings separated by '|', one for
 // every input or one per input; a merge-wide one (--t, --lambda) as one setting.
-typedef enum set_id { SET_WEIGHT, SET_DENSITY, SET_GAMMA, SET_EPSILON, SET_T, SET_LAMBDA, SET_COUNT } set_id;
+typedef enum set_id {
+    SET_WEIGHT, SET_DENSITY, SET_GAMMA, SET_EPSILON, SET_T, SET_LAMBDA, SET_SELECT_TOPK, SET_COUNT
+} set_id;
 
 // The settings of one such option: NULL where the option gave plain numbers (or was not given).
 typedef struct cli_setting {
@@ -106,6 +109,7 @@ typedef struct merge_args {
     bool sticky;               // --sticky-fallback, for the Hessians' forward pass
     bool strict;               // --strict: an FT tensor the base does not have is an error
     double t;                  // --t (default 0.5)
+    double select_topk;        // --select-topk (default 1)
     double *gammas;            // (n_gammas) --gamma, or NULL: 0.01 each
     int n_gammas;
     double *epsilons;          // (n_epsilons) --epsilon, or NULL: 0.15 each

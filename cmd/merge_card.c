@@ -61,8 +61,9 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         number_list(&gammas, o->gammas, n);
     if (u->epsilon)
         number_list(&epsilons, o->epsilons, n);
-    char t[40], max_iter[24], tol[40];
+    char t[40], max_iter[24], tol[40], topk_w[40];
     lm_card_number(t, sizeof t, o->t);
+    lm_card_number(topk_w, sizeof topk_w, o->select_topk);
     snprintf(max_iter, sizeof max_iter, "%d", o->max_iter);
     lm_card_number(tol, sizeof tol, o->tol);
     char lambda[40], seed[24], shard[24], shard_h[64], samples[24], seq_len[24], damp[40];
@@ -153,6 +154,10 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     if (u->t) {
         argv[c++] = "--t";
         argv[c++] = a->sets[SET_T].text ? a->sets[SET_T].text : t;
+    }
+    if (u->select_topk) {
+        argv[c++] = "--select-topk";
+        argv[c++] = a->sets[SET_SELECT_TOPK].text ? a->sets[SET_SELECT_TOPK].text : topk_w;
     }
     if (u->iter) {
         argv[c++] = "--max-iter";

@@ -322,6 +322,12 @@ lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows
     return d->iface->row_dot(d, x, y, rows, cols, out, err);
 }
 
+lm_status lm_dev_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
+                         lm_err *err)
+{
+    return d->iface->tau_var(d, key, taus, k, n_models, n, err);
+}
+
 lm_status lm_dev_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                            int64_t cols, lm_err *err)
 {

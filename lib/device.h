@@ -239,6 +239,12 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
                          lm_err *err);
 
+// key[j] = the variance of the n_models values τ_0[j], ..., τ_{k-1}[j] and n_models − k zeros
+// (the models that do not change the tensor): Σ (x − mean)² / n_models, mean = Σ x / n_models,
+// in double, rounded to float32 (sce's selection key). taus is a host array of k device pointers.
+lm_status lm_dev_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
+                         lm_err *err);
+
 // y[r, c] = a[r]·y[r, c] + b[r]·x[r, c] for each row r of two rows × cols matrices, in float32 as
 // lm_dev_axpby computes each element (x may equal y). a and b are host arrays (rows values each).
 lm_status lm_dev_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
@@ -260,7 +266,8 @@ lm_status lm_dev_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err);
 // sparsified and rescaled, not yet weighted) with weights[i]: W_i = weights[i]·w_tau[i]; with an
 // election, Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,
 // Δ = Σ_i W_i and the divisor Σ_i weights[i]; with normalize Δ /= divisor where it is not 0.
-// out = base + lambda·Δ. out may equal base. The election, normalize and lambda are how's
+// out = base + lambda·Δ. out may equal base. The election (s from Σ W_i, Σ sign(W_i), or for
+// LM_COMBINE_SIGN_TAU the unweighted Σ w_tau[i]), normalize and lambda are how's
 // (merge_desc.h); its other fields are lm_dev_dense_merge's and not read here.
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                          const float *weights, int k, int64_t n, lm_combine_how how, lm_err *err);

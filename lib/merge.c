@@ -87,6 +87,8 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
                           o->base_weight);
     if (o->per_row && !m->rows_ok)
         return lm_err_set(err, LM_ERR_USAGE, "--per-row: %s takes each tensor as one vector", m->name);
+    if (m->sce && !isfinite(o->select_topk))
+        return lm_err_set(err, LM_ERR_USAGE, "--select-topk %g is not a finite number", o->select_topk);
     if (m->reads_t && !isfinite(o->t))
         return lm_err_set(err, LM_ERR_USAGE, "--t %g is not a finite number", o->t);
     if (m->reads_iter && (o->max_iter < 0 || !(o->tol >= 0)))
@@ -710,6 +712,7 @@ static lm_status tensor_params(engine *e, const char *name)
     e->tp.base_weight = o->base_weight;
     e->tp.lambda = o->lambda;
     e->tp.t = o->t;
+    e->tp.select_topk = o->select_topk;
     if (!o->tensor_params)
         return LM_OK;
     lm_status s = o->tensor_params(o->params_ctx, name, &e->tp, e->err);
@@ -732,7 +735,7 @@ static lm_status tensor_params(engine *e, const char *name)
             return lm_err_set(e->err, LM_ERR_USAGE, "gamma of input %d is %g in tensor '%s', not in [0, 1]", i + 1,
                               e->tp.gammas[i], name);
     }
-    if (!isfinite(e->tp.base_weight) || !isfinite(e->tp.lambda) || !isfinite(e->tp.t))
+    if (!isfinite(e->tp.base_weight) || !isfinite(e->tp.lambda) || !isfinite(e->tp.t) || !isfinite(e->tp.select_topk))
         return lm_err_set(e->err, LM_ERR_USAGE, "a weight, lambda or t of tensor '%s' is not a finite number", name);
     return LM_OK;
 }

@@ -36,6 +36,7 @@ typedef enum lm_merge_method {
     LM_MERGE_BREADCRUMBS_TIES, // breadcrumbs' trim with TIES sign election
     LM_MERGE_DELLA,            // drop by per-row magnitude rank, TIES sign election
     LM_MERGE_DELLA_LINEAR,     // della's drop, summed
+    LM_MERGE_SCE,              // a mask where the FTs vary most, weights by mean square, elected mean
 } lm_merge_method;
 
 typedef enum lm_sign_rule {
@@ -70,6 +71,7 @@ typedef struct lm_tensor_params {
     double base_weight;   // the base's weight, for the methods whose base is one of the models
     double lambda;
     double t;             // slerp's and nearswap's t
+    double select_topk;   // sce's fraction of the nonzero variances kept
 } lm_tensor_params;
 
 typedef struct lm_merge_opts {
@@ -93,6 +95,7 @@ typedef struct lm_merge_opts {
     // (mergekit's nuslerp_flatten: false, model_stock's filter_wise: true), rather than the
     // whole tensor; a vector is one row either way
     bool per_row;
+    double select_topk;       // sce: the fraction of the entries of nonzero variance kept (1: all)
     int max_iter;             // karcher: most iterations (mergekit's default 10)
     double tol;               // karcher: convergence tolerance (1e-5)
     // When not NULL, called before each tensor is merged with tp filled from the options above;

@@ -9,6 +9,7 @@
 //                     pieces pass over τ in buffers, the linear pass, the separate operations,
 //                     the copy of an untouched tensor;
 //   merge_select.c  - selection: sampled windows, histograms, exact top-k, --topk global;
+//   merge_sce.c     - sce: the variances' mask, the weights, the election by Σ τ;
 //   merge_coef.c    - the methods with coefficients (linear, slerp, ...): the Gram pass, the
 //                     coefficients, then the linear pass; and nearswap's;
 //   merge_plan.c    - the sizing functions (slabs, working sets, staging, mapped pages, the
@@ -250,6 +251,11 @@ lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc
                               part *parts, int k, int64_t slab_rows, bool have_slab, XXH64_state_t *hash);
 lm_status lm_eng_merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
                              part *parts, int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash);
+
+// ==== merge_sce.c: sce's passes ================================================================
+
+lm_status lm_eng_merge_sce(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash,
+                           part *parts, int k, int64_t slab_rows);
 
 // ==== merge_coef.c: the methods with coefficients, and nearswap =================================
 

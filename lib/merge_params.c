@@ -50,5 +50,7 @@ lm_status lm_merge_params_tensor(void *ctx, const char *tensor, lm_tensor_params
         s = lookup(mp, -1, "lambda", tensor, t, &tp->lambda, &found, err);
     if (s == LM_OK)
         s = lookup(mp, -1, "t", tensor, t, &tp->t, &found, err);
+    if (s == LM_OK)
+        s = lookup(mp, -1, "select_topk", tensor, t, &tp->select_topk, &found, err);
     return s;
 }

@@ -3,8 +3,8 @@
 // callback lm_merge_opts' tensor_params calls before each tensor: the engine's values there are
 // the options' (the method's defaults), and each setting that gives a value for the tensor
 // replaces one. Per-model settings (weight, density, gamma, epsilon) are looked up in the
-// model's own settings, then in the global ones; the merge's own (lambda, t) in the global
-// ones.
+// model's own settings, then in the global ones; the merge's own (lambda, t, select_topk) in the
+// global ones.
 #ifndef LM_MERGE_PARAMS_H
 #define LM_MERGE_PARAMS_H
 

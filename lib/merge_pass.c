@@ -553,6 +553,8 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
 
     if (e->m->coeffs || e->m->nearswap)
         return lm_eng_merge_coef(e, ws, idx, desc, hash, parts, k, slab_rows);
+    if (e->m->sce)
+        return lm_eng_merge_sce(e, ws, idx, desc, hash, parts, k, slab_rows);
 
     // select: exact top-k per part over the whole tensor (none when every part has a stored mask).
     int n_masked = 0;

@@ -59,6 +59,7 @@ void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, 
     *z = (ws_size){.cap = cnt, .n_tau = k};
     for (int i = 0; i < k; i++)
         z->n_key += parts[i].ucc2 != NULL;
+    z->n_key += e->m->sce && k > 0;  // sce's slab of variances (merge_sce.c allocates it)
     if (!lm_dev_host_memory(dev)) {
         z->ucc2_cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
         z->stage_bytes = lm_eng_stage_need(bt, parts, k, cnt);

@@ -98,6 +98,8 @@ typedef struct lm_method {
     bool outliers;           // with the magnitude trim, the γ_i·numel largest entries dropped too
                              // (breadcrumbs: the kept ones rank from there down; lm_dev_topk_drop)
     bool nearswap;           // each τ_i replaced by NearSwap's step at t first (lm_dev_nearswap)
+    bool sce;                // sce's own passes (lib/merge_sce.c): a mask from the variances across
+                             // the FTs, weights from the masked τ's mean squares, an election by Σ τ
     // coefficients: θ = a·θ_b + Σ_i c_i τ_i, a and c (n values) from coeffs; the merge pass is
     // then the linear one. err names what is wrong (a degenerate tensor the method cannot merge).
     lm_status (*coeffs)(const lm_coef_in *in, double *a, double *c, lm_err *err);
@@ -127,6 +129,7 @@ extern const lm_method lm_method_breadcrumbs;
 extern const lm_method lm_method_breadcrumbs_ties;
 extern const lm_method lm_method_della;
 extern const lm_method lm_method_della_linear;
+extern const lm_method lm_method_sce;
 
 // The descriptor of method `id`; never NULL for a value of lm_merge_method (an unknown value
 // gets ties', which no caller passes). Static: nothing to free.

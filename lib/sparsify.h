@@ -65,6 +65,22 @@ LM_HD static inline float lm_della_keep(float x, uint64_t key, int64_t j, double
     return inv ? (float)((double)x / p) : x;
 }
 
+// ---- sce --------------------------------------------------------------------------------------
+
+// The variance of k values x[0..k) and n − k zeros, Σ (v − mean)² / n with mean = Σ v / n, each
+// step in double, rounded once to float32 (k <= n, n >= 1).
+LM_HD static inline float lm_tau_var(const double *x, int k, int n)
+{
+    double sum = 0, sq = 0;
+    for (int i = 0; i < k; i++)
+        sum += x[i];
+    double mean = sum / n;
+    for (int i = 0; i < k; i++)
+        sq += (x[i] - mean) * (x[i] - mean);
+    sq += (double)(n - k) * (mean * mean);
+    return (float)(sq / n);
+}
+
 // ---- NearSwap ---------------------------------------------------------------------------------
 
 // NearSwap's weight of a task-vector entry x for threshold t: min(1, max(0, t / max(|x|, 1e-6))),

@@ -930,8 +930,8 @@ expect 0 "task-arithmetic" --help
 expect 2 "llmerge: error: unknown command 'daer'; did you mean 'dare'" daer "$B" "$lp" -o "$x"
 # mergekit's method names: its spellings run llmerge's methods (dare_linear is dare); one llmerge
 # does not have is refused, with llmerge's methods and the page that maps mergekit's to them
-methods="ties, dare, dare-ties, task-arithmetic, sparsegpt, linear, slerp, nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties, della, della-linear"
-for m in sce; do
+methods="ties, dare, dare-ties, task-arithmetic, sparsegpt, linear, slerp, nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties, della, della-linear, sce"
+for m in arcee_fusion ram; do
   expect 2 "llmerge: error: unknown command '$m': mergekit's ${m//-/_} is not in llmerge (yet)" "$m" "$B" "$lp" -o "$x"
   check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "$m: $(cat "$work/out")"
 done
@@ -952,9 +952,9 @@ rm -rf "$x"
 expect 2 "llmerge: error: unknown command 'frobnicate'" frobnicate "$B"
 check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "llmerge --help" "$work/out"' "frobnicate: $(cat "$work/out")"
 # llmerge plan takes a method too
-expect 2 "llmerge plan: error: 'sce' is not a merge method of llmerge ($methods): mergekit's sce is not in llmerge (yet)" \
-  plan sce "$B" "$lp" -o "$x"
-check 'grep -qF "docs/mergekit.md" "$work/out"' "plan sce: $(cat "$work/out")"
+expect 2 "llmerge plan: error: 'arcee_fusion' is not a merge method of llmerge ($methods): mergekit's arcee_fusion is not in llmerge (yet)" \
+  plan arcee_fusion "$B" "$lp" -o "$x"
+check 'grep -qF "docs/mergekit.md" "$work/out"' "plan arcee_fusion: $(cat "$work/out")"
 expect 0 "merge: largest tensor" plan dare_ties "$B" "$lp" -o "$x"
 no_output "$x"
 

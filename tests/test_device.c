@@ -326,7 +326,8 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
     }
     fill(base, N);
     const float w[K] = {1.0f, 0.5f, -0.75f};
-    const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT};
+    const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT,
+                                     LM_COMBINE_SIGN_TAU};
     for (int si = 0; si < 3; si++) {
         for (int norm = 0; norm < 2; norm++) {
             lm_combine_how how = how_of(signs[si], norm, 0.8f);
@@ -822,6 +823,46 @@ static void h_row_dot_near(harness *h, int64_t rows, int64_t cols)
                       (long long)cols, inv, lm_dev_name(h->dev));
         free(want);
     }
+    // row_axpby: each row's factors, against the formula; tau_var against its definition
+    if (rows > 0) {
+        float *ra = hmalloc((size_t)rows * 4), *rb = hmalloc((size_t)rows * 4), *want = hmalloc((size_t)n * 4);
+        for (int64_t r = 0; r < rows; r++) {
+            ra[r] = (float)(r % 3) - 0.5f;
+            rb[r] = 0.25f * (float)(r % 5);
+        }
+        memcpy(want, y, (size_t)n * 4);
+        CHECK_OK(lm_dev_row_axpby(h->cpu, want, ra, x, rb, rows, cols, &h->err), &h->err);
+        int64_t bad = 0;
+        for (int64_t i = 0; i < n; i++)
+            bad += lm_f32_bits(want[i]) != lm_f32_bits(ra[i / cols] * y[i] + rb[i / cols] * x[i]);
+        CHECK_MSG(bad == 0, "row_axpby %lldx%lld on cpu: %lld values differ from the formula", (long long)rows,
+                  (long long)cols, (long long)bad);
+        float *dy2 = put(h, y, (size_t)n * 4);
+        if (dx && dy2 && DEV_OK(h, lm_dev_upload(h->dev, dx, x, (size_t)n * 4, &h->err)) &&
+            DEV_OK(h, lm_dev_row_axpby(h->dev, dy2, ra, dx, rb, rows, cols, &h->err)) &&
+            get(h, got, dy2, (size_t)n * 4))
+            CHECK_MSG(same_bits(got, want, n), "row_axpby %lldx%lld on %s differs", (long long)rows, (long long)cols,
+                      lm_dev_name(h->dev));
+        lm_dev_buf_free(h->dev, dy2);
+        const float *hv[2] = {x, y};
+        CHECK_OK(lm_dev_tau_var(h->cpu, want, hv, 2, 3, n, &h->err), &h->err);
+        bad = 0;
+        for (int64_t i = 0; i < n; i++) {
+            double m = ((double)x[i] + (double)y[i]) / 3, v = ((double)x[i] - m) * ((double)x[i] - m) +
+                                                              ((double)y[i] - m) * ((double)y[i] - m) + m * m;
+            bad += lm_f32_bits(want[i]) != lm_f32_bits((float)(v / 3));
+        }
+        CHECK_MSG(bad == 0, "tau_var n=%lld on cpu: %lld values differ from the definition", (long long)n,
+                  (long long)bad);
+        const float *dv[2] = {dx, dy};
+        float *dk = put(h, NULL, (size_t)n * 4);
+        if (dk && DEV_OK(h, lm_dev_tau_var(h->dev, dk, dv, 2, 3, n, &h->err)) && get(h, got, dk, (size_t)n * 4))
+            CHECK_MSG(same_bits(got, want, n), "tau_var n=%lld on %s differs", (long long)n, lm_dev_name(h->dev));
+        lm_dev_buf_free(h->dev, dk);
+        free(ra);
+        free(rb);
+        free(want);
+    }
     const float ts[] = {0.0f, 0.3f, 2.0f};
     for (int k = 0; k < 3; k++) {
         float *want = hmalloc((size_t)(n ? n : 1) * 4);
@@ -1012,7 +1053,7 @@ static void h_combine(harness *h, int64_t n)
     float *dbase = put(h, base, (size_t)n * 4), *dout = put(h, NULL, (size_t)n * 4);
     uint16_t *dbf = put(h, NULL, (size_t)n * 2), *wbf = hmalloc((size_t)n * 2);
     for (int k = 1; ok && dbase && dout && k <= KMAX; k++) {
-        for (int si = 0; si < 3; si++) {
+        for (int si = 0; si < 4; si++) {
             for (int norm = 0; norm < 2; norm++) {
                 snprintf(what, sizeof what, "combine k=%d sign=%d normalize=%d n=%lld", k, si, norm, (long long)n);
                 lm_combine_how how = how_of(signs[si], norm, 0.8f);

@@ -252,9 +252,117 @@ static void test_della(void)
     fx_close(&f);
 }
 
+// ==== sce =====================================================================================
+
+// sce as docs/merging.md states it, in double: the variance over all n FTs per entry (float32, as
+// the selection ranks it), the top floor(p · nonzero) kept in every task vector (ties to the lower
+// index), weights from the masked mean squares (1/n each when they sum below 1e-6), the sign of
+// Σ τ, the agreeing entries' weighted mean. tau[i] NULL: FT i does not change the tensor.
+static void sce_ref(const tensor *b, double *const *tau, int n, double p, double *exp, double *mag)
+{
+    int64_t m = b->n;
+    double *key = malloc((size_t)m * sizeof *key), *t[MAX_FT];
+    for (int i = 0; i < n; i++)
+        t[i] = calloc((size_t)m, sizeof(double));
+    int64_t nonzero = 0;
+    for (int64_t j = 0; j < m; j++) {
+        double sum = 0, sq = 0;
+        for (int i = 0; i < n; i++)
+            sum += tau[i] ? tau[i][j] : 0;
+        double mean = sum / n;
+        for (int i = 0; i < n; i++) {
+            double v = (tau[i] ? tau[i][j] : 0) - mean;
+            sq += v * v;
+        }
+        key[j] = (float)(sq / n);
+        nonzero += key[j] != 0;
+    }
+    bool *keep = malloc((size_t)m * sizeof *keep);
+    if (p >= 1)
+        for (int64_t j = 0; j < m; j++)
+            keep[j] = true;
+    else
+        topk_ref(key, m, (int64_t)floor((double)nonzero * p), keep);
+    double w[MAX_FT], wsum = 0;
+    for (int i = 0; i < n; i++) {
+        double s2 = 0;
+        for (int64_t j = 0; j < m; j++) {
+            t[i][j] = tau[i] && keep[j] ? tau[i][j] : 0;
+            s2 += t[i][j] * t[i][j];
+        }
+        w[i] = s2 / (double)m;
+        wsum += w[i];
+    }
+    for (int i = 0; i < n; i++)
+        w[i] = fabs(wsum) < 1e-6 ? 1.0 / n : w[i] / wsum;
+    for (int64_t j = 0; j < m; j++) {
+        double vote = 0, num = 0, div = 0, abs_sum = 0;
+        for (int i = 0; i < n; i++)
+            vote += t[i][j];
+        double s = vote >= 0 ? 1 : -1;
+        for (int i = 0; i < n; i++)
+            if (t[i][j] != 0 && (t[i][j] > 0) == (s > 0)) {
+                num += w[i] * t[i][j];
+                div += w[i];
+                abs_sum += fabs(w[i] * t[i][j]);
+            }
+        exp[j] = b->v[j] + (div != 0 ? num / div : num);
+        mag[j] = fabs((double)b->v[j]) + (div != 0 ? abs_sum / div : abs_sum);
+    }
+    for (int i = 0; i < n; i++)
+        free(t[i]);
+    free(key);
+    free(keep);
+}
+
+static void test_sce(void)
+{
+    fixture f;
+    fx_open(&f, band_base, "float32");
+    char *dirs_own[3];
+    double *tau[3][MAX_T];
+    rng_seed(94);
+    make_fts(&f, 3, dirs_own, tau);
+    const char *dirs[3] = {dirs_own[0], dirs_own[1], dirs_own[2]};
+    double w[3] = {1, 1, 1};
+    const double topks[] = {1.0, 0.5, 0.1, 0.0};
+    for (size_t r = 0; r < sizeof topks / sizeof topks[0]; r++) {
+        lm_merge_opts o = fixture_merge_opts(LM_MERGE_SCE, 3, w, NULL);
+        o.select_topk = topks[r];
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+        for (int t = 0; st && t < f.base.n; t++) {
+            const tensor *b = &f.base.t[t];
+            double *exp = malloc((size_t)b->n * sizeof *exp), *mag = malloc((size_t)b->n * sizeof *mag);
+            double *cols[3] = {tau[0][t], tau[1][t], tau[2][t]};
+            sce_ref(b, cols, 3, topks[r], exp, mag);
+            check_values(st, b->name, exp, mag, b->n);
+            free(exp);
+            free(mag);
+        }
+        const char *devices[] = {NULL, NULL, "sim:64MiB", "sim:900", "cuda-emu:900"};
+        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
+            lm_merge_opts o2 = o;
+            o2.slab_elems = v == 0 ? 12 : 0;
+            o2.threads = v == 1 ? 3 : 1;
+            g_device = devices[v];
+            lm_st_file *st2 = run_merge(f.root, &o2, f.base_dir, dirs, NULL);
+            CHECK_MSG(same_output(st, st2), "sce select_topk %g: variant %zu differs", topks[r], v);
+            lm_st_close(st2);
+        }
+        g_device = NULL;
+        lm_st_close(st);
+    }
+    for (int i = 0; i < 3; i++) {
+        free_taus(tau[i]);
+        free(dirs_own[i]);
+    }
+    fx_close(&f);
+}
+
 int main(void)
 {
     test_breadcrumbs();
     test_della();
+    test_sce();
     return check_report("test_merge_sparse");
 }

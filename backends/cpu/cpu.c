@@ -168,6 +168,7 @@ static const lm_dev_i cpu_iface = {
     .row_dot = cpu_row_dot,
     .nearswap = cpu_nearswap,
     .row_axpby = cpu_row_axpby,
+    .tau_var = cpu_tau_var,
     .della_drop = cpu_della_drop,
     .combine = cpu_combine,
     .dense_hist = cpu_dense_hist,

@@ -587,8 +587,8 @@ void cpu_combine_values(float *out, const float *base, const float *const *tau, 
             add_weighted(delta, div, tau[i], w[i], cnt);
     } else {
         for (int i = 0; i < k; i++) {
-            if (sign == LM_COMBINE_SIGN_SUM)
-                add_vote_sum(vote, tau[i], w[i], cnt);
+            if (sign == LM_COMBINE_SIGN_SUM || sign == LM_COMBINE_SIGN_TAU)
+                add_vote_sum(vote, tau[i], sign == LM_COMBINE_SIGN_TAU ? 1.0f : w[i], cnt);
             else
                 add_vote_count(vote, tau[i], w[i], cnt);
         }

@@ -547,6 +547,34 @@ lm_status cpu_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, i
     return LM_OK;
 }
 
+typedef struct var_job {
+    float *key;
+    const float *const *taus;
+    int k, n_models;
+    int64_t n;
+} var_job;
+
+static void var_task(void *ctx, int64_t blk)
+{
+    var_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    double x[j->k > 0 ? j->k : 1];
+    for (int64_t e = lo; e < hi; e++) {
+        for (int i = 0; i < j->k; i++)
+            x[i] = j->taus[i][e];
+        j->key[e] = lm_tau_var(x, j->k, j->n_models);
+    }
+}
+
+lm_status cpu_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n, lm_err *err)
+{
+    if (k < 0 || n_models < 1 || k > n_models)
+        return lm_err_set(err, LM_ERR_USAGE, "cpu: tau_var of %d of %d models", k, n_models);
+    var_job j = {key, taus, k, n_models, n};
+    lm_pool_run(pool_of(d), n_blocks(n), var_task, &j);
+    return LM_OK;
+}
+
 typedef struct della_job {
     float *x;
     int64_t rows, cols;

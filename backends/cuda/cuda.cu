@@ -1080,6 +1080,17 @@ static lm_status cuda_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols
     return lm_cuda_della_drop(x, (int32_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
 }
 
+static lm_status cuda_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
+                              lm_err *err)
+{
+    lm_status s = begin(d, err);
+    if (s != LM_OK)
+        return s;
+    if (k < 0 || n_models < 1 || k > n_models)
+        return lm_err_set(err, LM_ERR_USAGE, "%s: tau_var of %d of %d models", lm_dev_name(d), k, n_models);
+    return lm_cuda_tau_var(key, taus, k, n_models, n, ctx_of(d)->stream, err);
+}
+
 // The row factors go to device scratch first (2 × rows floats).
 static lm_status cuda_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                                 int64_t cols, lm_err *err)
@@ -1111,7 +1122,7 @@ static lm_status cuda_combine(lm_dev *d, float *out, const float *base, const fl
     if (s != LM_OK)
         return s;
     return lm_cuda_combine(out, base, w_tau, weights, k, n, sign != LM_COMBINE_SIGN_NONE, sign == LM_COMBINE_SIGN_COUNT,
-                           normalize, lambda, ctx_of(d)->stream, err);
+                           sign == LM_COMBINE_SIGN_TAU, normalize, lambda, ctx_of(d)->stream, err);
 }
 
 // ==== the forward pass ========================================================================
@@ -1205,6 +1216,7 @@ static lm_dev_i make_iface(void)
     i.row_dot = cuda_row_dot;
     i.nearswap = cuda_nearswap;
     i.row_axpby = cuda_row_axpby;
+    i.tau_var = cuda_tau_var;
     i.della_drop = cuda_della_drop;
     i.combine = cuda_combine;
     i.gather_rows = cuda_gather_rows;

@@ -161,6 +161,10 @@ lm_status lm_cuda_row_dot(double *d_out, const float *d_x, const float *d_y, int
 lm_status lm_cuda_della_drop(float *d_x, int32_t *d_rank, int64_t rows, int64_t cols, uint64_t key, int64_t first,
                              double p_lo, double p_hi, bool inv, void *stream, lm_err *err);
 
+// lm_dev_tau_var for k <= LM_CUDA_COMBINE_MAX task vectors (d_tau a HOST array of device pointers).
+lm_status lm_cuda_tau_var(float *d_key, const float *const *d_tau, int k, int n_models, int64_t n, void *stream,
+                          lm_err *err);
+
 // lm_dev_row_axpby with the row factors in device memory.
 lm_status lm_cuda_row_axpby(float *d_y, const float *d_a, const float *d_x, const float *d_b, int64_t rows,
                             int64_t cols, void *stream, lm_err *err);
@@ -171,11 +175,12 @@ lm_status lm_cuda_nearswap(float *d_x, int64_t n, float t, void *stream, lm_err 
 // lm_dev_combine for k <= LM_CUDA_COMBINE_MAX task vectors: d_tau is a HOST array of k device
 // pointers and weights a host array of k floats (both copied into the kernel's arguments).
 // elect: with sign election; count_signs: the elected sign is that of the sum of signs
-// (LM_COMBINE_SIGN_COUNT) rather than of the weighted sum (LM_COMBINE_SIGN_SUM). d_out may equal
-// d_base. LM_ERR_UNSUPPORTED above LM_CUDA_COMBINE_MAX.
+// (LM_COMBINE_SIGN_COUNT), unweighted: of the sum of the task vectors (LM_COMBINE_SIGN_TAU),
+// rather than of the weighted sum (LM_COMBINE_SIGN_SUM). d_out may equal d_base.
+// LM_ERR_UNSUPPORTED above LM_CUDA_COMBINE_MAX.
 lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau, const float *weights, int k,
-                          int64_t n, bool elect, bool count_signs, bool normalize, float lambda, void *stream,
-                          lm_err *err);
+                          int64_t n, bool elect, bool count_signs, bool unweighted, bool normalize, float lambda,
+                          void *stream, lm_err *err);
 
 // ---- forward-pass operations (forward_ops.cu) -----------------------------------------------
 // device.h's lm_dev_gather_rows ... lm_dev_nll_rows on device memory (the int32 arrays too),

@@ -487,7 +487,7 @@ typedef struct combine_args {
 // cpu_arith.c's cpu_combine_values for one element per iteration: the same sums over i in the same
 // order, the same agreement test and the same final expression.
 __global__ void k_combine(float *out, const float *base, const combine_args a, int64_t n, bool elect,
-                          bool count_signs, bool normalize, float lambda)
+                          bool count_signs, bool unweighted, bool normalize, float lambda)
 {
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
         float vote = 0.0f, delta = 0.0f, div = 0.0f;
@@ -500,7 +500,9 @@ __global__ void k_combine(float *out, const float *base, const combine_args a, i
         } else {
             for (int i = 0; i < a.k; i++) {
                 float w = a.w[i];
-                if (!count_signs) {
+                if (unweighted) {
+                    vote += 1.0f * a.tau[i][e];
+                } else if (!count_signs) {
                     vote += w * a.tau[i][e];
                 } else {
                     float wt = w * a.tau[i][e];
@@ -520,6 +522,42 @@ __global__ void k_combine(float *out, const float *base, const combine_args a, i
         float d = normalize && div != 0.0f ? delta / div : delta;
         out[e] = base[e] + lambda * d;
     }
+}
+
+// key[e] = the variance of the k task vectors' entries and n_models − k zeros (lm_tau_var).
+__global__ void k_tau_var(float *key, const combine_args a, int n_models, int64_t n)
+{
+    for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
+        // lm_tau_var's arithmetic without the array: the sum, then the squares about the mean
+        double sum = 0, sq = 0;
+        for (int i = 0; i < a.k; i++)
+            sum += a.tau[i][e];
+        double mean = sum / n_models;
+        for (int i = 0; i < a.k; i++)
+            sq += ((double)a.tau[i][e] - mean) * ((double)a.tau[i][e] - mean);
+        sq += (double)(n_models - a.k) * (mean * mean);
+        key[e] = (float)(sq / n_models);
+    }
+}
+
+extern "C" lm_status lm_cuda_tau_var(float *d_key, const float *const *d_tau, int k, int n_models, int64_t n,
+                                     void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    combine_args a;
+    if (k > LM_CUDA_COMBINE_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "cuda: the variance of %d task vectors at once is not supported "
+                          "(at most %d)", k, LM_CUDA_COMBINE_MAX);
+    if (n <= 0)
+        return LM_OK;
+    memset(&a, 0, sizeof a);
+    a.k = k > 0 ? k : 0;
+    for (int i = 0; i < a.k; i++)
+        a.tau[i] = d_tau[i];
+    k_tau_var<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_key, a, n_models, n);
+    CUDA_LAUNCHED("k_tau_var");
+fail:
+    return status;
 }
 
 // ==== launchers ===============================================================================
@@ -955,7 +993,7 @@ fail:
 
 extern "C" lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau,
                                      const float *weights, int k, int64_t n, bool elect, bool count_signs,
-                                     bool normalize, float lambda, void *stream, lm_err *err)
+                                     bool unweighted, bool normalize, float lambda, void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
     combine_args a;
@@ -971,7 +1009,7 @@ extern "C" lm_status lm_cuda_combine(float *d_out, const float *d_base, const fl
         a.w[i] = weights[i];
     }
     k_combine<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_out, d_base, a, n, elect, count_signs,
-                                                                             normalize, lambda);
+                                                                             unweighted, normalize, lambda);
     CUDA_LAUNCHED("k_combine");
 fail:
     return status;
@@ -993,6 +1031,7 @@ LM_CUDA_PRELOAD(k_l1_blocks);
 LM_CUDA_PRELOAD(k_row_dot);
 LM_CUDA_PRELOAD(k_nearswap);
 LM_CUDA_PRELOAD(k_row_axpby);
+LM_CUDA_PRELOAD(k_tau_var);
 LM_CUDA_PRELOAD(k_row_rank);
 LM_CUDA_PRELOAD(k_della_apply);
 LM_CUDA_PRELOAD(k_dora_rows);

@@ -448,6 +448,18 @@ static lm_status sim_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols,
     return cpu_of(d)->iface->della_drop(cpu_of(d), x, rows, cols, key, first, p_lo, p_hi, inv, err);
 }
 
+static lm_status sim_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
+                             lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "tau_var", err)) || (s = need_n(d, "key", key, n, 32, err)) || (s = host(d, "taus", taus, err)))
+        return s;
+    for (int i = 0; i < k; i++)
+        if ((s = need_n(d, "taus[i]", taus[i], n, 32, err)))
+            return s;
+    return cpu_of(d)->iface->tau_var(cpu_of(d), key, taus, k, n_models, n, err);
+}
+
 static lm_status sim_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                                int64_t cols, lm_err *err)
 {
@@ -533,6 +545,7 @@ static const lm_dev_i sim_iface = {
     .row_dot = sim_row_dot,
     .nearswap = sim_nearswap,
     .row_axpby = sim_row_axpby,
+    .tau_var = sim_tau_var,
     .della_drop = sim_della_drop,
     .combine = sim_combine,
     .gather_rows = sim_gather_rows,

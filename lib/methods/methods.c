@@ -21,6 +21,7 @@ static const lm_method *const methods[] = {
     &lm_method_breadcrumbs_ties,
     &lm_method_della,
     &lm_method_della_linear,
+    &lm_method_sce,
 };
 
 // mergekit's names where they differ from llmerge's by more than '_' for '-'.
