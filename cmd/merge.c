@@ -185,7 +185,8 @@ static void note_unused(merge_run *r)
         {!use->topk && a->given[OPT_TOPK], "--topk", "it has no magnitude trim"},
         {!use->rescale && a->given[OPT_RESCALE], "--rescale", "it drops nothing at random"},
         {!use->seed && a->given[OPT_SEED], "--seed", "it draws nothing at random"},
-        {!use->hessians && a->given[OPT_CACHE_DIR], "--cache-dir", "it keeps nothing between runs"},
+        {!use->hessians && !a->prepare_inputs && a->given[OPT_CACHE_DIR], "--cache-dir",
+         "it keeps nothing between runs"},
         {!use->hessians && a->given[OPT_CALIB], "--calib", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_CALIB_SAMPLES], "--calib-samples", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
@@ -387,6 +388,10 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "%s: already exists (use --force to replace it)",
                           a->out);
     if ((s = check_parent(a->out, err)) != LM_OK)
+        return s;
+
+    // llmerge run's inputs made before they are opened (PATH+LORA)
+    if (a->prepare_inputs && (s = a->prepare_inputs(a, &r->progress, err)) != LM_OK)
         return s;
 
     // BASE

@@ -72,7 +72,8 @@ typedef struct cli_setting {
 } cli_setting;
 
 // What the command line says, parsed but not yet checked against the inputs.
-typedef struct merge_args {
+typedef struct merge_args merge_args;
+struct merge_args {
     const lm_method *m;
     merge_uses use;            // lm_merge_uses(m), set by lm_merge_parse_args
     const char *base;
@@ -123,16 +124,18 @@ typedef struct merge_args {
     // llmerge run: the settings of a configuration file (the parse of cmd/run.c sets them), else
     // NULL; with sets[] given, the merge builds its own from those (merge.c)
     lm_merge_params *params;
-    // what llmerge run adds (cmd/run.c): its context, freed by preset_free with the run
+    // what llmerge run adds (cmd/run.c): its context, freed by preset_free with the run, and its
+    // work on the inputs before they are opened (the PATH+LORA models), or NULL
     void *preset;
     void (*preset_free)(void *preset);
+    lm_status (*prepare_inputs)(merge_args *a, lm_progress *p, lm_err *err);
     // llmerge run: the configuration's text, written into OUT as mergekit_config.yml and shown
     // in the model card (NULL for the merge commands)
     const char *config_text;
     const char *config_path;
     const char *tokenizer_dir;  // tokenizer files from this model's directory rather than BASE's
     const char *chat_template;  // set in OUT's tokenizer_config.json, or NULL
-} merge_args;
+};
 
 // Frees the settings of sets[] (not the struct).
 void lm_merge_args_free_sets(merge_args *a);
@@ -171,6 +174,13 @@ lm_status lm_cmd_run_parse_file(merge_args *a, int argc, char **argv, lm_err *er
 // opened inputs fts (cmd/merge_card.c). LM_ERR_IO naming the file, LM_ERR_NOMEM.
 lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const lm_ft *const *fts, const char *dir,
                               lm_err *err);
+
+// mergekit's PATH+LORA for a PATH other than the base (cmd/run_lora.c): the model at `path` with
+// the adapter `lora` merged into it, made in the cache directory (cache_dir, or the default of
+// lib/cache.h) unless an earlier run made it; *out is its directory (the caller frees), *made
+// whether this call made it. Errors name both inputs.
+lm_status lm_cmd_lora_model(const char *path, const char *lora, const char *cache_dir, int threads, char **out,
+                            bool *made, lm_err *err);
 
 // Prints the --help of method m to out.
 void lm_merge_usage(FILE *out, const lm_method *m);

@@ -117,6 +117,11 @@ static void param_names(const method_params *mp, bool per_model, char *buf, size
 // What a configuration becomes, kept until the merge is done (merge_args' preset).
 typedef struct run_preset {
     lm_mergecfg *cfg;
+    // the PATH+LORA inputs on a model other than the base: input ft[i] is made from path[i] and
+    // lora[i] before the merge opens its inputs (lm_cmd_lora_model)
+    int *pending_ft;
+    const char **pending_path, **pending_lora;
+    int n_pending;
     char **owned;                   // (n_owned) strings made here (model paths, a template)
     int n_owned;
     const lm_params **models;       // (n_ft + 1) each model's settings: the base's, then each FT's
@@ -135,6 +140,9 @@ static void preset_free(void *ctx)
     free(p->owned);
     free(p->models);
     free(p->names);
+    free(p->pending_ft);
+    free(p->pending_path);
+    free(p->pending_lora);
     free(p);
 }
 
@@ -209,11 +217,14 @@ static bool same_model(const char *a, const char *b)
 }
 
 // An input as the merge opens it: PATH, or for PATH+LORA (mergekit's LoRA applied to a model)
-// the adapter LORA, which llmerge merges onto the base as it is when PATH is the base.
-static lm_status model_input(run_preset *p, const lm_cfg_model *m, const char *base, const char **out, lm_err *err)
+// the adapter LORA, which llmerge merges onto the base as it is when PATH is the base; on any
+// other PATH, the model PATH+LORA is made in the cache before the merge (*pending set; the
+// input is PATH until then).
+static lm_status model_input(run_preset *p, const lm_cfg_model *m, const char *base, const char **out,
+                             bool *pending, lm_err *err)
 {
-    const lm_mergecfg *cfg = p->cfg;
     const char *plus = strchr(m->model, '+');
+    *pending = false;
     if (!plus || !plus[1]) {
         *out = m->model;
         return LM_OK;
@@ -221,11 +232,46 @@ static lm_status model_input(run_preset *p, const lm_cfg_model *m, const char *b
     char *path = keep(p, strndup(m->model, (size_t)(plus - m->model)));
     if (!path)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    if (!base || !same_model(path, base))
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': a LoRA adapter on a model other than "
-                          "base_model ('%s') is not supported yet: merge the adapter into '%s' first, or give it "
-                          "as its own model", AT(cfg, m->line, m->col), m->model, base ? base : "none", path);
-    *out = plus + 1;
+    if (base && same_model(path, base)) {
+        *out = plus + 1;
+        return LM_OK;
+    }
+    int *f = realloc(p->pending_ft, (size_t)(p->n_pending + 1) * sizeof *f);
+    if (f)
+        p->pending_ft = f;
+    const char **pp = f ? realloc(p->pending_path, (size_t)(p->n_pending + 1) * sizeof *pp) : NULL;
+    if (pp)
+        p->pending_path = pp;
+    const char **pl = pp ? realloc(p->pending_lora, (size_t)(p->n_pending + 1) * sizeof *pl) : NULL;
+    if (!pl)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    p->pending_lora = pl;
+    p->pending_path[p->n_pending] = path;
+    p->pending_lora[p->n_pending] = plus + 1;
+    p->n_pending++;
+    *pending = true;
+    *out = path;
+    return LM_OK;
+}
+
+// llmerge run's prepare_inputs: each PATH+LORA on a model other than the base made (or found)
+// in the cache, the input then that model.
+static lm_status make_pending(merge_args *a, lm_progress *pr, lm_err *err)
+{
+    run_preset *p = a->preset;
+    for (int i = 0; i < p->n_pending; i++) {
+        char *dir = NULL;
+        bool made = false;
+        lm_status s = lm_cmd_lora_model(p->pending_path[i], p->pending_lora[i], a->cache_dir, a->threads, &dir, &made,
+                                        err);
+        if (s != LM_OK)
+            return s;
+        if (!keep(p, dir))
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        a->fts[p->pending_ft[i]] = dir;
+        lm_progress_note(pr, "%s+%s: %s %s", p->pending_path[i], p->pending_lora[i],
+                         made ? "merged into a model once, in the cache:" : "from the cache:", dir);
+    }
     return LM_OK;
 }
 
@@ -315,6 +361,9 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     if (!a->fts || !p->models || !p->names)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     const char *base = cfg->base_model;
+    if (base && strchr(base, '+'))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: base_model '%s': a LoRA on the base is not supported "
+                          "(merge it into the base first)", AT(cfg, cfg->base_line, cfg->base_col), base);
     int base_at = -1;  // the entry of models: that is base_model
     for (int i = 0; base && i < n; i++)
         if (same_model(cfg->models[i].model, base)) {
@@ -339,8 +388,12 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
             if (i == base_at)
                 continue;
             const char *in;
-            if ((s = model_input(p, &cfg->models[i], base, &in, err)) == LM_OK)
-                s = add_ft(p, a, in, &cfg->models[i].params, cfg->models[i].model, err);
+            bool pending;
+            if ((s = model_input(p, &cfg->models[i], base, &in, &pending, err)) != LM_OK)
+                break;
+            if (pending)
+                p->pending_ft[p->n_pending - 1] = a->n_ft;
+            s = add_ft(p, a, in, &cfg->models[i].params, cfg->models[i].model, err);
         }
         return s;
     }
@@ -353,12 +406,20 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     a->base = ref >= 0 ? cfg->models[ref].model : base;
     p->models[0] = ref >= 0 ? &cfg->models[ref].params : NULL;
     p->names[0] = a->base;
+    if (ref >= 0 && strchr(cfg->models[ref].model, '+'))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': the first model of %s is the one the "
+                          "others are checked against: a LoRA on it is not supported (list a plain model first)",
+                          AT(cfg, cfg->models[ref].line, cfg->models[ref].col), cfg->models[ref].model, m->name);
     for (int i = 0; s == LM_OK && i < n; i++) {
         if (i == ref)
             continue;
         const char *in;
-        if ((s = model_input(p, &cfg->models[i], a->base, &in, err)) == LM_OK)
-            s = add_ft(p, a, in, &cfg->models[i].params, cfg->models[i].model, err);
+        bool pending;
+        if ((s = model_input(p, &cfg->models[i], a->base, &in, &pending, err)) != LM_OK)
+            break;
+        if (pending)
+            p->pending_ft[p->n_pending - 1] = a->n_ft;
+        s = add_ft(p, a, in, &cfg->models[i].params, cfg->models[i].model, err);
     }
     return s;
 }
@@ -506,6 +567,8 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
                                                                                                         : 0,
                               .base_is_model = models, .names = p->names};
     a->params = &p->mp;
+    if (p->n_pending > 0)
+        a->prepare_inputs = make_pending;
     return LM_OK;
 }
 
@@ -582,7 +645,8 @@ static void run_usage(FILE *out, const void *arg)
             "Usage: llmerge run CONFIG.yml -o OUT [options]\n"
             "\n"
             "Merges what a mergekit configuration file says: merge_method, base_model, models (each\n"
-            "model: PATH, ORG/NAME from the Hugging Face cache, or PATH+LORA with PATH the base),\n"
+            "model: PATH, ORG/NAME from the Hugging Face cache, or PATH+LORA: on another PATH than\n"
+            "the base, the adapter is merged into PATH once, in --cache-dir, and reused),\n"
             "parameters (numbers, gradients over the layers, {filter, value} lists; a model's own\n"
             "before the global ones), dtype, out_dtype, tokenizer_source, chat_template and\n"
             "random_seed, with mergekit's defaults (density 1, normalize and rescale per method). A\n"
@@ -600,8 +664,8 @@ static void run_usage(FILE *out, const void *arg)
             "  --device DEV           auto, cpu, cuda[:N], sim:SIZE, cuda-emu[:SIZE] (default auto)\n"
             "  --gpu-mem SIZE         most device memory to use (default: all free)\n"
             "  --threads N            CPU threads (default: all cores)\n"
-            "  --cache-dir DIR        where Hessians and masks are kept (no method of a\n"
-            "                         configuration keeps any yet)\n"
+            "  --cache-dir DIR        where PATH+LORA models are kept once made (default\n"
+            "                         $XDG_CACHE_HOME/llmerge)\n"
             "  --log-json FILE        one JSON object per event to FILE\n"
             "  -q, --quiet            nothing on stderr but errors\n"
             "  -v, --verbose          also the resolved settings and each input\n"
