@@ -196,6 +196,7 @@ static void note_unused(merge_run *r)
         {!use->gamma && a->given[OPT_GAMMA], "--gamma", "it drops no outliers"},
         {!use->epsilon && a->given[OPT_EPSILON], "--epsilon", "its keep probabilities do not vary by rank"},
         {!use->per_row && a->given[OPT_PER_ROW], "--per-row", "it takes each tensor as one vector"},
+        {!use->per_col && a->given[OPT_PER_COL], "--per-column", "it takes each tensor as one vector"},
         {!use->select_topk && a->given[OPT_SELECT_TOPK], "--select-topk", "it has no variance mask"},
         {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
         {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
@@ -467,6 +468,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->base_weight = models && a->weights ? a->weights[0] : 1.0;
     o->models_only = a->models_only;
     o->per_row = a->per_row;
+    o->per_col = a->per_col;
     o->select_topk = a->select_topk;
     o->t = a->t;
     o->max_iter = a->max_iter;
@@ -649,6 +651,8 @@ static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err 
         ok = ok && cJSON_AddBoolToObject(opt, "models_only", o->models_only);
     if (u->per_row)
         ok = ok && cJSON_AddBoolToObject(opt, "per_row", o->per_row);
+    if (u->per_col)
+        ok = ok && cJSON_AddBoolToObject(opt, "per_column", o->per_col);
     if (u->iter)
         ok = ok && cJSON_AddNumberToObject(opt, "max_iter", o->max_iter) && cJSON_AddNumberToObject(opt, "tol", o->tol);
     cJSON *arr;

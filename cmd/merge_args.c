@@ -27,6 +27,7 @@ merge_uses lm_merge_uses(const lm_method *m)
         .gamma = m->outliers,
         .epsilon = m->della,
         .per_row = m->rows_ok,
+        .per_col = m->cols_ok,
         .select_topk = m->sce,
         .iter = m->reads_iter,
         .models_only = m->input == LM_METHOD_EITHER,
@@ -82,6 +83,7 @@ const lm_opt lm_merge_opt_defs[] = {
     {"epsilon", 0, true, OPT_EPSILON},
     {"per-row", 0, false, OPT_PER_ROW},
     {"select-topk", 0, true, OPT_SELECT_TOPK},
+    {"per-column", 0, false, OPT_PER_COL},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
@@ -192,7 +194,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --strict               refuse a full FT holding a tensor the base does not have\n"
             "                         (default: such a tensor is left out, with a warning)\n"
             "  -h, --help             this help\n"
-            "%s%s%s%s%s%s%s%s%s"
+            "%s%s%s%s%s%s%s%s%s%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
@@ -212,7 +214,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         first file for all\n"
             "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
             "                         later batch there too (default: try the device again)\n",
-            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon || u.per_row || u.select_topk)
+            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon || u.per_row || u.per_col || u.select_topk)
                 ? "" : "\nOptions of this method:\n",
             !u.t ? "" :
             "  --t T                  the position between the base (0) and the FT (1) for slerp,\n"
@@ -236,6 +238,9 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --per-row              each row of a matrix its own vector with its own coefficients\n"
             "                         (mergekit's nuslerp_flatten: false, model_stock's filter_wise:\n"
             "                         true), rather than the whole tensor\n",
+            !u.per_col ? "" :
+            "  --per-column           each column of a matrix its own vector (mergekit's\n"
+            "                         nuslerp_row_wise: true with nuslerp_flatten: false)\n",
             !u.select_topk ? "" :
             "  --select-topk P        the fraction of the entries of nonzero variance across the FTs\n"
             "                         kept, those of largest variance (default 1: all)\n");
@@ -555,6 +560,9 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
         return LM_OK;
     case OPT_PER_ROW:
         a->per_row = true;
+        return LM_OK;
+    case OPT_PER_COL:
+        a->per_col = true;
         return LM_OK;
     case OPT_SELECT_TOPK:
         if (is_setting(v) || strchr(v, ','))

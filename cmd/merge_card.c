@@ -131,6 +131,8 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         argv[c++] = "--models-only";
     if (u->per_row && o->per_row)
         argv[c++] = "--per-row";
+    if (u->per_col && o->per_col)
+        argv[c++] = "--per-column";
     argv[c++] = operand_word(a->base, base_w, sizeof base_w);
     for (int i = 0; i < n; i++)
         argv[c++] = operand_word(a->fts[i], ft_w[i], sizeof ft_w[i]);

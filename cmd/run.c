@@ -327,9 +327,9 @@ static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merg
     const lm_pval *rw = global_value(cfg, "nuslerp_row_wise");
     if ((v = global_value(cfg, "nuslerp_flatten")) && v->num == 0) {
         if (rw && rw->num != 0)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: nuslerp_row_wise: true (a slerp per column) is not "
-                              "supported yet", AT(cfg, rw->line, rw->col));
-        a->per_row = true;
+            a->per_col = true;
+        else
+            a->per_row = true;
     }
     if ((v = global_value(cfg, "filter_wise")) && v->num != 0)
         a->per_row = true;

@@ -322,6 +322,18 @@ lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows
     return d->iface->row_dot(d, x, y, rows, cols, out, err);
 }
 
+lm_status lm_dev_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
+                         lm_err *err)
+{
+    return d->iface->col_dot(d, x, y, rows, cols, acc, err);
+}
+
+lm_status lm_dev_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                           int64_t cols, lm_err *err)
+{
+    return d->iface->col_axpby(d, y, a, x, b, rows, cols, err);
+}
+
 lm_status lm_dev_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
                          lm_err *err)
 {

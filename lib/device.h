@@ -239,6 +239,17 @@ lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *e
 lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
                          lm_err *err);
 
+// acc[c] += Σ_r x[r, c]·y[r, c] for each column c of two rows × cols matrices: each product in
+// double added to acc[c] row after row, in row order, so a caller that goes through a tensor's
+// rows in order gets the same bits however they were split. acc is host memory (cols values).
+lm_status lm_dev_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
+                         lm_err *err);
+
+// y[r, c] = a[c]·y[r, c] + b[c]·x[r, c] for each column c (a, b host arrays of cols values), in
+// float32 as lm_dev_axpby computes each element (x may equal y).
+lm_status lm_dev_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                           int64_t cols, lm_err *err);
+
 // key[j] = the variance of the n_models values τ_0[j], ..., τ_{k-1}[j] and n_models − k zeros
 // (the models that do not change the tensor): Σ (x − mean)² / n_models, mean = Σ x / n_models,
 // in double, rounded to float32 (sce's selection key). taus is a host array of k device pointers.

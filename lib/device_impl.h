@@ -57,6 +57,10 @@ typedef struct lm_dev_i {
     lm_status (*row_dot)(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
                          lm_err *err);
     lm_status (*nearswap)(lm_dev *d, float *x, int64_t n, float t, lm_err *err);
+    lm_status (*col_dot)(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
+                         lm_err *err);
+    lm_status (*col_axpby)(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                           int64_t cols, lm_err *err);
     lm_status (*tau_var)(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
                          lm_err *err);
     lm_status (*row_axpby)(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,

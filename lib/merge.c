@@ -87,6 +87,10 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
                           o->base_weight);
     if (o->per_row && !m->rows_ok)
         return lm_err_set(err, LM_ERR_USAGE, "--per-row: %s takes each tensor as one vector", m->name);
+    if (o->per_col && !m->cols_ok)
+        return lm_err_set(err, LM_ERR_USAGE, "--per-column: %s takes each tensor as one vector", m->name);
+    if (o->per_col && o->per_row)
+        return lm_err_set(err, LM_ERR_USAGE, "--per-row and --per-column: one or the other");
     if (m->sce && !isfinite(o->select_topk))
         return lm_err_set(err, LM_ERR_USAGE, "--select-topk %g is not a finite number", o->select_topk);
     if (m->reads_t && !isfinite(o->t))

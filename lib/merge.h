@@ -95,6 +95,9 @@ typedef struct lm_merge_opts {
     // (mergekit's nuslerp_flatten: false, model_stock's filter_wise: true), rather than the
     // whole tensor; a vector is one row either way
     bool per_row;
+    // nuslerp: each column of a matrix is its own vector (mergekit's nuslerp_flatten: false with
+    // nuslerp_row_wise: true); a vector is one either way
+    bool per_col;
     double select_topk;       // sce: the fraction of the entries of nonzero variance kept (1: all)
     int max_iter;             // karcher: most iterations (mergekit's default 10)
     double tol;               // karcher: convergence tolerance (1e-5)

@@ -10,11 +10,14 @@
 #include "signals.h"
 
 // acc += Σ_r x[r, :]·y[r, :] over the slab's rows, added in row order (rows[] is scratch); with
-// per_row, each row's sum also goes to per_row[r · stride] (the row's Gram matrix entry).
+// per_row, each row's sum also goes to per_row[r · stride] (the row's Gram matrix entry); with
+// per_col, each column's sum is added to per_col[c] (lm_dev_col_dot).
 static lm_status add_dot(engine *e, wset *ws, const float *x, const float *y, int64_t nr, int64_t cols, double *rows,
-                         double *acc, double *per_row, int64_t stride)
+                         double *acc, double *per_row, int64_t stride, double *per_col)
 {
-    lm_status s = lm_dev_row_dot(ws->dev, x, y, nr, cols, rows, e->err);
+    lm_status s = per_col ? lm_dev_col_dot(ws->dev, x, y, nr, cols, per_col, e->err) : LM_OK;
+    if (s == LM_OK)
+        s = lm_dev_row_dot(ws->dev, x, y, nr, cols, rows, e->err);
     for (int64_t r = 0; s == LM_OK && r < nr; r++) {
         *acc += rows[r];
         if (per_row)
@@ -29,7 +32,7 @@ static lm_status add_dot(engine *e, wset *ws, const float *x, const float *y, in
 // tensor is cut into slabs (lm_dev_row_dot). When the tensor is one slab its base values and τ
 // stay in the buffers (*have_slab).
 static lm_status gram_pass(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, int64_t slab_rows,
-                           double *g, double *grows, bool *have_slab)
+                           double *g, double *grows, double *const *gcols, bool *have_slab)
 {
     int s1 = e->o->n_ft + 1;
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
@@ -47,16 +50,19 @@ static lm_status gram_pass(engine *e, wset *ws, const lm_st_tensor *bt, part *pa
         int64_t st = (int64_t)s1 * s1;  // a row's Gram matrix, in grows
         double *gr = grows ? grows + r0 * st : NULL;
         if ((s = lm_eng_load_base(e, ws, bt, r0, nr)) != LM_OK ||
-            (s = add_dot(e, ws, ws->base_buf, ws->base_buf, nr, cols, row, &g[0], gr, st)) != LM_OK)
+            (s = add_dot(e, ws, ws->base_buf, ws->base_buf, nr, cols, row, &g[0], gr, st, gcols ? gcols[0] : NULL)) !=
+                LM_OK)
             break;
         for (int i = 0; s == LM_OK && i < k; i++)
             s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
         for (int i = 0; s == LM_OK && i < k; i++) {
             int a = 1 + parts[i].ft;
-            s = add_dot(e, ws, ws->base_buf, parts[i].tau, nr, cols, row, &g[a], gr ? gr + a : NULL, st);
+            s = add_dot(e, ws, ws->base_buf, parts[i].tau, nr, cols, row, &g[a], gr ? gr + a : NULL, st,
+                        gcols ? gcols[a] : NULL);
             for (int j = 0; s == LM_OK && j <= i; j++) {
                 int b = a * s1 + 1 + parts[j].ft;
-                s = add_dot(e, ws, parts[i].tau, parts[j].tau, nr, cols, row, &g[b], gr ? gr + b : NULL, st);
+                s = add_dot(e, ws, parts[i].tau, parts[j].tau, nr, cols, row, &g[b], gr ? gr + b : NULL, st,
+                            gcols ? gcols[b] : NULL);
             }
         }
         if (!one_slab)
@@ -79,14 +85,15 @@ static lm_status gram_pass(engine *e, wset *ws, const lm_st_tensor *bt, part *pa
 }
 
 // The merge pass with coefficients per row: θ[r] = a[r]·θ_b[r] + Σ_i c_i[r]·τ_i[r] (c[i] the
-// coefficients of parts[i], rows values each), every τ made in its buffer (a LoRA's too). With
-// have_slab the tensor is one slab whose base and τ are in the buffers already.
+// coefficients of parts[i], rows values each), or per column with by_col (cols values each),
+// every τ made in its buffer (a LoRA's too). With have_slab the tensor is one slab whose base
+// and τ are in the buffers already.
 static lm_status merge_rows(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
-                            part *parts, int k, int64_t slab_rows, bool have_slab, const float *a, float *const *c,
-                            XXH64_state_t *hash)
+                            part *parts, int k, int64_t slab_rows, bool have_slab, bool by_col, const float *a,
+                            float *const *c, XXH64_state_t *hash)
 {
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
-    int64_t cap = slab_rows < rows ? slab_rows : rows;
+    int64_t cap = by_col ? cols : slab_rows < rows ? slab_rows : rows;
     float *zero = calloc((size_t)cap, sizeof *zero), *one = malloc((size_t)cap * sizeof *one);
     lm_status s = zero && one ? LM_OK : lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
     for (int64_t r = 0; one && r < cap; r++)
@@ -101,10 +108,13 @@ static lm_status merge_rows(engine *e, wset *ws, int64_t idx, const lm_st_desc *
             s = lm_eng_load_base(e, ws, bt, r0, nr);
         for (int i = 0; s == LM_OK && !have_slab && i < k; i++)
             s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
-        if (s == LM_OK)  // a·θ_b + 0·θ_b, then each part added in
-            s = lm_dev_row_axpby(ws->dev, ws->base_buf, a + r0, ws->base_buf, zero, nr, cols, e->err);
+        // a·θ_b + 0·θ_b, then each part added in
+        if (s == LM_OK)
+            s = by_col ? lm_dev_col_axpby(ws->dev, ws->base_buf, a, ws->base_buf, zero, nr, cols, e->err)
+                       : lm_dev_row_axpby(ws->dev, ws->base_buf, a + r0, ws->base_buf, zero, nr, cols, e->err);
         for (int i = 0; s == LM_OK && i < k; i++)
-            s = lm_dev_row_axpby(ws->dev, ws->base_buf, one, parts[i].tau, c[i] + r0, nr, cols, e->err);
+            s = by_col ? lm_dev_col_axpby(ws->dev, ws->base_buf, one, parts[i].tau, c[i], nr, cols, e->err)
+                       : lm_dev_row_axpby(ws->dev, ws->base_buf, one, parts[i].tau, c[i] + r0, nr, cols, e->err);
         if (s == LM_OK)
             s = lm_eng_write_slab(e, ws, idx, desc->dtype, ws->base_buf, cnt, (uint64_t)(r0 * cols) * esize(desc->dtype),
                                   hash);
@@ -116,13 +126,14 @@ static lm_status merge_rows(engine *e, wset *ws, int64_t idx, const lm_st_desc *
     return s;
 }
 
-// Each row's coefficients from its Gram matrix (grows), then the per-row merge pass.
+// Each row's coefficients from its Gram matrix (grows, rows of them), or with by_col each
+// column's (grows, cols of them), then the merge pass per row or column.
 static lm_status coef_rows(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
-                           part *parts, int k, int64_t slab_rows, bool have_slab, const double *grows,
+                           part *parts, int k, int64_t slab_rows, bool have_slab, bool by_col, const double *grows,
                            const bool *present, XXH64_state_t *hash)
 {
     int n = e->o->n_ft, s1 = n + 1;
-    int64_t rows = tensor_rows(bt);
+    int64_t rows = by_col ? bt->numel / tensor_rows(bt) : tensor_rows(bt);
     float *a = malloc((size_t)rows * sizeof *a), **c = calloc((size_t)(k ? k : 1), sizeof *c);
     double *cd = calloc((size_t)n + 1, sizeof *cd);
     lm_status s = a && c && cd ? LM_OK : lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
@@ -140,7 +151,7 @@ static lm_status coef_rows(engine *e, wset *ws, int64_t idx, const lm_st_desc *d
             c[i][r] = (float)cd[parts[i].ft];
     }
     if (s == LM_OK)
-        s = merge_rows(e, ws, idx, desc, bt, parts, k, slab_rows, have_slab, a, c, hash);
+        s = merge_rows(e, ws, idx, desc, bt, parts, k, slab_rows, have_slab, by_col, a, c, hash);
     for (int i = 0; c && i < k; i++)
         free(c[i]);
     free(c);
@@ -166,24 +177,42 @@ lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *
             e->coef[parts[i].ft] = 1.0f;
         return lm_eng_merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, false, hash);
     }
-    // per row: a Gram matrix for each row of a matrix (a vector is one row: the whole tensor)
+    // per row (per column): a Gram matrix for each row (column) of a matrix; a vector is one
     bool per_row = e->o->per_row && e->m->rows_ok && bt->ndim == 2;
-    int64_t rows = tensor_rows(bt);
-    double *g = e->m->gram ? calloc((size_t)(n + 1) * (size_t)(n + 1), sizeof *g) : NULL;
-    double *grows = per_row ? calloc((size_t)rows * (size_t)(n + 1) * (size_t)(n + 1), sizeof *grows) : NULL;
+    bool per_col = e->o->per_col && e->m->cols_ok && bt->ndim == 2;
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows, groups = per_col ? cols : rows;
+    size_t st = (size_t)(n + 1) * (size_t)(n + 1);
+    double *g = e->m->gram ? calloc(st, sizeof *g) : NULL;
+    double *grows = per_row || per_col ? calloc((size_t)groups * st, sizeof *grows) : NULL;
+    double **gcols = per_col ? calloc(st, sizeof *gcols) : NULL;  // each entry's column sums
     double *c = calloc((size_t)n + 1, sizeof *c);
     bool *present = calloc((size_t)n + 1, sizeof *present);
-    if ((e->m->gram && !g) || (per_row && !grows) || !c || !present) {
+    bool nomem = (e->m->gram && !g) || ((per_row || per_col) && !grows) || (per_col && !gcols) || !c || !present;
+    for (size_t q = 0; !nomem && per_col && q < st; q++)
+        nomem = !(gcols[q] = calloc((size_t)cols, sizeof *gcols[q]));
+    if (nomem) {
         s = lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
         goto done;
     }
     // A part's τ mirrors to 0 where it has none: an FT that does not change the tensor.
-    if (e->m->gram && (s = gram_pass(e, ws, bt, parts, k, slab_rows, g, grows, &have_slab)) != LM_OK)
+    if (e->m->gram && (s = gram_pass(e, ws, bt, parts, k, slab_rows, g, per_row ? grows : NULL, gcols, &have_slab)) !=
+                          LM_OK)
         goto done;
     for (int i = 0; i < n; i++)
         present[i] = e->fts[i]->adapter || lm_model_find(e->fts[i]->model, bt->name);
-    if (per_row) {
-        s = coef_rows(e, ws, idx, desc, bt, parts, k, slab_rows, have_slab, grows, present, hash);
+    if (per_col) {  // each column's matrix from the entries' column sums, mirrored
+        int s1 = n + 1;
+        for (int64_t col = 0; col < cols; col++) {
+            double *m = grows + (size_t)col * st;
+            for (int a = 0; a < s1; a++)
+                for (int b = 0; b <= a; b++) {
+                    double v = gcols[b == 0 ? a : a * s1 + b][col];
+                    m[a * s1 + b] = m[b * s1 + a] = v;
+                }
+        }
+    }
+    if (per_row || per_col) {
+        s = coef_rows(e, ws, idx, desc, bt, parts, k, slab_rows, have_slab, per_col, grows, present, hash);
         goto done;
     }
     lm_coef_in in = {.o = e->o, .tp = &e->tp, .tensor = bt->name, .numel = bt->numel, .n = n, .present = present,
@@ -204,6 +233,9 @@ lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *
 done:
     free(g);
     free(grows);
+    for (size_t q = 0; gcols && q < st; q++)
+        free(gcols[q]);
+    free(gcols);
     free(c);
     free(present);
     return s;

@@ -105,6 +105,7 @@ typedef struct lm_method {
     lm_status (*coeffs)(const lm_coef_in *in, double *a, double *c, lm_err *err);
     bool gram;               // coeffs reads in->gram (LM_STAT_GRAM)
     bool rows_ok;            // o->per_row: coeffs per row of a matrix, from that row's Gram matrix
+    bool cols_ok;            // o->per_col: the same per column
     // the command line
     // the vectors it interpolates, at least and at most (0: any): the FTs, and the base where it
     // is one of the models (LM_METHOD_MODELS, or LM_METHOD_EITHER with o->models_only)

@@ -859,6 +859,44 @@ static void h_row_dot_near(harness *h, int64_t rows, int64_t cols)
         if (dk && DEV_OK(h, lm_dev_tau_var(h->dev, dk, dv, 2, 3, n, &h->err)) && get(h, got, dk, (size_t)n * 4))
             CHECK_MSG(same_bits(got, want, n), "tau_var n=%lld on %s differs", (long long)n, lm_dev_name(h->dev));
         lm_dev_buf_free(h->dev, dk);
+        // col_dot adds to running sums down the rows; col_axpby scales by column
+        double *cw = hmalloc((size_t)cols * 8), *cg = hmalloc((size_t)cols * 8);
+        for (int64_t c = 0; c < cols; c++)
+            cw[c] = cg[c] = 0.5 * (double)c;
+        CHECK_OK(lm_dev_col_dot(h->cpu, x, y, rows, cols, cw, &h->err), &h->err);
+        bad = 0;
+        for (int64_t c = 0; c < cols; c++) {
+            double s = 0.5 * (double)c;
+            for (int64_t r = 0; r < rows; r++)
+                s += (double)x[r * cols + c] * (double)y[r * cols + c];
+            bad += s != cw[c];
+        }
+        CHECK_MSG(bad == 0, "col_dot %lldx%lld on cpu: %lld sums differ", (long long)rows, (long long)cols,
+                  (long long)bad);
+        if (dx && DEV_OK(h, lm_dev_col_dot(h->dev, dx, dy, rows, cols, cg, &h->err)))
+            CHECK_MSG(memcmp(cg, cw, (size_t)cols * 8) == 0, "col_dot %lldx%lld on %s: not the cpu's sums",
+                      (long long)rows, (long long)cols, lm_dev_name(h->dev));
+        float *ca = hmalloc((size_t)cols * 4), *cb = hmalloc((size_t)cols * 4);
+        for (int64_t c = 0; c < cols; c++) {
+            ca[c] = (float)(c % 3) - 1.5f;
+            cb[c] = 0.125f * (float)(c % 7);
+        }
+        memcpy(want, y, (size_t)n * 4);
+        CHECK_OK(lm_dev_col_axpby(h->cpu, want, ca, x, cb, rows, cols, &h->err), &h->err);
+        bad = 0;
+        for (int64_t i = 0; i < n; i++)
+            bad += lm_f32_bits(want[i]) != lm_f32_bits(ca[i % cols] * y[i] + cb[i % cols] * x[i]);
+        CHECK_MSG(bad == 0, "col_axpby on cpu: %lld values differ from the formula", (long long)bad);
+        float *dy3 = put(h, y, (size_t)n * 4);
+        if (dx && dy3 && DEV_OK(h, lm_dev_col_axpby(h->dev, dy3, ca, dx, cb, rows, cols, &h->err)) &&
+            get(h, got, dy3, (size_t)n * 4))
+            CHECK_MSG(same_bits(got, want, n), "col_axpby %lldx%lld on %s differs", (long long)rows, (long long)cols,
+                      lm_dev_name(h->dev));
+        lm_dev_buf_free(h->dev, dy3);
+        free(ca);
+        free(cb);
+        free(cw);
+        free(cg);
         free(ra);
         free(rb);
         free(want);

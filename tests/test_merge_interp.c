@@ -723,6 +723,53 @@ static void test_per_row(void)
         g_device = NULL;
         lm_st_close(st);
     }
+    // nuslerp per column (mergekit's nuslerp_row_wise): each column of a matrix its own vector
+    {
+        inputs sub = in;
+        sub.n = 2;
+        lm_merge_opts o = interp_opts(LM_MERGE_NUSLERP, &sub, w, 1);
+        o.per_col = true;
+        o.slab_elems = 20;
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, d, NULL);
+        for (int t = 0; st && t < NT; t++) {
+            const tensor *b = &f.base.t[t];
+            int64_t rows = b->ndim == 2 ? b->shape[0] : 1, cols = b->n / rows;
+            double *x[2];
+            vectors(&f, &sub, t, false, x);
+            double *exp = malloc((size_t)b->n * sizeof *exp), *mag = scale_of(&f, &sub, t, 1);
+            double *v0 = malloc((size_t)rows * sizeof *v0), *v1 = malloc((size_t)rows * sizeof *v1),
+                   *o1 = malloc((size_t)rows * sizeof *o1);
+            for (int64_t c = 0; c < (b->ndim == 2 ? cols : 1); c++) {
+                int64_t len = b->ndim == 2 ? rows : b->n, step = b->ndim == 2 ? cols : 1;
+                double *c0 = realloc(v0, (size_t)len * sizeof *c0), *c1 = realloc(v1, (size_t)len * sizeof *c1),
+                       *co = realloc(o1, (size_t)len * sizeof *co);
+                v0 = c0, v1 = c1, o1 = co;
+                for (int64_t r = 0; r < len; r++) {
+                    v0[r] = x[0][c + r * step];
+                    v1[r] = x[1][c + r * step];
+                }
+                nuslerp_ref(0.75, v0, v1, len, o1);
+                for (int64_t r = 0; r < len; r++)
+                    exp[c + r * step] = o1[r] + b->v[c + r * step];
+            }
+            check_values(st, b->name, exp, mag, b->n);
+            free(v0);
+            free(v1);
+            free(o1);
+            free(exp);
+            free(mag);
+            free_vecs(x, 2);
+        }
+        const char *devices[] = {"sim:64MiB", "sim:600", "cuda-emu:600"};
+        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
+            g_device = devices[v];
+            lm_st_file *st2 = run_merge(f.root, &o, f.base_dir, d, NULL);
+            CHECK_MSG(same_output(st, st2), "nuslerp per column on %s differs from the cpu's", devices[v]);
+            lm_st_close(st2);
+        }
+        g_device = NULL;
+        lm_st_close(st);
+    }
     // a method that takes each tensor whole refuses it
     lm_merge_opts o = interp_opts(LM_MERGE_SLERP, &in, w, 1);
     o.n_ft = 1;

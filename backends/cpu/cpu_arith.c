@@ -410,6 +410,61 @@ lm_status cpu_row_axpby(lm_dev *d, float *y, const float *a, const float *x, con
     return LM_OK;
 }
 
+// Columns in tasks of COL_TASK; each column's sum goes down its rows in order.
+#define COL_TASK 256
+
+typedef struct col_job {
+    float *y;
+    const float *a, *x, *b, *xd, *yd;
+    double *acc;
+    int64_t rows, cols;
+} col_job;
+
+static void col_dot_task(void *ctx, int64_t t)
+{
+    col_job *j = ctx;
+    int64_t c0 = t * COL_TASK, c1 = c0 + COL_TASK < j->cols ? c0 + COL_TASK : j->cols;
+    for (int64_t r = 0; r < j->rows; r++) {
+        const float *x = j->xd + r * j->cols, *y = j->yd + r * j->cols;
+        for (int64_t c = c0; c < c1; c++)
+            j->acc[c] += (double)x[c] * (double)y[c];
+    }
+}
+
+lm_status cpu_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
+                      lm_err *err)
+{
+    (void)err;
+    col_job j = {.xd = x, .yd = y, .acc = acc, .rows = rows, .cols = cols};
+    lm_pool_run(pool_of(d), (cols + COL_TASK - 1) / COL_TASK, col_dot_task, &j);
+    return LM_OK;
+}
+
+static void col_axpby_task(void *ctx, int64_t t)
+{
+    col_job *j = ctx;
+    int64_t per = (BLOCK + j->cols - 1) / j->cols;
+    int64_t r1 = (t + 1) * per < j->rows ? (t + 1) * per : j->rows;
+    for (int64_t r = t * per; r < r1; r++) {
+        float *y = j->y + r * j->cols;
+        const float *x = j->x + r * j->cols;
+        for (int64_t c = 0; c < j->cols; c++)
+            y[c] = j->a[c] * y[c] + j->b[c] * x[c];
+    }
+}
+
+lm_status cpu_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                        int64_t cols, lm_err *err)
+{
+    (void)err;
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    int64_t per = (BLOCK + cols - 1) / cols;
+    col_job j = {.y = y, .a = a, .x = x, .b = b, .rows = rows, .cols = cols};
+    lm_pool_run(pool_of(d), (rows + per - 1) / per, col_axpby_task, &j);
+    return LM_OK;
+}
+
 lm_status cpu_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
 {
     (void)err;

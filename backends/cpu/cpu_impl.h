@@ -128,6 +128,10 @@ lm_status cpu_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, i
                       lm_err *err);
 lm_status cpu_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err);
 lm_status cpu_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n, lm_err *err);
+lm_status cpu_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
+                      lm_err *err);
+lm_status cpu_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                        int64_t cols, lm_err *err);
 lm_status cpu_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                         int64_t cols, lm_err *err);
 lm_status cpu_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first, double p_lo,

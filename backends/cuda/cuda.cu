@@ -1091,6 +1091,38 @@ static lm_status cuda_tau_var(lm_dev *d, float *key, const float *const *taus, i
     return lm_cuda_tau_var(key, taus, k, n_models, n, ctx_of(d)->stream, err);
 }
 
+// The running sums go to device scratch, are added to there and come home.
+static lm_status cuda_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
+                              lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    size_t bytes = (size_t)cols * sizeof(double);
+    if ((s = scratch_reserve(d, bytes, err)) != LM_OK || (s = lm_dev_upload(d, c->scratch, acc, bytes, err)) != LM_OK ||
+        (s = lm_cuda_col_dot((double *)c->scratch, x, y, rows, cols, c->stream, err)) != LM_OK)
+        return s;
+    return copy_home(c, acc, c->scratch, bytes, err);
+}
+
+// The column factors go to device scratch first (2 × cols floats).
+static lm_status cuda_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                                int64_t cols, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    size_t bytes = (size_t)cols * sizeof(float);
+    if ((s = scratch_reserve(d, 2 * bytes, err)) != LM_OK)
+        return s;
+    float *da = (float *)c->scratch, *db = da + cols;
+    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
+        return s;
+    return lm_cuda_col_axpby(y, da, x, db, rows, cols, c->stream, err);
+}
+
 // The row factors go to device scratch first (2 × rows floats).
 static lm_status cuda_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                                 int64_t cols, lm_err *err)
@@ -1216,6 +1248,8 @@ static lm_dev_i make_iface(void)
     i.row_dot = cuda_row_dot;
     i.nearswap = cuda_nearswap;
     i.row_axpby = cuda_row_axpby;
+    i.col_dot = cuda_col_dot;
+    i.col_axpby = cuda_col_axpby;
     i.tau_var = cuda_tau_var;
     i.della_drop = cuda_della_drop;
     i.combine = cuda_combine;

@@ -165,6 +165,14 @@ lm_status lm_cuda_della_drop(float *d_x, int32_t *d_rank, int64_t rows, int64_t 
 lm_status lm_cuda_tau_var(float *d_key, const float *const *d_tau, int k, int n_models, int64_t n, void *stream,
                           lm_err *err);
 
+// lm_dev_col_dot with the sums (cols doubles) in device memory, added to in place.
+lm_status lm_cuda_col_dot(double *d_acc, const float *d_x, const float *d_y, int64_t rows, int64_t cols, void *stream,
+                          lm_err *err);
+
+// lm_dev_col_axpby with the column factors in device memory.
+lm_status lm_cuda_col_axpby(float *d_y, const float *d_a, const float *d_x, const float *d_b, int64_t rows,
+                            int64_t cols, void *stream, lm_err *err);
+
 // lm_dev_row_axpby with the row factors in device memory.
 lm_status lm_cuda_row_axpby(float *d_y, const float *d_a, const float *d_x, const float *d_b, int64_t rows,
                             int64_t cols, void *stream, lm_err *err);

@@ -56,6 +56,52 @@ __global__ void k_row_axpby(float *y, const float *a, const float *x, const floa
     }
 }
 
+// acc[c] += Σ_r x[r, c]·y[r, c] in row order: one thread per column.
+__global__ void k_col_dot(double *acc, const float *x, const float *y, int64_t rows, int64_t cols)
+{
+    for (int64_t c = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; c < cols; c += (int64_t)gridDim.x * blockDim.x) {
+        double s = acc[c];
+        for (int64_t r = 0; r < rows; r++)
+            s += (double)x[r * cols + c] * (double)y[r * cols + c];
+        acc[c] = s;
+    }
+}
+
+// y[r, c] = a[c]·y[r, c] + b[c]·x[r, c] (a, b device arrays of cols floats).
+__global__ void k_col_axpby(float *y, const float *a, const float *x, const float *b, int64_t rows, int64_t cols)
+{
+    int64_t n = rows * cols;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t c = i % cols;
+        y[i] = a[c] * y[i] + b[c] * x[i];
+    }
+}
+
+extern "C" lm_status lm_cuda_col_dot(double *d_acc, const float *d_x, const float *d_y, int64_t rows, int64_t cols,
+                                     void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    k_col_dot<<<lm_cuda_grid(cols, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_acc, d_x, d_y, rows, cols);
+    CUDA_LAUNCHED("k_col_dot");
+fail:
+    return status;
+}
+
+extern "C" lm_status lm_cuda_col_axpby(float *d_y, const float *d_a, const float *d_x, const float *d_b, int64_t rows,
+                                       int64_t cols, void *stream, lm_err *err)
+{
+    lm_status status = LM_OK;
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    k_col_axpby<<<lm_cuda_grid(rows * cols, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_y, d_a, d_x, d_b, rows,
+                                                                                          cols);
+    CUDA_LAUNCHED("k_col_axpby");
+fail:
+    return status;
+}
+
 extern "C" lm_status lm_cuda_row_axpby(float *d_y, const float *d_a, const float *d_x, const float *d_b, int64_t rows,
                                        int64_t cols, void *stream, lm_err *err)
 {
@@ -1031,6 +1077,8 @@ LM_CUDA_PRELOAD(k_l1_blocks);
 LM_CUDA_PRELOAD(k_row_dot);
 LM_CUDA_PRELOAD(k_nearswap);
 LM_CUDA_PRELOAD(k_row_axpby);
+LM_CUDA_PRELOAD(k_col_dot);
+LM_CUDA_PRELOAD(k_col_axpby);
 LM_CUDA_PRELOAD(k_tau_var);
 LM_CUDA_PRELOAD(k_row_rank);
 LM_CUDA_PRELOAD(k_della_apply);

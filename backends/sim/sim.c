@@ -460,6 +460,26 @@ static lm_status sim_tau_var(lm_dev *d, float *key, const float *const *taus, in
     return cpu_of(d)->iface->tau_var(cpu_of(d), key, taus, k, n_models, n, err);
 }
 
+static lm_status sim_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
+                             lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "col_dot", err)) || (s = need_n(d, "x", x, rows * cols, 32, err)) ||
+        (s = need_n(d, "y", y, rows * cols, 32, err)) || (s = host(d, "acc", acc, err)))
+        return s;
+    return cpu_of(d)->iface->col_dot(cpu_of(d), x, y, rows, cols, acc, err);
+}
+
+static lm_status sim_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                               int64_t cols, lm_err *err)
+{
+    lm_status s;
+    if ((s = begin(d, "col_axpby", err)) || (s = need_n(d, "y", y, rows * cols, 32, err)) ||
+        (s = need_n(d, "x", x, rows * cols, 32, err)) || (s = host(d, "a", a, err)) || (s = host(d, "b", b, err)))
+        return s;
+    return cpu_of(d)->iface->col_axpby(cpu_of(d), y, a, x, b, rows, cols, err);
+}
+
 static lm_status sim_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                                int64_t cols, lm_err *err)
 {
@@ -545,6 +565,8 @@ static const lm_dev_i sim_iface = {
     .row_dot = sim_row_dot,
     .nearswap = sim_nearswap,
     .row_axpby = sim_row_axpby,
+    .col_dot = sim_col_dot,
+    .col_axpby = sim_col_axpby,
     .tau_var = sim_tau_var,
     .della_drop = sim_della_drop,
     .combine = sim_combine,

@@ -50,6 +50,7 @@ const lm_method lm_method_nuslerp = {
     .coeffs = nuslerp_coeffs,
     .gram = true,
     .rows_ok = true,
+    .cols_ok = true,
     .min_inputs = 2,
     .max_inputs = 2,
 };
