@@ -244,8 +244,9 @@ typedef struct lm_merge_need {
     int64_t touched_elems;  // elements of each buffer it writes: slab_elems, or on the CPU with
                             // fused passes only the selection's sample (0 without one)
     bool one_slab;          // the whole tensor in one slab
-    uint64_t ws_bytes;      // the unit's working set: base and one τ per part as float32 and,
-                            // on a device without host memory, the staging and output buffers
+    uint64_t ws_bytes;      // the unit's working set: base and one τ per part as float32, on a
+                            // device without host memory the staging and output buffers, and
+                            // sce's variances and della's ranks
     uint64_t mag_bytes;     // DoRA magnitude buffer (the largest part's), or 0
     uint64_t mapped_bytes;  // input pages mapped at once while it runs (the KEEP_MAPPED rule)
     uint64_t hist_alloc;    // lm_eng_select_tensor's histogram block (ties, --topk tensor), allocated

@@ -52,14 +52,18 @@ int64_t lm_eng_slab_cnt(const engine *e, const lm_dev *dev, const lm_st_tensor *
 
 // What a unit's working set on dev holds for tensor bt and its parts: the base's slab and a τ
 // slab per part, sparsegpt's importance slab (and, without host memory, a copy of U_cc²) per
-// part with a Hessian, and without host memory the input and output staging.
+// part with a Hessian, without host memory the input and output staging, and what sce's and
+// della's passes take beside them.
 void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k, ws_size *z)
 {
     int64_t cnt = lm_eng_slab_cnt(e, dev, bt, parts, k);
     *z = (ws_size){.cap = cnt, .n_tau = k};
     for (int i = 0; i < k; i++)
         z->n_key += parts[i].ucc2 != NULL;
-    z->n_key += e->m->sce && k > 0;  // sce's slab of variances (merge_sce.c allocates it)
+    if (e->m->sce && k > 0)  // the slab of variances merge_sce.c allocates
+        z->extra_bytes += (size_t)cnt * sizeof(float);
+    if (e->m->della && !lm_dev_host_memory(dev))  // della_drop's ranks in device scratch
+        z->extra_bytes += (size_t)cnt * sizeof(int32_t);
     if (!lm_dev_host_memory(dev)) {
         z->ucc2_cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
         z->stage_bytes = lm_eng_stage_need(bt, parts, k, cnt);
@@ -202,7 +206,8 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     for (int i = 0; i < k; i++)
         need->part_mask |= 1ull << (parts[i].ft < 63 ? parts[i].ft : 63);
     // the base's and the parts' slabs, and the staging (sparsegpt's buffers: plan_importance)
-    need->ws_bytes = (uint64_t)cnt * sizeof(float) * (uint64_t)(1 + z.n_tau) + z.stage_bytes + z.out_bytes;
+    need->ws_bytes =
+        (uint64_t)cnt * sizeof(float) * (uint64_t)(1 + z.n_tau) + z.stage_bytes + z.out_bytes + z.extra_bytes;
     // The fused passes write the buffers only at the first slab's sample (hist_dense), and
     // the whole slab only when the sample's window misses the threshold; --topk global's
     // selection runs the separate operations.
