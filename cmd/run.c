@@ -322,8 +322,8 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     lm_status s = LM_OK;
     if (!models) {
         if (!base)
-            return lm_err_set(err, LM_ERR_USAGE, "%s: %s needs base_model: the task vectors are taken against it",
-                              cfg->path, m->name);
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s needs base_model: the task vectors are taken against "
+                              "it", AT(cfg, cfg->method_line, cfg->method_col), m->name);
         if (m->input == LM_METHOD_EITHER && base_at >= 0)
             return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s with base_model interpolates the other models' task "
                               "vectors: base_model must not be among them", AT(cfg, cfg->models[base_at].line,
@@ -373,13 +373,22 @@ static lm_status check_required(const run_preset *p, const method_params *mp, co
         if (lm_params_find(&cfg->params, d->name))
             continue;
         if (!d->per_model)
-            return lm_err_set(err, LM_ERR_USAGE, "%s: %s needs parameters: %s (none given)", cfg->path, m->name,
-                              d->name);
-        for (int j = models ? 0 : 1; j <= a->n_ft; j++)
-            if (!p->models[j] || !lm_params_find(p->models[j], d->name))
-                return lm_err_set(err, LM_ERR_USAGE, "%s: model '%s' has no %s, and the global parameters give none "
-                                  "(%s needs one for every model%s)", cfg->path, p->names[j], d->name, m->name,
-                                  models ? "" : " but the base");
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s needs parameters: %s (none given)",
+                              AT(cfg, cfg->method_line, cfg->method_col), m->name, d->name);
+        for (int j = models ? 0 : 1; j <= a->n_ft; j++) {
+            if (p->models[j] && lm_params_find(p->models[j], d->name))
+                continue;
+            // where the model was written: its entry of models:, else base_model
+            int line = cfg->base_line, col = cfg->base_col;
+            for (int i = 0; i < cfg->n_models; i++)
+                if (p->models[j] == &cfg->models[i].params) {
+                    line = cfg->models[i].line;
+                    col = cfg->models[i].col;
+                }
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: model '%s' has no %s, and the global parameters give "
+                              "none (%s needs one for every model%s)", AT(cfg, line, col), p->names[j], d->name,
+                              m->name, models ? "" : " but the base");
+        }
     }
     return LM_OK;
 }
@@ -475,8 +484,8 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     a->m = m;
     a->use = lm_merge_uses(m);
     if (cfg->n_slices > 0)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: slices work with merge_method: passthrough only; %s takes "
-                          "models:", cfg->path, m->name);
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: slices work with merge_method: passthrough only; %s "
+                          "takes models:", AT(cfg, cfg->slices[0].line, cfg->slices[0].col), m->name);
     const method_params *mp = params_of(m->id);
     if ((s = check_params(cfg, &cfg->params, mp, m->name, false, "parameters", err)) != LM_OK)
         return s;
