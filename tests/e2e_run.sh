@@ -706,6 +706,47 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_nuslerp_base 6:12 "base_model must not be among them"
+# as many models as the method takes
+cfg e_slerp_models <<EOF
+merge_method: slerp
+base_model: $B
+parameters:
+  t: 0.5
+models:
+  - model: $F1
+  - model: $F2
+EOF
+refused e_slerp_models 1:15 "slerp takes 1 model besides base_model, not 2"
+cfg e_karcher_models <<EOF
+merge_method: karcher
+models:
+  - model: $F1
+EOF
+refused e_karcher_models 1:15 "karcher takes at least 2 models, not 1"
+# a density or gamma out of range anywhere in a setting, before any work
+cfg e_density <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+      density:
+        - filter: mlp
+          value: [0.5, 1.5]
+        - value: 0.5
+EOF
+refused e_density 9:18 "models[0].parameters: density 1.5 is not in (0, 1]"
+cfg e_gamma <<EOF
+merge_method: breadcrumbs
+base_model: $B
+parameters:
+  gamma: -0.1
+models:
+  - model: $F1
+    parameters: {weight: 1}
+EOF
+refused e_gamma 4:10 "parameters: gamma -0.1 is not in [0, 1]"
 # the command line: a merge option, two operands
 expect 2 "--density shapes the merge: llmerge run takes it from CONFIG" run "$work/ties.yml" -o "$work/e_cli.run" \
   --density 0.5
