@@ -11,13 +11,22 @@
 # Jinja string, auto, a name refused), a model given as BASE+LORA (the adapter), a model from a
 # Hugging Face cache laid out here, mergekit_config.yml (the file, byte for byte) and the card.
 # Every refusal is exit status 2 naming FILE:LINE (and the column where the reader has one) and
-# leaves no output behind. `llmerge plan CONFIG.yml` plans and writes nothing. The simulated
-# and the emulated CUDA device, with budgets that make units fall back, write the CPU's bytes.
+# leaves no output behind: the reader's (syntax, keys, types), a parameter the method does not
+# take (globally, per model), a missing one, a value llmerge does not support, a count of
+# models the method does not take, a density or gamma out of range anywhere in a setting, a
+# merge option or a second operand on the command line. `llmerge plan CONFIG.yml` plans (the
+# output's size in the configuration's dtype) and writes nothing. The simulated and the emulated
+# CUDA device, with budgets that make units fall back, write the CPU's bytes.
 # Usage: e2e_run.sh LLMERGE FIXTURES JSONQ
 set -u
 llmerge=$1 fx=$2 jsonq=$3
 . "$(dirname "$0")/e2e_lib.sh"
 e2e_start e2e_run
+
+# the Hugging Face cache is $work's only (a model below is taken from it)
+hub=$work/hub
+unset HUGGINGFACE_HUB_CACHE HF_HOME XDG_CACHE_HOME
+export HF_HUB_CACHE=$hub HOME=$work/home
 
 check() { if eval "$1"; then ok; else bad "$2"; fi; }
 B=$fx/base F1=$fx/ft_full F2=$fx/ft_full2 LP=$fx/lora_plain LD=$fx/lora_dora
@@ -388,7 +397,8 @@ differ "nearswap: t's gradient" "$work/nearswap.run" "$work/nearswap.t"
 
 # what OUT holds besides the weights: the configuration as it was written, and the card
 check 'cmp -s "$work/ties.yml" "$work/ties.run/mergekit_config.yml"' "mergekit_config.yml is not the configuration"
-check 'cmp -s "$work/karcher.yml" "$work/karcher.run/mergekit_config.yml"' "karcher: mergekit_config.yml is not the configuration"
+check 'cmp -s "$work/karcher.yml" "$work/karcher.run/mergekit_config.yml"' \
+  "karcher: mergekit_config.yml is not the configuration"
 check '[ -s "$work/ties.run/README.md" ] && grep -q "^# ties.run" "$work/ties.run/README.md"' \
   "the card: $(head -c 300 "$work/ties.run/README.md" 2>&1)"
 json "$work/ties.run/llmerge.json" method ties
@@ -445,9 +455,6 @@ same "BASE+LORA vs the adapter" "$work/plus.run" "$work/plus_adapter.run"
 json "$work/plus.run/llmerge.json" inputs.0.kind adapter
 
 # a model from a Hugging Face cache (laid out here as huggingface_hub lays one out)
-hub=$work/hub
-unset HUGGINGFACE_HUB_CACHE HF_HOME XDG_CACHE_HOME
-export HF_HUB_CACHE=$hub HOME=$work/home
 commit=4444444444444444444444444444444444444444
 entry=$hub/models--org--ft
 mkdir -p "$entry/blobs" "$entry/snapshots/$commit" "$entry/refs"
@@ -495,7 +502,8 @@ EOF
 tk_cfg tk_base "tokenizer_source: base"
 runcfg tk_base
 check 'cmp -s "$work/tk_base.run/tokenizer_config.json" "$work/tk_base/tokenizer_config.json" &&
-  cmp -s "$work/tk_base.run/tokenizer.json" "$work/tk_base/tokenizer.json"' "tokenizer_source: base: not the base's tokenizer"
+  cmp -s "$work/tk_base.run/tokenizer.json" "$work/tk_base/tokenizer.json"' \
+  "tokenizer_source: base: not the base's tokenizer"
 tk_cfg tk_same "tokenizer_source: $work/tk_same"
 runcfg tk_same
 check 'cmp -s "$work/tk_same.run/tokenizer_config.json" "$work/tk_same/tokenizer_config.json"' \
