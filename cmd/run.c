@@ -163,6 +163,33 @@ static char *keep(run_preset *p, char *s)
 // "FILE:LINE:COL: " as the configuration reader writes it.
 #define AT(cfg, line, col) (cfg)->path, (line), (col)
 
+// The first number of setting v (a number, a gradient, or conditions on those) outside the range
+// of parameter `name` (density: (0, 1]; gamma: [0, 1]; others: none), into *bad with the value
+// it was written in, *at; false when every number is in range. Every value the setting gives a
+// tensor lies between two of its numbers, so checking them is checking all.
+static bool out_of_range(const char *name, const lm_pval *v, double *bad, const lm_pval **at)
+{
+    bool density = strcmp(name, "density") == 0, gamma = strcmp(name, "gamma") == 0;
+    if (!density && !gamma)
+        return false;
+    if (v->kind == LM_PVAL_CONDS) {
+        for (int c = 0; c < v->n_conds; c++)
+            if (out_of_range(name, v->conds[c].value, bad, at))
+                return true;
+        return false;
+    }
+    int n = v->kind == LM_PVAL_GRADIENT ? v->n_grad : 1;
+    for (int i = 0; i < n; i++) {
+        double x = v->kind == LM_PVAL_GRADIENT ? v->grad[i] : v->num;
+        if (density ? !(x > 0 && x <= 1) : !(x >= 0 && x <= 1)) {
+            *bad = x;
+            *at = v;
+            return true;
+        }
+    }
+    return false;
+}
+
 // Checks one parameter set (a model's, or the global one) against the method's.
 static lm_status check_params(const lm_mergecfg *cfg, const lm_params *ps, const method_params *mp, const char *mname,
                               bool per_model, const char *where, lm_err *err)
@@ -187,6 +214,11 @@ static lm_status check_params(const lm_mergecfg *cfg, const lm_params *ps, const
                 return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: %s must be a number, a list of numbers (a gradient) "
                                   "or a list of {filter, value} with such values", AT(cfg, v->line, v->col), where,
                                   q->name);
+            double x;
+            const lm_pval *at;
+            if (out_of_range(q->name, v, &x, &at))
+                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: %s %g is not in %s", AT(cfg, at->line, at->col),
+                                  where, q->name, x, q->name[0] == 'd' ? "(0, 1]" : "[0, 1]");
             continue;
         }
         bool ok = d->kind == P_BOOL ? v->kind == LM_PVAL_BOOL : v->kind == LM_PVAL_NUMBER;
@@ -375,8 +407,8 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     lm_status s = LM_OK;
     if (!models) {
         if (!base)
-            return lm_err_set(err, LM_ERR_USAGE, "%s: %s needs base_model: the task vectors are taken against it",
-                              cfg->path, m->name);
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s needs base_model: the task vectors are taken against "
+                              "it", AT(cfg, cfg->method_line, cfg->method_col), m->name);
         if (m->input == LM_METHOD_EITHER && base_at >= 0)
             return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s with base_model interpolates the other models' task "
                               "vectors: base_model must not be among them", AT(cfg, cfg->models[base_at].line,
@@ -438,13 +470,22 @@ static lm_status check_required(const run_preset *p, const method_params *mp, co
         if (lm_params_find(&cfg->params, d->name))
             continue;
         if (!d->per_model)
-            return lm_err_set(err, LM_ERR_USAGE, "%s: %s needs parameters: %s (none given)", cfg->path, m->name,
-                              d->name);
-        for (int j = models ? 0 : 1; j <= a->n_ft; j++)
-            if (!p->models[j] || !lm_params_find(p->models[j], d->name))
-                return lm_err_set(err, LM_ERR_USAGE, "%s: model '%s' has no %s, and the global parameters give none "
-                                  "(%s needs one for every model%s)", cfg->path, p->names[j], d->name, m->name,
-                                  models ? "" : " but the base");
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s needs parameters: %s (none given)",
+                              AT(cfg, cfg->method_line, cfg->method_col), m->name, d->name);
+        for (int j = models ? 0 : 1; j <= a->n_ft; j++) {
+            if (p->models[j] && lm_params_find(p->models[j], d->name))
+                continue;
+            // where the model was written: its entry of models:, else base_model
+            int line = cfg->base_line, col = cfg->base_col;
+            for (int i = 0; i < cfg->n_models; i++)
+                if (p->models[j] == &cfg->models[i].params) {
+                    line = cfg->models[i].line;
+                    col = cfg->models[i].col;
+                }
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: model '%s' has no %s, and the global parameters give "
+                              "none (%s needs one for every model%s)", AT(cfg, line, col), p->names[j], d->name,
+                              m->name, models ? "" : " but the base");
+        }
     }
     return LM_OK;
 }
@@ -540,8 +581,8 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     a->m = m;
     a->use = lm_merge_uses(m);
     if (cfg->n_slices > 0)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: slices work with merge_method: passthrough only; %s takes "
-                          "models:", cfg->path, m->name);
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: slices work with merge_method: passthrough only; %s "
+                          "takes models:", AT(cfg, cfg->slices[0].line, cfg->slices[0].col), m->name);
     const method_params *mp = params_of(m->id);
     if ((s = check_params(cfg, &cfg->params, mp, m->name, false, "parameters", err)) != LM_OK)
         return s;
@@ -551,7 +592,20 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
         if ((s = check_params(cfg, &cfg->models[i].params, mp, m->name, true, where, err)) != LM_OK)
             return s;
     }
-    if ((s = config_models(p, m, a, err)) != LM_OK || (s = check_required(p, mp, m, a, err)) != LM_OK ||
+    if ((s = config_models(p, m, a, err)) != LM_OK)
+        return s;
+    // as many models as the method takes, said of the configuration (the merge's own check
+    // speaks of the command line's BASE and FTs)
+    bool as_models = m->input == LM_METHOD_MODELS || (m->input == LM_METHOD_EITHER && a->models_only);
+    int inputs = a->n_ft + (as_models ? 1 : 0);
+    if (inputs < m->min_inputs || (m->max_inputs > 0 && inputs > m->max_inputs))
+        return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s takes %s%d model%s%s, not %d",
+                          AT(cfg, cfg->method_line, cfg->method_col), m->name,
+                          m->min_inputs == m->max_inputs ? "" : inputs < m->min_inputs ? "at least " : "at most ",
+                          inputs < m->min_inputs ? m->min_inputs : m->max_inputs,
+                          (inputs < m->min_inputs ? m->min_inputs : m->max_inputs) == 1 ? "" : "s",
+                          as_models ? "" : " besides base_model", inputs);
+    if ((s = check_required(p, mp, m, a, err)) != LM_OK ||
         (s = config_options(cfg, m, a, err)) != LM_OK || (s = config_dtype(cfg, a, err)) != LM_OK ||
         (s = config_tokenizer(p, a, err)) != LM_OK)
         return s;

@@ -1,0 +1,799 @@
+#!/usr/bin/env bash
+# End-to-end tests of `llmerge run CONFIG.yml` (mergekit configuration files) through the binary,
+# on the fixtures. Every method a configuration can name writes, byte for byte, the
+# model.safetensors of the same merge on the command line, with mergekit's defaults written out
+# there (density 1, normalize per method, rescale: true as --rescale l1, random_seed as --seed),
+# per-tensor settings ({filter, value} lists, gradients over the layers) as the options' settings
+# ('|' between the inputs' settings); and where a setting or a default is what makes the merge,
+# the output differs from the merge without it, so that the comparisons can fail. Every key:
+# dtype and out_dtype, random_seed, tokenizer_source (base; a model with the base's tokenizer,
+# whose tokenizer files are copied; one with another tokenizer, refused), chat_template (a
+# Jinja string, auto, a name refused), a model given as BASE+LORA (the adapter), a model from a
+# Hugging Face cache laid out here, mergekit_config.yml (the file, byte for byte) and the card.
+# Every refusal is exit status 2 naming FILE:LINE (and the column where the reader has one) and
+# leaves no output behind: the reader's (syntax, keys, types), a parameter the method does not
+# take (globally, per model), a missing one, a value llmerge does not support, a count of
+# models the method does not take, a density or gamma out of range anywhere in a setting, a
+# merge option or a second operand on the command line. `llmerge plan CONFIG.yml` plans (the
+# output's size in the configuration's dtype) and writes nothing. The simulated and the emulated
+# CUDA device, with budgets that make units fall back, write the CPU's bytes.
+# Usage: e2e_run.sh LLMERGE FIXTURES JSONQ
+set -u
+llmerge=$1 fx=$2 jsonq=$3
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_run
+
+# the Hugging Face cache is $work's only (a model below is taken from it)
+hub=$work/hub
+unset HUGGINGFACE_HUB_CACHE HF_HOME XDG_CACHE_HOME
+export HF_HUB_CACHE=$hub HOME=$work/home
+
+check() { if eval "$1"; then ok; else bad "$2"; fi; }
+B=$fx/base F1=$fx/ft_full F2=$fx/ft_full2 LP=$fx/lora_plain LD=$fx/lora_dora
+
+# cfg NAME: the configuration on stdin, as $work/NAME.yml.
+cfg() { cat >"$work/$1.yml"; }
+
+# runcfg NAME [OPTIONS...]: `llmerge run NAME.yml -o NAME.run` succeeds.
+runcfg() {
+  local n=$1
+  shift
+  run "$n" run "$work/$n.yml" -o "$work/$n.run" -q "$@"
+}
+
+# same WHAT A B: the model.safetensors of output directories A and B are the same bytes.
+same() {
+  if [ -s "$2/model.safetensors" ] && cmp -s "$2/model.safetensors" "$3/model.safetensors"; then ok; else
+    bad "$1: ${2##*/}/model.safetensors and ${3##*/}/model.safetensors differ (or are missing)"
+  fi
+}
+
+# differ WHAT A B: both were written and their model.safetensors differ.
+differ() {
+  if [ -s "$2/model.safetensors" ] && [ -s "$3/model.safetensors" ] &&
+    ! cmp -s "$2/model.safetensors" "$3/model.safetensors"; then ok; else
+    bad "$1: ${2##*/} and ${3##*/} are the same bytes (or one is missing)"
+  fi
+}
+
+# vs NAME METHOD ARGS...: the configuration NAME.yml and `llmerge METHOD ARGS` (-o NAME.cli)
+# write the same model.safetensors.
+vs() {
+  local n=$1
+  shift
+  runcfg "$n"
+  run "$n.cli" "$@" -o "$work/$n.cli" -q
+  same "$n: the configuration vs llmerge $*" "$work/$n.run" "$work/$n.cli"
+}
+
+# cli NAME METHOD ARGS...: `llmerge METHOD ARGS -o NAME` succeeds (a merge to compare with).
+cli() {
+  local n=$1
+  shift
+  run "$n" "$@" -o "$work/$n" -q
+}
+
+# ==== every method, as the command line makes it =================================================
+
+# ties: a weight as {filter, value} conditions, a density gradient over the layers; normalize on
+cfg ties <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight:
+        - filter: self_attn
+          value: 0.7
+        - value: 1.0
+      density: [0.3, 0.8]
+  - model: $LP
+    parameters:
+      weight: 0.5
+      density: 0.6
+EOF
+vs ties ties "$B" "$F1" "$LP" --weights 'self_attn=0.7;1 | 0.5' --density '0.3,0.8 | 0.6' --normalize
+# the filter and the gradient each make a difference
+cli ties.nofilter ties "$B" "$F1" "$LP" --weights '1 | 0.5' --density '0.3,0.8 | 0.6'
+cli ties.nograd ties "$B" "$F1" "$LP" --weights 'self_attn=0.7;1 | 0.5' --density '0.3 | 0.6'
+differ "ties: the weight's filter" "$work/ties.run" "$work/ties.nofilter"
+differ "ties: the density's gradient" "$work/ties.run" "$work/ties.nograd"
+
+# ties without a density: mergekit's density 1, not the command line's 0.2
+cfg ties_d1 <<EOF
+merge_method: ties
+base_model: $B
+parameters:
+  weight: 1
+models:
+  - model: $F1
+  - model: $F2
+    parameters:
+      weight: 0.5
+EOF
+vs ties_d1 ties "$B" "$F1" "$F2" --weights 1,0.5 --density 1 --normalize
+cli ties_d1.d02 ties "$B" "$F1" "$F2" --weights 1,0.5
+differ "ties: density 1 by default" "$work/ties_d1.run" "$work/ties_d1.d02"
+
+# dare_ties: random_seed, rescale: true by default (--rescale l1), normalize off
+cfg dare_ties <<EOF
+merge_method: dare_ties
+base_model: $B
+random_seed: 7
+models:
+  - model: $F1
+    parameters:
+      weight: 0.6
+      density: 0.5
+  - model: $LD
+    parameters:
+      weight: 0.4
+      density: [0.4, 0.7]
+EOF
+vs dare_ties dare-ties "$B" "$F1" "$LD" --weights 0.6,0.4 --density '0.5 | 0.4,0.7' --seed 7 --rescale l1 \
+  --no-normalize
+cli dare_ties.inv dare-ties "$B" "$F1" "$LD" --weights 0.6,0.4 --density '0.5 | 0.4,0.7' --seed 7
+differ "dare_ties: rescale l1 by default" "$work/dare_ties.run" "$work/dare_ties.inv"
+
+# dare_linear is dare; rescale: false is --rescale none; two seeds give two merges
+for seed in 1 2; do
+  cfg dare_linear$seed <<EOF
+merge_method: dare_linear
+base_model: $B
+random_seed: $seed
+parameters:
+  density: 0.5
+models:
+  - model: $F1
+    parameters:
+      weight: 0.5
+  - model: $LP
+    parameters:
+      weight: 0.8
+EOF
+done
+vs dare_linear1 dare "$B" "$F1" "$LP" --weights 0.5,0.8 --density 0.5 --seed 1 --rescale l1 --no-normalize
+runcfg dare_linear2
+differ "dare_linear: random_seed 1 and 2" "$work/dare_linear1.run" "$work/dare_linear2.run"
+cfg dare_norescale <<EOF
+merge_method: dare_linear
+base_model: $B
+random_seed: 1
+parameters:
+  density: 0.5
+  rescale: false
+models:
+  - model: $F1
+    parameters:
+      weight: 0.5
+  - model: $LP
+    parameters:
+      weight: 0.8
+EOF
+vs dare_norescale dare "$B" "$F1" "$LP" --weights 0.5,0.8 --density 0.5 --seed 1 --rescale none
+differ "dare_linear: rescale: false" "$work/dare_norescale.run" "$work/dare_linear1.run"
+
+# task_arithmetic: lambda as a gradient
+cfg task_arithmetic <<EOF
+merge_method: task_arithmetic
+base_model: $B
+parameters:
+  lambda: [0.5, 1.5]
+models:
+  - model: $F1
+    parameters:
+      weight: 0.7
+  - model: $LP
+    parameters:
+      weight: 0.3
+EOF
+vs task_arithmetic task-arithmetic "$B" "$F1" "$LP" --weights 0.7,0.3 --lambda 0.5,1.5 --no-normalize
+cli task_arithmetic.l1 task-arithmetic "$B" "$F1" "$LP" --weights 0.7,0.3
+differ "task_arithmetic: lambda" "$work/task_arithmetic.run" "$work/task_arithmetic.l1"
+
+# breadcrumbs (gamma global) and breadcrumbs_ties (gamma per model, one a gradient)
+cfg breadcrumbs <<EOF
+merge_method: breadcrumbs
+base_model: $B
+parameters:
+  density: 0.8
+  gamma: 0.05
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+  - model: $F2
+    parameters:
+      weight: 0.5
+EOF
+vs breadcrumbs breadcrumbs "$B" "$F1" "$F2" --weights 1,0.5 --density 0.8 --gamma 0.05 --no-normalize
+cfg breadcrumbs_ties <<EOF
+merge_method: breadcrumbs_ties
+base_model: $B
+parameters:
+  density: 0.7
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+      gamma: [0.02, 0.1]
+  - model: $LP
+    parameters:
+      weight: 0.5
+      gamma: 0.05
+EOF
+vs breadcrumbs_ties breadcrumbs-ties "$B" "$F1" "$LP" --weights 1,0.5 --density 0.7 --gamma '0.02,0.1 | 0.05' \
+  --no-normalize
+cli breadcrumbs_ties.g breadcrumbs-ties "$B" "$F1" "$LP" --weights 1,0.5 --density 0.7 --gamma '0.02 | 0.05'
+differ "breadcrumbs_ties: the gamma gradient" "$work/breadcrumbs_ties.run" "$work/breadcrumbs_ties.g"
+
+# della (normalize on) and della_linear (off); epsilon; rescale: true is --rescale l1
+cfg della <<EOF
+merge_method: della
+base_model: $B
+random_seed: 3
+parameters:
+  density: 0.6
+  epsilon: 0.1
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+  - model: $F2
+    parameters:
+      weight: 0.5
+      epsilon: [0.05, 0.2]
+EOF
+vs della della "$B" "$F1" "$F2" --weights 1,0.5 --density 0.6 --epsilon '0.1 | 0.05,0.2' --seed 3 --rescale l1 \
+  --normalize
+cfg della_linear <<EOF
+merge_method: della_linear
+base_model: $B
+random_seed: 3
+parameters:
+  weight: 0.5
+  density: 0.6
+  epsilon: 0.1
+models:
+  - model: $F1
+  - model: $LD
+EOF
+vs della_linear della-linear "$B" "$F1" "$LD" --weights 0.5,0.5 --density 0.6 --epsilon 0.1 --seed 3 --rescale l1 \
+  --no-normalize
+cli della_linear.inv della-linear "$B" "$F1" "$LD" --weights 0.5,0.5 --density 0.6 --epsilon 0.1 --seed 3
+differ "della_linear: rescale l1 by default" "$work/della_linear.run" "$work/della_linear.inv"
+
+# normalize: false is --no-normalize (ties' default is on)
+sed 's/^base_model: .*/&\nparameters:\n  normalize: false/' "$work/ties.yml" >"$work/ties_nonorm.yml"
+check 'grep -qx "  normalize: false" "$work/ties_nonorm.yml"' "ties_nonorm.yml: $(cat "$work/ties_nonorm.yml")"
+vs ties_nonorm ties "$B" "$F1" "$LP" --weights 'self_attn=0.7;1 | 0.5' --density '0.3,0.8 | 0.6' --no-normalize
+differ "ties: normalize: false" "$work/ties_nonorm.run" "$work/ties.run"
+
+# linear: without base_model (the first model is the reference), and with it among the models
+cfg linear <<EOF
+merge_method: linear
+models:
+  - model: $F1
+    parameters:
+      weight: 0.3
+  - model: $F2
+    parameters:
+      weight: 0.5
+  - model: $B
+    parameters:
+      weight: 0.2
+EOF
+vs linear linear "$F1" "$F2" "$B" --weights 0.3,0.5,0.2 --normalize
+cfg linear_base <<EOF
+merge_method: linear
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: [0.2, 0.6]
+  - model: $B
+    parameters:
+      weight: 0.7
+EOF
+vs linear_base linear "$B" "$F1" --weights '0.7 | 0.2,0.6' --normalize
+
+# slerp: base_model among the models, t a gradient for mlp and a number elsewhere
+cfg slerp <<EOF
+merge_method: slerp
+base_model: $B
+models:
+  - model: $B
+  - model: $F1
+parameters:
+  t:
+    - filter: mlp
+      value: [0.3, 0.7]
+    - value: 0.5
+EOF
+vs slerp slerp "$B" "$F1" --t 'mlp=0.3,0.7;0.5'
+cli slerp.half slerp "$B" "$F1" --t 0.5
+differ "slerp: t's filter and gradient" "$work/slerp.run" "$work/slerp.half"
+
+# nuslerp: with base_model two fine-tunes' task vectors, without it two models
+cfg nuslerp <<EOF
+merge_method: nuslerp
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+  - model: $F2
+    parameters:
+      weight: 2
+EOF
+vs nuslerp nuslerp "$B" "$F1" "$F2" --weights 1,2
+cfg nuslerp_models <<EOF
+merge_method: nuslerp
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+  - model: $F2
+    parameters:
+      weight: 3
+EOF
+vs nuslerp_models nuslerp --models-only "$F1" "$F2" --weights 1,3
+differ "nuslerp: with and without base_model" "$work/nuslerp.run" "$work/nuslerp_models.run"
+
+# multislerp, karcher, model_stock, nearswap
+cfg multislerp <<EOF
+merge_method: multislerp
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+  - model: $F2
+    parameters:
+      weight: 2
+  - model: $LP
+    parameters:
+      weight: 1
+EOF
+vs multislerp multislerp "$B" "$F1" "$F2" "$LP" --weights 1,2,1 --normalize
+sed 's/^base_model: .*/&\nparameters:\n  normalize_weights: false/' "$work/multislerp.yml" >"$work/multislerp_raw.yml"
+vs multislerp_raw multislerp "$B" "$F1" "$F2" "$LP" --weights 1,2,1 --no-normalize
+differ "multislerp: normalize_weights: false" "$work/multislerp_raw.run" "$work/multislerp.run"
+cfg karcher <<EOF
+merge_method: karcher
+parameters:
+  max_iter: 3
+  tol: 1e-9
+models:
+  - model: $B
+  - model: $F1
+  - model: $F2
+EOF
+vs karcher karcher "$B" "$F1" "$F2" --max-iter 3 --tol 1e-9
+cli karcher.1 karcher "$B" "$F1" "$F2" --max-iter 1 --tol 1e-9
+differ "karcher: max_iter" "$work/karcher.run" "$work/karcher.1"
+cfg model_stock <<EOF
+merge_method: model_stock
+base_model: $B
+models:
+  - model: $F1
+  - model: $F2
+EOF
+vs model_stock model-stock "$B" "$F1" "$F2"
+cfg nearswap <<EOF
+merge_method: nearswap
+base_model: $B
+parameters:
+  t: [0.001, 0.01]
+models:
+  - model: $B
+  - model: $F1
+EOF
+vs nearswap nearswap "$B" "$F1" --t 0.001,0.01
+cli nearswap.t nearswap "$B" "$F1" --t 0.001
+differ "nearswap: t's gradient" "$work/nearswap.run" "$work/nearswap.t"
+
+# ==== every key ===================================================================================
+
+# what OUT holds besides the weights: the configuration as it was written, and the card
+check 'cmp -s "$work/ties.yml" "$work/ties.run/mergekit_config.yml"' "mergekit_config.yml is not the configuration"
+check 'cmp -s "$work/karcher.yml" "$work/karcher.run/mergekit_config.yml"' \
+  "karcher: mergekit_config.yml is not the configuration"
+check '[ -s "$work/ties.run/README.md" ] && grep -q "^# ties.run" "$work/ties.run/README.md"' \
+  "the card: $(head -c 300 "$work/ties.run/README.md" 2>&1)"
+json "$work/ties.run/llmerge.json" method ties
+json "$work/dare_linear1.run/llmerge.json" method dare
+
+# dtype alone sets the output dtype; out_dtype wins over it
+cfg dtype <<EOF
+merge_method: task_arithmetic
+base_model: $B
+dtype: float16
+models:
+  - model: $F1
+    parameters:
+      weight: 0.5
+EOF
+vs dtype task-arithmetic "$B" "$F1" --weights 0.5 --dtype f16
+json "$work/dtype.run/llmerge.json" options.dtype f16
+json "$work/dtype.run/config.json" torch_dtype float16
+cfg out_dtype <<EOF
+merge_method: task_arithmetic
+base_model: $B
+dtype: bfloat16
+out_dtype: float32
+models:
+  - model: $F1
+    parameters:
+      weight: 0.5
+EOF
+vs out_dtype task-arithmetic "$B" "$F1" --weights 0.5 --dtype f32
+json "$work/out_dtype.run/llmerge.json" options.dtype f32
+"$llmerge" inspect "$work/out_dtype.run" >"$work/inspect" 2>&1
+check 'grep -qx "dtypes: F32 x21" "$work/inspect"' "out_dtype float32: $(grep dtypes "$work/inspect")"
+
+# a model as BASE+LORA is the adapter merged onto the base
+# plus_cfg NAME MODEL: task arithmetic of MODEL and ft_full2 onto the base.
+plus_cfg() {
+  cfg "$1" <<EOF
+merge_method: task_arithmetic
+base_model: $B
+models:
+  - model: $2
+    parameters:
+      weight: 0.8
+  - model: $F2
+    parameters:
+      weight: 0.4
+EOF
+}
+plus_cfg plus "$B+$LP"
+plus_cfg plus_adapter "$LP"
+runcfg plus
+runcfg plus_adapter
+same "BASE+LORA vs the adapter" "$work/plus.run" "$work/plus_adapter.run"
+json "$work/plus.run/llmerge.json" inputs.0.kind adapter
+
+# a model from a Hugging Face cache (laid out here as huggingface_hub lays one out)
+commit=4444444444444444444444444444444444444444
+entry=$hub/models--org--ft
+mkdir -p "$entry/blobs" "$entry/snapshots/$commit" "$entry/refs"
+for f in "$F1"/*; do
+  blob=$(sha256sum "$f" | cut -d' ' -f1)
+  cp "$f" "$entry/blobs/$blob" && ln -sf "../../blobs/$blob" "$entry/snapshots/$commit/${f##*/}"
+done
+printf %s $commit >"$entry/refs/main"
+sed "s|$F1|org/ft|" "$work/ties.yml" >"$work/hub.yml"
+check 'grep -q "model: org/ft$" "$work/hub.yml"' "hub.yml: $(cat "$work/hub.yml")"
+runcfg hub
+same "a model from the Hugging Face cache" "$work/hub.run" "$work/ties.run"
+json "$work/hub.run/llmerge.json" inputs.0.path "$(cd "$entry/snapshots/$commit" && pwd -P)"
+
+# tokenizer_source and chat_template, on copies of the fixtures with tokenizers of their own:
+# tk_base, tk_same and tk_third share tokenizer.json, tk_other has another one.
+# tok DIR FROM TOKENIZER TEMPLATE [MAX]: FROM's files and these tokenizer files in DIR.
+tok() {
+  mkdir -p "$1" && cp "$2"/*.json "$2"/*.safetensors "$1"/ && printf '{"model": "%s"}\n' "$3" >"$1/tokenizer.json" &&
+    printf '{"bos_token": "<s>", "model_max_length": %s, "chat_template": "%s"}\n' "${5:-256}" "$4" \
+      >"$1/tokenizer_config.json"
+}
+tok "$work/tk_base" "$B" A "{{ 'base' }}"
+tok "$work/tk_same" "$F1" A "{{ 'same' }}" 512
+tok "$work/tk_other" "$F2" B "{{ 'other' }}"
+tok "$work/tk_third" "$F2" A "{{ 'other' }}" 1024
+# tk_cfg NAME LINE: a configuration merging the three fine-tunes onto tk_base, LINE its third.
+tk_cfg() {
+  cfg "$1" <<EOF
+merge_method: task_arithmetic
+base_model: $work/tk_base
+$2
+models:
+  - model: $work/tk_same
+    parameters:
+      weight: 0.5
+  - model: $work/tk_other
+    parameters:
+      weight: 0.5
+  - model: $work/tk_third
+    parameters:
+      weight: 0.5
+EOF
+}
+tk_cfg tk_base "tokenizer_source: base"
+runcfg tk_base
+check 'cmp -s "$work/tk_base.run/tokenizer_config.json" "$work/tk_base/tokenizer_config.json" &&
+  cmp -s "$work/tk_base.run/tokenizer.json" "$work/tk_base/tokenizer.json"' \
+  "tokenizer_source: base: not the base's tokenizer"
+tk_cfg tk_same "tokenizer_source: $work/tk_same"
+runcfg tk_same
+check 'cmp -s "$work/tk_same.run/tokenizer_config.json" "$work/tk_same/tokenizer_config.json"' \
+  "tokenizer_source tk_same: OUT's tokenizer_config.json is $(cat "$work/tk_same.run/tokenizer_config.json")"
+same "tokenizer_source leaves the weights alone" "$work/tk_same.run" "$work/tk_base.run"
+tk_cfg tk_other "tokenizer_source: $work/tk_other"
+expect 2 "$work/tk_other.yml:3: tokenizer_source '$work/tk_other'" run "$work/tk_other.yml" -o "$work/tk_other.run"
+check '[ ! -e "$work/tk_other.run" ]' "a refused tokenizer_source left $work/tk_other.run"
+# chat_template: a Jinja string into OUT's tokenizer_config.json (the rest of it kept); auto,
+# the template most of the models have (tk_other's and tk_third's, neither the base's nor the
+# first fine-tune's); a name of mergekit's is refused with its line
+tk_cfg tk_jinja "chat_template: \"{% for m in messages %}{{ m['content'] }}{% endfor %}\""
+runcfg tk_jinja
+json "$work/tk_jinja.run/tokenizer_config.json" chat_template "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+json "$work/tk_jinja.run/tokenizer_config.json" model_max_length 256
+tk_cfg tk_auto "chat_template: auto"
+runcfg tk_auto
+json "$work/tk_auto.run/tokenizer_config.json" chat_template "{{ 'other' }}"
+json "$work/tk_base.run/tokenizer_config.json" chat_template "{{ 'base' }}"
+tk_cfg tk_chatml "chat_template: chatml"
+expect 2 "$work/tk_chatml.yml:3: chat_template 'chatml'" run "$work/tk_chatml.yml" -o "$work/tk_chatml.run"
+check '[ ! -e "$work/tk_chatml.run" ]' "a refused chat_template left $work/tk_chatml.run"
+
+# ==== every refusal: exit status 2, FILE:LINE[:COLUMN], nothing left ==============================
+
+# no_output DIR: neither DIR nor a temporary directory or lock beside it is left.
+no_output() {
+  local left
+  left=$(find "$(dirname "$1")" -maxdepth 1 -name "$(basename "$1")*" | head -3)
+  if [ -z "$left" ]; then ok; else bad "left behind: $left"; fi
+}
+
+# refused NAME WHERE NEEDLE: `llmerge run NAME.yml` exits with status 2, its message holds
+# "NAME.yml:WHERE: " and NEEDLE, and no output is left.
+refused() {
+  local needle=$3
+  expect 2 "$work/$1.yml:$2: " run "$work/$1.yml" -o "$work/$1.run"
+  check 'grep -qF -- "$needle" "$work/out"' "$1: the message lacks '$needle': $(head -c 600 "$work/out")"
+  no_output "$work/$1.run"
+}
+
+cfg e_syntax <<EOF
+merge_method: ties
+base_model: $B
+models: [ {model: $F1
+EOF
+refused e_syntax 4:1 "not valid YAML"
+cfg e_key <<EOF
+merge_method: ties
+base_modle: $B
+models:
+  - model: $F1
+EOF
+refused e_key 2:1 "unknown key 'base_modle'; did you mean 'base_model'?"
+cfg e_param <<EOF
+merge_method: ties
+base_model: $B
+parameters:
+  weight: 1
+  gamma: 0.1
+models:
+  - model: $F1
+EOF
+refused e_param 5:3 "'gamma' is not a parameter of ties"
+cfg e_param_model <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+      epsilon: 0.1
+EOF
+refused e_param_model 7:7 "models[0].parameters: 'epsilon' is not a per-model parameter of ties"
+cfg e_t_model <<EOF
+merge_method: slerp
+base_model: $B
+parameters:
+  t: 0.5
+models:
+  - model: $B
+  - model: $F1
+    parameters:
+      t: 0.3
+EOF
+refused e_t_model 9:7 "models[1].parameters: 't' is not a per-model parameter of slerp"
+cfg e_type <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: heavy
+EOF
+refused e_type 6:15 "weight must be a number"
+cfg e_no_weight <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+  - model: $F2
+    parameters:
+      density: 0.5
+EOF
+refused e_no_weight 7:12 "model '$F2' has no weight"
+cfg e_no_t <<EOF
+merge_method: slerp
+base_model: $B
+models:
+  - model: $B
+  - model: $F1
+EOF
+refused e_no_t 1:15 "slerp needs parameters: t"
+cfg e_no_base <<EOF
+merge_method: ties
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+EOF
+refused e_no_base 1:15 "ties needs base_model"
+cfg e_flatten <<EOF
+merge_method: nuslerp
+base_model: $B
+parameters:
+  weight: 1
+  nuslerp_flatten: false
+models:
+  - model: $F1
+  - model: $F2
+EOF
+refused e_flatten 5:20 "nuslerp_flatten: false"
+cfg e_filter_wise <<EOF
+merge_method: model_stock
+base_model: $B
+parameters:
+  filter_wise: true
+models:
+  - model: $F1
+  - model: $F2
+EOF
+refused e_filter_wise 4:16 "filter_wise: true"
+cfg e_union <<EOF
+merge_method: ties
+base_model: $B
+tokenizer_source: union
+models:
+  - model: $F1
+    parameters: {weight: 1}
+EOF
+refused e_union 3:19 "tokenizer_source: 'union'"
+cfg e_slices <<EOF
+merge_method: linear
+slices:
+  - sources:
+      - model: $B
+        layer_range: [0, 2]
+EOF
+refused e_slices 3:5 "slices work with merge_method: passthrough only"
+cfg e_passthrough <<EOF
+merge_method: passthrough
+models:
+  - model: $B
+EOF
+refused e_passthrough 1:15 "passthrough"
+cfg e_sparsegpt <<EOF
+merge_method: sparsegpt
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 1}
+EOF
+refused e_sparsegpt 1:15 "'sparsegpt' is not a method llmerge runs from a configuration"
+cfg e_method <<EOF
+merge_method: ties_plus
+base_model: $B
+models:
+  - model: $F1
+EOF
+refused e_method 1:15 "'ties_plus' is not a method"
+cfg e_plus <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1+$LP
+    parameters: {weight: 1}
+EOF
+refused e_plus 4:12 "a LoRA adapter on a model other than base_model"
+cfg e_linear_base <<EOF
+merge_method: linear
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 1}
+  - model: $F2
+    parameters: {weight: 1}
+EOF
+refused e_linear_base 2:13 "base_model '$B' is not among them"
+cfg e_nuslerp_base <<EOF
+merge_method: nuslerp
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 1}
+  - model: $B
+    parameters: {weight: 1}
+EOF
+refused e_nuslerp_base 6:12 "base_model must not be among them"
+# as many models as the method takes
+cfg e_slerp_models <<EOF
+merge_method: slerp
+base_model: $B
+parameters:
+  t: 0.5
+models:
+  - model: $F1
+  - model: $F2
+EOF
+refused e_slerp_models 1:15 "slerp takes 1 model besides base_model, not 2"
+cfg e_karcher_models <<EOF
+merge_method: karcher
+models:
+  - model: $F1
+EOF
+refused e_karcher_models 1:15 "karcher takes at least 2 models, not 1"
+# a density or gamma out of range anywhere in a setting, before any work
+cfg e_density <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+      density:
+        - filter: mlp
+          value: [0.5, 1.5]
+        - value: 0.5
+EOF
+refused e_density 9:18 "models[0].parameters: density 1.5 is not in (0, 1]"
+cfg e_gamma <<EOF
+merge_method: breadcrumbs
+base_model: $B
+parameters:
+  gamma: -0.1
+models:
+  - model: $F1
+    parameters: {weight: 1}
+EOF
+refused e_gamma 4:10 "parameters: gamma -0.1 is not in [0, 1]"
+# the command line: a merge option, two operands
+expect 2 "--density shapes the merge: llmerge run takes it from CONFIG" run "$work/ties.yml" -o "$work/e_cli.run" \
+  --density 0.5
+no_output "$work/e_cli.run"
+expect 2 "llmerge run takes one configuration file, not 2" run "$work/ties.yml" "$work/karcher.yml" -o "$work/e_cli.run"
+no_output "$work/e_cli.run"
+
+# ==== llmerge plan CONFIG.yml: a plan, nothing written ============================================
+
+# the output's size follows the configuration's dtype: 106,816 parameters in bf16, then in f32
+expect 0 "output: 213632 bytes in 1 shard" plan "$work/ties.yml" -o "$work/plan.run"
+check 'grep -q "^place: FT 2 ($LP) .* of LoRA factors" "$work/out" && grep -q "^merge: " "$work/out"' \
+  "llmerge plan printed: $(head -c 600 "$work/out")"
+no_output "$work/plan.run"
+expect 0 "output: 427264 bytes in 1 shard" plan "$work/out_dtype.yml" -o "$work/plan.run"
+no_output "$work/plan.run"
+expect 2 "$work/e_param.yml:5:3: " plan "$work/e_param.yml" -o "$work/plan.run"
+no_output "$work/plan.run"
+
+# ==== the devices: the CPU's bytes, units falling back ============================================
+
+# devices NAME DEV...: the configuration NAME.yml on each device DEV writes NAME.run's bytes,
+# and at least one unit falls back to the CPU
+devices() {
+  local n=$1 d
+  shift
+  for d in "$@"; do
+    rm -rf "$work/$n.dev"
+    if "$llmerge" run "$work/$n.yml" -o "$work/$n.dev" --device "$d" >"$work/dev.out" 2>&1; then ok; else
+      bad "run $n.yml --device $d: $(head -c 600 "$work/dev.out")"
+    fi
+    same "$n on $d" "$work/$n.run" "$work/$n.dev"
+    check 'grep -q "fallback: " "$work/dev.out"' "$n on $d: no unit fell back: $(grep "devices:" "$work/dev.out")"
+  done
+}
+# per-tensor weights, densities from a gradient, a random drop, an adapter
+devices dare_ties sim:96KiB cuda-emu:1100KiB cuda-emu:64KiB
+devices ties sim:96KiB cuda-emu:64KiB
+# slerp's whole-tensor norms and dot products, t from a filter and a gradient
+devices slerp sim:96KiB cuda-emu:64KiB
+
+e2e_end
