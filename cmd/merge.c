@@ -1028,6 +1028,8 @@ static int cmd_work(void *ctx)
     merge_run *r = ctx;
     note_unused(r);
     note_dropped(r);
+    if (r->args.note)
+        lm_progress_note(&r->progress, "note: %s", r->args.note);
     if (r->args.gpu_mem && strcmp(lm_dev_name(r->dev), "cpu") == 0)
         lm_progress_note(&r->progress, "note: --gpu-mem has no effect on the cpu device");
     return work(r, lm_now());

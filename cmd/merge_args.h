@@ -137,6 +137,7 @@ struct merge_args {
     const char *config_path;
     const char *tokenizer_dir;  // tokenizer files from this model's directory rather than BASE's
     const char *chat_template;  // set in OUT's tokenizer_config.json, or NULL
+    const char *note;           // a line said before the work (a key that changes nothing), or NULL
 };
 
 // Frees the settings of sets[] (not the struct).

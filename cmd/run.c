@@ -347,6 +347,8 @@ static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merg
     } else if (m->drop) {
         a->rescale = LM_RESCALE_L1;  // mergekit's default for dare and della: rescale: true
     }
+    if ((v = global_value(cfg, "int8_mask")) && v->num != 0)
+        a->note = "int8_mask has no effect in llmerge: it keeps no masks in memory (the result is the same)";
     if ((v = global_value(cfg, "max_iter")))
         a->max_iter = (int)v->num;
     if ((v = global_value(cfg, "tol")))
@@ -773,8 +775,9 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         goto done;
     }
     if (cfg->n_models > 0 || n == 0)
-        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s: passthrough takes slices (layer ranges of models stacked); a "
-                       "passthrough of models: is not supported", cfg->path);
+        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d:%d: passthrough takes slices (layer ranges of models "
+                       "stacked); a passthrough of models: is not supported",
+                       AT(cfg, cfg->method_line, cfg->method_col));
     else if (cfg->params.n > 0)
         s = lm_err_set(&err, LM_ERR_USAGE, "%s:%d:%d: passthrough takes no global parameters (a source's scale is "
                        "its own)", AT(cfg, cfg->params.items[0].line, cfg->params.items[0].col));

@@ -627,7 +627,9 @@ models:
       weight: 1
 EOF
 refused e_no_base 1:15 "ties needs base_model"
-cfg e_flatten <<EOF
+# the per-row and per-column forms: nuslerp_flatten: false (with nuslerp_row_wise: true),
+# model_stock's filter_wise: true
+cfg rows_nuslerp <<EOF
 merge_method: nuslerp
 base_model: $B
 parameters:
@@ -637,8 +639,23 @@ models:
   - model: $F1
   - model: $F2
 EOF
-refused e_flatten 5:20 "nuslerp_flatten: false"
-cfg e_filter_wise <<EOF
+vs rows_nuslerp nuslerp "$B" "$F1" "$F2" --weights 1,1 --per-row
+cli rows_whole nuslerp "$B" "$F1" "$F2" --weights 1,1
+differ "nuslerp_flatten: false" "$work/rows_nuslerp.run" "$work/rows_whole"
+cfg cols_nuslerp <<EOF
+merge_method: nuslerp
+base_model: $B
+parameters:
+  weight: 1
+  nuslerp_flatten: false
+  nuslerp_row_wise: true
+models:
+  - model: $F1
+  - model: $F2
+EOF
+vs cols_nuslerp nuslerp "$B" "$F1" "$F2" --weights 1,1 --per-column
+differ "nuslerp_row_wise: true" "$work/cols_nuslerp.run" "$work/rows_nuslerp.run"
+cfg rows_stock <<EOF
 merge_method: model_stock
 base_model: $B
 parameters:
@@ -647,7 +664,7 @@ models:
   - model: $F1
   - model: $F2
 EOF
-refused e_filter_wise 4:16 "filter_wise: true"
+vs rows_stock model-stock "$B" "$F1" "$F2" --per-row
 cfg e_union <<EOF
 merge_method: ties
 base_model: $B
@@ -670,7 +687,25 @@ merge_method: passthrough
 models:
   - model: $B
 EOF
-refused e_passthrough 1:15 "passthrough"
+refused e_passthrough 1:15 "passthrough takes slices"
+# passthrough with slices: llmerge passthrough's stack, the configuration in OUT
+cfg stack <<EOF
+merge_method: passthrough
+slices:
+  - sources:
+      - model: $B
+        layer_range: [0, 2]
+  - sources:
+      - model: $F1
+        layer_range: [1, 2]
+        parameters:
+          scale: 0.5
+dtype: float32
+EOF
+runcfg stack
+run stack.cli passthrough -o "$work/stack.cli" --slice "$B:0:2" --slice "$F1:1:2:0.5" --dtype f32 -q
+same "passthrough's slices vs llmerge passthrough" "$work/stack.run" "$work/stack.cli"
+check 'cmp -s "$work/stack.yml" "$work/stack.run/mergekit_config.yml"' "passthrough: OUT lacks the configuration"
 cfg e_sparsegpt <<EOF
 merge_method: sparsegpt
 base_model: $B
@@ -686,14 +721,29 @@ models:
   - model: $F1
 EOF
 refused e_method 1:15 "'ties_plus' is not a method"
-cfg e_plus <<EOF
+# PATH+LORA on a model other than the base: the adapter merged into PATH once, in the cache
+cfg pluslora <<EOF
 merge_method: ties
 base_model: $B
 models:
   - model: $F1+$LP
     parameters: {weight: 1}
 EOF
-refused e_plus 4:12 "a LoRA adapter on a model other than base_model"
+runcfg pluslora --cache-dir "$work/loras"
+check 'ls -d "$work"/loras/lora-* >/dev/null 2>&1' "PATH+LORA: nothing made in the cache"
+cli pluslora_composite task-arithmetic "$F1" "$LP"
+cli pluslora_cli ties "$B" "$work/pluslora_composite" --density 1
+same "PATH+LORA vs the adapter merged into PATH first" "$work/pluslora.run" "$work/pluslora_cli"
+expect 0 "from the cache" run "$work/pluslora.yml" -o "$work/pluslora.again" --cache-dir "$work/loras"
+same "PATH+LORA from the cache" "$work/pluslora.run" "$work/pluslora.again"
+cfg e_plus_base <<EOF
+merge_method: ties
+base_model: $B+$LP
+models:
+  - model: $F1
+    parameters: {weight: 1}
+EOF
+refused e_plus_base 2:13 "a LoRA on the base is not supported"
 cfg e_linear_base <<EOF
 merge_method: linear
 base_model: $B

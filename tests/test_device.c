@@ -328,7 +328,7 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
     const float w[K] = {1.0f, 0.5f, -0.75f};
     const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT,
                                      LM_COMBINE_SIGN_TAU};
-    for (int si = 0; si < 3; si++) {
+    for (int si = 0; si < 4; si++) {
         for (int norm = 0; norm < 2; norm++) {
             lm_combine_how how = how_of(signs[si], norm, 0.8f);
             CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, how, &err), &err);
@@ -339,7 +339,9 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
                 double W[K], delta = 0, div = 0, vote = 0;
                 for (int i = 0; i < K; i++) {
                     W[i] = (double)w[i] * t[i][e];
-                    vote += signs[si] == LM_COMBINE_SIGN_COUNT ? (W[i] > 0) - (W[i] < 0) : W[i];
+                    vote += signs[si] == LM_COMBINE_SIGN_COUNT ? (W[i] > 0) - (W[i] < 0)
+                            : signs[si] == LM_COMBINE_SIGN_TAU  ? t[i][e]  // the unweighted sum
+                                                                : W[i];
                 }
                 int s = vote >= 0 ? 1 : -1;
                 for (int i = 0; i < K; i++) {
@@ -1073,7 +1075,8 @@ static void h_combine(harness *h, int64_t n)
     enum { KMAX = 4 };
     char what[96];
     const float w[KMAX] = {1.0f, 0.5f, -0.75f, 2.0f};
-    const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT};
+    const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT,
+                                     LM_COMBINE_SIGN_TAU};
     float *t[KMAX], *dt[KMAX], *base = hmalloc((size_t)n * 4), *want = hmalloc((size_t)n * 4),
                                *got = hmalloc((size_t)n * 4);
     bool ok = true;
