@@ -60,9 +60,9 @@ extern "C" {
 #include "cuda_check.h"
 #include "cuda_libs.h"
 #include "kernels.h"
+#include "cuda_int.h"
 
-#define N_STAGE 4                       // pinned staging buffers, used in turn
-#define STAGE_BYTES ((size_t)16 << 20)  // each of them
+#define STAGE_BYTES ((size_t)16 << 20)  // each of the N_STAGE staging buffers (cuda_int.h)
 #define SLICE_BYTES ((size_t)1 << 20)   // what one host thread copies into or out of one at a time
 #define PAGE_BYTES ((size_t)2 << 20)    // the driver's page: buffers above SMALL_BYTES take whole ones
 #define SMALL_BYTES ((size_t)1 << 20)   // buffers up to this share pages, in steps of SMALL_ALIGN
@@ -76,54 +76,6 @@ extern "C" {
 #define HIST_WIN_GROUP 3                // window bins hist_window counts per pass: they fill SCRATCH_MIN
 static_assert(HIST_WIN_OFF + HIST_WIN_GROUP * LM_HIST_BINS * sizeof(uint32_t) <= SCRATCH_MIN,
               "hist_window's counts must fit the scratch every device keeps");
-
-typedef struct cuda_buf {
-    void *p;
-    size_t size;  // bytes asked for
-} cuda_buf;
-
-typedef struct cuda_ctx {
-    int ordinal;
-    char name[24];            // "cuda:N"
-    uint64_t mem_cap;         // the most bytes llmerge may hold on the device (0: no cap)
-    uint64_t used;            // bytes it holds: buffers and scratch
-    uint64_t lib_bytes;       // of used: what the cuBLAS and cuSOLVER handles took when made
-    cuda_buf *bufs;           // (n_bufs) live buffers from alloc, in no order
-    size_t n_bufs, cap_bufs;
-    cuda_buf *cache;          // (n_cache) released buffers kept for reuse, in no order
-    size_t n_cache, cap_cache;
-    uint64_t cached;          // of used: what the cache holds, at charge()
-    uint64_t cached_asked;    // what the cache holds in bytes asked for (what the driver gives
-                              // back at least when the cache is freed)
-    cudaStream_t stream;      // everything runs on it (non-blocking: no implicit sync with stream 0)
-    const lm_cublas_fns *cublas;  // cuBLAS, loaded when the device was opened
-    cublasHandle_t blas;      // bound to stream
-    void *blas_ws;            // (blas_ws_size bytes) cuBLAS's workspace, counted in used
-    size_t blas_ws_size;
-    const lm_cusolver_fns *cusolver;  // cuSOLVER, loaded when the device was opened; NULL when it
-                                      // could not be, and potrf factors on the CPU
-    cusolverDnHandle_t solver;  // bound to stream
-    cusolverDnParams_t solver_params;  // Xpotrf's (the defaults)
-    char note[LM_ERR_MSG_MAX + 64];  // what the device does without (lm_cuda_device_note), or ""
-    size_t last_free, last_total;  // the last answer of cudaMemGetInfo
-    void *pinned[N_STAGE];    // (STAGE_BYTES each) staging buffers, n_stage of them (at least 2);
-    int n_stage;              // 0 when pinned memory could not be had, and copies go straight
-                              // from pageable memory
-    cudaEvent_t staged[N_STAGE];  // recorded after the last copy into or out of pinned[i]
-    int next_stage;           // the staging buffer the next copy starts with
-    lm_pool *pool;            // the host threads that fill and empty the staging buffers
-    void *scratch;            // (scratch_size bytes) device scratch of the reductions
-    size_t scratch_size;
-    void *host_scratch;       // (host_scratch_size bytes) their results, fetched home
-    size_t host_scratch_size;
-    lm_status deferred;       // a failure of a call that could not report it (free), for the next
-    char deferred_msg[LM_ERR_MSG_MAX];
-} cuda_ctx;
-
-static cuda_ctx *ctx_of(lm_dev *d)
-{
-    return (cuda_ctx *)d->ctx;
-}
 
 // Keeps the first failure of a call that returns nothing, for the next call that can report it.
 static void defer(cuda_ctx *c, const char *what, cudaError_t e)
@@ -150,6 +102,11 @@ static lm_status begin(lm_dev *d, lm_err *err)
         return lm_err_set(err, LM_ERR_DEVICE, "%s: cudaSetDevice: %s", c->name, cudaGetErrorString(e));
     }
     return LM_OK;
+}
+
+lm_status lm_cuda_begin(lm_dev *d, lm_err *err)
+{
+    return begin(d, err);
 }
 
 // ==== memory ==================================================================================
@@ -428,6 +385,11 @@ static lm_status scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
     return s;
 }
 
+lm_status lm_cuda_scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
+{
+    return scratch_reserve(d, bytes, err);
+}
+
 static lm_status host_reserve(cuda_ctx *c, size_t bytes, lm_err *err)
 {
     if (bytes <= c->host_scratch_size)
@@ -549,6 +511,11 @@ static lm_status copy_home(cuda_ctx *c, void *dst, const void *src, size_t n, lm
     return LM_OK;
 fail:
     return status;
+}
+
+lm_status lm_cuda_copy_home(cuda_ctx *c, void *dst, const void *src, size_t n, lm_err *err)
+{
+    return copy_home(c, dst, src, n, err);
 }
 
 static lm_status cuda_download(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
@@ -1047,105 +1014,6 @@ static lm_status cuda_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_e
     return LM_OK;
 }
 
-// Per-row sums on the device, copied home.
-static lm_status cuda_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
-                              lm_err *err)
-{
-    cuda_ctx *c = ctx_of(d);
-    lm_status s = begin(d, err);
-    if (s != LM_OK || rows <= 0)
-        return s;
-    size_t bytes = (size_t)rows * sizeof(double);
-    if ((s = scratch_reserve(d, bytes, err)) != LM_OK ||
-        (s = lm_cuda_row_dot((double *)c->scratch, x, y, rows, cols, c->stream, err)) != LM_OK ||
-        (s = copy_home(c, out, c->scratch, bytes, err)) != LM_OK)
-        return s;
-    return LM_OK;
-}
-
-// The ranks go through device scratch (4 bytes an element of the slab: an allocation that may
-// fail with LM_ERR_DEVICE_OOM, and the unit then falls back).
-static lm_status cuda_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first,
-                                 double p_lo, double p_hi, bool inv, lm_err *err)
-{
-    cuda_ctx *c = ctx_of(d);
-    lm_status s = begin(d, err);
-    if (s != LM_OK || rows <= 0 || cols <= 0)
-        return s;
-    if (cols > INT32_MAX)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: della_drop of rows of %lld entries", lm_dev_name(d),
-                          (long long)cols);
-    if ((s = scratch_reserve(d, (size_t)(rows * cols) * sizeof(int32_t), err)) != LM_OK)
-        return s;
-    return lm_cuda_della_drop(x, (int32_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
-}
-
-static lm_status cuda_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
-                              lm_err *err)
-{
-    lm_status s = begin(d, err);
-    if (s != LM_OK)
-        return s;
-    if (k < 0 || n_models < 1 || k > n_models)
-        return lm_err_set(err, LM_ERR_USAGE, "%s: tau_var of %d of %d models", lm_dev_name(d), k, n_models);
-    return lm_cuda_tau_var(key, taus, k, n_models, n, ctx_of(d)->stream, err);
-}
-
-// The running sums go to device scratch, are added to there and come home.
-static lm_status cuda_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
-                              lm_err *err)
-{
-    cuda_ctx *c = ctx_of(d);
-    lm_status s = begin(d, err);
-    if (s != LM_OK || rows <= 0 || cols <= 0)
-        return s;
-    size_t bytes = (size_t)cols * sizeof(double);
-    if ((s = scratch_reserve(d, bytes, err)) != LM_OK || (s = lm_dev_upload(d, c->scratch, acc, bytes, err)) != LM_OK ||
-        (s = lm_cuda_col_dot((double *)c->scratch, x, y, rows, cols, c->stream, err)) != LM_OK)
-        return s;
-    return copy_home(c, acc, c->scratch, bytes, err);
-}
-
-// The column factors go to device scratch first (2 × cols floats).
-static lm_status cuda_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
-                                int64_t cols, lm_err *err)
-{
-    cuda_ctx *c = ctx_of(d);
-    lm_status s = begin(d, err);
-    if (s != LM_OK || rows <= 0 || cols <= 0)
-        return s;
-    size_t bytes = (size_t)cols * sizeof(float);
-    if ((s = scratch_reserve(d, 2 * bytes, err)) != LM_OK)
-        return s;
-    float *da = (float *)c->scratch, *db = da + cols;
-    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
-        return s;
-    return lm_cuda_col_axpby(y, da, x, db, rows, cols, c->stream, err);
-}
-
-// The row factors go to device scratch first (2 × rows floats).
-static lm_status cuda_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
-                                int64_t cols, lm_err *err)
-{
-    cuda_ctx *c = ctx_of(d);
-    lm_status s = begin(d, err);
-    if (s != LM_OK || rows <= 0 || cols <= 0)
-        return s;
-    size_t bytes = (size_t)rows * sizeof(float);
-    if ((s = scratch_reserve(d, 2 * bytes, err)) != LM_OK)
-        return s;
-    float *da = (float *)c->scratch, *db = da + rows;
-    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
-        return s;
-    return lm_cuda_row_axpby(y, da, x, db, rows, cols, c->stream, err);
-}
-
-static lm_status cuda_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
-{
-    lm_status s = begin(d, err);
-    return s != LM_OK ? s : lm_cuda_nearswap(x, n, t, ctx_of(d)->stream, err);
-}
-
 static lm_status cuda_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                               const float *weights, int k, int64_t n, lm_combine_sign sign, bool normalize,
                               float lambda, lm_err *err)
@@ -1245,13 +1113,13 @@ static lm_dev_i make_iface(void)
     i.mask_apply = cuda_mask_apply;
     i.random_drop = cuda_random_drop;
     i.l1 = cuda_l1;
-    i.row_dot = cuda_row_dot;
-    i.nearswap = cuda_nearswap;
-    i.row_axpby = cuda_row_axpby;
-    i.col_dot = cuda_col_dot;
-    i.col_axpby = cuda_col_axpby;
-    i.tau_var = cuda_tau_var;
-    i.della_drop = cuda_della_drop;
+    i.row_dot = lm_cuda_op_row_dot;
+    i.nearswap = lm_cuda_op_nearswap;
+    i.row_axpby = lm_cuda_op_row_axpby;
+    i.col_dot = lm_cuda_op_col_dot;
+    i.col_axpby = lm_cuda_op_col_axpby;
+    i.tau_var = lm_cuda_op_tau_var;
+    i.della_drop = lm_cuda_op_della_drop;
     i.combine = cuda_combine;
     i.gather_rows = cuda_gather_rows;
     i.add_rows = cuda_add_rows;

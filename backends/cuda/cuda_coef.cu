@@ -1,0 +1,116 @@
+// The CUDA backend's operations for the methods that interpolate whole tensors (per-row and
+// per-column dot products and row or column scaling), della's drop, sce's variances and
+// nearswap's step: each on the backend's stream, as cuda.cu's operations are (cuda_int.h).
+#include <cuda_runtime.h>
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "status.h"
+
+extern "C" {
+#include "device_impl.h"
+}
+
+#include "cuda_int.h"
+#include "kernels.h"
+
+// Per-row sums on the device, copied home.
+lm_status lm_cuda_op_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
+                             lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = lm_cuda_begin(d, err);
+    if (s != LM_OK || rows <= 0)
+        return s;
+    size_t bytes = (size_t)rows * sizeof(double);
+    if ((s = lm_cuda_scratch_reserve(d, bytes, err)) != LM_OK ||
+        (s = lm_cuda_row_dot((double *)c->scratch, x, y, rows, cols, c->stream, err)) != LM_OK ||
+        (s = lm_cuda_copy_home(c, out, c->scratch, bytes, err)) != LM_OK)
+        return s;
+    return LM_OK;
+}
+
+// The ranks go through device scratch (4 bytes an element of the slab: an allocation that may
+// fail with LM_ERR_DEVICE_OOM, and the unit then falls back).
+lm_status lm_cuda_op_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first,
+                                double p_lo, double p_hi, bool inv, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = lm_cuda_begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    if (cols > INT32_MAX)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: della_drop of rows of %lld entries", lm_dev_name(d),
+                          (long long)cols);
+    if ((s = lm_cuda_scratch_reserve(d, (size_t)(rows * cols) * sizeof(int32_t), err)) != LM_OK)
+        return s;
+    return lm_cuda_della_drop(x, (int32_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
+}
+
+lm_status lm_cuda_op_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
+                             lm_err *err)
+{
+    lm_status s = lm_cuda_begin(d, err);
+    if (s != LM_OK)
+        return s;
+    if (k < 0 || n_models < 1 || k > n_models)
+        return lm_err_set(err, LM_ERR_USAGE, "%s: tau_var of %d of %d models", lm_dev_name(d), k, n_models);
+    return lm_cuda_tau_var(key, taus, k, n_models, n, ctx_of(d)->stream, err);
+}
+
+// The running sums go to device scratch, are added to there and come home.
+lm_status lm_cuda_op_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
+                             lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = lm_cuda_begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    size_t bytes = (size_t)cols * sizeof(double);
+    if ((s = lm_cuda_scratch_reserve(d, bytes, err)) != LM_OK || (s = lm_dev_upload(d, c->scratch, acc, bytes, err)) != LM_OK ||
+        (s = lm_cuda_col_dot((double *)c->scratch, x, y, rows, cols, c->stream, err)) != LM_OK)
+        return s;
+    return lm_cuda_copy_home(c, acc, c->scratch, bytes, err);
+}
+
+// The column factors go to device scratch first (2 × cols floats).
+lm_status lm_cuda_op_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                               int64_t cols, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = lm_cuda_begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    size_t bytes = (size_t)cols * sizeof(float);
+    if ((s = lm_cuda_scratch_reserve(d, 2 * bytes, err)) != LM_OK)
+        return s;
+    float *da = (float *)c->scratch, *db = da + cols;
+    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
+        return s;
+    return lm_cuda_col_axpby(y, da, x, db, rows, cols, c->stream, err);
+}
+
+// The row factors go to device scratch first (2 × rows floats).
+lm_status lm_cuda_op_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                               int64_t cols, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = lm_cuda_begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    size_t bytes = (size_t)rows * sizeof(float);
+    if ((s = lm_cuda_scratch_reserve(d, 2 * bytes, err)) != LM_OK)
+        return s;
+    float *da = (float *)c->scratch, *db = da + rows;
+    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
+        return s;
+    return lm_cuda_row_axpby(y, da, x, db, rows, cols, c->stream, err);
+}
+
+lm_status lm_cuda_op_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
+{
+    lm_status s = lm_cuda_begin(d, err);
+    return s != LM_OK ? s : lm_cuda_nearswap(x, n, t, ctx_of(d)->stream, err);
+}
+
