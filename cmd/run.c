@@ -411,7 +411,8 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
         if (!base)
             return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s needs base_model: the task vectors are taken against "
                               "it", AT(cfg, cfg->method_line, cfg->method_col), m->name);
-        if (m->input == LM_METHOD_EITHER && base_at >= 0)
+        // mergekit's nuslerp refuses its base among the models; multislerp takes it as the base
+        if (m->id == LM_MERGE_NUSLERP && base_at >= 0)
             return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s with base_model interpolates the other models' task "
                               "vectors: base_model must not be among them", AT(cfg, cfg->models[base_at].line,
                                                                                 cfg->models[base_at].col), m->name);
