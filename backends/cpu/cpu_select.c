@@ -582,34 +582,72 @@ typedef struct della_job {
     int64_t first;
     double p_lo, p_hi;
     bool inv;
-    bool nomem;  // a row's scratch could not be allocated
+    bool nomem;  // a task's scratch could not be allocated
 } della_job;
 
-static int cmp_u64(const void *a, const void *b)
+#define RADIX_BITS 11
+#define RADIX (1 << RADIX_BITS)
+
+// Sorts n (key, index) pairs by key, stably (equal keys keep their order), least significant
+// digit first over the 31 magnitude bits: a pass is skipped where every key has the same digit.
+// k, i hold the pairs on entry; the sorted ones end in *k_out, *i_out (k or k2, i or i2).
+static void radix_sort(uint32_t *k, uint32_t *i, uint32_t *k2, uint32_t *i2, int64_t n, uint32_t **k_out,
+                       uint32_t **i_out)
 {
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
+    uint32_t count[RADIX];
+    for (int shift = 0; shift < 31; shift += RADIX_BITS) {
+        memset(count, 0, sizeof count);
+        for (int64_t c = 0; c < n; c++)
+            count[(k[c] >> shift) & (RADIX - 1)]++;
+        if (count[(k[0] >> shift) & (RADIX - 1)] == (uint32_t)n)
+            continue;  // one digit for all: the order stands
+        uint32_t sum = 0;
+        for (int d = 0; d < RADIX; d++) {
+            uint32_t t = count[d];
+            count[d] = sum;
+            sum += t;
+        }
+        for (int64_t c = 0; c < n; c++) {
+            uint32_t at = count[(k[c] >> shift) & (RADIX - 1)]++;
+            k2[at] = k[c];
+            i2[at] = i[c];
+        }
+        uint32_t *t = k;
+        k = k2, k2 = t;
+        t = i;
+        i = i2, i2 = t;
+    }
+    *k_out = k;
+    *i_out = i;
 }
 
-// Row r: each entry's rank from its magnitude bits and column in one 64-bit key, sorted.
-static void della_task(void *ctx, int64_t r)
+// Rows [r0, r1): each entry's rank from a stable sort of the row's magnitude bits (equal
+// magnitudes in index order), then its keep test.
+static void della_task(void *ctx, int64_t t)
 {
     della_job *j = ctx;
-    float *x = j->x + r * j->cols;
-    uint64_t *k = malloc((size_t)j->cols * sizeof *k);
-    if (!k) {
+    int64_t per = (BLOCK + j->cols - 1) / j->cols;
+    int64_t r1 = (t + 1) * per < j->rows ? (t + 1) * per : j->rows;
+    uint32_t *buf = malloc((size_t)j->cols * 4 * sizeof *buf);
+    if (!buf) {
         j->nomem = true;
         return;
     }
-    for (int64_t c = 0; c < j->cols; c++)
-        k[c] = (uint64_t)lm_abs_bits(x[c]) << 32 | (uint64_t)c;
-    qsort(k, (size_t)j->cols, sizeof *k, cmp_u64);
-    for (int64_t rank = 0; rank < j->cols; rank++) {
-        int64_t c = (int64_t)(k[rank] & 0xFFFFFFFFu);
-        double p = lm_della_p(rank, j->cols, j->p_lo, j->p_hi);
-        x[c] = lm_della_keep(x[c], j->key, j->first + r * j->cols + c, p, j->inv);
+    for (int64_t r = t * per; r < r1; r++) {
+        float *x = j->x + r * j->cols;
+        uint32_t *k = buf, *i = buf + j->cols, *k2 = i + j->cols, *i2 = k2 + j->cols, *ks, *is;
+        for (int64_t c = 0; c < j->cols; c++) {
+            k[c] = lm_abs_bits(x[c]);
+            i[c] = (uint32_t)c;
+        }
+        radix_sort(k, i, k2, i2, j->cols, &ks, &is);
+        for (int64_t rank = 0; rank < j->cols; rank++) {
+            int64_t c = is[rank];
+            double p = lm_della_p(rank, j->cols, j->p_lo, j->p_hi);
+            x[c] = lm_della_keep(x[c], j->key, j->first + r * j->cols + c, p, j->inv);
+        }
     }
-    free(k);
+    free(buf);
 }
 
 lm_status cpu_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first, double p_lo,
@@ -618,7 +656,10 @@ lm_status cpu_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64
     if (cols > 0xFFFFFFFFll)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "cpu: della_drop of rows of %lld entries", (long long)cols);
     della_job j = {x, rows, cols, key, first, p_lo, p_hi, inv, false};
-    lm_pool_run(pool_of(d), rows, della_task, &j);
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    int64_t per = (BLOCK + cols - 1) / cols;  // rows of about a block of entries per task
+    lm_pool_run(pool_of(d), (rows + per - 1) / per, della_task, &j);
     return j.nomem ? lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory") : LM_OK;
 }
 
