@@ -365,6 +365,14 @@ lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *
 
 // ==== fused dense operations ==================================================================
 
+lm_status lm_dev_dense_gram(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t rows,
+                            int64_t cols, double *out, lm_err *err)
+{
+    if (!lm_dev_supports(d, LM_OP_DENSE) || !d->iface->dense_gram)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense Gram pass", lm_dev_name(d));
+    return d->iface->dense_gram(d, base, base_dt, parts, k, rows, cols, out, err);
+}
+
 lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                             lm_err *err)
 {

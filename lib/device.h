@@ -298,6 +298,14 @@ lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *
 lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                             lm_err *err);
 
+// The dot products of the base and the parts' τ over each row of a rows × cols slab, read and
+// made as lm_dev_dense_merge reads and makes them: out (host memory, rows × (1 + k +
+// k(k+1)/2) doubles, row-major) holds per row base·base, then base·τ_i for each part, then
+// τ_i·τ_j for each i and j <= i in that order; each a sum in double in column order, the bits
+// lm_dev_row_dot gives for the same vectors.
+lm_status lm_dev_dense_gram(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t rows,
+                            int64_t cols, double *out, lm_err *err);
+
 // out (n elements of out_dt, host memory) = the combination of the k parts' τ, each trimmed or
 // dropped and rescaled as its fields say, with `base`: bit for bit what lm_dev_to_f32 of base,
 // lm_dev_delta, lm_dev_topk_apply or lm_dev_random_drop, lm_dev_axpby, then lm_dev_combine (or

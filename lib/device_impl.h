@@ -72,6 +72,8 @@ typedef struct lm_dev_i {
                          float lambda, lm_err *err);
     // Fused dense operations, on devices with host memory only (optional: the engine runs the
     // separate operations when they are NULL).
+    lm_status (*dense_gram)(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t rows,
+                            int64_t cols, double *out, lm_err *err);  // optional
     lm_status (*dense_hist)(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
                             lm_err *err);
     lm_status (*dense_merge)(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,

@@ -26,6 +26,53 @@ static lm_status add_dot(engine *e, wset *ws, const float *x, const float *y, in
     return s;
 }
 
+// The Gram pass fused on a device that has it (the CPU): per slab, every row's dot products
+// made from the mapped inputs as the fused merge pass reads them (lm_dev_dense_gram), no
+// buffers filled; the same sums, in the same order, as the pass below.
+static lm_status gram_fused(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, int64_t slab_rows,
+                            double *g, double *grows)
+{
+    int s1 = e->o->n_ft + 1, n_dots = 1 + k + k * (k + 1) / 2;
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows, cap = slab_rows < rows ? slab_rows : rows;
+    double *dots = malloc((size_t)cap * (size_t)n_dots * sizeof *dots);
+    if (!dots)
+        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    // where each of a row's dot products goes in the Gram matrix
+    int at[n_dots];
+    int q = 0;
+    at[q++] = 0;
+    for (int i = 0; i < k; i++)
+        at[q++] = 1 + parts[i].ft;
+    for (int i = 0; i < k; i++)
+        for (int j = 0; j <= i; j++)
+            at[q++] = (1 + parts[i].ft) * s1 + 1 + parts[j].ft;
+    lm_dense_part d[k > 0 ? k : 1];
+    lm_status s = LM_OK;
+    for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+        int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, first = r0 * cols;
+        if (r0 > 0 && lm_interrupted()) {
+            s = lm_interrupted_err(e->err);
+            break;
+        }
+        memset(d, 0, sizeof d);
+        e->bytes_in += (uint64_t)(nr * cols) * esize(bt->dtype);
+        for (int i = 0; i < k; i++)
+            e->bytes_in += (uint64_t)(nr * cols) * lm_eng_dense_source(e, ws, &parts[i], bt, first, &d[i]);
+        s = lm_dev_dense_gram(ws->dev, (const char *)bt->data + (size_t)first * esize(bt->dtype), bt->dtype, d, k, nr,
+                              cols, dots, e->err);
+        for (int64_t r = 0; s == LM_OK && r < nr; r++)
+            for (int x = 0; x < n_dots; x++) {
+                g[at[x]] += dots[r * n_dots + x];
+                if (grows)
+                    grows[(r0 + r) * s1 * s1 + at[x]] = dots[r * n_dots + x];
+            }
+        if (rows > slab_rows)
+            lm_eng_release_slab(e, bt, parts, k, r0, nr);
+    }
+    free(dots);
+    return s;
+}
+
 // g ((n_ft + 1)², zeroed by the caller) = the dot products of the base and the parts' τ over
 // the whole tensor: g[0] = θ_b·θ_b, g[1 + ft] = θ_b·τ_ft, g[(1 + a)(n_ft + 1) + 1 + b] = τ_a·τ_b,
 // and their mirror images. Each is a sum of per-row sums in row order, the same bits however the
@@ -37,11 +84,13 @@ static lm_status gram_pass(engine *e, wset *ws, const lm_st_tensor *bt, part *pa
     int s1 = e->o->n_ft + 1;
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
     bool one_slab = slab_rows >= rows;
-    double *row = malloc((size_t)(slab_rows < rows ? slab_rows : rows) * sizeof *row);
-    if (!row)
+    bool fused = !gcols && lm_eng_fused(e, ws->dev, bt, parts, k) && lm_dev_supports(ws->dev, LM_OP_DENSE);
+    double *row = fused ? NULL : malloc((size_t)(slab_rows < rows ? slab_rows : rows) * sizeof *row);
+    if (!fused && !row)
         return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
-    lm_status s = LM_OK;
-    for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+    lm_status s = fused ? gram_fused(e, ws, bt, parts, k, slab_rows, g, grows) : LM_OK;
+    one_slab = one_slab && !fused;  // the fused pass leaves nothing in the buffers
+    for (int64_t r0 = 0; r0 < rows && s == LM_OK && !fused; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows;
         if (r0 > 0 && lm_interrupted()) {
             s = lm_interrupted_err(e->err);

@@ -168,6 +168,7 @@ static const lm_dev_i cpu_iface = {
     .row_dot = cpu_row_dot,
     .nearswap = cpu_nearswap,
     .row_axpby = cpu_row_axpby,
+    .dense_gram = cpu_dense_gram,
     .col_dot = cpu_col_dot,
     .col_axpby = cpu_col_axpby,
     .tau_var = cpu_tau_var,

@@ -304,6 +304,76 @@ lm_status cpu_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense
     return LM_OK;
 }
 
+// ==== the Gram pass ===========================================================================
+
+typedef struct gram_job {
+    dense_job j;          // the parts and the LoRA spans (j.per_task rows of cols per task)
+    int64_t rows, cols;
+    double *out;          // (rows × n_dots)
+    int n_dots;
+} gram_job;
+
+// Rows [r0, r1) of the slab: base and τ made a chunk at a time as the merge makes them, each
+// product added to its row's sum in column order.
+static void dense_gram_task(void *ctx, int64_t t)
+{
+    gram_job *g = ctx;
+    dense_job *j = &g->j;
+    int k = j->k;
+    int64_t r0 = t * j->per_task, r1 = r0 + j->per_task < g->rows ? r0 + j->per_task : g->rows;
+    int64_t lo = r0 * g->cols, hi = r1 * g->cols;
+    float b[CHUNK], buf[k > 0 ? k : 1][CHUNK];
+    float *tp[k > 0 ? k : 1];
+    int64_t kpos[k > 0 ? k : 1];
+    memset(g->out + r0 * g->n_dots, 0, (size_t)((r1 - r0) * g->n_dots) * sizeof(double));
+    int64_t span = j->span ? j->span : hi - lo;
+    for (int64_t s0 = lo; s0 < hi; s0 += span) {
+        int64_t s1 = hi - s0 < span ? hi : s0 + span;
+        lora_fill(j, t, s0, s1 - s0, NULL);
+        for (int64_t c = s0; c < s1; c += CHUNK) {
+            int64_t cnt = s1 - c < CHUNK ? s1 - c : CHUNK;
+            dense_load(b, j->base, j->base_dt, c, cnt, NULL);
+            for (int i = 0; i < k; i++)
+                tp[i] = chunk_tau(j, t, i, buf[i], b, s0, c, cnt, kpos, NULL);
+            // the chunk's rows: each stretch adds to its row's sums
+            for (int64_t e0 = 0; e0 < cnt;) {
+                int64_t row = (c + e0) / g->cols, end = (row + 1) * g->cols - c;
+                int64_t e1 = end < cnt ? end : cnt;
+                double *o = g->out + row * g->n_dots;
+                int q = 0;
+                for (int64_t e = e0; e < e1; e++)
+                    o[0] += (double)b[e] * (double)b[e];
+                q = 1;
+                for (int i = 0; i < k; i++, q++)
+                    for (int64_t e = e0; e < e1; e++)
+                        o[q] += (double)b[e] * (double)tp[i][e];
+                for (int i = 0; i < k; i++)
+                    for (int jj = 0; jj <= i; jj++, q++)
+                        for (int64_t e = e0; e < e1; e++)
+                            o[q] += (double)tp[i][e] * (double)tp[jj][e];
+                e0 = e1;
+            }
+        }
+    }
+}
+
+lm_status cpu_dense_gram(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t rows,
+                         int64_t cols, double *out, lm_err *err)
+{
+    cpu_ctx *c = d->ctx;
+    if (rows <= 0 || cols <= 0)
+        return LM_OK;
+    int64_t per = (BLOCK + cols - 1) / cols;  // rows of about a block of entries per task
+    int64_t tasks = (rows + per - 1) / per;
+    gram_job g = {.j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = rows * cols, .per_task = per},
+                  .rows = rows, .cols = cols, .out = out, .n_dots = 1 + k + k * (k + 1) / 2};
+    lm_status s = lora_scratch(d, &g.j, tasks, err);
+    if (s != LM_OK)
+        return s;
+    lm_pool_run(c->pool, tasks, dense_gram_task, &g);
+    return LM_OK;
+}
+
 // The top-k rule on a chunk whose ties are kept one by one while *left lasts (the block where
 // a part's budget runs out).
 static void keep_counted(float *t, int64_t cnt, uint32_t thr, int64_t *left)

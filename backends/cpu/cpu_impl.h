@@ -132,6 +132,8 @@ lm_status cpu_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, i
                       lm_err *err);
 lm_status cpu_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                         int64_t cols, lm_err *err);
+lm_status cpu_dense_gram(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t rows,
+                         int64_t cols, double *out, lm_err *err);
 lm_status cpu_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                         int64_t cols, lm_err *err);
 lm_status cpu_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first, double p_lo,
