@@ -43,6 +43,8 @@
 #include "st_writer.h"
 #include "util.h"
 
+#define BENCH_PROG "bench_merge"
+#include "bench_run.h"
 #include "bench_util.h"
 #ifdef LLMERGE_HAVE_CUDA
 #include "kernels.h"
@@ -290,13 +292,6 @@ static const char ADAPTER_CONFIG_JSON[] =
     "}\n";
 
 // ==== generation ==============================================================================
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 // Removes `dir` and creates it empty.
 static int fresh_dir(const char *dir)
@@ -551,25 +546,6 @@ static int write_floor(const char *path, uint64_t bytes, const uint8_t *buf, dou
     return rc;
 }
 
-// A value from /proc/meminfo or /proc/PID/status ("MemAvailable:", "VmRSS:"), in bytes.
-static uint64_t proc_kb(const char *file, const char *key)
-{
-    FILE *f = fopen(file, "r");
-    if (!f)
-        return 0;
-    char line[256];
-    size_t klen = strlen(key);
-    uint64_t v = 0;
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, key, klen) == 0) {
-            v = strtoull(line + klen, NULL, 10) * 1024;
-            break;
-        }
-    }
-    fclose(f);
-    return v;
-}
-
 static uint64_t disk_free(const char *path)
 {
     struct statvfs vfs;
@@ -581,11 +557,7 @@ static uint64_t disk_free(const char *path)
 typedef struct bm_run {
     const char *method;   // "ties", "dare", "task-arithmetic"
     const char *kind;     // "full" or "lora"
-    int status;           // the child's exit status (or 128 + signal)
-    double wall;          // seconds, fork to waitpid
-    uint64_t peak_rss;    // bytes, from wait4's ru_maxrss
-    uint64_t peak_anon;   // bytes, the most RssAnon seen sampling /proc/PID/status
-    uint64_t peak_file;   // bytes, the most RssFile seen
+    bm_child c;           // its exit status, wall time and peak memory
     uint64_t in_bytes;    // input safetensors bytes
     double floor;         // seconds: the floor of this kind
     const char *gpu_mem;  // --gpu-mem given to this run, or NULL
@@ -595,66 +567,6 @@ typedef struct bm_run {
     int64_t fallbacks;    // fallbacks.merge
     int64_t on_device;    // tensors merged on the device
 } bm_run;
-
-// Prints the last `max` bytes of `path` to stderr.
-static void print_tail(const char *path, long max)
-{
-    FILE *f = fopen(path, "r");
-    if (!f)
-        return;
-    fseek(f, 0, SEEK_END);
-    long size = ftell(f);
-    fseek(f, size > max ? size - max : 0, SEEK_SET);
-    char buf[512];
-    size_t got;
-    while ((got = fread(buf, 1, sizeof buf, f)) > 0)
-        fwrite(buf, 1, got, stderr);
-    fclose(f);
-}
-
-// Runs `argv` (argv[0] the program) with stdout and stderr into `log`, sampling the child's
-// resident memory every 5 ms until it exits. Fills the run's status, wall and memory.
-static int run_child(char *const *argv, const char *log, bm_run *r)
-{
-    double t0 = now();
-    pid_t pid = fork();
-    if (pid < 0) {
-        fprintf(stderr, "bench_merge: fork: %s\n", strerror(errno));
-        return -1;
-    }
-    if (pid == 0) {
-        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        if (fd >= 0) {
-            dup2(fd, 1);
-            dup2(fd, 2);
-            close(fd);
-        }
-        execv(argv[0], argv);
-        fprintf(stderr, "bench_merge: exec %s: %s\n", argv[0], strerror(errno));
-        _exit(127);
-    }
-    char status_file[64];
-    snprintf(status_file, sizeof status_file, "/proc/%d/status", (int)pid);
-    struct rusage ru;
-    int st = 0;
-    for (;;) {
-        pid_t got = wait4(pid, &st, WNOHANG, &ru);
-        if (got == pid)
-            break;
-        if (got < 0 && errno != EINTR) {
-            fprintf(stderr, "bench_merge: wait4: %s\n", strerror(errno));
-            return -1;
-        }
-        uint64_t anon = proc_kb(status_file, "RssAnon:"), file = proc_kb(status_file, "RssFile:");
-        if (anon > r->peak_anon) r->peak_anon = anon;
-        if (file > r->peak_file) r->peak_file = file;
-        nanosleep(&(struct timespec){0, 5000000}, NULL);
-    }
-    r->wall = now() - t0;
-    r->peak_rss = (uint64_t)ru.ru_maxrss * 1024;
-    r->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
-    return 0;
-}
 
 // ==== the benchmark ===========================================================================
 
@@ -755,7 +667,6 @@ static void paths_free(bm_paths *p)
     free(p->floor_file);
 }
 
-static double gb(uint64_t b) { return (double)b / 1e9; }
 
 // Generates what is missing: the base (and with it the fine-tunes, which are the base plus
 // deltas), the full fine-tunes, the adapters. Each group's stamp is removed before it is made
@@ -877,25 +788,25 @@ static int bench_kind(const bm_opts *o, const bm_paths *p, int kind, const char 
             goto done;
         }
         sync();  // a kept output of the run before is not written back during this one
-        if (run_child(args, p->log, r) != 0) {
+        if (run_child(args, p->log, &r->c) != 0) {
             free(out);
             goto done;
         }
-        if (r->status != 0) {
+        if (r->c.status != 0) {
             (*failures)++;
             fprintf(stderr, "bench_merge: `llmerge %s` (%s) exited with status %d; its output "
-                    "ends:\n", method, kname, r->status);
+                    "ends:\n", method, kname, r->c.status);
             print_tail(p->log, 2000);
         } else if (!lm_is_dir(out)) {
             (*failures)++;
-            r->status = -1;
+            r->c.status = -1;
             fprintf(stderr, "bench_merge: `llmerge %s` (%s) exited 0 but wrote no %s\n",
                     method, kname, out);
         }
         read_manifest(out, r);
         if (!o->keep)
             lm_rm_rf(out, &err);
-        printf("  %-16s %6.2f s, peak RSS %.2f GB%s%s\n", method, r->wall, gb(r->peak_rss),
+        printf("  %-16s %6.2f s, peak RSS %.2f GB%s%s\n", method, r->c.wall, gb(r->c.peak_rss),
                r->gpu_mem ? ", --gpu-mem " : "", r->gpu_mem ? r->gpu_mem : "");
         fflush(stdout);
         free(out);
@@ -916,13 +827,13 @@ static void print_results(const bm_run *runs, int nr, bool device_run, const cha
         const bm_run *r = &runs[i];
         char name[40];
         snprintf(name, sizeof name, "%s %s%s", r->method, r->kind, r->gpu_mem ? " (gpu-mem)" : "");
-        if (r->status != 0) {
-            printf("%-22s %9.2f   FAILED (exit status %d)\n", name, gb(r->in_bytes), r->status);
+        if (r->c.status != 0) {
+            printf("%-22s %9.2f   FAILED (exit status %d)\n", name, gb(r->in_bytes), r->c.status);
             continue;
         }
         printf("%-22s %9.2f %8.2f %8.2f %10.2f %10.2f %9.2f %9.2f %9.2f\n", name, gb(r->in_bytes),
-               r->wall, r->floor, r->wall / r->floor, gb(r->in_bytes) / r->wall, gb(r->peak_rss),
-               gb(r->peak_anon), gb(r->peak_file));
+               r->c.wall, r->floor, r->c.wall / r->floor, gb(r->in_bytes) / r->c.wall, gb(r->c.peak_rss),
+               gb(r->c.peak_anon), gb(r->c.peak_file));
     }
     if (device_run) {
         printf("\non %s: host<->device copies (llmerge.json's transfers over timings.merge_s) against "
@@ -932,7 +843,7 @@ static void print_results(const bm_run *runs, int nr, bool device_run, const cha
                "copy GB/s", "of memcpy", "fell back");
         for (int i = 0; i < nr; i++) {
             const bm_run *r = &runs[i];
-            if (r->status != 0)
+            if (r->c.status != 0)
                 continue;
             char name[40];
             snprintf(name, sizeof name, "%s %s", r->method, r->kind);
@@ -950,18 +861,18 @@ static void print_results(const bm_run *runs, int nr, bool device_run, const cha
     printf("\ntargets (%ld cores):\n", sysconf(_SC_NPROCESSORS_ONLN));
     for (int i = 0; i < nr; i++) {
         const bm_run *r = &runs[i];
-        if (r->status != 0 || r->gpu_mem)
+        if (r->c.status != 0 || r->gpu_mem)
             continue;
         bool ties = strcmp(r->method, "ties") == 0, ta = strcmp(r->method, "task-arithmetic") == 0;
         if (ties && strcmp(r->kind, "full") == 0)
             printf("  %-22s peak RSS %.2f GB, target < 1.5 GB: %s\n", "ties full",
-                   gb(r->peak_rss), r->peak_rss < 1500000000ull ? "met" : "MISSED");
+                   gb(r->c.peak_rss), r->c.peak_rss < 1500000000ull ? "met" : "MISSED");
         if (ties || ta) {
             double limit = ties ? 3.0 : 2.0;
             char name[40];
             snprintf(name, sizeof name, "%s %s", r->method, r->kind);
-            printf("  %-22s wall %.2f s = %.2fx floor, target <= %.0fx: %s\n", name, r->wall,
-                   r->wall / r->floor, limit, r->wall <= limit * r->floor ? "met" : "MISSED");
+            printf("  %-22s wall %.2f s = %.2fx floor, target <= %.0fx: %s\n", name, r->c.wall,
+                   r->c.wall / r->floor, limit, r->c.wall <= limit * r->floor ? "met" : "MISSED");
         }
         // on a GPU, LoRA merges move little but their factors and outputs: their copies should
         // run near cudaMemcpy's rate, measured above in the same run
