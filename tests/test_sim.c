@@ -278,11 +278,12 @@ static void test_sim_teardown(void)
         memcpy(&f, (const char *)d->iface + i * sizeof f, sizeof f);
         size_t at = i * sizeof f;
         null += f == NULL && at != offsetof(lm_dev_i, dense_hist) && at != offsetof(lm_dev_i, dense_merge) &&
-                at != offsetof(lm_dev_i, to_f32_count) && at != offsetof(lm_dev_i, delta_count) &&
+                at != offsetof(lm_dev_i, dense_gram) && at != offsetof(lm_dev_i, to_f32_count) && at != offsetof(lm_dev_i, delta_count) &&
                 at != offsetof(lm_dev_i, from_f32_count);
     }
     CHECK_MSG(null == 0, "%zu entries of the sim's lm_dev_i are NULL", null);
-    CHECK(!d->iface->dense_hist && !d->iface->dense_merge && !lm_dev_supports(d, LM_OP_DENSE));
+    CHECK(!d->iface->dense_hist && !d->iface->dense_merge && !d->iface->dense_gram &&
+          !lm_dev_supports(d, LM_OP_DENSE));
     CHECK(!lm_dev_supports(d, LM_OP_COUNTS));
     lm_nonfinite nf = {0, 0};
     float x = 0.0f;
