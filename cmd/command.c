@@ -1,6 +1,12 @@
 // The entry skeleton of the subcommands that do a run (command.h).
 #include "command.h"
 
+#include <stdlib.h>
+
+#include "card.h"
+#include "signals.h"
+#include "util.h"
+
 int lm_command_run(const lm_command *c, int argc, char **argv)
 {
     lm_progress *p = c->progress;
@@ -114,4 +120,53 @@ int lm_command_run_model(const lm_model_command *mc, void *run, lm_model_run *m,
         .cleanup = model_cleanup, .ctx = &x,
     };
     return lm_command_run(&c, argc, argv);
+}
+
+lm_status lm_cmd_finish_output(lm_manifest *m, const lm_manifest_timings *tm, lm_outdir *od, lm_st_writer **w,
+                               int *n_shards, lm_err *err)
+{
+    lm_status s = lm_manifest_set_timings(m, tm, err);
+    char *path = s == LM_OK ? lm_path_join(od->tmp, LM_MANIFEST_NAME) : NULL;
+    if (s == LM_OK && !path)
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if (s == LM_OK)
+        s = lm_manifest_write(m, path, err);
+    free(path);
+    if (s != LM_OK)
+        return s;
+    *n_shards = lm_st_writer_plan(*w)->n_shards;
+    lm_st_writer_free(*w);
+    *w = NULL;
+    // writing the side files and hashing the inputs may have taken a while
+    if (lm_interrupted())
+        return lm_interrupted_err(err);
+    if ((s = lm_outdir_commit(od, err)) != LM_OK)
+        return s;
+    // OUT is complete and in place: a signal from now on is not undone by us
+    lm_signals_restore();
+    return LM_OK;
+}
+
+void lm_cmd_note_written(lm_progress *p, const char *out, int n_shards, int n_side, bool card)
+{
+    lm_progress_note(p, "wrote %s: %d shard%s%s, config.json, %d tokenizer/generation file%s, %s%s", out, n_shards,
+                     n_shards == 1 ? "" : "s", n_shards > 1 ? " + model.safetensors.index.json" : "", n_side,
+                     n_side == 1 ? "" : "s", card ? LM_CARD_NAME ", " : "", LM_MANIFEST_NAME);
+}
+
+cJSON *lm_cmd_end_event(const char *out, double t0)
+{
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "status", "ok");
+    cJSON_AddStringToObject(f, "output", out);
+    cJSON_AddNumberToObject(f, "exit_status", 0);
+    cJSON_AddNumberToObject(f, "total_s", lm_now() - t0);
+    return f;
+}
+
+void lm_cmd_end_send(lm_progress *p, cJSON *f, int n_shards)
+{
+    cJSON_AddNumberToObject(f, "shards", n_shards);
+    cJSON_AddNumberToObject(f, "peak_rss_bytes", (double)lm_peak_rss_bytes());
+    lm_progress_event(p, "end", f);
 }

@@ -25,8 +25,10 @@
 #include <stdio.h>
 
 #include "args.h"
+#include "manifest.h"
 #include "outdir.h"
 #include "progress.h"
+#include "st_writer.h"
 #include "status.h"
 
 typedef struct lm_command {
@@ -92,5 +94,21 @@ typedef struct lm_model_command {
 // a (its options); mc->cleanup frees what the steps allocate.
 int lm_command_run_model(const lm_model_command *mc, void *run, lm_model_run *m, lm_run_args *a, int argc,
                          char **argv);
+
+// The end of a run that writes a model into OUT (the merges, passthrough): llmerge.json with
+// its timings written into the temporary directory, the writer freed (*w NULL; *n_shards its
+// shards), a last check for a signal (LM_ERR_INTERRUPTED), then OUT renamed into place and the
+// signals restored. On failure the caller aborts the output.
+lm_status lm_cmd_finish_output(lm_manifest *m, const lm_manifest_timings *tm, lm_outdir *od, lm_st_writer **w,
+                               int *n_shards, lm_err *err);
+
+// The line saying what OUT got: "wrote OUT: N shards, config.json, ..., llmerge.json".
+void lm_cmd_note_written(lm_progress *p, const char *out, int n_shards, int n_side, bool card);
+
+// The "end" event of a run that wrote OUT: lm_cmd_end_event makes its object with status ok,
+// the output, exit status 0 and the total seconds since t0 (NULL when memory runs out); the
+// caller adds its own fields, and lm_cmd_end_send adds the shards and the peak RSS and sends it.
+cJSON *lm_cmd_end_event(const char *out, double t0);
+void lm_cmd_end_send(lm_progress *p, cJSON *f, int n_shards);
 
 #endif

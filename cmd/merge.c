@@ -943,28 +943,9 @@ static int work(merge_run *r, double t_loaded)
         .hash_s = hash_s,
         .total_s = lm_now() - r->t0,
     };
-    if ((s = lm_manifest_set_timings(&r->manifest, &tm, &err)) != LM_OK)
+    int n_shards = 0;
+    if ((s = lm_cmd_finish_output(&r->manifest, &tm, &r->od, &r->writer, &n_shards, &err)) != LM_OK)
         goto fail;
-    if (!(path = lm_path_join(r->od.tmp, LM_MANIFEST_NAME))) {
-        s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-    if ((s = lm_manifest_write(&r->manifest, path, &err)) != LM_OK)
-        goto fail;
-    free(path);
-    path = NULL;
-    int n_shards = lm_st_writer_plan(r->writer)->n_shards;
-    lm_st_writer_free(r->writer);
-    r->writer = NULL;
-    // writing the side files and hashing the inputs may have taken a while
-    if (lm_interrupted()) {
-        s = lm_interrupted_err(&err);
-        goto fail;
-    }
-    if ((s = lm_outdir_commit(&r->od, &err)) != LM_OK)
-        goto fail;
-    // OUT is complete and in place: a signal from now on is not undone by us
-    lm_signals_restore();
 
     // both counts, as llmerge.json's stats give them: a tensor no FT changes is copied, not merged
     char what[128];
@@ -972,22 +953,13 @@ static int work(merge_run *r, double t_loaded)
              r->res.n_merged == 1 ? "" : "s", r->res.n_copied);
     lm_progress_summary_as(p, what);
     device_summary(r);
-    lm_progress_note(p, "wrote %s: %d shard%s%s, config.json, %d tokenizer/generation file%s, %s%s",
-                     a->out, n_shards, n_shards == 1 ? "" : "s",
-                     n_shards > 1 ? " + model.safetensors.index.json" : "", n_side,
-                     n_side == 1 ? "" : "s", a->no_card ? "" : LM_CARD_NAME ", ", LM_MANIFEST_NAME);
-    cJSON *f = cJSON_CreateObject();
-    cJSON_AddStringToObject(f, "status", "ok");
-    cJSON_AddStringToObject(f, "output", a->out);
-    cJSON_AddNumberToObject(f, "exit_status", 0);
-    cJSON_AddNumberToObject(f, "total_s", lm_now() - r->t0);
+    lm_cmd_note_written(p, a->out, n_shards, n_side, !a->no_card);
+    cJSON *f = lm_cmd_end_event(a->out, r->t0);
     cJSON_AddNumberToObject(f, "tensors_merged", (double)r->res.n_merged);
     cJSON_AddNumberToObject(f, "tensors_copied", (double)r->res.n_copied);
     cJSON_AddNumberToObject(f, "bytes_in", (double)r->res.bytes_in);
     cJSON_AddNumberToObject(f, "bytes_out", (double)r->res.bytes_out);
-    cJSON_AddNumberToObject(f, "shards", n_shards);
-    cJSON_AddNumberToObject(f, "peak_rss_bytes", (double)lm_peak_rss_bytes());
-    lm_progress_event(p, "end", f);
+    lm_cmd_end_send(p, f, n_shards);
     return 0;
 
 fail:

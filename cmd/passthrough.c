@@ -634,46 +634,21 @@ static int work(void *ctx)
         .load_s = t_loaded - r->t0, .merge_s = t_tensors - t_write, .write_s = t_written - t_tensors,
         .hash_s = hash_s, .total_s = lm_now() - r->t0,
     };
-    if ((s = lm_manifest_set_timings(&r->manifest, &tm, &err)) != LM_OK)
+    int n_shards = 0;
+    if ((s = lm_cmd_finish_output(&r->manifest, &tm, &r->od, &r->writer, &n_shards, &err)) != LM_OK)
         goto fail;
-    if (!(path = lm_path_join(r->od.tmp, LM_MANIFEST_NAME))) {
-        s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
-        goto fail;
-    }
-    if ((s = lm_manifest_write(&r->manifest, path, &err)) != LM_OK)
-        goto fail;
-    free(path);
-    path = NULL;
-    int n_shards = lm_st_writer_plan(r->writer)->n_shards;
-    lm_st_writer_free(r->writer);
-    r->writer = NULL;
-    if (lm_interrupted()) {
-        s = lm_interrupted_err(&err);
-        goto fail;
-    }
-    if ((s = lm_outdir_commit(&r->od, &err)) != LM_OK)
-        goto fail;
-    lm_signals_restore();
 
     char what[160];
     snprintf(what, sizeof what, "stacked %" PRId64 " layers: wrote %" PRId64 " tensor%s (%" PRId64 " scaled, %" PRId64
              " converted, %" PRId64 " copied)", lm_pt_n_layers(r->plan), r->n_descs, r->n_descs == 1 ? "" : "s",
              r->res.n_scaled, r->res.n_converted, r->res.n_copied);
     lm_progress_summary_as(p, what);
-    lm_progress_note(p, "wrote %s: %d shard%s%s, config.json, %d tokenizer/generation file%s, %s%s", r->out, n_shards,
-                     n_shards == 1 ? "" : "s", n_shards > 1 ? " + model.safetensors.index.json" : "", n_side,
-                     n_side == 1 ? "" : "s", r->no_card ? "" : LM_CARD_NAME ", ", LM_MANIFEST_NAME);
-    cJSON *f = cJSON_CreateObject();
-    cJSON_AddStringToObject(f, "status", "ok");
-    cJSON_AddStringToObject(f, "output", r->out);
-    cJSON_AddNumberToObject(f, "exit_status", 0);
-    cJSON_AddNumberToObject(f, "total_s", lm_now() - r->t0);
+    lm_cmd_note_written(p, r->out, n_shards, n_side, !r->no_card);
+    cJSON *f = lm_cmd_end_event(r->out, r->t0);
     cJSON_AddNumberToObject(f, "tensors", (double)r->n_descs);
     cJSON_AddNumberToObject(f, "bytes_in", (double)r->res.bytes_in);
     cJSON_AddNumberToObject(f, "bytes_out", (double)r->res.bytes_out);
-    cJSON_AddNumberToObject(f, "shards", n_shards);
-    cJSON_AddNumberToObject(f, "peak_rss_bytes", (double)lm_peak_rss_bytes());
-    lm_progress_event(p, "end", f);
+    lm_cmd_end_send(p, f, n_shards);
     return 0;
 
 fail:
