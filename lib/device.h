@@ -232,10 +232,18 @@ lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64
 // *out = Σ |x[j]| in double, summed in fixed blocks in a fixed order.
 lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
 
-// out[r] = Σ_c x[r, c]·y[r, c] for each row r of two rows × cols matrices: each product and
-// the sum in double, in column order, so the same bits on every device and thread count (and a
-// caller that adds the rows in order gets a whole-tensor sum that does not depend on how the
-// rows were split). out is host memory (rows values); x may equal y (squared norms).
+// A row's dot product is added in LM_DOT_LANES lanes, on every device: the product of column
+// c (in double, exact for float32 factors) goes to lane c mod 16, each lane adds its products
+// in column order, and the row's sum is the lanes added in pairs, a tree: lane l += lane l + 1
+// for even l, then lane l += lane l + 2 for l a multiple of 4, then by 4, then by 8, lane 0
+// holding the sum. Sixteen independent chains of additions instead of one, so the sum is bound
+// by memory rather than by the latency of an addition, in an order fixed by the column alone.
+#define LM_DOT_LANES 16
+
+// out[r] = Σ_c x[r, c]·y[r, c] for each row r of two rows × cols matrices, in double, in the
+// lanes above, so the same bits on every device and thread count (and a caller that adds the
+// rows in order gets a whole-tensor sum that does not depend on how the rows were split). out
+// is host memory (rows values); x may equal y (squared norms).
 lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
                          lm_err *err);
 
@@ -301,8 +309,8 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 // The dot products of the base and the parts' τ over each row of a rows × cols slab, read and
 // made as lm_dev_dense_merge reads and makes them: out (host memory, rows × (1 + k +
 // k(k+1)/2) doubles, row-major) holds per row base·base, then base·τ_i for each part, then
-// τ_i·τ_j for each i and j <= i in that order; each a sum in double in column order, the bits
-// lm_dev_row_dot gives for the same vectors.
+// τ_i·τ_j for each i and j <= i in that order; each the bits lm_dev_row_dot gives for the
+// same vectors.
 lm_status lm_dev_dense_gram(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t rows,
                             int64_t cols, double *out, lm_err *err);
 

@@ -1,5 +1,5 @@
-// Tests of the fused dense operations (lm_dev_dense_hist, lm_dev_dense_merge) on the CPU
-// backend, with τ computed from the inputs, made from LoRA factors, or (merge) given in
+// Tests of the fused dense operations (lm_dev_dense_hist, lm_dev_dense_merge, lm_dev_dense_gram)
+// on the CPU backend, with τ computed from the inputs, made from LoRA factors, or (merge) given in
 // buffers: each must give bit for bit what the separate operations it replaces give
 // (conversion, delta or GEMM, hist_window, topk_apply or random_drop, axpby, combine,
 // conversion back), with 1 and with 3 threads, on inputs full of ties at the threshold (16-bit
@@ -8,6 +8,7 @@
 // from an offset into the tensor. The CPU's GEMM of low rank, which the LoRA parts must match,
 // is checked against the fused multiply-add chain it promises.
 #include "check.h"
+#include "dot_ref.h"
 #include "device.h"
 #include "merge_desc.h"
 #include "sparsify.h"
@@ -609,6 +610,87 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
     }
 }
 
+// The Gram pass: every row's dot products of the base and the τ made from the inputs, the bits
+// lm_dev_row_dot gives on the separate τ, and those of the order device.h fixes (dot_ref.h).
+// The base's values span a wide range of magnitudes and the fine-tunes' are float32 with full
+// mantissas or BF16 (all BF16 is a path of its own on the CPU), so that sums in another order
+// differ (all but base·base, a sum of exact 16-bit products). Rows longer than a chunk and not a multiple of the lanes, so that a
+// row's stretches start anywhere in its lanes; from an offset into the tensor; 1 to 4 parts
+// (the CPU sweeps 1, 2 and 3 at once and more one product at a time; the fourth part is the
+// first again).
+enum { G_COLS = 1003, G_ROWS = 251, G_FIRST = 1001, G_MAXK = 4 };
+
+static void check_gram(lm_dev *d, const inputs *in, const float *b, float *const *t, int k)
+{
+    lm_err err = {0};
+    int nd = 1 + k + k * (k + 1) / 2;
+    lm_dense_part parts[G_MAXK];
+    const float *tk[G_MAXK];
+    for (int i = 0; i < k; i++) {
+        parts[i] = (lm_dense_part){.src = at(in->src[i % K], in->dt[i % K], G_FIRST), .dt = in->dt[i % K],
+                                   .first = G_FIRST};
+        tk[i] = t[i % K];
+    }
+    double *got = malloc((size_t)G_ROWS * nd * sizeof *got), *sep = malloc(G_ROWS * sizeof *sep);
+    CHECK_OK(lm_dev_dense_gram(d, in->base + G_FIRST, LM_DTYPE_BF16, parts, k, G_ROWS, G_COLS, got, &err), &err);
+    const float *x[nd], *y[nd];
+    int q = 0;
+    x[q] = b, y[q++] = b;
+    for (int i = 0; i < k; i++)
+        x[q] = b, y[q++] = tk[i];
+    for (int i = 0; i < k; i++)
+        for (int j = 0; j <= i; j++)
+            x[q] = tk[i], y[q++] = tk[j];
+    int bad_sep = 0, bad_lanes = 0, other_order = 0;
+    for (q = 0; q < nd; q++) {
+        CHECK_OK(lm_dev_row_dot(d, x[q], y[q], G_ROWS, G_COLS, sep, &err), &err);
+        for (int64_t r = 0; r < G_ROWS; r++) {
+            double seq = 0, want = dot_ref(x[q] + r * G_COLS, y[q] + r * G_COLS, G_COLS);
+            for (int64_t c = 0; c < G_COLS; c++)
+                seq += (double)x[q][r * G_COLS + c] * (double)y[q][r * G_COLS + c];
+            bad_sep += memcmp(&got[r * nd + q], &sep[r], sizeof sep[r]) != 0;
+            bad_lanes += memcmp(&sep[r], &want, sizeof want) != 0;
+            other_order += seq != want;
+        }
+    }
+    CHECK_MSG(bad_sep == 0, "dense_gram of %d parts: %d of %d sums differ from row_dot's", k, bad_sep, G_ROWS * nd);
+    CHECK_MSG(bad_lanes == 0, "row_dot: %d of %d sums not in the lanes' order", bad_lanes, G_ROWS * nd);
+    CHECK_MSG(other_order > G_ROWS * (nd - 1) / 2,
+              "the inputs do not tell the orders apart: %d of %d sequential sums differ", other_order, G_ROWS * nd);
+    free(got);
+    free(sep);
+}
+
+static void test_gram(lm_dev *d, lm_dtype dt)
+{
+    int64_t n = (int64_t)G_ROWS * G_COLS, all = G_FIRST + n;
+    inputs in = {.base = malloc((size_t)all * 2), .dt = {dt, dt, dt}};
+    for (int i = 0; i < K; i++)
+        in.src[i] = malloc((size_t)all * 4);
+    for (int64_t j = 0; j < all; j++) {
+        float bv = ldexpf((float)(next() >> 40) / (float)(1 << 24) - 0.5f, (int)(next() % 25) - 12);
+        in.base[j] = lm_f32_to_bf16(bv);
+        for (int i = 0; i < K; i++) {
+            float b = lm_bf16_to_f32(in.base[j]), e = (float)(next() >> 40) / (float)(1 << 24) - 0.5f;
+            float v = b + b * ldexpf(e, -2 - i);  // τ in proportion to the base
+            if (dt == LM_DTYPE_BF16)
+                ((uint16_t *)in.src[i])[j] = lm_f32_to_bf16(v);
+            else
+                ((float *)in.src[i])[j] = v;
+        }
+    }
+    float *b = malloc((size_t)n * sizeof *b), *t[K];
+    for (int i = 0; i < K; i++)
+        t[i] = malloc((size_t)n * sizeof *t[i]);
+    taus(d, &in, G_FIRST, n, b, t);
+    for (int k = 1; k <= G_MAXK; k++)
+        check_gram(d, &in, b, t, k);
+    free(b);
+    for (int i = 0; i < K; i++)
+        free(t[i]);
+    free_inputs(&in);
+}
+
 // The caller's work given to lm_dev_dense_merge_side runs exactly once, on every path, and the
 // merge is the same as without it.
 static void count_side(void *ctx)
@@ -694,6 +776,10 @@ int main(void)
     test_lowrank_gemm(d3);
     test_lora(d1, d3);
     test_side(d1, d3, &in);
+    test_gram(d1, LM_DTYPE_F32);
+    test_gram(d3, LM_DTYPE_F32);
+    test_gram(d1, LM_DTYPE_BF16);
+    test_gram(d3, LM_DTYPE_BF16);
     test_counts(d1, d3, &in);
     test_refusals();
     free_inputs(&in);

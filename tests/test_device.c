@@ -9,6 +9,7 @@
 // that strict. Last, the capability question and the CPU companion. What is particular to the
 // sim device is test_sim's.
 #include "check.h"
+#include "dot_ref.h"
 #include "device.h"
 #include "device_forward.h"  // the harness (device_harness.h), and the forward pass's operations on it
 #include "device_registry.h"
@@ -788,7 +789,8 @@ static void h_topk(harness *h, const float *x, float *dx, int64_t n)
     free(got);
 }
 
-// row_dot against sums in double, the same bits as the CPU's; nearswap against its formula.
+// row_dot against sums in the order device.h fixes (dot_ref.h), the same bits as the CPU's;
+// nearswap against its formula.
 static void h_row_dot_near(harness *h, int64_t rows, int64_t cols)
 {
     int64_t n = rows * cols;
@@ -799,13 +801,9 @@ static void h_row_dot_near(harness *h, int64_t rows, int64_t cols)
     fill(y, n);
     CHECK_OK(lm_dev_row_dot(h->cpu, x, y, rows, cols, rw, &h->err), &h->err);
     for (int64_t r = 0; r < rows; r++) {
-        double s = 0, m = 0;
-        for (int64_t c = 0; c < cols; c++) {
-            s += (double)x[r * cols + c] * (double)y[r * cols + c];
-            m += fabs((double)x[r * cols + c] * (double)y[r * cols + c]);
-        }
-        CHECK_MSG(fabs(rw[r] - s) <= 1e-12 * m, "row_dot row %lld of %lldx%lld: %.17g, wanted %.17g", (long long)r,
-                  (long long)rows, (long long)cols, rw[r], s);
+        double s = dot_ref(x + r * cols, y + r * cols, cols);
+        CHECK_MSG(memcmp(&rw[r], &s, sizeof s) == 0, "row_dot row %lld of %lldx%lld: %.17g, wanted %.17g",
+                  (long long)r, (long long)rows, (long long)cols, rw[r], s);
     }
     float *dx = put(h, x, (size_t)n * 4), *dy = put(h, y, (size_t)n * 4);
     if (dx && dy && DEV_OK(h, lm_dev_row_dot(h->dev, dx, dy, rows, cols, rg, &h->err)))

@@ -311,10 +311,177 @@ typedef struct gram_job {
     int64_t rows, cols;
     double *out;          // (rows × n_dots)
     int n_dots;
+    bool bf16;            // gram_rows_bf16 takes the rows
 } gram_job;
 
+typedef double v8d __attribute__((vector_size(8 * sizeof(double))));
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+
+static inline __attribute__((always_inline)) void load_v8d(v8d *v, const float *x)
+{
+    v8f f;
+    memcpy(&f, x, sizeof f);
+    *v = __builtin_convertvector(f, v8d);
+}
+
+// One element's base value b and τ values t[0..k), at lane l, added to each dot product's lane
+// (lanes in lm_dev_dense_gram's order of the products).
+static inline void gram_one(double (*lanes)[LM_DOT_LANES], int l, float b, const float *t, int k)
+{
+    double bd = b;
+    int q = 0;
+    lanes[q++][l] += bd * bd;
+    for (int a = 0; a < k; a++)
+        lanes[q++][l] += bd * (double)t[a];
+    for (int a = 0; a < k; a++)
+        for (int c = 0; c <= a; c++)
+            lanes[q++][l] += (double)t[a] * (double)t[c];
+}
+
+// Element i of a stretch: its base value and τ from b and t.
+static inline void gram_at(double (*lanes)[LM_DOT_LANES], int l, const float *b, const float *const *t, int k,
+                           int64_t i)
+{
+    float tv[k > 0 ? k : 1];
+    for (int a = 0; a < k; a++)
+        tv[a] = t[a][i];
+    gram_one(lanes, l, b[i], tv, k);
+}
+
+// The products of one vector of base values and k of τ added to the lanes' vectors acc[q][h].
+static inline __attribute__((always_inline)) void gram_vec(v8d (*acc)[2], int h, v8d bv, const v8d *tv, const int k)
+{
+    int q = 0;
+    acc[q++][h] += bv * bv;
+    for (int a = 0; a < k; a++)
+        acc[q++][h] += bv * tv[a];
+    for (int a = 0; a < k; a++)
+        for (int c = 0; c <= a; c++)
+            acc[q++][h] += tv[a] * tv[c];
+}
+
+// Every dot product of a stretch of n elements of one row, its first at column col, added to
+// the lanes as cpu_dot_lanes adds each (the products are exact, so the bits are the same), but
+// all in one sweep: each value converted once, and the lanes of every product in registers
+// (k a constant where this is inlined, so that the loops over the products unroll).
+static inline __attribute__((always_inline)) void gram_lanes_k(double (*lanes)[LM_DOT_LANES], const float *b,
+                                                               const float *const *t, const int k, int64_t n,
+                                                               int64_t col)
+{
+    const int nd = 1 + k + k * (k + 1) / 2;
+    int64_t i = 0;
+    for (; i < n && (col + i) % LM_DOT_LANES; i++)  // up to the next lane 0
+        gram_at(lanes, (int)((col + i) % LM_DOT_LANES), b, t, k, i);
+    v8d acc[nd][2];
+    memcpy(acc, lanes, sizeof acc);
+    for (; i + LM_DOT_LANES <= n; i += LM_DOT_LANES)
+        for (int h = 0; h < 2; h++) {
+            v8d bv, tv[k > 0 ? k : 1];
+            load_v8d(&bv, b + i + 8 * h);
+            for (int a = 0; a < k; a++)
+                load_v8d(&tv[a], t[a] + i + 8 * h);
+            gram_vec(acc, h, bv, tv, k);
+        }
+    memcpy(lanes, acc, sizeof acc);
+    for (int l = 0; i < n; i++, l++)
+        gram_at(lanes, l, b, t, k, i);
+}
+
+typedef uint16_t v8h __attribute__((vector_size(8 * sizeof(uint16_t))));
+typedef uint32_t v8u __attribute__((vector_size(8 * sizeof(uint32_t))));
+
+// Eight BF16 values as float32: their 16 bits above 16 zero bits, lm_convert_to_f32's.
+static inline __attribute__((always_inline)) void load_bf16(v8f *v, const uint16_t *x)
+{
+    v8h h;
+    memcpy(&h, x, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    memcpy(v, &u, sizeof *v);
+}
+
+// gram_lanes_k for a whole row of n elements read straight from BF16 inputs: the base b and
+// the fine-tunes f[0..k), τ = f − b in float32 as cpu_subtract makes it.
+static inline __attribute__((always_inline)) void gram_bf16_k(double (*lanes)[LM_DOT_LANES], const uint16_t *b,
+                                                              const uint16_t *const *f, const int k, int64_t n)
+{
+    const int nd = 1 + k + k * (k + 1) / 2;
+    v8d acc[nd][2];
+    memset(acc, 0, sizeof acc);
+    int64_t i = 0;
+    for (; i + LM_DOT_LANES <= n; i += LM_DOT_LANES)
+        for (int h = 0; h < 2; h++) {
+            v8f bf, tf;
+            v8d bv, tv[k];
+            load_bf16(&bf, b + i + 8 * h);
+            bv = __builtin_convertvector(bf, v8d);
+            for (int a = 0; a < k; a++) {
+                load_bf16(&tf, f[a] + i + 8 * h);
+                tf -= bf;
+                tv[a] = __builtin_convertvector(tf, v8d);
+            }
+            gram_vec(acc, h, bv, tv, k);
+        }
+    memcpy(lanes, acc, sizeof acc);
+    for (int l = 0; i < n; i++, l++) {
+        float bv = lm_bf16_to_f32(b[i]), tv[k];
+        for (int a = 0; a < k; a++)
+            tv[a] = lm_bf16_to_f32(f[a][i]) - bv;
+        gram_one(lanes, l, bv, tv, k);
+    }
+}
+
+// Rows [r0, r1) of a slab whose base and parts are all BF16 inputs, 1 to 3 parts: each row's
+// products in one sweep over the mapped inputs, no chunk buffers.
+LM_VECTOR_CLONES static void gram_rows_bf16(const uint16_t *base, const lm_dense_part *parts, int k, int64_t r0,
+                                            int64_t r1, int64_t cols, double *out, int n_dots)
+{
+    double lanes[n_dots][LM_DOT_LANES];
+    for (int64_t r = r0; r < r1; r++) {
+        const uint16_t *f[3] = {NULL, NULL, NULL};
+        for (int a = 0; a < k; a++)
+            f[a] = (const uint16_t *)parts[a].src + r * cols;
+        const uint16_t *b = base + r * cols;
+        switch (k) {
+        case 1: gram_bf16_k(lanes, b, f, 1, cols); break;
+        case 2: gram_bf16_k(lanes, b, f, 2, cols); break;
+        default: gram_bf16_k(lanes, b, f, 3, cols); break;
+        }
+        for (int q = 0; q < n_dots; q++)
+            out[r * n_dots + q] = cpu_dot_lanes_sum(lanes[q]);
+    }
+}
+
+// Whether a slab takes gram_rows_bf16.
+static bool gram_all_bf16(lm_dtype base_dt, const lm_dense_part *parts, int k)
+{
+    bool ok = base_dt == LM_DTYPE_BF16 && k >= 1 && k <= 3;
+    for (int a = 0; ok && a < k; a++)
+        ok = parts[a].src && parts[a].dt == LM_DTYPE_BF16 && !parts[a].tau && !parts[a].lora_a;
+    return ok;
+}
+
+LM_VECTOR_CLONES static void gram_lanes(double (*lanes)[LM_DOT_LANES], const float *b, const float *const *t, int k,
+                                        int64_t n, int64_t col)
+{
+    _Static_assert(LM_DOT_LANES == 16, "two vectors of eight lanes");
+    switch (k) {
+    case 1: gram_lanes_k(lanes, b, t, 1, n, col); break;
+    case 2: gram_lanes_k(lanes, b, t, 2, n, col); break;
+    case 3: gram_lanes_k(lanes, b, t, 3, n, col); break;
+    default: {  // each product on its own
+        int q = 0;
+        cpu_dot_lanes(lanes[q++], b, b, n, col);
+        for (int a = 0; a < k; a++)
+            cpu_dot_lanes(lanes[q++], b, t[a], n, col);
+        for (int a = 0; a < k; a++)
+            for (int c = 0; c <= a; c++)
+                cpu_dot_lanes(lanes[q++], t[a], t[c], n, col);
+    }
+    }
+}
+
 // Rows [r0, r1) of the slab: base and τ made a chunk at a time as the merge makes them, each
-// product added to its row's sum in column order.
+// product added to its row's lanes (lm_dev_row_dot's order).
 static void dense_gram_task(void *ctx, int64_t t)
 {
     gram_job *g = ctx;
@@ -322,10 +489,15 @@ static void dense_gram_task(void *ctx, int64_t t)
     int k = j->k;
     int64_t r0 = t * j->per_task, r1 = r0 + j->per_task < g->rows ? r0 + j->per_task : g->rows;
     int64_t lo = r0 * g->cols, hi = r1 * g->cols;
+    if (g->bf16) {
+        gram_rows_bf16(j->base, j->parts, k, r0, r1, g->cols, g->out, g->n_dots);
+        return;
+    }
     float b[CHUNK], buf[k > 0 ? k : 1][CHUNK];
     float *tp[k > 0 ? k : 1];
     int64_t kpos[k > 0 ? k : 1];
-    memset(g->out + r0 * g->n_dots, 0, (size_t)((r1 - r0) * g->n_dots) * sizeof(double));
+    double lanes[g->n_dots][LM_DOT_LANES];  // the current row's
+    memset(lanes, 0, sizeof lanes);
     int64_t span = j->span ? j->span : hi - lo;
     for (int64_t s0 = lo; s0 < hi; s0 += span) {
         int64_t s1 = hi - s0 < span ? hi : s0 + span;
@@ -335,22 +507,19 @@ static void dense_gram_task(void *ctx, int64_t t)
             dense_load(b, j->base, j->base_dt, c, cnt, NULL);
             for (int i = 0; i < k; i++)
                 tp[i] = chunk_tau(j, t, i, buf[i], b, s0, c, cnt, kpos, NULL);
-            // the chunk's rows: each stretch adds to its row's sums
+            // the chunk's rows: each stretch adds to its row's lanes, a row's end gives its sums
             for (int64_t e0 = 0; e0 < cnt;) {
                 int64_t row = (c + e0) / g->cols, end = (row + 1) * g->cols - c;
-                int64_t e1 = end < cnt ? end : cnt;
-                double *o = g->out + row * g->n_dots;
-                int q = 0;
-                for (int64_t e = e0; e < e1; e++)
-                    o[0] += (double)b[e] * (double)b[e];
-                q = 1;
-                for (int i = 0; i < k; i++, q++)
-                    for (int64_t e = e0; e < e1; e++)
-                        o[q] += (double)b[e] * (double)tp[i][e];
+                int64_t e1 = end < cnt ? end : cnt, col = c + e0 - row * g->cols;
+                const float *ts[k > 0 ? k : 1];
                 for (int i = 0; i < k; i++)
-                    for (int jj = 0; jj <= i; jj++, q++)
-                        for (int64_t e = e0; e < e1; e++)
-                            o[q] += (double)tp[i][e] * (double)tp[jj][e];
+                    ts[i] = tp[i] + e0;
+                gram_lanes(lanes, b + e0, ts, k, e1 - e0, col);
+                if (e1 == end) {
+                    for (int q = 0; q < g->n_dots; q++)
+                        g->out[row * g->n_dots + q] = cpu_dot_lanes_sum(lanes[q]);
+                    memset(lanes, 0, sizeof lanes);
+                }
                 e0 = e1;
             }
         }
@@ -366,7 +535,8 @@ lm_status cpu_dense_gram(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense
     int64_t per = (BLOCK + cols - 1) / cols;  // rows of about a block of entries per task
     int64_t tasks = (rows + per - 1) / per;
     gram_job g = {.j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = rows * cols, .per_task = per},
-                  .rows = rows, .cols = cols, .out = out, .n_dots = 1 + k + k * (k + 1) / 2};
+                  .rows = rows, .cols = cols, .out = out, .n_dots = 1 + k + k * (k + 1) / 2,
+                  .bf16 = gram_all_bf16(base_dt, parts, k)};
     lm_status s = lora_scratch(d, &g.j, tasks, err);
     if (s != LM_OK)
         return s;

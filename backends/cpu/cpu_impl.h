@@ -124,6 +124,19 @@ lm_status cpu_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first
 lm_status cpu_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first, uint64_t keep_below,
                           lm_err *err);
 lm_status cpu_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err);
+// lanes[c mod LM_DOT_LANES] += x[i]·y[i] for i in [0, n), c = col + i (the column of x[i] in
+// its row): a stretch of a row's dot product in lm_dev_row_dot's lanes (device.h).
+void cpu_dot_lanes(double lanes[LM_DOT_LANES], const float *x, const float *y, int64_t n, int64_t col);
+
+// The row's dot product from its lanes, in device.h's order (the lanes are overwritten).
+static inline double cpu_dot_lanes_sum(double l[LM_DOT_LANES])
+{
+    for (int w = 1; w < LM_DOT_LANES; w *= 2)
+        for (int q = 0; q < LM_DOT_LANES; q += 2 * w)
+            l[q] += l[q + w];
+    return l[0];
+}
+
 lm_status cpu_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
                       lm_err *err);
 lm_status cpu_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err);

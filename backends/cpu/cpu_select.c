@@ -524,16 +524,43 @@ typedef struct row_dot_job {
     double *out;  // (rows)
 } row_dot_job;
 
+typedef double v8d __attribute__((vector_size(8 * sizeof(double))));
+typedef float v8f __attribute__((vector_size(8 * sizeof(float))));
+
+LM_VECTOR_CLONES void cpu_dot_lanes(double lanes[LM_DOT_LANES], const float *x, const float *y, int64_t n, int64_t col)
+{
+    int64_t i = 0;
+    for (; i < n && (col + i) % LM_DOT_LANES; i++)  // up to the next lane 0
+        lanes[(col + i) % LM_DOT_LANES] += (double)x[i] * (double)y[i];
+    // then the lanes in two vectors, in registers: element q of lo is lane q's chain, of hi
+    // lane 8 + q's
+    _Static_assert(LM_DOT_LANES == 16, "two vectors of eight lanes");
+    v8d lo, hi;
+    memcpy(&lo, lanes, sizeof lo);
+    memcpy(&hi, lanes + 8, sizeof hi);
+    for (; i + LM_DOT_LANES <= n; i += LM_DOT_LANES) {
+        v8f x0, y0, x1, y1;
+        memcpy(&x0, x + i, sizeof x0);
+        memcpy(&y0, y + i, sizeof y0);
+        memcpy(&x1, x + i + 8, sizeof x1);
+        memcpy(&y1, y + i + 8, sizeof y1);
+        lo += __builtin_convertvector(x0, v8d) * __builtin_convertvector(y0, v8d);  // exact products
+        hi += __builtin_convertvector(x1, v8d) * __builtin_convertvector(y1, v8d);
+    }
+    memcpy(lanes, &lo, sizeof lo);
+    memcpy(lanes + 8, &hi, sizeof hi);
+    for (int q = 0; i < n; i++, q++)
+        lanes[q] += (double)x[i] * (double)y[i];
+}
+
 static void row_dot_task(void *ctx, int64_t t)
 {
     row_dot_job *j = ctx;
     int64_t r1 = (t + 1) * j->per_task < j->rows ? (t + 1) * j->per_task : j->rows;
     for (int64_t r = t * j->per_task; r < r1; r++) {
-        const float *x = j->x + r * j->cols, *y = j->y + r * j->cols;
-        double s = 0;
-        for (int64_t c = 0; c < j->cols; c++)
-            s += (double)x[c] * (double)y[c];
-        j->out[r] = s;
+        double l[LM_DOT_LANES] = {0};
+        cpu_dot_lanes(l, j->x + r * j->cols, j->y + r * j->cols, j->cols, 0);
+        j->out[r] = cpu_dot_lanes_sum(l);
     }
 }
 

@@ -912,8 +912,12 @@ fail:
     return status;
 }
 
-// out[r] = Σ_c x[r, c]·y[r, c], each product and the sum in double, in column order:
-// cpu_select.c's row_dot_task. One warp per row, as k_l1_blocks walks a block.
+// out[r] = Σ_c x[r, c]·y[r, c] in lm_dev_row_dot's lanes (device.h), as cpu_dot_lanes adds
+// them. One warp per row: a tile of 32 columns starts at a multiple of 32, so lane c mod 16 of
+// the row is held by threads c mod 16 and the one 16 above it; thread t < 16 adds its own
+// product, then that one's, in column order. Past the row's end the products are zeros, which
+// leave a sum that started at +0 unchanged. The lanes are then added in device.h's tree
+// (shuffles down by 1, 2, 4, 8).
 __global__ void k_row_dot(double *out, const float *x, const float *y, int64_t rows, int64_t cols)
 {
     const int lane = threadIdx.x & 31;
@@ -924,7 +928,7 @@ __global__ void k_row_dot(double *out, const float *x, const float *y, int64_t r
         float nx[SEQ_TILES], ny[SEQ_TILES];
         load_tiles(nx, x, lo, hi, lane);
         load_tiles(ny, y, lo, hi, lane);
-        double s = 0.0;
+        double s = 0.0;  // lane `thread`'s sum, in threads 0 to 15
         for (int64_t g = lo; g < hi; g += 32 * SEQ_TILES) {
             float cx[SEQ_TILES], cy[SEQ_TILES];
 #pragma unroll
@@ -936,11 +940,14 @@ __global__ void k_row_dot(double *out, const float *x, const float *y, int64_t r
             load_tiles(ny, y, g + 32 * SEQ_TILES, hi, lane);
 #pragma unroll
             for (int j = 0; j < SEQ_TILES; j++) {
-                int64_t t0 = g + 32 * j;
-                if (t0 < hi)
-                    s = add_lanes_in_order(s, (double)cx[j] * (double)cy[j], hi - t0 < 32 ? (int)(hi - t0) : 32);
+                double v = (double)cx[j] * (double)cy[j];
+                double v16 = __shfl_down_sync(FULL_MASK, v, 16);
+                s = s + v;
+                s = s + v16;
             }
         }
+        for (int w = 1; w < 16; w *= 2)
+            s = s + __shfl_down_sync(FULL_MASK, s, w);
         if (lane == 0)
             out[r] = s;
     }
