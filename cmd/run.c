@@ -493,6 +493,28 @@ static lm_status check_required(const run_preset *p, const method_params *mp, co
     return LM_OK;
 }
 
+// The chat templates a configuration may name, as mergekit names them: llmerge's own renderings
+// of these formats (docs/mergekit.md says where they differ from mergekit's files).
+static const struct {
+    const char *name, *jinja;
+} named_templates[] = {
+    {"chatml", "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+               "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"},
+    {"llama3", "{% for m in messages %}{% if loop.first %}{{ bos_token }}{% endif %}{{ '<|start_header_id|>' + "
+               "m['role'] + '<|end_header_id|>\\n\\n' + (m['content'] | trim) + '<|eot_id|>' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"},
+    {"alpaca", "{% set heads = {'user': '### Instruction:\\n', 'user_context': '### Input:\\n', "
+               "'assistant': '### Response:\\n'} %}{% set system = messages | selectattr('role', 'equalto', "
+               "'system') | list %}{% if system %}{{ (system | last)['content'] | trim }}{% endif %}{{ '\\n\\n' }}"
+               "{% for m in messages if m['role'] in heads %}{% if not loop.first %}{{ '\\n\\n' }}{% endif %}"
+               "{{ heads[m['role']] + (m['content'] | trim) }}{% endfor %}{% if add_generation_prompt and "
+               "messages[-1]['role'] != 'assistant' %}{{ '\\n\\n### Response:\\n' }}{% endif %}"},
+    {"exaone", "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
+               "{{ '[|system|][|endofturn|]\\n' }}{% endif %}{{ '[|' + m['role'] + '|]' + m['content'] + "
+               "('\\n' if m['role'] == 'user' else '[|endofturn|]\\n') }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '[|assistant|]' }}{% endif %}"},
+};
+
 // tokenizer_source and chat_template.
 static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
 {
@@ -548,9 +570,14 @@ static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
         a->chat_template = "auto";
         return LM_OK;
     }
-    if (strlen(t) < 20 || !strchr(t, '{'))
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: chat_template '%s': mergekit's named templates are not in "
-                          "llmerge; give the template itself (a Jinja string), or auto", cfg->path,
+    for (size_t i = 0; i < sizeof named_templates / sizeof *named_templates; i++)
+        if (strcmp(t, named_templates[i].name) == 0) {
+            a->chat_template = named_templates[i].jinja;
+            return LM_OK;
+        }
+    if (strlen(t) < 20 || !strchr(t, '{'))  // mergekit's rule for a template given by name
+        return lm_err_set(err, LM_ERR_USAGE, "%s:%d: chat_template '%s': not a template llmerge knows by name "
+                          "(alpaca, chatml, exaone, llama3), nor a Jinja template, nor auto", cfg->path,
                           cfg->chat_template_line, t);
     a->chat_template = t;
     return LM_OK;

@@ -514,7 +514,8 @@ expect 2 "$work/tk_other.yml:3: tokenizer_source '$work/tk_other'" run "$work/tk
 check '[ ! -e "$work/tk_other.run" ]' "a refused tokenizer_source left $work/tk_other.run"
 # chat_template: a Jinja string into OUT's tokenizer_config.json (the rest of it kept); auto,
 # the template most of the models have (tk_other's and tk_third's, neither the base's nor the
-# first fine-tune's); a name of mergekit's is refused with its line
+# first fine-tune's); a name of mergekit's gives llmerge's template of that format; another
+# short word is refused with its line
 tk_cfg tk_jinja "chat_template: \"{% for m in messages %}{{ m['content'] }}{% endfor %}\""
 runcfg tk_jinja
 json "$work/tk_jinja.run/tokenizer_config.json" chat_template "{% for m in messages %}{{ m['content'] }}{% endfor %}"
@@ -524,8 +525,19 @@ runcfg tk_auto
 json "$work/tk_auto.run/tokenizer_config.json" chat_template "{{ 'other' }}"
 json "$work/tk_base.run/tokenizer_config.json" chat_template "{{ 'base' }}"
 tk_cfg tk_chatml "chat_template: chatml"
-expect 2 "$work/tk_chatml.yml:3: chat_template 'chatml'" run "$work/tk_chatml.yml" -o "$work/tk_chatml.run"
-check '[ ! -e "$work/tk_chatml.run" ]' "a refused chat_template left $work/tk_chatml.run"
+runcfg tk_chatml
+json "$work/tk_chatml.run/tokenizer_config.json" chat_template \
+  "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+for name in llama3 alpaca exaone; do
+  tk_cfg "tk_$name" "chat_template: $name"
+  runcfg "tk_$name"
+done
+check 'grep -q "<|start_header_id|>" "$work/tk_llama3.run/tokenizer_config.json" &&
+  grep -q "### Instruction:" "$work/tk_alpaca.run/tokenizer_config.json" &&
+  grep -q "\[|endofturn|\]" "$work/tk_exaone.run/tokenizer_config.json"' "a named chat_template not written"
+tk_cfg tk_vicuna "chat_template: vicuna"
+expect 2 "$work/tk_vicuna.yml:3: chat_template 'vicuna'" run "$work/tk_vicuna.yml" -o "$work/tk_vicuna.run"
+check '[ ! -e "$work/tk_vicuna.run" ]' "a refused chat_template left $work/tk_vicuna.run"
 
 # ==== every refusal: exit status 2, FILE:LINE[:COLUMN], nothing left ==============================
 
