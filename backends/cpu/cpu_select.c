@@ -609,84 +609,122 @@ typedef struct della_job {
     int64_t first;
     double p_lo, p_hi;
     bool inv;
-    bool nomem;  // a task's scratch could not be allocated
+    const double *p;        // (cols) lm_della_p of each rank, or NULL (made per entry)
+    const uint64_t *below;  // (cols) lm_rng_threshold of each rank's p
+    bool nomem;             // a task's scratch could not be allocated
 } della_job;
 
 #define RADIX_BITS 11
 #define RADIX (1 << RADIX_BITS)
+#define RADIX_PASSES 3  // 31 magnitude bits in digits of 11, 11 and 9
 
-// Sorts n (key, index) pairs by key, stably (equal keys keep their order), least significant
-// digit first over the 31 magnitude bits: a pass is skipped where every key has the same digit.
-// k, i hold the pairs on entry; the sorted ones end in *k_out, *i_out (k or k2, i or i2).
-static void radix_sort(uint32_t *k, uint32_t *i, uint32_t *k2, uint32_t *i2, int64_t n, uint32_t **k_out,
-                       uint32_t **i_out)
+// Sorts n entries (magnitude bits << 32 | index) by their magnitude bits, stably (equal
+// magnitudes keep their order), least significant digit first: the three digits' counts in
+// one pass, and a pass skipped where every entry has the same digit. The sorted entries end in
+// *out (v or tmp).
+static void radix_sort(uint64_t *v, uint64_t *tmp, int64_t n, uint64_t **out)
 {
-    uint32_t count[RADIX];
-    for (int shift = 0; shift < 31; shift += RADIX_BITS) {
-        memset(count, 0, sizeof count);
-        for (int64_t c = 0; c < n; c++)
-            count[(k[c] >> shift) & (RADIX - 1)]++;
-        if (count[(k[0] >> shift) & (RADIX - 1)] == (uint32_t)n)
+    uint32_t count[RADIX_PASSES][RADIX];
+    memset(count, 0, sizeof count);
+    for (int64_t c = 0; c < n; c++)
+        for (int q = 0; q < RADIX_PASSES; q++)
+            count[q][(v[c] >> (32 + RADIX_BITS * q)) & (RADIX - 1)]++;
+    for (int q = 0; q < RADIX_PASSES; q++) {
+        int shift = 32 + RADIX_BITS * q;
+        uint32_t *cnt = count[q];
+        if (cnt[(v[0] >> shift) & (RADIX - 1)] == (uint32_t)n)
             continue;  // one digit for all: the order stands
         uint32_t sum = 0;
         for (int d = 0; d < RADIX; d++) {
-            uint32_t t = count[d];
-            count[d] = sum;
+            uint32_t t = cnt[d];
+            cnt[d] = sum;
             sum += t;
         }
-        for (int64_t c = 0; c < n; c++) {
-            uint32_t at = count[(k[c] >> shift) & (RADIX - 1)]++;
-            k2[at] = k[c];
-            i2[at] = i[c];
-        }
-        uint32_t *t = k;
-        k = k2, k2 = t;
-        t = i;
-        i = i2, i2 = t;
+        for (int64_t c = 0; c < n; c++)
+            tmp[cnt[(v[c] >> shift) & (RADIX - 1)]++] = v[c];
+        uint64_t *t = v;
+        v = tmp, tmp = t;
     }
-    *k_out = k;
-    *i_out = i;
+    *out = v;
+}
+
+// u[c] = the top 32 bits of the counter-based draw of entry first + c (lm_rng_keep's), for a
+// row at once in index order, where the loop vectorises.
+LM_VECTOR_CLONES static void della_draws(uint32_t *u, uint64_t key, int64_t first, int64_t n)
+{
+    for (int64_t c = 0; c < n; c++)
+        u[c] = (uint32_t)(lm_mix64(key + (uint64_t)(first + c + 1) * 0x9E3779B97F4A7C15ull) >> 32);
 }
 
 // Rows [r0, r1): each entry's rank from a stable sort of the row's magnitude bits (equal
-// magnitudes in index order), then its keep test.
+// magnitudes in index order), then its keep test in rank order (lm_della_keep's: the entries
+// dropped at once, the kept ones listed and scaled by 1/p after, so that the division is taken
+// only where it is needed and the keep test has no branch).
 static void della_task(void *ctx, int64_t t)
 {
     della_job *j = ctx;
     int64_t per = (BLOCK + j->cols - 1) / j->cols;
     int64_t r1 = (t + 1) * per < j->rows ? (t + 1) * per : j->rows;
-    uint32_t *buf = malloc((size_t)j->cols * 4 * sizeof *buf);
-    if (!buf) {
+    uint64_t *buf = malloc((size_t)j->cols * 3 * sizeof *buf);
+    uint32_t *u = malloc((size_t)j->cols * sizeof *u);
+    if (!buf || !u) {
+        free(buf);
+        free(u);
         j->nomem = true;
         return;
     }
     for (int64_t r = t * per; r < r1; r++) {
         float *x = j->x + r * j->cols;
-        uint32_t *k = buf, *i = buf + j->cols, *k2 = i + j->cols, *i2 = k2 + j->cols, *ks, *is;
-        for (int64_t c = 0; c < j->cols; c++) {
-            k[c] = lm_abs_bits(x[c]);
-            i[c] = (uint32_t)c;
-        }
-        radix_sort(k, i, k2, i2, j->cols, &ks, &is);
+        uint64_t *v = buf, *kept = buf + 2 * j->cols, *sorted;
+        int64_t first = j->first + r * j->cols, n_kept = 0;
+        for (int64_t c = 0; c < j->cols; c++)
+            v[c] = (uint64_t)lm_abs_bits(x[c]) << 32 | (uint64_t)c;
+        radix_sort(v, buf + j->cols, j->cols, &sorted);
+        della_draws(u, j->key, first, j->cols);
         for (int64_t rank = 0; rank < j->cols; rank++) {
-            int64_t c = is[rank];
-            double p = lm_della_p(rank, j->cols, j->p_lo, j->p_hi);
-            x[c] = lm_della_keep(x[c], j->key, j->first + r * j->cols + c, p, j->inv);
+            uint32_t c = (uint32_t)sorted[rank];
+            uint64_t below = j->below ? j->below[rank] : lm_rng_threshold(lm_della_p(rank, j->cols, j->p_lo, j->p_hi));
+            uint32_t keep = u[c] < below;  // lm_rng_keep; no branch, which would go either way
+            x[c] = lm_bits_f32(lm_f32_bits(x[c]) & (0u - keep));
+            kept[n_kept] = (uint64_t)rank << 32 | c;
+            n_kept += keep;
+        }
+        for (int64_t q = 0; j->inv && q < n_kept; q++) {
+            uint32_t c = (uint32_t)kept[q];
+            int64_t rank = (int64_t)(kept[q] >> 32);
+            double p = j->p ? j->p[rank] : lm_della_p(rank, j->cols, j->p_lo, j->p_hi);
+            x[c] = (float)((double)x[c] / p);
         }
     }
     free(buf);
+    free(u);
 }
+
+#define DELLA_TABLE_MAX (1 << 20)  // the longest rows whose p and thresholds are tabled
 
 lm_status cpu_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first, double p_lo,
                          double p_hi, bool inv, lm_err *err)
 {
     if (cols > 0xFFFFFFFFll)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "cpu: della_drop of rows of %lld entries", (long long)cols);
-    della_job j = {x, rows, cols, key, first, p_lo, p_hi, inv, false};
     if (rows <= 0 || cols <= 0)
         return LM_OK;
+    // Every row has the same p per rank: lm_della_p and its threshold once per call.
+    double *p = cols <= DELLA_TABLE_MAX ? malloc((size_t)cols * sizeof *p) : NULL;
+    uint64_t *below = p ? malloc((size_t)cols * sizeof *below) : NULL;
+    if (!below) {
+        free(p);
+        p = NULL;
+    }
+    for (int64_t r = 0; below && r < cols; r++) {
+        p[r] = lm_della_p(r, cols, p_lo, p_hi);
+        below[r] = lm_rng_threshold(p[r]);
+    }
+    della_job j = {x, rows, cols, key, first, p_lo, p_hi, inv, p, below, false};
     int64_t per = (BLOCK + cols - 1) / cols;  // rows of about a block of entries per task
     lm_pool_run(pool_of(d), (rows + per - 1) / per, della_task, &j);
+    free(p);
+    free(below);
     return j.nomem ? lm_err_set(err, LM_ERR_NOMEM, "cpu: out of memory") : LM_OK;
 }
 
