@@ -480,7 +480,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
         o->params_ctx = a->params;
         a->params->n_layers = r->base->config.num_hidden_layers;
     }
-    if ((s = lm_merge_check_opts(o, err)) != LM_OK)
+    if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, err)) != LM_OK)
         return s;
     if (a->use.hessians && (s = read_calib(r, err)) != LM_OK)
         return s;

@@ -702,46 +702,67 @@ static void merge_undo(unit *u)
     XXH64_reset(((merge_ctx *)u->ctx)->hash, 0);
 }
 
-// Fills e->tp with tensor `name`'s parameters: the options', then o->tensor_params' changes,
+// Fills tp with tensor `name`'s parameters: the options', then o->tensor_params' changes,
 // checked as lm_merge_check_opts checks the options.
-static lm_status tensor_params(engine *e, const char *name)
+static lm_status params_of(const lm_merge_opts *o, const lm_method *m, const char *name, lm_tensor_params *tp,
+                           lm_err *err)
 {
-    const lm_merge_opts *o = e->o;
     for (int i = 0; i < o->n_ft; i++) {
-        e->tp.weights[i] = o->weights[i];
-        e->tp.densities[i] = o->densities ? o->densities[i] : 1.0;
-        e->tp.gammas[i] = o->gammas ? o->gammas[i] : 0.01;
-        e->tp.epsilons[i] = o->epsilons ? o->epsilons[i] : 0.15;
+        tp->weights[i] = o->weights[i];
+        tp->densities[i] = o->densities ? o->densities[i] : 1.0;
+        tp->gammas[i] = o->gammas ? o->gammas[i] : 0.01;
+        tp->epsilons[i] = o->epsilons ? o->epsilons[i] : 0.15;
     }
-    e->tp.base_weight = o->base_weight;
-    e->tp.lambda = o->lambda;
-    e->tp.t = o->t;
-    e->tp.select_topk = o->select_topk;
+    tp->base_weight = o->base_weight;
+    tp->lambda = o->lambda;
+    tp->t = o->t;
+    tp->select_topk = o->select_topk;
     if (!o->tensor_params)
         return LM_OK;
-    lm_status s = o->tensor_params(o->params_ctx, name, &e->tp, e->err);
+    lm_status s = o->tensor_params(o->params_ctx, name, tp, err);
     if (s != LM_OK)
         return s;
     for (int i = 0; i < o->n_ft; i++) {
-        if (!isfinite(e->tp.weights[i]))
-            return lm_err_set(e->err, LM_ERR_USAGE, "weight of input %d is %g in tensor '%s', not a finite number",
-                              i + 1, e->tp.weights[i], name);
-        if (e->m->density && !(e->tp.densities[i] > 0 && e->tp.densities[i] <= 1))
-            return lm_err_set(e->err, LM_ERR_USAGE, "density of input %d is %g in tensor '%s', not in (0, 1]", i + 1,
-                              e->tp.densities[i], name);
-        double d = e->tp.densities[i], eps = e->tp.epsilons[i];
-        if (e->m->della && d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
-            return lm_err_set(e->err, LM_ERR_USAGE,
+        if (!isfinite(tp->weights[i]))
+            return lm_err_set(err, LM_ERR_USAGE, "weight of input %d is %g in tensor '%s', not a finite number",
+                              i + 1, tp->weights[i], name);
+        if (m->density && !(tp->densities[i] > 0 && tp->densities[i] <= 1))
+            return lm_err_set(err, LM_ERR_USAGE, "density of input %d is %g in tensor '%s', not in (0, 1]", i + 1,
+                              tp->densities[i], name);
+        double d = tp->densities[i], eps = tp->epsilons[i];
+        if (m->della && d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
+            return lm_err_set(err, LM_ERR_USAGE,
                               "epsilon of input %d is %g in tensor '%s' with density %g: density - epsilon and "
                               "density + epsilon must lie in (0, 1)",
                               i + 1, eps, name, d);
-        if (e->m->outliers && !(e->tp.gammas[i] >= 0 && e->tp.gammas[i] <= 1))
-            return lm_err_set(e->err, LM_ERR_USAGE, "gamma of input %d is %g in tensor '%s', not in [0, 1]", i + 1,
-                              e->tp.gammas[i], name);
+        if (m->outliers && !(tp->gammas[i] >= 0 && tp->gammas[i] <= 1))
+            return lm_err_set(err, LM_ERR_USAGE, "gamma of input %d is %g in tensor '%s', not in [0, 1]", i + 1,
+                              tp->gammas[i], name);
     }
-    if (!isfinite(e->tp.base_weight) || !isfinite(e->tp.lambda) || !isfinite(e->tp.t) || !isfinite(e->tp.select_topk))
-        return lm_err_set(e->err, LM_ERR_USAGE, "a weight, lambda or t of tensor '%s' is not a finite number", name);
+    if (!isfinite(tp->base_weight) || !isfinite(tp->lambda) || !isfinite(tp->t) || !isfinite(tp->select_topk))
+        return lm_err_set(err, LM_ERR_USAGE, "a weight, lambda or t of tensor '%s' is not a finite number", name);
     return LM_OK;
+}
+
+static lm_status tensor_params(engine *e, const char *name)
+{
+    return params_of(e->o, e->m, name, &e->tp, e->err);
+}
+
+lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_err *err)
+{
+    if (!o->tensor_params)
+        return LM_OK;
+    size_t n = (size_t)(o->n_ft > 0 ? o->n_ft : 1);
+    double *v = calloc(4 * n, sizeof *v);
+    if (!v)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_tensor_params tp = {.weights = v, .densities = v + n, .gammas = v + 2 * n, .epsilons = v + 3 * n};
+    lm_status s = LM_OK;
+    for (int64_t i = 0; s == LM_OK && i < base->n_tensors; i++)
+        s = params_of(o, lm_method_of(o->method), base->tensors[i]->name, &tp, err);
+    free(v);
+    return s;
 }
 
 // One output tensor: merged where its FTs change it, else the base's values converted (on the
@@ -859,6 +880,8 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
 {
     memset(res, 0, sizeof *res);
     lm_status s = lm_merge_check_opts(o, err);
+    if (s == LM_OK)
+        s = lm_merge_check_params(o, base, err);
     if (s != LM_OK)
         return s;
     double t0 = lm_now();

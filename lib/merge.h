@@ -162,6 +162,12 @@ void lm_ft_free(lm_ft *ft);
 // option.
 lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err);
 
+// Checks every tensor's parameters as o->tensor_params gives them (settings that vary by layer
+// or module) as the merge checks each tensor's, so that a value out of range anywhere is an
+// error before any work: LM_ERR_USAGE naming the parameter, the input and the tensor. LM_OK at
+// once without tensor_params.
+lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_err *err);
+
 // The output tensors, in the base's order: every base tensor, floating ones in o->out_dtype and
 // others unchanged. *out is a new array (names point into the base) the caller frees.
 lm_status lm_merge_outputs(const lm_merge_opts *o, const lm_model *base, lm_st_desc **out,

@@ -14,7 +14,8 @@
 # leaves no output behind: the reader's (syntax, keys, types), a parameter the method does not
 # take (globally, per model), a missing one, a value llmerge does not support, a count of
 # models the method does not take, a density or gamma out of range anywhere in a setting, a
-# merge option or a second operand on the command line. `llmerge plan CONFIG.yml` plans (the
+# merge option or a second operand on the command line; della's density ± epsilon outside (0,
+# 1) in some tensor, which no one line holds, names the tensor instead. `llmerge plan CONFIG.yml` plans (the
 # output's size in the configuration's dtype) and writes nothing. The simulated and the emulated
 # CUDA device, with budgets that make units fall back, write the CPU's bytes.
 # Usage: e2e_run.sh LLMERGE FIXTURES JSONQ
@@ -817,6 +818,29 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_gamma 4:10 "parameters: gamma -0.1 is not in [0, 1]"
+# della's density ± epsilon must lie in (0, 1) in every tensor: two settings that are each in
+# range but not together in the MLP's tensors are refused naming the first such tensor, before
+# any work, in a configuration and on the command line
+cfg e_della <<EOF
+merge_method: della
+base_model: $B
+parameters:
+  density: 0.5
+  epsilon:
+    - filter: mlp
+      value: 0.6
+    - value: 0.1
+models:
+  - model: $F1
+    parameters: {weight: 1}
+EOF
+expect 2 "epsilon of input 1 is 0.6 in tensor 'model.layers.0.mlp.down_proj.weight' with density 0.5" \
+  run "$work/e_della.yml" -o "$work/e_della.run"
+no_output "$work/e_della.run"
+expect 2 "epsilon of input 1 is 0.6 in tensor 'model.layers.0.mlp.down_proj.weight' with density 0.5" \
+  della "$B" "$F1" -o "$work/e_della.cli" --density 0.5 --epsilon 'mlp=0.6;0.1'
+no_output "$work/e_della.cli"
+expect 2 "epsilon of input 1 is 0.6 in tensor" plan "$work/e_della.yml" -o "$work/e_della.run"
 # the command line: a merge option, two operands
 expect 2 "--density shapes the merge: llmerge run takes it from CONFIG" run "$work/ties.yml" -o "$work/e_cli.run" \
   --density 0.5
