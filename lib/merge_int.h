@@ -241,6 +241,7 @@ void lm_eng_release_slab(const engine *e, const lm_st_tensor *bt, const part *pa
 bool lm_eng_needs_base(const part *parts, int k);
 bool lm_eng_dense_part(const engine *e, const part *p);
 bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
+bool lm_eng_select_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
 size_t lm_eng_dense_source(const engine *e, wset *ws, const part *p, const lm_st_tensor *bt, int64_t first,
                            lm_dense_part *d);
 lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tensor *bt, lm_dtype out_dt,

@@ -171,18 +171,25 @@ bool lm_eng_dense_part(const engine *e, const part *p)
            m->r <= LM_DEV_LOWRANK_MAX;
 }
 
-// Whether tensor bt's passes run as the device's fused dense operations (device.h): every part
-// one they make (lm_eng_dense_part), ranked by magnitude, on a device that has them, and no DARE L1
-// rescale (whose norms need τ before the merge).
-bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
+// Whether tensor bt's selection passes run as the device's fused dense operations (device.h):
+// every part one they make (lm_eng_dense_part), ranked by magnitude, on a device that has them,
+// and no DARE L1 rescale (whose norms need τ before the merge) nor della's drop.
+bool lm_eng_select_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
-    if (!lm_dev_supports(dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype) || (lm_method_stats(e->m, e->o) & LM_STAT_L1) ||
-        e->m->outliers || e->m->della)
+    if (!lm_dev_supports(dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype) ||
+        (lm_method_stats(e->m, e->o) & LM_STAT_L1) || e->m->della)
         return false;
     for (int i = 0; i < k; i++)
         if (!lm_eng_dense_part(e, &parts[i]) || parts[i].key || parts[i].mask || parts[i].bits)
             return false;
     return k > 0;
+}
+
+// Whether all of tensor bt's passes run fused: the selection as above, and the merge too, which
+// breadcrumbs' band (two thresholds per part) does not (its merge runs on τ in the buffers).
+bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
+{
+    return !e->m->outliers && lm_eng_select_fused(e, dev, bt, parts, k);
 }
 
 // Tells the fused operations where part p's τ comes from for the elements of tensor bt from
@@ -562,8 +569,24 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
         n_masked += parts[i].mask != NULL;
     unsigned stats = lm_method_stats(e->m, o);
     bool select = (stats & LM_STAT_TOPK) && !o->topk_global && n_masked < k;
-    if (select && e->m->outliers) {
-        // breadcrumbs: the outliers' threshold, then the band's lower one
+    bool select_fused = select && lm_eng_select_fused(e, ws->dev, bt, parts, k);
+    if (select && e->m->outliers && select_fused) {
+        // breadcrumbs: both thresholds of every part from one fused counting pass, each part
+        // there twice (the copies share its buffers): the outliers' (top k_hi), the band's lower
+        // one (top k_lo)
+        part twice[2 * k];
+        int64_t keep[2 * k];
+        for (int i = 0; i < k; i++) {
+            twice[i] = twice[k + i] = parts[i];
+            lm_eng_band(e->tp.densities[parts[i].ft], e->tp.gammas[parts[i].ft], bt->numel, &keep[k + i], &keep[i]);
+        }
+        s = lm_eng_select_tensor(e, ws, bt, twice, 2 * k, one_slab, keep);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            parts[i].topk_hi = twice[i].topk;
+            parts[i].topk = twice[k + i].topk;
+        }
+    } else if (select && e->m->outliers) {
+        // the same one threshold after the other, on τ in the buffers
         int64_t k_lo[k], k_hi[k];
         for (int i = 0; i < k; i++)
             lm_eng_band(e->tp.densities[parts[i].ft], e->tp.gammas[parts[i].ft], bt->numel, &k_lo[i], &k_hi[i]);
@@ -630,9 +653,9 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
         taus[i] = parts[i].tau;
         weights[i] = (float)e->tp.weights[parts[i].ft];
     }
-    // τ is still in the buffers after the passes above only when they ran over a single slab
-    // and the last thing each did to it is what the merge needs next.
-    bool have_tau = one_slab && (select || (random && o->rescale == LM_RESCALE_L1));
+    // τ is still in the buffers after the passes above only when they ran over a single slab,
+    // not fused, and the last thing each did to it is what the merge needs next.
+    bool have_tau = one_slab && ((select && !select_fused) || (random && o->rescale == LM_RESCALE_L1));
     // The base slab is still in base_buf too when those passes loaded it (the l1 pass always
     // does; the histogram pass when some τ needed it).
     bool have_base = have_tau && (random || lm_eng_needs_base(parts, k));

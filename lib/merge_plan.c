@@ -232,9 +232,12 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     // the window each part uses (the level arrays start where the window does) and the sample's
     // histogram after the widest window
     if (e.m->rank != LM_RANK_NONE && !o->topk_global) {
-        need->hist_alloc = (uint64_t)lm_eng_sel_cells(k) * sizeof(uint64_t);
+        // breadcrumbs' fused selection counts each part twice (lm_eng_merge_tensor)
+        bool sel_fuse = lm_eng_select_fused(&e, dev, bt, parts, k);
+        int copies = e.m->outliers && sel_fuse ? 2 : 1;
+        need->hist_alloc = (uint64_t)lm_eng_sel_cells(copies * k) * sizeof(uint64_t);
         for (int i = 0; i < k; i++)
-            need->hist_touched += (uint64_t)(1 + lm_eng_window_bins(&parts[i], fuse)) * LM_HIST_BINS *
+            need->hist_touched += (uint64_t)copies * (1 + lm_eng_window_bins(&parts[i], sel_fuse)) * LM_HIST_BINS *
                                   sizeof(uint64_t);
         // a fused LoRA part's kept candidates (lm_eng_select_tensor, keep_store)
         bool aligned = lm_eng_keeps_fit(&e, dev, bt, parts, k, need->one_slab);

@@ -785,6 +785,19 @@ static void h_topk(harness *h, const float *x, float *dx, int64_t n)
                       (long long)allowed[a], (long long)n, lm_dev_name(h->dev));
         free(dropped);
     }
+    // a threshold above every magnitude (nothing kept), with no ties to keep: all zero after
+    // apply, all left by drop
+    for (int drop = 0; drop < 2; drop++) {
+        int64_t used = -1, bad = 0;
+        memcpy(want, x, (size_t)n * 4);
+        CHECK_OK(drop ? lm_dev_topk_drop(h->cpu, want, n, 0xFFFFFFFFu, 0, &used, &h->err)
+                      : lm_dev_topk_apply(h->cpu, want, n, 0xFFFFFFFFu, 0, &used, &h->err),
+                 &h->err);
+        for (int64_t i = 0; i < n; i++)
+            bad += lm_f32_bits(want[i]) != (drop ? lm_f32_bits(x[i]) : 0u);
+        CHECK_MSG(bad == 0 && used == 0, "topk_%s above every magnitude, no ties: %lld entries wrong",
+                  drop ? "drop" : "apply", (long long)bad);
+    }
     free(want);
     free(got);
 }

@@ -283,6 +283,13 @@ static void topk_all_task(void *ctx, int64_t blk)
     keep_range(j, lo, hi, true);
 }
 
+static void topk_none_task(void *ctx, int64_t blk)
+{
+    topk_job *j = ctx;
+    int64_t lo = blk * BLOCK, hi = lo + BLOCK < j->n ? lo + BLOCK : j->n;
+    keep_range(j, lo, hi, false);
+}
+
 // j->ties holds each block's count of ties, then (from nb on) its share of the ties budget:
 // all of them, none, or (in one block at most) some, kept up to the tie where the share runs
 // out.
@@ -305,10 +312,12 @@ static lm_status topk_run(lm_dev *d, float *x, const float *key, int64_t n, uint
                           bool drop, int64_t *ties_used, lm_err *err)
 {
     int64_t nb = n_blocks(n);
-    if (ties_allowed == LM_TIES_ALL) {
-        // Every tie is kept: one pass, no counting.
+    if (ties_allowed == LM_TIES_ALL || ties_allowed <= 0) {
+        // Every tie kept, or none: one pass, no counting. A threshold above every magnitude's
+        // bits (none is kept) has no ties, and thr + 1 would wrap: the first rule then.
         topk_job all = {x, key, n, thr_bits, NULL, nb, drop};
-        lm_pool_run(pool_of(d), nb, topk_all_task, &all);
+        bool all_ties = ties_allowed == LM_TIES_ALL || thr_bits > 0x7FFFFFFFu;
+        lm_pool_run(pool_of(d), nb, all_ties ? topk_all_task : topk_none_task, &all);
         *ties_used = 0;
         return LM_OK;
     }
