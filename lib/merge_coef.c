@@ -275,7 +275,7 @@ lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *
     if (!have_slab && lm_eng_fused(e, ws->dev, bt, parts, k)) {
         int64_t ties_left[k];
         memset(ties_left, 0, sizeof ties_left);
-        s = lm_eng_merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
+        s = lm_eng_merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, NULL, hash);
     } else {
         s = lm_eng_merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, have_slab, hash);
     }

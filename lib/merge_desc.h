@@ -55,12 +55,17 @@ typedef struct lm_dense_part {
     uint32_t lo_bin;
     int n_win;
     // lm_dev_dense_merge: what is done to τ before it is combined, in this order: trimmed to
-    // the top k (as lm_dev_topk_apply with thr_bits and ties_allowed; ties_used is set), or
-    // dropped at random (as lm_dev_random_drop with key, first, keep_below); then multiplied by
-    // rescale (as lm_dev_axpby(τ, rescale, τ, 0)) unless it is 1; weight is its weight.
+    // the top k (as lm_dev_topk_apply with thr_bits and ties_allowed; ties_used is set), then,
+    // with band (breadcrumbs), its own top k' dropped (as lm_dev_topk_drop with hi_bits and
+    // hi_allowed; hi_used is set); or dropped at random (as lm_dev_random_drop with key,
+    // first, keep_below); then multiplied by rescale (as lm_dev_axpby(τ, rescale, τ, 0))
+    // unless it is 1; weight is its weight.
     bool trim;
     uint32_t thr_bits;
     int64_t ties_allowed, ties_used;
+    bool band;
+    uint32_t hi_bits;
+    int64_t hi_allowed, hi_used;
     bool drop;
     uint64_t key, keep_below;
     int64_t first;

@@ -155,11 +155,16 @@ static inline const float *rank_buf(const part *p)
 // The window of level-1 bins the selection pass counts (hist_tensor's level 2): guessed from a
 // sample, n bins around the bin where the sample's share of k falls. When the guess holds, no
 // second pass over the tensor is needed. A dense task vector's values are alike from row to
-// row and 4 bins around a sample of the first slab suffice. A LoRA product's rows scale with
-// B's rows and its columns with A's: sampled from its buffer (the first slab's rows) the guess
-// needs LM_HIST_WINDOW bins; sampled over the whole tensor (lora_sample, the fused passes) 4
-// are enough (in the 1B benchmark no window missed, where 2 bins missed 4 times in 336).
-#define DENSE_WINDOW 4
+// row and 8 bins around a sample of the first slab suffice (in the 1B benchmark 4 bins missed
+// 19 times in 438 for TIES's top 10% and in 876 for breadcrumbs' top 21%, where the fine-tunes'
+// τ take few distinct values, each a large share of a bin; 8 missed none at densities 0.1, 0.2
+// and 0.5; each bin costs its 65536 counts, cleared and read once per part and tensor). A LoRA
+// product's rows scale with B's rows and its columns with A's: sampled from its buffer (the
+// first slab's rows) the guess needs LM_HIST_WINDOW bins; sampled over the whole tensor
+// (lora_sample, the fused passes) 4 are enough (in the 1B benchmark no window missed, where 2
+// bins missed 4 times in 336), and a wider window would keep more candidates.
+#define DENSE_WINDOW 8
+#define FUSED_LORA_WINDOW 4
 #define SAMPLE_ELEMS (1 << 18)
 #define SAMPLE_PIECES 32
 
@@ -241,7 +246,6 @@ void lm_eng_release_slab(const engine *e, const lm_st_tensor *bt, const part *pa
 bool lm_eng_needs_base(const part *parts, int k);
 bool lm_eng_dense_part(const engine *e, const part *p);
 bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
-bool lm_eng_select_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
 size_t lm_eng_dense_source(const engine *e, wset *ws, const part *p, const lm_st_tensor *bt, int64_t first,
                            lm_dense_part *d);
 lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tensor *bt, lm_dtype out_dt,
@@ -253,7 +257,8 @@ lm_status lm_eng_write_slab(engine *e, wset *ws, int64_t idx, lm_dtype out_dt, c
 lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
                               part *parts, int k, int64_t slab_rows, bool have_slab, XXH64_state_t *hash);
 lm_status lm_eng_merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
-                             part *parts, int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash);
+                             part *parts, int k, int64_t slab_rows, int64_t *ties_left, int64_t *ties_hi,
+                             XXH64_state_t *hash);
 
 // ==== merge_sce.c: sce's passes ================================================================
 

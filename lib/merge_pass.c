@@ -171,10 +171,10 @@ bool lm_eng_dense_part(const engine *e, const part *p)
            m->r <= LM_DEV_LOWRANK_MAX;
 }
 
-// Whether tensor bt's selection passes run as the device's fused dense operations (device.h):
-// every part one they make (lm_eng_dense_part), ranked by magnitude, on a device that has them,
-// and no DARE L1 rescale (whose norms need τ before the merge) nor della's drop.
-bool lm_eng_select_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
+// Whether tensor bt's passes run as the device's fused dense operations (device.h): every part
+// one they make (lm_eng_dense_part), ranked by magnitude, on a device that has them, and no
+// DARE L1 rescale (whose norms need τ before the merge) nor della's drop.
+bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
 {
     if (!lm_dev_supports(dev, LM_OP_DENSE) || !lm_dtype_readable(bt->dtype) ||
         (lm_method_stats(e->m, e->o) & LM_STAT_L1) || e->m->della)
@@ -185,12 +185,6 @@ bool lm_eng_select_fused(const engine *e, const lm_dev *dev, const lm_st_tensor 
     return k > 0;
 }
 
-// Whether all of tensor bt's passes run fused: the selection as above, and the merge too, which
-// breadcrumbs' band (two thresholds per part) does not (its merge runs on τ in the buffers).
-bool lm_eng_fused(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k)
-{
-    return !e->m->outliers && lm_eng_select_fused(e, dev, bt, parts, k);
-}
 
 // Tells the fused operations where part p's τ comes from for the elements of tensor bt from
 // `first` on: its mapped input, or (a LoRA pair) its factors. Returns the input bytes read per
@@ -393,8 +387,10 @@ static lm_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const
         const lm_topk *t = o->topk_global && e->global ? &e->global[p->ft] : &p->topk;
         d[i] = (lm_dense_part){
             .dt = p->src == SRC_FULL ? p->full->dtype : LM_DTYPE_F32,
-            .trim = e->m->rank != LM_RANK_NONE && !e->m->outliers,  // breadcrumbs trims in the buffers first
+            .trim = e->m->rank != LM_RANK_NONE,
             .thr_bits = t->thr_bits,
+            .band = e->m->outliers && !p->topk_hi.none,  // breadcrumbs: the top k_hi dropped after
+            .hi_bits = p->topk_hi.thr_bits,
             .drop = e->m->drop && !p->dropped && !e->m->della,  // della drops in the buffers first
             .key = lm_rng_key(o->seed, p->ft, name_hash),
             .keep_below = lm_rng_threshold(e->tp.densities[p->ft]),
@@ -433,7 +429,7 @@ static void put_pending(void *ctx)
 
 static lm_status merge_pieces(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
                               part *parts, int k, lm_dense_part *d, lm_combine_how how, int64_t first0, int64_t cnt,
-                              bool from_buf, int64_t *ties_left, XXH64_state_t *hash)
+                              bool from_buf, int64_t *ties_left, int64_t *ties_hi, XXH64_state_t *hash)
 {
     const lm_merge_opts *o = e->o;
     size_t es = esize(desc->dtype);
@@ -454,6 +450,7 @@ static lm_status merge_pieces(engine *e, wset *ws, int64_t idx, const lm_st_desc
                 e->bytes_in += (uint64_t)n * lm_eng_dense_source(e, ws, &parts[i], bt, first, &d[i]);
             d[i].first = first;
             d[i].ties_allowed = ties_left[i];
+            d[i].hi_allowed = ties_hi ? ties_hi[i] : 0;
             // a full model's values are read here unless τ is in its buffer already
             d[i].nf = !from_buf && parts[i].src == SRC_FULL ? lm_eng_first_read(e, 1 + parts[i].ft, first, n) : NULL;
         }
@@ -464,6 +461,8 @@ static lm_status merge_pieces(engine *e, wset *ws, int64_t idx, const lm_st_desc
             s = pp.s;
         for (int i = 0; s == LM_OK && i < k; i++) {
             ties_left[i] -= d[i].ties_used;
+            if (ties_hi)
+                ties_hi[i] -= d[i].hi_used;
             if (o->topk_global && e->global)
                 e->global[parts[i].ft].ties_allowed -= d[i].ties_used;
         }
@@ -482,7 +481,8 @@ static lm_status merge_pieces(engine *e, wset *ws, int64_t idx, const lm_st_desc
 // The merge pass of a tensor whose passes are fused (full models and plain LoRA pairs): τ is made
 // (or read back from the kept candidates) as each piece is merged, slab by slab.
 lm_status lm_eng_merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, const lm_st_tensor *bt,
-                             part *parts, int k, int64_t slab_rows, int64_t *ties_left, XXH64_state_t *hash)
+                             part *parts, int k, int64_t slab_rows, int64_t *ties_left, int64_t *ties_hi,
+                             XXH64_state_t *hash)
 {
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows;
     lm_dense_part d[k];
@@ -492,7 +492,8 @@ lm_status lm_eng_merge_dense(engine *e, wset *ws, int64_t idx, const lm_st_desc 
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows;
         if (r0 > 0 && lm_interrupted())  // a large tensor stops between its slabs too
             return lm_interrupted_err(e->err);
-        s = merge_pieces(e, ws, idx, desc, bt, parts, k, d, how, r0 * cols, nr * cols, false, ties_left, hash);
+        s = merge_pieces(e, ws, idx, desc, bt, parts, k, d, how, r0 * cols, nr * cols, false, ties_left, ties_hi,
+                         hash);
         if (rows > slab_rows)
             lm_eng_release_slab(e, bt, parts, k, r0, nr);
     }
@@ -569,7 +570,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
         n_masked += parts[i].mask != NULL;
     unsigned stats = lm_method_stats(e->m, o);
     bool select = (stats & LM_STAT_TOPK) && !o->topk_global && n_masked < k;
-    bool select_fused = select && lm_eng_select_fused(e, ws->dev, bt, parts, k);
+    bool select_fused = select && lm_eng_fused(e, ws->dev, bt, parts, k);
     if (select && e->m->outliers && select_fused) {
         // breadcrumbs: both thresholds of every part from one fused counting pass, each part
         // there twice (the copies share its buffers): the outliers' (top k_hi), the band's lower
@@ -664,7 +665,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
     if (e->m->linear)
         task_arithmetic_coef(e, parts, k);
     if (lm_eng_fused(e, ws->dev, bt, parts, k))
-        return lm_eng_merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, hash);
+        return lm_eng_merge_dense(e, ws, idx, desc, bt, parts, k, slab_rows, ties_left, ties_hi, hash);
     if (e->m->linear)
         return lm_eng_merge_linear(e, ws, idx, desc, bt, parts, k, slab_rows, false, hash);
     // With τ in the buffers, the rest of the pass in one operation where the device has it.
@@ -679,14 +680,13 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
             s = lm_eng_load_base(e, ws, bt, r0, nr);
         for (int i = 0; s == LM_OK && pieces && !have_tau && i < k; i++)
             s = lm_eng_tau_for(e, ws, &parts[i], bt, r0, nr, ws->base_buf);
-        for (int i = 0; s == LM_OK && pieces && e->m->outliers && i < k; i++)
-            s = trim_band(e, ws, &parts[i], cnt, &ties_left[i], &ties_hi[i]);
         for (int i = 0; s == LM_OK && pieces && e->m->della && i < k; i++)
             if (!parts[i].dropped)
                 s = della_drop(e, ws, &parts[i], bt, r0, nr);
         if (pieces) {
             if (s == LM_OK)
-                s = merge_pieces(e, ws, idx, desc, bt, parts, k, d, how, r0 * cols, cnt, true, ties_left, hash);
+                s = merge_pieces(e, ws, idx, desc, bt, parts, k, d, how, r0 * cols, cnt, true, ties_left, ties_hi,
+                                 hash);
             if (!one_slab)
                 lm_eng_release_slab(e, bt, parts, k, r0, nr);
             continue;

@@ -94,11 +94,11 @@ size_t lm_eng_sel_cells(int k)
     return (size_t)k * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
 }
 
-// The bins of part p's window: DENSE_WINDOW for a full model's τ or a fused pass (which samples
-// a LoRA product over the whole tensor), else LM_HIST_WINDOW (see DENSE_WINDOW).
+// The bins of part p's window: DENSE_WINDOW for a full model's τ, FUSED_LORA_WINDOW for a fused
+// pass's LoRA product (sampled over the whole tensor), else LM_HIST_WINDOW (see DENSE_WINDOW).
 int lm_eng_window_bins(const part *p, bool fuse)
 {
-    return p->src == SRC_FULL || fuse ? DENSE_WINDOW : LM_HIST_WINDOW;
+    return p->src == SRC_FULL ? DENSE_WINDOW : fuse ? FUSED_LORA_WINDOW : LM_HIST_WINDOW;
 }
 
 // Fills *z for a candidate store of a tensor of numel elements.
@@ -233,15 +233,14 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     // histogram after the widest window
     if (e.m->rank != LM_RANK_NONE && !o->topk_global) {
         // breadcrumbs' fused selection counts each part twice (lm_eng_merge_tensor)
-        bool sel_fuse = lm_eng_select_fused(&e, dev, bt, parts, k);
-        int copies = e.m->outliers && sel_fuse ? 2 : 1;
+        int copies = e.m->outliers && fuse ? 2 : 1;
         need->hist_alloc = (uint64_t)lm_eng_sel_cells(copies * k) * sizeof(uint64_t);
         for (int i = 0; i < k; i++)
-            need->hist_touched += (uint64_t)copies * (1 + lm_eng_window_bins(&parts[i], sel_fuse)) * LM_HIST_BINS *
+            need->hist_touched += (uint64_t)copies * (1 + lm_eng_window_bins(&parts[i], fuse)) * LM_HIST_BINS *
                                   sizeof(uint64_t);
         // a fused LoRA part's kept candidates (lm_eng_select_tensor, keep_store)
         bool aligned = lm_eng_keeps_fit(&e, dev, bt, parts, k, need->one_slab);
-        for (int i = 0; fuse && aligned && i < k; i++)
+        for (int i = 0; fuse && aligned && !e.m->outliers && i < k; i++)
             if (parts[i].src == SRC_LORA)
                 need->hist_touched += lm_eng_keep_touched(bt->numel, o->densities[parts[i].ft]);
     }

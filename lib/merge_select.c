@@ -166,7 +166,7 @@ static lm_status hist_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *
 {
     int64_t rows = tensor_rows(bt), cols = rows ? bt->numel / rows : 0;
     int64_t slab_rows = lm_eng_slab_rows(e, ws->dev, bt, parts, k);
-    bool fuse = level == 2 && lm_eng_select_fused(e, ws->dev, bt, parts, k);
+    bool fuse = level == 2 && lm_eng_fused(e, ws->dev, bt, parts, k);
     for (int64_t r0 = 0; r0 < rows; r0 += slab_rows) {
         int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
         lm_status s = LM_OK;
@@ -291,11 +291,11 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
     memset(above, 0, sizeof above);
     // A dense task vector's values are alike from row to row, and a fused pass samples a LoRA
     // product over the whole tensor: a narrow window then suffices (see guess_window).
-    bool fuse = lm_eng_select_fused(e, ws->dev, bt, parts, k);
+    bool fuse = lm_eng_fused(e, ws->dev, bt, parts, k);
     bool aligned = lm_eng_keeps_fit(e, ws->dev, bt, parts, k, one_slab);
-    bool merge_fused = lm_eng_fused(e, ws->dev, bt, parts, k);  // the merge reads the candidates
     for (int i = 0; i < k; i++) {
-        parts[i].keeps = merge_fused && aligned && parts[i].src == SRC_LORA && !parts[i].mask &&
+        // (breadcrumbs counts each part twice in one pass: one store per FT would not do)
+        parts[i].keeps = fuse && aligned && !e->m->outliers && parts[i].src == SRC_LORA && !parts[i].mask &&
                          keep_store(e, parts[i].ft, bt->numel);
         // a part with a stored mask selects nothing (k = 0 makes every pass skip it)
         int64_t keep = keep_k ? keep_k[i] : (int64_t)floor(e->tp.densities[parts[i].ft] * (double)bt->numel);
@@ -326,7 +326,7 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
         }
         // τ is in the buffers after a pass over a single slab, unless that pass was fused
         s = hist_tensor(e, ws, bt, parts, k, hists, sel, level,
-                        one_slab && (level > 0 || !lm_eng_select_fused(e, ws->dev, bt, parts, k)), NULL);
+                        one_slab && (level > 0 || !lm_eng_fused(e, ws->dev, bt, parts, k)), NULL);
         for (int i = 0; s == LM_OK && i < k; i++) {
             if (missed[i].none)
                 continue;

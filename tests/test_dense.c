@@ -126,6 +126,27 @@ static void test_hist(lm_dev *d, const inputs *in)
         free(win[i]);
         free(want_win[i]);
     }
+    // One part counted twice in a call (breadcrumbs' two thresholds), with windows at two places:
+    // each copy's counts are its own window's.
+    uint64_t above2[2] = {0}, want2[2] = {0}, *win2[2], *want_win2[2];
+    lm_dense_part twice[2];
+    for (int q = 0; q < 2; q++) {
+        win2[q] = calloc((size_t)LM_HIST_WINDOW * LM_HIST_BINS, sizeof(uint64_t));
+        want_win2[q] = calloc((size_t)LM_HIST_WINDOW * LM_HIST_BINS, sizeof(uint64_t));
+        uint32_t lo = lm_abs_bits(t[0][q ? 99 : 1234]) >> 16;
+        twice[q] = (lm_dense_part){.src = in->src[0], .dt = in->dt[0], .above = &above2[q], .win = win2[q],
+                                   .lo_bin = lo > 1 ? lo - 1 : 0, .n_win = 4};
+        CHECK_OK(lm_dev_hist_window(d, &want2[q], want_win2[q], 4, twice[q].lo_bin, t[0], N, &err), &err);
+    }
+    CHECK(twice[0].lo_bin != twice[1].lo_bin);
+    CHECK_OK(lm_dev_dense_hist(d, in->base, LM_DTYPE_BF16, twice, 2, N, &err), &err);
+    for (int q = 0; q < 2; q++) {
+        CHECK_MSG(memcmp(win2[q], want_win2[q], (size_t)LM_HIST_WINDOW * LM_HIST_BINS * sizeof(uint64_t)) == 0 &&
+                      above2[q] == want2[q],
+                  "part 0 counted twice: copy %d's counts differ", q);
+        free(win2[q]);
+        free(want_win2[q]);
+    }
     free(b);
     for (int i = 0; i < K; i++)
         free(t[i]);
@@ -140,9 +161,15 @@ typedef struct merge_case {
     bool normalize;
     float lambda;
     lm_dtype out_dt;
+    bool band;           // then the top k' dropped (breadcrumbs): band_hi's thresholds,
+    int64_t hi_ties[K];  // these ties dropped per part
 } merge_case;
 
-// The separate operations' result over [first, first + n) in out_dt, and the ties each part used.
+// The band's thresholds (test_merge sets them): part 0's the trim's own, part 1's above it.
+static uint32_t band_hi[K];
+
+// The separate operations' result over [first, first + n) in out_dt, and the ties each part used
+// (used[i]: the trim kept; used[K + i]: the band dropped, with c->band; 2K values).
 static void merge_separate(lm_dev *d, const inputs *in, const merge_case *c, const uint32_t *thr, int64_t first,
                            int64_t n, void *out, int64_t *used)
 {
@@ -155,6 +182,11 @@ static void merge_separate(lm_dev *d, const inputs *in, const merge_case *c, con
         used[i] = 0;
         if (c->trim)
             CHECK_OK(lm_dev_topk_apply(d, t[i], n, thr[i], c->ties[i], &used[i], &err), &err);
+        if (c->band) {
+            int64_t dropped = 0;
+            CHECK_OK(lm_dev_topk_drop(d, t[i], n, band_hi[i], c->hi_ties[i], &dropped, &err), &err);
+            used[K + i] = dropped;
+        }
         if (c->drop)
             CHECK_OK(lm_dev_random_drop(d, t[i], n, 1000 + (uint64_t)i, first, lm_rng_threshold(0.3), &err), &err);
         if (c->rescale != 1.0f)
@@ -190,11 +222,13 @@ static void merge_fused(lm_dev *d, const inputs *in, const merge_case *c, const 
                                   .tau = from_buf ? t[i] : NULL, .trim = c->trim,
                                   .thr_bits = thr[i], .ties_allowed = c->ties[i], .drop = c->drop,
                                   .key = 1000 + (uint64_t)i, .keep_below = lm_rng_threshold(0.3), .first = first,
-                                  .rescale = c->rescale, .weight = w[i]};
+                                  .rescale = c->rescale, .weight = w[i], .band = c->band, .hi_bits = band_hi[i],
+                                  .hi_allowed = c->band ? c->hi_ties[i] : 0};
     lm_combine_how how = {.sign = c->sign, .normalize = c->normalize, .lambda = c->lambda, .linear = c->linear};
     CHECK_OK(lm_dev_dense_merge(d, out, c->out_dt, in->base + first, LM_DTYPE_BF16, parts, K, n, how, &err), &err);
     for (int i = 0; i < K; i++) {
         used[i] = parts[i].ties_used;
+        used[K + i] = c->band ? parts[i].hi_used : 0;
         free(t[i]);
     }
     free(b);
@@ -210,17 +244,29 @@ static void test_merge(lm_dev *d1, lm_dev *d3, const inputs *in)
         none[i] = i == 2 ? 0xFFFFFFFFu : thr[i];
     }
     int64_t all = LM_TIES_ALL;
+    for (int i = 0; i < K; i++)
+        band_hi[i] = i == 0 ? thr[0] : lm_abs_bits((float)(i == 1 ? 4 : 2) / 256.0f);
     const merge_case cases[] = {
         {"ties sum, some ties of each", true, false, false, {5000, 20000, 12345}, 1.0f, LM_COMBINE_SIGN_SUM, true, 1.0f,
-         LM_DTYPE_BF16},
+         LM_DTYPE_BF16, false, {0}},
         {"ties count, all / none / some", true, false, false, {all, 0, 77}, 1.0f, LM_COMBINE_SIGN_COUNT, false, 0.7f,
-         LM_DTYPE_F16},
+         LM_DTYPE_F16, false, {0}},
         {"ties, a budget larger than the ties", true, false, false, {1 << 30, 3, all}, 1.0f, LM_COMBINE_SIGN_SUM, true,
-         1.3f, LM_DTYPE_F32},
-        {"dare-ties, rescaled", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16},
-        {"dare, no election", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
-        {"task arithmetic", false, false, true, {0}, 1.0f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
-        {"disjoint mean, no trim", false, false, false, {0}, 1.0f, LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_F32},
+         1.3f, LM_DTYPE_F32, false, {0}},
+        {"dare-ties, rescaled", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16,
+         false, {0}},
+        {"dare, no election", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16,
+         false, {0}},
+        {"task arithmetic", false, false, true, {0}, 1.0f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16, false,
+         {0}},
+        {"disjoint mean, no trim", false, false, false, {0}, 1.0f, LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_F32, false,
+         {0}},
+        // breadcrumbs' band: part 0's top at the trim's own threshold (the drop counts a prefix
+        // of the ties the trim keeps), part 1's above it, part 2's ties all dropped
+        {"band, sum election", true, false, false, {5000, 20000, 12345}, 1.0f, LM_COMBINE_SIGN_SUM, true, 1.0f,
+         LM_DTYPE_BF16, true, {2000, 777, all}},
+        {"band, no election, none of part 1's ties dropped", true, false, false, {9000, all, 100}, 1.0f,
+         LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_F32, true, {8999, 0, all}},
     };
     const int64_t firsts[] = {0, 70001};
     for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
@@ -229,7 +275,7 @@ static void test_merge(lm_dev *d1, lm_dev *d3, const inputs *in)
             int64_t first = firsts[fi], n = N - first;
             size_t bytes = (size_t)n * (lm_dtype_bits(c->out_dt) / 8);
             void *want = malloc(bytes), *got1 = malloc(bytes), *got3 = malloc(bytes);
-            int64_t used_want[K], used1[K], used3[K];
+            int64_t used_want[2 * K], used1[2 * K], used3[2 * K];
             const uint32_t *th = ci == 1 ? none : thr;
             merge_separate(d1, in, c, th, first, n, want, used_want);
             for (int from_buf = 0; from_buf < 2; from_buf++) {
@@ -241,7 +287,7 @@ static void test_merge(lm_dev *d1, lm_dev *d3, const inputs *in)
                 CHECK_MSG(memcmp(want, got3, bytes) == 0,
                           "%s from %lld (tau %s): 3 threads differ from the separate operations", c->name,
                           (long long)first, from_buf ? "given" : "computed");
-                for (int i = 0; i < K; i++)
+                for (int i = 0; i < (c->band ? 2 * K : K); i++)
                     CHECK_MSG(used1[i] == used_want[i] && used3[i] == used_want[i],
                               "%s part %d: ties used %lld, %lld, wanted %lld", c->name, i, (long long)used1[i],
                               (long long)used3[i], (long long)used_want[i]);
@@ -251,6 +297,10 @@ static void test_merge(lm_dev *d1, lm_dev *d3, const inputs *in)
                 for (int i = 0; i < K; i++)
                     CHECK_MSG(used_want[i] == c->ties[i], "part %d used %lld of %lld ties", i,
                               (long long)used_want[i], (long long)c->ties[i]);
+            if (ci == 7)  // and the band's drop runs out inside it too
+                for (int i = 0; i < 2; i++)
+                    CHECK_MSG(used_want[K + i] == c->hi_ties[i], "band: part %d dropped %lld of %lld ties", i,
+                              (long long)used_want[K + i], (long long)c->hi_ties[i]);
             free(want);
             free(got1);
             free(got3);
@@ -299,9 +349,9 @@ static void test_counts(lm_dev *d1, lm_dev *d3, const inputs *clean)
         thr[i] = lm_abs_bits((float)(i == 2 ? 1 : i + 2) / 256.0f);
     const merge_case cases[] = {
         {"ties, counted ties", true, false, false, {5000, 20000, 12345}, 1.0f, LM_COMBINE_SIGN_SUM, true, 1.0f,
-         LM_DTYPE_F16},
-        {"dare", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16},
-        {"task arithmetic", false, false, true, {0}, 1.0f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_F32},
+         LM_DTYPE_F16, false, {0}},
+        {"dare", false, true, false, {0}, 1.0f / 0.3f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_BF16, false, {0}},
+        {"task arithmetic", false, false, true, {0}, 1.0f, LM_COMBINE_SIGN_NONE, false, 1.0f, LM_DTYPE_F32, false, {0}},
     };
     lm_err err = {0};
     int64_t first = 1001, n = N - first;
@@ -309,7 +359,7 @@ static void test_counts(lm_dev *d1, lm_dev *d3, const inputs *clean)
         const merge_case *c = &cases[ci];
         size_t bytes = (size_t)n * (lm_dtype_bits(c->out_dt) / 8);
         void *want = malloc(bytes), *got = malloc(bytes);
-        int64_t used[K];
+        int64_t used[2 * K];
         merge_fused(d1, &in, c, thr, first, n, want, used, false);
         uint64_t out_nan = nf_decode(want, c->out_dt, n, true), out_inf = nf_decode(want, c->out_dt, n, false);
         for (int th = 0; th < 2; th++)
@@ -614,10 +664,10 @@ static void test_lora(lm_dev *d1, lm_dev *d3)
 // lm_dev_row_dot gives on the separate τ, and those of the order device.h fixes (dot_ref.h).
 // The base's values span a wide range of magnitudes and the fine-tunes' are float32 with full
 // mantissas or BF16 (all BF16 is a path of its own on the CPU), so that sums in another order
-// differ (all but base·base, a sum of exact 16-bit products). Rows longer than a chunk and not a multiple of the lanes, so that a
-// row's stretches start anywhere in its lanes; from an offset into the tensor; 1 to 4 parts
-// (the CPU sweeps 1, 2 and 3 at once and more one product at a time; the fourth part is the
-// first again).
+// differ (all but base·base, a sum of exact 16-bit products). Rows longer than a chunk and not
+// a multiple of the lanes, so that a row's stretches start anywhere in its lanes; from an
+// offset into the tensor; 1 to 4 parts (the CPU sweeps 1, 2 and 3 at once and more one product
+// at a time; the fourth part is the first again).
 enum { G_COLS = 1003, G_ROWS = 251, G_FIRST = 1001, G_MAXK = 4 };
 
 static void check_gram(lm_dev *d, const inputs *in, const float *b, float *const *t, int k)
@@ -705,10 +755,10 @@ static void test_side(lm_dev *d1, lm_dev *d3, const inputs *in)
     for (int i = 0; i < K; i++)
         thr[i] = lm_abs_bits((float)(i + 2) / 256.0f);
     const merge_case c = {"ties with the caller's work", true, false, false, {5000, 20000, 12345}, 1.0f,
-                          LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16};
+                          LM_COMBINE_SIGN_SUM, true, 1.0f, LM_DTYPE_BF16, false, {0}};
     size_t bytes = (size_t)N * 2;
     void *want = malloc(bytes), *got = malloc(bytes);
-    int64_t used[K];
+    int64_t used[2 * K];
     merge_fused(d1, in, &c, thr, 0, N, want, used, false);
     for (int th = 0; th < 2; th++) {
         int ran = 0;

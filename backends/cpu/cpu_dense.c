@@ -23,8 +23,11 @@ typedef struct dense_job {
     lm_dtype out_dt;
     lm_combine_how how;
     int64_t nb;      // blocks
-    int64_t *ties;   // (k × 2 nb) per part: each block's ties, then the ties it may keep
+    int64_t *ties;   // (k × 4 nb) per part: each block's ties, then the ties it may keep; the
+                     // same for the band's drop
     bool *counted;   // (k) parts whose ties are counted per block
+    bool *counted_hi;  // (k) parts whose band's ties are counted per block
+    bool *counting;    // (k) either
     bool first;      // the first run over every block (see cpu_dense_merge)
     bool *redo;      // (nb) blocks the first run left to the second
     int64_t *redo_list;  // the second run's blocks, by task
@@ -239,29 +242,45 @@ static void dense_hist_task(void *ctx, int64_t t)
     uint64_t above[j->k];
     int64_t kpos[j->k];  // each part's kept values go from the index of the task's first element
     float b[CHUNK], tau[CHUNK];
-    bool use[j->k], base = false;
+    bool use[j->k], make[j->k], base = false;
+    int same[j->k];  // a part counted twice (breadcrumbs' two thresholds): the first, whose τ it takes
     memset(above, 0, sizeof above);
     for (int i = 0; i < j->k; i++) {
-        use[i] = j->parts[i].win != NULL;
-        base = base || (use[i] && !j->parts[i].lora_a);
-        kpos[i] = j->parts[i].first + lo;
+        const lm_dense_part *p = &j->parts[i];
+        use[i] = p->win != NULL;
+        base = base || (use[i] && !p->lora_a);
+        kpos[i] = p->first + lo;
+        same[i] = -1;
+        for (int q = 0; use[i] && same[i] < 0 && q < i; q++) {
+            const lm_dense_part *o = &j->parts[q];
+            if (use[q] && same[q] < 0 && !p->keep_bits && !o->keep_bits && o->src == p->src && o->dt == p->dt &&
+                o->tau == p->tau && o->lora_a == p->lora_a && o->lora_b == p->lora_b && o->lora_r == p->lora_r &&
+                o->cols == p->cols && o->col0 == p->col0 && o->scale == p->scale)
+                same[i] = q;
+        }
+        make[i] = use[i] && same[i] < 0;
     }
     int64_t span = j->span ? j->span : hi - lo;
     for (int64_t s0 = lo; s0 < hi; s0 += span) {
         int64_t s1 = hi - s0 < span ? hi : s0 + span;
-        lora_fill(j, t, s0, s1 - s0, use);
+        lora_fill(j, t, s0, s1 - s0, make);
         for (int64_t c = s0; c < s1; c += CHUNK) {
             int64_t cnt = s1 - c < CHUNK ? s1 - c : CHUNK;
             if (base)
                 dense_load(b, j->base, j->base_dt, c, cnt, NULL);
             for (int i = 0; i < j->k; i++) {
-                const lm_dense_part *p = &j->parts[i];
-                if (!use[i])
+                if (!make[i])
                     continue;
                 const float *x = chunk_tau(j, t, i, tau, b, s0, c, cnt, kpos, NULL);
-                above[i] += cpu_hist_win(&l, (uint32_t)i << WIN_PART_SHIFT, x, cnt, p->lo_bin, (uint32_t)p->n_win);
-                if (p->keep_bits)
-                    keep_chunk(p, x, p->first + c, cnt, p->lo_bin << 16, &kpos[i], p->first + hi);
+                for (int q = i; q < j->k; q++) {  // the part and those that take its τ
+                    const lm_dense_part *p = &j->parts[q];
+                    if (q != i && same[q] != i)
+                        continue;
+                    above[q] +=
+                        cpu_hist_win(&l, (uint32_t)q << WIN_PART_SHIFT, x, cnt, p->lo_bin, (uint32_t)p->n_win);
+                    if (p->keep_bits)
+                        keep_chunk(p, x, p->first + c, cnt, p->lo_bin << 16, &kpos[q], p->first + hi);
+                }
             }
         }
     }
@@ -559,8 +578,33 @@ static void keep_counted(float *t, int64_t cnt, uint32_t thr, int64_t *left)
     }
 }
 
-// keep: 1 every tie kept, 0 none, -1 counted (left says how many).
-static void dense_sparsify(float *t, const lm_dense_part *p, int keep, int64_t *left, int64_t first, int64_t cnt)
+// The band's drop of the top k' on a chunk: magnitudes above hi are zeroed, and those equal
+// to it while *left lasts (drop 1: every one, 0: none, -1: counted).
+static void drop_top(float *t, int64_t cnt, uint32_t hi, int drop, int64_t *left)
+{
+    if (drop < 0) {
+        for (int64_t e = 0; e < cnt; e++) {
+            uint32_t bits = lm_abs_bits(t[e]);
+            bool gone = bits > hi;
+            if (bits == hi && *left > 0) {
+                gone = true;
+                --*left;
+            }
+            t[e] = gone ? 0.0f : t[e];
+        }
+        return;
+    }
+    if (hi > 0x7FFFFFFFu)  // above every magnitude: nothing dropped (and hi + 1 would wrap)
+        return;
+    uint32_t floor = drop ? hi : hi + 1;
+    for (int64_t e = 0; e < cnt; e++)
+        t[e] = lm_abs_bits(t[e]) >= floor ? 0.0f : t[e];
+}
+
+// keep: 1 every tie kept, 0 none, -1 counted (left says how many); drop_hi and left_hi the
+// same for the band's drop.
+static void dense_sparsify(float *t, const lm_dense_part *p, int keep, int64_t *left, int drop_hi, int64_t *left_hi,
+                           int64_t first, int64_t cnt)
 {
     if (p->trim) {
         if (keep < 0)
@@ -569,6 +613,8 @@ static void dense_sparsify(float *t, const lm_dense_part *p, int keep, int64_t *
             memset(t, 0, (size_t)cnt * sizeof *t);
         else
             cpu_topk_keep(t, 0, cnt, keep ? p->thr_bits : p->thr_bits + 1, true);
+        if (p->band)
+            drop_top(t, cnt, p->hi_bits, drop_hi, left_hi);
     } else if (p->drop) {
         for (int64_t e = 0; e < cnt; e++)
             if (!lm_rng_keep(p->key, first + e, p->keep_below))
@@ -590,8 +636,8 @@ static void dense_merge_task(void *ctx, int64_t task)
     float b[CHUNK], o[CHUNK], w[k];
     float (*t)[CHUNK] = (float (*)[CHUNK])(j->scratch + (size_t)blk * (size_t)k * CHUNK);
     float *tp[k];
-    int keep[k];
-    int64_t left[k], kpos[k];
+    int keep[k], drop_hi[k];
+    int64_t left[k], left_hi[k], kpos[k];
     // The block's NaN and Inf: added to the operation's sums by the run that merges the whole
     // block (a block the first run defers is counted again from the start in the second).
     lm_nonfinite nb_base = {0, 0}, nb_out = {0, 0}, nb_src[k];
@@ -602,7 +648,7 @@ static void dense_merge_task(void *ctx, int64_t task)
     }
     for (int i = 0; i < k; i++) {
         const lm_dense_part *p = &j->parts[i];
-        const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 2 * j->nb : NULL;  // NULL: none counted
+        const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 4 * j->nb : NULL;  // NULL: none counted
         w[i] = p->weight;
         left[i] = 0;
         if (!p->trim || p->ties_allowed == LM_TIES_ALL || (j->first && j->counted[i]))
@@ -615,29 +661,47 @@ static void dense_merge_task(void *ctx, int64_t task)
             keep[i] = 0;
         else
             keep[i] = -1, left[i] = ties[j->nb + blk];
+        // the band's drop alike, its counts after the trim's
+        const int64_t *hties = j->counted_hi[i] ? j->ties + (size_t)i * 4 * j->nb + 2 * j->nb : NULL;
+        left_hi[i] = 0;
+        if (!p->band || p->hi_allowed == LM_TIES_ALL || (j->first && j->counted_hi[i]))
+            drop_hi[i] = 1;
+        else if (!j->counted_hi[i])
+            drop_hi[i] = 0;
+        else if (hties[j->nb + blk] == hties[blk])
+            drop_hi[i] = 1;
+        else if (hties[j->nb + blk] == 0)
+            drop_hi[i] = 0;
+        else
+            drop_hi[i] = -1, left_hi[i] = hties[j->nb + blk];
     }
     int64_t span = j->span ? j->span : hi - lo;
     for (int64_t s0 = lo; s0 < hi; s0 += span) {
         int64_t s1 = hi - s0 < span ? hi : s0 + span;
-        lora_fill(j, blk, s0, s1 - s0, deferred ? j->counted : NULL);
+        lora_fill(j, blk, s0, s1 - s0, deferred ? j->counting : NULL);
         for (int64_t c = s0; c < s1; c += CHUNK) {
             int64_t cnt = s1 - c < CHUNK ? s1 - c : CHUNK;
             dense_load(b, j->base, j->base_dt, c, cnt, c_base);
             for (int i = 0; j->first && j->ties && i < k; i++) {
-                if (!j->counted[i])
+                if (!j->counting[i])
                     continue;
                 tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos, c_src[i]);
-                int64_t n = cpu_count_ties(tp[i], 0, cnt, j->parts[i].thr_bits);
-                j->ties[(size_t)i * 2 * j->nb + blk] += n;
-                deferred = deferred || n > 0;
+                int64_t *at = j->ties + (size_t)i * 4 * j->nb + blk;
+                int64_t n = j->counted[i] ? cpu_count_ties(tp[i], 0, cnt, j->parts[i].thr_bits) : 0;
+                // the band's ties counted on τ before the trim: where the two thresholds are
+                // the same, the trim keeps a prefix of the ties that holds the band's budget
+                int64_t n_hi = j->counted_hi[i] ? cpu_count_ties(tp[i], 0, cnt, j->parts[i].hi_bits) : 0;
+                at[0] += n;
+                at[2 * j->nb] += n_hi;
+                deferred = deferred || n > 0 || n_hi > 0;
             }
             if (deferred)  // only the counts matter in this run now
                 continue;
             for (int i = 0; i < k; i++) {
                 const lm_dense_part *p = &j->parts[i];
-                if (!(j->first && j->ties && j->counted[i]))
+                if (!(j->first && j->ties && j->counting[i]))
                     tp[i] = chunk_tau(j, blk, i, t[i], b, s0, c, cnt, kpos, c_src[i]);
-                dense_sparsify(tp[i], p, keep[i], &left[i], p->first + c, cnt);
+                dense_sparsify(tp[i], p, keep[i], &left[i], drop_hi[i], &left_hi[i], p->first + c, cnt);
             }
             if (j->how.linear) {
                 float bs = j->how.base_scale;
@@ -684,21 +748,27 @@ lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *bas
     int64_t nb = n_blocks(n);
     dense_job j = {.base = base, .base_dt = base_dt, .parts = parts, .k = k, .n = n, .out = out, .out_dt = out_dt,
                    .how = how, .nb = nb, .first = true, .read_kept = true};
-    bool counted[k > 0 ? k : 1], any = false;
+    bool counted[k > 0 ? k : 1], counted_hi[k > 0 ? k : 1], counting[k > 0 ? k : 1], any = false;
     for (int i = 0; i < k; i++) {
         // Counting is needed only where some ties are kept and some not; a budget of 0 keeps
         // none of them, LM_TIES_ALL all.
         counted[i] = parts[i].trim && parts[i].ties_allowed != LM_TIES_ALL && parts[i].ties_allowed > 0;
-        any = any || counted[i];
+        counted_hi[i] = parts[i].trim && parts[i].band && parts[i].hi_allowed != LM_TIES_ALL &&
+                        parts[i].hi_allowed > 0 && parts[i].hi_bits <= 0x7FFFFFFFu;
+        counting[i] = counted[i] || counted_hi[i];
+        any = any || counting[i];
         parts[i].ties_used = 0;
+        parts[i].hi_used = 0;
     }
     j.counted = counted;
+    j.counted_hi = counted_hi;
+    j.counting = counting;
     lm_err own = {0};
     lm_status s = lora_scratch(d, &j, nb, &own);
     size_t nb1 = (size_t)(nb ? nb : 1);
     j.scratch = malloc(nb1 * (size_t)(k > 0 ? k : 1) * CHUNK * sizeof(float));
     if (any) {
-        j.ties = calloc((size_t)k * 2 * nb1, sizeof(int64_t));
+        j.ties = calloc((size_t)k * 4 * nb1, sizeof(int64_t));
         j.redo = calloc(nb1, sizeof(bool));
         j.redo_list = malloc(nb1 * sizeof(int64_t));
     }
@@ -712,12 +782,19 @@ lm_status cpu_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *bas
     if (any) {
         // The ties each block may keep: the budget goes to the lowest indices first.
         for (int i = 0; i < k; i++) {
-            int64_t *ties = j.ties + (size_t)i * 2 * nb, left = parts[i].ties_allowed;
+            int64_t *ties = j.ties + (size_t)i * 4 * nb, left = parts[i].ties_allowed;
             for (int64_t b = 0; counted[i] && b < nb; b++) {
                 int64_t take = ties[b] < left ? ties[b] : left;
                 ties[nb + b] = take;
                 left -= take;
                 parts[i].ties_used += take;
+            }
+            int64_t *hties = ties + 2 * nb, left_hi = parts[i].hi_allowed;
+            for (int64_t b = 0; counted_hi[i] && b < nb; b++) {
+                int64_t take = hties[b] < left_hi ? hties[b] : left_hi;
+                hties[nb + b] = take;
+                left_hi -= take;
+                parts[i].hi_used += take;
             }
         }
         int64_t n_redo = 0;
