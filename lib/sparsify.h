@@ -39,12 +39,17 @@ LM_HD static inline uint64_t lm_rng_threshold(double d)
     return (uint64_t)(d * 4294967296.0);
 }
 
-// Whether element j (its index in the whole tensor) is kept: the j-th SplitMix64 output of the
-// stream starting at `key`, top 32 bits below the threshold. A pure function of (key, j).
+// The draw of element j (its index in the whole tensor): the top 32 bits of the j-th SplitMix64
+// output of the stream starting at `key`. A pure function of (key, j).
+LM_HD static inline uint32_t lm_rng_draw(uint64_t key, int64_t j)
+{
+    return (uint32_t)(lm_mix64(key + (uint64_t)(j + 1) * 0x9E3779B97F4A7C15ull) >> 32);
+}
+
+// Whether element j is kept: its draw below the threshold.
 LM_HD static inline bool lm_rng_keep(uint64_t key, int64_t j, uint64_t keep_below)
 {
-    uint64_t x = lm_mix64(key + (uint64_t)(j + 1) * 0x9E3779B97F4A7C15ull);
-    return (x >> 32) < keep_below;
+    return lm_rng_draw(key, j) < keep_below;
 }
 
 // ---- DELLA ------------------------------------------------------------------------------------

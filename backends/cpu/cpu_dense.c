@@ -368,8 +368,10 @@ static inline void gram_at(double (*lanes)[LM_DOT_LANES], int l, const float *b,
 }
 
 // The products of one vector of base values and k of τ added to the lanes' vectors acc[q][h].
-static inline __attribute__((always_inline)) void gram_vec(v8d (*acc)[2], int h, v8d bv, const v8d *tv, const int k)
+static inline __attribute__((always_inline)) void gram_vec(v8d (*acc)[2], int h, const v8d *b, const v8d *tv,
+                                                           const int k)
 {
+    v8d bv = *b;
     int q = 0;
     acc[q++][h] += bv * bv;
     for (int a = 0; a < k; a++)
@@ -399,7 +401,7 @@ static inline __attribute__((always_inline)) void gram_lanes_k(double (*lanes)[L
             load_v8d(&bv, b + i + 8 * h);
             for (int a = 0; a < k; a++)
                 load_v8d(&tv[a], t[a] + i + 8 * h);
-            gram_vec(acc, h, bv, tv, k);
+            gram_vec(acc, h, &bv, tv, k);
         }
     memcpy(lanes, acc, sizeof acc);
     for (int l = 0; i < n; i++, l++)
@@ -438,7 +440,7 @@ static inline __attribute__((always_inline)) void gram_bf16_k(double (*lanes)[LM
                 tf -= bf;
                 tv[a] = __builtin_convertvector(tf, v8d);
             }
-            gram_vec(acc, h, bv, tv, k);
+            gram_vec(acc, h, &bv, tv, k);
         }
     memcpy(lanes, acc, sizeof acc);
     for (int l = 0; i < n; i++, l++) {

@@ -657,12 +657,12 @@ static void radix_sort(uint64_t *v, uint64_t *tmp, int64_t n, uint64_t **out)
     *out = v;
 }
 
-// u[c] = the top 32 bits of the counter-based draw of entry first + c (lm_rng_keep's), for a
-// row at once in index order, where the loop vectorises.
+// u[c] = the draw of entry first + c (lm_rng_draw), for a row at once in index order, where the
+// loop vectorises.
 LM_VECTOR_CLONES static void della_draws(uint32_t *u, uint64_t key, int64_t first, int64_t n)
 {
     for (int64_t c = 0; c < n; c++)
-        u[c] = (uint32_t)(lm_mix64(key + (uint64_t)(first + c + 1) * 0x9E3779B97F4A7C15ull) >> 32);
+        u[c] = lm_rng_draw(key, first + c);
 }
 
 // Rows [r0, r1): each entry's rank from a stable sort of the row's magnitude bits (equal
@@ -693,7 +693,7 @@ static void della_task(void *ctx, int64_t t)
         for (int64_t rank = 0; rank < j->cols; rank++) {
             uint32_t c = (uint32_t)sorted[rank];
             uint64_t below = j->below ? j->below[rank] : lm_rng_threshold(lm_della_p(rank, j->cols, j->p_lo, j->p_hi));
-            uint32_t keep = u[c] < below;  // lm_rng_keep; no branch, which would go either way
+            uint32_t keep = u[c] < below;  // lm_rng_keep's test; no branch, which would go either way
             x[c] = lm_bits_f32(lm_f32_bits(x[c]) & (0u - keep));
             kept[n_kept] = (uint64_t)rank << 32 | c;
             n_kept += keep;
