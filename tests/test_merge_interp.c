@@ -651,6 +651,26 @@ static void test_nearswap(void)
 
 // ==== per row =================================================================================
 
+// The merge of o on the devices, whole and where units fall back (budgets of 600 bytes), each
+// the same bytes as cpu, the CPU's; with `fallback`, some unit must fall back at 600 bytes.
+static void same_on_devices(const char *root, const lm_merge_opts *o, const char *base_dir, const char *const *d,
+                            lm_st_file *cpu, bool fallback, const char *what)
+{
+    const char *devices[] = {"sim:64MiB", "sim:600", "cuda-emu:600"};
+    for (size_t v = 0; cpu && v < sizeof devices / sizeof devices[0]; v++) {
+        g_device = devices[v];
+        lm_merge_result res;
+        memset(&res, 0, sizeof res);
+        lm_st_file *dev = run_merge(root, o, base_dir, d, &res);
+        CHECK_MSG(same_output(cpu, dev), "%s on %s differs from the cpu's", what, devices[v]);
+        if (fallback && strstr(devices[v], ":600"))
+            CHECK_MSG(res.fallback_merge > 0, "%s on %s: no unit fell back", what, devices[v]);
+        lm_merge_result_free(&res);
+        lm_st_close(dev);
+    }
+    g_device = NULL;
+}
+
 // nuslerp and model_stock with each row of a matrix its own vector (a vector stays whole), against
 // the per-vector references applied row by row.
 static void test_per_row(void)
@@ -712,15 +732,7 @@ static void test_per_row(void)
             free_vecs(x, m);
         }
         // the same bytes on the devices, whole and with units falling back
-        const char *devices[] = {"sim:64MiB", "sim:600", "cuda-emu:600"};
-        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
-            g_device = devices[v];
-            lm_st_file *st2 = run_merge(f.root, &o, f.base_dir, d, NULL);
-            CHECK_MSG(same_output(st, st2), "%s per row on %s differs from the cpu's", method ? "model-stock" : "nuslerp",
-                      devices[v]);
-            lm_st_close(st2);
-        }
-        g_device = NULL;
+        same_on_devices(f.root, &o, f.base_dir, d, st, false, method ? "model-stock per row" : "nuslerp per row");
         lm_st_close(st);
     }
     // nuslerp per column (mergekit's nuslerp_row_wise): each column of a matrix its own vector
@@ -760,14 +772,7 @@ static void test_per_row(void)
             free(mag);
             free_vecs(x, 2);
         }
-        const char *devices[] = {"sim:64MiB", "sim:600", "cuda-emu:600"};
-        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
-            g_device = devices[v];
-            lm_st_file *st2 = run_merge(f.root, &o, f.base_dir, d, NULL);
-            CHECK_MSG(same_output(st, st2), "nuslerp per column on %s differs from the cpu's", devices[v]);
-            lm_st_close(st2);
-        }
-        g_device = NULL;
+        same_on_devices(f.root, &o, f.base_dir, d, st, false, "nuslerp per column");
         lm_st_close(st);
     }
     // a method that takes each tensor whole refuses it
@@ -805,7 +810,6 @@ static void test_devices(void)
         {LM_MERGE_NUSLERP, 1, true},     {LM_MERGE_MULTISLERP, 3, false}, {LM_MERGE_KARCHER, 3, false},
         {LM_MERGE_MODEL_STOCK, 3, false}, {LM_MERGE_NEARSWAP, 1, false},
     };
-    const char *devices[] = {"sim:64MiB", "sim:600", "cuda-emu:600"};
     for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
         for (int slab = 0; slab < 2; slab++) {
             inputs sub = in;
@@ -816,21 +820,10 @@ static void test_devices(void)
             o.slab_elems = slab ? 14 : 0;  // whole tensors, or several slabs per tensor
             g_device = NULL;
             lm_st_file *cpu = run_merge(f.root, &o, f.base_dir, d, NULL);
-            for (size_t v = 0; v < sizeof devices / sizeof devices[0]; v++) {
-                g_device = devices[v];
-                lm_merge_result res;
-                memset(&res, 0, sizeof res);
-                lm_st_file *dev = run_merge(f.root, &o, f.base_dir, d, &res);
-                CHECK_MSG(same_output(cpu, dev), "%s (slab %d) on %s differs from the cpu's",
-                          lm_merge_method_name(runs[r].m), slab, devices[v]);
-                // whole tensors do not all fit in 600 bytes
-                if (!slab && strstr(devices[v], ":600"))
-                    CHECK_MSG(res.fallback_merge > 0, "%s on %s: no unit fell back", lm_merge_method_name(runs[r].m),
-                              devices[v]);
-                lm_merge_result_free(&res);
-                lm_st_close(dev);
-            }
-            g_device = NULL;
+            char what[64];
+            snprintf(what, sizeof what, "%s (slab %d)", lm_merge_method_name(runs[r].m), slab);
+            // whole tensors do not all fit in 600 bytes
+            same_on_devices(f.root, &o, f.base_dir, d, cpu, !slab, what);
             lm_st_close(cpu);
         }
     }

@@ -41,6 +41,30 @@ static void make_fts(const fixture *f, int n, char **dirs, double *(*tau)[MAX_T]
     }
 }
 
+// The merge of o again, each variant the same bytes as st: in slabs of `slab` elements, on 3
+// threads, and on the devices, where budgets of 900 bytes make units fall back (checked with
+// `fallback`).
+static void same_variants(const char *root, const lm_merge_opts *o, const char *base_dir, const char *const *dirs,
+                          lm_st_file *st, int64_t slab, bool fallback, const char *what)
+{
+    const char *devices[] = {NULL, NULL, "sim:64MiB", "sim:900", "cuda-emu:900"};
+    for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
+        lm_merge_opts o2 = *o;
+        o2.slab_elems = v == 0 ? slab : 0;
+        o2.threads = v == 1 ? 3 : 1;
+        g_device = devices[v];
+        lm_merge_result res;
+        memset(&res, 0, sizeof res);
+        lm_st_file *st2 = run_merge(root, &o2, base_dir, dirs, &res);
+        CHECK_MSG(same_output(st, st2), "%s: variant %zu differs", what, v);
+        if (fallback && devices[v] && strstr(devices[v], ":900"))
+            CHECK_MSG(res.fallback_merge > 0, "%s on %s: no unit fell back", what, devices[v]);
+        lm_merge_result_free(&res);
+        lm_st_close(st2);
+    }
+    g_device = NULL;
+}
+
 // out = τ kept to its band: ranked by |τ| (ties to the lower index), the first floor(γ·n)
 // dropped and the next floor(d·n) kept; everything at d = 1; the band cut at n.
 static void band_ref(const double *tau, int64_t n, double d, double g, double *out)
@@ -98,23 +122,9 @@ static void test_breadcrumbs(void)
         if (st)
             check_combined(st, &f.base, &c, tp);
         // the same bytes in slabs of a row, on more threads, and on the devices, with fallbacks
-        const char *devices[] = {NULL, NULL, "sim:64MiB", "sim:900", "cuda-emu:900"};
-        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
-            lm_merge_opts o2 = o;
-            o2.slab_elems = v == 0 ? 12 : 0;
-            o2.threads = v == 1 ? 3 : 1;
-            g_device = devices[v];
-            lm_merge_result res;
-            memset(&res, 0, sizeof res);
-            lm_st_file *st2 = run_merge(f.root, &o2, f.base_dir, dirs, &res);
-            CHECK_MSG(same_output(st, st2), "%s run %zu: variant %zu differs", lm_merge_method_name(runs[r].m), r, v);
-            if (devices[v] && strstr(devices[v], ":900"))
-                CHECK_MSG(res.fallback_merge > 0, "%s on %s: no unit fell back", lm_merge_method_name(runs[r].m),
-                          devices[v]);
-            lm_merge_result_free(&res);
-            lm_st_close(st2);
-        }
-        g_device = NULL;
+        char what[64];
+        snprintf(what, sizeof what, "%s run %zu", lm_merge_method_name(runs[r].m), r);
+        same_variants(f.root, &o, f.base_dir, dirs, st, 12, true, what);
         lm_st_close(st);
         for (int i = 0; i < 3; i++)
             for (int t = 0; t < f.base.n; t++)
@@ -220,20 +230,10 @@ static void test_della(void)
         lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
         if (st)
             check_combined(st, &f.base, &c, tp);
-        const char *devices[] = {NULL, NULL, "sim:64MiB", "sim:900", "cuda-emu:900"};
-        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
-            lm_merge_opts o2 = o;
-            o2.slab_elems = v == 0 ? 24 : 0;  // slabs of whole rows (vectors stay whole: one slab)
-            o2.threads = v == 1 ? 3 : 1;
-            g_device = devices[v];
-            lm_merge_result res;
-            memset(&res, 0, sizeof res);
-            lm_st_file *st2 = run_merge(f.root, &o2, f.base_dir, dirs, &res);
-            CHECK_MSG(same_output(st, st2), "%s run %zu: variant %zu differs", lm_merge_method_name(runs[r].m), r, v);
-            lm_merge_result_free(&res);
-            lm_st_close(st2);
-        }
-        g_device = NULL;
+        // slabs of whole rows (vectors stay whole: one slab)
+        char what[64];
+        snprintf(what, sizeof what, "%s run %zu", lm_merge_method_name(runs[r].m), r);
+        same_variants(f.root, &o, f.base_dir, dirs, st, 24, false, what);
         lm_st_close(st);
         for (int i = 0; i < 3; i++)
             for (int t = 0; t < f.base.n; t++)
@@ -339,17 +339,9 @@ static void test_sce(void)
             free(exp);
             free(mag);
         }
-        const char *devices[] = {NULL, NULL, "sim:64MiB", "sim:900", "cuda-emu:900"};
-        for (size_t v = 0; st && v < sizeof devices / sizeof devices[0]; v++) {
-            lm_merge_opts o2 = o;
-            o2.slab_elems = v == 0 ? 12 : 0;
-            o2.threads = v == 1 ? 3 : 1;
-            g_device = devices[v];
-            lm_st_file *st2 = run_merge(f.root, &o2, f.base_dir, dirs, NULL);
-            CHECK_MSG(same_output(st, st2), "sce select_topk %g: variant %zu differs", topks[r], v);
-            lm_st_close(st2);
-        }
-        g_device = NULL;
+        char what[64];
+        snprintf(what, sizeof what, "sce select_topk %g", topks[r]);
+        same_variants(f.root, &o, f.base_dir, dirs, st, 12, false, what);
         lm_st_close(st);
     }
     for (int i = 0; i < 3; i++) {

@@ -627,6 +627,25 @@ static void dense_sparsify(float *t, const lm_dense_part *p, int keep, int64_t *
             t[e] = p->rescale * t[e] + 0.0f * t[e];
 }
 
+// What a block does with the ties of one rule of a part (the trim's kept, the band's dropped):
+// 1 every tie, 0 none, -1 the first *left of them. ties: the rule's count per block, then each
+// block's share (nb each), NULL when the rule is not counted. In the first run a counted rule
+// takes every tie: the blocks where it has one are redone once the shares are known.
+static int tie_rule(bool on, int64_t allowed, bool first, const int64_t *ties, int64_t nb, int64_t blk, int64_t *left)
+{
+    *left = 0;
+    if (!on || allowed == LM_TIES_ALL || (first && ties))
+        return 1;
+    if (!ties)
+        return 0;
+    if (ties[nb + blk] == ties[blk])
+        return 1;
+    if (ties[nb + blk] == 0)
+        return 0;
+    *left = ties[nb + blk];
+    return -1;
+}
+
 static void dense_merge_task(void *ctx, int64_t task)
 {
     dense_job *j = ctx;
@@ -650,32 +669,11 @@ static void dense_merge_task(void *ctx, int64_t task)
     }
     for (int i = 0; i < k; i++) {
         const lm_dense_part *p = &j->parts[i];
-        const int64_t *ties = j->counted[i] ? j->ties + (size_t)i * 4 * j->nb : NULL;  // NULL: none counted
+        const int64_t *ties = j->ties + (size_t)i * 4 * j->nb;  // the trim's counts, then the band's
         w[i] = p->weight;
-        left[i] = 0;
-        if (!p->trim || p->ties_allowed == LM_TIES_ALL || (j->first && j->counted[i]))
-            keep[i] = 1;  // (in the first run, blocks where a counted part has a tie are redone)
-        else if (!j->counted[i])
-            keep[i] = 0;
-        else if (ties[j->nb + blk] == ties[blk])
-            keep[i] = 1;
-        else if (ties[j->nb + blk] == 0)
-            keep[i] = 0;
-        else
-            keep[i] = -1, left[i] = ties[j->nb + blk];
-        // the band's drop alike, its counts after the trim's
-        const int64_t *hties = j->counted_hi[i] ? j->ties + (size_t)i * 4 * j->nb + 2 * j->nb : NULL;
-        left_hi[i] = 0;
-        if (!p->band || p->hi_allowed == LM_TIES_ALL || (j->first && j->counted_hi[i]))
-            drop_hi[i] = 1;
-        else if (!j->counted_hi[i])
-            drop_hi[i] = 0;
-        else if (hties[j->nb + blk] == hties[blk])
-            drop_hi[i] = 1;
-        else if (hties[j->nb + blk] == 0)
-            drop_hi[i] = 0;
-        else
-            drop_hi[i] = -1, left_hi[i] = hties[j->nb + blk];
+        keep[i] = tie_rule(p->trim, p->ties_allowed, j->first, j->counted[i] ? ties : NULL, j->nb, blk, &left[i]);
+        drop_hi[i] = tie_rule(p->band, p->hi_allowed, j->first, j->counted_hi[i] ? ties + 2 * j->nb : NULL, j->nb, blk,
+                              &left_hi[i]);
     }
     int64_t span = j->span ? j->span : hi - lo;
     for (int64_t s0 = lo; s0 < hi; s0 += span) {
