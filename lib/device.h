@@ -32,7 +32,7 @@ typedef enum lm_op {
     LM_OP_SYRK,        // lm_dev_syrk (where it is missing callers use lm_dev_gemm)
     LM_OP_POTRF,       // lm_dev_potrf
     LM_OP_IMPORTANCE,  // lm_dev_importance and lm_dev_topk_apply_by: selection by importance
-    LM_OP_DENSE,       // the fused dense operations (lm_dev_dense_hist, lm_dev_dense_merge)
+    LM_OP_DENSE,       // the fused dense operations (lm_dev_dense_hist, _merge, _gram)
     LM_OP_COUNTS,      // the counting conversions (lm_dev_to_f32_count, ...)
     LM_OP_FORWARD,     // the forward pass's operations: lm_dev_gemm, lm_dev_gather_rows, ...
 } lm_op;
@@ -316,9 +316,10 @@ lm_status lm_dev_dense_gram(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 
 // out (n elements of out_dt, host memory) = the combination of the k parts' τ, each trimmed or
 // dropped and rescaled as its fields say, with `base`: bit for bit what lm_dev_to_f32 of base,
-// lm_dev_delta, lm_dev_topk_apply or lm_dev_random_drop, lm_dev_axpby, then lm_dev_combine (or
-// the axpby sequence of how.linear) and lm_dev_from_f32 give. The NaN and Inf among the values
-// read and written are counted where how.base_nf, how.out_nf and each part's nf ask.
+// lm_dev_delta, lm_dev_topk_apply (then lm_dev_topk_drop for a band) or lm_dev_random_drop,
+// lm_dev_axpby, then lm_dev_combine (or the axpby sequence of how.linear) and lm_dev_from_f32
+// give. The NaN and Inf among the values read and written are counted where how.base_nf,
+// how.out_nf and each part's nf ask.
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
                              lm_dense_part *parts, int k, int64_t n, lm_combine_how how, lm_err *err);
 // lm_dev_dense_merge, with the caller's work `side` (NULL: none) done meanwhile.
