@@ -669,7 +669,8 @@ static void dense_merge_task(void *ctx, int64_t task)
     }
     for (int i = 0; i < k; i++) {
         const lm_dense_part *p = &j->parts[i];
-        const int64_t *ties = j->ties + (size_t)i * 4 * j->nb;  // the trim's counts, then the band's
+        // the trim's counts, then the band's (no array when nothing is counted)
+        const int64_t *ties = j->ties ? j->ties + (size_t)i * 4 * j->nb : NULL;
         w[i] = p->weight;
         keep[i] = tie_rule(p->trim, p->ties_allowed, j->first, j->counted[i] ? ties : NULL, j->nb, blk, &left[i]);
         drop_hi[i] = tie_rule(p->band, p->hi_allowed, j->first, j->counted_hi[i] ? ties + 2 * j->nb : NULL, j->nb, blk,
