@@ -10,10 +10,11 @@
 // it asserts nothing, and exits non-zero only when something fails to run (a merge exiting
 // non-zero, an input that cannot be made).
 //
-// With --device cuda[:N] (a GPU machine) the merges run there: each line also gives the bytes
-// copied between host and device per second of merging (from llmerge.json) against cudaMemcpy's
-// bandwidth between pinned memory and the device measured in the same run (the LoRA merges'
-// target: 70% of it, in the targets), and with
+// With --device cuda[:N] (a GPU machine) the merges run there. Before them it measures
+// cudaMemcpy's bandwidth between pinned memory and the device, and llmerge's own copies
+// (lm_dev_upload and lm_dev_download from pageable memory) against it: the target is 70%. Each
+// merge's line also gives the bytes copied between host and device per second of merging (from
+// llmerge.json), which the floor bounds (a LoRA merge's copied bytes over its floor); and with
 // --fallback-mem SIZE a TIES merge of each kind runs once more with --gpu-mem SIZE, small
 // enough that tensors fall back to the CPU, giving its time and how many fell back.
 //
@@ -47,6 +48,8 @@
 #include "bench_run.h"
 #include "bench_util.h"
 #ifdef LLMERGE_HAVE_CUDA
+#include "device.h"
+#include "device_registry.h"
 #include "kernels.h"
 #endif
 
@@ -874,18 +877,70 @@ static void print_results(const bm_run *runs, int nr, bool device_run, const cha
             printf("  %-22s wall %.2f s = %.2fx floor, target <= %.0fx: %s\n", name, r->c.wall,
                    r->c.wall / r->floor, limit, r->c.wall <= limit * r->floor ? "met" : "MISSED");
         }
-        // on a GPU, LoRA merges move little but their factors and outputs: their copies should
-        // run near cudaMemcpy's rate, measured above in the same run
-        double ref = h2d_bw > 0 && d2h_bw > 0 ? (h2d_bw + d2h_bw) / 2 : 0;
-        if (device_run && ref > 0 && strcmp(r->kind, "lora") == 0) {
-            double share = r->merge_s > 0 ? r->xfer_bytes / r->merge_s / ref : 0;
+        // On a GPU a LoRA merge's copies over its merge time can be no faster than its copied
+        // bytes over the floor (the input's read and the output's write and fsync), whatever the
+        // copy path's rate: the target of 70% of cudaMemcpy is the copy path's, measured above.
+        if (device_run && strcmp(r->kind, "lora") == 0 && r->merge_s > 0) {
             char name[40];
             snprintf(name, sizeof name, "%s %s", r->method, r->kind);
-            printf("  %-22s copies %.2f GB/s = %.0f%% of cudaMemcpy, target >= 70%%: %s\n", name,
-                   gb((uint64_t)(share * ref)), 100 * share, share >= 0.7 ? "met" : "MISSED");
+            printf("  %-22s copies %.2f GB/s over the merge; the floor allows at most %.2f GB/s\n", name,
+                   gb((uint64_t)(r->xfer_bytes / r->merge_s)), gb((uint64_t)(r->xfer_bytes / r->floor)));
         }
     }
 }
+
+#ifdef LLMERGE_HAVE_CUDA
+// llmerge's own copies between the host and device `spec`: lm_dev_upload and lm_dev_download of
+// `bytes` from and to pageable memory (what a merge copies from: mapped inputs, malloc'ed
+// slabs), `reps` times each, against cudaMemcpy's rates from pinned memory measured just before
+// (target: 70%). 0, or -1 after saying why it could not measure.
+static int copy_path(const char *spec, size_t bytes, int reps, double h2d_ref, double d2h_ref)
+{
+    lm_dev *d = NULL;
+    lm_err err = {0};
+    lm_dev_opts opts = {0};
+    unsigned char *host = malloc(bytes);
+    void *dev = NULL;
+    double up = 0, down = 0;
+    int rc = -1;
+    if (!host) {
+        fprintf(stderr, "bench_merge: out of memory for the copy test\n");
+        return -1;
+    }
+    for (size_t i = 0; i < bytes; i++)  // touched: no page faults in the timed copies
+        host[i] = (unsigned char)(i * 2654435761u >> 13);
+    if (lm_dev_open(&d, spec, &opts, NULL, 0, &err) != LM_OK || lm_dev_alloc(d, bytes, &dev, &err) != LM_OK ||
+        lm_dev_upload(d, dev, host, bytes, &err) != LM_OK || lm_dev_download(d, host, dev, bytes, &err) != LM_OK)
+        goto fail;
+    double t0 = lm_now();
+    for (int r = 0; r < reps; r++)
+        if (lm_dev_upload(d, dev, host, bytes, &err) != LM_OK)
+            goto fail;
+    // an upload may return before its last bytes land: a one-byte download waits for them
+    if (lm_dev_download(d, host, dev, 1, &err) != LM_OK)
+        goto fail;
+    up = (double)bytes * reps / (lm_now() - t0);
+    t0 = lm_now();
+    for (int r = 0; r < reps; r++)
+        if (lm_dev_download(d, host, dev, bytes, &err) != LM_OK)
+            goto fail;
+    down = (double)bytes * reps / (lm_now() - t0);
+    printf("llmerge's copies, pageable memory, %zu MiB x %d: %.2f GB/s to %s (%.0f%% of cudaMemcpy's), "
+           "%.2f GB/s back (%.0f%%); target >= 70%%: %s\n",
+           bytes >> 20, reps, gb((uint64_t)up), spec, 100 * up / h2d_ref, gb((uint64_t)down), 100 * down / d2h_ref,
+           up >= 0.7 * h2d_ref && down >= 0.7 * d2h_ref ? "met" : "MISSED");
+    rc = 0;
+    goto done;
+fail:
+    fprintf(stderr, "bench_merge: llmerge's copies on %s: %s\n", spec, err.msg);
+done:
+    if (d)
+        lm_dev_buf_free(d, dev);
+    lm_dev_destroy(d);
+    free(host);
+    return rc;
+}
+#endif
 
 static void usage(FILE *out)
 {
@@ -995,6 +1050,8 @@ int main(int argc, char **argv)
         }
         printf("cudaMemcpy, pinned, 256 MiB x 8: %.2f GB/s to %s, %.2f GB/s back\n", gb(h2d_bw), o.device,
                gb(d2h_bw));
+        if (copy_path(o.device, 256u << 20, 8, h2d_bw, d2h_bw) != 0)
+            goto done;
 #else
         fprintf(stderr, "bench_merge: --device %s needs a build with CUDA\n", o.device);
         goto done;

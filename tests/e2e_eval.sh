@@ -57,7 +57,7 @@ run base_q eval "$fx/base" --data "$data" -q
 same base base_q
 if [ ! -s "$work/base_q.err" ]; then ok; else bad "-q still wrote to stderr: $(cat "$work/base_q.err")"; fi
 
-run base_json eval "$fx/base" --data "$data" --json
+run base_json eval "$fx/base" --data "$data" --json --device cpu  # auto would take a GPU where there is one
 json "$work/base_json.out" tokens "$want_all"
 json "$work/base_json.out" sequences 8
 json "$work/base_json.out" adapter null

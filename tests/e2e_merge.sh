@@ -135,7 +135,7 @@ version=$("$llmerge" --version | awk '{ print $2 }')
 
 # ---- ties of two adapters and a full fine-tune -----------------------------------------------
 o=$work/ties
-merge ties "$B" "$lp" "$lr" "$ff" -o "$o"
+merge ties "$B" "$lp" "$lr" "$ff" -o "$o" --device cpu  # the default, auto, takes a GPU where there is one
 loads "$o"
 "$llmerge" inspect --json "$o" >"$work/json" 2>/dev/null
 json "$work/json" n_tensors 21
@@ -577,7 +577,8 @@ expect 2 "key 'hidden_size': 9223372036854775808 is out of range (at most 900719
 no_output "$x"
 
 # options that do not apply are accepted with a note
-expect 0 "--sign has no effect on dare" dare "$B" "$lp" -o "$work/noted" --sign count --gpu-mem 1GiB --cache-dir "$work"
+expect 0 "--sign has no effect on dare" dare "$B" "$lp" -o "$work/noted" --sign count --gpu-mem 1GiB --cache-dir "$work" \
+  --device cpu
 check 'grep -q "gpu-mem has no effect" "$work/out"' "no note for --gpu-mem on the cpu"
 
 # ---- a failure during the work: exit 1, nothing left -----------------------------------------

@@ -18,8 +18,11 @@ e2e_start e2e_sweep
 
 check() { if eval "$1"; then ok; else bad "$2"; fi; }
 
-# ctest may run under make (make test): its job server and flags are not for these makes
+# ctest may run under make (make test): its job server and flags are not for these makes; and the
+# Makefile's variables may also come from the environment (OUT is a common name), not here
 unset MAKEFLAGS MFLAGS MAKELEVEL
+unset LLMERGE FIXTURES OUT BASE FTS DATA CALIB CACHE METHODS DENSITIES WEIGHTS SEED THREADS MERGE_FLAGS EVAL_FLAGS \
+  GNUPLOT ROOT
 
 out=$work/sweep
 sweep() {
