@@ -194,9 +194,28 @@ static lm_status read_host(const lm_st_tensor *t, float **out, lm_err *err)
     return s;
 }
 
+// Places tensor t on a device with memory of its own as float32 from its stored bytes: F32
+// uploaded as it is, BF16 and F16 uploaded into a buffer beside the weight and converted there
+// (the conversion is exact, so the values are the host's), so that the host neither converts
+// nor copies them into memory of its own and the link carries half the bytes. LM_ERR_DEVICE_OOM
+// with nothing left allocated when the device has no room for that buffer (the caller then
+// converts on the host); other failures as the device said them.
+static lm_status put_stored(lm_fwd *f, const lm_st_tensor *t, float *dst, lm_err *err)
+{
+    size_t bytes = (size_t)t->nbytes;
+    if (t->dtype == LM_DTYPE_F32)
+        return lm_dev_upload(f->dev, dst, t->data, bytes, err);
+    void *stored = NULL;
+    lm_status s = lm_dev_alloc(f->dev, bytes, &stored, err);
+    if (s == LM_OK && (s = lm_dev_upload(f->dev, stored, t->data, bytes, err)) == LM_OK)
+        s = lm_dev_to_f32(f->dev, dst, stored, t->dtype, t->numel, err);
+    lm_dev_buf_free(f->dev, stored);
+    return s;
+}
+
 // Places tensor t on the device as float32: in place when the device reads host memory and the
-// tensor is F32 and aligned, else converted (on the device when it reads host memory, through
-// a host copy otherwise).
+// tensor is F32 and aligned, else converted (on the device from the stored bytes where there is
+// room for them, through a host copy otherwise).
 static lm_status put_tensor(lm_fwd *f, const lm_st_tensor *t, const float **out, lm_err *err)
 {
     lm_dev *d = f->dev;
@@ -212,6 +231,21 @@ static lm_status put_tensor(lm_fwd *f, const lm_st_tensor *t, const float **out,
         *out = dst;
         s = lm_dev_to_f32(d, dst, t->data, t->dtype, t->numel, err);
         return s == LM_OK ? s : lm_err_prefix(err, "%s", t->name);
+    }
+    if (t->dtype == LM_DTYPE_F32 || t->dtype == LM_DTYPE_BF16 || t->dtype == LM_DTYPE_F16) {
+        float *dst;
+        if ((s = weight_alloc(f, t->numel, &dst, err)) != LM_OK)
+            return placing(s, t->name, err);
+        *out = dst;
+        if ((s = put_stored(f, t, dst, err)) != LM_ERR_DEVICE_OOM)
+            return placing(s, t->name, err);
+        // no room for the stored bytes beside the weight: converted on the host into it
+        float *host;
+        if ((s = read_host(t, &host, err)) != LM_OK)
+            return s;
+        s = lm_dev_upload(f->dev, dst, host, (size_t)t->numel * sizeof *host, err);
+        free(host);
+        return placing(s, t->name, err);
     }
     float *host;
     if ((s = read_host(t, &host, err)) != LM_OK)

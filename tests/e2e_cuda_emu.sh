@@ -180,17 +180,18 @@ for n in 1 $((launches / 2)) "$launches"; do
   grep -q "unspecified launch failure" "$work/out" && ok || bad "launch-fault:$n: not the fault: $(tail -c 400 "$work/out")"
   no_output "$work/fault"
 done
-# (the forward pass's matrix products are cuBLAS's: eval makes some 15 launches, hessian 13)
-LLMERGE_EMU_FAIL=launch-fault:8 expect 1 "error: eval sequences 1-8 on cuda-emu:64MiB: layer 1: " eval "$B" \
+# (placing the weights converts each on the device, a launch each, before the first layer; the
+# forward pass's matrix products are cuBLAS's, not counted)
+LLMERGE_EMU_FAIL=launch-fault:29 expect 1 "error: eval sequences 1-8 on cuda-emu:64MiB: layer 1: " eval "$B" \
   --data "$data" --device cuda-emu:64MiB
 # (the fault is seen by the next call: a kernel launch, a copy, or cuBLAS, which says it its way)
 grep -qE "unspecified launch failure|the GPU program failed to execute" "$work/out" && ok ||
-  bad "eval with launch-fault:8: $(tail -c 400 "$work/out")"
-LLMERGE_EMU_FAIL=launch-fault:10 expect 1 "error: hessian sequences 1-8 on cuda-emu:1GiB: layer 1: " hessian "$B" \
+  bad "eval with launch-fault:29: $(tail -c 400 "$work/out")"
+LLMERGE_EMU_FAIL=launch-fault:29 expect 1 "error: hessian sequences 1-8 on cuda-emu:1GiB: layer 1: " hessian "$B" \
   --calib "$data" -o "$work/f.safetensors" --device cuda-emu:1GiB
 no_output "$work/f.safetensors"
 # sparsegpt's Hessians captured on the device: a fault there names the FT whose Hessians failed
-LLMERGE_EMU_FAIL=launch-fault:28 expect 1 "error: Hessians of $fx/ft_full: hessian sequences 1-8 on cuda-emu:1GiB: layer 0: Hessian of model.layers.0." sparsegpt "$B" "$fx/lora_plain" "$fx/ft_full" \
+LLMERGE_EMU_FAIL=launch-fault:61 expect 1 "error: Hessians of $fx/ft_full: hessian sequences 1-8 on cuda-emu:1GiB: layer 0: Hessian of model.layers.0." sparsegpt "$B" "$fx/lora_plain" "$fx/ft_full" \
   -o "$work/sg" --calib "$data" --density 0.3 --cache-dir "$work/cache" --device cuda-emu:1GiB
 no_output "$work/sg"
 # an out-of-memory while capturing falls back; the output is the CPU's capture's

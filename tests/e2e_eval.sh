@@ -122,6 +122,22 @@ fi
 run sim_big eval "$fx/base" --data "$data" --device sim:64MiB
 same base sim_big
 lacks sim_big.err fallback
+# The weights go to a device as their stored bytes (BF16 here) and are converted there; a tensor
+# whose stored bytes find no room beside its float32 weight is converted on the host instead
+# (from about 418 KiB to 448 KiB here, the last one is; at 450 KiB none is). The conversion is
+# exact: every budget here that keeps the weights on the device (and runs the same batches, one
+# sequence at a time) gives the same perplexity to the bit, the CPU's to float32 rounding.
+on_dev=0 first=
+for kb in 410 418 426 434 442 450; do
+  run "sim_stored_$kb" eval "$fx/base" --data "$data" --device "sim:${kb}KiB" --json
+  [ "$("$jsonq" "$work/sim_stored_$kb.out" fallbacks.weights_on_cpu)" = false ] || continue
+  on_dev=$((on_dev + 1))
+  p=$("$jsonq" "$work/sim_stored_$kb.out" perplexity)
+  first=${first:-$p}
+  if [ "$p" = "$first" ]; then ok; else bad "sim:${kb}KiB: perplexity $p, $first at the smallest budget that kept the weights there"; fi
+  close "$p" "$ppl" 1e-6 "(sim:${kb}KiB vs cpu)"
+done
+if [ "$on_dev" -ge 4 ]; then ok; else bad "the weights stayed on the device at $on_dev budgets of 6, wanted 4 or more"; fi
 run sim_weights eval "$fx/base" --data "$data" --device sim:100KiB --log-json "$work/sim_weights.log"
 same base sim_weights
 has sim_weights.err "fallback: eval weights of $fx/base on cpu (sim:100KiB: out of memory"
@@ -156,13 +172,13 @@ if [ "$n_sticky" -lt "$n_retry" ] && [ "$n_sticky" -ge 1 ]; then ok; else
   bad "--sticky-fallback: $n_sticky fallback lines, without it $n_retry"
 fi
 # a device failure that is not out of memory stops the run
-LLMERGE_SIM_FAIL=launch:30 expect 1 "eval sequences 1-8 on sim:64MiB: layer 0: sim: injected failure of operation 30" eval "$fx/base" --data "$data" --device sim:64MiB
+LLMERGE_SIM_FAIL=launch:46 expect 1 "eval sequences 1-8 on sim:64MiB: layer 0: sim: injected failure of operation 46" eval "$fx/base" --data "$data" --device sim:64MiB
 # one while the weights are placed: the phase, the model (and adapter) and the tensor are named
 LLMERGE_SIM_FAIL=alloc:1 expect 1 "error: placing the weights of $fx/base on sim:64MiB: tensor 'model.embed_tokens.weight': sim: injected failure of allocation 1" \
   eval "$fx/base" --data "$data" --device sim:64MiB
 LLMERGE_SIM_FAIL=launch:1 expect 1 "error: placing the weights of $fx/base on sim:64MiB: tensor 'model.embed_tokens.weight': sim: injected failure of operation 1, upload" \
   eval "$fx/base" --data "$data" --device sim:64MiB
-LLMERGE_SIM_FAIL=alloc:3 expect 1 "error: placing the weights of $fx/base with adapter $fx/lora_plain on sim:64MiB: tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': sim: injected failure of allocation 3" \
+LLMERGE_SIM_FAIL=alloc:5 expect 1 "error: placing the weights of $fx/base with adapter $fx/lora_plain on sim:64MiB: tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight': sim: injected failure of allocation 5" \
   eval "$fx/base" --adapter "$fx/lora_plain" --data "$data" --device sim:64MiB
 
 # ---- usage and bad input: exit status 2 ------------------------------------------------------

@@ -856,7 +856,7 @@ check 'grep -q "every later sequence runs on cpu too (--sticky-fallback)" "$work
 # A device fault in the second FT's capture, the first FT's U_cc² already computed (a fresh
 # cache, so both are captured): exit 1 naming that FT, nothing left at OUT, and nothing of the
 # first FT's U_cc² leaked (the sanitizer build's leak check reports into the output).
-for fault in alloc:61 launch:126; do
+for fault in alloc:77 launch:136; do
   x=$work/sgpt-fault
   LLMERGE_SIM_FAIL=$fault expect 1 "Hessians of $ff: " sparsegpt "$B" "$lp" "$ff" -o "$x" --calib "$cj" \
     --device sim:1GiB --cache-dir "$work/fault-cache-${fault%%:*}"
