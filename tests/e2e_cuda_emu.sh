@@ -235,5 +235,10 @@ LLMERGE_EMU_FAIL= expect 2 "--device cuda-emu:0: the emulated device needs a siz
 rm -rf "$work/u"
 LLMERGE_EMU_FAIL= run name ties "$B" "$fx/lora_plain" -o "$work/u" --device cuda-emu:2MiB
 grep -qF "devices: 4 tensors merged on cuda-emu:2MiB" "$work/name.err" && ok || bad "the device's name: $(tail -3 "$work/name.err")"
+# a --gpu-mem that opening the device spent half of or more is said with the device
+LLMERGE_EMU_FAIL= run capnote ties "$B" "$fx/lora_plain" -o "$work/capnote" --device cuda-emu --gpu-mem 1200KiB
+grep -qF "device cuda-emu:1GiB (--gpu-mem 1.17 MiB: 1.02 MiB of it taken when the device opened, by the cuBLAS and" \
+  "$work/capnote.err" && ok || bad "--gpu-mem 1200KiB: no note: $(head -3 "$work/capnote.err")"
+grep -q "gpu-mem" "$work/name.err" && bad "a note without --gpu-mem: $(head -3 "$work/name.err")" || ok
 
 e2e_end

@@ -23,17 +23,17 @@
 // 32 MiB on Hopper: a cap of 48 MiB would be spent before any work.
 #define CAP_EMU ((uint64_t)48 << 20)
 #define CAP_GPU ((uint64_t)512 << 20)
-static uint64_t CAP = CAP_EMU;
+static uint64_t cap_bytes = CAP_EMU;  // the one of the device under test
 
-// The device under test with --gpu-mem CAP and the fault switch `fail` (cuda-emu's
+// The device under test with --gpu-mem cap_bytes and the fault switch `fail` (cuda-emu's
 // LLMERGE_EMU_FAIL, NULL for none); NULL when the build has no such device and none was named.
 static lm_dev *open_device(const char *fail)
 {
     const char *named = getenv("LLMERGE_TEST_DEVICE");
     bool asked = named && strncmp(named, "cuda", 4) == 0;
     const char *spec = asked ? named : "cuda-emu:256MiB";
-    CAP = strncmp(spec, "cuda-emu", 8) == 0 ? CAP_EMU : CAP_GPU;
-    lm_dev_opts o = {.threads = 2, .mem_cap = CAP};
+    cap_bytes = strncmp(spec, "cuda-emu", 8) == 0 ? CAP_EMU : CAP_GPU;
+    lm_dev_opts o = {.threads = 2, .mem_cap = cap_bytes};
     lm_dev *d = NULL;
     lm_err err = {0};
     if (fail)
@@ -53,7 +53,7 @@ static size_t used_of(lm_dev *d)
 {
     size_t fr = 0, tot = 0;
     lm_dev_mem_info(d, &fr, &tot);
-    CHECK(tot == CAP);
+    CHECK(tot == cap_bytes);
     return tot - fr;
 }
 
@@ -326,7 +326,7 @@ int main(void)
         // what the cap counts once the device is open: the scratch, cuBLAS's workspace and what
         // the driver's free memory lost while the cuBLAS and cuSOLVER handles were made
         printf("test_cuda_host: %s with --gpu-mem %llu MiB: %.2f MiB in use after opening\n", lm_dev_name(d),
-               (unsigned long long)(CAP >> 20), used_of(d) / 1048576.0);
+               (unsigned long long)(cap_bytes >> 20), used_of(d) / 1048576.0);
         test_accounting(d);
         test_potrf(d);
         test_cache(d);

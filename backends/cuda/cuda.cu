@@ -1403,6 +1403,16 @@ extern "C" lm_status lm_dev_cuda_create(lm_dev **out, int ordinal, uint64_t mem_
     if ((status = open_cublas(d, err)) != LM_OK || (status = open_cusolver(d, err)) != LM_OK ||
         (status = device_state(c, err)) != LM_OK)
         goto fail;
+    // A cap that opening the device spent half of or more is said with the device, since the
+    // fallbacks it causes would otherwise look like the work's (on an H200 the handles alone
+    // take some 164 MiB)
+    if (c->mem_cap && 2 * c->used >= c->mem_cap) {
+        char used[32], cap[32];
+        size_t len = strlen(c->note);
+        snprintf(c->note + len, sizeof c->note - len, "%s--gpu-mem %s: %s of it taken when the device opened, by the "
+                 "cuBLAS and cuSOLVER handles, cuBLAS's workspace and the scratch", len ? "; " : "",
+                 lm_format_bytes(cap, sizeof cap, c->mem_cap), lm_format_bytes(used, sizeof used, c->used));
+    }
     *out = d;
     return LM_OK;
 fail:
