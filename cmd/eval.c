@@ -177,6 +177,7 @@ static int print_json(const eval_run *r, double nll_mean, double ppl, double sec
               cJSON_AddStringToObject(o, "device", lm_dev_name(r->run.dev)) &&
               (fb = cJSON_AddObjectToObject(o, "fallbacks")) &&
               cJSON_AddBoolToObject(fb, "weights_on_cpu", u->weights_fell_back) &&
+              cJSON_AddNumberToObject(fb, "weights_converted_on_host", (double)u->weights_host_converted) &&
               cJSON_AddNumberToObject(fb, "batches_halved", (double)u->n_halved) &&
               cJSON_AddNumberToObject(fb, "sequences_on_cpu", (double)u->n_seq_cpu) &&
               cJSON_AddNumberToObject(o, "tokens_on_device", (double)u->tokens_dev) &&

@@ -20,6 +20,7 @@
 #include "merge_args.h"
 #include "mergecfg.h"
 #include "util.h"
+#include "vocab.h"
 
 // ==== what each method takes ==================================================================
 
@@ -515,54 +516,171 @@ static const struct {
                "{% if add_generation_prompt %}{{ '[|assistant|]' }}{% endif %}"},
 };
 
+// ---- tokenizer_source -----------------------------------------------------------------------
+
+// A model directory's tokenizer, as far as it decides the embedding rows: its vocabulary
+// (tokenizer.json), stripped to its config.json's vocab_size as mergekit strips the base's when
+// `strip`; *v NULL (and LM_OK) when it has no tokenizer.json. *rows: that vocab_size.
+static lm_status dir_vocab(const char *dir, bool strip, lm_vocab **v, int64_t *rows, lm_err *err)
+{
+    *v = NULL;
+    *rows = 0;
+    char *tj = lm_path_join(dir, "tokenizer.json"), *cj = lm_path_join(dir, "config.json");
+    lm_config c = {0};
+    lm_status s = tj && cj ? lm_config_load(&c, cj, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if (s == LM_OK && lm_is_file(tj) && (s = lm_vocab_load(v, tj, err)) == LM_OK) {
+        // a config without vocab_size (an architecture llmerge does not describe): the
+        // vocabulary's own size, as mergekit falls back to it
+        *rows = c.vocab_size > 0 ? c.vocab_size : (*v)->n_ids;
+        if (strip)
+            lm_vocab_strip(*v, *rows);
+    }
+    lm_config_free(&c);
+    free(tj);
+    free(cj);
+    return s;
+}
+
+// Whether two model directories' tokenizer.model files (SentencePiece's, read by llmerge no
+// further) are there and byte for byte the same.
+static bool same_spm(const char *a, const char *b)
+{
+    char *pa = lm_path_join(a, "tokenizer.model"), *pb = lm_path_join(b, "tokenizer.model");
+    char *ta = NULL, *tb = NULL;
+    size_t la = 0, lb = 0;
+    lm_err e = {0};
+    bool same = pa && pb && lm_read_file(pa, 1u << 30, &ta, &la, &e) == LM_OK &&
+                lm_read_file(pb, 1u << 30, &tb, &lb, &e) == LM_OK && la == lb && memcmp(ta, tb, la) == 0;
+    free(ta);
+    free(tb);
+    free(pa);
+    free(pb);
+    return same;
+}
+
+// "'TOKEN'" or "no token", for messages.
+static const char *quoted(const char *token, char *buf, size_t cap)
+{
+    if (!token)
+        return "no token";
+    snprintf(buf, cap, "'%s'", token);
+    return buf;
+}
+
+// tokenizer_source: base or a model. With it mergekit rebuilds the embedding and output
+// matrices to that tokenizer's vocabulary, each model's rows moved to the ids its tokens have
+// there; llmerge merges the rows where they are, so it takes a configuration only where that
+// rebuild would move none: the output's vocabulary (the source's, as it is; the base's
+// stripped to its vocab_size) is the base's, and every model's that has a tokenizer.json
+// (stripped to its own vocab_size) is the output's, where the output's has a tokenizer.json to
+// compare with. A model's tokenizer files go into OUT.
+static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
+{
+    const lm_mergecfg *cfg = p->cfg;
+    const char *src = cfg->tokenizer_source;
+    bool from_base = strcmp(src, "base") == 0;
+    lm_input_kind kind;
+    char *base_dir = NULL, *src_dir = NULL;
+    lm_vocab *base = NULL, *out = NULL;
+    int64_t base_rows = 0, rows = 0;
+    char b1[256], b2[256];
+    lm_status s = lm_input_detect(a->base, &kind, &base_dir, err);
+    if (s != LM_OK || kind != LM_INPUT_MODEL) {  // the merge says what is wrong with the base
+        free(base_dir);
+        return LM_OK;
+    }
+    if ((s = dir_vocab(base_dir, true, &base, &base_rows, err)) != LM_OK)
+        lm_err_prefix(err, "%s:%d: tokenizer_source: the base's tokenizer", cfg->path, cfg->tokenizer_line);
+    if (s == LM_OK && !from_base) {
+        // a PATH+LORA model of the configuration: PATH's tokenizer
+        const char *dir = src, *plus = strchr(src, '+');
+        for (int i = 0; i < cfg->n_models; i++)
+            if (strcmp(cfg->models[i].model, src) == 0 && plus && plus[1])
+                dir = keep(p, strndup(src, (size_t)(plus - src)));
+        if (!dir)
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        else if ((s = lm_input_detect(dir, &kind, &src_dir, err)) == LM_OK && kind != LM_INPUT_MODEL)
+            s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: tokenizer_source '%s' is not a model directory", cfg->path,
+                           cfg->tokenizer_line, src);
+        if (s == LM_OK && (s = dir_vocab(src_dir, false, &out, &rows, err)) != LM_OK)
+            lm_err_prefix(err, "%s:%d: tokenizer_source '%s'", cfg->path, cfg->tokenizer_line, src);
+        if (s == LM_OK && !out && !base) {
+            // no tokenizer.json on either side: SentencePiece's tokenizer.model, the same bytes
+            if (!same_spm(src_dir, base_dir))
+                s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': neither it nor the base has a "
+                               "tokenizer.json, and their tokenizer.model files are not the same: the vocabularies "
+                               "cannot be compared (llmerge reads tokenizer.json's)", cfg->path, cfg->tokenizer_line,
+                               src);
+        } else if (s == LM_OK && (!out || !base)) {
+            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': %s has no tokenizer.json and %s "
+                           "has one: the vocabularies cannot be compared", cfg->path, cfg->tokenizer_line, src,
+                           !out ? "it" : "the base", !out ? "the base" : "it");
+        } else if (s == LM_OK) {
+            int64_t n = out->n_ids > base_rows ? out->n_ids : base_rows;
+            int64_t d = lm_vocab_first_difference(out, base, n);
+            if (d >= 0)
+                s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': its vocabulary is not the "
+                               "base's: id %" PRId64 " is %s there and %s in the base%s. mergekit would rebuild the "
+                               "embeddings for it, moving each model's rows to its tokens' ids; llmerge does not do "
+                               "that yet", cfg->path, cfg->tokenizer_line, src, d, quoted(lm_vocab_token(out, d), b1,
+                               sizeof b1), quoted(lm_vocab_token(base, d), b2, sizeof b2),
+                               d >= base_rows ? " (beyond its embedding rows)" : "");
+        }
+        if (s == LM_OK) {
+            a->tokenizer_dir = keep(p, src_dir);  // kept, or freed by keep
+            src_dir = NULL;
+            if (!a->tokenizer_dir)
+                s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        }
+    }
+    // every model with a tokenizer of its own, against the output's vocabulary
+    const lm_vocab *want = out ? out : base;
+    for (int i = 0; s == LM_OK && want && i <= cfg->n_models; i++) {
+        const char *m = i < cfg->n_models ? cfg->models[i].model : cfg->base_model;
+        int line = i < cfg->n_models ? cfg->models[i].line : cfg->base_line;
+        if (!m)
+            continue;
+        const char *plus = strchr(m, '+');
+        char *dir = plus && plus[1] ? strndup(m, (size_t)(plus - m)) : lm_strdup(m), *resolved = NULL;
+        lm_vocab *v = NULL;
+        int64_t r = 0;
+        lm_err ignored = {0};
+        if (!dir) {
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        } else if (lm_input_detect(dir, &kind, &resolved, &ignored) == LM_OK && kind == LM_INPUT_MODEL) {
+            // (what is not a model is refused with its line where the models are read)
+            if ((s = dir_vocab(resolved, true, &v, &r, err)) != LM_OK)
+                lm_err_prefix(err, "%s:%d: model '%s'", cfg->path, line, m);
+            else if (v) {
+                int64_t n = v->n_ids > want->n_ids ? v->n_ids : want->n_ids;
+                int64_t d = lm_vocab_first_difference(v, want, n);
+                if (d >= 0)
+                    s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: model '%s': its vocabulary is not the output's "
+                                   "(tokenizer_source: %s): id %" PRId64 " is %s there and %s in the output's. "
+                                   "mergekit would move its embedding rows to its tokens' ids in the output's "
+                                   "vocabulary; llmerge does not do that yet", cfg->path, line, m, src, d,
+                                   quoted(lm_vocab_token(v, d), b1, sizeof b1),
+                                   quoted(lm_vocab_token(want, d), b2, sizeof b2));
+            }
+        }
+        lm_vocab_free(v);
+        free(resolved);
+        free(dir);
+    }
+    lm_vocab_free(base);
+    lm_vocab_free(out);
+    free(base_dir);
+    free(src_dir);
+    return s;
+}
+
 // tokenizer_source and chat_template.
 static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
 {
     const lm_mergecfg *cfg = p->cfg;
-    const char *src = cfg->tokenizer_source;
-    if (src && strcmp(src, "base") != 0) {
-        // a model's tokenizer files, when its vocabulary is the base's: the same tokenizer.json
-        // (or tokenizer.model) bytes; mergekit would otherwise rebuild the embeddings
-        const char *dir = src;
-        for (int i = 0; i < cfg->n_models; i++)
-            if (strcmp(cfg->models[i].model, src) == 0 && strchr(src, '+'))
-                dir = keep(p, strndup(src, (size_t)(strchr(src, '+') - src)));
-        lm_input_kind kind;
-        char *resolved = NULL, *base_dir = NULL;
-        lm_status s = lm_input_detect(dir, &kind, &resolved, err);
-        if (s == LM_OK && kind != LM_INPUT_MODEL)
-            s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: tokenizer_source '%s' is not a model directory", cfg->path,
-                           cfg->tokenizer_line, src);
-        if (s == LM_OK)
-            s = lm_input_detect(a->base, &kind, &base_dir, err);
-        bool same = false;
-        static const char *const files[] = {"tokenizer.json", "tokenizer.model"};
-        for (int f = 0; s == LM_OK && f < 2 && !same; f++) {
-            char *pa = lm_path_join(resolved, files[f]), *pb = lm_path_join(base_dir, files[f]);
-            char *ta = NULL, *tb = NULL;
-            size_t la = 0, lb = 0;
-            lm_err e2 = {0};
-            if (pa && pb && lm_read_file(pa, 1u << 30, &ta, &la, &e2) == LM_OK &&
-                lm_read_file(pb, 1u << 30, &tb, &lb, &e2) == LM_OK)
-                same = la == lb && memcmp(ta, tb, la) == 0;
-            free(ta);
-            free(tb);
-            free(pa);
-            free(pb);
-        }
-        free(base_dir);
-        if (s == LM_OK && !same)
-            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': its tokenizer is not the base's "
-                           "(tokenizer.json or tokenizer.model differ); a vocabulary other than the base's would need "
-                           "the embeddings rebuilt, which llmerge does not do yet", cfg->path, cfg->tokenizer_line,
-                           src);
-        if (s != LM_OK) {
-            free(resolved);
-            return s;
-        }
-        if (!(a->tokenizer_dir = keep(p, resolved)))
-            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    }
+    lm_status s;
+    if (cfg->tokenizer_source && (s = config_vocab(p, a, err)) != LM_OK)
+        return s;
     const char *t = cfg->chat_template;
     if (!t)
         return LM_OK;

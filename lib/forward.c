@@ -84,6 +84,8 @@ struct lm_fwd {
 
     void **owned;              // (n_owned) device allocations holding the weights
     int64_t n_owned, cap_owned;
+    int64_t host_converted;    // weights converted on the host: no room on the device for their
+                               // stored bytes beside them
     size_t weight_bytes;
 
     void *arena;               // device memory for arena_tokens tokens, or NULL
@@ -106,6 +108,11 @@ const char *lm_fwd_point_module(lm_fwd_point p)
 lm_dev *lm_fwd_device(const lm_fwd *f)
 {
     return f->dev;
+}
+
+int64_t lm_fwd_host_converted(const lm_fwd *f)
+{
+    return f->host_converted;
 }
 
 size_t lm_fwd_weight_bytes(const lm_fwd *f)
@@ -240,6 +247,7 @@ static lm_status put_tensor(lm_fwd *f, const lm_st_tensor *t, const float **out,
         if ((s = put_stored(f, t, dst, err)) != LM_ERR_DEVICE_OOM)
             return placing(s, t->name, err);
         // no room for the stored bytes beside the weight: converted on the host into it
+        f->host_converted++;
         float *host;
         if ((s = read_host(t, &host, err)) != LM_OK)
             return s;
@@ -1045,8 +1053,10 @@ lm_status lm_fwd_runner_init(lm_fwd_runner *r, const lm_model *m, const lm_adapt
             return placing_weights(r, dev, err);
         }
     }
-    if (s == LM_OK)
+    if (s == LM_OK) {
+        r->weights_host_converted = lm_fwd_host_converted(r->on_dev);
         return LM_OK;
+    }
     // the weights do not fit, or the device cannot run the forward pass: the model runs on the CPU
     double t0 = lm_now();
     r->weights_fell_back = true;

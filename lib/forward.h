@@ -101,6 +101,10 @@ lm_dev *lm_fwd_device(const lm_fwd *f);
 // Device bytes the weights took (tensors used in place in mapped files not counted).
 size_t lm_fwd_weight_bytes(const lm_fwd *f);
 
+// The weights converted to float32 on the host and uploaded so, for want of room on the device
+// for their stored bytes beside them (the others go up as stored and are converted there).
+int64_t lm_fwd_host_converted(const lm_fwd *f);
+
 // Device bytes of the arena for a batch of n_tokens tokens (SIZE_MAX when it overflows).
 size_t lm_fwd_arena_bytes(const lm_fwd *f, int64_t n_tokens);
 
@@ -137,6 +141,8 @@ typedef struct lm_fwd_runner {
     // What happened, for the summary.
     bool weights_fell_back;   // the model runs on the CPU (its weights did not fit, or the
                               // device lacks forward-pass operations)
+    int64_t weights_host_converted;  // of the weights on dev, those converted on the host
+                                     // (lm_fwd_host_converted)
     int64_t n_batches;        // batches that ran to the end (halves count one each)
     int64_t n_halved;         // batches halved after running out of device memory
     int64_t n_seq_cpu;        // single sequences sent to the CPU after that

@@ -470,19 +470,38 @@ runcfg hub
 same "a model from the Hugging Face cache" "$work/hub.run" "$work/ties.run"
 json "$work/hub.run/llmerge.json" inputs.0.path "$(cd "$entry/snapshots/$commit" && pwd -P)"
 
-# tokenizer_source and chat_template, on copies of the fixtures with tokenizers of their own:
-# tk_base, tk_same and tk_third share tokenizer.json, tk_other has another one.
-# tok DIR FROM TOKENIZER TEMPLATE [MAX]: FROM's files and these tokenizer files in DIR.
+# tokenizer_source and chat_template, on copies of the fixtures with tokenizers of their own.
+# vocab SWAP ADDED NORMALIZER: a tokenizer.json of the fixtures' 256 ids (t0 ... t255), with
+# t7 and t9 swapped where SWAP is 1, an added token "<new>" at id ADDED (none where -), and
+# NORMALIZER as its normalizer (files of the same vocabulary need not be the same bytes).
+vocab() {
+  local v="" i
+  for i in $(seq 0 255); do
+    t=t$i
+    [ "$1" = 1 ] && [ $i = 7 ] && t=t9
+    [ "$1" = 1 ] && [ $i = 9 ] && t=t7
+    v="$v${v:+, }\"$t\": $i"
+  done
+  printf '{"version": "1.0", "added_tokens": [%s], "normalizer": %s, "model": {"type": "BPE", "vocab": {%s}, "merges": []}}\n' \
+    "$([ "$2" = - ] || printf '{"id": %s, "content": "<new>", "special": true}' "$2")" "$3" "$v"
+}
+# tok DIR FROM VOCAB-ARGS TEMPLATE [MAX]: FROM's files and these tokenizer files in DIR.
 tok() {
-  mkdir -p "$1" && cp "$2"/*.json "$2"/*.safetensors "$1"/ && printf '{"model": "%s"}\n' "$3" >"$1/tokenizer.json" &&
+  mkdir -p "$1" && cp "$2"/*.json "$2"/*.safetensors "$1"/ && vocab $3 >"$1/tokenizer.json" &&
     printf '{"bos_token": "<s>", "model_max_length": %s, "chat_template": "%s"}\n' "${5:-256}" "$4" \
       >"$1/tokenizer_config.json"
 }
-tok "$work/tk_base" "$B" A "{{ 'base' }}"
-tok "$work/tk_same" "$F1" A "{{ 'same' }}" 512
-tok "$work/tk_other" "$F2" B "{{ 'other' }}"
-tok "$work/tk_third" "$F2" A "{{ 'other' }}" 1024
-# tk_cfg NAME LINE: a configuration merging the three fine-tunes onto tk_base, LINE its third.
+# tk_base, tk_same (other bytes: its normalizer), tk_third and tk_pad (an added token beyond the
+# embeddings' 256 rows, which mergekit strips) share a vocabulary; tk_other swaps two tokens and
+# tk_more adds one beyond the rows.
+tok "$work/tk_base" "$B" "0 - null" "{{ 'base' }}"
+tok "$work/tk_same" "$F1" "0 - {\"type\":\"NFC\"}" "{{ 'same' }}" 512
+tok "$work/tk_other" "$F2" "1 - null" "{{ 'other' }}"
+tok "$work/tk_third" "$F2" "0 - null" "{{ 'other' }}" 1024
+tok "$work/tk_pad" "$F2" "0 256 null" "{{ 'other' }}"
+tok "$work/tk_more" "$F2" "0 256 null" "{{ 'other' }}"
+# tk_cfg NAME LINE [FT2]: a configuration merging three fine-tunes onto tk_base (the second
+# tk_other unless FT2 names another), LINE its third.
 tk_cfg() {
   cfg "$1" <<EOF
 merge_method: task_arithmetic
@@ -492,7 +511,7 @@ models:
   - model: $work/tk_same
     parameters:
       weight: 0.5
-  - model: $work/tk_other
+  - model: $work/${3:-tk_other}
     parameters:
       weight: 0.5
   - model: $work/tk_third
@@ -500,19 +519,35 @@ models:
       weight: 0.5
 EOF
 }
-tk_cfg tk_base "tokenizer_source: base"
+tk_cfg tk_base "tokenizer_source: base" tk_pad
 runcfg tk_base
 check 'cmp -s "$work/tk_base.run/tokenizer_config.json" "$work/tk_base/tokenizer_config.json" &&
   cmp -s "$work/tk_base.run/tokenizer.json" "$work/tk_base/tokenizer.json"' \
   "tokenizer_source: base: not the base's tokenizer"
-tk_cfg tk_same "tokenizer_source: $work/tk_same"
+# a model's tokenizer of the base's vocabulary, in other bytes: its files go into OUT
+tk_cfg tk_same "tokenizer_source: $work/tk_same" tk_pad
 runcfg tk_same
-check 'cmp -s "$work/tk_same.run/tokenizer_config.json" "$work/tk_same/tokenizer_config.json"' \
+check 'cmp -s "$work/tk_same.run/tokenizer_config.json" "$work/tk_same/tokenizer_config.json" &&
+  cmp -s "$work/tk_same.run/tokenizer.json" "$work/tk_same/tokenizer.json"' \
   "tokenizer_source tk_same: OUT's tokenizer_config.json is $(cat "$work/tk_same.run/tokenizer_config.json")"
 same "tokenizer_source leaves the weights alone" "$work/tk_same.run" "$work/tk_base.run"
-tk_cfg tk_other "tokenizer_source: $work/tk_other"
-expect 2 "$work/tk_other.yml:3: tokenizer_source '$work/tk_other'" run "$work/tk_other.yml" -o "$work/tk_other.run"
+# another vocabulary (mergekit would rebuild the embeddings) is refused with its line and the
+# first id that differs, as a source and as a model's; so is a token beyond the base's rows
+tk_cfg tk_other "tokenizer_source: $work/tk_other" tk_pad
+expect 2 "$work/tk_other.yml:3: tokenizer_source '$work/tk_other': its vocabulary is not the base's: id 7 is 't9' there and 't7' in the base" \
+  run "$work/tk_other.yml" -o "$work/tk_other.run"
 check '[ ! -e "$work/tk_other.run" ]' "a refused tokenizer_source left $work/tk_other.run"
+tk_cfg tk_model "tokenizer_source: base"
+expect 2 "$work/tk_model.yml:8: model '$work/tk_other': its vocabulary is not the output's (tokenizer_source: base): id 7 is 't9' there and 't7' in the output's" \
+  run "$work/tk_model.yml" -o "$work/tk_model.run"
+tk_cfg tk_more "tokenizer_source: $work/tk_more" tk_pad
+expect 2 "tokenizer_source '$work/tk_more': its vocabulary is not the base's: id 256 is '<new>' there and no token in the base (beyond its embedding rows)" \
+  run "$work/tk_more.yml" -o "$work/tk_more.run"
+printf '{"model": {"vocab": {"a": -1}}}' >"$work/tk_pad/tokenizer.json"
+tk_cfg tk_bad "tokenizer_source: $work/tk_pad" tk_third
+expect 2 "$work/tk_pad/tokenizer.json: model.vocab: token 'a' has id -1, not a token id" \
+  run "$work/tk_bad.yml" -o "$work/tk_bad.run"
+vocab 0 256 null >"$work/tk_pad/tokenizer.json"
 # chat_template: a Jinja string into OUT's tokenizer_config.json (the rest of it kept); auto,
 # the template most of the models have (tk_other's and tk_third's, neither the base's nor the
 # first fine-tune's); a name of mergekit's gives llmerge's template of that format; another

@@ -1,5 +1,6 @@
 // libFuzzer target for the JSON side files: any byte string goes through the one JSON reader
-// and through the parsers of config.json, adapter_config.json and model.safetensors.index.json.
+// and through the parsers of config.json, adapter_config.json, model.safetensors.index.json and
+// tokenizer.json's vocabulary.
 // Each must either accept it or refuse it with LM_ERR_FORMAT or LM_ERR_UNSUPPORTED and a
 // message; never a crash, a leak or an out-of-bounds read (run under ASan and UBSan). What the
 // reader accepts, cJSON prints, and the reader reads that back to a tree that prints the same.
@@ -16,6 +17,7 @@
 #include "config.h"
 #include "json.h"
 #include "model.h"
+#include "vocab.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -95,6 +97,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (!cJSON_IsString(m) || !m->valuestring[0] || strchr(m->valuestring, '/'))
                 abort();
         cJSON_Delete(root);
+    }
+
+    // tokenizer.json's vocabulary: accepted with every id's token in range and counted, or refused
+    lm_vocab *v = NULL;
+    s = lm_vocab_parse(&v, text, size, "tokenizer.json", &err);
+    if (s != LM_OK) {
+        check_refusal(s, &err);
+        if (v)
+            abort();
+    } else {
+        int64_t n = 0;
+        for (int64_t id = 0; id < v->n_ids; id++)
+            n += lm_vocab_token(v, id) != NULL;
+        if (n != v->n_tokens || (v->n_ids > 0 && !lm_vocab_token(v, v->n_ids - 1)) ||
+            lm_vocab_first_difference(v, v, v->n_ids + 1) != -1)
+            abort();
+        lm_vocab_free(v);
     }
     return 0;
 }

@@ -64,6 +64,9 @@ static const char *const seed_docs[] = {
     "{\n  \"metadata\": {\"total_size\": 213632},\n  \"weight_map\": {\n"
     "    \"lm_head.weight\": \"model-00002-of-00002.safetensors\",\n"
     "    \"model.embed_tokens.weight\": \"model-00001-of-00002.safetensors\"\n  }\n}\n",
+    ("{\n  \"version\": \"1.0\",\n  \"added_tokens\": [{\"id\": 3, \"content\": \"<eos>\", \"special\": true}],\n"
+     "  \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\"]}\n}\n"),
+    "{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"<unk>\", 0.0], [\"\\u2581a\", -1.5]]}}\n",
 };
 #define N_SEEDS (sizeof seed_docs / sizeof seed_docs[0])
 
