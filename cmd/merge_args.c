@@ -25,7 +25,8 @@ merge_uses lm_merge_uses(const lm_method *m)
         .hessians = m->rank == LM_RANK_IMPORTANCE,
         .t = m->reads_t,
         .gamma = m->outliers,
-        .epsilon = m->della,
+        .epsilon = m->della || m->threshold,
+        .threshold = m->threshold,
         .per_row = m->rows_ok,
         .per_col = m->cols_ok,
         .select_topk = m->sce,
@@ -231,6 +232,9 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --gamma G[,G2,...]     the fraction of each task vector's largest magnitudes dropped,\n"
             "                         in [0, 1]: one for every FT, or one per FT (default 0.01)\n",
             !u.epsilon ? "" :
+            u.threshold ?
+            "  --epsilon E[,E2,...]   the magnitude an entry of a task vector must exceed to count,\n"
+            "                         0 or more: one for every FT, or one per FT (default 1e-5)\n" :
             "  --epsilon E[,E2,...]   the spread of the keep probabilities: from D - E for a row's\n"
             "                         smallest entry to D + E for its largest, both in (0, 1); one\n"
             "                         for every FT, or one per FT (default 0.15)\n",
@@ -576,8 +580,10 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
         if ((s = parse_list(shown, v, &a->epsilons, &a->n_epsilons, err)) != LM_OK)
             return s;
         for (int i = 0; i < a->n_epsilons; i++)
-            if (!(a->epsilons[i] >= 0.0 && a->epsilons[i] < 0.5))
-                return lm_err_set(err, LM_ERR_USAGE, "%s %s: an epsilon must be in [0, 0.5)", shown, v);
+            if (a->m && a->m->threshold ? !(a->epsilons[i] >= 0.0 && isfinite(a->epsilons[i]))
+                                        : !(a->epsilons[i] >= 0.0 && a->epsilons[i] < 0.5))
+                return lm_err_set(err, LM_ERR_USAGE, "%s %s: an epsilon must be %s", shown, v,
+                                  a->m && a->m->threshold ? "a finite number of 0 or more" : "in [0, 0.5)");
         return LM_OK;
     case OPT_GAMMA:
         if (is_setting(v))

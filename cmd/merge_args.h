@@ -30,7 +30,8 @@ typedef struct merge_uses {
                     // ranks (LM_RANK_IMPORTANCE), which come from the Hessians of calibration data
     bool t;         // --t: m->reads_t
     bool gamma;     // --gamma: m->outliers
-    bool epsilon;   // --epsilon: m->della
+    bool epsilon;   // --epsilon: m->della (its spread) or m->threshold (ram's threshold)
+    bool threshold; // --epsilon is ram's threshold: m->threshold
     bool per_row;   // --per-row: m->rows_ok
     bool per_col;   // --per-column: m->cols_ok
     bool select_topk;  // --select-topk: m->sce

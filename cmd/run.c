@@ -83,6 +83,7 @@ static const method_params method_table[] = {
     {LM_MERGE_MODEL_STOCK, {{"filter_wise", false, P_BOOL, false}}},
     {LM_MERGE_NEARSWAP, {{"t", false, P_SETTING, true}}},
     {LM_MERGE_SCE, {{"select_topk", false, P_SETTING, false}, {"int8_mask", false, P_BOOL, false}}},
+    {LM_MERGE_RAM, {{"epsilon", false, P_SETTING, false}}},
 };
 
 static const method_params *params_of(lm_merge_method id)

@@ -284,7 +284,8 @@ lm_status lm_dev_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err);
 // The combination of docs/merging.md "The methods" for k task vectors w_tau[i] (each already
 // sparsified and rescaled, not yet weighted) with weights[i]: W_i = weights[i]·w_tau[i]; with an
 // election, Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,
-// Δ = Σ_i W_i and the divisor Σ_i weights[i]; with normalize Δ /= divisor where it is not 0.
+// Δ = Σ_i W_i and the divisor Σ_i weights[i] (LM_COMBINE_SIGN_NONZERO: of the parts whose
+// w_tau[i] is not zero there); with normalize Δ /= divisor where it is not 0.
 // out = base + lambda·Δ. out may equal base. The election (s from Σ W_i, Σ sign(W_i), or for
 // LM_COMBINE_SIGN_TAU the unweighted Σ w_tau[i]), normalize and lambda are how's
 // (merge_desc.h); its other fields are lm_dev_dense_merge's and not read here.

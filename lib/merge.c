@@ -100,6 +100,10 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
     for (int i = 0; m->outliers && o->gammas && i < o->n_ft; i++)
         if (!(o->gammas[i] >= 0 && o->gammas[i] <= 1))
             return lm_err_set(err, LM_ERR_USAGE, "--gamma: gamma %d is %g, not in [0, 1]", i + 1, o->gammas[i]);
+    for (int i = 0; m->threshold && o->epsilons && i < o->n_ft; i++)
+        if (!(o->epsilons[i] >= 0 && isfinite(o->epsilons[i])))
+            return lm_err_set(err, LM_ERR_USAGE, "--epsilon: epsilon %d is %g, not a finite number of 0 or more", i + 1,
+                              o->epsilons[i]);
     for (int i = 0; m->della && i < o->n_ft; i++) {
         double d = o->densities ? o->densities[i] : 1, eps = o->epsilons ? o->epsilons[i] : 0.15;
         if (d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
@@ -711,7 +715,7 @@ static lm_status params_of(const lm_merge_opts *o, const lm_method *m, const cha
         tp->weights[i] = o->weights[i];
         tp->densities[i] = o->densities ? o->densities[i] : 1.0;
         tp->gammas[i] = o->gammas ? o->gammas[i] : 0.01;
-        tp->epsilons[i] = o->epsilons ? o->epsilons[i] : 0.15;
+        tp->epsilons[i] = o->epsilons ? o->epsilons[i] : lm_method_of(o->method)->threshold ? LM_RAM_EPSILON : 0.15;
     }
     tp->base_weight = o->base_weight;
     tp->lambda = o->lambda;
@@ -735,6 +739,9 @@ static lm_status params_of(const lm_merge_opts *o, const lm_method *m, const cha
                               "epsilon of input %d is %g in tensor '%s' with density %g: density - epsilon and "
                               "density + epsilon must lie in (0, 1)",
                               i + 1, eps, name, d);
+        if (m->threshold && !(eps >= 0 && isfinite(eps)))
+            return lm_err_set(err, LM_ERR_USAGE, "epsilon of input %d is %g in tensor '%s', not a finite number of 0 "
+                              "or more", i + 1, eps, name);
         if (m->outliers && !(tp->gammas[i] >= 0 && tp->gammas[i] <= 1))
             return lm_err_set(err, LM_ERR_USAGE, "gamma of input %d is %g in tensor '%s', not in [0, 1]", i + 1,
                               tp->gammas[i], name);

@@ -37,6 +37,7 @@ typedef enum lm_merge_method {
     LM_MERGE_DELLA,            // drop by per-row magnitude rank, TIES sign election
     LM_MERGE_DELLA_LINEAR,     // della's drop, summed
     LM_MERGE_SCE,              // a mask where the FTs vary most, weights by mean square, elected mean
+    LM_MERGE_RAM,              // the mean of the task vectors' entries above epsilon in magnitude
 } lm_merge_method;
 
 typedef enum lm_sign_rule {

@@ -21,6 +21,8 @@ typedef enum lm_combine_sign {
     LM_COMBINE_SIGN_SUM,    // s = +1 where Σ W_i >= 0
     LM_COMBINE_SIGN_COUNT,  // s = +1 where Σ sign(W_i) >= 0
     LM_COMBINE_SIGN_TAU,    // s = +1 where Σ τ_i >= 0, the weights left out of the vote (sce)
+    LM_COMBINE_SIGN_NONZERO,  // no election, every part that is not zero counted: Δ = Σ W_i, and
+                              // normalize divides by the weights of the parts not zero there (ram)
 } lm_combine_sign;
 
 // One fine-tuned model's slab for the fused dense operations (lm_dev_dense_hist,

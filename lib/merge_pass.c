@@ -371,6 +371,8 @@ lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc
 // The sign rule of the method's combine: none, or the election o->sign asks for.
 static lm_combine_sign combine_sign(const engine *e)
 {
+    if (e->m->threshold)
+        return LM_COMBINE_SIGN_NONZERO;
     return !e->m->elect ? LM_COMBINE_SIGN_NONE : e->o->sign == LM_SIGN_COUNT ? LM_COMBINE_SIGN_COUNT : LM_COMBINE_SIGN_SUM;
 }
 
@@ -387,7 +389,7 @@ static lm_combine_how dense_parts(const engine *e, const lm_st_tensor *bt, const
         const lm_topk *t = o->topk_global && e->global ? &e->global[p->ft] : &p->topk;
         d[i] = (lm_dense_part){
             .dt = p->src == SRC_FULL ? p->full->dtype : LM_DTYPE_F32,
-            .trim = e->m->rank != LM_RANK_NONE,
+            .trim = e->m->rank != LM_RANK_NONE || e->m->threshold,
             .thr_bits = t->thr_bits,
             .band = e->m->outliers && !p->topk_hi.none,  // breadcrumbs: the top k_hi dropped after
             .hi_bits = p->topk_hi.thr_bits,
@@ -598,6 +600,13 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
         s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, k_lo);
     } else if (select) {
         s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, NULL);
+    } else if (e->m->threshold) {
+        // RAM: the trim's rule at a fixed threshold, no selection: kept where |τ| > ε_i, which
+        // for the magnitude bits of float32 is bits(|τ|) > bits(ε_i) (no ties kept)
+        for (int i = 0; i < k; i++) {
+            float eps = fabsf((float)e->tp.epsilons[parts[i].ft]);
+            parts[i].topk = (lm_topk){.k = bt->numel, .n = bt->numel, .thr_bits = lm_f32_bits(eps)};
+        }
     }
     if (s != LM_OK)
         return s;
@@ -697,7 +706,7 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
                 break;
             if (e->m->outliers) {
                 s = trim_band(e, ws, p, cnt, &ties_left[i], &ties_hi[i]);
-            } else if (e->m->rank != LM_RANK_NONE) {
+            } else if (e->m->rank != LM_RANK_NONE || e->m->threshold) {
                 const lm_topk *t = o->topk_global ? &e->global[p->ft] : &p->topk;
                 int64_t used = 0;
                 s = p->mask  ? lm_dev_mask_apply(ws->dev, p->tau, p->mask, r0 * cols, cnt, e->err)

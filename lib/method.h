@@ -100,6 +100,9 @@ typedef struct lm_method {
     bool nearswap;           // each τ_i replaced by NearSwap's step at t first (lm_dev_nearswap)
     bool sce;                // sce's own passes (lib/merge_sce.c): a mask from the variances across
                              // the FTs, weights from the masked τ's mean squares, an election by Σ τ
+    bool threshold;          // RAM: each τ_i trimmed to its entries above ε_i in magnitude (the
+                             // trim's rule with a fixed threshold, no selection), and the parts
+                             // combined with LM_COMBINE_SIGN_NONZERO: a mean of those not zero
     // coefficients: θ = a·θ_b + Σ_i c_i τ_i, a and c (n values) from coeffs; the merge pass is
     // then the linear one. err names what is wrong (a degenerate tensor the method cannot merge).
     lm_status (*coeffs)(const lm_coef_in *in, double *a, double *c, lm_err *err);
@@ -131,6 +134,9 @@ extern const lm_method lm_method_breadcrumbs_ties;
 extern const lm_method lm_method_della;
 extern const lm_method lm_method_della_linear;
 extern const lm_method lm_method_sce;
+extern const lm_method lm_method_ram;
+
+#define LM_RAM_EPSILON 1e-5  // ram's threshold when none is given, mergekit's
 
 // The descriptor of method `id`; never NULL for a value of lm_merge_method (an unknown value
 // gets ties', which no caller passes). Static: nothing to free.

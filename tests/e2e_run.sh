@@ -264,6 +264,38 @@ vs della_linear della-linear "$B" "$F1" "$LD" --weights 0.5,0.5 --density 0.6 --
 cli della_linear.inv della-linear "$B" "$F1" "$LD" --weights 0.5,0.5 --density 0.6 --epsilon 0.1 --seed 3
 differ "della_linear: rescale l1 by default" "$work/della_linear.run" "$work/della_linear.inv"
 
+# ram: a global epsilon (mergekit's ram takes no weight, and no per-model parameter); its
+# default is mergekit's 1e-5, and epsilon makes a difference
+cfg ram <<EOF
+merge_method: ram
+base_model: $B
+parameters:
+  epsilon: 0.001
+models:
+  - model: $F1
+  - model: $LP
+EOF
+vs ram ram "$B" "$F1" "$LP" --epsilon 0.001
+cfg ram_default <<EOF
+merge_method: ram
+base_model: $B
+models:
+  - model: $F1
+  - model: $LP
+EOF
+vs ram_default ram "$B" "$F1" "$LP" --epsilon 1e-5
+differ "ram: epsilon" "$work/ram.run" "$work/ram_default.run"
+cfg e_ram <<EOF
+merge_method: ram
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 0.5
+EOF
+expect 2 "$work/e_ram.yml:6" run "$work/e_ram.yml" -o "$work/e_ram.run"
+no_output "$work/e_ram.run"
+
 # normalize: false is --no-normalize (ties' default is on)
 sed 's/^base_model: .*/&\nparameters:\n  normalize: false/' "$work/ties.yml" >"$work/ties_nonorm.yml"
 check 'grep -qx "  normalize: false" "$work/ties_nonorm.yml"' "ties_nonorm.yml: $(cat "$work/ties_nonorm.yml")"

@@ -328,8 +328,8 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
     fill(base, N);
     const float w[K] = {1.0f, 0.5f, -0.75f};
     const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT,
-                                     LM_COMBINE_SIGN_TAU};
-    for (int si = 0; si < 4; si++) {
+                                     LM_COMBINE_SIGN_TAU, LM_COMBINE_SIGN_NONZERO};
+    for (int si = 0; si < 5; si++) {
         for (int norm = 0; norm < 2; norm++) {
             lm_combine_how how = how_of(signs[si], norm, 0.8f);
             CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, how, &err), &err);
@@ -347,7 +347,10 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
                 int s = vote >= 0 ? 1 : -1;
                 for (int i = 0; i < K; i++) {
                     int sg = (W[i] > 0) - (W[i] < 0);
-                    if (signs[si] == LM_COMBINE_SIGN_NONE || sg == s) {
+                    if (signs[si] == LM_COMBINE_SIGN_NONZERO) {  // no election; only the nonzero divide
+                        delta += W[i];
+                        div += t[i][e] != 0 ? w[i] : 0;
+                    } else if (signs[si] == LM_COMBINE_SIGN_NONE || sg == s) {
                         delta += W[i];
                         div += w[i];
                     }
@@ -1087,7 +1090,7 @@ static void h_combine(harness *h, int64_t n)
     char what[96];
     const float w[KMAX] = {1.0f, 0.5f, -0.75f, 2.0f};
     const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT,
-                                     LM_COMBINE_SIGN_TAU};
+                                     LM_COMBINE_SIGN_TAU, LM_COMBINE_SIGN_NONZERO};
     float *t[KMAX], *dt[KMAX], *base = hmalloc((size_t)n * 4), *want = hmalloc((size_t)n * 4),
                                *got = hmalloc((size_t)n * 4);
     bool ok = true;
@@ -1105,7 +1108,7 @@ static void h_combine(harness *h, int64_t n)
     float *dbase = put(h, base, (size_t)n * 4), *dout = put(h, NULL, (size_t)n * 4);
     uint16_t *dbf = put(h, NULL, (size_t)n * 2), *wbf = hmalloc((size_t)n * 2);
     for (int k = 1; ok && dbase && dout && k <= KMAX; k++) {
-        for (int si = 0; si < 4; si++) {
+        for (int si = 0; si < 5; si++) {
             for (int norm = 0; norm < 2; norm++) {
                 snprintf(what, sizeof what, "combine k=%d sign=%d normalize=%d n=%lld", k, si, norm, (long long)n);
                 lm_combine_how how = how_of(signs[si], norm, 0.8f);

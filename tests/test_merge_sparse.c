@@ -3,7 +3,8 @@
 // magnitude with ties to the lower index, the band between the outliers and the smallest kept),
 // including the cases mergekit gets wrong (γ·numel < 1 keeps the top d·numel, not nothing),
 // density 1, a band cut short where d + γ exceed 1, and the same bytes in slabs and on the
-// simulated and emulated devices under budgets where units fall back.
+// simulated and emulated devices under budgets where units fall back; della, della-linear, sce and
+// ram against references of their own.
 #include <math.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -351,10 +352,92 @@ static void test_sce(void)
     fx_close(&f);
 }
 
+// ram: Δ = Σ_i w_i τ_i [|τ_i| > ε_i] / Σ_i w_i [|τ_i| > ε_i] (Δ = 0 where no τ_i counts), in
+// double; exp and mag as check_values reads them.
+static void ram_ref(const tensor *b, double *const *tau, int n, const double *w, const double *eps, double *exp,
+                    double *mag)
+{
+    for (int64_t j = 0; j < b->n; j++) {
+        double num = 0, den = 0, abs_sum = 0;
+        for (int i = 0; i < n; i++)
+            if (fabs(tau[i][j]) > eps[i]) {
+                num += w[i] * tau[i][j];
+                den += w[i];
+                abs_sum += fabs(w[i] * tau[i][j]);
+            }
+        exp[j] = b->v[j] + (den != 0 ? num / den : 0);
+        mag[j] = fabs((double)b->v[j]) + (den != 0 ? abs_sum / den : 0);
+    }
+}
+
+// ram against ram_ref: mergekit's default epsilon (every change counts), a threshold between the
+// task vectors' steps of 1/16 (0.2: 0.1875 does not count, 0.25 does), one per FT with unequal
+// weights, and 0 (any change counts); then the same bytes in slabs, on 3 threads and on the
+// devices with fallbacks.
+static void test_ram(void)
+{
+    fixture f;
+    fx_open(&f, band_base, "float32");
+    char *dirs_own[3];
+    double *tau[3][MAX_T];
+    rng_seed(95);
+    make_fts(&f, 3, dirs_own, tau);
+    const char *dirs[3] = {dirs_own[0], dirs_own[1], dirs_own[2]};
+    static const struct {
+        double eps[3], w[3];
+        bool default_eps;
+    } cases[] = {
+        {{1e-5, 1e-5, 1e-5}, {1, 1, 1}, true},
+        {{0.2, 0.2, 0.2}, {1, 1, 1}, false},
+        {{0, 0.3, 0.5}, {1, 2, 0.5}, false},
+        {{0, 0, 0}, {1, 1, 1}, false},
+    };
+    int64_t counted = 0, none = 0, several = 0;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        double w[3], eps[3];
+        memcpy(w, cases[c].w, sizeof w);
+        memcpy(eps, cases[c].eps, sizeof eps);
+        lm_merge_opts o = fixture_merge_opts(LM_MERGE_RAM, 3, w, NULL);
+        o.normalize = true;
+        o.epsilons = cases[c].default_eps ? NULL : eps;
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+        for (int t = 0; st && t < f.base.n; t++) {
+            const tensor *b = &f.base.t[t];
+            double *exp = malloc((size_t)b->n * sizeof *exp), *mag = malloc((size_t)b->n * sizeof *mag);
+            double *cols[3] = {tau[0][t], tau[1][t], tau[2][t]};
+            ram_ref(b, cols, 3, w, eps, exp, mag);
+            check_values(st, b->name, exp, mag, b->n);
+            for (int64_t j = 0; j < b->n; j++) {
+                int m = 0;
+                for (int i = 0; i < 3; i++)
+                    m += fabs(cols[i][j]) > eps[i];
+                counted += m == 1;
+                none += m == 0;
+                several += m > 1;
+            }
+            free(exp);
+            free(mag);
+        }
+        char what[64];
+        snprintf(what, sizeof what, "ram case %zu", c);
+        same_variants(f.root, &o, f.base_dir, dirs, st, 12, c == 1, what);
+        lm_st_close(st);
+    }
+    // the cases reach every rule: entries that one FT alone changes, that several do, that none does
+    CHECK_MSG(counted > 0 && several > 0 && none > 0, "ram: %lld entries with one change, %lld with several, %lld "
+              "with none", (long long)counted, (long long)several, (long long)none);
+    for (int i = 0; i < 3; i++) {
+        free_taus(tau[i]);
+        free(dirs_own[i]);
+    }
+    fx_close(&f);
+}
+
 int main(void)
 {
     test_breadcrumbs();
     test_della();
     test_sce();
+    test_ram();
     return check_report("test_merge_sparse");
 }

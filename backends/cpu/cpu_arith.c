@@ -584,6 +584,15 @@ VECTOR_LOOP static void add_weighted(float *restrict delta, float *restrict div,
     }
 }
 
+VECTOR_LOOP static void add_weighted_nonzero(float *restrict delta, float *restrict div, const float *restrict t,
+                                             float w, int64_t cnt)
+{
+    for (int64_t e = 0; e < cnt; e++) {
+        delta[e] += w * t[e];
+        div[e] += t[e] != 0.0f ? w : 0.0f;
+    }
+}
+
 VECTOR_LOOP static void add_vote_sum(float *restrict vote, const float *restrict t, float w, int64_t cnt)
 {
     for (int64_t e = 0; e < cnt; e++)
@@ -640,6 +649,9 @@ void cpu_combine_values(float *out, const float *base, const float *const *tau, 
     if (sign == LM_COMBINE_SIGN_NONE) {
         for (int i = 0; i < k; i++)
             add_weighted(delta, div, tau[i], w[i], cnt);
+    } else if (sign == LM_COMBINE_SIGN_NONZERO) {
+        for (int i = 0; i < k; i++)
+            add_weighted_nonzero(delta, div, tau[i], w[i], cnt);
     } else {
         for (int i = 0; i < k; i++) {
             if (sign == LM_COMBINE_SIGN_SUM || sign == LM_COMBINE_SIGN_TAU)

@@ -533,15 +533,15 @@ typedef struct combine_args {
 // cpu_arith.c's cpu_combine_values for one element per iteration: the same sums over i in the same
 // order, the same agreement test and the same final expression.
 __global__ void k_combine(float *out, const float *base, const combine_args a, int64_t n, bool elect,
-                          bool count_signs, bool unweighted, bool normalize, float lambda)
+                          bool count_signs, bool unweighted, bool nonzero, bool normalize, float lambda)
 {
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
         float vote = 0.0f, delta = 0.0f, div = 0.0f;
         if (!elect) {
             for (int i = 0; i < a.k; i++) {
-                float w = a.w[i];
-                delta += w * a.tau[i][e];
-                div += w;
+                float w = a.w[i], t = a.tau[i][e];
+                delta += w * t;
+                div += !nonzero || t != 0.0f ? w : 0.0f;
             }
         } else {
             for (int i = 0; i < a.k; i++) {
@@ -1046,7 +1046,8 @@ fail:
 
 extern "C" lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau,
                                      const float *weights, int k, int64_t n, bool elect, bool count_signs,
-                                     bool unweighted, bool normalize, float lambda, void *stream, lm_err *err)
+                                     bool unweighted, bool nonzero, bool normalize, float lambda, void *stream,
+                                     lm_err *err)
 {
     lm_status status = LM_OK;
     combine_args a;
@@ -1062,7 +1063,7 @@ extern "C" lm_status lm_cuda_combine(float *d_out, const float *d_base, const fl
         a.w[i] = weights[i];
     }
     k_combine<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_out, d_base, a, n, elect, count_signs,
-                                                                             unweighted, normalize, lambda);
+                                                                             unweighted, nonzero, normalize, lambda);
     CUDA_LAUNCHED("k_combine");
 fail:
     return status;

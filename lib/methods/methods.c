@@ -22,6 +22,7 @@ static const lm_method *const methods[] = {
     &lm_method_della,
     &lm_method_della_linear,
     &lm_method_sce,
+    &lm_method_ram,
 };
 
 // mergekit's names where they differ from llmerge's by more than '_' for '-'.
