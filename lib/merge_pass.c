@@ -368,7 +368,8 @@ lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc
     return s;
 }
 
-// The sign rule of the method's combine: none, or the election o->sign asks for.
+// The sign rule of the method's combine: ram's mean of the parts not zero, none, or the election
+// o->sign asks for.
 static lm_combine_sign combine_sign(const engine *e)
 {
     if (e->m->threshold)
