@@ -1,9 +1,9 @@
 // Benchmark of the merge methods that came with mergekit's configurations (linear, slerp,
 // nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties, della,
-// della-linear, ram) on the 1B-shape inputs bench_merge generates (Llama-3.2-1B shapes, BF16: the
+// della-linear, ram, ramplus-tl) on the 1B-shape inputs bench_merge generates (Llama-3.2-1B shapes, BF16: the
 // base, three full fine-tunes, three rank-16 LoRA adapters), each against a reference method
 // run on the same inputs in the same run: task-arithmetic for the interpolations, averages and
-// ram, ties for the band selections and della. Each case runs its reference and then itself, and
+// the ram methods, ties for the band selections and della. Each case runs its reference and then itself, and
 // the whole list of cases is gone through --rounds times, so a method and its reference are
 // always neighbours in time and a slow moment of a shared machine falls on both; the figures
 // are the medians over the rounds. It prints each run, then per case the median wall times,
@@ -57,6 +57,7 @@ static const bm_case CASES[] = {
     {"della", "ties", N_FT, {NULL}, 1.25},
     {"della-linear", "ties", N_FT, {NULL}, 1.25},
     {"ram", "task-arithmetic", N_FT, {NULL}, 0},
+    {"ramplus-tl", "task-arithmetic", N_FT, {NULL}, 0},
 };
 enum { N_CASES = sizeof CASES / sizeof CASES[0] };
 

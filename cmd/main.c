@@ -76,7 +76,7 @@ static void usage(FILE *out)
 // mergekit's merge_method values (docs/mergekit.md) that llmerge does not have. Its others are
 // llmerge's methods, found under mergekit's spelling too (lm_method_find).
 static const char *const mergekit_missing[] = {
-    "arcee_fusion", "ramplus_tl",
+    "arcee_fusion",
 };
 
 // Whether `name` is mergekit's `mk`, written with - or _ between words.

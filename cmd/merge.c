@@ -199,6 +199,9 @@ static void note_unused(merge_run *r)
         {!use->per_col && a->given[OPT_PER_COL], "--per-column", "it takes each tensor as one vector"},
         {!use->select_topk && a->given[OPT_SELECT_TOPK], "--select-topk", "it has no variance mask"},
         {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
+        {!use->ramplus && (a->given[OPT_RAM_R] || a->given[OPT_RAM_ALPHA]), "--r and --alpha",
+         "it scales no FT's own entries"},
+        {use->ramplus && a->given[OPT_WEIGHTS], "--weights", "each FT's weight is its lambda_i"},
         {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
          use->models ? "its inputs are models already" : "it merges task vectors against BASE"},
     };
@@ -475,6 +478,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->t = a->t;
     o->max_iter = a->max_iter;
     o->tol = a->tol;
+    o->ram_r = a->ram_r;
+    o->ram_alpha = a->ram_alpha;
     if (!a->params && (s = cli_settings(r, models, err)) != LM_OK)
         return s;
     if (a->params) {
@@ -657,6 +662,8 @@ static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err 
         ok = ok && cJSON_AddBoolToObject(opt, "per_column", o->per_col);
     if (u->iter)
         ok = ok && cJSON_AddNumberToObject(opt, "max_iter", o->max_iter) && cJSON_AddNumberToObject(opt, "tol", o->tol);
+    if (u->ramplus)
+        ok = ok && cJSON_AddNumberToObject(opt, "r", o->ram_r) && cJSON_AddNumberToObject(opt, "alpha", o->ram_alpha);
     cJSON *arr;
     if (u->gamma)
         ok = ok && (arr = cJSON_CreateDoubleArray(o->gammas, a->n_ft)) && cJSON_AddItemToObject(opt, "gammas", arr);

@@ -27,6 +27,7 @@ merge_uses lm_merge_uses(const lm_method *m)
         .gamma = m->outliers,
         .epsilon = m->della || m->threshold,
         .threshold = m->threshold,
+        .ramplus = m->ramplus,
         .per_row = m->rows_ok,
         .per_col = m->cols_ok,
         .select_topk = m->sce,
@@ -82,6 +83,8 @@ const lm_opt lm_merge_opt_defs[] = {
     {"models-only", 0, false, OPT_MODELS_ONLY},
     {"gamma", 0, true, OPT_GAMMA},
     {"epsilon", 0, true, OPT_EPSILON},
+    {"r", 0, true, OPT_RAM_R},
+    {"alpha", 0, true, OPT_RAM_ALPHA},
     {"per-row", 0, false, OPT_PER_ROW},
     {"select-topk", 0, true, OPT_SELECT_TOPK},
     {"per-column", 0, false, OPT_PER_COL},
@@ -195,7 +198,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --strict               refuse a full FT holding a tensor the base does not have\n"
             "                         (default: such a tensor is left out, with a warning)\n"
             "  -h, --help             this help\n"
-            "%s%s%s%s%s%s%s%s%s%s"
+            "%s%s%s%s%s%s%s%s%s%s%s"
             "\n"
             "OUT gets the merged weights (model.safetensors, or shards and\n"
             "model.safetensors.index.json), config.json from BASE with the dtype updated, BASE's\n"
@@ -215,11 +218,16 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         first file for all\n"
             "  --sticky-fallback      once a calibration sequence has gone to the CPU, run every\n"
             "                         later batch there too (default: try the device again)\n",
-            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon || u.per_row || u.per_col || u.select_topk)
+            !(u.t || u.iter || u.models_only || u.gamma || u.epsilon || u.per_row || u.per_col || u.select_topk ||
+              u.ramplus)
                 ? "" : "\nOptions of this method:\n",
             !u.t ? "" :
             "  --t T                  the position between the base (0) and the FT (1) for slerp,\n"
             "                         the largest change per entry for nearswap (default 0.5)\n",
+            !u.ramplus ? "" :
+            "  --r R                  how much an FT's own entries grow with its share of common\n"
+            "                         ones: lambda_i = 1 + R * clamp(rho_i, 0, A) (default 0.1)\n"
+            "  --alpha A              the most rho_i counts for (default 0.2)\n",
             !u.iter ? "" :
             "  --max-iter N           most iterations of the mean (default 10)\n"
             "  --tol X                stop when the step is below X; norms below X count as zero\n"
@@ -555,6 +563,13 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
         a->max_iter = (int)n;
         return LM_OK;
     }
+    case OPT_RAM_R:
+    case OPT_RAM_ALPHA: {
+        double *x = d->id == OPT_RAM_R ? &a->ram_r : &a->ram_alpha;
+        if (!parse_number(v, x) || !isfinite(*x))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a finite number", shown, v);
+        return LM_OK;
+    }
     case OPT_TOL:
         if (!parse_number(v, &a->tol) || a->tol < 0)
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s' is not a number of at least 0", shown, v);
@@ -623,6 +638,8 @@ void lm_merge_args_defaults(merge_args *a)
     a->select_topk = 1.0;
     a->max_iter = 10;
     a->tol = 1e-5;
+    a->ram_r = 0.1;
+    a->ram_alpha = 0.2;
 }
 
 // Parses argv into *a (zeroed by the caller, m set). Positional arguments are BASE then the FTs,

@@ -32,6 +32,7 @@ typedef struct merge_uses {
     bool gamma;     // --gamma: m->outliers
     bool epsilon;   // --epsilon: m->della (its spread) or m->threshold (ram's threshold)
     bool threshold; // --epsilon is ram's threshold: m->threshold
+    bool ramplus;   // --r, --alpha: m->ramplus
     bool per_row;   // --per-row: m->rows_ok
     bool per_col;   // --per-column: m->cols_ok
     bool select_topk;  // --select-topk: m->sce
@@ -49,7 +50,7 @@ typedef enum opt_id {
     OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
     OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD,
-    OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_EPSILON, OPT_PER_ROW, OPT_SELECT_TOPK, OPT_PER_COL, OPT_HELP,
+    OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_EPSILON, OPT_PER_ROW, OPT_SELECT_TOPK, OPT_PER_COL, OPT_RAM_R, OPT_RAM_ALPHA, OPT_HELP,
 } opt_id;
 
 // The options every merge command takes, for lm_cmd_scan and the output guard.
@@ -119,6 +120,7 @@ struct merge_args {
     int n_epsilons;
     int max_iter;              // --max-iter (default 10)
     double tol;                // --tol (default 1e-5)
+    double ram_r, ram_alpha;   // --r, --alpha (defaults 0.1, 0.2)
     bool models_only;          // --models-only
     bool per_row;              // --per-row
     bool per_col;              // --per-column

@@ -61,7 +61,9 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         number_list(&gammas, o->gammas, n);
     if (u->epsilon)
         number_list(&epsilons, o->epsilons, n);
-    char t[40], max_iter[24], tol[40], topk_w[40];
+    char t[40], max_iter[24], tol[40], topk_w[40], ram_r[40], ram_alpha[40];
+    lm_card_number(ram_r, sizeof ram_r, o->ram_r);
+    lm_card_number(ram_alpha, sizeof ram_alpha, o->ram_alpha);
     lm_card_number(t, sizeof t, o->t);
     lm_card_number(topk_w, sizeof topk_w, o->select_topk);
     snprintf(max_iter, sizeof max_iter, "%d", o->max_iter);
@@ -166,6 +168,12 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         argv[c++] = max_iter;
         argv[c++] = "--tol";
         argv[c++] = tol;
+    }
+    if (u->ramplus) {
+        argv[c++] = "--r";
+        argv[c++] = ram_r;
+        argv[c++] = "--alpha";
+        argv[c++] = ram_alpha;
     }
     argv[c++] = "--lambda";
     argv[c++] = a->sets[SET_LAMBDA].text ? a->sets[SET_LAMBDA].text : lambda;

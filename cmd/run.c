@@ -84,6 +84,8 @@ static const method_params method_table[] = {
     {LM_MERGE_NEARSWAP, {{"t", false, P_SETTING, true}}},
     {LM_MERGE_SCE, {{"select_topk", false, P_SETTING, false}, {"int8_mask", false, P_BOOL, false}}},
     {LM_MERGE_RAM, {{"epsilon", false, P_SETTING, false}}},
+    {LM_MERGE_RAMPLUS, {{"r", false, P_NUMBER, false}, {"alpha", false, P_NUMBER, false},
+                        {"epsilon", false, P_SETTING, false}}},
 };
 
 static const method_params *params_of(lm_merge_method id)
@@ -355,6 +357,10 @@ static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merg
         a->max_iter = (int)v->num;
     if ((v = global_value(cfg, "tol")))
         a->tol = v->num;
+    if ((v = global_value(cfg, "r")))
+        a->ram_r = v->num;
+    if ((v = global_value(cfg, "alpha")))
+        a->ram_alpha = v->num;
     if ((v = global_value(cfg, "eps")) && v->num != 1e-8)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: eps: only multislerp's default 1e-8 is supported",
                           AT(cfg, v->line, v->col));

@@ -286,6 +286,8 @@ lm_status lm_dev_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err);
 // election, Δ = Σ_i [sign(W_i) = s] W_i and the divisor Σ_i weights[i]·[sign(W_i) = s]; without,
 // Δ = Σ_i W_i and the divisor Σ_i weights[i] (LM_COMBINE_SIGN_NONZERO: of the parts whose
 // w_tau[i] is not zero there); with normalize Δ /= divisor where it is not 0.
+// LM_COMBINE_SIGN_RAMPLUS instead: Δ = W_i where w_tau[i] is the only part not zero, the
+// unweighted mean of the parts not zero where there are several, 0 where there are none.
 // out = base + lambda·Δ. out may equal base. The election (s from Σ W_i, Σ sign(W_i), or for
 // LM_COMBINE_SIGN_TAU the unweighted Σ w_tau[i]), normalize and lambda are how's
 // (merge_desc.h); its other fields are lm_dev_dense_merge's and not read here.

@@ -100,6 +100,8 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
     for (int i = 0; m->outliers && o->gammas && i < o->n_ft; i++)
         if (!(o->gammas[i] >= 0 && o->gammas[i] <= 1))
             return lm_err_set(err, LM_ERR_USAGE, "--gamma: gamma %d is %g, not in [0, 1]", i + 1, o->gammas[i]);
+    if (m->ramplus && !(isfinite(o->ram_r) && isfinite(o->ram_alpha)))
+        return lm_err_set(err, LM_ERR_USAGE, "--r %g and --alpha %g must be finite numbers", o->ram_r, o->ram_alpha);
     for (int i = 0; m->threshold && o->epsilons && i < o->n_ft; i++)
         if (!(o->epsilons[i] >= 0 && isfinite(o->epsilons[i])))
             return lm_err_set(err, LM_ERR_USAGE, "--epsilon: epsilon %d is %g, not a finite number of 0 or more", i + 1,

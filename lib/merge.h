@@ -38,6 +38,7 @@ typedef enum lm_merge_method {
     LM_MERGE_DELLA_LINEAR,     // della's drop, summed
     LM_MERGE_SCE,              // a mask where the FTs vary most, weights by mean square, elected mean
     LM_MERGE_RAM,              // the mean of the task vectors' entries above epsilon in magnitude
+    LM_MERGE_RAMPLUS,          // ram, each FT's unique entries scaled by its shared/unique ratio
 } lm_merge_method;
 
 typedef enum lm_sign_rule {
@@ -102,6 +103,8 @@ typedef struct lm_merge_opts {
     double select_topk;       // sce: the fraction of the entries of nonzero variance kept (1: all)
     int max_iter;             // karcher: most iterations (mergekit's default 10)
     double tol;               // karcher: convergence tolerance (1e-5)
+    double ram_r, ram_alpha;  // ramplus_tl: λ_i = 1 + r·clamp(ρ_i, 0, alpha) (mergekit's 0.1 and 0.2;
+                              // no defaults here: a caller of ramplus_tl sets them)
     // When not NULL, called before each tensor is merged with tp filled from the options above;
     // it may change any value for `tensor` (mergekit's gradients and filters). A status other
     // than LM_OK stops the merge (err names the tensor and the parameter). Not with --topk

@@ -23,6 +23,9 @@ typedef enum lm_combine_sign {
     LM_COMBINE_SIGN_TAU,    // s = +1 where Σ τ_i >= 0, the weights left out of the vote (sce)
     LM_COMBINE_SIGN_NONZERO,  // no election, every part that is not zero counted: Δ = Σ W_i, and
                               // normalize divides by the weights of the parts not zero there (ram)
+    LM_COMBINE_SIGN_RAMPLUS,  // no election: where one part is not zero Δ is its W_i, where several
+                              // are the unweighted mean of their w_tau, else 0; normalize not read
+                              // (ramplus_tl, whose weights are its λ_i)
 } lm_combine_sign;
 
 // One fine-tuned model's slab for the fused dense operations (lm_dev_dense_hist,

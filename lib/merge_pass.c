@@ -217,6 +217,64 @@ size_t lm_eng_dense_source(const engine *e, wset *ws, const part *p, const lm_st
 
 // ==== one tensor ==============================================================================
 
+// ramplus_tl's weights: over the whole tensor, each part's entries above its threshold that no
+// other part's are (unique) and that another's are too (shared), from the trimmed τ's bits
+// (lm_dev_mask_get), give λ_i = 1 + r·clamp(shared_i / max(unique_i, ε_i), 0, alpha), the weight
+// LM_COMBINE_SIGN_RAMPLUS gives the part's unique entries (in e->tp.weights, this tensor's).
+static lm_status ramplus_weights(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, int64_t slab_rows,
+                                 bool one_slab)
+{
+    int64_t rows = tensor_rows(bt), cols = bt->numel / rows, cap = (slab_rows < rows ? slab_rows : rows) * cols;
+    size_t words = (size_t)(cap + 63) / 64;
+    uint64_t *bits = calloc((size_t)(k > 0 ? k : 1) * words, sizeof *bits);
+    int64_t shared[k > 0 ? k : 1], unique[k > 0 ? k : 1];
+    if (!bits)
+        return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+    memset(shared, 0, sizeof shared);
+    memset(unique, 0, sizeof unique);
+    lm_status s = LM_OK;
+    for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += slab_rows) {
+        int64_t nr = rows - r0 < slab_rows ? rows - r0 : slab_rows, cnt = nr * cols;
+        if (r0 > 0 && lm_interrupted()) {
+            s = lm_interrupted_err(e->err);
+            break;
+        }
+        memset(bits, 0, (size_t)k * words * sizeof *bits);
+        s = lm_eng_load_base(e, ws, bt, r0, nr);
+        for (int i = 0; s == LM_OK && i < k; i++) {
+            part *p = &parts[i];
+            int64_t used = 0;
+            if ((s = lm_eng_tau_for(e, ws, p, bt, r0, nr, ws->base_buf)) == LM_OK &&
+                (s = lm_dev_topk_apply(ws->dev, p->tau, cnt, p->topk.thr_bits, 0, &used, e->err)) == LM_OK)
+                s = lm_dev_mask_get(ws->dev, (uint8_t *)(bits + (size_t)i * words), 0, p->tau, cnt, e->err);
+        }
+        // per 64 entries: those kept by exactly one part, and by more than one
+        for (size_t w = 0; s == LM_OK && w < (size_t)(cnt + 63) / 64; w++) {
+            uint64_t once = 0, more = 0;
+            for (int i = 0; i < k; i++) {
+                uint64_t b = bits[(size_t)i * words + w];
+                more |= once & b;
+                once = (once ^ b) & ~more;
+            }
+            for (int i = 0; i < k; i++) {
+                uint64_t b = bits[(size_t)i * words + w];
+                unique[i] += __builtin_popcountll(b & once);
+                shared[i] += __builtin_popcountll(b & more);
+            }
+        }
+        if (!one_slab)
+            lm_eng_release_slab(e, bt, parts, k, r0, nr);
+    }
+    free(bits);
+    for (int i = 0; s == LM_OK && i < k; i++) {
+        int ft = parts[i].ft;
+        double eps = e->tp.epsilons[ft], rho = (double)shared[i] / fmax((double)unique[i], eps);
+        double clamped = rho < 0 ? 0 : rho > e->o->ram_alpha ? e->o->ram_alpha : rho;
+        e->tp.weights[ft] = 1.0 + e->o->ram_r * clamped;
+    }
+    return s;
+}
+
 // Hashes and writes nbytes of tensor idx's output at its byte offset.
 static lm_status put_piece(engine *e, int64_t idx, const void *piece, size_t nbytes, uint64_t offset,
                            XXH64_state_t *hash)
@@ -368,12 +426,12 @@ lm_status lm_eng_merge_linear(engine *e, wset *ws, int64_t idx, const lm_st_desc
     return s;
 }
 
-// The sign rule of the method's combine: ram's mean of the parts not zero, none, or the election
-// o->sign asks for.
+// The sign rule of the method's combine: ram's mean of the parts not zero (ramplus_tl's), none,
+// or the election o->sign asks for.
 static lm_combine_sign combine_sign(const engine *e)
 {
     if (e->m->threshold)
-        return LM_COMBINE_SIGN_NONZERO;
+        return e->m->ramplus ? LM_COMBINE_SIGN_RAMPLUS : LM_COMBINE_SIGN_NONZERO;
     return !e->m->elect ? LM_COMBINE_SIGN_NONE : e->o->sign == LM_SIGN_COUNT ? LM_COMBINE_SIGN_COUNT : LM_COMBINE_SIGN_SUM;
 }
 
@@ -656,6 +714,9 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
         for (int i = 0; i < k; i++)
             parts[i].rescale = 1.0 / e->tp.densities[parts[i].ft];
     }
+
+    if (e->m->ramplus && (s = ramplus_weights(e, ws, bt, parts, k, slab_rows, one_slab)) != LM_OK)
+        return s;
 
     // merge: τ, sparsify, rescale, combine, convert, write.
     const float *taus[k];

@@ -103,6 +103,9 @@ typedef struct lm_method {
     bool threshold;          // RAM: each τ_i trimmed to its entries above ε_i in magnitude (the
                              // trim's rule with a fixed threshold, no selection), and the parts
                              // combined with LM_COMBINE_SIGN_NONZERO: a mean of those not zero
+    bool ramplus;            // RAM+ (with threshold): a pass over the tensor counts each part's
+                             // entries it alone keeps and those it shares, which give its weight
+                             // λ_i; combined with LM_COMBINE_SIGN_RAMPLUS
     // coefficients: θ = a·θ_b + Σ_i c_i τ_i, a and c (n values) from coeffs; the merge pass is
     // then the linear one. err names what is wrong (a degenerate tensor the method cannot merge).
     lm_status (*coeffs)(const lm_coef_in *in, double *a, double *c, lm_err *err);
@@ -135,6 +138,7 @@ extern const lm_method lm_method_della;
 extern const lm_method lm_method_della_linear;
 extern const lm_method lm_method_sce;
 extern const lm_method lm_method_ram;
+extern const lm_method lm_method_ramplus_tl;
 
 #define LM_RAM_EPSILON 1e-5  // ram's threshold when none is given, mergekit's
 

@@ -85,7 +85,7 @@ same_as_cpu sparsegpt sparsegpt "$B" "$lp" "$lr" "$ff" --calib "$fx/calib/calib.
 # the mergekit methods: the Gram pass (on the cpu fused for full models), the coefficients'
 # linear pass, nearswap's step, breadcrumbs' two thresholds (fused on the cpu; with a DoRA
 # adapter, its pieces over τ in buffers), della's ranks, sce's variances, ram's mean of the
-# entries above epsilon
+# entries above epsilon and ramplus-tl's counting pass
 same_as_cpu linear linear "$ff" "$lp" "$ff2"
 same_as_cpu slerp slerp "$B" "$ff" --t 0.3
 same_as_cpu nuslerp nuslerp "$B" "$ff" "$ld" --weights 0.3,0.7
@@ -98,6 +98,7 @@ same_as_cpu breadcrumbs-dora breadcrumbs-ties "$B" "$lp" "$ld" "$ff" --densities
 same_as_cpu della della "$B" "$ff" "$ff2" "$lp" --density 0.5 --seed 2
 same_as_cpu sce sce "$B" "$ff" "$ff2" "$lp"
 same_as_cpu ram ram "$B" "$ff" "$ff2" "$lp" --epsilon 0.001
+same_as_cpu ramplus-tl ramplus-tl "$B" "$ff" "$ff2" "$lp" --epsilon 0.001 --r 0.5 --alpha 2
 # NaN and Inf in the base, a full FT and a LoRA factor
 od=$fx/odd
 same_as_cpu nonfinite-ties ties "$od/base_inf" "$od/ft_nonfinite" "$od/lora_nan" "$lr" --densities 0.3,0.5,0.4

@@ -931,8 +931,8 @@ expect 0 "task-arithmetic" --help
 expect 2 "llmerge: error: unknown command 'daer'; did you mean 'dare'" daer "$B" "$lp" -o "$x"
 # mergekit's method names: its spellings run llmerge's methods (dare_linear is dare); one llmerge
 # does not have is refused, with llmerge's methods and the page that maps mergekit's to them
-methods="ties, dare, dare-ties, task-arithmetic, sparsegpt, linear, slerp, nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties, della, della-linear, sce, ram"
-for m in arcee_fusion ramplus_tl; do
+methods="ties, dare, dare-ties, task-arithmetic, sparsegpt, linear, slerp, nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties, della, della-linear, sce, ram, ramplus-tl"
+for m in arcee_fusion; do
   expect 2 "llmerge: error: unknown command '$m': mergekit's ${m//-/_} is not in llmerge (yet)" "$m" "$B" "$lp" -o "$x"
   check 'grep -qF "merge methods: $methods" "$work/out" && grep -qF "docs/mergekit.md" "$work/out"' "$m: $(cat "$work/out")"
 done

@@ -295,6 +295,28 @@ models:
 EOF
 expect 2 "$work/e_ram.yml:6" run "$work/e_ram.yml" -o "$work/e_ram.run"
 no_output "$work/e_ram.run"
+# ramplus_tl: r, alpha and epsilon, global; its defaults are mergekit's, and r makes a difference
+cfg ramplus <<EOF
+merge_method: ramplus_tl
+base_model: $B
+parameters:
+  r: 0.5
+  alpha: 2
+  epsilon: 0.001
+models:
+  - model: $F1
+  - model: $LP
+EOF
+vs ramplus ramplus-tl "$B" "$F1" "$LP" --r 0.5 --alpha 2 --epsilon 0.001
+cfg ramplus_default <<EOF
+merge_method: ramplus_tl
+base_model: $B
+models:
+  - model: $F1
+  - model: $LP
+EOF
+vs ramplus_default ramplus-tl "$B" "$F1" "$LP" --r 0.1 --alpha 0.2 --epsilon 1e-5
+differ "ramplus_tl: r, alpha, epsilon" "$work/ramplus.run" "$work/ramplus_default.run"
 
 # normalize: false is --no-normalize (ties' default is on)
 sed 's/^base_model: .*/&\nparameters:\n  normalize: false/' "$work/ties.yml" >"$work/ties_nonorm.yml"

@@ -328,8 +328,8 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
     fill(base, N);
     const float w[K] = {1.0f, 0.5f, -0.75f};
     const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT,
-                                     LM_COMBINE_SIGN_TAU, LM_COMBINE_SIGN_NONZERO};
-    for (int si = 0; si < 5; si++) {
+                                     LM_COMBINE_SIGN_TAU, LM_COMBINE_SIGN_NONZERO, LM_COMBINE_SIGN_RAMPLUS};
+    for (int si = 0; si < 6; si++) {
         for (int norm = 0; norm < 2; norm++) {
             lm_combine_how how = how_of(signs[si], norm, 0.8f);
             CHECK_OK(lm_dev_combine(d1, o1, base, (const float *const *)t, w, K, N, how, &err), &err);
@@ -357,6 +357,17 @@ static void test_combine(lm_dev *d1, lm_dev *d3)
                 }
                 if (norm && div != 0)
                     delta /= div;
+                if (signs[si] == LM_COMBINE_SIGN_RAMPLUS) {  // one part: its W_i; several: their plain mean
+                    int c = 0;
+                    double one = 0, sum = 0;
+                    for (int i = 0; i < K; i++)
+                        if (t[i][e] != 0) {
+                            c++;
+                            one = W[i];
+                            sum += t[i][e];
+                        }
+                    delta = c == 1 ? one : c > 1 ? sum / c : 0;
+                }
                 double want = base[e] + 0.8 * delta;
                 maxerr = fmax(maxerr, fabs(want - o1[e]) / fmax(1.0, fabs(want)));
             }
@@ -1090,7 +1101,7 @@ static void h_combine(harness *h, int64_t n)
     char what[96];
     const float w[KMAX] = {1.0f, 0.5f, -0.75f, 2.0f};
     const lm_combine_sign signs[] = {LM_COMBINE_SIGN_NONE, LM_COMBINE_SIGN_SUM, LM_COMBINE_SIGN_COUNT,
-                                     LM_COMBINE_SIGN_TAU, LM_COMBINE_SIGN_NONZERO};
+                                     LM_COMBINE_SIGN_TAU, LM_COMBINE_SIGN_NONZERO, LM_COMBINE_SIGN_RAMPLUS};
     float *t[KMAX], *dt[KMAX], *base = hmalloc((size_t)n * 4), *want = hmalloc((size_t)n * 4),
                                *got = hmalloc((size_t)n * 4);
     bool ok = true;
@@ -1108,7 +1119,7 @@ static void h_combine(harness *h, int64_t n)
     float *dbase = put(h, base, (size_t)n * 4), *dout = put(h, NULL, (size_t)n * 4);
     uint16_t *dbf = put(h, NULL, (size_t)n * 2), *wbf = hmalloc((size_t)n * 2);
     for (int k = 1; ok && dbase && dout && k <= KMAX; k++) {
-        for (int si = 0; si < 5; si++) {
+        for (int si = 0; si < 6; si++) {
             for (int norm = 0; norm < 2; norm++) {
                 snprintf(what, sizeof what, "combine k=%d sign=%d normalize=%d n=%lld", k, si, norm, (long long)n);
                 lm_combine_how how = how_of(signs[si], norm, 0.8f);

@@ -433,11 +433,99 @@ static void test_ram(void)
     fx_close(&f);
 }
 
+// ramplus_tl in double: ram's counted entries (m_i = [|τ_i| > ε_i], c = Σ m_i), each FT's λ_i
+// from its entries counted with another's (shared) and alone (unique) over the tensor, then
+// λ_i τ_i where c = 1, the mean of the counted τ where c > 1, 0 where c = 0.
+static void ramplus_ref(const tensor *b, double *const *tau, int n, const double *eps, double r, double alpha,
+                        double *exp, double *mag, double *lambda)
+{
+    double shared[3] = {0}, unique[3] = {0};
+    for (int64_t j = 0; j < b->n; j++) {
+        int c = 0;
+        for (int i = 0; i < n; i++)
+            c += fabs(tau[i][j]) > eps[i];
+        for (int i = 0; i < n; i++)
+            if (fabs(tau[i][j]) > eps[i]) {
+                shared[i] += c > 1;
+                unique[i] += c == 1;
+            }
+    }
+    for (int i = 0; i < n; i++)
+        lambda[i] = 1 + r * fmin(fmax(shared[i] / fmax(unique[i], eps[i]), 0), alpha);
+    for (int64_t j = 0; j < b->n; j++) {
+        int c = 0;
+        double sum = 0, abs_sum = 0, one = 0;
+        for (int i = 0; i < n; i++)
+            if (fabs(tau[i][j]) > eps[i]) {
+                c++;
+                sum += tau[i][j];
+                abs_sum += fabs(tau[i][j]);
+                one = lambda[i] * tau[i][j];
+            }
+        double d = c == 1 ? one : c > 1 ? sum / c : 0;
+        exp[j] = b->v[j] + d;
+        mag[j] = fabs((double)b->v[j]) + (c == 1 ? fabs(one) : c > 1 ? abs_sum / c : 0);
+    }
+}
+
+// ramplus_tl against ramplus_ref: mergekit's defaults, and a threshold between the task vectors'
+// steps with r and alpha large enough that λ_i differ between FTs; the λ_i of the second case
+// are checked to differ (else the test could not tell them apart); then the same bytes in slabs,
+// on 3 threads and on the devices with fallbacks.
+static void test_ramplus(void)
+{
+    fixture f;
+    fx_open(&f, band_base, "float32");
+    char *dirs_own[3];
+    double *tau[3][MAX_T];
+    rng_seed(96);
+    make_fts(&f, 3, dirs_own, tau);
+    const char *dirs[3] = {dirs_own[0], dirs_own[1], dirs_own[2]};
+    static const struct {
+        double eps[3], r, alpha;
+    } cases[] = {
+        {{1e-5, 1e-5, 1e-5}, 0.1, 0.2},
+        {{0.3, 0.5, 0.7}, 0.5, 100},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        double w[3] = {1, 1, 1}, eps[3];
+        memcpy(eps, cases[c].eps, sizeof eps);
+        lm_merge_opts o = fixture_merge_opts(LM_MERGE_RAMPLUS, 3, w, NULL);
+        o.epsilons = eps;
+        o.ram_r = cases[c].r;
+        o.ram_alpha = cases[c].alpha;
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+        bool lambdas_differ = false;
+        for (int t = 0; st && t < f.base.n; t++) {
+            const tensor *b = &f.base.t[t];
+            double *exp = malloc((size_t)b->n * sizeof *exp), *mag = malloc((size_t)b->n * sizeof *mag), lam[3];
+            double *cols[3] = {tau[0][t], tau[1][t], tau[2][t]};
+            ramplus_ref(b, cols, 3, eps, cases[c].r, cases[c].alpha, exp, mag, lam);
+            check_values(st, b->name, exp, mag, b->n);
+            lambdas_differ = lambdas_differ || lam[0] != lam[1] || lam[1] != lam[2];
+            free(exp);
+            free(mag);
+        }
+        if (c == 1)
+            CHECK_MSG(lambdas_differ, "ramplus_tl: every tensor's lambda_i are equal: the case tells nothing");
+        char what[64];
+        snprintf(what, sizeof what, "ramplus_tl case %zu", c);
+        same_variants(f.root, &o, f.base_dir, dirs, st, 12, c == 1, what);
+        lm_st_close(st);
+    }
+    for (int i = 0; i < 3; i++) {
+        free_taus(tau[i]);
+        free(dirs_own[i]);
+    }
+    fx_close(&f);
+}
+
 int main(void)
 {
     test_breadcrumbs();
     test_della();
     test_sce();
     test_ram();
+    test_ramplus();
     return check_report("test_merge_sparse");
 }

@@ -593,6 +593,17 @@ VECTOR_LOOP static void add_weighted_nonzero(float *restrict delta, float *restr
     }
 }
 
+// ramplus_tl's sums: delta the weighted, vote the unweighted, div the count of parts not zero.
+VECTOR_LOOP static void add_ramplus(float *restrict delta, float *restrict vote, float *restrict div,
+                                    const float *restrict t, float w, int64_t cnt)
+{
+    for (int64_t e = 0; e < cnt; e++) {
+        delta[e] += w * t[e];
+        vote[e] += t[e];
+        div[e] += t[e] != 0.0f ? 1.0f : 0.0f;
+    }
+}
+
 VECTOR_LOOP static void add_vote_sum(float *restrict vote, const float *restrict t, float w, int64_t cnt)
 {
     for (int64_t e = 0; e < cnt; e++)
@@ -652,6 +663,13 @@ void cpu_combine_values(float *out, const float *base, const float *const *tau, 
     } else if (sign == LM_COMBINE_SIGN_NONZERO) {
         for (int i = 0; i < k; i++)
             add_weighted_nonzero(delta, div, tau[i], w[i], cnt);
+    } else if (sign == LM_COMBINE_SIGN_RAMPLUS) {
+        for (int i = 0; i < k; i++)
+            add_ramplus(delta, vote, div, tau[i], w[i], cnt);
+        for (int64_t e = 0; e < cnt; e++) {
+            delta[e] = div[e] == 1.0f ? delta[e] : div[e] > 1.0f ? vote[e] / div[e] : 0.0f;
+            div[e] = 0.0f;  // nothing left to divide
+        }
     } else {
         for (int i = 0; i < k; i++) {
             if (sign == LM_COMBINE_SIGN_SUM || sign == LM_COMBINE_SIGN_TAU)

@@ -1021,10 +1021,10 @@ static lm_status cuda_combine(lm_dev *d, float *out, const float *base, const fl
     lm_status s = begin(d, err);
     if (s != LM_OK)
         return s;
-    bool elect = sign != LM_COMBINE_SIGN_NONE && sign != LM_COMBINE_SIGN_NONZERO;
+    bool elect = sign != LM_COMBINE_SIGN_NONE && sign != LM_COMBINE_SIGN_NONZERO && sign != LM_COMBINE_SIGN_RAMPLUS;
     return lm_cuda_combine(out, base, w_tau, weights, k, n, elect, sign == LM_COMBINE_SIGN_COUNT,
-                           sign == LM_COMBINE_SIGN_TAU, sign == LM_COMBINE_SIGN_NONZERO, normalize, lambda,
-                           ctx_of(d)->stream, err);
+                           sign == LM_COMBINE_SIGN_TAU, sign == LM_COMBINE_SIGN_NONZERO,
+                           sign == LM_COMBINE_SIGN_RAMPLUS, normalize, lambda, ctx_of(d)->stream, err);
 }
 
 // ==== the forward pass ========================================================================

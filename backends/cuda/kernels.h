@@ -185,12 +185,12 @@ lm_status lm_cuda_nearswap(float *d_x, int64_t n, float t, void *stream, lm_err 
 // elect: with sign election; count_signs: the elected sign is that of the sum of signs
 // (LM_COMBINE_SIGN_COUNT), unweighted: of the sum of the task vectors (LM_COMBINE_SIGN_TAU),
 // rather than of the weighted sum (LM_COMBINE_SIGN_SUM); nonzero (without elect): the weights
-// summed for normalize are those of the parts not zero (LM_COMBINE_SIGN_NONZERO). d_out may equal
-// d_base.
+// summed for normalize are those of the parts not zero (LM_COMBINE_SIGN_NONZERO); ramplus: the
+// rule of LM_COMBINE_SIGN_RAMPLUS (elect and normalize not read). d_out may equal d_base.
 // LM_ERR_UNSUPPORTED above LM_CUDA_COMBINE_MAX.
 lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau, const float *weights, int k,
-                          int64_t n, bool elect, bool count_signs, bool unweighted, bool nonzero, bool normalize,
-                          float lambda, void *stream, lm_err *err);
+                          int64_t n, bool elect, bool count_signs, bool unweighted, bool nonzero, bool ramplus,
+                          bool normalize, float lambda, void *stream, lm_err *err);
 
 // ---- forward-pass operations (forward_ops.cu) -----------------------------------------------
 // device.h's lm_dev_gather_rows ... lm_dev_nll_rows on device memory (the int32 arrays too),

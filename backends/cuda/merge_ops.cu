@@ -533,11 +533,20 @@ typedef struct combine_args {
 // cpu_arith.c's cpu_combine_values for one element per iteration: the same sums over i in the same
 // order, the same agreement test and the same final expression.
 __global__ void k_combine(float *out, const float *base, const combine_args a, int64_t n, bool elect,
-                          bool count_signs, bool unweighted, bool nonzero, bool normalize, float lambda)
+                          bool count_signs, bool unweighted, bool nonzero, bool ramplus, bool normalize, float lambda)
 {
     for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < n; e += (int64_t)gridDim.x * blockDim.x) {
         float vote = 0.0f, delta = 0.0f, div = 0.0f;
-        if (!elect) {
+        if (ramplus) {  // the weighted sum where one part is not zero, the plain mean where several are
+            for (int i = 0; i < a.k; i++) {
+                float w = a.w[i], t = a.tau[i][e];
+                delta += w * t;
+                vote += t;
+                div += t != 0.0f ? 1.0f : 0.0f;
+            }
+            delta = div == 1.0f ? delta : div > 1.0f ? vote / div : 0.0f;
+            div = 0.0f;
+        } else if (!elect) {
             for (int i = 0; i < a.k; i++) {
                 float w = a.w[i], t = a.tau[i][e];
                 delta += w * t;
@@ -1046,8 +1055,8 @@ fail:
 
 extern "C" lm_status lm_cuda_combine(float *d_out, const float *d_base, const float *const *d_tau,
                                      const float *weights, int k, int64_t n, bool elect, bool count_signs,
-                                     bool unweighted, bool nonzero, bool normalize, float lambda, void *stream,
-                                     lm_err *err)
+                                     bool unweighted, bool nonzero, bool ramplus, bool normalize, float lambda,
+                                     void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
     combine_args a;
@@ -1063,7 +1072,8 @@ extern "C" lm_status lm_cuda_combine(float *d_out, const float *d_base, const fl
         a.w[i] = weights[i];
     }
     k_combine<<<lm_cuda_grid(n, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_out, d_base, a, n, elect, count_signs,
-                                                                             unweighted, nonzero, normalize, lambda);
+                                                                             unweighted, nonzero, ramplus, normalize,
+                                                                             lambda);
     CUDA_LAUNCHED("k_combine");
 fail:
     return status;

@@ -23,6 +23,7 @@ static const lm_method *const methods[] = {
     &lm_method_della_linear,
     &lm_method_sce,
     &lm_method_ram,
+    &lm_method_ramplus_tl,
 };
 
 // mergekit's names where they differ from llmerge's by more than '_' for '-'.
