@@ -448,9 +448,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     for (int i = 0; i < a->n_ft; i++) {
         r->gammas[i] = !a->gammas ? 0.01 : a->n_gammas == 1 ? a->gammas[0] : a->gammas[i];
-        r->epsilons[i] = a->epsilons         ? (a->n_epsilons == 1 ? a->epsilons[0] : a->epsilons[i])
-                         : a->m->threshold ? LM_RAM_EPSILON
-                                           : 0.15;
+        r->epsilons[i] = !a->epsilons ? lm_method_epsilon(a->m) : a->n_epsilons == 1 ? a->epsilons[0] : a->epsilons[i];
         r->weights[i] = a->weights ? a->weights[i + (models ? 1 : 0)] : 1.0;
         r->densities[i] = !a->densities ? DEFAULT_DENSITY
                           : a->n_densities == 1 ? a->densities[0] : a->densities[i];

@@ -116,7 +116,7 @@ struct merge_args {
     double select_topk;        // --select-topk (default 1)
     double *gammas;            // (n_gammas) --gamma, or NULL: 0.01 each
     int n_gammas;
-    double *epsilons;          // (n_epsilons) --epsilon, or NULL: 0.15 each
+    double *epsilons;          // (n_epsilons) --epsilon, or NULL: lm_method_epsilon's each
     int n_epsilons;
     int max_iter;              // --max-iter (default 10)
     double tol;                // --tol (default 1e-5)

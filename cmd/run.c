@@ -527,21 +527,24 @@ static const struct {
 
 // A model directory's tokenizer, as far as it decides the embedding rows: its vocabulary
 // (tokenizer.json), stripped to its config.json's vocab_size as mergekit strips the base's when
-// `strip`; *v NULL (and LM_OK) when it has no tokenizer.json. *rows: that vocab_size.
+// `strip`; *v NULL (and LM_OK) when it has no tokenizer.json. *rows (where rows is not NULL):
+// that vocab_size.
 static lm_status dir_vocab(const char *dir, bool strip, lm_vocab **v, int64_t *rows, lm_err *err)
 {
+    int64_t n = 0;
     *v = NULL;
-    *rows = 0;
     char *tj = lm_path_join(dir, "tokenizer.json"), *cj = lm_path_join(dir, "config.json");
     lm_config c = {0};
     lm_status s = tj && cj ? lm_config_load(&c, cj, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     if (s == LM_OK && lm_is_file(tj) && (s = lm_vocab_load(v, tj, err)) == LM_OK) {
         // a config without vocab_size (an architecture llmerge does not describe): the
         // vocabulary's own size, as mergekit falls back to it
-        *rows = c.vocab_size > 0 ? c.vocab_size : (*v)->n_ids;
+        n = c.vocab_size > 0 ? c.vocab_size : (*v)->n_ids;
         if (strip)
-            lm_vocab_strip(*v, *rows);
+            lm_vocab_strip(*v, n);
     }
+    if (rows)
+        *rows = n;
     lm_config_free(&c);
     free(tj);
     free(cj);
@@ -589,7 +592,7 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
     lm_input_kind kind;
     char *base_dir = NULL, *src_dir = NULL;
     lm_vocab *base = NULL, *out = NULL;
-    int64_t base_rows = 0, rows = 0;
+    int64_t base_rows = 0;
     char b1[256], b2[256];
     lm_status s = lm_input_detect(a->base, &kind, &base_dir, err);
     if (s != LM_OK || kind != LM_INPUT_MODEL) {  // the merge says what is wrong with the base
@@ -609,7 +612,7 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
         else if ((s = lm_input_detect(dir, &kind, &src_dir, err)) == LM_OK && kind != LM_INPUT_MODEL)
             s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: tokenizer_source '%s' is not a model directory", cfg->path,
                            cfg->tokenizer_line, src);
-        if (s == LM_OK && (s = dir_vocab(src_dir, false, &out, &rows, err)) != LM_OK)
+        if (s == LM_OK && (s = dir_vocab(src_dir, false, &out, NULL, err)) != LM_OK)
             lm_err_prefix(err, "%s:%d: tokenizer_source '%s'", cfg->path, cfg->tokenizer_line, src);
         if (s == LM_OK && !out && !base) {
             // no tokenizer.json on either side: SentencePiece's tokenizer.model, the same bytes
@@ -650,13 +653,12 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
         const char *plus = strchr(m, '+');
         char *dir = plus && plus[1] ? strndup(m, (size_t)(plus - m)) : lm_strdup(m), *resolved = NULL;
         lm_vocab *v = NULL;
-        int64_t r = 0;
         lm_err ignored = {0};
         if (!dir) {
             s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         } else if (lm_input_detect(dir, &kind, &resolved, &ignored) == LM_OK && kind == LM_INPUT_MODEL) {
             // (what is not a model is refused with its line where the models are read)
-            if ((s = dir_vocab(resolved, true, &v, &r, err)) != LM_OK)
+            if ((s = dir_vocab(resolved, true, &v, NULL, err)) != LM_OK)
                 lm_err_prefix(err, "%s:%d: model '%s'", cfg->path, line, m);
             else if (v) {
                 int64_t n = v->n_ids > want->n_ids ? v->n_ids : want->n_ids;

@@ -107,7 +107,7 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
             return lm_err_set(err, LM_ERR_USAGE, "--epsilon: epsilon %d is %g, not a finite number of 0 or more", i + 1,
                               o->epsilons[i]);
     for (int i = 0; m->della && i < o->n_ft; i++) {
-        double d = o->densities ? o->densities[i] : 1, eps = o->epsilons ? o->epsilons[i] : 0.15;
+        double d = o->densities ? o->densities[i] : 1, eps = o->epsilons ? o->epsilons[i] : lm_method_epsilon(m);
         if (d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
             return lm_err_set(err, LM_ERR_USAGE,
                               "--epsilon: input %d has density %g and epsilon %g: density - epsilon and density + "
@@ -717,7 +717,7 @@ static lm_status params_of(const lm_merge_opts *o, const lm_method *m, const cha
         tp->weights[i] = o->weights[i];
         tp->densities[i] = o->densities ? o->densities[i] : 1.0;
         tp->gammas[i] = o->gammas ? o->gammas[i] : 0.01;
-        tp->epsilons[i] = o->epsilons ? o->epsilons[i] : lm_method_of(o->method)->threshold ? LM_RAM_EPSILON : 0.15;
+        tp->epsilons[i] = o->epsilons ? o->epsilons[i] : lm_method_epsilon(m);
     }
     tp->base_weight = o->base_weight;
     tp->lambda = o->lambda;

@@ -83,8 +83,8 @@ typedef struct lm_merge_opts {
     const double *densities;  // (n_ft) d_i in (0, 1]; unused by task-arithmetic
     const double *gammas;     // (n_ft) breadcrumbs: the fraction γ_i of largest magnitudes removed
                               // (NULL: mergekit's 0.01 each)
-    const double *epsilons;   // (n_ft) della: keep probabilities d_i ± ε_i across each row's ranks
-                              // (NULL: mergekit's 0.15 each)
+    const double *epsilons;   // (n_ft) della: keep probabilities d_i ± ε_i across each row's ranks;
+                              // ram, ramplus_tl: the threshold (NULL: lm_method_epsilon's each)
     double lambda;            // scale of the merged task vector
     // The methods whose base is one of the models averaged (linear, karcher, and nuslerp and
     // multislerp where `models_only`): the base's weight (linear's w_0; unused by karcher).

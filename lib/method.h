@@ -140,7 +140,9 @@ extern const lm_method lm_method_sce;
 extern const lm_method lm_method_ram;
 extern const lm_method lm_method_ramplus_tl;
 
-#define LM_RAM_EPSILON 1e-5  // ram's threshold when none is given, mergekit's
+// The ε_i a method takes when none is given: mergekit's 0.15 for della's spread, 1e-5 for the
+// ram methods' threshold.
+double lm_method_epsilon(const lm_method *m);
 
 // The descriptor of method `id`; never NULL for a value of lm_merge_method (an unknown value
 // gets ties', which no caller passes). Static: nothing to free.

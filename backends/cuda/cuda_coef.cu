@@ -74,38 +74,36 @@ lm_status lm_cuda_op_col_dot(lm_dev *d, const float *x, const float *y, int64_t 
     return lm_cuda_copy_home(c, acc, c->scratch, bytes, err);
 }
 
-// The column factors go to device scratch first (2 × cols floats).
+// y = a·y + b·x with a factor pair per row (by_row) or per column: the factors (n = rows or cols
+// floats each) go to device scratch first, 2·n floats.
+static lm_status axpby_by(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
+                          int64_t cols, bool by_row, lm_err *err)
+{
+    cuda_ctx *c = ctx_of(d);
+    lm_status s = lm_cuda_begin(d, err);
+    if (s != LM_OK || rows <= 0 || cols <= 0)
+        return s;
+    int64_t n = by_row ? rows : cols;
+    size_t bytes = (size_t)n * sizeof(float);
+    if ((s = lm_cuda_scratch_reserve(d, 2 * bytes, err)) != LM_OK)
+        return s;
+    float *da = (float *)c->scratch, *db = da + n;
+    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
+        return s;
+    return by_row ? lm_cuda_row_axpby(y, da, x, db, rows, cols, c->stream, err)
+                  : lm_cuda_col_axpby(y, da, x, db, rows, cols, c->stream, err);
+}
+
 lm_status lm_cuda_op_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                                int64_t cols, lm_err *err)
 {
-    cuda_ctx *c = ctx_of(d);
-    lm_status s = lm_cuda_begin(d, err);
-    if (s != LM_OK || rows <= 0 || cols <= 0)
-        return s;
-    size_t bytes = (size_t)cols * sizeof(float);
-    if ((s = lm_cuda_scratch_reserve(d, 2 * bytes, err)) != LM_OK)
-        return s;
-    float *da = (float *)c->scratch, *db = da + cols;
-    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
-        return s;
-    return lm_cuda_col_axpby(y, da, x, db, rows, cols, c->stream, err);
+    return axpby_by(d, y, a, x, b, rows, cols, false, err);
 }
 
-// The row factors go to device scratch first (2 × rows floats).
 lm_status lm_cuda_op_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                                int64_t cols, lm_err *err)
 {
-    cuda_ctx *c = ctx_of(d);
-    lm_status s = lm_cuda_begin(d, err);
-    if (s != LM_OK || rows <= 0 || cols <= 0)
-        return s;
-    size_t bytes = (size_t)rows * sizeof(float);
-    if ((s = lm_cuda_scratch_reserve(d, 2 * bytes, err)) != LM_OK)
-        return s;
-    float *da = (float *)c->scratch, *db = da + rows;
-    if ((s = lm_dev_upload(d, da, a, bytes, err)) != LM_OK || (s = lm_dev_upload(d, db, b, bytes, err)) != LM_OK)
-        return s;
-    return lm_cuda_row_axpby(y, da, x, db, rows, cols, c->stream, err);
+    return axpby_by(d, y, a, x, b, rows, cols, true, err);
 }
 
 lm_status lm_cuda_op_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)

@@ -72,6 +72,11 @@ const lm_method *lm_method_find(const char *name)
     return NULL;
 }
 
+double lm_method_epsilon(const lm_method *m)
+{
+    return m->threshold ? 1e-5 : 0.15;
+}
+
 unsigned lm_method_stats(const lm_method *m, const lm_merge_opts *o)
 {
     return (m->rank != LM_RANK_NONE ? LM_STAT_TOPK : 0u) | (m->drop && o->rescale == LM_RESCALE_L1 ? LM_STAT_L1 : 0u) |
