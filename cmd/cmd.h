@@ -84,6 +84,9 @@ typedef struct lm_cmd_prepared {
     const char *cache_dir;        // --cache-dir as given (NULL: the default place)
     double damp;                  // the damping U_cc² are computed (and cached) with
     bool help;                    // --help was answered
+    // llmerge run whose embeddings are rebuilt to another vocabulary: the bytes of the files
+    // (without names) that hold them beside OUT while the merge runs; 0 otherwise
+    uint64_t vocab_bytes;
     void *priv;
 } lm_cmd_prepared;
 

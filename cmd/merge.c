@@ -95,6 +95,7 @@ typedef struct merge_run {
     lm_guard guard;            // the inputs, which no output may be, hold or lie inside
     dropped_tensor *dropped;   // (n_dropped) full FTs' tensors the base does not have, left out
     int64_t n_dropped;
+    bool planning;             // prepared for llmerge plan, which reads no tensor data
 } merge_run;
 
 static void run_free(merge_run *r)
@@ -419,8 +420,12 @@ static lm_status prepare(merge_run *r, lm_err *err)
     r->fts = calloc((size_t)a->n_ft, sizeof *r->fts);
     if (!r->fts)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    // (llmerge run's models of other vocabularies: their embeddings rebuilt first, llmerge plan's
+    // only as large as they will be)
+    if (a->vocab && (s = lm_cmd_vocab_open(a, r->base, r->fts, !r->planning, &r->progress, err)) != LM_OK)
+        return s;
     for (int i = 0; i < a->n_ft; i++) {
-        if ((s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
+        if (!a->vocab && (s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
             return lm_err_prefix(err, "FT %d", i + 1);
         char what[32];
         snprintf(what, sizeof what, "FT %d", i + 1);
@@ -929,7 +934,8 @@ static int work(merge_run *r, double t_loaded)
         s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
         goto fail;
     }
-    if ((s = lm_manifest_write_config(r->base->config.path, path, r->opts.out_dtype, &err)) != LM_OK)
+    if ((s = lm_manifest_write_config(r->base->config.path, path, r->opts.out_dtype,
+                                        r->args.vocab ? r->base->config.vocab_size : 0, &err)) != LM_OK)
         goto fail;
     free(path);
     path = NULL;
@@ -1085,6 +1091,7 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         return 2;
     }
     snprintf(r->prefix, sizeof r->prefix, "%s", prefix);
+    r->planning = true;
     lm_progress_init(&r->progress, r->prefix, false);
     r->progress.quiet = true;  // a plan says what it finds on stdout; errors still go to stderr
     lm_err err = {0};
@@ -1121,6 +1128,11 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     out->dev_why = r->dev_why;
     out->gpu_mem = r->args.gpu_mem;
     out->shard_size = r->args.shard_size;
+    for (int i = -1; i < r->args.n_ft; i++) {
+        const lm_model *m = i < 0 ? r->base : r->fts[i]->model;
+        for (int j = 0; m && j < m->n_overlays; j++)
+            out->vocab_bytes += m->overlays[j]->size;
+    }
     if (r->args.use.hessians) {
         const lm_config *cfg = &r->base->config;
         out->calib = r->calib;

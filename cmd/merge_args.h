@@ -16,6 +16,7 @@
 #include "method.h"
 #include "params.h"
 #include "status.h"
+#include "vocab.h"
 
 // Which options of the merge commands method m reads, derived from its descriptor (method.h):
 // an option a method does not read is said to have no effect in --help and, when given, in a
@@ -141,7 +142,22 @@ struct merge_args {
     const char *tokenizer_dir;  // tokenizer files from this model's directory rather than BASE's
     const char *chat_template;  // set in OUT's tokenizer_config.json, or NULL
     const char *note;           // a line said before the work (a key that changes nothing), or NULL
+    // llmerge run: the vocabulary the embeddings are rebuilt to (cmd/merge_vocab.c), or NULL
+    // where every model's rows already are its ids; where it comes from, for messages; whether
+    // the base's row fills a token some models lack (mergekit: when there is a base_model)
+    const lm_vocab *vocab;
+    const char *vocab_source;
+    bool vocab_prefer_base;
 };
+
+// llmerge run with a->vocab: opens the FTs (into fts, n_ft of them, zeroed by the caller) with
+// every full model's embedding matrices, and the base's, rebuilt to a->vocab's ids
+// (cmd/merge_vocab.c), the rows written into unnamed files beside OUT; without `data` the files
+// only have the right size (llmerge plan). Says what moved through p. LM_ERR_UNSUPPORTED for an
+// input whose rows cannot be rebuilt (an adapter that changes them, no tokenizer.json in the
+// base, no vocab_size), naming it; what lm_ft_open says of a bad FT.
+lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bool data, lm_progress *p,
+                            lm_err *err);
 
 // Frees the settings of sets[] (not the struct).
 void lm_merge_args_free_sets(merge_args *a);

@@ -609,7 +609,7 @@ static int work(void *ctx)
     }
     const char *config = lm_pt_config(r->plan);
     if ((s = lm_write_file(path, config, strlen(config), &err)) != LM_OK ||
-        (s = lm_manifest_write_config(path, path, r->out_dtype, &err)) != LM_OK)
+        (s = lm_manifest_write_config(path, path, r->out_dtype, 0, &err)) != LM_OK)
         goto fail;
     free(path);
     path = NULL;

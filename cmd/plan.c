@@ -325,10 +325,13 @@ static void print_text(const lm_cmd_prepared *pr, const lm_plan *p, const char *
         else
             printf("\n");
     }
+    if (pr->vocab_bytes)
+        printf("vocabulary: the embeddings are rebuilt to the output's vocabulary in %s of temporary files "
+               "beside OUT (at %s, counted below) while the merge runs\n", fmt(a, pr->vocab_bytes), p->out_parent);
     if (p->disk_known)
         printf("output: %" PRIu64 " bytes in %d shard%s; %s free at %s (%s)\n", p->out_bytes, p->n_shards,
                p->n_shards == 1 ? "" : "s", fmt(a, p->disk_free), p->out_parent,
-               p->out_bytes <= p->disk_free ? "fits" : "does NOT fit");
+               p->out_bytes + pr->vocab_bytes <= p->disk_free ? "fits" : "does NOT fit");
     else
         printf("output: %" PRIu64 " bytes in %d shard%s; free space at %s unknown\n", p->out_bytes, p->n_shards,
                p->n_shards == 1 ? "" : "s", p->out_parent);
@@ -523,9 +526,10 @@ static int print_json(const lm_cmd_prepared *pr, const lm_plan *p, const char *d
     cJSON_AddNumberToObject(o, "bytes", (double)p->out_bytes);
     cJSON_AddNumberToObject(o, "shards", p->n_shards);
     cJSON_AddStringToObject(o, "parent", p->out_parent);
+    cJSON_AddNumberToObject(o, "vocab_bytes", (double)pr->vocab_bytes);
     if (p->disk_known) {
         cJSON_AddNumberToObject(o, "disk_free", (double)p->disk_free);
-        cJSON_AddBoolToObject(o, "fits", p->out_bytes <= p->disk_free);
+        cJSON_AddBoolToObject(o, "fits", p->out_bytes + pr->vocab_bytes <= p->disk_free);
     } else {
         cJSON_AddNullToObject(o, "disk_free");
         cJSON_AddNullToObject(o, "fits");

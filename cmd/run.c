@@ -131,6 +131,7 @@ typedef struct run_preset {
     const lm_params **models;       // (n_ft + 1) each model's settings: the base's, then each FT's
     const char **names;             // (n_ft + 1) how each was written, for messages
     lm_merge_params mp;
+    lm_vocab *vocab;                // the vocabulary the embeddings are rebuilt to, or NULL
 } run_preset;
 
 static void preset_free(void *ctx)
@@ -139,6 +140,7 @@ static void preset_free(void *ctx)
     if (!p)
         return;
     lm_mergecfg_free(p->cfg);
+    lm_vocab_free(p->vocab);
     for (int i = 0; i < p->n_owned; i++)
         free(p->owned[i]);
     free(p->owned);
@@ -525,32 +527,6 @@ static const struct {
 
 // ---- tokenizer_source -----------------------------------------------------------------------
 
-// A model directory's tokenizer, as far as it decides the embedding rows: its vocabulary
-// (tokenizer.json), stripped to its config.json's vocab_size as mergekit strips the base's when
-// `strip`; *v NULL (and LM_OK) when it has no tokenizer.json. *rows (where rows is not NULL):
-// that vocab_size.
-static lm_status dir_vocab(const char *dir, bool strip, lm_vocab **v, int64_t *rows, lm_err *err)
-{
-    int64_t n = 0;
-    *v = NULL;
-    char *tj = lm_path_join(dir, "tokenizer.json"), *cj = lm_path_join(dir, "config.json");
-    lm_config c = {0};
-    lm_status s = tj && cj ? lm_config_load(&c, cj, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    if (s == LM_OK && lm_is_file(tj) && (s = lm_vocab_load(v, tj, err)) == LM_OK) {
-        // a config without vocab_size (an architecture llmerge does not describe): the
-        // vocabulary's own size, as mergekit falls back to it
-        n = c.vocab_size > 0 ? c.vocab_size : (*v)->n_ids;
-        if (strip)
-            lm_vocab_strip(*v, n);
-    }
-    if (rows)
-        *rows = n;
-    lm_config_free(&c);
-    free(tj);
-    free(cj);
-    return s;
-}
-
 // Whether two model directories' tokenizer.model files (SentencePiece's, read by llmerge no
 // further) are there and byte for byte the same.
 static bool same_spm(const char *a, const char *b)
@@ -568,38 +544,28 @@ static bool same_spm(const char *a, const char *b)
     return same;
 }
 
-// "'TOKEN'" or "no token", for messages.
-static const char *quoted(const char *token, char *buf, size_t cap)
-{
-    if (!token)
-        return "no token";
-    snprintf(buf, cap, "'%s'", token);
-    return buf;
-}
-
 // tokenizer_source: base or a model. With it mergekit rebuilds the embedding and output
 // matrices to that tokenizer's vocabulary, each model's rows moved to the ids its tokens have
-// there; llmerge merges the rows where they are, so it takes a configuration only where that
-// rebuild would move none: the output's vocabulary (the source's, as it is; the base's
-// stripped to its vocab_size) is the base's, and every model's that has a tokenizer.json
-// (stripped to its own vocab_size) is the output's, where the output's has a tokenizer.json to
-// compare with. A model's tokenizer files go into OUT.
+// there. llmerge does the same (cmd/merge_vocab.c) where that moves a row: where the output's
+// vocabulary (the source's, as it is; the base's stripped to its vocab_size) is not the base's,
+// or a model's (its tokenizer.json's, stripped to its own vocab_size) is not the output's; where
+// nothing would move it merges the rows where they are, keeping the base's row count. A model's
+// tokenizer files go into OUT.
 static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
 {
     const lm_mergecfg *cfg = p->cfg;
     const char *src = cfg->tokenizer_source;
-    bool from_base = strcmp(src, "base") == 0;
+    bool from_base = strcmp(src, "base") == 0, rebuild = false;
     lm_input_kind kind;
     char *base_dir = NULL, *src_dir = NULL;
     lm_vocab *base = NULL, *out = NULL;
     int64_t base_rows = 0;
-    char b1[256], b2[256];
     lm_status s = lm_input_detect(a->base, &kind, &base_dir, err);
     if (s != LM_OK || kind != LM_INPUT_MODEL) {  // the merge says what is wrong with the base
         free(base_dir);
         return LM_OK;
     }
-    if ((s = dir_vocab(base_dir, true, &base, &base_rows, err)) != LM_OK)
+    if ((s = lm_vocab_load_dir(&base, base_dir, true, &base_rows, err)) != LM_OK)
         lm_err_prefix(err, "%s:%d: tokenizer_source: the base's tokenizer", cfg->path, cfg->tokenizer_line);
     if (s == LM_OK && !from_base) {
         // a PATH+LORA model of the configuration: PATH's tokenizer
@@ -612,7 +578,7 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
         else if ((s = lm_input_detect(dir, &kind, &src_dir, err)) == LM_OK && kind != LM_INPUT_MODEL)
             s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: tokenizer_source '%s' is not a model directory", cfg->path,
                            cfg->tokenizer_line, src);
-        if (s == LM_OK && (s = dir_vocab(src_dir, false, &out, NULL, err)) != LM_OK)
+        if (s == LM_OK && (s = lm_vocab_load_dir(&out, src_dir, false, NULL, err)) != LM_OK)
             lm_err_prefix(err, "%s:%d: tokenizer_source '%s'", cfg->path, cfg->tokenizer_line, src);
         if (s == LM_OK && !out && !base) {
             // no tokenizer.json on either side: SentencePiece's tokenizer.model, the same bytes
@@ -627,14 +593,7 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
                            !out ? "it" : "the base", !out ? "the base" : "it");
         } else if (s == LM_OK) {
             int64_t n = out->n_ids > base_rows ? out->n_ids : base_rows;
-            int64_t d = lm_vocab_first_difference(out, base, n);
-            if (d >= 0)
-                s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': its vocabulary is not the "
-                               "base's: id %" PRId64 " is %s there and %s in the base%s. mergekit would rebuild the "
-                               "embeddings for it, moving each model's rows to its tokens' ids; llmerge does not do "
-                               "that yet", cfg->path, cfg->tokenizer_line, src, d, quoted(lm_vocab_token(out, d), b1,
-                               sizeof b1), quoted(lm_vocab_token(base, d), b2, sizeof b2),
-                               d >= base_rows ? " (beyond its embedding rows)" : "");
+            rebuild = lm_vocab_first_difference(out, base, n) >= 0;
         }
         if (s == LM_OK) {
             a->tokenizer_dir = keep(p, src_dir);  // kept, or freed by keep
@@ -644,7 +603,7 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
         }
     }
     // every model with a tokenizer of its own, against the output's vocabulary
-    const lm_vocab *want = out ? out : base;
+    lm_vocab *want = out ? out : base;
     for (int i = 0; s == LM_OK && want && i <= cfg->n_models; i++) {
         const char *m = i < cfg->n_models ? cfg->models[i].model : cfg->base_model;
         int line = i < cfg->n_models ? cfg->models[i].line : cfg->base_line;
@@ -658,23 +617,30 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
             s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         } else if (lm_input_detect(dir, &kind, &resolved, &ignored) == LM_OK && kind == LM_INPUT_MODEL) {
             // (what is not a model is refused with its line where the models are read)
-            if ((s = dir_vocab(resolved, true, &v, NULL, err)) != LM_OK)
+            if ((s = lm_vocab_load_dir(&v, resolved, true, NULL, err)) != LM_OK)
                 lm_err_prefix(err, "%s:%d: model '%s'", cfg->path, line, m);
-            else if (v) {
-                int64_t n = v->n_ids > want->n_ids ? v->n_ids : want->n_ids;
-                int64_t d = lm_vocab_first_difference(v, want, n);
-                if (d >= 0)
-                    s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: model '%s': its vocabulary is not the output's "
-                                   "(tokenizer_source: %s): id %" PRId64 " is %s there and %s in the output's. "
-                                   "mergekit would move its embedding rows to its tokens' ids in the output's "
-                                   "vocabulary; llmerge does not do that yet", cfg->path, line, m, src, d,
-                                   quoted(lm_vocab_token(v, d), b1, sizeof b1),
-                                   quoted(lm_vocab_token(want, d), b2, sizeof b2));
-            }
+            else if (v && !rebuild)
+                rebuild = lm_vocab_first_difference(v, want, v->n_ids > want->n_ids ? v->n_ids : want->n_ids) >= 0;
         }
         lm_vocab_free(v);
         free(resolved);
         free(dir);
+    }
+    if (s == LM_OK && rebuild && want->n_tokens == 0)
+        s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: tokenizer_source '%s': its vocabulary has no tokens: no embedding "
+                       "rows to rebuild the models' to", cfg->path, cfg->tokenizer_line, src);
+    if (s == LM_OK && rebuild) {
+        char what[LM_ERR_MSG_MAX / 4];
+        snprintf(what, sizeof what, "tokenizer_source: %s", src);
+        p->vocab = want;
+        a->vocab = want;
+        a->vocab_prefer_base = cfg->base_model != NULL;
+        if (want == out)
+            out = NULL;
+        else
+            base = NULL;
+        if (!(a->vocab_source = keep(p, lm_strdup(what))))
+            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     }
     lm_vocab_free(base);
     lm_vocab_free(out);
@@ -860,7 +826,10 @@ static void run_usage(FILE *out, const void *arg)
             "the base, the adapter is merged into PATH once, in --cache-dir, and reused),\n"
             "parameters (numbers, gradients over the layers, {filter, value} lists; a model's own\n"
             "before the global ones), dtype, out_dtype, tokenizer_source, chat_template and\n"
-            "random_seed, with mergekit's defaults (density 1, normalize and rescale per method). A\n"
+            "random_seed, with mergekit's defaults (density 1, normalize and rescale per method).\n"
+            "Where tokenizer_source or a model puts tokens at other ids than the output's\n"
+            "vocabulary, each model's embedding rows are moved to the output's ids first, as\n"
+            "mergekit moves them (docs/merging.md, \"Other vocabularies\"). A\n"
             "key, parameter or value llmerge does not support is an error naming its line (exit\n"
             "status 2), never ignored. docs/mergekit.md says what llmerge does with each key and\n"
             "method, and where the results differ from mergekit's.\n"

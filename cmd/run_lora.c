@@ -45,7 +45,7 @@ static lm_status make_model(const lm_model *model, lm_ft *ft, const char *dir, i
     if (s == LM_OK)
         s = lm_st_writer_finish(w_out, err);
     if (s == LM_OK)
-        s = lm_manifest_write_config(model->config.path, cfg, o.out_dtype, err);
+        s = lm_manifest_write_config(model->config.path, cfg, o.out_dtype, 0, err);
     if (s == LM_OK)
         s = lm_manifest_copy_side_files(model->dir, dir, NULL, err);
     lm_merge_result_free(&res);

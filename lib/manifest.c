@@ -533,7 +533,7 @@ static int key_cmp(const char *s, const json_member *m, const char *name)
 }
 
 lm_status lm_manifest_write_config(const char *base_path, const char *out_path, lm_dtype dt,
-                                   lm_err *err)
+                                   int64_t vocab_size, lm_err *err)
 {
     const char *dname = lm_manifest_torch_dtype(dt);
     if (!dname)
@@ -615,6 +615,12 @@ lm_status lm_manifest_write_config(const char *base_path, const char *out_path, 
             lm_buf_str(&out, value);
             copied = mem[k].val_end;
             replaced = true;
+        } else if (vocab_size > 0 && key_is(text, &mem[k], "vocab_size")) {
+            char v[32];
+            snprintf(v, sizeof v, "%" PRId64, vocab_size);
+            lm_buf_put(&out, text + copied, mem[k].val - copied);
+            lm_buf_str(&out, v);
+            copied = mem[k].val_end;
         }
     }
     if (!replaced) {

@@ -117,11 +117,12 @@ const char *lm_manifest_torch_dtype(lm_dtype dt);
 
 // Writes `out_path`, a copy of the config.json at `base_path` with its dtype changed to `dt`:
 // the top-level "torch_dtype" and "dtype" keys, whichever the file has, get the new value, and
-// "torch_dtype" is added (at its sorted place) when it has neither. Everything else is kept as
-// written, byte for byte. LM_ERR_FORMAT naming the file when it is not a JSON object, LM_ERR_IO
-// naming the file that cannot be read or written.
+// "torch_dtype" is added (at its sorted place) when it has neither; a vocab_size above 0 replaces
+// the top-level "vocab_size" value (embeddings rebuilt to another vocabulary). Everything else is
+// kept as written, byte for byte. LM_ERR_FORMAT naming the file when it is not a JSON object,
+// LM_ERR_IO naming the file that cannot be read or written.
 lm_status lm_manifest_write_config(const char *base_path, const char *out_path, lm_dtype dt,
-                                   lm_err *err);
+                                   int64_t vocab_size, lm_err *err);
 
 // The tokenizer and generation files a merged model takes from its base, NULL-terminated.
 extern const char *const lm_manifest_side_files[];

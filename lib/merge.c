@@ -190,6 +190,26 @@ static lm_status check_dtypes(const lm_ft *ft, const lm_model *base, lm_err *err
     return LM_OK;
 }
 
+lm_status lm_ft_of_model(lm_ft **out, lm_model *m, const lm_model *base, lm_err *err)
+{
+    *out = NULL;
+    lm_ft *ft = calloc(1, sizeof *ft);
+    if (!ft || !(ft->path = lm_strdup(m->dir))) {
+        free(ft);
+        lm_model_free(m);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    ft->kind = LM_INPUT_MODEL;
+    ft->model = m;
+    lm_status s;
+    if ((s = lm_model_compare(ft->model, base, NULL, err)) != LM_OK || (s = check_dtypes(ft, base, err)) != LM_OK) {
+        lm_ft_free(ft);
+        return s;
+    }
+    *out = ft;
+    return LM_OK;
+}
+
 lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err *err)
 {
     *out = NULL;
@@ -200,11 +220,11 @@ lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err
     if (s != LM_OK)
         goto fail;
     if (ft->kind == LM_INPUT_MODEL) {
-        if ((s = lm_model_open(&ft->model, ft->path, err)) != LM_OK)
+        lm_model *m = NULL;
+        if ((s = lm_model_open(&m, ft->path, err)) != LM_OK)
             goto fail;
-        if ((s = lm_model_compare(ft->model, base, NULL, err)) != LM_OK ||
-            (s = check_dtypes(ft, base, err)) != LM_OK)
-            goto fail;
+        lm_ft_free(ft);
+        return lm_ft_of_model(out, m, base, err);
     } else if (ft->kind == LM_INPUT_ADAPTER) {
         if ((s = lm_adapter_open(&ft->adapter, ft->path, err)) != LM_OK)
             goto fail;

@@ -156,6 +156,11 @@ typedef struct lm_ft {
 // dtypes (LM_ERR_UNSUPPORTED), exit status 2. Free with lm_ft_free.
 lm_status lm_ft_open(lm_ft **out, const char *path, const lm_model *base, lm_err *err);
 
+// The FT of the full model `m`, which it then owns (m is freed on failure too), checked against
+// `base` as lm_ft_open checks a model directory. The merge of a vocabulary rebuild opens its
+// models itself.
+lm_status lm_ft_of_model(lm_ft **out, lm_model *m, const lm_model *base, lm_err *err);
+
 // Frees the FT and what it opened; safe on NULL.
 void lm_ft_free(lm_ft *ft);
 

@@ -328,6 +328,9 @@ void lm_model_free(lm_model *m)
         free(m->shards[i].path);
     }
     free(m->shards);
+    for (int i = 0; i < m->n_overlays; i++)
+        lm_st_close(m->overlays[i]);
+    free(m->overlays);
     free(m->tensors);
     free(m->tensor_shard);
     lm_strmap_free(&m->index);
@@ -335,6 +338,28 @@ void lm_model_free(lm_model *m)
     free(m->index_path);
     free(m->dir);
     free(m);
+}
+
+lm_status lm_model_overlay(lm_model *m, lm_st_file *f, int64_t vocab_size, lm_err *err)
+{
+    for (int64_t i = 0; i < f->n_tensors; i++)
+        if (lm_strmap_get(&m->index, f->tensors[i].name) < 0) {
+            lm_status s = lm_err_set(err, LM_ERR_MISMATCH, "%s: tensor '%s' is not one of %s's", f->path,
+                                     f->tensors[i].name, m->dir);
+            lm_st_close(f);
+            return s;
+        }
+    lm_st_file **grown = realloc(m->overlays, (size_t)(m->n_overlays + 1) * sizeof *grown);
+    if (!grown) {
+        lm_st_close(f);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    m->overlays = grown;
+    m->overlays[m->n_overlays++] = f;
+    for (int64_t i = 0; i < f->n_tensors; i++)
+        m->tensors[lm_strmap_get(&m->index, f->tensors[i].name)] = &f->tensors[i];
+    m->config.vocab_size = vocab_size;
+    return LM_OK;
 }
 
 const lm_st_tensor *lm_model_find(const lm_model *m, const char *name)

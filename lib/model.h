@@ -37,6 +37,8 @@ typedef struct lm_model {
     int *tensor_shard;             // (n_tensors) index into shards
     int64_t n_tensors;
     lm_strmap index;               // tensor name -> position in tensors (keys owned by shards)
+    lm_st_file **overlays;         // (n_overlays) files whose tensors replace some of the shards'
+    int n_overlays;                // (lm_model_overlay)
 } lm_model;
 
 // Opens the model directory `dir`: parses config.json (lm_config_load) and opens the weights.
@@ -56,6 +58,13 @@ lm_status lm_model_index_parse(cJSON **out, const cJSON **weight_map, const char
 
 // Unmaps the shards and frees everything; safe on NULL and on a half-built model.
 void lm_model_free(lm_model *m);
+
+// Replaces tensors of m by the tensors of the same names in `f`, which m then owns (and closes
+// with itself), and sets m's config.vocab_size to `vocab_size`: the embedding and output
+// matrices rebuilt to another vocabulary (lib/embed_perm.h). Each of f's tensors must be one of
+// m's (else LM_ERR_MISMATCH naming it; f is closed and m unchanged). The tensors keep their
+// places in m's order; m's files (config, index, shards) stay what m was read from.
+lm_status lm_model_overlay(lm_model *m, lm_st_file *f, int64_t vocab_size, lm_err *err);
 
 // The tensor called `name` in whichever shard holds it, or NULL.
 const lm_st_tensor *lm_model_find(const lm_model *m, const char *name);

@@ -600,19 +600,24 @@ static lm_st_file *st_new(const char *label)
 lm_status lm_st_open(lm_st_file **out, const char *path, lm_err *err)
 {
     *out = NULL;
-    lm_st_file *f = st_new(path);
-    if (!f)
-        return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", path);
-    lm_status s;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) {
-        s = lm_err_set(err, errno == ENOENT ? LM_ERR_NOT_FOUND : LM_ERR_IO, "%s: %s", path, strerror(errno));
-        goto fail;
-    }
+    if (fd < 0)
+        return lm_err_set(err, errno == ENOENT ? LM_ERR_NOT_FOUND : LM_ERR_IO, "%s: %s", path, strerror(errno));
+    lm_status s = lm_st_open_fd(out, fd, path, err);
+    close(fd);
+    return s;
+}
+
+lm_status lm_st_open_fd(lm_st_file **out, int fd, const char *label, lm_err *err)
+{
+    *out = NULL;
+    lm_st_file *f = st_new(label);
+    if (!f)
+        return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", label);
+    lm_status s;
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        s = lm_err_set(err, LM_ERR_IO, "%s: %s", path, S_ISREG(st.st_mode) ? strerror(errno) : "not a regular file");
-        close(fd);
+        s = lm_err_set(err, LM_ERR_IO, "%s: %s", label, S_ISREG(st.st_mode) ? strerror(errno) : "not a regular file");
         goto fail;
     }
     f->size = (uint64_t)st.st_size;
@@ -620,8 +625,7 @@ lm_status lm_st_open(lm_st_file **out, const char *path, lm_err *err)
         f->map = mmap(NULL, (size_t)f->size, PROT_READ, MAP_PRIVATE, fd, 0);
         if (f->map == MAP_FAILED) {
             f->map = NULL;
-            s = lm_err_set(err, LM_ERR_IO, "%s: mmap: %s", path, strerror(errno));
-            close(fd);
+            s = lm_err_set(err, LM_ERR_IO, "%s: mmap: %s", label, strerror(errno));
             goto fail;
         }
         f->map_size = (size_t)f->size;
@@ -630,7 +634,6 @@ lm_status lm_st_open(lm_st_file **out, const char *path, lm_err *err)
         // handler names the file from this.
         f->map_id = lm_signals_map_add(f->map, f->map_size, f->path);
     }
-    close(fd);
     if ((s = st_load(f, err)) != LM_OK)
         goto fail;
     *out = f;

@@ -57,6 +57,10 @@ typedef struct lm_st_file {
 // the file and the defect.
 lm_status lm_st_open(lm_st_file **out, const char *path, lm_err *err);
 
+// As lm_st_open, for the file open as `fd` (which the caller keeps and may close once this
+// returns: the mapping stays), named `label` in messages.
+lm_status lm_st_open_fd(lm_st_file **out, int fd, const char *label, lm_err *err);
+
 // Validates an in-memory file of `size` bytes (used by the fuzzer and tests). The buffer must
 // outlive the returned object; `label` names it in messages.
 lm_status lm_st_parse(lm_st_file **out, const void *buf, size_t size, const char *label, lm_err *err);

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "config.h"
 #include "json.h"
 #include "util.h"
 
@@ -217,6 +218,30 @@ lm_status lm_vocab_load(lm_vocab **out, const char *path, lm_err *err)
     if (s == LM_OK)
         s = lm_vocab_parse(out, text, len, path, err);
     free(text);
+    return s;
+}
+
+lm_status lm_vocab_load_dir(lm_vocab **out, const char *dir, bool strip, int64_t *rows, lm_err *err)
+{
+    int64_t n = 0;
+    *out = NULL;
+    char *tj = lm_path_join(dir, "tokenizer.json"), *cj = lm_path_join(dir, "config.json");
+    lm_config c = {0};
+    lm_status s = tj && cj ? lm_config_load(&c, cj, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if (s == LM_OK) {
+        n = c.vocab_size > 0 ? c.vocab_size : 0;
+        if (lm_is_file(tj) && (s = lm_vocab_load(out, tj, err)) == LM_OK) {
+            if (n == 0)
+                n = (*out)->n_ids;
+            if (strip)
+                lm_vocab_strip(*out, n);
+        }
+    }
+    if (rows)
+        *rows = n;
+    lm_config_free(&c);
+    free(tj);
+    free(cj);
     return s;
 }
 

@@ -15,6 +15,7 @@
 #define LM_VOCAB_H
 
 #include <cJSON.h>
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "status.h"
@@ -35,6 +36,13 @@ lm_status lm_vocab_load(lm_vocab **out, const char *path, lm_err *err);
 
 // As lm_vocab_load, from the `len` bytes at `text`, named `label` in messages.
 lm_status lm_vocab_parse(lm_vocab **out, const char *text, size_t len, const char *label, lm_err *err);
+
+// A model directory's vocabulary as a merge sees it: its tokenizer.json's (lm_vocab_load), stripped
+// to config.json's vocab_size when `strip` (mergekit strips the tokens past a model's embedding
+// rows), or *out NULL (and LM_OK) when the directory has no tokenizer.json. *rows (where rows is
+// not NULL): config.json's vocab_size, or the vocabulary's size where the config has none (an
+// architecture llmerge does not describe; mergekit falls back to it), 0 without either.
+lm_status lm_vocab_load_dir(lm_vocab **out, const char *dir, bool strip, int64_t *rows, lm_err *err);
 
 // Frees v; safe on NULL.
 void lm_vocab_free(lm_vocab *v);

@@ -7,7 +7,8 @@
 # ('|' between the inputs' settings); and where a setting or a default is what makes the merge,
 # the output differs from the merge without it, so that the comparisons can fail. Every key:
 # dtype and out_dtype, random_seed, tokenizer_source (base; a model with the base's tokenizer,
-# whose tokenizer files are copied; one with another tokenizer, refused), chat_template (a
+# whose tokenizer files are copied; sources and models of other vocabularies, whose embedding
+# rows are rebuilt to the output's ids, checked against rows moved by st_rows), chat_template (a
 # Jinja string, auto, a name refused), a model given as BASE+LORA (the adapter), a model from a
 # Hugging Face cache laid out here, mergekit_config.yml (the file, byte for byte) and the card.
 # Every refusal is exit status 2 naming FILE:LINE (and the column where the reader has one) and
@@ -18,9 +19,9 @@
 # 1) in some tensor, which no one line holds, names the tensor instead. `llmerge plan CONFIG.yml` plans (the
 # output's size in the configuration's dtype) and writes nothing. The simulated and the emulated
 # CUDA device, with budgets that make units fall back, write the CPU's bytes.
-# Usage: e2e_run.sh LLMERGE FIXTURES JSONQ
+# Usage: e2e_run.sh LLMERGE FIXTURES JSONQ ST_ROWS
 set -u
-llmerge=$1 fx=$2 jsonq=$3
+llmerge=$1 fx=$2 jsonq=$3 st_rows=$4
 . "$(dirname "$0")/e2e_lib.sh"
 e2e_start e2e_run
 
@@ -294,7 +295,7 @@ models:
       weight: 0.5
 EOF
 expect 2 "$work/e_ram.yml:6" run "$work/e_ram.yml" -o "$work/e_ram.run"
-no_output "$work/e_ram.run"
+check '[ ! -e "$work/e_ram.run" ]' "a refused ram configuration left $work/e_ram.run"
 # ramplus_tl: r, alpha and epsilon, global; its defaults are mergekit's, and r makes a difference
 cfg ramplus <<EOF
 merge_method: ramplus_tl
@@ -585,22 +586,83 @@ check 'cmp -s "$work/tk_same.run/tokenizer_config.json" "$work/tk_same/tokenizer
   cmp -s "$work/tk_same.run/tokenizer.json" "$work/tk_same/tokenizer.json"' \
   "tokenizer_source tk_same: OUT's tokenizer_config.json is $(cat "$work/tk_same.run/tokenizer_config.json")"
 same "tokenizer_source leaves the weights alone" "$work/tk_same.run" "$work/tk_base.run"
-# another vocabulary (mergekit would rebuild the embeddings) is refused with its line and the
-# first id that differs, as a source and as a model's; so is a token beyond the base's rows
-tk_cfg tk_other "tokenizer_source: $work/tk_other" tk_pad
-expect 2 "$work/tk_other.yml:3: tokenizer_source '$work/tk_other': its vocabulary is not the base's: id 7 is 't9' there and 't7' in the base" \
-  run "$work/tk_other.yml" -o "$work/tk_other.run"
-check '[ ! -e "$work/tk_other.run" ]' "a refused tokenizer_source left $work/tk_other.run"
+# another vocabulary: each model's embedding rows are rebuilt to the output's ids, as mergekit
+# rebuilds them. tk_other (t7 and t9 at each other's ids) merges as tk_fixed, its rows 7 and 9
+# swapped by st_rows (apart from llmerge) under the base's tokenizer.
 tk_cfg tk_model "tokenizer_source: base"
-expect 2 "$work/tk_model.yml:8: model '$work/tk_other': its vocabulary is not the output's (tokenizer_source: base): id 7 is 't9' there and 't7' in the output's" \
-  run "$work/tk_model.yml" -o "$work/tk_model.run"
+run tk_model run "$work/tk_model.yml" -o "$work/tk_model.run"
+check 'grep -q "vocabulary: FT 2 has 256 of the 256 tokens (2 at other ids)" "$work/tk_model.err"' \
+  "tk_model: no note of the rows moved: $(head -c 600 "$work/tk_model.err")"
+# rows OP DIR ARGS...: $F2's files in DIR, `st_rows OP` ARGS applied to each of its shards.
+rows() {
+  local op=$1 dir=$2 f
+  shift 2
+  mkdir -p "$dir" && cp "$F2"/*.json "$dir/" &&
+    for f in "$F2"/*.safetensors; do "$st_rows" "$op" "$f" "$dir/${f##*/}" "$@" || return 1; done
+}
+rows swap "$work/tk_fixed" 256 7 9 && vocab 0 - null >"$work/tk_fixed/tokenizer.json"
+tk_cfg tk_fixed "tokenizer_source: base" tk_fixed
+runcfg tk_fixed
+same "a model of another vocabulary merges with its rows moved" "$work/tk_model.run" "$work/tk_fixed.run"
+differ "the rows of a model of another vocabulary are moved" "$work/tk_model.run" "$work/tk_base.run"
+json "$work/tk_model.run/config.json" vocab_size 256
+# the source's vocabulary (t9 at id 7): the same merge with rows 7 and 9 of every matrix swapped,
+# and the source's tokenizer in OUT
+tk_cfg tk_other "tokenizer_source: $work/tk_other"
+runcfg tk_other
+"$st_rows" swap "$work/tk_model.run/model.safetensors" "$work/tk_swapped.safetensors" 256 7 9
+check 'cmp -s "$work/tk_swapped.safetensors" "$work/tk_other.run/model.safetensors"' \
+  "tokenizer_source tk_other: not the merge with rows 7 and 9 swapped"
+check 'cmp -s "$work/tk_other.run/tokenizer.json" "$work/tk_other/tokenizer.json"' "tk_other: not its tokenizer.json"
+# a source with a token past the base's rows (<new> at 256, which no model has): a zero row 256,
+# vocab_size 257, the other rows the merge's
 tk_cfg tk_more "tokenizer_source: $work/tk_more" tk_pad
-expect 2 "tokenizer_source '$work/tk_more': its vocabulary is not the base's: id 256 is '<new>' there and no token in the base (beyond its embedding rows)" \
-  run "$work/tk_more.yml" -o "$work/tk_more.run"
+run tk_more run "$work/tk_more.yml" -o "$work/tk_more.run"
+json "$work/tk_more.run/config.json" vocab_size 257
+for t in model.embed_tokens.weight lm_head.weight; do
+  check '[ "$("$st_rows" hash "$work/tk_more.run/model.safetensors" $t 0 256)" = \
+    "$("$st_rows" hash "$work/tk_base.run/model.safetensors" $t 0 256)" ]' "tk_more: $t rows 0-255 differ"
+  check '"$st_rows" zero "$work/tk_more.run/model.safetensors" $t 256 257' "tk_more: $t row 256 is not zeros"
+done
+check 'grep -q "1 in no model (zeros)" "$work/tk_more.err"' "tk_more: $(head -c 600 "$work/tk_more.err")"
+# a model with a row more (tk_big: <new> at 256, its row a copy of its row 3): under the base's
+# vocabulary that row goes and the merge is tk_base's; under its own, every model takes it
+# shard_of DIR TENSOR: the shard of DIR that holds TENSOR
+shard_of() { sed -n "s/.*\"$2\": \"\([^\"]*\)\".*/\1/p" "$work/$1/model.safetensors.index.json"; }
+rows append "$work/tk_big" 256 3 &&
+  sed -i 's/"vocab_size": 256/"vocab_size": 257/' "$work/tk_big/config.json" &&
+  vocab 0 256 null >"$work/tk_big/tokenizer.json"
+tk_cfg tk_bigbase "tokenizer_source: base" tk_big
+runcfg tk_bigbase
+same "a model's token the output's vocabulary lacks is dropped" "$work/tk_bigbase.run" "$work/tk_base.run"
+tk_cfg tk_bigsrc "tokenizer_source: $work/tk_big" tk_big
+run tk_bigsrc run "$work/tk_bigsrc.yml" -o "$work/tk_bigsrc.run"
+json "$work/tk_bigsrc.run/config.json" vocab_size 257
+for t in model.embed_tokens.weight lm_head.weight; do
+  check '[ "$("$st_rows" hash "$work/tk_bigsrc.run/model.safetensors" $t 0 256)" = \
+    "$("$st_rows" hash "$work/tk_base.run/model.safetensors" $t 0 256)" ] &&
+    [ "$("$st_rows" hash "$work/tk_bigsrc.run/model.safetensors" $t 256 257)" = \
+    "$("$st_rows" hash "$work/tk_big/$(shard_of tk_big $t)" $t 256 257)" ]' "tk_bigsrc: $t is not the merge plus tk_big's row 256"
+done
+check 'grep -q "1 from the only model that has them" "$work/tk_bigsrc.err"' "tk_bigsrc: $(head -c 600 "$work/tk_bigsrc.err")"
+# llmerge plan counts the rebuilt rows' files; nothing is left beside OUT by either
+run tk_plan plan "$work/tk_bigsrc.yml" -o "$work/tk_plan.run"
+check 'grep -q "vocabulary: the embeddings are rebuilt to the output.s vocabulary in" "$work/tk_plan.out"' \
+  "plan: $(head -c 600 "$work/tk_plan.out")"
+check '[ -z "$(ls -A "$work" | grep -e vocab -e "\.tmp-")" ]' "left beside OUT: $(ls -A "$work" | grep -e vocab -e '\.tmp-')"
+# an adapter that changes a rebuilt matrix cannot have its rows moved
+sed "s|$work/tk_third|$fx/lora_mts|" "$work/tk_other.yml" >"$work/tk_mts.yml"
+expect 2 "FT 3: $fx/lora_mts: its LoRA module 'model.embed_tokens' changes model.embed_tokens.weight, whose rows are rebuilt" \
+  run "$work/tk_mts.yml" -o "$work/tk_mts.run"
+check '[ ! -e "$work/tk_mts.run" ]' "a refused rebuild left $work/tk_mts.run"
 printf '{"model": {"vocab": {"a": -1}}}' >"$work/tk_pad/tokenizer.json"
 tk_cfg tk_bad "tokenizer_source: $work/tk_pad" tk_third
 expect 2 "$work/tk_pad/tokenizer.json: model.vocab: token 'a' has id -1, not a token id" \
   run "$work/tk_bad.yml" -o "$work/tk_bad.run"
+printf '{"model": {"vocab": {}}}' >"$work/tk_pad/tokenizer.json"
+expect 2 "$work/tk_bad.yml:3: tokenizer_source '$work/tk_pad': its vocabulary has no tokens" \
+  run "$work/tk_bad.yml" -o "$work/tk_bad.run"
+check '[ ! -e "$work/tk_bad.run" ]' "a refused tokenizer_source left $work/tk_bad.run"
 vocab 0 256 null >"$work/tk_pad/tokenizer.json"
 # chat_template: a Jinja string into OUT's tokenizer_config.json (the rest of it kept); auto,
 # the template most of the models have (tk_other's and tk_third's, neither the base's nor the
