@@ -1,0 +1,333 @@
+// Writing a PEFT LoRA adapter: see adapter_write.h.
+#include "adapter_write.h"
+
+#include <cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "manifest.h"
+#include "st_writer.h"
+#include "util.h"
+
+typedef struct aw_tensor {
+    char *key;  // "base_model.model.M.lora_A.weight"
+    int ndim;
+    int64_t shape[2];
+    void *data;  // in the writer's dtype
+} aw_tensor;
+
+typedef struct aw_module {
+    char *path;  // "model.layers.0.self_attn.q_proj"
+    int r;       // 0: a saved module
+} aw_module;
+
+struct lm_adapter_out {
+    const lm_model *base;
+    char *base_name;
+    lm_dtype dtype;
+    aw_tensor *t;
+    int64_t n_t, cap_t;
+    aw_module *mods;  // LoRA modules, then (r 0) saved ones, in the order added
+    int64_t n_mods, cap_mods;
+    bool lora_bias;
+    int64_t count;
+};
+
+static lm_status nomem(lm_err *err)
+{
+    return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+}
+
+lm_status lm_adapter_out_new(lm_adapter_out **out, const lm_model *base, const char *base_name, lm_dtype dtype,
+                             lm_err *err)
+{
+    *out = NULL;
+    if (!lm_dtype_writable(dtype))
+        return lm_err_set(err, LM_ERR_USAGE, "an adapter is not written in %s", lm_dtype_name(dtype));
+    lm_adapter_out *w = calloc(1, sizeof *w);
+    if (!w || !(w->base_name = lm_strdup(base_name ? base_name : ""))) {
+        free(w);
+        return nomem(err);
+    }
+    w->base = base;
+    w->dtype = dtype;
+    *out = w;
+    return LM_OK;
+}
+
+void lm_adapter_out_free(lm_adapter_out *w)
+{
+    if (!w)
+        return;
+    for (int64_t i = 0; i < w->n_t; i++) {
+        free(w->t[i].key);
+        free(w->t[i].data);
+    }
+    for (int64_t i = 0; i < w->n_mods; i++)
+        free(w->mods[i].path);
+    free(w->t);
+    free(w->mods);
+    free(w->base_name);
+    free(w);
+}
+
+int64_t lm_adapter_out_count(const lm_adapter_out *w)
+{
+    return w->count;
+}
+
+// Adds tensor `suffix` of module `module` ([d0] or [d0, d1]) from float32 values, converted.
+static lm_status add_tensor(lm_adapter_out *w, const char *module, const char *suffix, int ndim, int64_t d0,
+                            int64_t d1, const float *values, lm_err *err)
+{
+    if (w->n_t == w->cap_t) {
+        int64_t cap = w->cap_t ? 2 * w->cap_t : 64;
+        aw_tensor *g = realloc(w->t, (size_t)cap * sizeof *g);
+        if (!g)
+            return nomem(err);
+        w->t = g;
+        w->cap_t = cap;
+    }
+    int64_t n = ndim == 1 ? d0 : d0 * d1;
+    aw_tensor *t = &w->t[w->n_t];
+    memset(t, 0, sizeof *t);
+    size_t len = strlen("base_model.model.") + strlen(module) + strlen(suffix) + 2;
+    t->key = malloc(len);
+    t->data = malloc((size_t)n * lm_dtype_bits(w->dtype) / 8 + 1);
+    if (!t->key || !t->data) {
+        free(t->key);
+        free(t->data);
+        return nomem(err);
+    }
+    snprintf(t->key, len, "base_model.model.%s.%s", module, suffix);
+    t->ndim = ndim;
+    t->shape[0] = d0;
+    t->shape[1] = d1;
+    lm_status s = lm_convert_from_f32(t->data, w->dtype, values, n, err);
+    if (s != LM_OK) {
+        free(t->key);
+        free(t->data);
+        return s;
+    }
+    w->n_t++;
+    return LM_OK;
+}
+
+static lm_status add_module(lm_adapter_out *w, const char *path, int r, lm_err *err)
+{
+    for (int64_t i = 0; i < w->n_mods; i++)
+        if (strcmp(w->mods[i].path, path) == 0)
+            return r == 0 && w->mods[i].r == 0 ? LM_OK
+                                               : lm_err_set(err, LM_ERR_USAGE, "module '%s' added twice", path);
+    if (w->n_mods == w->cap_mods) {
+        int64_t cap = w->cap_mods ? 2 * w->cap_mods : 64;
+        aw_module *g = realloc(w->mods, (size_t)cap * sizeof *g);
+        if (!g)
+            return nomem(err);
+        w->mods = g;
+        w->cap_mods = cap;
+    }
+    if (!(w->mods[w->n_mods].path = lm_strdup(path)))
+        return nomem(err);
+    w->mods[w->n_mods++].r = r;
+    return LM_OK;
+}
+
+lm_status lm_adapter_out_lora(lm_adapter_out *w, const char *module, bool embedding, int64_t rows, int64_t cols,
+                              int r, const float *b, const float *a, lm_err *err)
+{
+    if (r < 1)
+        return lm_err_set(err, LM_ERR_USAGE, "module '%s': rank %d", module, r);
+    lm_status s = add_module(w, module, r, err);
+    if (s != LM_OK)
+        return s;
+    if (!embedding) {
+        s = add_tensor(w, module, "lora_A.weight", 2, r, cols, a, err);
+        if (s == LM_OK)
+            s = add_tensor(w, module, "lora_B.weight", 2, rows, r, b, err);
+    } else {
+        // lora_embedding_A = bᵀ [r, vocab], lora_embedding_B = aᵀ [hidden, r]
+        float *ta = malloc((size_t)(r * rows) * sizeof *ta), *tb = malloc((size_t)(cols * r) * sizeof *tb);
+        if (!ta || !tb) {
+            free(ta);
+            free(tb);
+            return nomem(err);
+        }
+        for (int64_t i = 0; i < rows; i++)
+            for (int q = 0; q < r; q++)
+                ta[q * rows + i] = b[i * r + q];
+        for (int q = 0; q < r; q++)
+            for (int64_t j = 0; j < cols; j++)
+                tb[j * r + q] = a[q * cols + j];
+        s = add_tensor(w, module, "lora_embedding_A", 2, r, rows, ta, err);
+        if (s == LM_OK)
+            s = add_tensor(w, module, "lora_embedding_B", 2, cols, r, tb, err);
+        free(ta);
+        free(tb);
+    }
+    if (s == LM_OK)
+        w->count++;
+    return s;
+}
+
+lm_status lm_adapter_out_bias(lm_adapter_out *w, const char *module, int64_t n, const float *delta, lm_err *err)
+{
+    lm_status s = add_tensor(w, module, "lora_B.bias", 1, n, 0, delta, err);
+    if (s == LM_OK) {
+        w->lora_bias = true;
+        w->count++;
+    }
+    return s;
+}
+
+lm_status lm_adapter_out_saved(lm_adapter_out *w, const char *tensor, int ndim, const int64_t *shape,
+                               const float *values, lm_err *err)
+{
+    const char *dot = strrchr(tensor, '.');
+    if (!dot || dot == tensor || (ndim != 1 && ndim != 2))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "tensor '%s' (%d dimensions) cannot be saved in an adapter", tensor,
+                          ndim);
+    char *module = strndup(tensor, (size_t)(dot - tensor));
+    if (!module)
+        return nomem(err);
+    lm_status s = add_module(w, module, 0, err);
+    if (s == LM_OK)
+        s = add_tensor(w, module, dot + 1, ndim, shape[0], ndim == 2 ? shape[1] : 0, values, err);
+    free(module);
+    if (s == LM_OK)
+        w->count++;
+    return s;
+}
+
+// The last component of a module path.
+static const char *leaf(const char *path)
+{
+    const char *d = strrchr(path, '.');
+    return d ? d + 1 : path;
+}
+
+// Whether every module of the base named `name` last (a tensor "X.name.weight") is among the
+// writer's modules of kind `saved` (r 0) or not.
+static bool all_of_leaf(const lm_adapter_out *w, const char *name, bool saved)
+{
+    size_t nl = strlen(name);
+    for (int64_t i = 0; i < w->base->n_tensors; i++) {
+        const char *t = w->base->tensors[i]->name, *d = strrchr(t, '.');
+        if (!d || strcmp(d, ".weight") != 0)
+            continue;
+        size_t ml = (size_t)(d - t);
+        if (ml < nl || strncmp(t + ml - nl, name, nl) != 0 || (ml > nl && t[ml - nl - 1] != '.'))
+            continue;
+        bool found = false;
+        for (int64_t m = 0; !found && m < w->n_mods; m++)
+            found = (w->mods[m].r == 0) == saved && strlen(w->mods[m].path) == ml &&
+                    strncmp(w->mods[m].path, t, ml) == 0;
+        if (!found)
+            return false;
+    }
+    return true;
+}
+
+// target_modules (saved false) or modules_to_save (true): each last name whose modules all have
+// factors (are saved), else the full paths; NULL (JSON null) where there are none.
+static cJSON *module_list(const lm_adapter_out *w, bool saved)
+{
+    cJSON *list = cJSON_CreateArray();
+    int n = 0;
+    for (int64_t m = 0; list && m < w->n_mods; m++) {
+        if ((w->mods[m].r == 0) != saved)
+            continue;
+        const char *name = saved ? w->mods[m].path : leaf(w->mods[m].path);
+        if (!saved && all_of_leaf(w, name, false)) {
+            bool listed = false;  // once per last name
+            const cJSON *e;
+            cJSON_ArrayForEach(e, list)
+            listed = listed || strcmp(e->valuestring, name) == 0;
+            if (listed)
+                continue;
+        } else {
+            name = w->mods[m].path;
+        }
+        cJSON_AddItemToArray(list, cJSON_CreateString(name));
+        n++;
+    }
+    if (list && n == 0) {
+        cJSON_Delete(list);
+        return cJSON_CreateNull();
+    }
+    return list;
+}
+
+lm_status lm_adapter_out_write(lm_adapter_out *w, const char *dir, int rank, lm_err *err)
+{
+    if (w->n_t == 0)
+        return lm_err_set(err, LM_ERR_USAGE, "no tensor changes: the adapter would be empty");
+    lm_status s = LM_OK;
+    cJSON *c = cJSON_CreateObject(), *rp = cJSON_CreateObject(), *ap = cJSON_CreateObject();
+    char *text = NULL, *cfg_path = lm_path_join(dir, "adapter_config.json");
+    char *st_path = lm_path_join(dir, "adapter_model.safetensors");
+    lm_st_desc *d = calloc((size_t)w->n_t, sizeof *d);
+    const void **data = calloc((size_t)w->n_t, sizeof *data);
+    if (!c || !rp || !ap || !cfg_path || !st_path || !d || !data) {
+        s = nomem(err);
+        goto done;
+    }
+    for (int64_t m = 0; m < w->n_mods; m++)
+        if (w->mods[m].r > 0 && w->mods[m].r != rank) {
+            cJSON_AddNumberToObject(rp, w->mods[m].path, w->mods[m].r);
+            cJSON_AddNumberToObject(ap, w->mods[m].path, w->mods[m].r);
+        }
+    cJSON_AddItemToObject(c, "alpha_pattern", ap);
+    ap = NULL;
+    cJSON_AddStringToObject(c, "base_model_name_or_path", w->base_name);
+    cJSON_AddStringToObject(c, "bias", "none");
+    cJSON_AddBoolToObject(c, "fan_in_fan_out", false);
+    cJSON_AddBoolToObject(c, "inference_mode", true);
+    cJSON_AddBoolToObject(c, "init_lora_weights", true);
+    cJSON_AddNumberToObject(c, "lora_alpha", rank);
+    cJSON_AddBoolToObject(c, "lora_bias", w->lora_bias);
+    cJSON_AddNumberToObject(c, "lora_dropout", 0.0);
+    cJSON_AddItemToObject(c, "modules_to_save", module_list(w, true));
+    cJSON_AddStringToObject(c, "peft_type", "LORA");
+    cJSON_AddNumberToObject(c, "r", rank);
+    cJSON_AddItemToObject(c, "rank_pattern", rp);
+    rp = NULL;
+    cJSON_AddItemToObject(c, "target_modules", module_list(w, false));
+    cJSON_AddStringToObject(c, "task_type", "CAUSAL_LM");
+    cJSON_AddBoolToObject(c, "use_dora", false);
+    cJSON_AddBoolToObject(c, "use_rslora", false);
+    if (!(text = lm_manifest_print_json(c))) {
+        s = nomem(err);
+        goto done;
+    }
+    size_t tl = strlen(text);
+    char *nl = realloc(text, tl + 2);
+    if (!nl) {
+        s = nomem(err);
+        goto done;
+    }
+    text = nl;
+    memcpy(text + tl, "\n", 2);
+    for (int64_t i = 0; i < w->n_t; i++) {
+        d[i].name = w->t[i].key;
+        d[i].dtype = w->dtype;
+        d[i].ndim = w->t[i].ndim;
+        d[i].shape[0] = w->t[i].shape[0];
+        d[i].shape[1] = w->t[i].shape[1];
+        data[i] = w->t[i].data;
+    }
+    const char *meta[] = {"format", "pt", NULL};
+    if ((s = lm_st_write_file(st_path, d, data, w->n_t, meta, err)) == LM_OK)
+        s = lm_write_file(cfg_path, text, strlen(text), err);
+done:
+    cJSON_Delete(c);
+    cJSON_Delete(rp);
+    cJSON_Delete(ap);
+    free(text);
+    free(cfg_path);
+    free(st_path);
+    free(d);
+    free(data);
+    return s;
+}

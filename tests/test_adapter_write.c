@@ -1,0 +1,193 @@
+// Tests of adapter_write.c: an adapter written for the fixtures' base and read back by llmerge's
+// own reader (adapter.h, held to PEFT's format by test_adapter), field by field: the config's r,
+// lora_alpha, rank_pattern and alpha_pattern for a module of another rank, target_modules by last
+// name where every such module has factors and by full path where not, modules_to_save; each
+// module's kind, rank, scale (1) and factors (linear A and B as given; an embedding's transposed,
+// so that PEFT's (B·A)ᵀ is the product given); a saved tensor; bias deltas (lora_bias); BF16
+// rounding; an empty adapter and a bad rank refused.
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "adapter.h"
+#include "adapter_write.h"
+#include "check.h"
+#include "fixture.h"
+#include "testfs.h"
+
+// Values of a factor: distinct and exact in BF16.
+static void fill(float *x, int64_t n, int salt)
+{
+    for (int64_t i = 0; i < n; i++)
+        x[i] = (float)((i * 7 + salt * 13) % 41 - 20) / 16.0f;
+}
+
+static const lm_lora_module *find_module(const lm_adapter *ad, const char *path)
+{
+    for (int64_t i = 0; i < ad->n_modules; i++)
+        if (strcmp(ad->modules[i].path, path) == 0)
+            return &ad->modules[i];
+    return NULL;
+}
+
+static bool same_f32(const lm_st_tensor *t, const float *want, int64_t n)
+{
+    if (!t || t->numel != n)
+        return false;
+    float got[n];
+    lm_err err = {0};
+    if (lm_convert_to_f32(got, t->data, t->dtype, n, &err) != LM_OK)
+        return false;
+    return memcmp(got, want, (size_t)n * sizeof *got) == 0;
+}
+
+static void test_written(lm_dtype dt)
+{
+    lm_model *base = fixture_model("base");
+    if (!base)
+        return;
+    char *dir = make_tmpdir();
+    lm_adapter_out *w = NULL;
+    lm_err err = {0};
+    CHECK_OK(lm_adapter_out_new(&w, base, "org/base", dt, &err), &err);
+    // q_proj in both layers at rank 2 (target "q_proj"), v_proj in layer 0 only at rank 3 (its
+    // full path, and rank_pattern), the embedding at rank 2, model.norm saved whole
+    float qb[2][64 * 2], qa[2][2 * 64], vb[32 * 3], va[3 * 64], eb[256 * 2], ea[2 * 64], norm[64];
+    for (int l = 0; l < 2; l++) {
+        fill(qb[l], 64 * 2, 1 + l);
+        fill(qa[l], 2 * 64, 3 + l);
+    }
+    fill(vb, 32 * 3, 5);
+    fill(va, 3 * 64, 6);
+    fill(eb, 256 * 2, 7);
+    fill(ea, 2 * 64, 8);
+    fill(norm, 64, 9);
+    CHECK_OK(lm_adapter_out_lora(w, "model.layers.0.self_attn.q_proj", false, 64, 64, 2, qb[0], qa[0], &err), &err);
+    CHECK_OK(lm_adapter_out_lora(w, "model.layers.1.self_attn.q_proj", false, 64, 64, 2, qb[1], qa[1], &err), &err);
+    CHECK_OK(lm_adapter_out_lora(w, "model.layers.0.self_attn.v_proj", false, 32, 64, 3, vb, va, &err), &err);
+    CHECK_OK(lm_adapter_out_lora(w, "model.embed_tokens", true, 256, 64, 2, eb, ea, &err), &err);
+    int64_t ns = 64;
+    CHECK_OK(lm_adapter_out_saved(w, "model.norm.weight", 1, &ns, norm, &err), &err);
+    CHECK_FAILS(lm_adapter_out_lora(w, "model.layers.0.self_attn.q_proj", false, 64, 64, 2, qb[0], qa[0], &err),
+                LM_ERR_USAGE, "added twice", &err);
+    CHECK_FAILS(lm_adapter_out_lora(w, "model.layers.0.mlp.up_proj", false, 128, 64, 0, NULL, NULL, &err),
+                LM_ERR_USAGE, "rank 0", &err);
+    CHECK(lm_adapter_out_count(w) == 5);
+    CHECK_OK(lm_adapter_out_write(w, dir, 2, &err), &err);
+    lm_adapter_out_free(w);
+
+    lm_adapter *ad = NULL;
+    CHECK_OK(lm_adapter_open(&ad, dir, &err), &err);
+    if (ad) {
+        CHECK_OK(lm_adapter_select(ad, base, &err), &err);
+        CHECK_OK(lm_adapter_validate(ad, base, &err), &err);
+        const lm_lora_config *c = &ad->config;
+        CHECK(c->r == 2 && c->lora_alpha == 2 && !c->use_rslora && !c->use_dora && !c->fan_in_fan_out);
+        CHECK(!c->lora_bias);
+        CHECK(strcmp(c->base_model_name_or_path, "org/base") == 0);
+        CHECK(c->targets == LM_LORA_TARGETS_LIST && c->n_target_modules == 3);
+        if (c->n_target_modules == 3)
+            CHECK(strcmp(c->target_modules[0], "q_proj") == 0 &&
+                  strcmp(c->target_modules[1], "model.layers.0.self_attn.v_proj") == 0 &&
+                  strcmp(c->target_modules[2], "embed_tokens") == 0);
+        CHECK(c->n_modules_to_save == 1 && strcmp(c->modules_to_save[0], "model.norm") == 0);
+        CHECK(c->n_rank_pattern == 1 && c->n_alpha_pattern == 1);
+        if (c->n_rank_pattern == 1)
+            CHECK(strcmp(c->rank_pattern[0].key, "model.layers.0.self_attn.v_proj") == 0 && c->rank_pattern[0].r == 3 &&
+                  c->alpha_pattern[0].alpha == 3);
+        CHECK(ad->n_modules == 4 && ad->n_saved == 1 && ad->n_ignored == 0);
+        for (int l = 0; l < 2; l++) {
+            char path[64];
+            snprintf(path, sizeof path, "model.layers.%d.self_attn.q_proj", l);
+            const lm_lora_module *m = find_module(ad, path);
+            CHECK(m && m->kind == LM_LORA_LINEAR && m->r == 2 && m->scale == 1.0 && m->a->dtype == dt);
+            CHECK(m && same_f32(m->a, qa[l], 2 * 64) && same_f32(m->b, qb[l], 64 * 2));
+        }
+        const lm_lora_module *v = find_module(ad, "model.layers.0.self_attn.v_proj");
+        CHECK(v && v->r == 3 && v->alpha == 3 && v->scale == 1.0 && same_f32(v->a, va, 3 * 64) &&
+              same_f32(v->b, vb, 32 * 3));
+        const lm_lora_module *e = find_module(ad, "model.embed_tokens");
+        CHECK(e && e->kind == LM_LORA_EMBEDDING && e->r == 2 && e->a->shape[0] == 2 && e->a->shape[1] == 256 &&
+              e->b->shape[0] == 64 && e->b->shape[1] == 2);
+        if (e) {
+            // PEFT's delta (B·A)ᵀ [256, 64] is the product given, eb·ea
+            float A[2 * 256], B[64 * 2];
+            CHECK_OK(lm_convert_to_f32(A, e->a->data, e->a->dtype, 2 * 256, &err), &err);
+            CHECK_OK(lm_convert_to_f32(B, e->b->data, e->b->dtype, 64 * 2, &err), &err);
+            int bad = 0;
+            for (int i = 0; i < 256; i++)
+                for (int j = 0; j < 64; j++) {
+                    double peft = 0, given = 0;
+                    for (int q = 0; q < 2; q++) {
+                        peft += (double)B[j * 2 + q] * A[q * 256 + i];
+                        given += (double)eb[i * 2 + q] * ea[q * 64 + j];
+                    }
+                    bad += peft != given;
+                }
+            CHECK_MSG(bad == 0, "%d entries of the embedding's delta differ", bad);
+        }
+        CHECK(ad->n_saved == 1 && strcmp(ad->saved[0].base_name, "model.norm.weight") == 0 &&
+              same_f32(ad->saved[0].t, norm, 64));
+        lm_adapter_free(ad);
+    }
+    remove_tmpdir(dir);
+    lm_model_free(base);
+}
+
+// Bias deltas set lora_bias; rounding to BF16 is the dtype's; nothing added is refused.
+static void test_bias_and_refusals(void)
+{
+    lm_model *base = fixture_model("base");
+    if (!base)
+        return;
+    char *dir = make_tmpdir();
+    lm_adapter_out *w = NULL;
+    lm_err err = {0};
+    CHECK_OK(lm_adapter_out_new(&w, base, NULL, LM_DTYPE_BF16, &err), &err);
+    CHECK_FAILS(lm_adapter_out_write(w, dir, 4, &err), LM_ERR_USAGE, "would be empty", &err);
+    float b[64 * 1], a[1 * 64], bias[64];
+    for (int i = 0; i < 64; i++) {
+        b[i] = 1.0f + (float)i / 1024;  // not all exact in BF16
+        a[i] = 1.0f;
+        bias[i] = (float)i;
+    }
+    CHECK_OK(lm_adapter_out_lora(w, "model.layers.1.self_attn.o_proj", false, 64, 64, 1, b, a, &err), &err);
+    CHECK_OK(lm_adapter_out_bias(w, "model.layers.1.self_attn.o_proj", 64, bias, &err), &err);
+    CHECK_OK(lm_adapter_out_write(w, dir, 1, &err), &err);
+    lm_adapter_out_free(w);
+    lm_lora_config c = {0};
+    char *cfg = lm_path_join(dir, "adapter_config.json"), *st = lm_path_join(dir, "adapter_model.safetensors");
+    CHECK_OK(lm_lora_config_load(&c, cfg, &err), &err);
+    CHECK(c.lora_bias && c.r == 1 && c.n_rank_pattern == 0 && c.n_modules_to_save == 0);
+    lm_lora_config_free(&c);
+    lm_st_file *f = NULL;
+    CHECK_OK(lm_st_open(&f, st, &err), &err);
+    if (f) {
+        const lm_st_tensor *tb = lm_st_find(f, "base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight");
+        const lm_st_tensor *tbias = lm_st_find(f, "base_model.model.model.layers.1.self_attn.o_proj.lora_B.bias");
+        CHECK(tb && tb->dtype == LM_DTYPE_BF16 && tbias && tbias->ndim == 1 && tbias->shape[0] == 64);
+        if (tb) {
+            float got[64], want[64];
+            CHECK_OK(lm_convert_to_f32(got, tb->data, tb->dtype, 64, &err), &err);
+            for (int i = 0; i < 64; i++)
+                want[i] = lm_bf16_to_f32(lm_f32_to_bf16(b[i]));
+            CHECK(memcmp(got, want, sizeof got) == 0);
+        }
+        lm_st_close(f);
+    }
+    CHECK_FAILS(lm_adapter_out_new(&w, base, NULL, LM_DTYPE_I32, &err), LM_ERR_USAGE, "not written in", &err);
+    free(cfg);
+    free(st);
+    remove_tmpdir(dir);
+    lm_model_free(base);
+}
+
+int main(void)
+{
+    if (!fixture_env("test_adapter_write"))
+        return 77;
+    test_written(LM_DTYPE_F32);
+    test_written(LM_DTYPE_BF16);
+    test_bias_and_refusals();
+    return check_report("test_adapter_write");
+}
