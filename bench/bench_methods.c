@@ -1,6 +1,8 @@
 // Benchmark of the merge methods that came with mergekit's configurations (linear, slerp,
 // nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties, della,
-// della-linear, ram, ramplus-tl) on the 1B-shape inputs bench_merge generates (Llama-3.2-1B shapes, BF16: the
+// della-linear, ram, ramplus-tl) and merges written as LoRA adapters (--to-lora: a full
+// fine-tune extracted at rank 16 and 64, ties of three adapters into one of rank 64, each with
+// its relative errors) on the 1B-shape inputs bench_merge generates (Llama-3.2-1B shapes, BF16: the
 // base, three full fine-tunes, three rank-16 LoRA adapters), each against a reference method
 // run on the same inputs in the same run: task-arithmetic for the interpolations, averages and
 // the ram methods, ties for the band selections and della. Each case runs its reference and then itself, and
@@ -8,7 +10,7 @@
 // always neighbours in time and a slow moment of a shared machine falls on both; the figures
 // are the medians over the rounds. It prints each run, then per case the median wall times,
 // their ratio against the target (1.25x the reference for linear, slerp, breadcrumbs,
-// breadcrumbs-ties, della and della-linear; the others have none) and the median peak RSS
+// breadcrumbs-ties, della and della-linear; 2x for the adapters; the others have none) and the median peak RSS
 // against the reference's and against TIES's bound of 1.5 GB. Not a test: it asserts nothing,
 // and exits non-zero only when something fails to run (a merge exiting non-zero, inputs
 // missing).
@@ -22,6 +24,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <cJSON.h>
+
 #include "util.h"
 
 #define BENCH_PROG "bench_methods"
@@ -33,6 +37,8 @@
 #define RSS_BOUND 1500000000ull  // TIES's peak RSS target for three full fine-tunes (bench_merge)
 enum { N_FT = 3, MAX_ROUNDS = 15 };
 
+enum { BOTH = 0, FULL_ONLY = 1, LORA_ONLY = 2 };
+
 // One method measured against its reference.
 typedef struct bm_case {
     const char *method;
@@ -40,25 +46,38 @@ typedef struct bm_case {
     int n_ft;                   // fine-tunes (or adapters) after the base
     const char *extra[3];       // options of this method only (NULL-terminated)
     double target;              // the most method / reference time allowed; 0 for none
+    const char *name;           // how --methods and the tables call it (NULL: method)
+    int kinds;                  // BOTH, or the one kind of input it runs on
 } bm_case;
 
 // nearswap's --t: the full fine-tunes' task vectors are uniform in ±2^-9, so about half of
 // their entries lie beyond it (with the default 0.5 every entry would be taken whole).
 static const bm_case CASES[] = {
-    {"linear", "task-arithmetic", N_FT, {NULL}, 1.25},
-    {"slerp", "task-arithmetic", 1, {NULL}, 1.25},
-    {"nuslerp", "task-arithmetic", 2, {NULL}, 0},
-    {"multislerp", "task-arithmetic", N_FT, {NULL}, 0},
-    {"karcher", "task-arithmetic", N_FT, {NULL}, 0},
-    {"model-stock", "task-arithmetic", N_FT, {NULL}, 0},
-    {"nearswap", "task-arithmetic", 1, {"--t", "0.001", NULL}, 0},
-    {"breadcrumbs", "ties", N_FT, {NULL}, 1.25},
-    {"breadcrumbs-ties", "ties", N_FT, {NULL}, 1.25},
-    {"della", "ties", N_FT, {NULL}, 1.25},
-    {"della-linear", "ties", N_FT, {NULL}, 1.25},
-    {"ram", "task-arithmetic", N_FT, {NULL}, 0},
-    {"ramplus-tl", "task-arithmetic", N_FT, {NULL}, 0},
+    {"linear", "task-arithmetic", N_FT, {NULL}, 1.25, NULL, BOTH},
+    {"slerp", "task-arithmetic", 1, {NULL}, 1.25, NULL, BOTH},
+    {"nuslerp", "task-arithmetic", 2, {NULL}, 0, NULL, BOTH},
+    {"multislerp", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
+    {"karcher", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
+    {"model-stock", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
+    {"nearswap", "task-arithmetic", 1, {"--t", "0.001", NULL}, 0, NULL, BOTH},
+    {"breadcrumbs", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
+    {"breadcrumbs-ties", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
+    {"della", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
+    {"della-linear", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
+    {"ram", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
+    {"ramplus-tl", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
+    // merges written as LoRA adapters: a full fine-tune extracted at rank 16 and 64, and ties of
+    // the three adapters into one of rank 64, each against task arithmetic of the same inputs
+    {"task-arithmetic", "task-arithmetic", 1, {"--to-lora", "16", NULL}, 2.0, "extract-r16", FULL_ONLY},
+    {"task-arithmetic", "task-arithmetic", 1, {"--to-lora", "64", NULL}, 2.0, "extract-r64", FULL_ONLY},
+    {"ties", "task-arithmetic", N_FT, {"--to-lora", "64", NULL}, 2.0, "ties-to-lora-r64", LORA_ONLY},
 };
+
+// A case's name in --methods and the tables.
+static const char *case_name(const bm_case *c)
+{
+    return c->name ? c->name : c->method;
+}
 enum { N_CASES = sizeof CASES / sizeof CASES[0] };
 
 typedef struct bm_opts {
@@ -77,14 +96,38 @@ typedef struct bm_result {
     int n;                     // rounds completed
     bm_child ref[MAX_ROUNDS];
     bm_child run[MAX_ROUNDS];
+    double err_mean[MAX_ROUNDS], err_max[MAX_ROUNDS];  // an adapter's errors (llmerge.json), or -1
 } bm_result;
 
 // ==== running =================================================================================
 
+// The adapter's relative errors, mean and worst, from OUT/llmerge.json (-1 where there are none).
+static void adapter_errors(const char *out, double *mean, double *max)
+{
+    *mean = *max = -1;
+    char *path = lm_path_join(out, "llmerge.json"), *text = NULL;
+    size_t len = 0;
+    lm_err err = {0};
+    if (path && lm_read_file(path, 64u << 20, &text, &len, &err) == LM_OK) {
+        cJSON *j = cJSON_ParseWithLength(text, len);
+        const cJSON *a = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(j, "outputs"), "adapter");
+        const cJSON *m = cJSON_GetObjectItemCaseSensitive(a, "error_mean"), *x = cJSON_GetObjectItemCaseSensitive(a, "error_max");
+        if (cJSON_IsNumber(m) && cJSON_IsNumber(x)) {
+            *mean = m->valuedouble;
+            *max = x->valuedouble;
+        }
+        cJSON_Delete(j);
+    }
+    free(text);
+    free(path);
+}
+
 // Runs `method` on BASE and the first n_ft inputs of `fts` into WORK/methods/out, removing the
-// output afterwards. Returns -1 when it could not be run; a failing merge has c->status != 0.
+// output afterwards (an adapter's errors into err_mean and err_max first, where not NULL).
+// Returns -1 when it could not be run; a failing merge has c->status != 0.
 static int run_merge(const bm_opts *o, const char *method, const char *base, char *const *fts,
-                     int n_ft, const char *const *extra, const char *dir, bm_child *c)
+                     int n_ft, const char *const *extra, const char *dir, bm_child *c, double *err_mean,
+                     double *err_max)
 {
     char *out = lm_path_join(dir, "out"), *log = lm_path_join(dir, "merge.log");
     char *args[32];
@@ -117,6 +160,8 @@ static int run_merge(const bm_opts *o, const char *method, const char *base, cha
     } else if (!lm_is_dir(out)) {
         fprintf(stderr, BENCH_PROG ": `llmerge %s` exited 0 but wrote no %s\n", method, out);
         c->status = -1;
+    } else if (err_mean) {
+        adapter_errors(out, err_mean, err_max);
     }
     lm_rm_rf(out, &err);
     rc = 0;
@@ -176,7 +221,7 @@ static void print_results(const bm_result *res, int nres, int rounds)
     for (int i = 0; i < nres; i++) {
         const bm_result *r = &res[i];
         char name[48], pairs[32], target[64];
-        snprintf(name, sizeof name, "%s %s", r->c->method, r->kind);
+        snprintf(name, sizeof name, "%s %s", case_name(r->c), r->kind);
         if (r->n == 0) {
             printf("%-22s %-16s   FAILED\n", name, r->c->ref);
             continue;
@@ -192,6 +237,12 @@ static void print_results(const bm_result *res, int nres, int rounds)
                s.ref_s, s.run_s, s.ratio, pairs, gb((uint64_t)s.ref_rss), gb((uint64_t)s.run_rss),
                target);
     }
+    for (int i = 0; i < nres; i++) {
+        const bm_result *r = &res[i];
+        if (r->n > 0 && r->err_mean[0] >= 0)
+            printf("  %s %s: the adapter's relative error |D - B.A| / |D|, mean %.4g, worst %.4g (first round)\n",
+                   case_name(r->c), r->kind, r->err_mean[0], r->err_max[0]);
+    }
     printf("(medians over %d rounds of reference then method on the same inputs; ratio = method s"
            " / ref s;\n pairs: the smallest and largest ratio within one round; RSS: peak RSS in GB "
            "from wait4's ru_maxrss;\n density " DENSITY ", seed " SEED ", default threads)\n",
@@ -203,7 +254,7 @@ static void print_results(const bm_result *res, int nres, int rounds)
             continue;
         bm_summary s = summarize(r);
         char name[48];
-        snprintf(name, sizeof name, "%s %s", r->c->method, r->kind);
+        snprintf(name, sizeof name, "%s %s", case_name(r->c), r->kind);
         printf("  %-22s %.2f GB (%s %.2f GB): %s\n", name, gb((uint64_t)s.run_rss), r->c->ref,
                gb((uint64_t)s.ref_rss), s.run_rss < (double)RSS_BOUND ? "met" : "MISSED");
     }
@@ -235,7 +286,7 @@ static int choose(bm_opts *o, const char *list)
     int rc = 0;
     for (char *save = NULL, *m = strtok_r(copy, ",", &save); m; m = strtok_r(NULL, ",", &save)) {
         int k = 0;
-        while (k < N_CASES && strcmp(CASES[k].method, m) != 0)
+        while (k < N_CASES && strcmp(case_name(&CASES[k]), m) != 0)
             k++;
         if (k == N_CASES) {
             fprintf(stderr, BENCH_PROG ": no case for method '%s'\n", m);
@@ -342,14 +393,14 @@ int main(int argc, char **argv)
         const char *kname = kind == 0 ? "full" : "lora";
         int first = nres;
         for (int k = 0; k < N_CASES; k++)
-            if (o.chosen[k])
+            if (o.chosen[k] && (CASES[k].kinds == BOTH || CASES[k].kinds == (kind == 0 ? FULL_ONLY : LORA_ONLY)))
                 res[nres++] = (bm_result){.c = &CASES[k], .kind = kname};
         // an untimed merge first, so that the first case does not pay for reading the inputs
         // into the page cache
         bm_child warm;
         printf("\n%s: warming the page cache (task-arithmetic of base + %d) ...\n", kname, N_FT);
         fflush(stdout);
-        if (run_merge(&o, "task-arithmetic", base, fts, N_FT, NULL, dir, &warm) != 0)
+        if (run_merge(&o, "task-arithmetic", base, fts, N_FT, NULL, dir, &warm, NULL, NULL) != 0)
             goto done;
         for (int round = 0; round < o.rounds; round++) {
             for (int i = first; i < nres; i++) {
@@ -357,8 +408,9 @@ int main(int argc, char **argv)
                 if (r->n < round)  // a failure earlier: not run again
                     continue;
                 bm_child *ref = &r->ref[round], *run = &r->run[round];
-                if (run_merge(&o, r->c->ref, base, fts, r->c->n_ft, NULL, dir, ref) != 0 ||
-                    run_merge(&o, r->c->method, base, fts, r->c->n_ft, r->c->extra, dir, run) != 0)
+                if (run_merge(&o, r->c->ref, base, fts, r->c->n_ft, NULL, dir, ref, NULL, NULL) != 0 ||
+                    run_merge(&o, r->c->method, base, fts, r->c->n_ft, r->c->extra, dir, run, &r->err_mean[round],
+                              &r->err_max[round]) != 0)
                     goto done;
                 if (ref->status != 0 || run->status != 0) {
                     failures++;
@@ -366,8 +418,8 @@ int main(int argc, char **argv)
                 }
                 r->n++;
                 printf("  round %d  %-16s %-5s base + %d: %-16s %7.2f s %5.2f GB, %-16s %7.2f s "
-                       "%5.2f GB (%.2fx)\n", round + 1, r->c->method, kname, r->c->n_ft, r->c->ref,
-                       ref->wall, gb(ref->peak_rss), r->c->method, run->wall, gb(run->peak_rss),
+                       "%5.2f GB (%.2fx)\n", round + 1, case_name(r->c), kname, r->c->n_ft, r->c->ref,
+                       ref->wall, gb(ref->peak_rss), case_name(r->c), run->wall, gb(run->peak_rss),
                        run->wall / ref->wall);
                 fflush(stdout);
             }

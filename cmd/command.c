@@ -134,7 +134,7 @@ lm_status lm_cmd_finish_output(lm_manifest *m, const lm_manifest_timings *tm, lm
     free(path);
     if (s != LM_OK)
         return s;
-    *n_shards = lm_st_writer_plan(*w)->n_shards;
+    *n_shards = *w ? lm_st_writer_plan(*w)->n_shards : 0;  // no writer: an adapter's files
     lm_st_writer_free(*w);
     *w = NULL;
     // writing the side files and hashing the inputs may have taken a while

@@ -20,6 +20,7 @@ typedef struct command {
 static const command commands[] = {
     {"run", "merge what a mergekit configuration file (YAML) says", lm_cmd_run},
     {"passthrough", "stack layer ranges of several models into one (mergekit's slices)", lm_cmd_passthrough},
+    {"extract", "a fine-tune's change from its base as a LoRA adapter (truncated SVD)", lm_cmd_extract},
     {"eval", "perplexity of a model (with a LoRA adapter applied) on token data", lm_cmd_eval},
     {"hessian", "input Hessians of a model's linear layers from calibration data", lm_cmd_hessian},
     {"plan", "what a merge will need: memory per phase and device, fallbacks, disk", lm_cmd_plan},

@@ -96,11 +96,13 @@ typedef struct merge_run {
     dropped_tensor *dropped;   // (n_dropped) full FTs' tensors the base does not have, left out
     int64_t n_dropped;
     bool planning;             // prepared for llmerge plan, which reads no tensor data
+    lm_cmd_lora *lora;         // --to-lora: the adapter being made, or NULL
 } merge_run;
 
 static void run_free(merge_run *r)
 {
     lm_hasher_free(r->hasher);
+    lm_cmd_lora_free(r->lora);
     lm_manifest_free(&r->manifest);
     lm_st_writer_free(r->writer);
     lm_outdir_abort(&r->od);
@@ -472,6 +474,10 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->rescale = a->rescale;
     o->seed = a->seed;
     o->out_dtype = a->have_dtype ? a->dtype : lm_model_out_dtype(r->base);
+    if (a->to_lora) {  // the merge's values in float32, from which each tensor's Δ is made
+        a->lora_dtype = o->out_dtype;
+        o->out_dtype = LM_DTYPE_F32;
+    }
     o->threads = a->threads;
     o->base_weight = models && a->weights ? a->weights[0] : 1.0;
     o->models_only = a->models_only;
@@ -490,7 +496,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
         o->params_ctx = a->params;
         a->params->n_layers = r->base->config.num_hidden_layers;
     }
-    if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, err)) != LM_OK)
+    if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, err)) != LM_OK ||
+        (s = lm_cmd_lora_check(a, r->base, err)) != LM_OK)
         return s;
     if (a->use.hessians && (s = read_calib(r, err)) != LM_OK)
         return s;
@@ -516,6 +523,17 @@ static void on_tensor(void *ctx, int64_t done, int64_t total, const char *name,
         lm_progress_set_total(p, total, bytes_total);
     lm_progress_update(p, done, bytes_done, name);
     lm_test_delay();  // LLMERGE_TEST_DELAY_MS, for the tests that interrupt a run
+}
+
+// --to-lora: the merge's bytes and each complete tensor, to the adapter being made.
+static lm_status on_put(void *ctx, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes, lm_err *err)
+{
+    return lm_cmd_lora_put(((merge_run *)ctx)->lora, idx, offset, data, nbytes, err);
+}
+
+static lm_status on_done(void *ctx, int64_t idx, lm_err *err)
+{
+    return lm_cmd_lora_done(((merge_run *)ctx)->lora, idx, err);
 }
 
 // A unit went to the CPU: said on stderr and in the log, and kept for llmerge.json.
@@ -554,9 +572,13 @@ static void describe_run(merge_run *r)
     const lm_merge_opts *o = &r->opts;
     char shard[32];
     lm_format_bytes(shard, sizeof shard, a->shard_size);
-    lm_progress_note(&r->progress, "merging %d fine-tune%s onto %s into %s (%s, %s, %d thread%s)",
-                     a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, lm_cmd_dtype_flag(o->out_dtype),
-                     lm_dev_name(r->dev), o->threads, o->threads == 1 ? "" : "s");
+    char lora[64] = "";
+    if (a->to_lora)
+        snprintf(lora, sizeof lora, " as a LoRA adapter of rank %d", a->to_lora);
+    lm_progress_note(&r->progress, "merging %d fine-tune%s onto %s into %s%s (%s, %s, %d thread%s)",
+                     a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, lora,
+                     lm_cmd_dtype_flag(a->to_lora ? a->lora_dtype : o->out_dtype), lm_dev_name(r->dev), o->threads,
+                     o->threads == 1 ? "" : "s");
     if (strncmp(r->dev_why, "auto:", 5) == 0 || strcmp(r->dev_why, lm_dev_name(r->dev)) != 0 || a->verbose)
         lm_progress_note(&r->progress, "device %s", r->dev_why);
     if (!a->verbose)
@@ -746,10 +768,13 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
             return s;
     *hash_s = lm_now() - t;
 
-    const lm_shard_plan *plan = lm_st_writer_plan(r->writer);
-    if ((s = lm_manifest_set_outputs(m, r->od.tmp, plan, r->descs, r->n_descs,
-                                     r->res.tensor_xxh64, err)) != LM_OK)
+    if (r->lora) {
+        if ((s = lm_cmd_lora_manifest(r->lora, m->outputs, err)) != LM_OK)
+            return s;
+    } else if ((s = lm_manifest_set_outputs(m, r->od.tmp, lm_st_writer_plan(r->writer), r->descs, r->n_descs,
+                                            r->res.tensor_xxh64, err)) != LM_OK) {
         return s;
+    }
     if (!(a->no_card ? cJSON_AddNullToObject(m->outputs, "card") : cJSON_AddStringToObject(m->outputs, "card", LM_CARD_NAME)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     // Tensors per device: merged ones where they ran, copied ones on the CPU.
@@ -884,7 +909,8 @@ static int work(merge_run *r, double t_loaded)
     char *path = NULL;
     int n_side = 0;
     double t_merge = lm_now(), t_written = 0, hash_s = 0;
-    s = lm_st_writer_open(&r->writer, r->od.tmp, r->descs, r->n_descs, a->shard_size, NULL, &err);
+    s = a->to_lora ? lm_cmd_lora_begin(&r->lora, a, r->base, r->descs, r->n_descs, r->dev, a->lora_dtype, p, &err)
+                   : lm_st_writer_open(&r->writer, r->od.tmp, r->descs, r->n_descs, a->shard_size, NULL, &err);
     if (s != LM_OK)
         goto fail;
     uint64_t out_bytes = 0;
@@ -917,7 +943,8 @@ static int work(merge_run *r, double t_loaded)
     }
     if ((s = start_hasher(r, &err)) != LM_OK)
         goto fail;
-    lm_merge_hooks hooks = {.progress = on_tensor, .fallback = on_fallback, .ctx = r};
+    lm_merge_hooks hooks = {.progress = on_tensor, .fallback = on_fallback, .ctx = r,
+                            .put = r->lora ? on_put : NULL, .tensor_done = r->lora ? on_done : NULL};
     s = lm_merge_run(&r->opts, merge_dev, r->base, r->fts, r->writer, &hooks, &r->res, &err);
     lm_progress_end(p);
     if (s != LM_OK)
@@ -926,6 +953,12 @@ static int work(merge_run *r, double t_loaded)
     if (a->use.hessians)
         lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
     double t_merged = lm_now();
+    if (r->lora) {  // the adapter's files, and the configuration of llmerge run
+        if ((s = lm_cmd_lora_finish(r->lora, r->od.tmp, &err)) != LM_OK ||
+            (s = lm_cmd_run_outputs(a, r->od.tmp, &err)) != LM_OK)
+            goto fail;
+        goto card;
+    }
     if ((s = lm_st_writer_finish(r->writer, &err)) != LM_OK)
         goto fail;
 
@@ -942,6 +975,7 @@ static int work(merge_run *r, double t_loaded)
     if ((s = lm_manifest_copy_side_files(r->base->dir, r->od.tmp, &n_side, &err)) != LM_OK ||
         (s = lm_cmd_run_outputs(a, r->od.tmp, &err)) != LM_OK)
         goto fail;
+card:
     if (!a->no_card &&
         (s = lm_merge_write_card(a, &r->opts, (const lm_ft *const *)r->fts, r->od.tmp, &err)) != LM_OK)
         goto fail;
@@ -966,7 +1000,13 @@ static int work(merge_run *r, double t_loaded)
              r->res.n_merged == 1 ? "" : "s", r->res.n_copied);
     lm_progress_summary_as(p, what);
     device_summary(r);
-    lm_cmd_note_written(p, a->out, n_shards, n_side, !a->no_card);
+    if (r->lora) {
+        lm_cmd_lora_summary(r->lora, p);
+        lm_progress_note(p, "wrote %s: adapter_config.json, adapter_model.safetensors, %s%s", a->out,
+                         a->no_card ? "" : LM_CARD_NAME ", ", LM_MANIFEST_NAME);
+    } else {
+        lm_cmd_note_written(p, a->out, n_shards, n_side, !a->no_card);
+    }
     cJSON *f = lm_cmd_end_event(a->out, r->t0);
     cJSON_AddNumberToObject(f, "tensors_merged", (double)r->res.n_merged);
     cJSON_AddNumberToObject(f, "tensors_copied", (double)r->res.n_copied);

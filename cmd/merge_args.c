@@ -88,6 +88,9 @@ const lm_opt lm_merge_opt_defs[] = {
     {"per-row", 0, false, OPT_PER_ROW},
     {"select-topk", 0, true, OPT_SELECT_TOPK},
     {"per-column", 0, false, OPT_PER_COL},
+    {"to-lora", 0, true, OPT_TO_LORA},
+    {"to-lora-energy", 0, true, OPT_TO_LORA_ENERGY},
+    {"rank", 0, true, OPT_RANK},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
@@ -186,6 +189,14 @@ void lm_merge_usage(FILE *out, const lm_method *m)
                          "                         not the Hessians, about 5 GB per model for a 1B Llama"
                        : " this method keeps nothing there");
     fprintf(out,
+            "  --to-lora RANK         write OUT as a PEFT LoRA adapter of BASE instead of a model:\n"
+            "                         each matrix's merged change Δ as factors of rank RANK\n"
+            "                         (a truncated SVD), an embedding's as embedding LoRA, other\n"
+            "                         tensors that change (norms) whole in modules_to_save;\n"
+            "                         llmerge.json records each tensor's rank and relative error\n"
+            "  --to-lora-energy F     with --to-lora: per matrix the smallest rank keeping the\n"
+            "                         fraction F of Δ's energy (sum of squares), at most RANK\n"
+            "                         (rank_pattern holds the others)\n"
             "  --log-json FILE        write one JSON object per event to FILE (JSON Lines):\n"
             "                         start, warnings, each tensor, end, error or interrupted\n"
             "                         (default: none)\n"
@@ -487,6 +498,28 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
                               "bf16)", shown, v);
         a->have_dtype = true;
         return LM_OK;
+    case OPT_RANK:
+        if (!a->extract)
+            return lm_err_set(err, LM_ERR_USAGE, "%s is llmerge extract's option: a merge written as an adapter "
+                              "takes --to-lora RANK", shown);
+        __attribute__((fallthrough));  // llmerge extract's --rank is --to-lora
+    case OPT_TO_LORA: {
+        char *end = NULL;
+        long r = strtol(v, &end, 10);
+        if (!*v || *end || r < 1 || r > 65536)
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': the adapter's rank, a whole number from 1 to 65536, is "
+                              "needed", shown, v);
+        a->to_lora = (int)r;
+        return LM_OK;
+    }
+    case OPT_TO_LORA_ENERGY: {
+        char *end = NULL;
+        double f = strtod(v, &end);
+        if (!*v || *end || !(f > 0 && f <= 1))
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a fraction of the energy in (0, 1] is needed", shown, v);
+        a->to_lora_energy = f;
+        return LM_OK;
+    }
     case OPT_SHARD_SIZE:
         if ((s = lm_parse_size(v, &a->shard_size, err)) != LM_OK)
             return lm_err_prefix(err, "%s", shown);

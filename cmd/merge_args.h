@@ -51,7 +51,8 @@ typedef enum opt_id {
     OPT_NO_NORMALIZE, OPT_SIGN, OPT_TOPK, OPT_RESCALE, OPT_SEED, OPT_DTYPE, OPT_SHARD_SIZE,
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
     OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD,
-    OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_EPSILON, OPT_PER_ROW, OPT_SELECT_TOPK, OPT_PER_COL, OPT_RAM_R, OPT_RAM_ALPHA, OPT_HELP,
+    OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_EPSILON, OPT_PER_ROW, OPT_SELECT_TOPK, OPT_PER_COL, OPT_RAM_R, OPT_RAM_ALPHA,
+    OPT_TO_LORA, OPT_TO_LORA_ENERGY, OPT_RANK, OPT_HELP,
 } opt_id;
 
 // The options every merge command takes, for lm_cmd_scan and the output guard.
@@ -125,6 +126,12 @@ struct merge_args {
     bool models_only;          // --models-only
     bool per_row;              // --per-row
     bool per_col;              // --per-column
+    bool extract;              // llmerge extract (its --rank is --to-lora)
+    int to_lora;               // --to-lora RANK: OUT is a LoRA adapter of that rank (0: a model)
+    lm_dtype lora_dtype;       // --to-lora: the adapter's dtype (--dtype, else the base's); the
+                               // merge's own output is then float32
+    double to_lora_energy;     // --to-lora-energy F: per tensor the rank that keeps F of Δ's
+                               // energy, at most to_lora (0: to_lora each)
     bool given[OPT_HELP + 1];  // which options appeared
     cli_setting sets[SET_COUNT];  // per-tensor settings given on the command line
     // llmerge run: the settings of a configuration file (the parse of cmd/run.c sets them), else
@@ -158,6 +165,31 @@ struct merge_args {
 // base, no vocab_size), naming it; what lm_ft_open says of a bad FT.
 lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bool data, lm_progress *p,
                             lm_err *err);
+
+// --to-lora (cmd/merge_lora.c): the merge's output made into a PEFT LoRA adapter of BASE.
+typedef struct lm_cmd_lora lm_cmd_lora;
+// Before any work: --to-lora-energy without --to-lora, a rank above a matrix's smaller side, a
+// floating tensor of more than two dimensions: LM_ERR_USAGE or LM_ERR_UNSUPPORTED naming it.
+lm_status lm_cmd_lora_check(const merge_args *a, const lm_model *base, lm_err *err);
+// The adapter being made from the merge of a (whose output descriptors, n of them and float32
+// for every floating tensor, are descs) on dev, stored in dtype; notes through p.
+lm_status lm_cmd_lora_begin(lm_cmd_lora **out, const merge_args *a, const lm_model *base, const lm_st_desc *descs,
+                            int64_t n, lm_dev *dev, lm_dtype dtype, lm_progress *p, lm_err *err);
+// lm_merge_hooks' put and tensor_done.
+lm_status lm_cmd_lora_put(lm_cmd_lora *l, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes,
+                          lm_err *err);
+lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err);
+// Writes the adapter's two files into dir.
+lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err);
+// A line on what was written: matrices as factors, their ranks and errors, tensors whole.
+void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p);
+// llmerge.json's outputs.adapter: the files, rank, and per tensor how it was written.
+lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err);
+void lm_cmd_lora_free(lm_cmd_lora *l);
+
+// llmerge extract BASE FT -o ADAPTER --rank R (cmd/extract.c): the merge's parse.
+lm_status lm_cmd_extract_parse(merge_args *a, int argc, char **argv, lm_err *err);
+void lm_cmd_extract_usage(FILE *out, const void *arg);
 
 // Frees the settings of sets[] (not the struct).
 void lm_merge_args_free_sets(merge_args *a);

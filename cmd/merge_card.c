@@ -78,7 +78,13 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     snprintf(seq_len, sizeof seq_len, "%" PRId64, a->seq_len);
     lm_card_number(damp, sizeof damp, SGPT_DAMP);
     const char *sign = o->sign == LM_SIGN_COUNT ? "count" : "sum", *topk = o->topk_global ? "global" : "tensor";
-    const char *rescale = lm_rescale_name(o->rescale), *dtype = lm_cmd_dtype_flag(o->out_dtype);
+    const char *rescale = lm_rescale_name(o->rescale);
+    const char *dtype = lm_cmd_dtype_flag(a->to_lora ? a->lora_dtype : o->out_dtype);
+    char lora_r[24], lora_e[40], lora_h[96];
+    snprintf(lora_r, sizeof lora_r, "%d", a->to_lora);
+    lm_card_number(lora_e, sizeof lora_e, a->to_lora_energy);
+    snprintf(lora_h, sizeof lora_h, "rank %d%s%s%s", a->to_lora, a->to_lora_energy > 0 ? ", or the smallest keeping " : "",
+             a->to_lora_energy > 0 ? lora_e : "", a->to_lora_energy > 0 ? " of each matrix's energy" : "");
     bool sgpt = u->hessians;
 
     // the options shown in the body, those the method uses
@@ -95,7 +101,10 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     if (u->seed)
         opts[k++] = (lm_card_option){"seed", seed, false};
     opts[k++] = (lm_card_option){"dtype", dtype, false};
-    opts[k++] = (lm_card_option){"shard size", shard_h, false};
+    if (a->to_lora)
+        opts[k++] = (lm_card_option){"LoRA adapter", lora_h, false};
+    else
+        opts[k++] = (lm_card_option){"shard size", shard_h, false};
     for (int i = 0; sgpt && i < a->n_calib; i++)
         opts[k++] = (lm_card_option){a->n_calib == 1 ? "calibration data" : "calibration data (in FT order)",
                                      a->calib[i], true};
@@ -124,9 +133,11 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         argv[c++] = "mergekit_config.yml";
         argv[c++] = "-o";
         argv[c++] = a->out;
-        argv[c++] = "--shard-size";
-        argv[c++] = shard;
-        goto card;
+        if (!a->to_lora) {
+            argv[c++] = "--shard-size";
+            argv[c++] = shard;
+        }
+        goto lora;
     }
     argv[c++] = m->name;
     if (u->models_only && o->models_only)
@@ -196,8 +207,10 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     }
     argv[c++] = "--dtype";
     argv[c++] = dtype;
-    argv[c++] = "--shard-size";
-    argv[c++] = shard;
+    if (!a->to_lora) {
+        argv[c++] = "--shard-size";
+        argv[c++] = shard;
+    }
     for (int i = 0; sgpt && i < a->n_calib; i++) {
         argv[c++] = "--calib";
         argv[c++] = a->calib[i];
@@ -215,7 +228,15 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         }
     }
 
-card:;
+lora:
+    if (a->to_lora) {
+        argv[c++] = "--to-lora";
+        argv[c++] = lora_r;
+        if (a->to_lora_energy > 0) {
+            argv[c++] = "--to-lora-energy";
+            argv[c++] = lora_e;
+        }
+    }
     char name[PATH_MAX];  // OUT's last component names the model
     snprintf(name, sizeof name, "%s", a->out);
     for (size_t len = strlen(name); len > 1 && name[len - 1] == '/'; len--)
@@ -224,7 +245,7 @@ card:;
     lm_card card = {
         .title = *title ? title : "merged model", .version = LLMERGE_VERSION, .method = m->name,
         .method_summary = m->summary, .base = a->base, .inputs = inputs, .n_inputs = n, .options = opts,
-        .n_options = k, .argv = argv, .argc = c, .config = a->config_text,
+        .n_options = k, .argv = argv, .argc = c, .config = a->config_text, .adapter_rank = a->to_lora,
     };
     char *path = lm_path_join(dir, LM_CARD_NAME);
     s = path ? lm_card_write(path, &card, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");

@@ -758,7 +758,7 @@ static bool run_option(int id)
     switch (id) {
     case OPT_OUTPUT: case OPT_SHARD_SIZE: case OPT_DEVICE: case OPT_GPU_MEM: case OPT_THREADS: case OPT_CACHE_DIR:
     case OPT_LOG_JSON: case OPT_QUIET: case OPT_VERBOSE: case OPT_FORCE: case OPT_NO_CARD: case OPT_STRICT:
-    case OPT_HELP:
+    case OPT_TO_LORA: case OPT_TO_LORA_ENERGY: case OPT_HELP:
         return true;
     default:
         return false;
@@ -852,6 +852,10 @@ static void run_usage(FILE *out, const void *arg)
             "  --force                replace OUT if it exists (it is replaced only at the end)\n"
             "  --no-card              do not write README.md, the model card\n"
             "  --strict               refuse a full model holding a tensor the base does not have\n"
+            "  --to-lora RANK         write OUT as a PEFT LoRA adapter of base_model (each matrix's\n"
+            "                         merged change as factors of rank RANK; llmerge METHOD --help)\n"
+            "  --to-lora-energy F     with --to-lora: per matrix the smallest rank keeping F of\n"
+            "                         its change's energy, at most RANK\n"
             "  -h, --help             this help\n"
             "\n"
             "OUT gets what a merge command writes (the weights, config.json, the tokenizer and\n"

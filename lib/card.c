@@ -182,6 +182,11 @@ char *lm_card_text(const lm_card *c)
     if (!ids)
         return NULL;
     int n_ids = hub_ids(c, ids);
+    bool adapter = c->adapter_rank > 0;
+    // an adapter is an adapter of its base alone
+    bool base_id = adapter && lm_card_hub_id(c->base, ids[0], sizeof ids[0]);
+    if (adapter)
+        n_ids = base_id ? 1 : 0;
     lm_buf_str(&b, "---\n");
     if (n_ids > 0) {
         lm_buf_str(&b, "base_model:\n");
@@ -190,16 +195,23 @@ char *lm_card_text(const lm_card *c)
             lm_card_yaml_str(&b, ids[i]);
             lm_buf_str(&b, "\n");
         }
-        lm_buf_str(&b, "base_model_relation: merge\n");
+        lm_buf_str(&b, adapter ? "base_model_relation: adapter\n" : "base_model_relation: merge\n");
     }
-    bool all_hub = n_ids == c->n_inputs + 1;
+    bool all_hub = adapter ? base_id : n_ids == c->n_inputs + 1;
     free(ids);
-    lm_buf_str(&b, "library_name: transformers\ntags:\n- merge\n- llmerge\n---\n\n");
+    lm_buf_str(&b, adapter ? "library_name: peft\ntags:\n- merge\n- llmerge\n- lora\n---\n\n"
+                           : "library_name: transformers\ntags:\n- merge\n- llmerge\n---\n\n");
 
     lm_buf_str(&b, "# ");
     for (const char *t = c->title; *t; t++)
         lm_buf_put(&b, (unsigned char)*t < 0x20 ? " " : t, 1);
-    lm_buf_str(&b, "\n\nA merge of ");
+    if (adapter) {
+        lm_buf_fmt(&b, "\n\nA LoRA adapter of rank %d for ", c->adapter_rank);
+        lm_card_md_code(&b, c->base);
+        lm_buf_str(&b, ", holding the change of the merge of ");
+    } else {
+        lm_buf_str(&b, "\n\nA merge of ");
+    }
     lm_buf_fmt(&b, "%d fine-tune%s onto ", c->n_inputs, c->n_inputs == 1 ? "" : "s");
     lm_card_md_code(&b, c->base);
     lm_buf_str(&b, " by the ");
@@ -275,7 +287,11 @@ char *lm_card_text(const lm_card *c)
     put_repeat(&b, '`', fence);
     lm_buf_str(&b, "\n\n`llmerge.json`, beside this card, records the inputs with the xxHash64 of their files, "
                    "every option's resolved value and the xxHash64 of each output tensor.\n");
-    if (!all_hub)
+    if (!all_hub && adapter)
+        lm_buf_str(&b, "\nThe base model was given to llmerge as a local path, which the front matter's "
+                       "`base_model` leaves out (it takes Hub ids only): before uploading this adapter, add its Hub "
+                       "id there, and `base_model_relation: adapter`.\n");
+    else if (!all_hub)
         lm_buf_str(&b, "\nSome of the models above were given to llmerge as local paths, which the front matter's "
                        "`base_model` list leaves out (it takes Hub ids only): before uploading this model, add "
                        "their Hub ids there, and `base_model_relation: merge` if it is missing.\n");

@@ -7,9 +7,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "dtype.h"
 #include "sparsify.h"
 
-#define RESIDUAL_ROWS_ELEMS ((int64_t)1 << 22)  // elements of M's residual made at once
+#define RESIDUAL_ROWS_ELEMS ((int64_t)1 << 18)  // elements of M's residual made at once (in cache)
 
 double lm_lowrank_normal(uint64_t key, int64_t i)
 {
@@ -206,6 +207,16 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
             out->b[i * r + q] = (float)(qu[i * r + q] * sqrt(sig[q]));
     free(qu_buf);
 
+    // the factors as they will be stored
+    if (o->round_bf16 || o->round_f16) {
+        lm_dtype dt = o->round_bf16 ? LM_DTYPE_BF16 : LM_DTYPE_F16;
+        float *fs[2] = {out->b, out->a};
+        int64_t ns[2] = {rows * r, (int64_t)r * cols};
+        for (int i = 0; i < 2; i++)
+            for (int64_t e = 0; e < ns[i]; e++)
+                fs[i][e] = dt == LM_DTYPE_BF16 ? lm_bf16_to_f32(lm_f32_to_bf16(fs[i][e]))
+                                               : lm_f16_to_f32(lm_f32_to_f16(fs[i][e]));
+    }
     // the error, from the residual M − B·A made a chunk of rows at a time
     int64_t chunk = RESIDUAL_ROWS_ELEMS / cols > 0 ? RESIDUAL_ROWS_ELEMS / cols : 1;
     chunk = chunk < rows ? chunk : rows;

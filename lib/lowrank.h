@@ -10,10 +10,11 @@
 // Every draw of Ω is a pure function of (key, its index), the products are the device's
 // (lm_dev_gemm) and the small decompositions run on one thread, so the factors are the same bits
 // for any thread count and slab order. The relative error ‖M − B·A‖_F / ‖M‖_F is measured from
-// the residual itself, not from the singular values.
+// the residual itself, not from the singular values, with the factors as they will be stored.
 #ifndef LM_LOWRANK_H
 #define LM_LOWRANK_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "device.h"
@@ -26,6 +27,8 @@ typedef struct lm_lowrank_opts {
     int oversample;   // extra columns of Ω beyond rank (10 is usual), as far as min(rows, cols)
     int power_iters;  // products with MᵀM before the range is taken (2 is usual)
     uint64_t key;     // the random stream of Ω (lm_rng_key of the seed and the tensor's name)
+    bool round_bf16;  // the factors rounded to the dtype they will be stored in before the
+    bool round_f16;   // error is measured (at most one of the two; neither: float32)
 } lm_lowrank_opts;
 
 typedef struct lm_lowrank {

@@ -998,6 +998,10 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
         for (int f = 0; f < o->n_ft; f++)
             if (fts[f]->model)
                 lm_eng_release_pages(&e, lm_model_find(fts[f]->model, bt->name));
+        if (hooks && hooks->tensor_done && (s = hooks->tensor_done(hooks->ctx, i, err)) != LM_OK) {
+            lm_err_prefix(err, "tensor '%s'", bt->name);
+            break;
+        }
         if (hooks && hooks->progress)
             hooks->progress(hooks->ctx, i + 1, n_out, bt->name, e.bytes_out, bytes_total);
     }

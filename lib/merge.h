@@ -192,6 +192,14 @@ typedef struct lm_merge_hooks {
     // histograms for --topk global) or "merge" (a tensor); from and to are device names, reason
     // the device's message. The engine says nothing but fallbacks (fb is never NULL).
     lm_fallback_fn fallback;
+    // When not NULL, the output's bytes go here rather than to the writer (which may then be
+    // NULL): bytes [offset, offset + nbytes) of output tensor idx, from the merging thread. A
+    // status other than LM_OK stops the merge (err says why). The merged tensors are then not
+    // hashed (lm_merge_result's tensor_xxh64 are not those of their data).
+    lm_status (*put)(void *ctx, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes, lm_err *err);
+    // When not NULL, called once output tensor idx is complete (every byte put) and its input
+    // pages are let go, before progress; a status other than LM_OK stops the merge.
+    lm_status (*tensor_done)(void *ctx, int64_t idx, lm_err *err);
     void *ctx;
 } lm_merge_hooks;
 

@@ -250,6 +250,7 @@ size_t lm_eng_dense_source(const engine *e, wset *ws, const part *p, const lm_st
                            lm_dense_part *d);
 lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tensor *bt, lm_dtype out_dt,
                              XXH64_state_t *hash);
+lm_status lm_eng_put(engine *e, int64_t idx, uint64_t offset, const void *data, size_t nbytes);
 lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash,
                               part *parts, int k);
 lm_status lm_eng_write_slab(engine *e, wset *ws, int64_t idx, lm_dtype out_dt, const float *out_f32, int64_t cnt,

@@ -275,13 +275,22 @@ static lm_status ramplus_weights(engine *e, wset *ws, const lm_st_tensor *bt, pa
     return s;
 }
 
+// Bytes [offset, offset + nbytes) of output tensor idx to the writer, or to the caller's put.
+lm_status lm_eng_put(engine *e, int64_t idx, uint64_t offset, const void *data, size_t nbytes)
+{
+    if (e->hooks && e->hooks->put)
+        return e->hooks->put(e->hooks->ctx, idx, offset, data, nbytes, e->err);
+    return lm_st_writer_put_part(e->w, idx, offset, data, nbytes, e->err);
+}
+
 // Hashes and writes nbytes of tensor idx's output at its byte offset.
 static lm_status put_piece(engine *e, int64_t idx, const void *piece, size_t nbytes, uint64_t offset,
                            XXH64_state_t *hash)
 {
-    XXH64_update(hash, piece, nbytes);
+    if (!e->hooks || !e->hooks->put)  // the caller's own output has no tensor hashes
+        XXH64_update(hash, piece, nbytes);
     e->bytes_out += nbytes;
-    return lm_st_writer_put_part(e->w, idx, offset, piece, nbytes, e->err);
+    return lm_eng_put(e, idx, offset, piece, nbytes);
 }
 
 // Converts a slab of float32 results to the output dtype, hashes it and writes it at its offset.
@@ -344,7 +353,7 @@ lm_status lm_eng_copy_tensor(engine *e, wset *ws, int64_t idx, const lm_st_tenso
                 e->out.inf += c.inf;
             }
             XXH64_update(hash, src, len);
-            lm_status s = lm_st_writer_put_part(e->w, idx, off, src, len, e->err);
+            lm_status s = lm_eng_put(e, idx, off, src, len);
             if (s != LM_OK)
                 return s;
             lm_eng_release_bytes(e, src, len);

@@ -114,7 +114,7 @@ static void test_decaying(lm_dev *dev)
             for (int64_t i = r; i < k; i++)
                 tail += sv[i] * sv[i];
             double best = sqrt(tail / total);
-            lm_lowrank_opts o = {.rank = r, .oversample = 10, .power_iters = 2, .key = 7};
+            lm_lowrank_opts o = {.rank = r, .oversample = 10, .power_iters = 1, .key = 7};
             lm_lowrank lr;
             lm_err err = {0};
             CHECK_OK(factor(dev, m, rows, cols, &o, &lr, &err), &err);
@@ -165,7 +165,7 @@ static void test_energy(lm_dev *dev)
     int want = 0;
     while (run < 0.95 * total)
         run += sv[want] * sv[want], want++;
-    lm_lowrank_opts o = {.rank = 32, .energy = 0.95, .oversample = 10, .power_iters = 2, .key = 3};
+    lm_lowrank_opts o = {.rank = 32, .energy = 0.95, .oversample = 10, .power_iters = 1, .key = 3};
     lm_lowrank lr;
     lm_err err = {0};
     CHECK_OK(factor(dev, m, rows, cols, &o, &lr, &err), &err);
@@ -184,7 +184,7 @@ static void test_same_bits(void)
 {
     int64_t rows = 150, cols = 70;
     float *m = make_matrix(rows, cols, 70, 0.9, 700);
-    lm_lowrank_opts o = {.rank = 12, .oversample = 10, .power_iters = 2, .key = 11};
+    lm_lowrank_opts o = {.rank = 12, .oversample = 10, .power_iters = 1, .key = 11};
     lm_dev *devs[3] = {cpu(1), cpu(3), NULL};
     lm_err err = {0};
     CHECK_OK(lm_dev_sim_create(&devs[2], 64u << 20, NULL, 2, &err), &err);

@@ -1,0 +1,441 @@
+// --to-lora: a merge written as a PEFT LoRA adapter of BASE rather than as a model. The merge
+// runs as always with float32 output; its bytes come here (lm_merge_hooks' put) instead of to
+// the safetensors writer, one tensor at a time, and when a tensor is complete (tensor_done) its
+// change Δ = merged − BASE is made in float32 and:
+//   - a matrix (a 2-D ".weight") is factored by a truncated SVD (lib/lowrank.h) to the rank
+//     --to-lora gives (or the smallest that keeps --to-lora-energy of its energy), on the merge's
+//     device, the CPU where the device is out of memory, and its factors kept for the adapter:
+//     linear LoRA, or embedding LoRA for the embedding;
+//   - any other tensor that changes (norms, biases) is kept whole until the end: a bias of a
+//     module with factors becomes lora_B.bias, any other goes into modules_to_save with its
+//     merged values;
+//   - a tensor that does not change is left out.
+// At the end lib/adapter_write.h writes adapter_config.json and adapter_model.safetensors.
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "adapter_write.h"
+#include "arch.h"
+#include "lowrank.h"
+#include "merge_args.h"
+#include "sparsify.h"
+#include "util.h"
+
+#define LORA_OVERSAMPLE 10
+#define LORA_POWER_ITERS 1
+#define BASE_CHUNK 4096                // base values converted at once
+#define RELEASE_BYTES ((uint64_t)8 << 20)  // base bytes read between two madvise calls
+#define DELTA_CHUNK ((int64_t)1 << 20)     // a matrix's base values converted at once
+
+// A tensor that changed, with what was made of it.
+typedef struct lora_rec {
+    char *name;
+    int ndim;
+    int64_t shape[2];
+    int rank;        // factored: its rank (0 where Δ has none); kept whole: -1
+    double err;      // factored: ‖Δ − B·A‖ / ‖Δ‖
+    double norm;     // ‖Δ‖
+    float *values;   // kept whole: the merged values (until the end)
+    bool on_cpu;     // factored on the CPU after the device ran out of memory
+} lora_rec;
+
+struct lm_cmd_lora {
+    const merge_args *a;
+    const lm_model *base;
+    const lm_st_desc *descs;
+    int64_t n;
+    lm_dev *dev;
+    lm_progress *p;
+    lm_arch_desc arch;  // to tell the embedding from the other matrices (zeroed when unknown)
+    bool have_arch;
+    lm_adapter_out *w;
+    lm_dtype dtype;
+    float *buf;         // the current tensor's merged values
+    int64_t buf_idx;
+    size_t buf_cap;
+    float *chunk;       // (DELTA_CHUNK) the base's values as float32
+    lora_rec *rec;
+    int64_t n_rec, cap_rec;
+    int64_t fallbacks;
+};
+
+static lm_status nomem(lm_err *err)
+{
+    return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+}
+
+static bool ends_with(const char *s, const char *suffix)
+{
+    size_t n = strlen(s), m = strlen(suffix);
+    return n >= m && strcmp(s + n - m, suffix) == 0;
+}
+
+// Whether the base tensor is a matrix written as factors.
+static bool is_matrix(const lm_st_tensor *t)
+{
+    return t->ndim == 2 && ends_with(t->name, ".weight");
+}
+
+lm_status lm_cmd_lora_check(const merge_args *a, const lm_model *base, lm_err *err)
+{
+    if (a->to_lora_energy > 0 && !a->to_lora)
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora-energy needs --to-lora RANK (the most any tensor keeps)");
+    if (!a->to_lora)
+        return LM_OK;
+    for (int64_t i = 0; i < base->n_tensors; i++) {
+        const lm_st_tensor *t = base->tensors[i];
+        if (!lm_dtype_readable(t->dtype))
+            continue;  // copied as it is: never changes
+        if (t->ndim > 2 || t->ndim == 0)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "--to-lora: tensor '%s' has %d dimensions: an adapter holds "
+                              "matrices as factors and vectors whole, not this", t->name, t->ndim);
+        if (is_matrix(t)) {
+            int64_t k = t->shape[0] < t->shape[1] ? t->shape[0] : t->shape[1];
+            if (a->to_lora > k)
+                return lm_err_set(err, LM_ERR_USAGE, "%s %d: tensor '%s' is [%" PRId64 ", %" PRId64 "], whose "
+                                  "rank is at most %" PRId64 ": give a rank from 1 to %" PRId64,
+                                  a->extract ? "--rank" : "--to-lora", a->to_lora, t->name, t->shape[0], t->shape[1],
+                                  k, k);
+        }
+    }
+    return LM_OK;
+}
+
+lm_status lm_cmd_lora_begin(lm_cmd_lora **out, const merge_args *a, const lm_model *base, const lm_st_desc *descs,
+                            int64_t n, lm_dev *dev, lm_dtype dtype, lm_progress *p, lm_err *err)
+{
+    *out = NULL;
+    lm_cmd_lora *l = calloc(1, sizeof *l);
+    if (!l)
+        return nomem(err);
+    l->a = a;
+    l->base = base;
+    l->descs = descs;
+    l->n = n;
+    l->dev = dev;
+    l->p = p;
+    l->dtype = dtype;
+    l->buf_idx = -1;
+    lm_err ignored = {0};
+    l->have_arch = lm_arch_describe(&l->arch, &base->config, &ignored) == LM_OK;
+    lm_status s = lm_adapter_out_new(&l->w, base, a->base, dtype, err);
+    if (s != LM_OK) {
+        lm_cmd_lora_free(l);
+        return s;
+    }
+    *out = l;
+    return LM_OK;
+}
+
+void lm_cmd_lora_free(lm_cmd_lora *l)
+{
+    if (!l)
+        return;
+    for (int64_t i = 0; i < l->n_rec; i++) {
+        free(l->rec[i].name);
+        free(l->rec[i].values);
+    }
+    free(l->rec);
+    free(l->buf);
+    free(l->chunk);
+    if (l->have_arch)
+        lm_arch_desc_free(&l->arch);
+    lm_adapter_out_free(l->w);
+    free(l);
+}
+
+lm_status lm_cmd_lora_put(lm_cmd_lora *l, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes,
+                          lm_err *err)
+{
+    if (idx < 0 || idx >= l->n)
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora: output tensor %" PRId64 " of %" PRId64, idx, l->n);
+    const lm_st_tensor *bt = l->base->tensors[idx];
+    size_t size = (size_t)bt->numel * lm_dtype_bits(l->descs[idx].dtype) / 8;
+    if (offset + nbytes > size)
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora: bytes past the end of '%s'", bt->name);
+    if (idx != l->buf_idx) {
+        if (size > l->buf_cap) {
+            float *g = realloc(l->buf, size);
+            if (!g)
+                return nomem(err);
+            l->buf = g;
+            l->buf_cap = size;
+        }
+        l->buf_idx = idx;
+    }
+    memcpy((char *)l->buf + offset, data, nbytes);
+    return LM_OK;
+}
+
+static lm_status add_rec(lm_cmd_lora *l, const lora_rec *r, lm_err *err)
+{
+    if (l->n_rec == l->cap_rec) {
+        int64_t cap = l->cap_rec ? 2 * l->cap_rec : 64;
+        lora_rec *g = realloc(l->rec, (size_t)cap * sizeof *g);
+        if (!g)
+            return nomem(err);
+        l->rec = g;
+        l->cap_rec = cap;
+    }
+    l->rec[l->n_rec++] = *r;
+    return LM_OK;
+}
+
+// Lets the pages of bytes [from, to) of a mapped tensor go from this process's memory (they stay
+// in the page cache), as the merge does once it is done with a tensor: reading the base again
+// made them resident.
+static void release(const lm_st_tensor *t, uint64_t from, uint64_t to)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    uintptr_t lo = ((uintptr_t)t->data + from) & ~(uintptr_t)(page - 1);
+    uintptr_t hi = ((uintptr_t)t->data + to + (uintptr_t)page - 1) & ~(uintptr_t)(page - 1);
+    if (to > from)
+        madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+// Factors Δ (host, rows × cols) on dev into lr: in place where the device's memory is the
+// host's, else from a copy on the device.
+static lm_status factor_on(lm_dev *dev, const float *delta, int64_t rows, int64_t cols, const lm_lowrank_opts *o,
+                           lm_lowrank *lr, lm_err *err)
+{
+    if (lm_dev_host_memory(dev))
+        return lm_lowrank_factor(dev, delta, rows, cols, o, lr, err);
+    float *dm = NULL;
+    size_t size = (size_t)(rows * cols) * sizeof *dm;
+    lm_status s = lm_dev_alloc(dev, size, (void **)&dm, err);
+    if (s == LM_OK)
+        s = lm_dev_upload(dev, dm, delta, size, err);
+    if (s == LM_OK)
+        s = lm_lowrank_factor(dev, dm, rows, cols, o, lr, err);
+    else
+        memset(lr, 0, sizeof *lr);
+    lm_dev_buf_free(dev, dm);
+    return s;
+}
+
+lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
+{
+    const lm_st_tensor *bt = l->base->tensors[idx];
+    if (!lm_dtype_readable(bt->dtype) || l->descs[idx].dtype != LM_DTYPE_F32)
+        return LM_OK;  // copied as it is
+    if (idx != l->buf_idx)
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora: no bytes of '%s' came", bt->name);
+    size_t size = (size_t)bt->numel * sizeof(float), es = lm_dtype_bits(bt->dtype) / 8;
+    lm_status s = LM_OK;
+    uint64_t let_go = 0;  // bytes of the base's data let go so far
+    if (!is_matrix(bt)) {
+        // a vector: whether it changed (two NaN are the same), then its merged values kept whole
+        bool changed = false;
+        for (int64_t c0 = 0; c0 < bt->numel && s == LM_OK && !changed; c0 += BASE_CHUNK) {
+            int64_t cnt = bt->numel - c0 < BASE_CHUNK ? bt->numel - c0 : BASE_CHUNK;
+            float b[BASE_CHUNK];
+            s = lm_convert_to_f32(b, (const char *)bt->data + (size_t)c0 * es, bt->dtype, cnt, err);
+            const float *x = l->buf + c0;
+            for (int64_t i = 0; i < cnt; i++)
+                changed |= x[i] != b[i] && !(isnan(x[i]) && isnan(b[i]));
+        }
+        release(bt, 0, bt->nbytes);
+        if (s != LM_OK || !changed)
+            return s;
+        lora_rec r = {.ndim = bt->ndim, .shape = {bt->shape[0], bt->ndim == 2 ? bt->shape[1] : 0}, .rank = -1};
+        r.name = lm_strdup(bt->name);
+        r.values = malloc(size);
+        if (!r.name || !r.values || (s = add_rec(l, &r, err)) != LM_OK) {
+            free(r.name);
+            free(r.values);
+            return s != LM_OK ? s : nomem(err);
+        }
+        memcpy(r.values, l->buf, size);
+        return LM_OK;
+    }
+    // a matrix: Δ = merged − base in place, on the CPU's threads, the base's values a chunk at a
+    // time (no second copy of the tensor) and its pages let go as it goes; a Δ of zeros has no
+    // factors (the factorisation finds its norm 0)
+    lm_dev *cpu = NULL;
+    if (!l->chunk && !(l->chunk = malloc(DELTA_CHUNK * sizeof *l->chunk)))
+        return nomem(err);
+    if ((s = lm_dev_cpu_companion(l->dev, &cpu, err)) != LM_OK)
+        return s;
+    for (int64_t c0 = 0; c0 < bt->numel && s == LM_OK; c0 += DELTA_CHUNK) {
+        int64_t cnt = bt->numel - c0 < DELTA_CHUNK ? bt->numel - c0 : DELTA_CHUNK;
+        s = lm_dev_to_f32(cpu, l->chunk, (const char *)bt->data + (size_t)c0 * es, bt->dtype, cnt, err);
+        if (s == LM_OK)
+            s = lm_dev_axpby(cpu, l->buf + c0, 1.0f, l->chunk, -1.0f, cnt, err);
+        uint64_t done = (uint64_t)(c0 + cnt) * es;
+        if (done - let_go >= RELEASE_BYTES) {
+            release(bt, let_go, done);
+            let_go = done;
+        }
+    }
+    release(bt, let_go, bt->nbytes);
+    if (s != LM_OK)
+        return s;
+    lora_rec r = {.ndim = 2, .shape = {bt->shape[0], bt->shape[1]}};
+    if (!(r.name = lm_strdup(bt->name)))
+        return nomem(err);
+    int64_t rows = bt->shape[0], cols = bt->shape[1];
+    lm_lowrank_opts o = {.rank = l->a->to_lora, .energy = l->a->to_lora_energy, .oversample = LORA_OVERSAMPLE,
+                         .power_iters = LORA_POWER_ITERS, .key = lm_rng_key(l->a->seed, 0, lm_xxh64(bt->name,
+                         strlen(bt->name))), .round_bf16 = l->dtype == LM_DTYPE_BF16,
+                         .round_f16 = l->dtype == LM_DTYPE_F16};
+    lm_lowrank lr;
+    s = factor_on(l->dev, l->buf, rows, cols, &o, &lr, err);
+    if (s == LM_ERR_DEVICE_OOM && cpu != l->dev) {
+        lm_progress_note(l->p, "fallback: --to-lora: the factors of %s did not fit on %s (%s): made on the cpu",
+                         bt->name, lm_dev_name(l->dev), err->msg);
+        l->fallbacks++;
+        r.on_cpu = true;
+        s = factor_on(cpu, l->buf, rows, cols, &o, &lr, err);
+    }
+    if (s != LM_OK) {
+        free(r.name);
+        return s;
+    }
+    if (lr.norm == 0) {  // it did not change
+        free(r.name);
+        lm_lowrank_free(&lr);
+        return LM_OK;
+    }
+    r.rank = lr.rank;
+    r.err = lr.err;
+    r.norm = lr.norm;
+    const char *dot = strrchr(bt->name, '.');
+    char *module = strndup(bt->name, (size_t)(dot - bt->name));
+    const lm_arch_tensor *at = l->have_arch ? lm_arch_find(&l->arch, bt->name) : NULL;
+    bool embedding = at ? at->role == LM_ROLE_EMBED : ends_with(bt->name, "embed_tokens.weight");
+    if (!module)
+        s = nomem(err);
+    else if (lr.rank > 0)
+        s = lm_adapter_out_lora(l->w, module, embedding, rows, cols, lr.rank, lr.b, lr.a, err);
+    free(module);
+    lm_lowrank_free(&lr);
+    if (s == LM_OK)
+        s = add_rec(l, &r, err);
+    if (s != LM_OK)
+        free(r.name);
+    return s;
+}
+
+// Whether tensor `name` (a bias) belongs to a module that has factors.
+static bool module_factored(const lm_cmd_lora *l, const char *name)
+{
+    const char *dot = strrchr(name, '.');
+    size_t ml = dot ? (size_t)(dot - name) : strlen(name);
+    for (int64_t i = 0; i < l->n_rec; i++) {
+        const lora_rec *r = &l->rec[i];
+        if (r->rank > 0 && strncmp(r->name, name, ml) == 0 && strcmp(r->name + ml, ".weight") == 0)
+            return true;
+    }
+    return false;
+}
+
+lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err)
+{
+    lm_status s = LM_OK;
+    for (int64_t i = 0; s == LM_OK && i < l->n_rec; i++) {
+        lora_rec *r = &l->rec[i];
+        if (r->rank >= 0)
+            continue;
+        const lm_st_tensor *bt = lm_model_find(l->base, r->name);
+        if (r->ndim == 1 && ends_with(r->name, ".bias") && module_factored(l, r->name)) {
+            // lora_B.bias: the change itself
+            float *base = malloc((size_t)bt->numel * sizeof *base);
+            if (!base)
+                return nomem(err);
+            s = lm_convert_to_f32(base, bt->data, bt->dtype, bt->numel, err);
+            for (int64_t e = 0; s == LM_OK && e < bt->numel; e++)
+                r->values[e] -= base[e];
+            free(base);
+            const char *dot = strrchr(r->name, '.');
+            char *module = strndup(r->name, (size_t)(dot - r->name));
+            if (s == LM_OK)
+                s = module ? lm_adapter_out_bias(l->w, module, bt->numel, r->values, err) : nomem(err);
+            free(module);
+        } else {
+            s = lm_adapter_out_saved(l->w, r->name, r->ndim, r->shape, r->values, err);
+        }
+        free(r->values);
+        r->values = NULL;
+    }
+    if (s == LM_OK && lm_adapter_out_count(l->w) == 0)
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora: no tensor changes (the merge is BASE itself): there is no "
+                          "adapter to write");
+    return s == LM_OK ? lm_adapter_out_write(l->w, dir, l->a->to_lora, err) : s;
+}
+
+void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
+{
+    int64_t n_f = 0, n_whole = 0;
+    double worst = 0, sum = 0;
+    const char *worst_name = NULL;
+    int r_min = 0, r_max = 0;
+    for (int64_t i = 0; i < l->n_rec; i++) {
+        const lora_rec *r = &l->rec[i];
+        if (r->rank < 0) {
+            n_whole++;
+            continue;
+        }
+        if (n_f == 0 || r->rank < r_min)
+            r_min = r->rank;
+        if (r->rank > r_max)
+            r_max = r->rank;
+        n_f++;
+        sum += r->err;
+        if (!worst_name || r->err > worst)
+            worst = r->err, worst_name = r->name;
+    }
+    char ranks[48];
+    if (r_min == r_max)
+        snprintf(ranks, sizeof ranks, "%d", r_min);
+    else
+        snprintf(ranks, sizeof ranks, "%d to %d", r_min, r_max);
+    if (n_f)
+        lm_progress_note(p, "adapter: %" PRId64 " matri%s as factors of rank %s, relative error mean %.3g, worst "
+                         "%.3g (%s); %" PRId64 " tensor%s whole", n_f, n_f == 1 ? "x" : "ces", ranks,
+                         sum / (double)n_f, worst, worst_name, n_whole, n_whole == 1 ? "" : "s");
+    else
+        lm_progress_note(p, "adapter: no matrix changes; %" PRId64 " tensor%s whole", n_whole,
+                         n_whole == 1 ? "" : "s");
+}
+
+lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err)
+{
+    cJSON *ad = cJSON_AddObjectToObject(outputs, "adapter"), *list = ad ? cJSON_AddArrayToObject(ad, "tensors") : NULL;
+    double worst = 0, sum = 0;
+    int64_t n_f = 0;
+    if (!list || !cJSON_AddStringToObject(ad, "config", "adapter_config.json") ||
+        !cJSON_AddStringToObject(ad, "weights", "adapter_model.safetensors") ||
+        !cJSON_AddNumberToObject(ad, "rank", l->a->to_lora) ||
+        !(l->a->to_lora_energy > 0 ? cJSON_AddNumberToObject(ad, "energy", l->a->to_lora_energy)
+                                   : cJSON_AddNullToObject(ad, "energy")) ||
+        !cJSON_AddStringToObject(ad, "dtype", lm_dtype_name(l->dtype)))
+        return nomem(err);
+    for (int64_t i = 0; i < l->n_rec; i++) {
+        const lora_rec *r = &l->rec[i];
+        cJSON *o = cJSON_CreateObject();
+        if (!o || !cJSON_AddItemToArray(list, o) || !cJSON_AddStringToObject(o, "name", r->name))
+            return nomem(err);
+        if (r->rank < 0) {
+            if (!cJSON_AddStringToObject(o, "as", "whole"))
+                return nomem(err);
+            continue;
+        }
+        n_f++;
+        sum += r->err;
+        worst = r->err > worst ? r->err : worst;
+        if (!cJSON_AddStringToObject(o, "as", "factors") || !cJSON_AddNumberToObject(o, "rank", r->rank) ||
+            !cJSON_AddNumberToObject(o, "error", r->err) || !cJSON_AddNumberToObject(o, "norm", r->norm) ||
+            !cJSON_AddBoolToObject(o, "cpu_fallback", r->on_cpu))
+            return nomem(err);
+    }
+    if (!cJSON_AddNumberToObject(ad, "factored", (double)n_f) ||
+        !(n_f ? cJSON_AddNumberToObject(ad, "error_mean", sum / (double)n_f) : cJSON_AddNullToObject(ad, "error_mean")) ||
+        !(n_f ? cJSON_AddNumberToObject(ad, "error_max", worst) : cJSON_AddNullToObject(ad, "error_max")))
+        return nomem(err);
+    return LM_OK;
+}

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# End-to-end tests of merges written as LoRA adapters (--to-lora, llmerge extract) through the
+# binary, on the fixtures: the round trip (the adapter merged back onto the base gives the merge
+# it came from) where the merge's change has rank at most RANK (two adapters of rank 8 at rank
+# 16; an adapter with bias deltas onto a base with biases), float32 factors against the merge to
+# one unit in the last place or a millionth of the tensor's largest value (the change is the
+# merge's float32 output less the base); norms that change written whole (modules_to_save) and merged back exactly;
+# extract the same adapter as task-arithmetic --to-lora; llmerge.json's per-tensor ranks and
+# errors; the energy rule's ranks in rank_pattern; the same adapter on sim and cuda-emu with
+# budgets under which factorisations fall back; llmerge run with --to-lora; every refusal exit
+# status 2 before any work, nothing left behind.
+# Usage: e2e_lora.sh LLMERGE FIXTURES JSONQ ST_DIFF
+set -u
+llmerge=$1 fx=$2 jsonq=$3 st_diff=$4
+. "$(dirname "$0")/e2e_lib.sh"
+e2e_start e2e_lora
+
+check() { if eval "$1"; then ok; else bad "$2"; fi; }
+B=$fx/base F1=$fx/ft_full LP=$fx/lora_plain LN=$fx/lora_nested Q=$fx/qwen LB=$fx/lora_bias
+
+# the change of two rank-8 adapters has rank 16 at most: at --to-lora 16 in float32 the adapter
+# merged back is the merge, to float32 rounding of its values
+run ad16 task-arithmetic "$B" "$LP" "$LN" -o "$work/ad16" --to-lora 16 --dtype f32
+run ad16m task-arithmetic "$B" "$work/ad16" -o "$work/ad16m"
+run ab task-arithmetic "$B" "$LP" "$LN" -o "$work/ab"
+check '"$st_diff" --ulps 1 --rel 1e-6 "$work/ab/model.safetensors" "$work/ad16m/model.safetensors" >"$work/diff" 2>&1' \
+  "the rank-16 adapter merged back is not the merge (see st_diff)"
+json "$work/ad16/adapter_config.json" r 16
+json "$work/ad16/adapter_config.json" lora_alpha 16
+json "$work/ad16/adapter_config.json" peft_type LORA
+json "$work/ad16/adapter_config.json" "target_modules" '["q_proj","v_proj"]'
+json "$work/ad16/llmerge.json" outputs.adapter.factored 4
+check 'awk "BEGIN { exit !($("$jsonq" "$work/ad16/llmerge.json" outputs.adapter.error_max) < 1e-6) }"' \
+  "a rank-16 change at rank 16: error $("$jsonq" "$work/ad16/llmerge.json" outputs.adapter.error_max)"
+# the same in BF16, the base's dtype (the default): the factors' rounding is the error
+run ad16b task-arithmetic "$B" "$LP" "$LN" -o "$work/ad16b" --to-lora 16
+json "$work/ad16b/llmerge.json" outputs.adapter.dtype BF16
+check 'awk "BEGIN { e = $("$jsonq" "$work/ad16b/llmerge.json" outputs.adapter.error_max); exit !(e > 1e-4 && e < 2e-2) }"' \
+  "BF16 factors: error $("$jsonq" "$work/ad16b/llmerge.json" outputs.adapter.error_max)"
+
+# bias deltas (lora_bias) onto a base with biases: lora_B.bias, and the round trip
+run adq task-arithmetic "$Q" "$LB" -o "$work/adq" --to-lora 8 --dtype f32
+run adqm task-arithmetic "$Q" "$work/adq" -o "$work/adqm"
+run qb task-arithmetic "$Q" "$LB" -o "$work/qb"
+json "$work/adq/adapter_config.json" lora_bias true
+check '"$st_diff" --ulps 1 --rel 1e-6 "$work/qb/model.safetensors" "$work/adqm/model.safetensors" >"$work/diff" 2>&1' \
+  "the adapter with bias deltas merged back is not the merge (see st_diff)"
+
+# a full fine-tune: its norms go whole into modules_to_save and come back exactly; its matrices
+# as rank-8 factors, each with its error recorded; extract is task-arithmetic --to-lora
+run ex extract "$B" "$F1" -o "$work/ex" --rank 8
+run exta task-arithmetic "$B" "$F1" -o "$work/exta" --to-lora 8
+check 'cmp -s "$work/ex/adapter_model.safetensors" "$work/exta/adapter_model.safetensors" &&
+  cmp -s "$work/ex/adapter_config.json" "$work/exta/adapter_config.json"' "extract is not task-arithmetic --to-lora"
+json "$work/ex/adapter_config.json" modules_to_save \
+  '["model.layers.0.input_layernorm","model.layers.0.post_attention_layernorm","model.layers.1.input_layernorm","model.layers.1.post_attention_layernorm","model.norm"]'
+json "$work/ex/llmerge.json" outputs.adapter.factored 16
+json "$work/ex/llmerge.json" outputs.adapter.rank 8
+json "$work/ex/llmerge.json" outputs.adapter.tensors.0.name model.embed_tokens.weight
+json "$work/ex/llmerge.json" outputs.adapter.tensors.0.as factors
+json "$work/ex/llmerge.json" outputs.adapter.tensors.0.rank 8
+run exm task-arithmetic "$B" "$work/ex" -o "$work/exm"
+run ftm task-arithmetic "$B" "$F1" -o "$work/ftm"
+n=$("$jsonq" "$work/exm/llmerge.json" outputs.tensors.#)
+for i in $(seq 0 $((n - 1))); do
+  name=$("$jsonq" "$work/exm/llmerge.json" outputs.tensors.$i.name)
+  case $name in
+  *norm.weight)
+    check '[ "$("$jsonq" "$work/exm/llmerge.json" outputs.tensors.$i.xxh64)" = "$("$jsonq" "$work/ftm/llmerge.json" outputs.tensors.$i.xxh64)" ]' \
+      "$name: merged back from the adapter, not the fine-tune's" ;;
+  esac
+done
+check 'grep -q "^library_name: peft" "$work/ex/README.md" && grep -q "A LoRA adapter of rank 8 for" "$work/ex/README.md" &&
+  grep -q -- "--to-lora 8" "$work/ex/README.md"' "the card of an adapter: $(head -12 "$work/ex/README.md")"
+check 'grep -q "adapter: 16 matrices as factors of rank 8, relative error mean" "$work/ex.err"' \
+  "no summary of the factors: $(tail -3 "$work/ex.err")"
+
+# the energy rule: per matrix the fewest values keeping the fraction, in rank_pattern
+run en task-arithmetic "$B" "$LP" -o "$work/en" --to-lora 16 --to-lora-energy 0.9
+json "$work/en/adapter_config.json" r 16
+check '[ "$("$jsonq" "$work/en/adapter_config.json" rank_pattern.#)" = 4 ]' \
+  "energy 0.9: rank_pattern $("$jsonq" "$work/en/adapter_config.json" rank_pattern)"
+for i in 0 1 2 3; do
+  check '[ "$("$jsonq" "$work/en/llmerge.json" outputs.adapter.tensors.$i.rank)" -lt 8 ]' \
+    "energy 0.9 kept rank $("$jsonq" "$work/en/llmerge.json" outputs.adapter.tensors.$i.rank) of a rank-8 change"
+done
+
+# the same adapter on the simulated and the emulated CUDA device, with room and with budgets under
+# which units fall back
+for d in sim:1GiB sim:40KiB cuda-emu:1GiB cuda-emu:300KiB; do
+  run "dev_$d" extract "$B" "$F1" -o "$work/dev_$d" --rank 8 --device "$d"
+  check 'cmp -s "$work/dev_$d/adapter_model.safetensors" "$work/ex/adapter_model.safetensors"' \
+    "--device $d: another adapter than the cpu's"
+done
+check 'grep -q "fallback: --to-lora: the factors of" "$work/dev_cuda-emu:300KiB.err"' \
+  "no factorisation fell back on cuda-emu:300KiB: $(tail -3 "$work/dev_cuda-emu:300KiB.err")"
+
+# llmerge run takes --to-lora from the command line
+cat >"$work/cfg.yml" <<EOF
+merge_method: task_arithmetic
+base_model: $B
+models:
+  - model: $LP
+    parameters:
+      weight: 1.0
+  - model: $LN
+    parameters:
+      weight: 1.0
+EOF
+run cfg run "$work/cfg.yml" -o "$work/cfg" --to-lora 16
+check 'cmp -s "$work/cfg/adapter_model.safetensors" "$work/ad16b/adapter_model.safetensors" &&
+  [ -s "$work/cfg/mergekit_config.yml" ]' "llmerge run --to-lora: not the command line's adapter ($(ls "$work/cfg"))"
+check 'grep -q "llmerge run mergekit_config.yml -o .* --to-lora 16" "$work/cfg/README.md"' \
+  "the card of run --to-lora: $(grep -A2 sh "$work/cfg/README.md")"
+
+# refusals: exit 2 before any work, nothing written
+expect 2 "--to-lora '0': the adapter's rank" task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora 0
+expect 2 "--to-lora 40: tensor 'model.layers.0.self_attn.k_proj.weight' is [32, 64], whose rank is at most 32" \
+  task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora 40
+expect 2 "--to-lora-energy needs --to-lora RANK" task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora-energy 0.9
+expect 2 "--to-lora-energy '1.5': a fraction of the energy in (0, 1]" task-arithmetic "$B" "$LP" -o "$work/bad" \
+  --to-lora 8 --to-lora-energy 1.5
+expect 2 "--rank is llmerge extract's option" ties "$B" "$LP" -o "$work/bad" --rank 8
+expect 2 "--rank R is needed" extract "$B" "$F1" -o "$work/bad"
+expect 2 "llmerge extract takes BASE and one FT" extract "$B" "$F1" "$LP" -o "$work/bad" --rank 4
+expect 2 "--density is not an option of llmerge extract" extract "$B" "$F1" -o "$work/bad" --rank 4 --density 0.5
+expect 2 "--rank 33: tensor 'model.layers.0.self_attn.k_proj.weight'" extract "$B" "$F1" -o "$work/bad" --rank 33
+# a merge that changes nothing has no adapter
+expect 1 "no tensor changes" task-arithmetic "$B" "$B" -o "$work/bad" --to-lora 4
+check '[ ! -e "$work/bad" ] && [ -z "$(ls -A "$work" | grep -e "^bad")" ]' "a refused adapter left $(ls -A "$work" | grep bad)"
+
+e2e_end
