@@ -474,7 +474,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->rescale = a->rescale;
     o->seed = a->seed;
     o->out_dtype = a->have_dtype ? a->dtype : lm_model_out_dtype(r->base);
-    if (a->to_lora) {  // the merge's values in float32, from which each tensor's Δ is made
+    if (a->to_lora || a->to_lora_exact) {  // the merge's values in float32, from which each tensor's Δ is made
         a->lora_dtype = o->out_dtype;
         o->out_dtype = LM_DTYPE_F32;
     }
@@ -497,7 +497,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
         a->params->n_layers = r->base->config.num_hidden_layers;
     }
     if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, err)) != LM_OK ||
-        (s = lm_cmd_lora_check(a, r->base, err)) != LM_OK)
+        (s = lm_cmd_lora_check(a, r->base, err)) != LM_OK ||
+        (s = lm_cmd_lora_exact_check(a, o, r->base, r->fts, err)) != LM_OK)
         return s;
     if (a->use.hessians && (s = read_calib(r, err)) != LM_OK)
         return s;
@@ -575,9 +576,11 @@ static void describe_run(merge_run *r)
     char lora[64] = "";
     if (a->to_lora)
         snprintf(lora, sizeof lora, " as a LoRA adapter of rank %d", a->to_lora);
+    else if (a->to_lora_exact)
+        snprintf(lora, sizeof lora, " as a LoRA adapter of the inputs' factors");
     lm_progress_note(&r->progress, "merging %d fine-tune%s onto %s into %s%s (%s, %s, %d thread%s)",
                      a->n_ft, a->n_ft == 1 ? "" : "s", a->base, a->out, lora,
-                     lm_cmd_dtype_flag(a->to_lora ? a->lora_dtype : o->out_dtype), lm_dev_name(r->dev), o->threads,
+                     lm_cmd_dtype_flag(lora[0] ? a->lora_dtype : o->out_dtype), lm_dev_name(r->dev), o->threads,
                      o->threads == 1 ? "" : "s");
     if (strncmp(r->dev_why, "auto:", 5) == 0 || strcmp(r->dev_why, lm_dev_name(r->dev)) != 0 || a->verbose)
         lm_progress_note(&r->progress, "device %s", r->dev_why);
@@ -909,8 +912,9 @@ static int work(merge_run *r, double t_loaded)
     char *path = NULL;
     int n_side = 0;
     double t_merge = lm_now(), t_written = 0, hash_s = 0;
-    s = a->to_lora ? lm_cmd_lora_begin(&r->lora, a, r->base, r->descs, r->n_descs, r->dev, a->lora_dtype, p, &err)
-                   : lm_st_writer_open(&r->writer, r->od.tmp, r->descs, r->n_descs, a->shard_size, NULL, &err);
+    bool lora = a->to_lora || a->to_lora_exact;
+    s = lora ? lm_cmd_lora_begin(&r->lora, a, r->base, r->descs, r->n_descs, r->dev, a->lora_dtype, p, &err)
+             : lm_st_writer_open(&r->writer, r->od.tmp, r->descs, r->n_descs, a->shard_size, NULL, &err);
     if (s != LM_OK)
         goto fail;
     uint64_t out_bytes = 0;
@@ -931,7 +935,8 @@ static int work(merge_run *r, double t_loaded)
             goto fail;
         lm_cmd_sgpt_attach(&r->sgpt, &r->opts);
     }
-    lm_progress_start(p, "tensor", r->n_descs, out_bytes);
+    if (!a->to_lora_exact)
+        lm_progress_start(p, "tensor", r->n_descs, out_bytes);
     // A device without the importance operations (every built-in one has them) leaves sparsegpt's merge to
     // the CPU: said, not silent.
     lm_dev *merge_dev = r->dev;
@@ -943,6 +948,12 @@ static int work(merge_run *r, double t_loaded)
     }
     if ((s = start_hasher(r, &err)) != LM_OK)
         goto fail;
+    if (a->to_lora_exact) {  // no merge: the inputs' factors, concatenated
+        if ((s = lm_cmd_lora_exact(r->lora, &r->opts, r->fts, &err)) != LM_OK)
+            goto fail;
+        t_merge = lm_now();
+        goto merged;
+    }
     lm_merge_hooks hooks = {.progress = on_tensor, .fallback = on_fallback, .ctx = r,
                             .put = r->lora ? on_put : NULL, .tensor_done = r->lora ? on_done : NULL};
     s = lm_merge_run(&r->opts, merge_dev, r->base, r->fts, r->writer, &hooks, &r->res, &err);
@@ -952,6 +963,7 @@ static int work(merge_run *r, double t_loaded)
     warn_nonfinite(r);
     if (a->use.hessians)
         lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
+merged:;
     double t_merged = lm_now();
     if (r->lora) {  // the adapter's files, and the configuration of llmerge run
         if ((s = lm_cmd_lora_finish(r->lora, r->od.tmp, &err)) != LM_OK ||
@@ -998,8 +1010,10 @@ card:
     char what[128];
     snprintf(what, sizeof what, "merged %" PRId64 " tensor%s, copied %" PRId64 " from the base", r->res.n_merged,
              r->res.n_merged == 1 ? "" : "s", r->res.n_copied);
-    lm_progress_summary_as(p, what);
-    device_summary(r);
+    if (!a->to_lora_exact) {
+        lm_progress_summary_as(p, what);
+        device_summary(r);
+    }
     if (r->lora) {
         lm_cmd_lora_summary(r->lora, p);
         lm_progress_note(p, "wrote %s: adapter_config.json, adapter_model.safetensors, %s%s", a->out,

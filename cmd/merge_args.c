@@ -194,6 +194,9 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         (a truncated SVD), an embedding's as embedding LoRA, other\n"
             "                         tensors that change (norms) whole in modules_to_save;\n"
             "                         llmerge.json records each tensor's rank and relative error\n"
+            "  --to-lora exact        (task-arithmetic and linear of LoRA adapters) the inputs'\n"
+            "                         factors concatenated, each weight folded into its B: rank\n"
+            "                         the sum of theirs, no SVD, no error\n"
             "  --to-lora-energy F     with --to-lora: per matrix the smallest rank keeping the\n"
             "                         fraction F of Δ's energy (sum of squares), at most RANK\n"
             "                         (rank_pattern holds the others)\n"
@@ -504,12 +507,18 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
                               "takes --to-lora RANK", shown);
         __attribute__((fallthrough));  // llmerge extract's --rank is --to-lora
     case OPT_TO_LORA: {
+        if (strcmp(v, "exact") == 0 && !a->extract) {
+            a->to_lora_exact = true;
+            a->to_lora = 0;
+            return LM_OK;
+        }
         char *end = NULL;
         long r = strtol(v, &end, 10);
         if (!*v || *end || r < 1 || r > 65536)
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': the adapter's rank, a whole number from 1 to 65536, is "
-                              "needed", shown, v);
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': the adapter's rank, a whole number from 1 to 65536%s, is "
+                              "needed", shown, v, a->extract ? "" : " (or exact)");
         a->to_lora = (int)r;
+        a->to_lora_exact = false;
         return LM_OK;
     }
     case OPT_TO_LORA_ENERGY: {

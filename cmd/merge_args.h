@@ -128,6 +128,7 @@ struct merge_args {
     bool per_col;              // --per-column
     bool extract;              // llmerge extract (its --rank is --to-lora)
     int to_lora;               // --to-lora RANK: OUT is a LoRA adapter of that rank (0: a model)
+    bool to_lora_exact;        // --to-lora exact: the adapter inputs' factors concatenated
     lm_dtype lora_dtype;       // --to-lora: the adapter's dtype (--dtype, else the base's); the
                                // merge's own output is then float32
     double to_lora_energy;     // --to-lora-energy F: per tensor the rank that keeps F of Δ's
@@ -179,6 +180,15 @@ lm_status lm_cmd_lora_begin(lm_cmd_lora **out, const merge_args *a, const lm_mod
 lm_status lm_cmd_lora_put(lm_cmd_lora *l, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes,
                           lm_err *err);
 lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err);
+// --to-lora exact, before any work: every FT an adapter (not DoRA, not fan_in_fan_out), the
+// method task-arithmetic or linear with the base's coefficient 1 in every tensor, no tensor both
+// saved whole and factored. LM_ERR_USAGE naming what is not.
+lm_status lm_cmd_lora_exact_check(const merge_args *a, const lm_merge_opts *o, const lm_model *base,
+                                  lm_ft *const *fts, lm_err *err);
+// --to-lora exact: the adapter made from the inputs' factors, concatenated per module with each
+// FT's coefficient (lm_merge_linear_coefs) and scale folded into its B; biases and saved tensors
+// merged whole. No merge runs and no SVD.
+lm_status lm_cmd_lora_exact(lm_cmd_lora *l, const lm_merge_opts *o, lm_ft *const *fts, lm_err *err);
 // Writes the adapter's two files into dir.
 lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err);
 // A line on what was written: matrices as factors, their ranks and errors, tensors whole.

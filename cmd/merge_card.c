@@ -79,11 +79,15 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     lm_card_number(damp, sizeof damp, SGPT_DAMP);
     const char *sign = o->sign == LM_SIGN_COUNT ? "count" : "sum", *topk = o->topk_global ? "global" : "tensor";
     const char *rescale = lm_rescale_name(o->rescale);
-    const char *dtype = lm_cmd_dtype_flag(a->to_lora ? a->lora_dtype : o->out_dtype);
+    bool lora = a->to_lora || a->to_lora_exact;
+    const char *dtype = lm_cmd_dtype_flag(lora ? a->lora_dtype : o->out_dtype);
     char lora_r[24], lora_e[40], lora_h[96];
-    snprintf(lora_r, sizeof lora_r, "%d", a->to_lora);
+    snprintf(lora_r, sizeof lora_r, a->to_lora_exact ? "exact" : "%d", a->to_lora);
     lm_card_number(lora_e, sizeof lora_e, a->to_lora_energy);
-    snprintf(lora_h, sizeof lora_h, "rank %d%s%s%s", a->to_lora, a->to_lora_energy > 0 ? ", or the smallest keeping " : "",
+    if (a->to_lora_exact)
+        snprintf(lora_h, sizeof lora_h, "the inputs' factors concatenated");
+    else
+        snprintf(lora_h, sizeof lora_h, "rank %d%s%s%s", a->to_lora, a->to_lora_energy > 0 ? ", or the smallest keeping " : "",
              a->to_lora_energy > 0 ? lora_e : "", a->to_lora_energy > 0 ? " of each matrix's energy" : "");
     bool sgpt = u->hessians;
 
@@ -101,7 +105,7 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     if (u->seed)
         opts[k++] = (lm_card_option){"seed", seed, false};
     opts[k++] = (lm_card_option){"dtype", dtype, false};
-    if (a->to_lora)
+    if (lora)
         opts[k++] = (lm_card_option){"LoRA adapter", lora_h, false};
     else
         opts[k++] = (lm_card_option){"shard size", shard_h, false};
@@ -133,7 +137,7 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         argv[c++] = "mergekit_config.yml";
         argv[c++] = "-o";
         argv[c++] = a->out;
-        if (!a->to_lora) {
+        if (!lora) {
             argv[c++] = "--shard-size";
             argv[c++] = shard;
         }
@@ -207,7 +211,7 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     }
     argv[c++] = "--dtype";
     argv[c++] = dtype;
-    if (!a->to_lora) {
+    if (!lora) {
         argv[c++] = "--shard-size";
         argv[c++] = shard;
     }
@@ -229,7 +233,7 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     }
 
 lora:
-    if (a->to_lora) {
+    if (lora) {
         argv[c++] = "--to-lora";
         argv[c++] = lora_r;
         if (a->to_lora_energy > 0) {
@@ -245,7 +249,7 @@ lora:
     lm_card card = {
         .title = *title ? title : "merged model", .version = LLMERGE_VERSION, .method = m->name,
         .method_summary = m->summary, .base = a->base, .inputs = inputs, .n_inputs = n, .options = opts,
-        .n_options = k, .argv = argv, .argc = c, .config = a->config_text, .adapter_rank = a->to_lora,
+        .n_options = k, .argv = argv, .argc = c, .config = a->config_text, .adapter_rank = a->to_lora_exact ? -1 : a->to_lora,
     };
     char *path = lm_path_join(dir, LM_CARD_NAME);
     s = path ? lm_card_write(path, &card, err) : lm_err_set(err, LM_ERR_NOMEM, "out of memory");

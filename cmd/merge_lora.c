@@ -42,6 +42,7 @@ typedef struct lora_rec {
     double norm;     // ‖Δ‖
     float *values;   // kept whole: the merged values (until the end)
     bool on_cpu;     // factored on the CPU after the device ran out of memory
+    bool exact;      // the inputs' factors concatenated (--to-lora exact): no error to measure
 } lora_rec;
 
 struct lm_cmd_lora {
@@ -62,6 +63,7 @@ struct lm_cmd_lora {
     lora_rec *rec;
     int64_t n_rec, cap_rec;
     int64_t fallbacks;
+    int rank;           // the adapter's r: --to-lora's, or with exact the commonest module's
 };
 
 static lm_status nomem(lm_err *err)
@@ -84,7 +86,12 @@ static bool is_matrix(const lm_st_tensor *t)
 lm_status lm_cmd_lora_check(const merge_args *a, const lm_model *base, lm_err *err)
 {
     if (a->to_lora_energy > 0 && !a->to_lora)
-        return lm_err_set(err, LM_ERR_USAGE, "--to-lora-energy needs --to-lora RANK (the most any tensor keeps)");
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora-energy needs --to-lora RANK (the most any tensor keeps)%s",
+                          a->to_lora_exact ? ", not exact" : "");
+    if (a->to_lora_exact && a->m->id != LM_MERGE_TASK_ARITHMETIC && a->m->id != LM_MERGE_LINEAR)
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact concatenates the inputs' factors, which only "
+                          "task-arithmetic and linear merges of LoRA adapters allow, not %s: give a rank",
+                          a->m->name);
     if (!a->to_lora)
         return LM_OK;
     for (int64_t i = 0; i < base->n_tensors; i++) {
@@ -121,6 +128,7 @@ lm_status lm_cmd_lora_begin(lm_cmd_lora **out, const merge_args *a, const lm_mod
     l->p = p;
     l->dtype = dtype;
     l->buf_idx = -1;
+    l->rank = a->to_lora;
     lm_err ignored = {0};
     l->have_arch = lm_arch_describe(&l->arch, &base->config, &ignored) == LM_OK;
     lm_status s = lm_adapter_out_new(&l->w, base, a->base, dtype, err);
@@ -224,7 +232,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     if (!lm_dtype_readable(bt->dtype) || l->descs[idx].dtype != LM_DTYPE_F32)
         return LM_OK;  // copied as it is
     if (idx != l->buf_idx)
-        return lm_err_set(err, LM_ERR_USAGE, "--to-lora: no bytes of '%s' came", bt->name);
+        return LM_OK;  // no FT changes it: the merge put nothing
     size_t size = (size_t)bt->numel * sizeof(float), es = lm_dtype_bits(bt->dtype) / 8;
     lm_status s = LM_OK;
     uint64_t let_go = 0;  // bytes of the base's data let go so far
@@ -339,7 +347,7 @@ lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err)
     lm_status s = LM_OK;
     for (int64_t i = 0; s == LM_OK && i < l->n_rec; i++) {
         lora_rec *r = &l->rec[i];
-        if (r->rank >= 0)
+        if (r->rank >= 0 || !r->values)  // factored, or (exact) written already
             continue;
         const lm_st_tensor *bt = lm_model_find(l->base, r->name);
         if (r->ndim == 1 && ends_with(r->name, ".bias") && module_factored(l, r->name)) {
@@ -365,7 +373,7 @@ lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err)
     if (s == LM_OK && lm_adapter_out_count(l->w) == 0)
         return lm_err_set(err, LM_ERR_USAGE, "--to-lora: no tensor changes (the merge is BASE itself): there is no "
                           "adapter to write");
-    return s == LM_OK ? lm_adapter_out_write(l->w, dir, l->a->to_lora, err) : s;
+    return s == LM_OK ? lm_adapter_out_write(l->w, dir, l->rank, err) : s;
 }
 
 void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
@@ -394,7 +402,10 @@ void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
         snprintf(ranks, sizeof ranks, "%d", r_min);
     else
         snprintf(ranks, sizeof ranks, "%d to %d", r_min, r_max);
-    if (n_f)
+    if (n_f && l->a->to_lora_exact)
+        lm_progress_note(p, "adapter: %" PRId64 " matri%s as the inputs' factors concatenated (rank %s, exact); %"
+                         PRId64 " tensor%s whole", n_f, n_f == 1 ? "x" : "ces", ranks, n_whole, n_whole == 1 ? "" : "s");
+    else if (n_f)
         lm_progress_note(p, "adapter: %" PRId64 " matri%s as factors of rank %s, relative error mean %.3g, worst "
                          "%.3g (%s); %" PRId64 " tensor%s whole", n_f, n_f == 1 ? "x" : "ces", ranks,
                          sum / (double)n_f, worst, worst_name, n_whole, n_whole == 1 ? "" : "s");
@@ -410,7 +421,7 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
     int64_t n_f = 0;
     if (!list || !cJSON_AddStringToObject(ad, "config", "adapter_config.json") ||
         !cJSON_AddStringToObject(ad, "weights", "adapter_model.safetensors") ||
-        !cJSON_AddNumberToObject(ad, "rank", l->a->to_lora) ||
+        !cJSON_AddNumberToObject(ad, "rank", l->rank) || !cJSON_AddBoolToObject(ad, "exact", l->a->to_lora_exact) ||
         !(l->a->to_lora_energy > 0 ? cJSON_AddNumberToObject(ad, "energy", l->a->to_lora_energy)
                                    : cJSON_AddNullToObject(ad, "energy")) ||
         !cJSON_AddStringToObject(ad, "dtype", lm_dtype_name(l->dtype)))
@@ -425,17 +436,238 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
                 return nomem(err);
             continue;
         }
-        n_f++;
-        sum += r->err;
-        worst = r->err > worst ? r->err : worst;
+        if (r->exact) {  // concatenated: nothing measured
+            if (!cJSON_AddStringToObject(o, "as", "factors") || !cJSON_AddNumberToObject(o, "rank", r->rank))
+                return nomem(err);
+            continue;
+        }
         if (!cJSON_AddStringToObject(o, "as", "factors") || !cJSON_AddNumberToObject(o, "rank", r->rank) ||
             !cJSON_AddNumberToObject(o, "error", r->err) || !cJSON_AddNumberToObject(o, "norm", r->norm) ||
             !cJSON_AddBoolToObject(o, "cpu_fallback", r->on_cpu))
             return nomem(err);
+        n_f++;
+        sum += r->err;
+        worst = r->err > worst ? r->err : worst;
     }
-    if (!cJSON_AddNumberToObject(ad, "factored", (double)n_f) ||
+    int64_t n_factored = 0;
+    for (int64_t i = 0; i < l->n_rec; i++)
+        n_factored += l->rec[i].rank >= 0;
+    if (!cJSON_AddNumberToObject(ad, "factored", (double)n_factored) ||
         !(n_f ? cJSON_AddNumberToObject(ad, "error_mean", sum / (double)n_f) : cJSON_AddNullToObject(ad, "error_mean")) ||
         !(n_f ? cJSON_AddNumberToObject(ad, "error_max", worst) : cJSON_AddNullToObject(ad, "error_max")))
         return nomem(err);
     return LM_OK;
+}
+
+// ==== --to-lora exact ==========================================================================
+
+// What the FTs do to one base tensor: the adapters that touch it and how.
+typedef struct touch_set {
+    int n_lora, n_bias, n_saved;
+} touch_set;
+
+static touch_set touches(lm_ft *const *fts, int n_ft, const char *name)
+{
+    touch_set t = {0};
+    for (int i = 0; i < n_ft; i++) {
+        lm_adapter_touch how = lm_adapter_lookup(fts[i]->adapter, name, NULL);
+        t.n_lora += how == LM_TOUCH_LORA;
+        t.n_bias += how == LM_TOUCH_BIAS;
+        t.n_saved += how == LM_TOUCH_SAVED;
+    }
+    return t;
+}
+
+lm_status lm_cmd_lora_exact_check(const merge_args *a, const lm_merge_opts *o, const lm_model *base,
+                                  lm_ft *const *fts, lm_err *err)
+{
+    if (!a->to_lora_exact)
+        return LM_OK;
+    for (int i = 0; i < a->n_ft; i++) {
+        const lm_adapter *ad = fts[i]->adapter;
+        if (!ad)
+            return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact concatenates the inputs' factors: FT %d %s is a "
+                              "full model, which has none (give a rank)", i + 1, fts[i]->path);
+        if (ad->config.fan_in_fan_out)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "--to-lora exact: FT %d %s stores its weights transposed "
+                              "(fan_in_fan_out), which the adapter written does not", i + 1, fts[i]->path);
+        for (int64_t m = 0; m < ad->n_modules; m++)
+            if (ad->modules[m].magnitude)
+                return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact: FT %d %s is DoRA (module '%s'), whose change "
+                                  "is not its factors' product (give a rank)", i + 1, fts[i]->path,
+                                  ad->modules[m].path);
+    }
+    double *c = malloc((size_t)(a->n_ft > 0 ? a->n_ft : 1) * sizeof *c);
+    if (!c)
+        return nomem(err);
+    lm_status s = LM_OK;
+    for (int64_t t = 0; s == LM_OK && t < base->n_tensors; t++) {
+        const char *name = base->tensors[t]->name;
+        touch_set ts = touches(fts, a->n_ft, name);
+        double coef_a = 1;
+        if ((s = lm_merge_linear_coefs(o, fts, name, &coef_a, c, err)) != LM_OK)
+            break;
+        if (coef_a != 1)
+            s = lm_err_set(err, LM_ERR_USAGE, "--to-lora exact: the merge scales the base's '%s' by %g (linear's "
+                           "weights without normalize), which no adapter can hold (give a rank)", name, coef_a);
+        else if (ts.n_saved && (ts.n_lora || ts.n_bias))
+            s = lm_err_set(err, LM_ERR_USAGE, "--to-lora exact: '%s' is saved whole by one adapter and changed "
+                           "by another's factors, which no concatenation holds (give a rank)", name);
+    }
+    free(c);
+    return s;
+}
+
+// The float32 values of tensor t.
+static float *values_of(const lm_st_tensor *t, lm_err *err)
+{
+    float *v = malloc((size_t)(t->numel > 0 ? t->numel : 1) * sizeof *v);
+    if (!v) {
+        nomem(err);
+        return NULL;
+    }
+    if (lm_convert_to_f32(v, t->data, t->dtype, t->numel, err) != LM_OK) {
+        free(v);
+        return NULL;
+    }
+    return v;
+}
+
+// Base tensor bt as the adapters' factors concatenated: B = [c_1 s_1 B_1 | c_2 s_2 B_2 | ...],
+// A = [A_1; A_2; ...] (an embedding's in the writer's terms: b = c s Aᵀ, a = Bᵀ).
+static lm_status concat_lora(lm_cmd_lora *l, lm_ft *const *fts, const lm_st_tensor *bt, const double *c,
+                             lm_err *err)
+{
+    int n_ft = l->a->n_ft, rank = 0;
+    const lm_lora_module *first = NULL;
+    for (int i = 0; i < n_ft; i++) {
+        int64_t idx;
+        if (lm_adapter_lookup(fts[i]->adapter, bt->name, &idx) != LM_TOUCH_LORA)
+            continue;
+        const lm_lora_module *m = &fts[i]->adapter->modules[idx];
+        if (first && m->kind != first->kind)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "--to-lora exact: '%s' is an embedding in one adapter and a "
+                              "linear layer in another", bt->name);
+        first = first ? first : m;
+        rank += (int)m->r;
+    }
+    bool emb = first->kind == LM_LORA_EMBEDDING;
+    int64_t rows = bt->shape[0], cols = bt->shape[1];
+    float *b = malloc((size_t)(rows * rank) * sizeof *b), *a = malloc((size_t)(rank * cols) * sizeof *a);
+    lm_status s = b && a ? LM_OK : nomem(err);
+    int off = 0;
+    for (int i = 0; s == LM_OK && i < n_ft; i++) {
+        int64_t idx;
+        if (lm_adapter_lookup(fts[i]->adapter, bt->name, &idx) != LM_TOUCH_LORA)
+            continue;
+        const lm_lora_module *m = &fts[i]->adapter->modules[idx];
+        int r = (int)m->r;
+        float *fa = values_of(m->a, err), *fb = values_of(m->b, err);
+        float k = (float)(c[i] * m->scale);
+        if (!fa || !fb) {
+            s = err->status != LM_OK ? err->status : LM_ERR_NOMEM;
+        } else if (!emb) {  // A [r, cols], B [rows, r]
+            for (int64_t row = 0; row < rows; row++)
+                for (int q = 0; q < r; q++)
+                    b[row * rank + off + q] = k * fb[row * r + q];
+            memcpy(a + (size_t)off * cols, fa, (size_t)(r * cols) * sizeof *a);
+        } else {  // lora_embedding_A [r, rows], lora_embedding_B [cols, r]
+            for (int64_t row = 0; row < rows; row++)
+                for (int q = 0; q < r; q++)
+                    b[row * rank + off + q] = k * fa[q * rows + row];
+            for (int q = 0; q < r; q++)
+                for (int64_t col = 0; col < cols; col++)
+                    a[(off + q) * cols + col] = fb[col * r + q];
+        }
+        free(fa);
+        free(fb);
+        off += r;
+    }
+    const char *dot = strrchr(bt->name, '.');
+    char *module = s == LM_OK ? strndup(bt->name, (size_t)(dot - bt->name)) : NULL;
+    if (s == LM_OK && !module)
+        s = nomem(err);
+    if (s == LM_OK)
+        s = lm_adapter_out_lora(l->w, module, emb, rows, cols, rank, b, a, err);
+    lora_rec rec = {.ndim = 2, .shape = {rows, cols}, .rank = rank, .exact = true};
+    if (s == LM_OK && !(rec.name = lm_strdup(bt->name)))
+        s = nomem(err);
+    if (s == LM_OK && (s = add_rec(l, &rec, err)) != LM_OK)
+        free(rec.name);
+    free(module);
+    free(a);
+    free(b);
+    return s;
+}
+
+lm_status lm_cmd_lora_exact(lm_cmd_lora *l, const lm_merge_opts *o, lm_ft *const *fts, lm_err *err)
+{
+    int n_ft = l->a->n_ft;
+    double *c = malloc((size_t)(n_ft > 0 ? n_ft : 1) * sizeof *c), coef_a = 1;
+    lm_status s = c ? LM_OK : nomem(err);
+    for (int64_t t = 0; s == LM_OK && t < l->base->n_tensors; t++) {
+        const lm_st_tensor *bt = l->base->tensors[t];
+        touch_set ts = touches(fts, n_ft, bt->name);
+        if (!ts.n_lora && !ts.n_bias && !ts.n_saved)
+            continue;
+        if ((s = lm_merge_linear_coefs(o, fts, bt->name, &coef_a, c, err)) != LM_OK)
+            break;
+        if (ts.n_lora) {
+            s = concat_lora(l, fts, bt, c, err);
+            continue;
+        }
+        // a bias: Σ c_i s_i lora_B.bias_i; a saved tensor: θ_b + Σ c_i (saved_i − θ_b), whole
+        float *sum = calloc((size_t)bt->numel, sizeof *sum), *base = NULL;
+        if (!sum)
+            s = nomem(err);
+        else if (ts.n_saved && !(base = values_of(bt, err)))
+            s = err->status != LM_OK ? err->status : LM_ERR_NOMEM;
+        for (int i = 0; s == LM_OK && i < n_ft; i++) {
+            int64_t idx;
+            lm_adapter_touch how = lm_adapter_lookup(fts[i]->adapter, bt->name, &idx);
+            if (how == LM_TOUCH_NONE)
+                continue;
+            const lm_st_tensor *src = how == LM_TOUCH_BIAS ? fts[i]->adapter->modules[idx].bias
+                                                           : fts[i]->adapter->saved[idx].t;
+            double k = how == LM_TOUCH_BIAS ? c[i] * fts[i]->adapter->modules[idx].scale : c[i];
+            float *v = values_of(src, err);
+            if (!v) {
+                s = err->status != LM_OK ? err->status : LM_ERR_NOMEM;
+                break;
+            }
+            for (int64_t e = 0; e < bt->numel; e++)
+                sum[e] += (float)k * (how == LM_TOUCH_SAVED ? v[e] - base[e] : v[e]);
+            free(v);
+        }
+        const char *dot = strrchr(bt->name, '.');
+        char *module = strndup(bt->name, (size_t)(dot - bt->name));
+        lora_rec rec = {.ndim = bt->ndim, .shape = {bt->shape[0], bt->ndim == 2 ? bt->shape[1] : 0}, .rank = -1};
+        if (s == LM_OK && (!module || !(rec.name = lm_strdup(bt->name))))
+            s = nomem(err);
+        if (s == LM_OK && ts.n_saved) {
+            for (int64_t e = 0; e < bt->numel; e++)
+                sum[e] += base[e];
+            s = lm_adapter_out_saved(l->w, bt->name, bt->ndim, bt->shape, sum, err);
+        } else if (s == LM_OK) {
+            s = lm_adapter_out_bias(l->w, module, bt->numel, sum, err);
+        }
+        if (s == LM_OK && (s = add_rec(l, &rec, err)) == LM_OK)
+            rec.name = NULL;
+        free(rec.name);
+        free(module);
+        free(sum);
+        free(base);
+    }
+    // r: the commonest rank among the modules (the others in rank_pattern)
+    int best = 0, best_n = 0;
+    for (int64_t i = 0; i < l->n_rec; i++) {
+        int n = 0;
+        for (int64_t j = 0; j < l->n_rec; j++)
+            n += l->rec[j].rank > 0 && l->rec[j].rank == l->rec[i].rank;
+        if (l->rec[i].rank > 0 && (n > best_n || (n == best_n && l->rec[i].rank > best)))
+            best = l->rec[i].rank, best_n = n;
+    }
+    l->rank = best > 0 ? best : 1;
+    free(c);
+    return s;
 }

@@ -182,7 +182,7 @@ char *lm_card_text(const lm_card *c)
     if (!ids)
         return NULL;
     int n_ids = hub_ids(c, ids);
-    bool adapter = c->adapter_rank > 0;
+    bool adapter = c->adapter_rank != 0;
     // an adapter is an adapter of its base alone
     bool base_id = adapter && lm_card_hub_id(c->base, ids[0], sizeof ids[0]);
     if (adapter)
@@ -206,7 +206,10 @@ char *lm_card_text(const lm_card *c)
     for (const char *t = c->title; *t; t++)
         lm_buf_put(&b, (unsigned char)*t < 0x20 ? " " : t, 1);
     if (adapter) {
-        lm_buf_fmt(&b, "\n\nA LoRA adapter of rank %d for ", c->adapter_rank);
+        if (c->adapter_rank > 0)
+            lm_buf_fmt(&b, "\n\nA LoRA adapter of rank %d for ", c->adapter_rank);
+        else
+            lm_buf_str(&b, "\n\nA LoRA adapter (its inputs' factors concatenated) for ");
         lm_card_md_code(&b, c->base);
         lm_buf_str(&b, ", holding the change of the merge of ");
     } else {

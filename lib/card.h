@@ -55,8 +55,9 @@ typedef struct lm_card {
     const char *config;             // the configuration file the merge ran (YAML), shown before
                                     // the command line; NULL: none
     int adapter_rank;               // the merge written as a LoRA adapter of the base of this rank
-                                    // (--to-lora): library_name peft, base_model the base alone
-                                    // with base_model_relation adapter; 0: a model
+                                    // (--to-lora; -1: of its inputs' factors concatenated):
+                                    // library_name peft, base_model the base alone with
+                                    // base_model_relation adapter; 0: a model
 } lm_card;
 
 // The card's text, a new NUL-terminated string the caller frees; NULL when memory runs out.

@@ -778,6 +778,44 @@ static lm_status tensor_params(engine *e, const char *name)
     return params_of(e->o, e->m, name, &e->tp, e->err);
 }
 
+lm_status lm_merge_linear_coefs(const lm_merge_opts *o, lm_ft *const *fts, const char *name, double *a, double *c,
+                                lm_err *err)
+{
+    const lm_method *m = lm_method_of(o->method);
+    if (o->method != LM_MERGE_TASK_ARITHMETIC && o->method != LM_MERGE_LINEAR)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s has no fixed coefficients per tensor", m->name);
+    size_t n = (size_t)(o->n_ft > 0 ? o->n_ft : 1);
+    double *v = calloc(4 * n, sizeof *v);
+    bool *touch = calloc(n, sizeof *touch);
+    lm_status s = v && touch ? LM_OK : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_tensor_params tp = {.weights = v, .densities = v + n, .gammas = v + 2 * n, .epsilons = v + 3 * n};
+    if (s == LM_OK)
+        s = params_of(o, m, name, &tp, err);
+    for (int i = 0; s == LM_OK && i < o->n_ft; i++)
+        touch[i] = fts[i]->adapter ? lm_adapter_lookup(fts[i]->adapter, name, NULL) != LM_TOUCH_NONE
+                                   : fts[i]->model && lm_model_find(fts[i]->model, name);
+    if (s == LM_OK && o->method == LM_MERGE_TASK_ARITHMETIC) {
+        // the engine's task_arithmetic_coef, over the FTs that change the tensor
+        double div = 0;
+        for (int i = 0; i < o->n_ft; i++)
+            div += touch[i] ? tp.weights[i] : 0;
+        if (!o->normalize || div == 0)
+            div = 1;
+        *a = 1;
+        for (int i = 0; i < o->n_ft; i++)
+            c[i] = touch[i] ? (double)(float)(tp.lambda * tp.weights[i] / div) : 0;
+    } else if (s == LM_OK) {
+        // linear's own: an adapter holds every tensor, a full model the ones it has
+        for (int i = 0; i < o->n_ft; i++)
+            touch[i] = fts[i]->adapter || touch[i];
+        lm_coef_in in = {.o = o, .tp = &tp, .tensor = name, .n = o->n_ft, .present = touch};
+        s = m->coeffs(&in, a, c, err);
+    }
+    free(v);
+    free(touch);
+    return s;
+}
+
 lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_err *err)
 {
     if (!o->tensor_params)
@@ -828,6 +866,8 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
         scaled = (float)a != 1.0f;
     }
     if ((k == 0 && !scaled) || bt->numel == 0) {
+        if (e->hooks && e->hooks->put)  // the caller's output has nothing of a tensor that does not change
+            return note_counts(e, bt, parts, 0);
         if ((s = lm_eng_cpu_ready(e)) != LM_OK || (s = lm_eng_copy_tensor(e, &e->cpu_ws, idx, bt, desc->dtype,
                                                                           hash)) != LM_OK)
             return s;

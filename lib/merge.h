@@ -177,6 +177,13 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err);
 // once without tensor_params.
 lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_err *err);
 
+// Task arithmetic's and linear's merge of tensor `name` as θ = a·θ_b + Σ c_i τ_i (c: n_ft values),
+// the coefficients the engine uses (its per-tensor parameters, normalize over the FTs that change
+// the tensor, linear's own; task arithmetic's rounded to float32 as the engine rounds them).
+// LM_ERR_UNSUPPORTED for another method; a parameter out of range as lm_merge_check_params.
+lm_status lm_merge_linear_coefs(const lm_merge_opts *o, lm_ft *const *fts, const char *name, double *a, double *c,
+                                lm_err *err);
+
 // The output tensors, in the base's order: every base tensor, floating ones in o->out_dtype and
 // others unchanged. *out is a new array (names point into the base) the caller frees.
 lm_status lm_merge_outputs(const lm_merge_opts *o, const lm_model *base, lm_st_desc **out,
@@ -195,7 +202,8 @@ typedef struct lm_merge_hooks {
     // When not NULL, the output's bytes go here rather than to the writer (which may then be
     // NULL): bytes [offset, offset + nbytes) of output tensor idx, from the merging thread. A
     // status other than LM_OK stops the merge (err says why). The merged tensors are then not
-    // hashed (lm_merge_result's tensor_xxh64 are not those of their data).
+    // hashed (lm_merge_result's tensor_xxh64 are not those of their data), and a tensor no FT
+    // changes is not put at all (nor its values read).
     lm_status (*put)(void *ctx, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes, lm_err *err);
     // When not NULL, called once output tensor idx is complete (every byte put) and its input
     // pages are let go, before progress; a status other than LM_OK stops the merge.

@@ -6,7 +6,8 @@
 # one unit in the last place or a millionth of the tensor's largest value (the change is the
 # merge's float32 output less the base); norms that change written whole (modules_to_save) and merged back exactly;
 # extract the same adapter as task-arithmetic --to-lora; llmerge.json's per-tensor ranks and
-# errors; the energy rule's ranks in rank_pattern; the same adapter on sim and cuda-emu with
+# errors; --to-lora exact (the inputs' factors concatenated) of task arithmetic and linear, and
+# its refusals; the energy rule's ranks in rank_pattern; the same adapter on sim and cuda-emu with
 # budgets under which factorisations fall back; llmerge run with --to-lora; every refusal exit
 # status 2 before any work, nothing left behind.
 # Usage: e2e_lora.sh LLMERGE FIXTURES JSONQ ST_DIFF
@@ -112,6 +113,40 @@ check 'cmp -s "$work/cfg/adapter_model.safetensors" "$work/ad16b/adapter_model.s
   [ -s "$work/cfg/mergekit_config.yml" ]' "llmerge run --to-lora: not the command line's adapter ($(ls "$work/cfg"))"
 check 'grep -q "llmerge run mergekit_config.yml -o .* --to-lora 16" "$work/cfg/README.md"' \
   "the card of run --to-lora: $(grep -A2 sh "$work/cfg/README.md")"
+
+# --to-lora exact: the inputs' factors concatenated (weights folded into B), rank the sum of
+# theirs, a saved tensor merged whole; merged back, the merge itself; no SVD, so no error
+LM=$fx/lora_mts
+run ex1 task-arithmetic "$B" "$LP" "$LM" --weights '0.5|0.7' -o "$work/ex1" --to-lora exact --dtype f32
+run ex1m task-arithmetic "$B" "$work/ex1" -o "$work/ex1m"
+run ex1r task-arithmetic "$B" "$LP" "$LM" --weights '0.5|0.7' -o "$work/ex1r"
+check '"$st_diff" --ulps 1 --rel 1e-6 "$work/ex1r/model.safetensors" "$work/ex1m/model.safetensors" >"$work/diff" 2>&1' \
+  "the exact adapter merged back is not the merge (see st_diff)"
+json "$work/ex1/adapter_config.json" r 12
+json "$work/ex1/adapter_config.json" rank_pattern \
+  '{"model.embed_tokens":4,"model.layers.0.self_attn.v_proj":8,"model.layers.1.self_attn.v_proj":8}'
+json "$work/ex1/adapter_config.json" modules_to_save '["lm_head"]'
+json "$work/ex1/llmerge.json" outputs.adapter.exact true
+json "$work/ex1/llmerge.json" outputs.adapter.error_max null
+check 'grep -q "5 matrices as the inputs. factors concatenated (rank 4 to 12, exact); 1 tensor whole" "$work/ex1.err"' \
+  "exact: $(tail -2 "$work/ex1.err")"
+# linear (normalized: the base's coefficient is 1) of two adapters
+run ex2 linear "$B" "$LP" "$LN" --weights '1|2|1' -o "$work/ex2" --to-lora exact --dtype f32
+run ex2m task-arithmetic "$B" "$work/ex2" -o "$work/ex2m"
+run ex2r linear "$B" "$LP" "$LN" --weights '1|2|1' -o "$work/ex2r"
+check '"$st_diff" --ulps 1 --rel 1e-6 "$work/ex2r/model.safetensors" "$work/ex2m/model.safetensors" >"$work/diff" 2>&1' \
+  "the exact adapter of linear merged back is not the merge (see st_diff)"
+expect 2 "--to-lora exact concatenates the inputs' factors: FT 2 $F1 is a full model" \
+  task-arithmetic "$B" "$LP" "$F1" -o "$work/bad" --to-lora exact
+expect 2 "only task-arithmetic and linear merges of LoRA adapters allow, not ties" \
+  ties "$B" "$LP" "$LN" -o "$work/bad" --to-lora exact
+expect 2 "is DoRA (module 'model.layers.0.self_attn.q_proj')" task-arithmetic "$B" "$fx/lora_dora" -o "$work/bad" \
+  --to-lora exact
+expect 2 "scales the base's" linear "$B" "$LP" --weights '1|1' --no-normalize -o "$work/bad" --to-lora exact
+expect 2 "--to-lora-energy needs --to-lora RANK (the most any tensor keeps), not exact" \
+  task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora exact --to-lora-energy 0.9
+expect 2 "--rank 'exact': the adapter's rank, a whole number from 1 to 65536, is needed" \
+  extract "$B" "$F1" -o "$work/bad" --rank exact
 
 # refusals: exit 2 before any work, nothing written
 expect 2 "--to-lora '0': the adapter's rank" task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora 0
