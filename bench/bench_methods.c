@@ -71,6 +71,7 @@ static const bm_case CASES[] = {
     {"task-arithmetic", "task-arithmetic", 1, {"--to-lora", "16", NULL}, 2.0, "extract-r16", FULL_ONLY},
     {"task-arithmetic", "task-arithmetic", 1, {"--to-lora", "64", NULL}, 2.0, "extract-r64", FULL_ONLY},
     {"ties", "task-arithmetic", N_FT, {"--to-lora", "64", NULL}, 2.0, "ties-to-lora-r64", LORA_ONLY},
+    {"task-arithmetic", "task-arithmetic", N_FT, {"--to-lora", "exact", NULL}, 0, "ta-to-lora-exact", LORA_ONLY},
 };
 
 // A case's name in --methods and the tables.

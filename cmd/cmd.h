@@ -89,6 +89,10 @@ typedef struct lm_cmd_prepared {
     // llmerge run whose embeddings are rebuilt to another vocabulary: the bytes of the files
     // (without names) that hold them beside OUT while the merge runs; 0 otherwise
     uint64_t vocab_bytes;
+    // --to-lora: the adapter's rank (0: a model), or exact; its dtype
+    int to_lora;
+    bool to_lora_exact;
+    int lora_dtype;
     void *priv;
 } lm_cmd_prepared;
 

@@ -1182,6 +1182,9 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     out->dev_why = r->dev_why;
     out->gpu_mem = r->args.gpu_mem;
     out->shard_size = r->args.shard_size;
+    out->to_lora = r->args.to_lora;
+    out->to_lora_exact = r->args.to_lora_exact;
+    out->lora_dtype = r->args.lora_dtype;
     for (int i = -1; i < r->args.n_ft; i++) {
         const lm_model *m = i < 0 ? r->base : r->fts[i]->model;
         for (int j = 0; m && j < m->n_overlays; j++)

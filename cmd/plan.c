@@ -227,6 +227,50 @@ static void print_capture(const lm_plan *p, const lm_plan_capture *c, const char
            fmt((char[32]){0}, u->activations + u->stage), fmt((char[32]){0}, u->finishing));
 }
 
+// ==== --to-lora ================================================================================
+
+// What --to-lora adds: each matrix's change held in float32 while it is factored (the largest
+// one's, with the factorisation's buffers: its range and projection in float32 and double, its
+// factors), and the adapter's size (every matrix at the rank, every vector whole, as if each
+// changed) in place of the model's.
+typedef struct plan_lora {
+    const char *largest;  // the largest matrix
+    uint64_t delta;       // its change in float32
+    uint64_t work;        // the factorisation's buffers for it
+    uint64_t bytes;       // the adapter's tensor data, at most
+} plan_lora;
+
+static plan_lora lora_need(const lm_cmd_prepared *pr)
+{
+    plan_lora l = {0};
+    const lm_model *b = pr->base;
+    uint64_t es = lm_dtype_bits((lm_dtype)pr->lora_dtype) / 8;
+    for (int64_t i = 0; i < b->n_tensors; i++) {
+        const lm_st_tensor *t = b->tensors[i];
+        if (!lm_dtype_readable(t->dtype))
+            continue;
+        size_t nl = strlen(t->name);
+        bool matrix = t->ndim == 2 && nl > 7 && strcmp(t->name + nl - 7, ".weight") == 0;
+        if (!matrix) {
+            l.bytes += (uint64_t)t->numel * es;
+            continue;
+        }
+        int64_t rows = t->shape[0], cols = t->shape[1], k = rows < cols ? rows : cols;
+        int64_t r = pr->to_lora_exact ? 0 : pr->to_lora, lw = r + 10 < k ? r + 10 : k;
+        l.bytes += (uint64_t)(r * (rows + cols)) * es;
+        if ((uint64_t)t->numel * 4 > l.delta) {
+            l.largest = t->name;
+            l.delta = (uint64_t)t->numel * 4;
+            int64_t big = rows > cols ? rows : cols;
+            l.work = (uint64_t)(big * lw) * 12 + (uint64_t)(lw * cols) * 28 + (uint64_t)((rows + cols) * r) * 8 +
+                     (uint64_t)(rows + cols) * (uint64_t)lw * 4 + (1u << 20);
+        }
+    }
+    if (pr->to_lora_exact)  // no merge: the inputs' factors, which the adapters' files size
+        l.delta = l.work = 0;
+    return l;
+}
+
 static void print_text(const lm_cmd_prepared *pr, const lm_plan *p, const char *dev_name, size_t free_b,
                        size_t total_b, const char *cache_dir, bool looked)
 {
@@ -324,6 +368,24 @@ static void print_text(const lm_cmd_prepared *pr, const lm_plan *p, const char *
                                                                                               : "does NOT fit");
         else
             printf("\n");
+    }
+    if (pr->to_lora || pr->to_lora_exact) {
+        plan_lora l = lora_need(pr);
+        if (pr->to_lora)
+            printf("adapter: each matrix's change is held in float32 while it is factored at rank %d: the largest, "
+                   "%s, %s, with %s of the factorisation's buffers, beside the merge's peak (about %s in all)\n",
+                   pr->to_lora, l.largest ? l.largest : "-", fmt(a, l.delta), fmt(b, l.work),
+                   fmt(c, p->cpu.peak + l.delta + l.work));
+        else
+            printf("adapter: the inputs' factors concatenated (--to-lora exact): no merge, no factorisation\n");
+        if (pr->to_lora)
+            printf("output: an adapter of at most %" PRIu64 " bytes of tensors (every matrix at rank %d, every other "
+                   "tensor whole, as if each changed); %s free at %s\n", l.bytes, pr->to_lora,
+                   p->disk_known ? fmt(a, p->disk_free) : "unknown", p->out_parent);
+        else
+            printf("output: an adapter the size of the inputs' factors together; %s free at %s\n",
+                   p->disk_known ? fmt(a, p->disk_free) : "unknown", p->out_parent);
+        return;
     }
     if (pr->vocab_bytes)
         printf("vocabulary: the embeddings are rebuilt to the output's vocabulary in %s of temporary files "
@@ -522,6 +584,20 @@ static int print_json(const lm_cmd_prepared *pr, const lm_plan *p, const char *d
         cJSON_AddNumberToObject(cj, "peak_capture", p->cpu_peak_phase);
     else
         cJSON_AddNullToObject(cj, "peak_capture");
+    if (pr->to_lora || pr->to_lora_exact) {
+        plan_lora l = lora_need(pr);
+        cJSON *ad = cJSON_AddObjectToObject(root, "adapter");
+        cJSON_AddItemToObject(ad, "rank", pr->to_lora_exact ? cJSON_CreateString("exact")
+                                                            : cJSON_CreateNumber(pr->to_lora));
+        cJSON_AddItemToObject(ad, "largest", l.largest ? cJSON_CreateString(l.largest) : cJSON_CreateNull());
+        cJSON_AddNumberToObject(ad, "delta_bytes", (double)l.delta);
+        cJSON_AddNumberToObject(ad, "work_bytes", (double)l.work);
+        cJSON_AddNumberToObject(ad, "cpu_peak", (double)(p->cpu.peak + l.delta + l.work));
+        if (pr->to_lora)
+            cJSON_AddNumberToObject(ad, "bytes_at_most", (double)l.bytes);
+        else
+            cJSON_AddNullToObject(ad, "bytes_at_most");
+    }
     cJSON *o = cJSON_AddObjectToObject(root, "output");
     cJSON_AddNumberToObject(o, "bytes", (double)p->out_bytes);
     cJSON_AddNumberToObject(o, "shards", p->n_shards);

@@ -76,6 +76,15 @@ check 'grep -q "^library_name: peft" "$work/ex/README.md" && grep -q "A LoRA ada
 check 'grep -q "adapter: 16 matrices as factors of rank 8, relative error mean" "$work/ex.err"' \
   "no summary of the factors: $(tail -3 "$work/ex.err")"
 
+# llmerge plan sizes the change held while it is factored, and the adapter
+run plan plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8
+check 'grep -q "adapter: each matrix.s change is held in float32 while it is factored at rank 8: the largest, model.embed_tokens.weight, 64.00 KiB" "$work/plan.out"' \
+  "plan --to-lora: $(cat "$work/plan.out")"
+"$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --json >"$work/plan.json" 2>/dev/null
+json "$work/plan.json" adapter.rank 8
+json "$work/plan.json" adapter.delta_bytes 65536
+check '[ ! -e "$work/planned" ]' "plan wrote $work/planned"
+
 # the energy rule: per matrix the fewest values keeping the fraction, in rank_pattern
 run en task-arithmetic "$B" "$LP" -o "$work/en" --to-lora 16 --to-lora-energy 0.9
 json "$work/en/adapter_config.json" r 16
