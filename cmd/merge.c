@@ -422,6 +422,9 @@ static lm_status prepare(merge_run *r, lm_err *err)
     r->fts = calloc((size_t)a->n_ft, sizeof *r->fts);
     if (!r->fts)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    // --to-lora's checks against the base, before the FTs are opened (or a vocabulary rebuilt)
+    if ((s = lm_cmd_lora_check(a, r->base, err)) != LM_OK)
+        return s;
     // (llmerge run's models of other vocabularies: their embeddings rebuilt first, llmerge plan's
     // only as large as they will be)
     if (a->vocab && (s = lm_cmd_vocab_open(a, r->base, r->fts, !r->planning, &r->progress, err)) != LM_OK)
@@ -497,7 +500,6 @@ static lm_status prepare(merge_run *r, lm_err *err)
         a->params->n_layers = r->base->config.num_hidden_layers;
     }
     if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, err)) != LM_OK ||
-        (s = lm_cmd_lora_check(a, r->base, err)) != LM_OK ||
         (s = lm_cmd_lora_exact_check(a, o, r->base, r->fts, err)) != LM_OK)
         return s;
     if (a->use.hessians && (s = read_calib(r, err)) != LM_OK)

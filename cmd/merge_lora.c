@@ -11,6 +11,7 @@
 //     merged values;
 //   - a tensor that does not change is left out.
 // At the end lib/adapter_write.h writes adapter_config.json and adapter_model.safetensors.
+// --to-lora exact runs no merge: the adapters' factors are concatenated (lm_cmd_lora_exact).
 #include <inttypes.h>
 #include <math.h>
 #include <stdio.h>
@@ -88,6 +89,9 @@ lm_status lm_cmd_lora_check(const merge_args *a, const lm_model *base, lm_err *e
     if (a->to_lora_energy > 0 && !a->to_lora)
         return lm_err_set(err, LM_ERR_USAGE, "--to-lora-energy needs --to-lora RANK (the most any tensor keeps)%s",
                           a->to_lora_exact ? ", not exact" : "");
+    if ((a->to_lora || a->to_lora_exact) && a->vocab)
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora: the merge moves the embeddings' rows to another "
+                          "vocabulary (%s), and an adapter is of the base as it is", a->vocab_source);
     if (a->to_lora_exact && a->m->id != LM_MERGE_TASK_ARITHMETIC && a->m->id != LM_MERGE_LINEAR)
         return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact concatenates the inputs' factors, which only "
                           "task-arithmetic and linear merges of LoRA adapters allow, not %s: give a rank",

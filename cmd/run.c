@@ -869,10 +869,12 @@ static void run_usage(FILE *out, const void *arg)
 
 // ==== passthrough ==============================================================================
 
-// Any option, for finding the operand.
+// Any option, for finding the operand (and --to-lora, noted).
 static lm_status any_opt(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
-    (void)ctx, (void)d, (void)shown, (void)v, (void)err;
+    (void)shown, (void)v, (void)err;
+    if (d->id == OPT_TO_LORA)  // which a passthrough refuses
+        ((run_scan *)ctx)->a->to_lora = 1;
     return LM_OK;
 }
 
@@ -913,6 +915,9 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source and chat_template with passthrough are not "
                        "supported yet (the first slice's model gives the tokenizer)", cfg->path,
                        cfg->tokenizer_source ? cfg->tokenizer_line : cfg->chat_template_line);
+    if (s == LM_OK && (a.to_lora || a.to_lora_exact))
+        s = lm_err_set(&err, LM_ERR_USAGE, "--to-lora: a passthrough stacks layers into a new model, which has no "
+                       "base to be an adapter of");
     args[c++] = "passthrough";
     for (int i = 1; i < argc; i++)
         if (argv[i] != rs.config)

@@ -158,6 +158,14 @@ expect 2 "--rank 'exact': the adapter's rank, a whole number from 1 to 65536, is
   extract "$B" "$F1" -o "$work/bad" --rank exact
 
 # refusals: exit 2 before any work, nothing written
+cat >"$work/pt.yml" <<EOF
+merge_method: passthrough
+slices:
+  - sources:
+      - model: $B
+        layer_range: [0, 2]
+EOF
+expect 2 "--to-lora: a passthrough stacks layers into a new model" run "$work/pt.yml" -o "$work/bad" --to-lora 4
 expect 2 "--to-lora '0': the adapter's rank" task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora 0
 expect 2 "--to-lora 40: tensor 'model.layers.0.self_attn.k_proj.weight' is [32, 64], whose rank is at most 32" \
   task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora 40

@@ -650,6 +650,10 @@ run tk_plan plan "$work/tk_bigsrc.yml" -o "$work/tk_plan.run"
 check 'grep -q "vocabulary: the embeddings are rebuilt to the output.s vocabulary in" "$work/tk_plan.out"' \
   "plan: $(head -c 600 "$work/tk_plan.out")"
 check '[ -z "$(ls -A "$work" | grep -e vocab -e "\.tmp-")" ]' "left beside OUT: $(ls -A "$work" | grep -e vocab -e '\.tmp-')"
+# nor can a merge of moved rows be an adapter of the base
+expect 2 "--to-lora: the merge moves the embeddings' rows to another vocabulary (tokenizer_source: $work/tk_other)" \
+  run "$work/tk_other.yml" -o "$work/tk_lora.run" --to-lora 4
+check '[ ! -e "$work/tk_lora.run" ]' "a refused --to-lora left $work/tk_lora.run"
 # an adapter that changes a rebuilt matrix cannot have its rows moved
 sed "s|$work/tk_third|$fx/lora_mts|" "$work/tk_other.yml" >"$work/tk_mts.yml"
 expect 2 "FT 3: $fx/lora_mts: its LoRA module 'model.embed_tokens' changes model.embed_tokens.weight, whose rows are rebuilt" \
