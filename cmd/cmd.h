@@ -32,6 +32,8 @@ int lm_cmd_passthrough(int argc, char **argv);
 // llmerge passthrough with argv built from a configuration (cmd/run.c): OUT also gets
 // config_text as mergekit_config.yml; messages start with prefix.
 int lm_cmd_passthrough_config(int argc, char **argv, const char *config_text, const char *prefix);
+// llmerge tokenize MODEL FILE [-o OUT.jsonl] (cmd/tokenize.c).
+int lm_cmd_tokenize(int argc, char **argv);
 // llmerge extract BASE FT -o ADAPTER --rank R (cmd/extract.c).
 int lm_cmd_extract(int argc, char **argv);
 int lm_cmd_run(int argc, char **argv);

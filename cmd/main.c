@@ -24,6 +24,7 @@ static const command commands[] = {
     {"eval", "perplexity of a model (with a LoRA adapter applied) on token data", lm_cmd_eval},
     {"hessian", "input Hessians of a model's linear layers from calibration data", lm_cmd_hessian},
     {"plan", "what a merge will need: memory per phase and device, fallbacks, disk", lm_cmd_plan},
+    {"tokenize", "text to token ids with the model's tokenizer.json (JSON Lines out)", lm_cmd_tokenize},
     {"inspect", "show the tensors of a safetensors file, a model directory or an adapter", lm_cmd_inspect},
 };
 #define N_COMMANDS (sizeof commands / sizeof commands[0])

@@ -5,7 +5,7 @@
 set -euo pipefail
 
 pkgs=(cmake make gcc g++ clang pkg-config libopenblas-dev liblapacke-dev libcjson-dev libxxhash-dev
-      libpcre2-dev libyaml-dev  # g++ (clang++ comes with clang): the CUDA backend built for cuda-emu
+      libpcre2-dev libyaml-dev libutf8proc-dev  # g++ (clang++ comes with clang): the CUDA backend built for cuda-emu
       gnuplot-nox  # gnuplot: the plot of examples/sweep
       strace       # strace: tests/e2e_robust.sh checks the order of fsync and rename with it
       groff-base)  # groff: tests/e2e_docs.sh renders the man page

@@ -1,6 +1,6 @@
 // libFuzzer target for the JSON side files: any byte string goes through the one JSON reader
-// and through the parsers of config.json, adapter_config.json, model.safetensors.index.json and
-// tokenizer.json's vocabulary.
+// and through the parsers of config.json, adapter_config.json, model.safetensors.index.json,
+// tokenizer.json's vocabulary and tokenizer.json as a tokenizer (which then encodes a few texts).
 // Each must either accept it or refuse it with LM_ERR_FORMAT or LM_ERR_UNSUPPORTED and a
 // message; never a crash, a leak or an out-of-bounds read (run under ASan and UBSan). What the
 // reader accepts, cJSON prints, and the reader reads that back to a tree that prints the same.
@@ -17,6 +17,7 @@
 #include "config.h"
 #include "json.h"
 #include "model.h"
+#include "tokenizer.h"
 #include "vocab.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
@@ -114,6 +115,30 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             lm_vocab_first_difference(v, v, v->n_ids + 1) != -1)
             abort();
         lm_vocab_free(v);
+    }
+
+    // tokenizer.json as a tokenizer: accepted, then it encodes a few texts (ids in the output or
+    // a refusal), or refused
+    lm_tokenizer *tok = NULL;
+    s = lm_tok_parse(&tok, text, size, "tokenizer.json", &err);
+    if (s != LM_OK) {
+        check_refusal(s, &err);
+        if (tok)
+            abort();
+    } else {
+        static const char *const texts[] = {"", "Hello world, it's 2024!", " <s>x</s>\n\t\xc3\xa9\xf0\x9f\x98\x80",
+                                            "\xff"};
+        lm_tok_cache *c = lm_tok_cache_new();
+        for (size_t i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+            int32_t *ids = NULL;
+            int64_t n = 0, cap = 0;
+            s = lm_tok_encode(tok, i % 2 ? c : NULL, texts[i], strlen(texts[i]), 1, &ids, &n, &cap, &err);
+            if (s != LM_OK)
+                check_refusal(s, &err);
+            free(ids);
+        }
+        lm_tok_cache_free(c);
+        lm_tok_free(tok);
     }
     return 0;
 }

@@ -67,6 +67,17 @@ static const char *const seed_docs[] = {
     ("{\n  \"version\": \"1.0\",\n  \"added_tokens\": [{\"id\": 3, \"content\": \"<eos>\", \"special\": true}],\n"
      "  \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\"]}\n}\n"),
     "{\"model\": {\"type\": \"Unigram\", \"unk_id\": 0, \"vocab\": [[\"<unk>\", 0.0], [\"\\u2581a\", -1.5]]}}\n",
+    // a tokenizer that tokenizes: a normalizer, a Split and ByteLevel, byte fallback, a template
+    ("{\"added_tokens\": [{\"id\": 4, \"content\": \"<s>\", \"special\": true}],\n"
+     " \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"NFC\"},\n"
+     "  {\"type\": \"Replace\", \"pattern\": {\"String\": \"x\"}, \"content\": \"y\"}]},\n"
+     " \"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\":\n"
+     "  {\"Regex\": \"\\\\p{L}+|\\\\s+\"}, \"behavior\": \"Isolated\", \"invert\": false},\n"
+     "  {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"use_regex\": false}]},\n"
+     " \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": [{\"SpecialToken\": {\"id\": \"<s>\"}},\n"
+     "  {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {\"<s>\": {\"id\": \"<s>\", \"ids\": [4]}}},\n"
+     " \"model\": {\"type\": \"BPE\", \"byte_fallback\": true, \"unk_token\": \"a\",\n"
+     "  \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2, \"<0x41>\": 3}, \"merges\": [[\"a\", \"b\"]]}}\n"),
 };
 #define N_SEEDS (sizeof seed_docs / sizeof seed_docs[0])
 

@@ -1,0 +1,886 @@
+// Text to token ids from tokenizer.json: see tokenizer.h.
+#define _GNU_SOURCE  // memmem
+#include "tokenizer.h"
+
+#include <inttypes.h>
+#include <cJSON.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+#include <utf8proc.h>
+
+#include "json.h"
+#include "util.h"
+
+#define MAX_FILE ((size_t)1 << 30)
+#define MERGE_SEP '\x01'  // between the two sides of a merge's key: in no token's text
+
+// GPT-2's pattern, ByteLevel's use_regex.
+static const char GPT2_PATTERN[] = "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+typedef enum norm_kind { N_UTF8PROC, N_PREPEND, N_REPLACE } norm_kind;
+typedef struct norm_step {
+    norm_kind kind;
+    int options;        // N_UTF8PROC: utf8proc's flags
+    const char *a, *b;  // N_PREPEND: a; N_REPLACE: a by b
+} norm_step;
+
+typedef enum pre_kind { P_SPLIT, P_BYTELEVEL } pre_kind;
+typedef struct pre_step {
+    pre_kind kind;
+    pcre2_code *re;    // P_SPLIT by a regex, and P_BYTELEVEL with use_regex
+    const char *lit;   // P_SPLIT by a string
+    bool removed;      // P_SPLIT: the matches are dropped (Removed), else kept as pieces (Isolated)
+    bool prefix_space; // P_BYTELEVEL: add_prefix_space
+} pre_step;
+
+typedef struct added_tok {
+    const char *content;
+    size_t len;
+    int32_t id;
+} added_tok;
+
+struct lm_tokenizer {
+    cJSON *tree;
+    char *label;
+    norm_step *norm;
+    int n_norm;
+    pre_step *pre;
+    int n_pre;
+    bool byte_level;      // a ByteLevel pre-tokenizer: the model sees bytes as GPT-2's characters
+    lm_strmap vocab;      // token -> id (keys in the tree)
+    lm_strmap merges;     // "a\x01b" -> rank (keys in merge_keys)
+    char **merge_keys;
+    int64_t n_merge_keys;
+    bool ignore_merges, byte_fallback, fuse_unk;
+    int32_t unk;          // -1: none
+    int32_t byte_tok[256];  // <0xNN> ids for byte_fallback, -1 where missing
+    int32_t *before, *after;  // the template's special ids around the sequence
+    int n_before, n_after;
+    added_tok *added;
+    int n_added;
+    bool starts[256];     // a byte some added token starts with
+    char byte_char[256][3];  // GPT-2's character for each byte, UTF-8, NUL-terminated
+};
+
+static lm_status nomem(lm_err *err)
+{
+    return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+}
+
+// ==== growing byte buffers =====================================================================
+
+typedef struct sbuf {
+    char *p;
+    size_t n, cap;
+} sbuf;
+
+static bool sb_put(sbuf *b, const void *s, size_t n)
+{
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1)
+            cap *= 2;
+        char *g = realloc(b->p, cap);
+        if (!g)
+            return false;
+        b->p = g;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = '\0';
+    return true;
+}
+
+static bool push_id(int32_t **ids, int64_t *n, int64_t *cap, int32_t id)
+{
+    if (*n == *cap) {
+        int64_t c = *cap ? 2 * *cap : 256;
+        int32_t *g = realloc(*ids, (size_t)c * sizeof *g);
+        if (!g)
+            return false;
+        *ids = g;
+        *cap = c;
+    }
+    (*ids)[(*n)++] = id;
+    return true;
+}
+
+// ==== the cache of pieces =======================================================================
+
+struct lm_tok_cache {
+    lm_strmap map;     // piece -> its entry's index
+    char **keys;       // (n) the pieces, owned
+    int64_t *first;    // (n) where its ids start in ids
+    int32_t *count;    // (n) how many
+    int32_t *ids;
+    int64_t n, n_ids, cap_ids;
+};
+
+lm_tok_cache *lm_tok_cache_new(void)
+{
+    lm_tok_cache *c = calloc(1, sizeof *c);
+    if (!c || lm_strmap_init(&c->map, LM_TOK_CACHE_MAX) != LM_OK || !(c->keys = calloc(LM_TOK_CACHE_MAX, sizeof *c->keys)) ||
+        !(c->first = malloc(LM_TOK_CACHE_MAX * sizeof *c->first)) ||
+        !(c->count = malloc(LM_TOK_CACHE_MAX * sizeof *c->count))) {
+        lm_tok_cache_free(c);
+        return NULL;
+    }
+    return c;
+}
+
+static void cache_clear(lm_tok_cache *c)
+{
+    for (int64_t i = 0; i < c->n; i++)
+        free(c->keys[i]);
+    c->n = c->n_ids = 0;
+    lm_strmap_free(&c->map);
+    lm_strmap_init(&c->map, LM_TOK_CACHE_MAX);
+}
+
+void lm_tok_cache_free(lm_tok_cache *c)
+{
+    if (!c)
+        return;
+    for (int64_t i = 0; c->keys && i < c->n; i++)
+        free(c->keys[i]);
+    lm_strmap_free(&c->map);
+    free(c->keys);
+    free(c->first);
+    free(c->count);
+    free(c->ids);
+    free(c);
+}
+
+// Remembers that `piece` gives ids[0..n); silently nothing where memory runs out.
+static void cache_put(lm_tok_cache *c, const char *piece, const int32_t *ids, int64_t n)
+{
+    if (c->n == LM_TOK_CACHE_MAX || !c->map.keys)
+        cache_clear(c);
+    if (!c->map.keys)
+        return;
+    if (c->n_ids + n > c->cap_ids) {
+        int64_t cap = c->cap_ids ? 2 * c->cap_ids : 4096;
+        while (cap < c->n_ids + n)
+            cap *= 2;
+        int32_t *g = realloc(c->ids, (size_t)cap * sizeof *g);
+        if (!g)
+            return;
+        c->ids = g;
+        c->cap_ids = cap;
+    }
+    char *key = lm_strdup(piece);
+    if (!key || lm_strmap_put(&c->map, key, c->n) != 1) {
+        free(key);
+        return;
+    }
+    memcpy(c->ids + c->n_ids, ids, (size_t)n * sizeof *ids);
+    c->keys[c->n] = key;
+    c->first[c->n] = c->n_ids;
+    c->count[c->n] = (int32_t)n;
+    c->n++;
+    c->n_ids += n;
+}
+
+// ==== loading ==================================================================================
+
+void lm_tok_free(lm_tokenizer *t)
+{
+    if (!t)
+        return;
+    for (int i = 0; i < t->n_pre; i++)
+        pcre2_code_free(t->pre[i].re);
+    free(t->pre);
+    free(t->norm);
+    lm_strmap_free(&t->vocab);
+    lm_strmap_free(&t->merges);
+    for (int64_t i = 0; i < t->n_merge_keys; i++)
+        free(t->merge_keys[i]);
+    free(t->merge_keys);
+    free(t->before);
+    free(t->after);
+    free(t->added);
+    free(t->label);
+    cJSON_Delete(t->tree);
+    free(t);
+}
+
+static const char *type_of(const cJSON *o)
+{
+    const cJSON *ty = cJSON_GetObjectItemCaseSensitive(o, "type");
+    return cJSON_IsString(ty) ? ty->valuestring : NULL;
+}
+
+static bool flag(const cJSON *o, const char *key)
+{
+    return cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(o, key));
+}
+
+static lm_status compile_re(const lm_tokenizer *t, const char *where, const char *pattern, pcre2_code **out,
+                            lm_err *err)
+{
+    int code;
+    PCRE2_SIZE at;
+    *out = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED, PCRE2_UTF | PCRE2_UCP, &code, &at, NULL);
+    if (!*out) {
+        PCRE2_UCHAR msg[256];
+        pcre2_get_error_message(code, msg, sizeof msg);
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: %s: the regex '%s' does not compile here (at %zu: %s)",
+                          t->label, where, pattern, (size_t)at, (const char *)msg);
+    }
+    pcre2_jit_compile(*out, PCRE2_JIT_COMPLETE);  // where the JIT is not there, the interpreter matches the same
+    return LM_OK;
+}
+
+static lm_status add_norm(lm_tokenizer *t, const cJSON *n, lm_err *err)
+{
+    const char *ty = type_of(n);
+    if (!ty)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: normalizer: no type", t->label);
+    if (strcmp(ty, "Sequence") == 0) {
+        const cJSON *list = cJSON_GetObjectItemCaseSensitive(n, "normalizers"), *e;
+        if (!cJSON_IsArray(list))
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: normalizer Sequence: no normalizers list", t->label);
+        cJSON_ArrayForEach(e, list)
+        {
+            lm_status s = add_norm(t, e, err);
+            if (s != LM_OK)
+                return s;
+        }
+        return LM_OK;
+    }
+    norm_step st = {0};
+    if (strcmp(ty, "NFC") == 0) {
+        st = (norm_step){N_UTF8PROC, UTF8PROC_STABLE | UTF8PROC_COMPOSE, NULL, NULL};
+    } else if (strcmp(ty, "NFKC") == 0) {
+        st = (norm_step){N_UTF8PROC, UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT, NULL, NULL};
+    } else if (strcmp(ty, "NFD") == 0) {
+        st = (norm_step){N_UTF8PROC, UTF8PROC_STABLE | UTF8PROC_DECOMPOSE, NULL, NULL};
+    } else if (strcmp(ty, "NFKD") == 0) {
+        st = (norm_step){N_UTF8PROC, UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT, NULL, NULL};
+    } else if (strcmp(ty, "Prepend") == 0) {
+        const cJSON *p = cJSON_GetObjectItemCaseSensitive(n, "prepend");
+        if (!cJSON_IsString(p))
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: normalizer Prepend: no prepend string", t->label);
+        st = (norm_step){N_PREPEND, 0, p->valuestring, NULL};
+    } else if (strcmp(ty, "Replace") == 0) {
+        const cJSON *pat = cJSON_GetObjectItemCaseSensitive(n, "pattern");
+        const cJSON *str = cJSON_GetObjectItemCaseSensitive(pat, "String");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(n, "content");
+        if (!cJSON_IsString(str) || !*str->valuestring || !cJSON_IsString(content))
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: normalizer Replace: only a non-empty String pattern "
+                              "is supported", t->label);
+        st = (norm_step){N_REPLACE, 0, str->valuestring, content->valuestring};
+    } else {
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: normalizer '%s' is not supported", t->label, ty);
+    }
+    norm_step *g = realloc(t->norm, (size_t)(t->n_norm + 1) * sizeof *g);
+    if (!g)
+        return nomem(err);
+    t->norm = g;
+    t->norm[t->n_norm++] = st;
+    return LM_OK;
+}
+
+static lm_status add_pre(lm_tokenizer *t, const cJSON *p, lm_err *err)
+{
+    const char *ty = type_of(p);
+    if (!ty)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer: no type", t->label);
+    if (strcmp(ty, "Sequence") == 0) {
+        const cJSON *list = cJSON_GetObjectItemCaseSensitive(p, "pretokenizers"), *e;
+        if (!cJSON_IsArray(list))
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Sequence: no pretokenizers list", t->label);
+        cJSON_ArrayForEach(e, list)
+        {
+            lm_status s = add_pre(t, e, err);
+            if (s != LM_OK)
+                return s;
+        }
+        return LM_OK;
+    }
+    pre_step st = {0};
+    lm_status s = LM_OK;
+    if (strcmp(ty, "Split") == 0) {
+        const cJSON *pat = cJSON_GetObjectItemCaseSensitive(p, "pattern");
+        const cJSON *re = cJSON_GetObjectItemCaseSensitive(pat, "Regex"), *str = cJSON_GetObjectItemCaseSensitive(pat, "String");
+        const cJSON *beh = cJSON_GetObjectItemCaseSensitive(p, "behavior");
+        const char *b = cJSON_IsString(beh) ? beh->valuestring : "";
+        if (flag(p, "invert"))
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: pre_tokenizer Split with invert: true is not supported",
+                              t->label);
+        if (strcmp(b, "Isolated") != 0 && strcmp(b, "Removed") != 0)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: pre_tokenizer Split behavior '%s' is not supported "
+                              "(Isolated and Removed are)", t->label, b);
+        st.kind = P_SPLIT;
+        st.removed = strcmp(b, "Removed") == 0;
+        if (cJSON_IsString(re))
+            s = compile_re(t, "pre_tokenizer Split", re->valuestring, &st.re, err);
+        else if (cJSON_IsString(str) && *str->valuestring)
+            st.lit = str->valuestring;
+        else
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Split: no Regex or String pattern", t->label);
+    } else if (strcmp(ty, "ByteLevel") == 0) {
+        st.kind = P_BYTELEVEL;
+        st.prefix_space = flag(p, "add_prefix_space");
+        if (flag(p, "use_regex"))
+            s = compile_re(t, "pre_tokenizer ByteLevel", GPT2_PATTERN, &st.re, err);
+        t->byte_level = true;
+    } else {
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: pre_tokenizer '%s' is not supported", t->label, ty);
+    }
+    if (s != LM_OK)
+        return s;
+    pre_step *g = realloc(t->pre, (size_t)(t->n_pre + 1) * sizeof *g);
+    if (!g) {
+        pcre2_code_free(st.re);
+        return nomem(err);
+    }
+    t->pre = g;
+    t->pre[t->n_pre++] = st;
+    return LM_OK;
+}
+
+// The special ids TemplateProcessing's `single` puts before and after the sequence.
+static lm_status add_post(lm_tokenizer *t, const cJSON *p, lm_err *err)
+{
+    const char *ty = type_of(p);
+    if (!ty)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: post_processor: no type", t->label);
+    if (strcmp(ty, "Sequence") == 0) {
+        const cJSON *list = cJSON_GetObjectItemCaseSensitive(p, "processors"), *e;
+        cJSON_ArrayForEach(e, list)
+        {
+            lm_status s = add_post(t, e, err);
+            if (s != LM_OK)
+                return s;
+        }
+        return LM_OK;
+    }
+    if (strcmp(ty, "ByteLevel") == 0)
+        return LM_OK;  // offsets only
+    if (strcmp(ty, "TemplateProcessing") != 0)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: post_processor '%s' is not supported", t->label, ty);
+    const cJSON *single = cJSON_GetObjectItemCaseSensitive(p, "single"), *specials = cJSON_GetObjectItemCaseSensitive(p, "special_tokens"), *e;
+    bool seen_seq = false;
+    cJSON_ArrayForEach(e, single)
+    {
+        const cJSON *sp = cJSON_GetObjectItemCaseSensitive(e, "SpecialToken");
+        if (cJSON_GetObjectItemCaseSensitive(e, "Sequence")) {
+            seen_seq = true;
+            continue;
+        }
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(sp, "id");
+        const cJSON *entry = cJSON_IsString(id) ? cJSON_GetObjectItemCaseSensitive(specials, id->valuestring) : NULL;
+        const cJSON *ids = cJSON_GetObjectItemCaseSensitive(entry, "ids"), *x;
+        if (!cJSON_IsArray(ids))
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: post_processor TemplateProcessing: special token '%s' has no "
+                              "ids", t->label, cJSON_IsString(id) ? id->valuestring : "?");
+        cJSON_ArrayForEach(x, ids)
+        {
+            if (!cJSON_IsNumber(x))
+                return lm_err_set(err, LM_ERR_FORMAT, "%s: post_processor: an id that is not a number", t->label);
+            int32_t **dst = seen_seq ? &t->after : &t->before;
+            int *n = seen_seq ? &t->n_after : &t->n_before;
+            int32_t *g = realloc(*dst, (size_t)(*n + 1) * sizeof *g);
+            if (!g)
+                return nomem(err);
+            *dst = g;
+            g[(*n)++] = (int32_t)x->valuedouble;
+        }
+    }
+    return LM_OK;
+}
+
+static lm_status load_model(lm_tokenizer *t, const cJSON *m, lm_err *err)
+{
+    const char *ty = type_of(m);
+    if (!ty || strcmp(ty, "BPE") != 0)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: model '%s' is not supported (BPE is)", t->label,
+                          ty ? ty : "(no type)");
+    const cJSON *dropout = cJSON_GetObjectItemCaseSensitive(m, "dropout");
+    const cJSON *csp = cJSON_GetObjectItemCaseSensitive(m, "continuing_subword_prefix");
+    const cJSON *ews = cJSON_GetObjectItemCaseSensitive(m, "end_of_word_suffix");
+    if (dropout && !cJSON_IsNull(dropout))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: model BPE with dropout is not supported", t->label);
+    if ((cJSON_IsString(csp) && *csp->valuestring) || (cJSON_IsString(ews) && *ews->valuestring))
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: model BPE with a continuing_subword_prefix or "
+                          "end_of_word_suffix is not supported", t->label);
+    t->ignore_merges = flag(m, "ignore_merges");
+    t->byte_fallback = flag(m, "byte_fallback");
+    t->fuse_unk = flag(m, "fuse_unk");
+    const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(m, "vocab"), *merges = cJSON_GetObjectItemCaseSensitive(m, "merges"), *e;
+    if (!cJSON_IsObject(vocab) || !cJSON_IsArray(merges))
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: model: no vocab object or merges list", t->label);
+    if (lm_strmap_init(&t->vocab, (size_t)cJSON_GetArraySize(vocab) + 1024) != LM_OK)
+        return nomem(err);
+    cJSON_ArrayForEach(e, vocab)
+    {
+        if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble > INT32_MAX)
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: model.vocab: token '%s' has no id", t->label, e->string);
+        if (lm_strmap_put(&t->vocab, e->string, (int64_t)e->valuedouble) < 0)
+            return nomem(err);
+    }
+    int64_t n = cJSON_GetArraySize(merges), rank = 0;
+    if (lm_strmap_init(&t->merges, (size_t)n + 16) != LM_OK || !(t->merge_keys = calloc((size_t)n + 1, sizeof(char *))))
+        return nomem(err);
+    cJSON_ArrayForEach(e, merges)
+    {
+        const char *a = NULL, *b = NULL;
+        size_t la = 0;
+        if (cJSON_IsString(e)) {  // "a b"
+            const char *sp = strchr(e->valuestring, ' ');
+            if (sp) {
+                a = e->valuestring;
+                la = (size_t)(sp - a);
+                b = sp + 1;
+            }
+        } else if (cJSON_IsArray(e) && cJSON_GetArraySize(e) == 2 && cJSON_IsString(cJSON_GetArrayItem(e, 0)) &&
+                   cJSON_IsString(cJSON_GetArrayItem(e, 1))) {
+            a = cJSON_GetArrayItem(e, 0)->valuestring;
+            la = strlen(a);
+            b = cJSON_GetArrayItem(e, 1)->valuestring;
+        }
+        if (!a)
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: model.merges[%" PRId64 "]: not a pair of tokens", t->label, rank);
+        size_t lb = strlen(b);
+        char *key = malloc(la + lb + 2);
+        if (!key)
+            return nomem(err);
+        memcpy(key, a, la);
+        key[la] = MERGE_SEP;
+        memcpy(key + la + 1, b, lb + 1);
+        t->merge_keys[t->n_merge_keys++] = key;
+        if (lm_strmap_put(&t->merges, key, rank) < 0)  // a pair listed twice keeps its first rank
+            return nomem(err);
+        rank++;
+    }
+    t->unk = -1;
+    const cJSON *unk = cJSON_GetObjectItemCaseSensitive(m, "unk_token");
+    if (cJSON_IsString(unk)) {
+        int64_t id = lm_strmap_get(&t->vocab, unk->valuestring);
+        t->unk = id >= 0 ? (int32_t)id : -1;
+    }
+    for (int b2 = 0; b2 < 256; b2++) {
+        char name[8];
+        snprintf(name, sizeof name, "<0x%02X>", b2);
+        int64_t id = lm_strmap_get(&t->vocab, name);
+        t->byte_tok[b2] = id >= 0 ? (int32_t)id : -1;
+    }
+    return LM_OK;
+}
+
+// GPT-2's bytes_to_unicode: the printable bytes stand for themselves, the others for 256 + n in
+// their order.
+static void byte_chars(lm_tokenizer *t)
+{
+    int n = 0;
+    for (int b = 0; b < 256; b++) {
+        bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+        int cp = printable ? b : 256 + n++;
+        utf8proc_uint8_t buf[4];
+        utf8proc_ssize_t len = utf8proc_encode_char(cp, buf);
+        memcpy(t->byte_char[b], buf, (size_t)len);
+        t->byte_char[b][len] = '\0';
+    }
+}
+
+lm_status lm_tok_parse(lm_tokenizer **out, const char *text, size_t len, const char *label, lm_err *err)
+{
+    *out = NULL;
+    lm_tokenizer *t = calloc(1, sizeof *t);
+    if (!t || !(t->label = lm_strdup(label))) {
+        free(t);
+        return nomem(err);
+    }
+    lm_status s = lm_json_parse(&t->tree, text, len, label, err);
+    const cJSON *root = t->tree, *e;
+    if (s == LM_OK && !cJSON_IsObject(root))
+        s = lm_err_set(err, LM_ERR_FORMAT, "%s: not a JSON object", label);
+    if (s == LM_OK)
+        s = load_model(t, cJSON_GetObjectItemCaseSensitive(root, "model"), err);
+    const cJSON *norm = cJSON_GetObjectItemCaseSensitive(root, "normalizer");
+    const cJSON *pre = cJSON_GetObjectItemCaseSensitive(root, "pre_tokenizer");
+    const cJSON *post = cJSON_GetObjectItemCaseSensitive(root, "post_processor");
+    if (s == LM_OK && norm && !cJSON_IsNull(norm))
+        s = add_norm(t, norm, err);
+    if (s == LM_OK && pre && !cJSON_IsNull(pre))
+        s = add_pre(t, pre, err);
+    if (s == LM_OK && post && !cJSON_IsNull(post))
+        s = add_post(t, post, err);
+    const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
+    if (s == LM_OK && added && !(t->added = calloc((size_t)cJSON_GetArraySize(added) + 1, sizeof *t->added)))
+        s = nomem(err);
+    cJSON_ArrayForEach(e, added)
+    {
+        if (s != LM_OK)
+            break;
+        const cJSON *c = cJSON_GetObjectItemCaseSensitive(e, "content"), *id = cJSON_GetObjectItemCaseSensitive(e, "id");
+        if (!cJSON_IsString(c) || !cJSON_IsNumber(id)) {
+            s = lm_err_set(err, LM_ERR_FORMAT, "%s: added_tokens: an entry without content or id", label);
+            break;
+        }
+        if (flag(e, "lstrip") || flag(e, "rstrip") || flag(e, "single_word") || flag(e, "normalized")) {
+            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: added token '%s' with lstrip, rstrip, single_word or "
+                           "normalized is not supported", label, c->valuestring);
+            break;
+        }
+        if (!*c->valuestring)
+            continue;
+        t->added[t->n_added++] = (added_tok){c->valuestring, strlen(c->valuestring), (int32_t)id->valuedouble};
+        t->starts[(unsigned char)c->valuestring[0]] = true;
+    }
+    byte_chars(t);
+    if (s != LM_OK) {
+        lm_tok_free(t);
+        return s;
+    }
+    *out = t;
+    return LM_OK;
+}
+
+lm_status lm_tok_load(lm_tokenizer **out, const char *path, lm_err *err)
+{
+    *out = NULL;
+    if (!lm_is_file(path))
+        return lm_err_set(err, LM_ERR_NOT_FOUND, "%s: no such file", path);
+    char *text = NULL;
+    size_t len = 0;
+    lm_status s = lm_read_file(path, MAX_FILE, &text, &len, err);
+    if (s == LM_OK)
+        s = lm_tok_parse(out, text, len, path, err);
+    free(text);
+    return s;
+}
+
+// ==== encoding =================================================================================
+
+long lm_utf8_decode(const unsigned char *s, size_t n, int32_t *cp)
+{
+    utf8proc_int32_t c;
+    utf8proc_ssize_t r = utf8proc_iterate(s, n > 4 ? 4 : (utf8proc_ssize_t)n, &c);
+    if (r <= 0)
+        return -1;
+    *cp = c;
+    return (long)r;
+}
+
+// The byte length of the UTF-8 character at s (1 for a byte that starts none: the text was checked).
+static size_t char_len(const unsigned char *s)
+{
+    return s[0] < 0x80 ? 1 : s[0] < 0xE0 ? 2 : s[0] < 0xF0 ? 3 : 4;
+}
+
+// A piece's ids by BPE: its characters (or their bytes' tokens, or unk), then the merge of the
+// adjacent pair of lowest rank, again, until none applies.
+typedef struct sym {
+    size_t start, end;  // in the piece
+    int32_t id;         // >= 0: a byte-fallback or unknown symbol, not merged; -1: by its text
+} sym;
+
+static lm_status bpe_uncached(const lm_tokenizer *t, char *piece, size_t len, int32_t **ids, int64_t *n,
+                              int64_t *cap, sbuf *key, lm_err *err);
+
+// bpe_uncached, through the cache where there is one.
+static lm_status bpe(const lm_tokenizer *t, lm_tok_cache *c, const char *w, size_t len, int32_t **ids, int64_t *n,
+                     int64_t *cap, sbuf *key, lm_err *err)
+{
+    char stack[128], *piece = len < sizeof stack ? stack : malloc(len + 1);
+    if (!piece)
+        return nomem(err);
+    memcpy(piece, w, len);
+    piece[len] = '\0';
+    int64_t hit = c ? lm_strmap_get(&c->map, piece) : -1;
+    lm_status s = LM_OK;
+    if (hit >= 0) {
+        for (int32_t i = 0; i < c->count[hit] && s == LM_OK; i++)
+            if (!push_id(ids, n, cap, c->ids[c->first[hit] + i]))
+                s = nomem(err);
+    } else {
+        int64_t before = *n;
+        s = bpe_uncached(t, piece, len, ids, n, cap, key, err);
+        if (s == LM_OK && c)
+            cache_put(c, piece, *ids + before, *n - before);
+    }
+    if (piece != stack)
+        free(piece);
+    return s;
+}
+
+// The piece's ids by the merges (piece is NUL-terminated, the caller's to keep).
+static lm_status bpe_uncached(const lm_tokenizer *t, char *piece, size_t len, int32_t **ids, int64_t *n,
+                              int64_t *cap, sbuf *key, lm_err *err)
+{
+    lm_status s = LM_OK;
+    int64_t whole = t->ignore_merges ? lm_strmap_get(&t->vocab, piece) : -1;
+    if (whole >= 0)
+        return push_id(ids, n, cap, (int32_t)whole) ? LM_OK : nomem(err);
+    sym *sy = malloc((len + 1) * sizeof *sy);
+    int ns = 0;
+    if (!sy)
+        return nomem(err);
+    for (size_t i = 0; i < len;) {
+        size_t cl = char_len((const unsigned char *)piece + i);
+        char save = piece[i + cl];
+        piece[i + cl] = '\0';
+        bool known = lm_strmap_get(&t->vocab, piece + i) >= 0;
+        piece[i + cl] = save;
+        if (known) {
+            sy[ns++] = (sym){i, i + cl, -1};
+        } else if (t->byte_fallback && t->byte_tok[(unsigned char)piece[i]] >= 0) {
+            for (size_t b = i; b < i + cl; b++)
+                sy[ns++] = (sym){b, b + 1, t->byte_tok[(unsigned char)piece[b]] >= 0 ? t->byte_tok[(unsigned char)piece[b]] : t->unk};
+        } else if (t->unk >= 0) {
+            if (!(t->fuse_unk && ns > 0 && sy[ns - 1].id == t->unk))
+                sy[ns++] = (sym){i, i + cl, t->unk};
+        } else {
+            free(sy);
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: '%s' has a character in no token and the model has no "
+                              "unk_token", t->label, piece);
+        }
+        i += cl;
+    }
+    for (;;) {
+        int64_t best = -1;
+        int at = -1;
+        for (int i = 0; i + 1 < ns; i++) {
+            if (sy[i].id >= 0 || sy[i + 1].id >= 0)
+                continue;
+            key->n = 0;
+            if (!sb_put(key, piece + sy[i].start, sy[i].end - sy[i].start) || !sb_put(key, (char[]){MERGE_SEP}, 1) ||
+                !sb_put(key, piece + sy[i + 1].start, sy[i + 1].end - sy[i + 1].start)) {
+                s = nomem(err);
+                break;
+            }
+            int64_t r = lm_strmap_get(&t->merges, key->p);
+            if (r >= 0 && (best < 0 || r < best))
+                best = r, at = i;
+        }
+        if (s != LM_OK || at < 0)
+            break;
+        sy[at].end = sy[at + 1].end;
+        memmove(sy + at + 1, sy + at + 2, (size_t)(ns - at - 2) * sizeof *sy);
+        ns--;
+    }
+    for (int i = 0; s == LM_OK && i < ns; i++) {
+        int32_t id = sy[i].id;
+        if (id < 0) {
+            char save = piece[sy[i].end];
+            piece[sy[i].end] = '\0';
+            int64_t v = lm_strmap_get(&t->vocab, piece + sy[i].start);
+            piece[sy[i].end] = save;
+            id = v >= 0 ? (int32_t)v : t->unk;
+        }
+        if (id >= 0 && !push_id(ids, n, cap, id))
+            s = nomem(err);
+    }
+    free(sy);
+    return s;
+}
+
+// A piece as the model sees it after the ByteLevel step: each byte as GPT-2's character.
+static bool to_bytelevel(const lm_tokenizer *t, const char *w, size_t len, sbuf *out)
+{
+    out->n = 0;
+    if (!sb_put(out, "", 0))
+        return false;
+    for (size_t i = 0; i < len; i++)
+        if (!sb_put(out, t->byte_char[(unsigned char)w[i]], strlen(t->byte_char[(unsigned char)w[i]])))
+            return false;
+    return true;
+}
+
+// The pieces of the pre-tokenizer from step `k` on, each then given to the model.
+static lm_status pieces(const lm_tokenizer *t, lm_tok_cache *c, int k, const char *w, size_t len, int32_t **ids,
+                        int64_t *n, int64_t *cap, sbuf *key, lm_err *err)
+{
+    if (len == 0)
+        return LM_OK;
+    if (k == t->n_pre) {
+        if (!t->byte_level)
+            return bpe(t, c, w, len, ids, n, cap, key, err);
+        sbuf bl = {0};
+        lm_status s = to_bytelevel(t, w, len, &bl) ? bpe(t, c, bl.p, bl.n, ids, n, cap, key, err) : nomem(err);
+        free(bl.p);
+        return s;
+    }
+    const pre_step *st = &t->pre[k];
+    lm_status s = LM_OK;
+    if (st->kind == P_BYTELEVEL) {
+        sbuf pre = {0};
+        const char *x = w;
+        size_t xl = len;
+        if (st->prefix_space && w[0] != ' ') {
+            if (!sb_put(&pre, " ", 1) || !sb_put(&pre, w, len))
+                return nomem(err);
+            x = pre.p;
+            xl = pre.n;
+        }
+        if (!st->re) {
+            s = pieces(t, c, k + 1, x, xl, ids, n, cap, key, err);
+            free(pre.p);
+            return s;
+        }
+        // GPT-2's pattern: the same as an Isolated split
+        pre_step split = {.kind = P_SPLIT, .re = st->re};
+        pcre2_match_data *md = pcre2_match_data_create_from_pattern(split.re, NULL);
+        size_t pos = 0, last = 0;
+        while (s == LM_OK && md && pos <= xl) {
+            int rc = pcre2_match(split.re, (PCRE2_SPTR)x, xl, pos, 0, md, NULL);
+            if (rc < 0)
+                break;
+            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+            if (ov[1] == ov[0]) {  // an empty match: on to the next character
+                pos = ov[0] < xl ? ov[0] + char_len((const unsigned char *)x + ov[0]) : xl + 1;
+                continue;
+            }
+            s = pieces(t, c, k + 1, x + last, ov[0] - last, ids, n, cap, key, err);
+            if (s == LM_OK)
+                s = pieces(t, c, k + 1, x + ov[0], ov[1] - ov[0], ids, n, cap, key, err);
+            last = pos = ov[1];
+        }
+        if (s == LM_OK && !md)
+            s = nomem(err);
+        if (s == LM_OK && last < xl)
+            s = pieces(t, c, k + 1, x + last, xl - last, ids, n, cap, key, err);
+        pcre2_match_data_free(md);
+        free(pre.p);
+        return s;
+    }
+    // Split: the gaps and (Isolated) the matches, in order
+    size_t pos = 0, last = 0;
+    if (st->lit) {
+        size_t ll = strlen(st->lit);
+        const char *hit;
+        while (s == LM_OK && (hit = memmem(w + pos, len - pos, st->lit, ll)) != NULL) {
+            size_t at = (size_t)(hit - w);
+            s = pieces(t, c, k + 1, w + last, at - last, ids, n, cap, key, err);
+            if (s == LM_OK && !st->removed)
+                s = pieces(t, c, k + 1, w + at, ll, ids, n, cap, key, err);
+            last = pos = at + ll;
+        }
+    } else {
+        pcre2_match_data *md = pcre2_match_data_create_from_pattern(st->re, NULL);
+        if (!md)
+            return nomem(err);
+        while (s == LM_OK && pos <= len) {
+            int rc = pcre2_match(st->re, (PCRE2_SPTR)w, len, pos, 0, md, NULL);
+            if (rc == PCRE2_ERROR_NOMATCH)
+                break;
+            if (rc < 0) {
+                s = lm_err_set(err, LM_ERR_FORMAT, "%s: the pre-tokenizer's regex failed on a text (PCRE2 error %d)",
+                               t->label, rc);
+                break;
+            }
+            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+            if (ov[1] == ov[0]) {
+                pos = ov[0] < len ? ov[0] + char_len((const unsigned char *)w + ov[0]) : len + 1;
+                continue;
+            }
+            s = pieces(t, c, k + 1, w + last, ov[0] - last, ids, n, cap, key, err);
+            if (s == LM_OK && !st->removed)
+                s = pieces(t, c, k + 1, w + ov[0], ov[1] - ov[0], ids, n, cap, key, err);
+            last = pos = ov[1];
+        }
+        pcre2_match_data_free(md);
+    }
+    if (s == LM_OK && last < len)
+        s = pieces(t, c, k + 1, w + last, len - last, ids, n, cap, key, err);
+    return s;
+}
+
+// The text between two added tokens: normalized, then pre-tokenized and given to the model.
+static lm_status segment(const lm_tokenizer *t, lm_tok_cache *c, const char *w, size_t len, int32_t **ids,
+                         int64_t *n, int64_t *cap, sbuf *key, lm_err *err)
+{
+    if (len == 0)
+        return LM_OK;
+    sbuf cur = {0};
+    if (!sb_put(&cur, w, len))
+        return nomem(err);
+    for (int i = 0; i < t->n_norm; i++) {
+        const norm_step *st = &t->norm[i];
+        sbuf next = {0};
+        bool ok = true;
+        if (st->kind == N_UTF8PROC) {
+            utf8proc_uint8_t *o = NULL;
+            utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)cur.p, (utf8proc_ssize_t)cur.n, &o,
+                                              (utf8proc_option_t)st->options);
+            ok = r >= 0 && sb_put(&next, o, (size_t)r);
+            free(o);
+        } else if (st->kind == N_PREPEND) {
+            ok = cur.n == 0 || (sb_put(&next, st->a, strlen(st->a)) && sb_put(&next, cur.p, cur.n));
+            if (cur.n == 0)
+                ok = sb_put(&next, "", 0);
+        } else {  // N_REPLACE
+            size_t la = strlen(st->a), lb = strlen(st->b), p = 0;
+            ok = sb_put(&next, "", 0);
+            const char *hit;
+            while (ok && (hit = memmem(cur.p + p, cur.n - p, st->a, la)) != NULL) {
+                ok = sb_put(&next, cur.p + p, (size_t)(hit - cur.p) - p) && sb_put(&next, st->b, lb);
+                p = (size_t)(hit - cur.p) + la;
+            }
+            ok = ok && sb_put(&next, cur.p + p, cur.n - p);
+        }
+        free(cur.p);
+        cur = next;
+        if (!ok) {
+            free(cur.p);
+            return nomem(err);
+        }
+    }
+    lm_status s = pieces(t, c, 0, cur.p, cur.n, ids, n, cap, key, err);
+    free(cur.p);
+    return s;
+}
+
+lm_status lm_tok_encode(const lm_tokenizer *t, lm_tok_cache *c, const char *text, size_t len, int special,
+                        int32_t **ids, int64_t *n, int64_t *cap, lm_err *err)
+{
+    utf8proc_int32_t cp;
+    for (size_t i = 0; i < len;) {
+        utf8proc_ssize_t r = utf8proc_iterate((const utf8proc_uint8_t *)text + i, (utf8proc_ssize_t)(len - i), &cp);
+        if (r <= 0)
+            return lm_err_set(err, LM_ERR_FORMAT, "not valid UTF-8 at byte %zu", i);
+        i += (size_t)r;
+    }
+    lm_status s = LM_OK;
+    sbuf key = {0};
+    for (int i = 0; special && i < t->n_before; i++)
+        if (!push_id(ids, n, cap, t->before[i]))
+            s = nomem(err);
+    // the added tokens first: at the first place where one starts, the longest that does
+    size_t start = 0;
+    for (size_t i = 0; s == LM_OK && i < len;) {
+        if (!t->starts[(unsigned char)text[i]]) {
+            i++;
+            continue;
+        }
+        int best = -1;
+        for (int a = 0; a < t->n_added; a++)
+            if (t->added[a].content[0] == text[i] && t->added[a].len <= len - i &&
+                memcmp(text + i, t->added[a].content, t->added[a].len) == 0 &&
+                (best < 0 || t->added[a].len > t->added[best].len))
+                best = a;
+        if (best < 0) {
+            i++;
+            continue;
+        }
+        s = segment(t, c, text + start, i - start, ids, n, cap, &key, err);
+        if (s == LM_OK && !push_id(ids, n, cap, t->added[best].id))
+            s = nomem(err);
+        i += t->added[best].len;
+        start = i;
+    }
+    if (s == LM_OK)
+        s = segment(t, c, text + start, len - start, ids, n, cap, &key, err);
+    for (int i = 0; s == LM_OK && special && i < t->n_after; i++)
+        if (!push_id(ids, n, cap, t->after[i]))
+            s = nomem(err);
+    free(key.p);
+    return s;
+}

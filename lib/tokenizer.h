@@ -1,0 +1,57 @@
+// Text to token ids as Hugging Face's tokenizers library encodes it, from a model's
+// tokenizer.json: the added tokens matched first (on the raw text, leftmost and longest), the
+// normalizer on the text between them, the pre-tokenizer's pieces, the BPE model on each piece
+// (merges by rank, byte-level or with byte fallback), the post-processor's special tokens.
+//
+// What is read (any other component, or an option of these that changes the result in a way not
+// built here, is LM_ERR_UNSUPPORTED naming it, never approximated):
+//   normalizer      null, NFC, NFKC, NFD, NFKD (utf8proc), Prepend, Replace of a String, Sequence
+//   pre_tokenizer   null, Split (a Regex, matched with PCRE2 in UTF and Unicode-property mode, or a
+//                   String; behavior Isolated or Removed; not inverted), ByteLevel (its
+//                   add_prefix_space, and use_regex: GPT-2's pattern), Sequence
+//   model           BPE: vocab, merges (the "a b" strings or [a, b] pairs), ignore_merges,
+//                   byte_fallback, unk_token and fuse_unk; no dropout, no subword prefix or suffix
+//   post_processor  null, ByteLevel (nothing to ids), TemplateProcessing's single template,
+//                   Sequence
+//   added_tokens    matched on the raw text (normalized: false), without lstrip, rstrip or
+//                   single_word
+// Invalid UTF-8 in the text is refused (the caller names the line).
+#ifndef LM_TOKENIZER_H
+#define LM_TOKENIZER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "status.h"
+
+typedef struct lm_tokenizer lm_tokenizer;
+
+// Reads the tokenizer.json at `path` (tokenizer_config.json is not read: the post-processor is
+// what adds special tokens). LM_ERR_FORMAT naming the file and the entry for a malformed file,
+// LM_ERR_UNSUPPORTED naming the component, LM_ERR_NOT_FOUND where the file is not there.
+lm_status lm_tok_load(lm_tokenizer **out, const char *path, lm_err *err);
+
+// The same from `len` bytes of JSON text named `label` in messages.
+lm_status lm_tok_parse(lm_tokenizer **out, const char *text, size_t len, const char *label, lm_err *err);
+
+void lm_tok_free(lm_tokenizer *t);
+
+// The UTF-8 character at s (n bytes available) into *cp; its length, or -1 where the bytes are
+// not valid UTF-8 (an overlong form, a surrogate, past U+10FFFF, cut short).
+long lm_utf8_decode(const unsigned char *s, size_t n, int32_t *cp);
+
+// Pieces already encoded, for one thread: most words recur, and a hit skips the merges. It holds
+// at most LM_TOK_CACHE_MAX pieces and starts again empty when full. NULL when memory runs out.
+#define LM_TOK_CACHE_MAX 65536
+typedef struct lm_tok_cache lm_tok_cache;
+lm_tok_cache *lm_tok_cache_new(void);
+void lm_tok_cache_free(lm_tok_cache *c);
+
+// Appends the ids of the `len` bytes of UTF-8 text at `text` to *ids (n of them, cap its
+// capacity; grown with realloc), with the post-processor's special tokens where `special`.
+// `cache` (may be NULL) is the calling thread's own. LM_ERR_FORMAT for text that is not valid
+// UTF-8 (naming the byte offset).
+lm_status lm_tok_encode(const lm_tokenizer *t, lm_tok_cache *cache, const char *text, size_t len, int special,
+                        int32_t **ids, int64_t *n, int64_t *cap, lm_err *err);
+
+#endif

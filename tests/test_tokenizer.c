@@ -1,0 +1,211 @@
+// Tests of tokenizer.c on small tokenizer.json files written here, with ids worked out by hand:
+// byte-level BPE through GPT-2's pattern (merges by rank, ignore_merges), SentencePiece-style
+// BPE (Prepend and Replace normalizers, byte fallback, unk and fuse_unk, TemplateProcessing's
+// BOS), added tokens (leftmost, the longest), NFC, a Split by a string with Removed, the cache,
+// and each refusal with what it names. The real tokenizers against Hugging Face's own are
+// tests/e2e_tokenize.sh's.
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "check.h"
+#include "tokenizer.h"
+
+static lm_tokenizer *parsed(const char *json)
+{
+    lm_tokenizer *t = NULL;
+    lm_err err = {0};
+    CHECK_OK(lm_tok_parse(&t, json, strlen(json), "tok.json", &err), &err);
+    return t;
+}
+
+// The ids of text equal want (n of them).
+static void check_ids(const lm_tokenizer *t, lm_tok_cache *c, const char *text, int special, const int32_t *want,
+                      int64_t n)
+{
+    int32_t *ids = NULL;
+    int64_t got = 0, cap = 0;
+    lm_err err = {0};
+    CHECK_OK(lm_tok_encode(t, c, text, strlen(text), special, &ids, &got, &cap, &err), &err);
+    bool same = got == n && (n == 0 || memcmp(ids, want, (size_t)n * sizeof *ids) == 0);
+    if (!same) {
+        fprintf(stderr, "'%s': got", text);
+        for (int64_t i = 0; i < got; i++)
+            fprintf(stderr, " %d", ids[i]);
+        fprintf(stderr, ", wanted");
+        for (int64_t i = 0; i < n; i++)
+            fprintf(stderr, " %d", want[i]);
+        fprintf(stderr, "\n");
+    }
+    CHECK(same);
+    free(ids);
+}
+
+#define IDS(...) ((const int32_t[]){__VA_ARGS__}), (int64_t)(sizeof((const int32_t[]){__VA_ARGS__}) / sizeof(int32_t))
+
+static const char *BYTE_LEVEL =
+    "{\"added_tokens\": [{\"id\": 20, \"content\": \"<x\", \"special\": true},"
+    " {\"id\": 21, \"content\": \"<x>\", \"special\": true}],"
+    " \"normalizer\": null,"
+    " \"pre_tokenizer\": {\"type\": \"ByteLevel\", \"add_prefix_space\": false, \"use_regex\": true},"
+    " \"post_processor\": {\"type\": \"ByteLevel\"},"
+    " \"model\": {\"type\": \"BPE\", \"dropout\": null, \"ignore_merges\": %s,"
+    "  \"vocab\": {\"h\": 0, \"e\": 1, \"l\": 2, \"o\": 3, \"\\u0120\": 4, \"w\": 5, \"r\": 6, \"d\": 7, \"he\": 8,"
+    "   \"ll\": 9, \"llo\": 10, \"hello\": 11, \"\\u0120w\": 12, \"or\": 13, \"\\u0120wor\": 14, \"ld\": 15,"
+    "   \"\\u0120world\": 16, \"lo\": 17},"
+    "  \"merges\": [\"h e\", \"l l\", \"ll o\", \"he llo\", \"\\u0120 w\", \"o r\", \"\\u0120w or\", \"l d\","
+    "   [\"\\u0120wor\", \"ld\"]]}}";
+
+static void test_byte_level(void)
+{
+    char json[2048];
+    snprintf(json, sizeof json, BYTE_LEVEL, "false");
+    lm_tokenizer *t = parsed(json);
+    if (!t)
+        return;
+    // "hello" merges by rank: he, ll, llo, hello; " world" is "Ġworld" (the space as Ġ)
+    check_ids(t, NULL, "hello world", 1, IDS(11, 16));
+    check_ids(t, NULL, "held", 1, IDS(8, 15));     // he, then ld; no he+ld merge
+    check_ids(t, NULL, "lo", 1, IDS(2, 3));        // no l o merge, though "lo" is a token
+    check_ids(t, NULL, "hello<x>hello<x", 1, IDS(11, 21, 11, 20));  // the longest added token
+    check_ids(t, NULL, "", 1, NULL, 0);
+    lm_tok_cache *c = lm_tok_cache_new();
+    CHECK(c != NULL);
+    for (int round = 0; round < 2; round++)  // a cache's hits give the same ids
+        check_ids(t, c, "hello world held", 1, IDS(11, 16, 4, 8, 15));
+    lm_tok_cache_free(c);
+    // not UTF-8
+    int32_t *ids = NULL;
+    int64_t n = 0, cap = 0;
+    lm_err err = {0};
+    CHECK_FAILS(lm_tok_encode(t, NULL, "a\xC3(", 3, 1, &ids, &n, &cap, &err), LM_ERR_FORMAT,
+                "not valid UTF-8 at byte 1", &err);
+    free(ids);
+    lm_tok_free(t);
+    // ignore_merges: a piece that is a token is that token
+    snprintf(json, sizeof json, BYTE_LEVEL, "true");
+    t = parsed(json);
+    if (t) {
+        check_ids(t, NULL, "lo", 1, IDS(17));
+        check_ids(t, NULL, "held", 1, IDS(8, 15));
+        lm_tok_free(t);
+    }
+}
+
+static const char *SPM =
+    "{\"added_tokens\": [],"
+    " \"normalizer\": {\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"Prepend\", \"prepend\": \"\\u2581\"},"
+    "  {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"\\u2581\"}]},"
+    " \"pre_tokenizer\": null,"
+    " \"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": [{\"SpecialToken\": {\"id\": \"<s>\"}},"
+    "  {\"Sequence\": {\"id\": \"A\"}}], \"special_tokens\": {\"<s>\": {\"id\": \"<s>\", \"ids\": [1]}}},"
+    " \"model\": {\"type\": \"BPE\", \"unk_token\": \"<unk>\", \"byte_fallback\": true, \"fuse_unk\": %s,"
+    "  \"vocab\": {\"<unk>\": 0, \"<s>\": 1, \"</s>\": 2, \"<0xC3>\": 3, \"<0xA9>\": 4, \"\\u2581\": 5, \"h\": 6,"
+    "   \"i\": 7, \"\\u2581h\": 8, \"\\u2581hi\": 9, \"t\": 10, \"\\u2581t\": 11},"
+    "  \"merges\": [\"\\u2581 h\", \"\\u2581h i\", \"\\u2581 t\"]}}";
+
+static void test_sentencepiece(void)
+{
+    char json[2048];
+    snprintf(json, sizeof json, SPM, "true");
+    lm_tokenizer *t = parsed(json);
+    if (!t)
+        return;
+    check_ids(t, NULL, "hi", 1, IDS(1, 9));              // ▁hi, after <s>
+    check_ids(t, NULL, "hi", 0, IDS(9));                 // without the template
+    check_ids(t, NULL, "hi t\xC3\xA9", 1, IDS(1, 9, 11, 3, 4));  // é by its bytes
+    check_ids(t, NULL, "xx", 1, IDS(1, 5, 0));           // no byte token for x: unk, fused
+    check_ids(t, NULL, "", 1, IDS(1));                   // nothing to prepend to
+    lm_tok_free(t);
+    snprintf(json, sizeof json, SPM, "false");
+    if ((t = parsed(json))) {
+        check_ids(t, NULL, "xx", 1, IDS(1, 5, 0, 0));
+        lm_tok_free(t);
+    }
+}
+
+static void test_nfc_and_split(void)
+{
+    const char *nfc = "{\"normalizer\": {\"type\": \"NFC\"}, \"model\": {\"type\": \"BPE\", \"unk_token\": \"<unk>\","
+                      " \"vocab\": {\"\\u00e9\": 0, \"e\": 1, \"<unk>\": 2}, \"merges\": []}}";
+    const char *none = "{\"normalizer\": null, \"model\": {\"type\": \"BPE\", \"unk_token\": \"<unk>\","
+                       " \"vocab\": {\"\\u00e9\": 0, \"e\": 1, \"<unk>\": 2}, \"merges\": []}}";
+    lm_tokenizer *t = parsed(nfc);
+    if (t) {
+        check_ids(t, NULL, "e\xCC\x81", 1, IDS(0));  // e + U+0301 composes to é
+        lm_tok_free(t);
+    }
+    if ((t = parsed(none))) {
+        check_ids(t, NULL, "e\xCC\x81", 1, IDS(1, 2));
+        lm_tok_free(t);
+    }
+    const char *split = "{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"String\": \" \"}, \"behavior\":"
+                        " \"Removed\", \"invert\": false}, \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0,"
+                        " \"b\": 1, \"ab\": 2}, \"merges\": [\"a b\"]}}";
+    if ((t = parsed(split))) {
+        check_ids(t, NULL, "a b ab", 1, IDS(0, 1, 2));  // the spaces removed; each piece merged alone
+        lm_tok_free(t);
+    }
+}
+
+// The pair of lowest rank merges first: b c (rank 0) before a b (rank 1).
+static void test_rank_order(void)
+{
+    lm_tokenizer *t = parsed("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"c\": 2,"
+                             " \"ab\": 3, \"bc\": 4}, \"merges\": [\"b c\", \"a b\"]}}");
+    if (t) {
+        check_ids(t, NULL, "abc", 1, IDS(0, 4));
+        check_ids(t, NULL, "abab", 1, IDS(3, 3));
+        lm_tok_free(t);
+    }
+}
+
+static void refused(const char *json, lm_status want, const char *needle)
+{
+    lm_tokenizer *t = NULL;
+    lm_err err = {0};
+    CHECK_FAILS(lm_tok_parse(&t, json, strlen(json), "tok.json", &err), want, needle, &err);
+    CHECK(t == NULL);
+}
+
+static void test_refusals(void)
+{
+    const char *model = "\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": []}";
+    char json[1024];
+    refused("{\"model\": {\"type\": \"Unigram\", \"vocab\": []}}", LM_ERR_UNSUPPORTED, "tok.json: model 'Unigram'");
+    refused("{\"model\": {\"type\": \"WordPiece\", \"vocab\": {}}}", LM_ERR_UNSUPPORTED, "model 'WordPiece'");
+    snprintf(json, sizeof json, "{\"pre_tokenizer\": {\"type\": \"Whitespace\"}, %s}", model);
+    refused(json, LM_ERR_UNSUPPORTED, "pre_tokenizer 'Whitespace' is not supported");
+    snprintf(json, sizeof json, "{\"normalizer\": {\"type\": \"Lowercase\"}, %s}", model);
+    refused(json, LM_ERR_UNSUPPORTED, "normalizer 'Lowercase' is not supported");
+    snprintf(json, sizeof json, "{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"a\"},"
+             " \"behavior\": \"MergedWithPrevious\"}, %s}", model);
+    refused(json, LM_ERR_UNSUPPORTED, "Split behavior 'MergedWithPrevious' is not supported");
+    snprintf(json, sizeof json, "{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"(\"},"
+             " \"behavior\": \"Isolated\"}, %s}", model);
+    refused(json, LM_ERR_UNSUPPORTED, "the regex '(' does not compile");
+    snprintf(json, sizeof json, "{\"added_tokens\": [{\"id\": 1, \"content\": \"<a>\", \"lstrip\": true}], %s}", model);
+    refused(json, LM_ERR_UNSUPPORTED, "added token '<a>' with lstrip");
+    snprintf(json, sizeof json, "{\"post_processor\": {\"type\": \"BertProcessing\"}, %s}", model);
+    refused(json, LM_ERR_UNSUPPORTED, "post_processor 'BertProcessing'");
+    refused("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0}, \"merges\": [\"ab\"]}}", LM_ERR_FORMAT,
+            "model.merges[0]: not a pair");
+    refused("{\"model\": {\"type\": \"BPE\", \"dropout\": 0.1, \"vocab\": {}, \"merges\": []}}", LM_ERR_UNSUPPORTED,
+            "dropout");
+    refused("{\"normalizer\": null}", LM_ERR_UNSUPPORTED, "model '(no type)'");
+    refused("[1, 2]", LM_ERR_FORMAT, "not a JSON object");
+    refused("{\"model\": ", LM_ERR_FORMAT, "tok.json");
+    lm_tokenizer *t = NULL;
+    lm_err err = {0};
+    CHECK_FAILS(lm_tok_load(&t, "/nonexistent/tokenizer.json", &err), LM_ERR_NOT_FOUND, "no such file", &err);
+}
+
+int main(void)
+{
+    test_byte_level();
+    test_sentencepiece();
+    test_nfc_and_split();
+    test_rank_order();
+    test_refusals();
+    return check_report("test_tokenizer");
+}
