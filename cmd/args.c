@@ -368,8 +368,16 @@ lm_status lm_cmd_run_tokens(const lm_run_args *a, const lm_model *m, const char 
 {
     const lm_config *cfg = &m->config;
     *seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
-    lm_calib_opts co = {.max_samples = a->samples, .max_len = *seq_len, .vocab_size = cfg->vocab_size};
+    // a line of text is tokenized with MODEL's own tokenizer.json
+    char *tok = lm_path_join(m->dir, "tokenizer.json"), why[LM_ERR_MSG_MAX / 2];
+    if (!tok)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    snprintf(why, sizeof why, "MODEL %s has no tokenizer.json: give token ids (llmerge tokenize)", m->dir);
+    bool have = lm_is_file(tok);
+    lm_calib_opts co = {.max_samples = a->samples, .max_len = *seq_len, .vocab_size = cfg->vocab_size,
+                        .tokenizer = have ? tok : NULL, .no_tokenizer = why};
     lm_status s = lm_calib_load(data, path, &co, err);
+    free(tok);
     if (s != LM_OK)
         return s;
     if (!(*seqs = calloc((size_t)(data->n_seqs ? data->n_seqs : 1), sizeof **seqs)))

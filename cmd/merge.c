@@ -228,15 +228,26 @@ static lm_status read_calib(merge_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "--hessian-from base takes one --calib file, not %d", a->n_calib);
     const lm_config *cfg = &r->base->config;
     int64_t seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
-    lm_calib_opts co = {.max_samples = a->calib_samples, .max_len = seq_len, .vocab_size = cfg->vocab_size};
-    if (!(r->calib = calloc((size_t)a->n_calib, sizeof *r->calib)))
+    // a line of text is tokenized with BASE's own tokenizer.json
+    char *tok = lm_path_join(r->base->dir, "tokenizer.json"), why[LM_ERR_MSG_MAX / 2];
+    if (!tok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    snprintf(why, sizeof why, "BASE %s has no tokenizer.json: give token ids (llmerge tokenize)", r->base->dir);
+    lm_calib_opts co = {.max_samples = a->calib_samples, .max_len = seq_len, .vocab_size = cfg->vocab_size,
+                        .tokenizer = lm_is_file(tok) ? tok : NULL, .no_tokenizer = why};
+    if (!(r->calib = calloc((size_t)a->n_calib, sizeof *r->calib))) {
+        free(tok);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
     r->n_calib = a->n_calib;
     for (int i = 0; i < a->n_calib; i++) {
         lm_status s = lm_calib_load(&r->calib[i], a->calib[i], &co, err);
-        if (s != LM_OK)
+        if (s != LM_OK) {
+            free(tok);
             return s;
+        }
     }
+    free(tok);
     for (int i = 0; i < a->n_ft; i++) {
         lm_status s = lm_fwd_check(r->fts[i]->model ? r->fts[i]->model : r->base, r->fts[i]->adapter, err);
         if (s != LM_OK)

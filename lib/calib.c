@@ -1,6 +1,8 @@
 // The token data reader. See calib.h.
 #include "calib.h"
 
+#include "tokenizer.h"
+
 #include <cJSON.h>
 #include <errno.h>
 #include <inttypes.h>
@@ -21,6 +23,8 @@ typedef struct reader {
     int64_t cap_seqs;    // capacity of c->offsets (n_seqs + 1 entries used) and c->lines
     int64_t seq_start;   // where the sequence being read starts in c->ids
     lm_err *err;
+    lm_tokenizer *tok;   // o->tokenizer, loaded at the first "text" line
+    lm_tok_cache *cache;
 } reader;
 
 static lm_status oom(reader *r)
@@ -122,7 +126,36 @@ static lm_status parse_txt(reader *r, const char *s, size_t len)
 
 // ---- .jsonl -------------------------------------------------------------------------------
 
-#define JSONL_SHAPE "expected {\"input_ids\": [...]}"
+#define JSONL_SHAPE "expected {\"input_ids\": [...]} or {\"text\": \"...\"}"
+
+// A line's "text": its ids by the tokenizer (loaded at the first such line), as llmerge
+// tokenize writes them.
+static lm_status parse_text(reader *r, const char *text)
+{
+    const char *path = r->c->path;
+    if (!r->o->tokenizer)
+        return lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": \"text\" needs a tokenizer, and there is none "
+                          "here (%s)", path, r->line, r->o->no_tokenizer ? r->o->no_tokenizer : "give token ids");
+    lm_status st = LM_OK;
+    if (!r->tok) {
+        if ((st = lm_tok_load(&r->tok, r->o->tokenizer, r->err)) != LM_OK)
+            return lm_err_prefix(r->err, "%s:%" PRId64 ": \"text\" needs the tokenizer", path, r->line);
+        r->cache = lm_tok_cache_new();
+    }
+    int32_t *ids = NULL;
+    int64_t n = 0, cap = 0;
+    if ((st = lm_tok_encode(r->tok, r->cache, text, strlen(text), 1, &ids, &n, &cap, r->err)) != LM_OK) {
+        free(ids);
+        return lm_err_prefix(r->err, "%s:%" PRId64 ": \"text\"", path, r->line);
+    }
+    for (int64_t i = 0; st == LM_OK && i < n; i++) {
+        char where[48];
+        snprintf(where, sizeof where, "token %" PRId64 " of the text", i + 1);
+        st = push_id(r, ids[i], where);
+    }
+    free(ids);
+    return st == LM_OK ? end_seq(r, n) : st;
+}
 
 static lm_status parse_jsonl(reader *r, const char *s, size_t len)
 {
@@ -147,6 +180,12 @@ static lm_status parse_jsonl(reader *r, const char *s, size_t len)
                           first);
     }
     const cJSON *ids = cJSON_GetObjectItemCaseSensitive(root, "input_ids");
+    const cJSON *text = cJSON_GetObjectItemCaseSensitive(root, "text");
+    if (cJSON_IsObject(root) && !ids && cJSON_IsString(text)) {
+        st = parse_text(r, text->valuestring);
+        cJSON_Delete(root);
+        return st;
+    }
     if (!cJSON_IsObject(root)) {
         st = lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": not a JSON object (" JSONL_SHAPE ")", path, r->line);
     } else if (!ids) {
@@ -194,8 +233,8 @@ lm_status lm_calib_load(lm_calib *c, const char *path, const lm_calib_opts *o, l
         return lm_err_set(err, LM_ERR_USAGE, "%s is a directory, not a data file", path);
     if (!jsonl && !txt)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: unknown data format: expected a .jsonl file (one "
-                          "{\"input_ids\": [...]} per line) or a .txt file (one sequence of token ids per line)",
-                          path);
+                          "{\"input_ids\": [...]} or {\"text\": \"...\"} per line) or a .txt file (one sequence of "
+                          "token ids per line; for text, llmerge tokenize --data-format text makes a .jsonl)", path);
     // a FIFO, socket or device is refused before anything is read (a FIFO would block an open)
     int fd;
     lm_status os = lm_open_regular(path, &fd, err);
@@ -255,6 +294,8 @@ lm_status lm_calib_load(lm_calib *c, const char *path, const lm_calib_opts *o, l
         s = lm_err_set(err, LM_ERR_FORMAT, "%s: no sequences (the file is empty)", path);
     free(line);
     fclose(fp);
+    lm_tok_free(r.tok);
+    lm_tok_cache_free(r.cache);
     if (s != LM_OK)
         lm_calib_free(c);
     return s;

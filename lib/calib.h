@@ -1,5 +1,6 @@
 // Token data for evaluation and activation capture (docs/eval.md "The data"): a `.jsonl`
-// file with one {"input_ids": [...]} object per line (each line read by the one JSON reader,
+// file with one {"input_ids": [...]} object per line (or {"text": "..."}, tokenized with the
+// model's tokenizer.json where the caller names it) (each line read by the one JSON reader,
 // json.h), or a `.txt` file with one sequence per line of token ids separated by spaces or
 // tabs. The format is chosen by the file's extension.
 // Reading is strict, since a silently skipped or mangled sequence would change every result
@@ -21,6 +22,12 @@ typedef struct lm_calib_opts {
     int64_t max_samples;  // read at most this many sequences (0: all)
     int64_t max_len;      // cut longer sequences to this many tokens (0: no limit)
     int64_t vocab_size;   // every id must be below it (0: not checked)
+    // A .jsonl line {"text": "..."} (without "input_ids") is tokenized by this tokenizer.json
+    // (lib/tokenizer.h, loaded at the first such line), the post-processor's special tokens
+    // included, as llmerge tokenize writes them; NULL: such a line is refused, saying
+    // no_tokenizer (why there is none, and what to do).
+    const char *tokenizer;
+    const char *no_tokenizer;
 } lm_calib_opts;
 
 typedef struct lm_calib {

@@ -246,6 +246,50 @@ printf '1 2 3\nnot ids\n' >"$work/late.txt"
 run late eval "$fx/base" --data "$work/late.txt" --samples 1
 has late.out "tokens 2"
 
+# text lines: tokenized with MODEL's tokenizer.json. A byte-level tokenizer of the fixture's 256
+# ids (each byte's GPT-2 character its byte's id, no merges) makes a text's ids its bytes, so
+# {"text": "..."} must evaluate as {"input_ids": [its bytes]} does; without a tokenizer.json, a
+# text line is refused naming the line
+cp -r "$fx/base" "$work/tk_base"
+node -e '
+  const v = {}; let n = 0;
+  for (let b = 0; b < 256; b++) {
+    const printable = (b >= 33 && b <= 126) || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff);
+    v[String.fromCodePoint(printable ? b : 256 + n++)] = b;
+  }
+  process.stdout.write(JSON.stringify({model: {type: "BPE", vocab: v, merges: []},
+    pre_tokenizer: {type: "ByteLevel", add_prefix_space: false, use_regex: false}}));
+' >"$work/tk_base/tokenizer.json"
+printf '{"text": "Hi, tokens!"}\n{"text": "two"}\n' >"$work/text.jsonl"
+printf '{"input_ids": [72, 105, 44, 32, 116, 111, 107, 101, 110, 115, 33]}\n{"input_ids": [116, 119, 111]}\n' \
+  >"$work/text_ids.jsonl"
+if [ -s "$work/tk_base/tokenizer.json" ]; then
+  run text eval "$work/tk_base" --data "$work/text.jsonl" --device cpu
+  run text_ids eval "$work/tk_base" --data "$work/text_ids.jsonl" --device cpu
+  check_same() { if [ -s "$work/text.out" ] && cmp -s "$work/text.out" "$work/text_ids.out"; then ok; else
+    bad "text and its bytes' ids differ: $(cat "$work/text.out") vs $(cat "$work/text_ids.out")"; fi; }
+  check_same
+  has text.out "tokens 12"
+else
+  bad "no node to write the byte-level tokenizer.json"
+fi
+# the same for hessian (MODEL's tokenizer) and sparsegpt (BASE's): text gives its bytes' results
+# (the calibration file's path is in the Hessians' metadata: the same path, the text then the ids)
+mkdir -p "$work/h" && cp "$work/text.jsonl" "$work/h/calib.jsonl"
+run h_text hessian "$work/tk_base" --calib "$work/h/calib.jsonl" -o "$work/h_text.safetensors" --device cpu
+cp "$work/text_ids.jsonl" "$work/h/calib.jsonl"
+run h_ids hessian "$work/tk_base" --calib "$work/h/calib.jsonl" -o "$work/h_ids.safetensors" --device cpu
+if [ -s "$work/h_text.safetensors" ] && cmp -s "$work/h_text.safetensors" "$work/h_ids.safetensors"; then ok; else
+  bad "hessian: text and its bytes' ids give other Hessians"; fi
+run sg_text sparsegpt "$work/tk_base" "$fx/ft_full" --calib "$work/text.jsonl" -o "$work/sg_text" --device cpu \
+  --cache-dir "$work/sg_cache1" -q
+run sg_ids sparsegpt "$work/tk_base" "$fx/ft_full" --calib "$work/text_ids.jsonl" -o "$work/sg_ids" --device cpu \
+  --cache-dir "$work/sg_cache2" -q
+if [ -s "$work/sg_text/model.safetensors" ] && cmp -s "$work/sg_text/model.safetensors" "$work/sg_ids/model.safetensors"
+then ok; else bad "sparsegpt: text and its bytes' ids give other merges"; fi
+expect 2 "$work/text.jsonl:1: \"text\" needs a tokenizer, and there is none here (MODEL $fx/base has no tokenizer.json" \
+  eval "$fx/base" --data "$work/text.jsonl"
+
 # --log-json never over an input: the data file, a file of MODEL or of the adapter
 cp "$data" "$work/g-data.jsonl" && cp -r "$fx/base" "$work/g-base" && cp -r "$fx/lora_plain" "$work/g-lora"
 g_before=$(cat "$work/g-data.jsonl" "$work/g-base"/* "$work/g-lora"/* | md5sum)
