@@ -247,6 +247,9 @@ lm_status lm_cmd_log_open(lm_progress *p, const lm_guard *g, const char *path, l
 static lm_status run_option(lm_run_args *a, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
     switch (d->id) {
+    case LM_RUN_OPT_TOKENIZER:
+        a->tokenizer = v;
+        return LM_OK;
     case LM_RUN_OPT_ADAPTER:
     case LM_RUN_OPT_DEVICE:
     case LM_RUN_OPT_DATA:
@@ -368,11 +371,12 @@ lm_status lm_cmd_run_tokens(const lm_run_args *a, const lm_model *m, const char 
 {
     const lm_config *cfg = &m->config;
     *seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
-    // a line of text is tokenized with MODEL's own tokenizer.json
-    char *tok = lm_path_join(m->dir, "tokenizer.json"), why[LM_ERR_MSG_MAX / 2];
+    // a line of text is tokenized with MODEL's own tokenizer.json, or --tokenizer DIR's
+    char *tok = lm_path_join(a->tokenizer ? a->tokenizer : m->dir, "tokenizer.json"), why[LM_ERR_MSG_MAX / 2];
     if (!tok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    snprintf(why, sizeof why, "MODEL %s has no tokenizer.json: give token ids (llmerge tokenize)", m->dir);
+    snprintf(why, sizeof why, "%s %s has no tokenizer.json: give token ids (llmerge tokenize) or --tokenizer DIR",
+             a->tokenizer ? "--tokenizer" : "MODEL", a->tokenizer ? a->tokenizer : m->dir);
     bool have = lm_is_file(tok);
     lm_calib_opts co = {.max_samples = a->samples, .max_len = *seq_len, .vocab_size = cfg->vocab_size,
                         .tokenizer = have ? tok : NULL, .no_tokenizer = why};

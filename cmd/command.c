@@ -110,11 +110,11 @@ static void model_cleanup(void *ctx)
 int lm_command_run_model(const lm_model_command *mc, void *run, lm_model_run *m, lm_run_args *a, int argc,
                          char **argv)
 {
-    static const int inputs[] = {LM_RUN_OPT_ADAPTER, LM_RUN_OPT_DATA};
+    static const int inputs[] = {LM_RUN_OPT_ADAPTER, LM_RUN_OPT_DATA, LM_RUN_OPT_TOKENIZER};
     model_ctx x = {mc, run, a};
     lm_command c = {
         .prefix = mc->prefix, .log_error_prefix = "--log-json: ", .progress = &m->progress, .guard = &m->guard,
-        .opts = mc->opts, .n_opts = mc->n_opts, .inputs = inputs, .n_inputs = 2, .first = "MODEL", .rest = "MODEL",
+        .opts = mc->opts, .n_opts = mc->n_opts, .inputs = inputs, .n_inputs = 3, .first = "MODEL", .rest = "MODEL",
         .help = &a->help, .quiet = &a->quiet,
         .usage = model_usage, .usage_arg = mc, .parse = model_parse, .prepare = model_prepare, .work = model_work,
         .cleanup = model_cleanup, .ctx = &x,

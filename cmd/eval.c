@@ -56,6 +56,8 @@ static void usage(FILE *out)
             "  --seq-len L       cut longer sequences to L tokens (default: the model's\n"
             "                    max_position_embeddings)\n"
             "  --samples N       use the first N sequences of FILE (default: all)\n"
+            "  --tokenizer DIR   the tokenizer.json for FILE's \"text\" lines (default:\n"
+            "                    MODEL's own)\n"
             "  --device DEV      where the forward pass runs: auto, cpu, cuda[:N] or sim:SIZE\n"
             "                    (default auto: CUDA device 0 when usable, else the CPU). A device\n"
             "                    whose memory does not hold the weights runs the model on the CPU; a\n"

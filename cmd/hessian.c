@@ -63,6 +63,8 @@ static void usage(FILE *out)
             "                      device is refused); a bad line is an error naming the file and\n"
             "                      line\n"
             "  --calib-samples N   use the first N sequences of FILE (default: all)\n"
+            "  --tokenizer DIR     the tokenizer.json for FILE's \"text\" lines (default:\n"
+            "                      MODEL's own)\n"
             "  --seq-len L         cut longer sequences to L tokens (default: the model's\n"
             "                      max_position_embeddings)\n"
             "  --device DEV        where the work runs: auto, cpu, cuda[:N] or sim:SIZE (default\n"

@@ -143,7 +143,7 @@ static void run_free(merge_run *r)
 
 // The options whose values are inputs, for r->guard with the operands BASE and the FTs:
 // sparsegpt's --calib files.
-static const int guarded_opts[] = {OPT_CALIB};
+static const int guarded_opts[] = {OPT_CALIB, OPT_TOKENIZER};
 
 // What the merge writes, checked against the inputs known so far (r->guard): OUT and OUT.lock,
 // and sparsegpt's cache directory (--cache-dir, or the default one). --log-json is checked when
@@ -192,6 +192,7 @@ static void note_unused(merge_run *r)
          "it keeps nothing between runs"},
         {!use->hessians && a->given[OPT_CALIB], "--calib", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_CALIB_SAMPLES], "--calib-samples", "it uses no Hessians"},
+        {!use->hessians && a->given[OPT_TOKENIZER], "--tokenizer", "it reads no calibration text"},
         {!use->hessians && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_HESSIAN_FROM], "--hessian-from", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_STICKY], "--sticky-fallback", "it uses no Hessians"},
@@ -228,11 +229,12 @@ static lm_status read_calib(merge_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "--hessian-from base takes one --calib file, not %d", a->n_calib);
     const lm_config *cfg = &r->base->config;
     int64_t seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
-    // a line of text is tokenized with BASE's own tokenizer.json
-    char *tok = lm_path_join(r->base->dir, "tokenizer.json"), why[LM_ERR_MSG_MAX / 2];
+    // a line of text is tokenized with BASE's own tokenizer.json, or --tokenizer DIR's
+    char *tok = lm_path_join(a->tokenizer ? a->tokenizer : r->base->dir, "tokenizer.json"), why[LM_ERR_MSG_MAX / 2];
     if (!tok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    snprintf(why, sizeof why, "BASE %s has no tokenizer.json: give token ids (llmerge tokenize)", r->base->dir);
+    snprintf(why, sizeof why, "%s %s has no tokenizer.json: give token ids (llmerge tokenize) or --tokenizer DIR",
+             a->tokenizer ? "--tokenizer" : "BASE", a->tokenizer ? a->tokenizer : r->base->dir);
     lm_calib_opts co = {.max_samples = a->calib_samples, .max_len = seq_len, .vocab_size = cfg->vocab_size,
                         .tokenizer = lm_is_file(tok) ? tok : NULL, .no_tokenizer = why};
     if (!(r->calib = calloc((size_t)a->n_calib, sizeof *r->calib))) {
@@ -1105,7 +1107,7 @@ int lm_cmd_merge(int argc, char **argv)
     snprintf(r.prefix, sizeof r.prefix, "llmerge %s", r.args.m->name);
     lm_command c = {
         .prefix = r.prefix, .log_error_prefix = "", .progress = &r.progress, .guard = &r.guard,
-        .opts = lm_merge_opt_defs, .n_opts = lm_merge_n_opts, .inputs = guarded_opts, .n_inputs = 1, .first = "BASE",
+        .opts = lm_merge_opt_defs, .n_opts = lm_merge_n_opts, .inputs = guarded_opts, .n_inputs = 2, .first = "BASE",
         .rest = "FT", .help = &r.args.help, .quiet = &r.args.quiet,
         .usage = usage, .usage_arg = r.args.m, .parse = parse, .prepare = cmd_prepare, .work = cmd_work,
         .cleanup = cleanup, .ctx = &r,
@@ -1124,7 +1126,7 @@ int lm_cmd_merge_with(const char *prefix, void (*usage_fn)(FILE *out, const void
     snprintf(r.prefix, sizeof r.prefix, "%s", prefix);
     lm_command c = {
         .prefix = r.prefix, .log_error_prefix = "", .progress = &r.progress, .guard = &r.guard,
-        .opts = lm_merge_opt_defs, .n_opts = lm_merge_n_opts, .inputs = guarded_opts, .n_inputs = 1, .first = first,
+        .opts = lm_merge_opt_defs, .n_opts = lm_merge_n_opts, .inputs = guarded_opts, .n_inputs = 2, .first = first,
         .rest = first, .help = &r.args.help, .quiet = &r.args.quiet,
         .usage = usage_fn, .usage_arg = NULL, .parse = parse, .prepare = cmd_prepare, .work = cmd_work,
         .cleanup = cleanup, .ctx = &r,
@@ -1168,7 +1170,7 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
                           r->parse_fn ? "run" : r->args.m->name);
         return 2;
     }
-    if ((s = lm_cmd_guard_args(&r->guard, argc, argv, lm_merge_opt_defs, lm_merge_n_opts, guarded_opts, 1, "BASE",
+    if ((s = lm_cmd_guard_args(&r->guard, argc, argv, lm_merge_opt_defs, lm_merge_n_opts, guarded_opts, 2, "BASE",
                                "FT", &err)) != LM_OK) {
         lm_progress_error(&r->progress, 1, "%s", err.msg);
         return 1;

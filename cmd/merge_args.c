@@ -91,6 +91,7 @@ const lm_opt lm_merge_opt_defs[] = {
     {"to-lora", 0, true, OPT_TO_LORA},
     {"to-lora-energy", 0, true, OPT_TO_LORA_ENERGY},
     {"rank", 0, true, OPT_RANK},
+    {"tokenizer", 0, true, OPT_TOKENIZER},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
@@ -225,6 +226,8 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         .txt (space-separated ids per line), a regular file: once for\n"
             "                         every FT, or once per FT in FT order (required)\n"
             "  --calib-samples N      at most the first N sequences of each file (default: all)\n"
+            "  --tokenizer DIR        the tokenizer.json for the files' \"text\" lines (default:\n"
+            "                         BASE's own)\n"
             "  --seq-len L            longer sequences are cut to L tokens (default: the model's\n"
             "                         max_position_embeddings)\n"
             "  --hessian-from ft|base each FT's Hessians from its own model (its adapter applied to\n"
@@ -500,6 +503,9 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s': not an output dtype (use f32, f16 or "
                               "bf16)", shown, v);
         a->have_dtype = true;
+        return LM_OK;
+    case OPT_TOKENIZER:
+        a->tokenizer = v;
         return LM_OK;
     case OPT_RANK:
         if (!a->extract)

@@ -287,6 +287,17 @@ run sg_ids sparsegpt "$work/tk_base" "$fx/ft_full" --calib "$work/text_ids.jsonl
   --cache-dir "$work/sg_cache2" -q
 if [ -s "$work/sg_text/model.safetensors" ] && cmp -s "$work/sg_text/model.safetensors" "$work/sg_ids/model.safetensors"
 then ok; else bad "sparsegpt: text and its bytes' ids give other merges"; fi
+# --tokenizer DIR: another directory's tokenizer.json, for a MODEL (or BASE) without one
+mkdir -p "$work/tk_only" && cp "$work/tk_base/tokenizer.json" "$work/tk_only/"
+run text_dir eval "$fx/base" --tokenizer "$work/tk_only" --data "$work/text.jsonl" --device cpu
+if cmp -s "$work/text_dir.out" "$work/text_ids.out"; then ok; else bad "eval --tokenizer: $(cat "$work/text_dir.out")"; fi
+run sg_dir sparsegpt "$fx/base" "$fx/ft_full" --calib "$work/text.jsonl" --tokenizer "$work/tk_only" \
+  -o "$work/sg_dir" --device cpu --cache-dir "$work/sg_cache3" -q
+run sg_dir_ids sparsegpt "$fx/base" "$fx/ft_full" --calib "$work/text_ids.jsonl" -o "$work/sg_dir_ids" --device cpu \
+  --cache-dir "$work/sg_cache4" -q
+if [ -s "$work/sg_dir/model.safetensors" ] && cmp -s "$work/sg_dir/model.safetensors" "$work/sg_dir_ids/model.safetensors"
+then ok; else bad "sparsegpt --tokenizer: text and its bytes' ids give other merges"; fi
+expect 2 "--tokenizer $fx/base has no tokenizer.json" eval "$work/tk_base" --tokenizer "$fx/base" --data "$work/text.jsonl"
 expect 2 "$work/text.jsonl:1: \"text\" needs a tokenizer, and there is none here (MODEL $fx/base has no tokenizer.json" \
   eval "$fx/base" --data "$work/text.jsonl"
 
