@@ -250,6 +250,12 @@ static lm_status run_option(lm_run_args *a, const lm_opt *d, const char *shown, 
     case LM_RUN_OPT_TOKENIZER:
         a->tokenizer = v;
         return LM_OK;
+    case LM_RUN_OPT_FORMAT:
+        if (strcmp(v, "text") != 0 && strcmp(v, "ids") != 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': ids (the default: .jsonl or .txt of token ids) or text",
+                              shown, v);
+        a->text = strcmp(v, "text") == 0;
+        return LM_OK;
     case LM_RUN_OPT_ADAPTER:
     case LM_RUN_OPT_DEVICE:
     case LM_RUN_OPT_DATA:
@@ -379,7 +385,7 @@ lm_status lm_cmd_run_tokens(const lm_run_args *a, const lm_model *m, const char 
              a->tokenizer ? "--tokenizer" : "MODEL", a->tokenizer ? a->tokenizer : m->dir);
     bool have = lm_is_file(tok);
     lm_calib_opts co = {.max_samples = a->samples, .max_len = *seq_len, .vocab_size = cfg->vocab_size,
-                        .tokenizer = have ? tok : NULL, .no_tokenizer = why};
+                        .tokenizer = have ? tok : NULL, .no_tokenizer = why, .text = a->text};
     lm_status s = lm_calib_load(data, path, &co, err);
     free(tok);
     if (s != LM_OK)

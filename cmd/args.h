@@ -95,6 +95,7 @@ enum {
     LM_RUN_OPT_DATA,      // the token file: eval's --data, hessian's --calib
     LM_RUN_OPT_LOG_JSON,  // opened by the skeleton, whether or not the rest parses (command.h)
     LM_RUN_OPT_TOKENIZER, // --tokenizer DIR: tokenizer.json for text lines (default: MODEL's)
+    LM_RUN_OPT_FORMAT,    // --data-format ids|text
 };
 
 // Their entries in a command's option table; `samples` is the name of the cap on sequences
@@ -104,7 +105,8 @@ enum {
         {samples, 0, true, LM_RUN_OPT_SAMPLES}, {"device", 0, true, LM_RUN_OPT_DEVICE},                           \
         {"gpu-mem", 0, true, LM_RUN_OPT_GPU_MEM}, {"threads", 0, true, LM_RUN_OPT_THREADS},                       \
         {"sticky-fallback", 0, false, LM_RUN_OPT_STICKY}, {"quiet", 'q', false, LM_RUN_OPT_QUIET},               \
-        {"tokenizer", 0, true, LM_RUN_OPT_TOKENIZER}, {"help", 'h', false, LM_RUN_OPT_HELP}
+        {"tokenizer", 0, true, LM_RUN_OPT_TOKENIZER}, {"data-format", 0, true, LM_RUN_OPT_FORMAT},                \
+        {"help", 'h', false, LM_RUN_OPT_HELP}
 
 // What those options and the MODEL operand say.
 typedef struct lm_run_args {
@@ -112,6 +114,7 @@ typedef struct lm_run_args {
     const char *data;      // the token file (LM_RUN_OPT_DATA), or NULL
     const char *adapter;   // --adapter, or NULL
     const char *tokenizer; // --tokenizer DIR, or NULL: MODEL's tokenizer.json
+    bool text;             // --data-format text: the data file is one text document
     const char *device;    // --device (lm_cmd_run_scan: "auto")
     int64_t seq_len;       // --seq-len, 0 when not given
     int64_t min_seq_len;   // the least --seq-len the command takes

@@ -193,6 +193,7 @@ static void note_unused(merge_run *r)
         {!use->hessians && a->given[OPT_CALIB], "--calib", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_CALIB_SAMPLES], "--calib-samples", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_TOKENIZER], "--tokenizer", "it reads no calibration text"},
+        {!use->hessians && a->given[OPT_DATA_FORMAT], "--data-format", "it reads no calibration data"},
         {!use->hessians && a->given[OPT_SEQ_LEN], "--seq-len", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_HESSIAN_FROM], "--hessian-from", "it uses no Hessians"},
         {!use->hessians && a->given[OPT_STICKY], "--sticky-fallback", "it uses no Hessians"},
@@ -236,7 +237,7 @@ static lm_status read_calib(merge_run *r, lm_err *err)
     snprintf(why, sizeof why, "%s %s has no tokenizer.json: give token ids (llmerge tokenize) or --tokenizer DIR",
              a->tokenizer ? "--tokenizer" : "BASE", a->tokenizer ? a->tokenizer : r->base->dir);
     lm_calib_opts co = {.max_samples = a->calib_samples, .max_len = seq_len, .vocab_size = cfg->vocab_size,
-                        .tokenizer = lm_is_file(tok) ? tok : NULL, .no_tokenizer = why};
+                        .tokenizer = lm_is_file(tok) ? tok : NULL, .no_tokenizer = why, .text = a->calib_text};
     if (!(r->calib = calloc((size_t)a->n_calib, sizeof *r->calib))) {
         free(tok);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");

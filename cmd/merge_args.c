@@ -92,6 +92,7 @@ const lm_opt lm_merge_opt_defs[] = {
     {"to-lora-energy", 0, true, OPT_TO_LORA_ENERGY},
     {"rank", 0, true, OPT_RANK},
     {"tokenizer", 0, true, OPT_TOKENIZER},
+    {"data-format", 0, true, OPT_DATA_FORMAT},
     {"help", 'h', false, OPT_HELP},
 };
 const size_t lm_merge_n_opts = sizeof lm_merge_opt_defs / sizeof lm_merge_opt_defs[0];
@@ -228,6 +229,8 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "  --calib-samples N      at most the first N sequences of each file (default: all)\n"
             "  --tokenizer DIR        the tokenizer.json for the files' \"text\" lines (default:\n"
             "                         BASE's own)\n"
+            "  --data-format ids|text text: each --calib file is one text document, tokenized and\n"
+            "                         cut into windows of --seq-len tokens (stride = window)\n"
             "  --seq-len L            longer sequences are cut to L tokens (default: the model's\n"
             "                         max_position_embeddings)\n"
             "  --hessian-from ft|base each FT's Hessians from its own model (its adapter applied to\n"
@@ -506,6 +509,11 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
         return LM_OK;
     case OPT_TOKENIZER:
         a->tokenizer = v;
+        return LM_OK;
+    case OPT_DATA_FORMAT:
+        if (strcmp(v, "text") != 0 && strcmp(v, "ids") != 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': ids (the default) or text", shown, v);
+        a->calib_text = strcmp(v, "text") == 0;
         return LM_OK;
     case OPT_RANK:
         if (!a->extract)

@@ -52,7 +52,7 @@ typedef enum opt_id {
     OPT_DEVICE, OPT_GPU_MEM, OPT_THREADS, OPT_CACHE_DIR, OPT_LOG_JSON, OPT_QUIET, OPT_VERBOSE,
     OPT_FORCE, OPT_CALIB, OPT_CALIB_SAMPLES, OPT_SEQ_LEN, OPT_HESSIAN_FROM, OPT_STICKY, OPT_NO_CARD,
     OPT_STRICT, OPT_T, OPT_MAX_ITER, OPT_TOL, OPT_MODELS_ONLY, OPT_GAMMA, OPT_EPSILON, OPT_PER_ROW, OPT_SELECT_TOPK, OPT_PER_COL, OPT_RAM_R, OPT_RAM_ALPHA,
-    OPT_TO_LORA, OPT_TO_LORA_ENERGY, OPT_RANK, OPT_TOKENIZER, OPT_HELP,
+    OPT_TO_LORA, OPT_TO_LORA_ENERGY, OPT_RANK, OPT_TOKENIZER, OPT_DATA_FORMAT, OPT_HELP,
 } opt_id;
 
 // The options every merge command takes, for lm_cmd_scan and the output guard.
@@ -128,6 +128,7 @@ struct merge_args {
     bool per_col;              // --per-column
     bool extract;              // llmerge extract (its --rank is --to-lora)
     const char *tokenizer;     // --tokenizer DIR: tokenizer.json for --calib's text (default: BASE's)
+    bool calib_text;           // --data-format text: each --calib file is one text document
     int to_lora;               // --to-lora RANK: OUT is a LoRA adapter of that rank (0: a model)
     bool to_lora_exact;        // --to-lora exact: the adapter inputs' factors concatenated
     lm_dtype lora_dtype;       // --to-lora: the adapter's dtype (--dtype, else the base's); the

@@ -223,11 +223,78 @@ static lm_status parse_jsonl(reader *r, const char *s, size_t len)
     return st;
 }
 
+// ---- a text document ------------------------------------------------------------------------
+
+static lm_status load_text(lm_calib *c, const char *path, const lm_calib_opts *o, lm_err *err)
+{
+    if (!o->tokenizer)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: text needs a tokenizer, and there is none here (%s)", path,
+                          o->no_tokenizer ? o->no_tokenizer : "give token ids");
+    int fd;
+    lm_status s = lm_open_regular(path, &fd, err);  // a FIFO or device refused before it is read
+    if (s != LM_OK)
+        return s;
+    close(fd);
+    char *text = NULL;
+    size_t len = 0;
+    if ((s = lm_read_file(path, (size_t)1 << 34, &text, &len, err)) != LM_OK)
+        return s;
+    int64_t line = 1;
+    for (size_t i = 0; i < len;) {
+        int32_t cp;
+        long k = lm_utf8_decode((const unsigned char *)text + i, len - i, &cp);
+        if (k <= 0) {
+            free(text);
+            return lm_err_set(err, LM_ERR_FORMAT, "%s:%" PRId64 ": not valid UTF-8 (byte %zu)", path, line, i);
+        }
+        line += text[i] == '\n';
+        i += (size_t)k;
+    }
+    lm_tokenizer *tok = NULL;
+    int32_t *ids = NULL;
+    int64_t n = 0, cap = 0;
+    if ((s = lm_tok_load(&tok, o->tokenizer, err)) == LM_OK &&
+        (s = lm_tok_encode(tok, NULL, text ? text : "", len, 1, &ids, &n, &cap, err)) != LM_OK)
+        lm_err_prefix(err, "%s", path);
+    lm_tok_free(tok);
+    free(text);
+    if (s == LM_OK && !(c->path = lm_strdup(path)))
+        s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    reader r = {.c = c, .o = o, .err = err, .line = 1};
+    int64_t w = o->max_len > 0 ? o->max_len : (n > 0 ? n : 1);
+    for (int64_t first = 0; s == LM_OK && first < n; first += w) {
+        if (o->max_samples > 0 && c->n_seqs == o->max_samples) {
+            c->capped = true;
+            break;
+        }
+        r.seq_start = c->n_tokens;
+        int64_t m = n - first < w ? n - first : w;
+        for (int64_t i = 0; s == LM_OK && i < m; i++) {
+            char where[48];
+            snprintf(where, sizeof where, "token %" PRId64 " of the text", first + i + 1);
+            s = push_id(&r, ids[first + i], where);
+        }
+        if (s == LM_OK)
+            s = end_seq(&r, m);
+    }
+    free(ids);
+    if (s == LM_OK && c->n_seqs == 0)
+        s = lm_err_set(err, LM_ERR_FORMAT, "%s: no tokens (the text is empty)", path);
+    if (s != LM_OK)
+        lm_calib_free(c);
+    return s;
+}
+
 // ---- the file -------------------------------------------------------------------------------
 
 lm_status lm_calib_load(lm_calib *c, const char *path, const lm_calib_opts *o, lm_err *err)
 {
     memset(c, 0, sizeof *c);
+    if (o->text) {
+        if (lm_is_dir(path))
+            return lm_err_set(err, LM_ERR_USAGE, "%s is a directory, not a data file", path);
+        return load_text(c, path, o, err);
+    }
     bool jsonl = lm_str_ends_with(path, ".jsonl"), txt = lm_str_ends_with(path, ".txt");
     if (lm_is_dir(path))
         return lm_err_set(err, LM_ERR_USAGE, "%s is a directory, not a data file", path);

@@ -28,6 +28,11 @@ typedef struct lm_calib_opts {
     // no_tokenizer (why there is none, and what to do).
     const char *tokenizer;
     const char *no_tokenizer;
+    // The file is one text document (any name): tokenized whole with the tokenizer above (its
+    // post-processor's tokens once, at the start), then cut into windows of max_len tokens, each
+    // starting where the last ended (the stride is the window; the last one shorter), each a
+    // sequence (its line 1). Text that is not valid UTF-8 is LM_ERR_FORMAT naming its line.
+    bool text;
 } lm_calib_opts;
 
 typedef struct lm_calib {

@@ -287,6 +287,28 @@ run sg_ids sparsegpt "$work/tk_base" "$fx/ft_full" --calib "$work/text_ids.jsonl
   --cache-dir "$work/sg_cache2" -q
 if [ -s "$work/sg_text/model.safetensors" ] && cmp -s "$work/sg_text/model.safetensors" "$work/sg_ids/model.safetensors"
 then ok; else bad "sparsegpt: text and its bytes' ids give other merges"; fi
+# --data-format text: the file is one document, cut into windows of --seq-len tokens (stride =
+# window, the last shorter): with the byte-level tokenizer, "abcdefghij" at --seq-len 4 is the
+# three sequences of its bytes 97-100, 101-104, 105-106
+printf 'abcdefghij' >"$work/doc.text"
+printf '97 98 99 100\n101 102 103 104\n105 106\n' >"$work/doc_ids.txt"
+run doc eval "$work/tk_base" --data "$work/doc.text" --data-format text --seq-len 4 --device cpu
+run doc_ids eval "$work/tk_base" --data "$work/doc_ids.txt" --seq-len 4 --device cpu
+if [ -s "$work/doc.out" ] && cmp -s "$work/doc.out" "$work/doc_ids.out"; then ok; else
+  bad "a text document's windows: $(cat "$work/doc.out") vs its bytes' $(cat "$work/doc_ids.out")"; fi
+has doc.out "tokens 7"
+run sg_doc sparsegpt "$work/tk_base" "$fx/ft_full" --calib "$work/doc.text" --data-format text --seq-len 4 \
+  -o "$work/sg_doc" --device cpu --cache-dir "$work/sg_cache5" -q
+run sg_doc_ids sparsegpt "$work/tk_base" "$fx/ft_full" --calib "$work/doc_ids.txt" --seq-len 4 -o "$work/sg_doc_ids" \
+  --device cpu --cache-dir "$work/sg_cache6" -q
+if [ -s "$work/sg_doc/model.safetensors" ] && cmp -s "$work/sg_doc/model.safetensors" "$work/sg_doc_ids/model.safetensors"
+then ok; else bad "sparsegpt --data-format text: not its bytes' merge"; fi
+printf 'fine\nbad \xc3 byte\n' >"$work/bad.text"
+expect 2 "$work/bad.text:2: not valid UTF-8" eval "$work/tk_base" --data "$work/bad.text" --data-format text
+expect 2 "--data-format 'prose': ids" eval "$work/tk_base" --data "$work/doc.text" --data-format prose
+expect 2 "text needs a tokenizer, and there is none here (MODEL $fx/base has no tokenizer.json" \
+  eval "$fx/base" --data "$work/doc.text" --data-format text
+
 # --tokenizer DIR: another directory's tokenizer.json, for a MODEL (or BASE) without one
 mkdir -p "$work/tk_only" && cp "$work/tk_base/tokenizer.json" "$work/tk_only/"
 run text_dir eval "$fx/base" --tokenizer "$work/tk_only" --data "$work/text.jsonl" --device cpu
