@@ -209,6 +209,15 @@ void lm_tok_free(lm_tokenizer *t)
     free(t);
 }
 
+// A token id as the file writes it: a whole number from 0 to 2^31 - 1, else -1.
+static int64_t id_of(const cJSON *v)
+{
+    if (!cJSON_IsNumber(v) || !(v->valuedouble >= 0 && v->valuedouble <= INT32_MAX) ||
+        v->valuedouble != (double)(int64_t)v->valuedouble)
+        return -1;
+    return (int64_t)v->valuedouble;
+}
+
 static const char *type_of(const cJSON *o)
 {
     const cJSON *ty = cJSON_GetObjectItemCaseSensitive(o, "type");
@@ -382,15 +391,15 @@ static lm_status add_post(lm_tokenizer *t, const cJSON *p, lm_err *err)
                               "ids", t->label, cJSON_IsString(id) ? id->valuestring : "?");
         cJSON_ArrayForEach(x, ids)
         {
-            if (!cJSON_IsNumber(x))
-                return lm_err_set(err, LM_ERR_FORMAT, "%s: post_processor: an id that is not a number", t->label);
+            if (id_of(x) < 0)
+                return lm_err_set(err, LM_ERR_FORMAT, "%s: post_processor: an id that is not a token id", t->label);
             int32_t **dst = seen_seq ? &t->after : &t->before;
             int *n = seen_seq ? &t->n_after : &t->n_before;
             int32_t *g = realloc(*dst, (size_t)(*n + 1) * sizeof *g);
             if (!g)
                 return nomem(err);
             *dst = g;
-            g[(*n)++] = (int32_t)x->valuedouble;
+            g[(*n)++] = (int32_t)id_of(x);
         }
     }
     return LM_OK;
@@ -420,9 +429,9 @@ static lm_status load_model(lm_tokenizer *t, const cJSON *m, lm_err *err)
         return nomem(err);
     cJSON_ArrayForEach(e, vocab)
     {
-        if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble > INT32_MAX)
-            return lm_err_set(err, LM_ERR_FORMAT, "%s: model.vocab: token '%s' has no id", t->label, e->string);
-        if (lm_strmap_put(&t->vocab, e->string, (int64_t)e->valuedouble) < 0)
+        if (id_of(e) < 0)
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: model.vocab: token '%s' has no token id", t->label, e->string);
+        if (lm_strmap_put(&t->vocab, e->string, id_of(e)) < 0)
             return nomem(err);
     }
     int64_t n = cJSON_GetArraySize(merges), rank = 0;
@@ -520,8 +529,8 @@ lm_status lm_tok_parse(lm_tokenizer **out, const char *text, size_t len, const c
         if (s != LM_OK)
             break;
         const cJSON *c = cJSON_GetObjectItemCaseSensitive(e, "content"), *id = cJSON_GetObjectItemCaseSensitive(e, "id");
-        if (!cJSON_IsString(c) || !cJSON_IsNumber(id)) {
-            s = lm_err_set(err, LM_ERR_FORMAT, "%s: added_tokens: an entry without content or id", label);
+        if (!cJSON_IsString(c) || id_of(id) < 0) {
+            s = lm_err_set(err, LM_ERR_FORMAT, "%s: added_tokens: an entry without content or a token id", label);
             break;
         }
         if (flag(e, "lstrip") || flag(e, "rstrip") || flag(e, "single_word") || flag(e, "normalized")) {
@@ -531,7 +540,7 @@ lm_status lm_tok_parse(lm_tokenizer **out, const char *text, size_t len, const c
         }
         if (!*c->valuestring)
             continue;
-        t->added[t->n_added++] = (added_tok){c->valuestring, strlen(c->valuestring), (int32_t)id->valuedouble};
+        t->added[t->n_added++] = (added_tok){c->valuestring, strlen(c->valuestring), (int32_t)id_of(id)};
         t->starts[(unsigned char)c->valuestring[0]] = true;
     }
     byte_chars(t);

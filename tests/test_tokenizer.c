@@ -194,6 +194,15 @@ static void test_refusals(void)
             "dropout");
     refused("{\"normalizer\": null}", LM_ERR_UNSUPPORTED, "model '(no type)'");
     refused("[1, 2]", LM_ERR_FORMAT, "not a JSON object");
+    // ids that are no token ids (found by fuzzing: a float too large for an int)
+    snprintf(json, sizeof json, "{\"added_tokens\": [{\"id\": 39223372036854775808, \"content\": \"<a>\"}], %s}",
+             model);
+    refused(json, LM_ERR_FORMAT, "added_tokens: an entry without content or a token id");
+    refused("{\"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0.5}, \"merges\": []}}", LM_ERR_FORMAT,
+            "token 'a' has no token id");
+    snprintf(json, sizeof json, "{\"post_processor\": {\"type\": \"TemplateProcessing\", \"single\": [{\"SpecialToken\":"
+             " {\"id\": \"<s>\"}}], \"special_tokens\": {\"<s>\": {\"ids\": [1e30]}}}, %s}", model);
+    refused(json, LM_ERR_FORMAT, "an id that is not a token id");
     refused("{\"model\": ", LM_ERR_FORMAT, "tok.json");
     lm_tokenizer *t = NULL;
     lm_err err = {0};
