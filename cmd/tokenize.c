@@ -229,16 +229,9 @@ static lm_status read_docs(tok_run *r, doc **out, int64_t *n_out, lm_err *err)
     *n_out = 0;
     if (r->text) {
         // invalid UTF-8 named by its line before any work
-        int64_t line = 1;
-        for (size_t i = 0; i < r->len;) {
-            int32_t cp;
-            long k = lm_utf8_decode((const unsigned char *)r->data + i, r->len - i, &cp);
-            if (k <= 0)
-                return lm_err_set(err, LM_ERR_FORMAT, "%s: line %" PRId64 ": not valid UTF-8 (byte %zu)", r->file,
-                                  line, i);
-            line += r->data[i] == '\n';
-            i += (size_t)k;
-        }
+        int64_t bad = lm_utf8_bad_line(r->data ? r->data : "", r->len);
+        if (bad)
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: line %" PRId64 ": not valid UTF-8", r->file, bad);
         doc *d = calloc(1, sizeof *d);
         if (!d)
             return lm_err_set(err, LM_ERR_NOMEM, "out of memory");

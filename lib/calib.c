@@ -239,16 +239,10 @@ static lm_status load_text(lm_calib *c, const char *path, const lm_calib_opts *o
     size_t len = 0;
     if ((s = lm_read_file(path, (size_t)1 << 34, &text, &len, err)) != LM_OK)
         return s;
-    int64_t line = 1;
-    for (size_t i = 0; i < len;) {
-        int32_t cp;
-        long k = lm_utf8_decode((const unsigned char *)text + i, len - i, &cp);
-        if (k <= 0) {
-            free(text);
-            return lm_err_set(err, LM_ERR_FORMAT, "%s:%" PRId64 ": not valid UTF-8 (byte %zu)", path, line, i);
-        }
-        line += text[i] == '\n';
-        i += (size_t)k;
+    int64_t bad = lm_utf8_bad_line(text ? text : "", len);
+    if (bad) {
+        free(text);
+        return lm_err_set(err, LM_ERR_FORMAT, "%s:%" PRId64 ": not valid UTF-8", path, bad);
     }
     lm_tokenizer *tok = NULL;
     int32_t *ids = NULL;

@@ -568,16 +568,18 @@ lm_status lm_tok_load(lm_tokenizer **out, const char *path, lm_err *err)
 
 // ==== encoding =================================================================================
 
-long lm_utf8_decode(const unsigned char *s, size_t n, int32_t *cp)
+int64_t lm_utf8_bad_line(const char *text, size_t len)
 {
-    utf8proc_int32_t c;
-    utf8proc_ssize_t r = utf8proc_iterate(s, n > 4 ? 4 : (utf8proc_ssize_t)n, &c);
-    if (r <= 0)
-        return -1;
-    *cp = c;
-    return (long)r;
+    int64_t line = 1;
+    for (size_t i = 0; i < len; line++) {
+        const char *nl = memchr(text + i, '\n', len - i);
+        size_t end = nl ? (size_t)(nl - text) : len;
+        if (!lm_utf8_valid(text + i, end - i))
+            return line;
+        i = end + 1;
+    }
+    return 0;
 }
-
 // The byte length of the UTF-8 character at s (1 for a byte that starts none: the text was checked).
 static size_t char_len(const unsigned char *s)
 {
@@ -703,6 +705,44 @@ static bool to_bytelevel(const lm_tokenizer *t, const char *w, size_t len, sbuf 
     return true;
 }
 
+static lm_status pieces(const lm_tokenizer *t, lm_tok_cache *c, int k, const char *w, size_t len, int32_t **ids,
+                        int64_t *n, int64_t *cap, sbuf *key, lm_err *err);
+
+// w cut by the regex re: the gaps and (unless removed) the matches, in order, each to the
+// pre-tokenizer's steps from k on.
+static lm_status split_re(const lm_tokenizer *t, lm_tok_cache *c, int k, const pcre2_code *re, bool removed,
+                          const char *w, size_t len, int32_t **ids, int64_t *n, int64_t *cap, sbuf *key, lm_err *err)
+{
+    pcre2_match_data *md = pcre2_match_data_create_from_pattern(re, NULL);
+    if (!md)
+        return nomem(err);
+    lm_status s = LM_OK;
+    size_t pos = 0, last = 0;
+    while (s == LM_OK && pos <= len) {
+        int rc = pcre2_match(re, (PCRE2_SPTR)w, len, pos, 0, md, NULL);
+        if (rc == PCRE2_ERROR_NOMATCH)
+            break;
+        if (rc < 0) {
+            s = lm_err_set(err, LM_ERR_FORMAT, "%s: the pre-tokenizer's regex failed on a text (PCRE2 error %d)",
+                           t->label, rc);
+            break;
+        }
+        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+        if (ov[1] == ov[0]) {  // an empty match: on to the next character
+            pos = ov[0] < len ? ov[0] + char_len((const unsigned char *)w + ov[0]) : len + 1;
+            continue;
+        }
+        s = pieces(t, c, k, w + last, ov[0] - last, ids, n, cap, key, err);
+        if (s == LM_OK && !removed)
+            s = pieces(t, c, k, w + ov[0], ov[1] - ov[0], ids, n, cap, key, err);
+        last = pos = ov[1];
+    }
+    pcre2_match_data_free(md);
+    if (s == LM_OK && last < len)
+        s = pieces(t, c, k, w + last, len - last, ids, n, cap, key, err);
+    return s;
+}
+
 // The pieces of the pre-tokenizer from step `k` on, each then given to the model.
 static lm_status pieces(const lm_tokenizer *t, lm_tok_cache *c, int k, const char *w, size_t len, int32_t **ids,
                         int64_t *n, int64_t *cap, sbuf *key, lm_err *err)
@@ -729,73 +769,23 @@ static lm_status pieces(const lm_tokenizer *t, lm_tok_cache *c, int k, const cha
             x = pre.p;
             xl = pre.n;
         }
-        if (!st->re) {
-            s = pieces(t, c, k + 1, x, xl, ids, n, cap, key, err);
-            free(pre.p);
-            return s;
-        }
-        // GPT-2's pattern: the same as an Isolated split
-        pre_step split = {.kind = P_SPLIT, .re = st->re};
-        pcre2_match_data *md = pcre2_match_data_create_from_pattern(split.re, NULL);
-        size_t pos = 0, last = 0;
-        while (s == LM_OK && md && pos <= xl) {
-            int rc = pcre2_match(split.re, (PCRE2_SPTR)x, xl, pos, 0, md, NULL);
-            if (rc < 0)
-                break;
-            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-            if (ov[1] == ov[0]) {  // an empty match: on to the next character
-                pos = ov[0] < xl ? ov[0] + char_len((const unsigned char *)x + ov[0]) : xl + 1;
-                continue;
-            }
-            s = pieces(t, c, k + 1, x + last, ov[0] - last, ids, n, cap, key, err);
-            if (s == LM_OK)
-                s = pieces(t, c, k + 1, x + ov[0], ov[1] - ov[0], ids, n, cap, key, err);
-            last = pos = ov[1];
-        }
-        if (s == LM_OK && !md)
-            s = nomem(err);
-        if (s == LM_OK && last < xl)
-            s = pieces(t, c, k + 1, x + last, xl - last, ids, n, cap, key, err);
-        pcre2_match_data_free(md);
+        // use_regex: GPT-2's pattern, an Isolated split
+        s = st->re ? split_re(t, c, k + 1, st->re, false, x, xl, ids, n, cap, key, err)
+                   : pieces(t, c, k + 1, x, xl, ids, n, cap, key, err);
         free(pre.p);
         return s;
     }
     // Split: the gaps and (Isolated) the matches, in order
-    size_t pos = 0, last = 0;
-    if (st->lit) {
-        size_t ll = strlen(st->lit);
-        const char *hit;
-        while (s == LM_OK && (hit = memmem(w + pos, len - pos, st->lit, ll)) != NULL) {
-            size_t at = (size_t)(hit - w);
-            s = pieces(t, c, k + 1, w + last, at - last, ids, n, cap, key, err);
-            if (s == LM_OK && !st->removed)
-                s = pieces(t, c, k + 1, w + at, ll, ids, n, cap, key, err);
-            last = pos = at + ll;
-        }
-    } else {
-        pcre2_match_data *md = pcre2_match_data_create_from_pattern(st->re, NULL);
-        if (!md)
-            return nomem(err);
-        while (s == LM_OK && pos <= len) {
-            int rc = pcre2_match(st->re, (PCRE2_SPTR)w, len, pos, 0, md, NULL);
-            if (rc == PCRE2_ERROR_NOMATCH)
-                break;
-            if (rc < 0) {
-                s = lm_err_set(err, LM_ERR_FORMAT, "%s: the pre-tokenizer's regex failed on a text (PCRE2 error %d)",
-                               t->label, rc);
-                break;
-            }
-            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-            if (ov[1] == ov[0]) {
-                pos = ov[0] < len ? ov[0] + char_len((const unsigned char *)w + ov[0]) : len + 1;
-                continue;
-            }
-            s = pieces(t, c, k + 1, w + last, ov[0] - last, ids, n, cap, key, err);
-            if (s == LM_OK && !st->removed)
-                s = pieces(t, c, k + 1, w + ov[0], ov[1] - ov[0], ids, n, cap, key, err);
-            last = pos = ov[1];
-        }
-        pcre2_match_data_free(md);
+    if (st->re)
+        return split_re(t, c, k + 1, st->re, st->removed, w, len, ids, n, cap, key, err);
+    size_t pos = 0, last = 0, ll = strlen(st->lit);
+    const char *hit;
+    while (s == LM_OK && (hit = memmem(w + pos, len - pos, st->lit, ll)) != NULL) {
+        size_t at = (size_t)(hit - w);
+        s = pieces(t, c, k + 1, w + last, at - last, ids, n, cap, key, err);
+        if (s == LM_OK && !st->removed)
+            s = pieces(t, c, k + 1, w + at, ll, ids, n, cap, key, err);
+        last = pos = at + ll;
     }
     if (s == LM_OK && last < len)
         s = pieces(t, c, k + 1, w + last, len - last, ids, n, cap, key, err);

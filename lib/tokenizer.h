@@ -36,9 +36,9 @@ lm_status lm_tok_parse(lm_tokenizer **out, const char *text, size_t len, const c
 
 void lm_tok_free(lm_tokenizer *t);
 
-// The UTF-8 character at s (n bytes available) into *cp; its length, or -1 where the bytes are
-// not valid UTF-8 (an overlong form, a surrogate, past U+10FFFF, cut short).
-long lm_utf8_decode(const unsigned char *s, size_t n, int32_t *cp);
+// The first line (1-based) of the `len` bytes at text that is not valid UTF-8 (lm_utf8_valid's
+// rule), or 0 where every line is: what a text file's message names.
+int64_t lm_utf8_bad_line(const char *text, size_t len);
 
 // Pieces already encoded, for one thread: most words recur, and a hit skips the merges. It holds
 // at most LM_TOK_CACHE_MAX pieces and starts again empty when full. NULL when memory runs out.
