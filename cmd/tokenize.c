@@ -47,7 +47,8 @@ typedef struct tok_run {
     lm_progress progress;
     lm_guard guard;
     lm_tokenizer *tok;
-    char *tok_path;
+    char *tok_path, *cfg_path;
+    int64_t vocab_size;   // MODEL's config.json's (0: not known)
     char *data;           // FILE's bytes
     size_t len;
 } tok_run;
@@ -60,9 +61,11 @@ static void usage(FILE *out, const void *arg)
             "\n"
             "Writes the token ids of FILE's text, one JSON object {\"input_ids\": [...]} per line, as the\n"
             "model's tokenizer.json encodes it (Hugging Face's tokenizers: added tokens, normalizer,\n"
-            "pre-tokenizer, BPE, the post-processor's special tokens such as BOS). MODEL is a model\n"
-            "directory or a Hub id in the Hugging Face cache; --tokenizer DIR takes the tokenizer from\n"
-            "DIR instead. The output feeds llmerge eval, hessian and sparsegpt (--data, --calib).\n"
+            "pre-tokenizer, BPE, the post-processor's special tokens such as BOS, as\n"
+            "tokenizer_config.json's add_bos_token and add_eos_token say where it has them). MODEL is\n"
+            "a model directory or a Hub id in the Hugging Face cache; --tokenizer DIR takes the\n"
+            "tokenizer from DIR instead. Where MODEL has a config.json, no id may reach its\n"
+            "vocab_size. The output feeds llmerge eval, hessian and sparsegpt (--data, --calib).\n"
             "\n"
             "FILE: a .jsonl file is JSON Lines: each line an object with \"text\" (tokenized) or\n"
             "\"input_ids\" (written as it is); empty lines are skipped. A file of any other name must be\n"
@@ -162,9 +165,21 @@ static lm_status prepare(void *ctx, bool *no_log, lm_err *err)
         dir = resolved;
     }
     r->tok_path = lm_path_join(dir, "tokenizer.json");
+    // MODEL's config.json (where MODEL is a model): every id must be below its vocab_size
+    const char *mdir = r->tok_dir ? (lm_is_dir(r->model) ? r->model : NULL) : dir;
+    r->cfg_path = mdir ? lm_path_join(mdir, "config.json") : NULL;
     free(resolved);
-    if (!r->tok_path)
+    if (!r->tok_path || (mdir && !r->cfg_path))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if (r->cfg_path && lm_is_file(r->cfg_path)) {
+        cJSON *cfg = NULL;
+        if ((s = lm_json_load(&cfg, r->cfg_path, (size_t)1 << 24, err)) != LM_OK)
+            return s;
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(cfg, "vocab_size");
+        if (cJSON_IsNumber(v) && v->valuedouble >= 1 && v->valuedouble <= INT32_MAX)
+            r->vocab_size = (int64_t)v->valuedouble;
+        cJSON_Delete(cfg);
+    }
     if ((s = lm_guard_add(&r->guard, "FILE", r->file, err)) != LM_OK ||
         (s = lm_guard_add(&r->guard, "tokenizer", r->tok_path, err)) != LM_OK)
         return s;
@@ -176,6 +191,12 @@ static lm_status prepare(void *ctx, bool *no_log, lm_err *err)
     }
     if ((s = lm_tok_load(&r->tok, r->tok_path, err)) != LM_OK)
         return s;
+    const char *tok;
+    int64_t max = lm_tok_max_id(r->tok, &tok);
+    if (r->vocab_size && max >= r->vocab_size)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: token '%s' has id %" PRId64 ", past the model's vocab_size %" PRId64
+                          " (%s): the tokenizer does not fit the model", r->tok_path, tok, max, r->vocab_size,
+                          r->cfg_path);
     return lm_read_file(r->file, MAX_INPUT, &r->data, &r->len, err);
 }
 
@@ -284,6 +305,11 @@ static lm_status read_docs(tok_run *r, doc **out, int64_t *n_out, lm_err *err)
                     x->valuedouble != (double)(int32_t)x->valuedouble) {
                     s = lm_err_set(err, LM_ERR_FORMAT, "%s: line %" PRId64 ": input_ids holds a value that is not a "
                                    "token id", r->file, line);
+                    break;
+                }
+                if (r->vocab_size && x->valuedouble >= (double)r->vocab_size) {
+                    s = lm_err_set(err, LM_ERR_FORMAT, "%s: line %" PRId64 ": input_ids holds %s, past the model's "
+                                   "vocab_size %" PRId64, r->file, line, x->valuestring, r->vocab_size);
                     break;
                 }
                 int32_t *g = dd->n == dd->cap ? realloc(dd->ids, (size_t)(dd->cap ? 2 * dd->cap : 64) * sizeof *g)
@@ -425,6 +451,7 @@ static void cleanup(void *ctx)
     tok_run *r = ctx;
     lm_tok_free(r->tok);
     free(r->tok_path);
+    free(r->cfg_path);
     free(r->data);
     lm_guard_free(&r->guard);
     lm_progress_free(&r->progress);

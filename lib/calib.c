@@ -128,6 +128,21 @@ static lm_status parse_txt(reader *r, const char *s, size_t len)
 
 #define JSONL_SHAPE "expected {\"input_ids\": [...]} or {\"text\": \"...\"}"
 
+// The tokenizer at o->tokenizer, which must give no id past the model's vocabulary.
+static lm_status load_tokenizer(lm_tokenizer **tok, const lm_calib_opts *o, lm_err *err)
+{
+    lm_status s = lm_tok_load(tok, o->tokenizer, err);
+    const char *name;
+    int64_t max = s == LM_OK ? lm_tok_max_id(*tok, &name) : 0;
+    if (s == LM_OK && o->vocab_size > 0 && max >= o->vocab_size) {
+        s = lm_err_set(err, LM_ERR_FORMAT, "%s: token '%s' has id %" PRId64 ", past the model's vocab_size %" PRId64
+                       ": the tokenizer does not fit the model", o->tokenizer, name, max, o->vocab_size);
+        lm_tok_free(*tok);
+        *tok = NULL;
+    }
+    return s;
+}
+
 // A line's "text": its ids by the tokenizer (loaded at the first such line), as llmerge
 // tokenize writes them.
 static lm_status parse_text(reader *r, const char *text)
@@ -138,7 +153,7 @@ static lm_status parse_text(reader *r, const char *text)
                           "here (%s)", path, r->line, r->o->no_tokenizer ? r->o->no_tokenizer : "give token ids");
     lm_status st = LM_OK;
     if (!r->tok) {
-        if ((st = lm_tok_load(&r->tok, r->o->tokenizer, r->err)) != LM_OK)
+        if ((st = load_tokenizer(&r->tok, r->o, r->err)) != LM_OK)
             return lm_err_prefix(r->err, "%s:%" PRId64 ": \"text\" needs the tokenizer", path, r->line);
         r->cache = lm_tok_cache_new();
     }
@@ -247,7 +262,7 @@ static lm_status load_text(lm_calib *c, const char *path, const lm_calib_opts *o
     lm_tokenizer *tok = NULL;
     int32_t *ids = NULL;
     int64_t n = 0, cap = 0;
-    if ((s = lm_tok_load(&tok, o->tokenizer, err)) == LM_OK &&
+    if ((s = load_tokenizer(&tok, o, err)) == LM_OK &&
         (s = lm_tok_encode(tok, NULL, text ? text : "", len, 1, &ids, &n, &cap, err)) != LM_OK)
         lm_err_prefix(err, "%s", path);
     lm_tok_free(tok);

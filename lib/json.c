@@ -29,6 +29,7 @@ typedef struct parser {
     int depth;                             // containers open around the cursor
     path_step path[LM_JSON_MAX_DEPTH];     // path[d]: the step inside the container at depth d
     size_t first_at;                       // a key given twice: its first offset (else SIZE_MAX)
+    bool nul_c080;                         // \u0000 is kept as C0 80, not refused
     lm_json_error *e;
 } parser;
 
@@ -198,6 +199,10 @@ static lm_status parse_string(parser *p, char **out)
                                          : fail_at(p, i, LM_JSON_SYNTAX, "a '\\' not followed by an escape");
             } else if (!hex4(p, i + 2, &cp)) {
                 s = fail_at(p, i, LM_JSON_SYNTAX, "'\\u' must be followed by four hex digits");
+            } else if (cp == 0 && p->nul_c080) {
+                o[k++] = (char)0xC0;
+                o[k++] = (char)0x80;
+                i += 6;
             } else if (cp == 0) {
                 s = fail_at(p, i, LM_JSON_INVALID, "a string holds \\u0000 (a NUL character), which llmerge "
                             "does not take");
@@ -539,11 +544,11 @@ static void position(const unsigned char *s, size_t at, int64_t *line, int64_t *
     *column = c;
 }
 
-lm_status lm_json_parse_detail(cJSON **out, const char *text, size_t len, lm_json_error *e)
+static lm_status parse_detail(cJSON **out, const char *text, size_t len, bool nul_c080, lm_json_error *e)
 {
     *out = NULL;
     memset(e, 0, sizeof *e);
-    parser p = {.s = (const unsigned char *)text, .n = len, .first_at = SIZE_MAX, .e = e};
+    parser p = {.s = (const unsigned char *)text, .n = len, .first_at = SIZE_MAX, .nul_c080 = nul_c080, .e = e};
     cJSON *root = NULL;
     lm_status s;
     if (len >= 3 && memcmp(text, "\xEF\xBB\xBF", 3) == 0) {
@@ -567,10 +572,16 @@ lm_status lm_json_parse_detail(cJSON **out, const char *text, size_t len, lm_jso
     return LM_OK;
 }
 
-lm_status lm_json_parse(cJSON **out, const char *text, size_t len, const char *label, lm_err *err)
+lm_status lm_json_parse_detail(cJSON **out, const char *text, size_t len, lm_json_error *e)
+{
+    return parse_detail(out, text, len, false, e);
+}
+
+static lm_status parse_worded(cJSON **out, const char *text, size_t len, bool nul_c080, const char *label,
+                              lm_err *err)
 {
     lm_json_error e;
-    lm_status s = lm_json_parse_detail(out, text, len, &e);
+    lm_status s = parse_detail(out, text, len, nul_c080, &e);
     if (s == LM_ERR_NOMEM)
         return lm_err_set(err, s, "%s: out of memory", label);
     if (s == LM_OK)
@@ -582,6 +593,16 @@ lm_status lm_json_parse(cJSON **out, const char *text, size_t len, const char *l
     return lm_err_set(err, s, "%s: %s%s (line %lld, column %lld%s)", label,
                       e.defect == LM_JSON_SYNTAX ? "not valid JSON: " : "", e.what, (long long)e.line,
                       (long long)e.column, first);
+}
+
+lm_status lm_json_parse(cJSON **out, const char *text, size_t len, const char *label, lm_err *err)
+{
+    return parse_worded(out, text, len, false, label, err);
+}
+
+lm_status lm_json_parse_nul(cJSON **out, const char *text, size_t len, const char *label, lm_err *err)
+{
+    return parse_worded(out, text, len, true, label, err);
 }
 
 lm_status lm_json_load(cJSON **out, const char *path, size_t max_bytes, lm_err *err)

@@ -59,6 +59,11 @@ lm_status lm_json_parse_detail(cJSON **out, const char *text, size_t len, lm_jso
 // column C)" for the other defects (a key twice adds where it was first).
 lm_status lm_json_parse(cJSON **out, const char *text, size_t len, const char *label, lm_err *err);
 
+// As lm_json_parse, but a \u0000 in a string is kept, as the two bytes C0 80 (NUL's form in
+// Java's modified UTF-8, which no valid UTF-8 text holds), not refused: for a tokenizer's
+// vocabulary, where a token may be a NUL character.
+lm_status lm_json_parse_nul(cJSON **out, const char *text, size_t len, const char *label, lm_err *err);
+
 // Reads the file at `path` (a regular file of at most max_bytes: a directory or FIFO is
 // refused, never opened for reading in a way that blocks) and parses it as lm_json_parse does,
 // with the path as the label. *out is the caller's to cJSON_Delete; NULL on failure.

@@ -28,13 +28,27 @@ typedef struct norm_step {
     const char *a, *b;  // N_PREPEND: a; N_REPLACE: a by b
 } norm_step;
 
-typedef enum pre_kind { P_SPLIT, P_BYTELEVEL } pre_kind;
+// How a split's matches and the gaps between them make pieces (tokenizers' SplitDelimiterBehavior).
+typedef enum split_how {
+    H_ISOLATED,     // each match and each gap a piece
+    H_REMOVED,      // the gaps only
+    H_MERGED_PREV,  // a match joins the gap before it (a match after a match stays alone)
+    H_MERGED_NEXT,  // a match joins the gap after it (a match before a match stays alone)
+    H_CONTIGUOUS,   // matches in a row join
+} split_how;
+
+typedef enum prepend_how { PREPEND_NEVER, PREPEND_FIRST, PREPEND_ALWAYS } prepend_how;
+
+typedef enum pre_kind { P_SPLIT, P_BYTELEVEL, P_METASPACE } pre_kind;
 typedef struct pre_step {
     pre_kind kind;
-    pcre2_code *re;    // P_SPLIT by a regex, and P_BYTELEVEL with use_regex
-    const char *lit;   // P_SPLIT by a string
-    bool removed;      // P_SPLIT: the matches are dropped (Removed), else kept as pieces (Isolated)
-    bool prefix_space; // P_BYTELEVEL: add_prefix_space
+    pcre2_code *re;      // P_SPLIT by a regex, and P_BYTELEVEL with use_regex
+    const char *lit;     // P_SPLIT by a string
+    split_how how;       // P_SPLIT
+    bool prefix_space;   // P_BYTELEVEL: add_prefix_space
+    char rep[5];         // P_METASPACE: the replacement character, UTF-8
+    prepend_how prepend; // P_METASPACE: where the replacement goes before a piece
+    bool split;          // P_METASPACE: split before each replacement character (MergedWithNext)
 } pre_step;
 
 typedef struct added_tok {
@@ -42,6 +56,14 @@ typedef struct added_tok {
     size_t len;
     int32_t id;
 } added_tok;
+
+// Added tokens matched on one text: the raw text, or (normalized: true) each normalized text
+// between two raw ones.
+typedef struct added_set {
+    added_tok *tok;
+    int n;
+    bool starts[256];  // a byte some token starts with
+} added_set;
 
 struct lm_tokenizer {
     cJSON *tree;
@@ -60,9 +82,10 @@ struct lm_tokenizer {
     int32_t byte_tok[256];  // <0xNN> ids for byte_fallback, -1 where missing
     int32_t *before, *after;  // the template's special ids around the sequence
     int n_before, n_after;
-    added_tok *added;
-    int n_added;
-    bool starts[256];     // a byte some added token starts with
+    int64_t max_id;       // the largest id the tokenizer can give
+    const char *max_tok;  // a token with that id (in the tree)
+    added_set raw, normed;  // the added tokens matched before the normalizer, and after it
+    char **norm_text;     // (normed.n) normed's contents, normalized
     char byte_char[256][3];  // GPT-2's character for each byte, UTF-8, NUL-terminated
 };
 
@@ -203,7 +226,11 @@ void lm_tok_free(lm_tokenizer *t)
     free(t->merge_keys);
     free(t->before);
     free(t->after);
-    free(t->added);
+    for (int i = 0; t->norm_text && i < t->normed.n; i++)
+        free(t->norm_text[i]);
+    free(t->norm_text);
+    free(t->raw.tok);
+    free(t->normed.tok);
     free(t->label);
     cJSON_Delete(t->tree);
     free(t);
@@ -295,6 +322,49 @@ static lm_status add_norm(lm_tokenizer *t, const cJSON *n, lm_err *err)
     return LM_OK;
 }
 
+// Metaspace's options as tokenizers reads them: one replacement character; prepend_scheme
+// (first, never, always; always where absent), or the older add_prefix_space, whose false means
+// never; split, true where absent.
+static lm_status metaspace(const lm_tokenizer *t, const cJSON *p, pre_step *st, lm_err *err)
+{
+    const cJSON *rep = cJSON_GetObjectItemCaseSensitive(p, "replacement");
+    const cJSON *scheme = cJSON_GetObjectItemCaseSensitive(p, "prepend_scheme");
+    const cJSON *aps = cJSON_GetObjectItemCaseSensitive(p, "add_prefix_space");
+    const cJSON *split = cJSON_GetObjectItemCaseSensitive(p, "split");
+    size_t rl = cJSON_IsString(rep) ? strlen(rep->valuestring) : 0;
+    utf8proc_int32_t cp;
+    if (rl == 0 || rl > 4 || utf8proc_iterate((const utf8proc_uint8_t *)rep->valuestring, (utf8proc_ssize_t)rl, &cp) !=
+                                 (utf8proc_ssize_t)rl)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Metaspace: replacement is not one character",
+                          t->label);
+    memcpy(st->rep, rep->valuestring, rl + 1);
+    st->kind = P_METASPACE;
+    st->prepend = PREPEND_ALWAYS;
+    if (scheme && !cJSON_IsNull(scheme)) {
+        const char *v = cJSON_IsString(scheme) ? scheme->valuestring : "";
+        if (strcmp(v, "first") == 0)
+            st->prepend = PREPEND_FIRST;
+        else if (strcmp(v, "never") == 0)
+            st->prepend = PREPEND_NEVER;
+        else if (strcmp(v, "always") != 0)
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Metaspace: prepend_scheme '%s' is none of "
+                              "first, never, always", t->label, v);
+    }
+    if (aps && !cJSON_IsBool(aps))
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Metaspace: add_prefix_space is not true or false",
+                          t->label);
+    if (cJSON_IsFalse(aps)) {
+        if (scheme && !cJSON_IsNull(scheme) && st->prepend != PREPEND_NEVER)
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Metaspace: add_prefix_space false contradicts "
+                              "prepend_scheme '%s'", t->label, scheme->valuestring);
+        st->prepend = PREPEND_NEVER;
+    }
+    if (split && !cJSON_IsBool(split))
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Metaspace: split is not true or false", t->label);
+    st->split = !cJSON_IsFalse(split);
+    return LM_OK;
+}
+
 static lm_status add_pre(lm_tokenizer *t, const cJSON *p, lm_err *err)
 {
     const char *ty = type_of(p);
@@ -322,11 +392,15 @@ static lm_status add_pre(lm_tokenizer *t, const cJSON *p, lm_err *err)
         if (flag(p, "invert"))
             return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: pre_tokenizer Split with invert: true is not supported",
                               t->label);
-        if (strcmp(b, "Isolated") != 0 && strcmp(b, "Removed") != 0)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: pre_tokenizer Split behavior '%s' is not supported "
-                              "(Isolated and Removed are)", t->label, b);
+        static const char *const hows[] = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"};
+        int h = 0;
+        while (h < 5 && strcmp(b, hows[h]) != 0)
+            h++;
+        if (h == 5)
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Split: behavior '%s' is none of Isolated, "
+                              "Removed, MergedWithPrevious, MergedWithNext, Contiguous", t->label, b);
         st.kind = P_SPLIT;
-        st.removed = strcmp(b, "Removed") == 0;
+        st.how = (split_how)h;
         if (cJSON_IsString(re))
             s = compile_re(t, "pre_tokenizer Split", re->valuestring, &st.re, err);
         else if (cJSON_IsString(str) && *str->valuestring)
@@ -339,6 +413,8 @@ static lm_status add_pre(lm_tokenizer *t, const cJSON *p, lm_err *err)
         if (flag(p, "use_regex"))
             s = compile_re(t, "pre_tokenizer ByteLevel", GPT2_PATTERN, &st.re, err);
         t->byte_level = true;
+    } else if (strcmp(ty, "Metaspace") == 0) {
+        s = metaspace(t, p, &st, err);
     } else {
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: pre_tokenizer '%s' is not supported", t->label, ty);
     }
@@ -483,6 +559,74 @@ static lm_status load_model(lm_tokenizer *t, const cJSON *m, lm_err *err)
     return LM_OK;
 }
 
+static bool normalize(const lm_tokenizer *t, const char *w, size_t len, sbuf *out);
+
+// The added tokens: those with normalized: true are matched on the normalized text, as their
+// content normalized; the others on the raw text.
+static lm_status load_added(lm_tokenizer *t, const cJSON *added, lm_err *err)
+{
+    size_t n = (size_t)cJSON_GetArraySize(added) + 1;
+    if (!(t->raw.tok = calloc(n, sizeof *t->raw.tok)) || !(t->normed.tok = calloc(n, sizeof *t->normed.tok)) ||
+        !(t->norm_text = calloc(n, sizeof *t->norm_text)))
+        return nomem(err);
+    const cJSON *e;
+    cJSON_ArrayForEach(e, added)
+    {
+        const cJSON *c = cJSON_GetObjectItemCaseSensitive(e, "content"), *id = cJSON_GetObjectItemCaseSensitive(e, "id");
+        if (!cJSON_IsString(c) || id_of(id) < 0)
+            return lm_err_set(err, LM_ERR_FORMAT, "%s: added_tokens: an entry without content or a token id",
+                              t->label);
+        if (flag(e, "lstrip") || flag(e, "rstrip") || flag(e, "single_word"))
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: added token '%s' with lstrip, rstrip or single_word is "
+                              "not supported", t->label, c->valuestring);
+        added_set *set = &t->raw;
+        const char *text = c->valuestring;
+        if (flag(e, "normalized")) {
+            sbuf nt = {0};
+            if (!normalize(t, text, strlen(text), &nt)) {
+                free(nt.p);
+                return nomem(err);
+            }
+            if (nt.n == 0) {
+                free(nt.p);
+                continue;
+            }
+            text = t->norm_text[t->normed.n] = nt.p;
+            set = &t->normed;
+        }
+        if (!*text)
+            continue;
+        set->tok[set->n++] = (added_tok){text, strlen(text), (int32_t)id_of(id)};
+        set->starts[(unsigned char)text[0]] = true;
+    }
+    return LM_OK;
+}
+
+// The largest id the tokenizer can give, and a token of it: the vocabulary's, the added tokens',
+// the template's.
+static void find_max_id(lm_tokenizer *t)
+{
+    const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(t->tree, "model"), "vocab");
+    const cJSON *e;
+    t->max_id = -1;
+    t->max_tok = NULL;
+    cJSON_ArrayForEach(e, vocab)
+    {
+        if (id_of(e) > t->max_id)
+            t->max_id = id_of(e), t->max_tok = e->string;
+    }
+    for (int i = 0; i < t->raw.n + t->normed.n; i++) {
+        const added_tok *a = i < t->raw.n ? &t->raw.tok[i] : &t->normed.tok[i - t->raw.n];
+        if (a->id > t->max_id)
+            t->max_id = a->id, t->max_tok = a->content;
+    }
+    for (int i = 0; i < t->n_before + t->n_after; i++) {
+        int32_t id = i < t->n_before ? t->before[i] : t->after[i - t->n_before];
+        if (id > t->max_id)
+            t->max_id = id, t->max_tok = "(a special token of the post-processor)";
+    }
+}
+
 // GPT-2's bytes_to_unicode: the printable bytes stand for themselves, the others for 256 + n in
 // their order.
 static void byte_chars(lm_tokenizer *t)
@@ -506,8 +650,8 @@ lm_status lm_tok_parse(lm_tokenizer **out, const char *text, size_t len, const c
         free(t);
         return nomem(err);
     }
-    lm_status s = lm_json_parse(&t->tree, text, len, label, err);
-    const cJSON *root = t->tree, *e;
+    lm_status s = lm_json_parse_nul(&t->tree, text, len, label, err);  // a token may be NUL
+    const cJSON *root = t->tree;
     if (s == LM_OK && !cJSON_IsObject(root))
         s = lm_err_set(err, LM_ERR_FORMAT, "%s: not a JSON object", label);
     if (s == LM_OK)
@@ -521,35 +665,79 @@ lm_status lm_tok_parse(lm_tokenizer **out, const char *text, size_t len, const c
         s = add_pre(t, pre, err);
     if (s == LM_OK && post && !cJSON_IsNull(post))
         s = add_post(t, post, err);
-    const cJSON *added = cJSON_GetObjectItemCaseSensitive(root, "added_tokens");
-    if (s == LM_OK && added && !(t->added = calloc((size_t)cJSON_GetArraySize(added) + 1, sizeof *t->added)))
-        s = nomem(err);
-    cJSON_ArrayForEach(e, added)
-    {
-        if (s != LM_OK)
-            break;
-        const cJSON *c = cJSON_GetObjectItemCaseSensitive(e, "content"), *id = cJSON_GetObjectItemCaseSensitive(e, "id");
-        if (!cJSON_IsString(c) || id_of(id) < 0) {
-            s = lm_err_set(err, LM_ERR_FORMAT, "%s: added_tokens: an entry without content or a token id", label);
-            break;
-        }
-        if (flag(e, "lstrip") || flag(e, "rstrip") || flag(e, "single_word") || flag(e, "normalized")) {
-            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: added token '%s' with lstrip, rstrip, single_word or "
-                           "normalized is not supported", label, c->valuestring);
-            break;
-        }
-        if (!*c->valuestring)
-            continue;
-        t->added[t->n_added++] = (added_tok){c->valuestring, strlen(c->valuestring), (int32_t)id_of(id)};
-        t->starts[(unsigned char)c->valuestring[0]] = true;
-    }
+    if (s == LM_OK)
+        s = load_added(t, cJSON_GetObjectItemCaseSensitive(root, "added_tokens"), err);
     byte_chars(t);
     if (s != LM_OK) {
         lm_tok_free(t);
         return s;
     }
+    find_max_id(t);
     *out = t;
     return LM_OK;
+}
+
+// The id of a token named in tokenizer_config.json: a string, or an object with its "content"
+// (as transformers writes an AddedToken); an added token's id, else the vocabulary's; -1: none.
+static int64_t config_token(const lm_tokenizer *t, const cJSON *v)
+{
+    if (cJSON_IsObject(v))
+        v = cJSON_GetObjectItemCaseSensitive(v, "content");
+    if (!cJSON_IsString(v))
+        return -1;
+    for (int i = 0; i < t->raw.n + t->normed.n; i++) {
+        const added_tok *a = i < t->raw.n ? &t->raw.tok[i] : &t->normed.tok[i - t->raw.n];
+        if (strcmp(a->content, v->valuestring) == 0)
+            return a->id;
+    }
+    return lm_strmap_get(&t->vocab, v->valuestring);
+}
+
+// One side of the template as add_bos_token (add_eos_token) says, where the file has the key.
+static lm_status config_side(lm_tokenizer *t, const cJSON *root, const char *add_key, const char *tok_key,
+                             int32_t **ids, int *n, const char *label, lm_err *err)
+{
+    const cJSON *add = cJSON_GetObjectItemCaseSensitive(root, add_key);
+    if (!add || cJSON_IsNull(add))
+        return LM_OK;
+    if (!cJSON_IsBool(add))
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: %s is not true or false", label, add_key);
+    *n = 0;
+    if (cJSON_IsFalse(add))
+        return LM_OK;
+    int64_t id = config_token(t, cJSON_GetObjectItemCaseSensitive(root, tok_key));
+    if (id < 0)
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: %s is true but %s is no token of %s", label, add_key, tok_key,
+                          t->label);
+    int32_t *g = realloc(*ids, sizeof *g);
+    if (!g)
+        return nomem(err);
+    *ids = g;
+    g[0] = (int32_t)id;
+    *n = 1;
+    return LM_OK;
+}
+
+lm_status lm_tok_config(lm_tokenizer *t, const char *text, size_t len, const char *label, lm_err *err)
+{
+    cJSON *root = NULL;
+    lm_status s = lm_json_parse(&root, text, len, label, err);
+    if (s == LM_OK && !cJSON_IsObject(root))
+        s = lm_err_set(err, LM_ERR_FORMAT, "%s: not a JSON object", label);
+    if (s == LM_OK)
+        s = config_side(t, root, "add_bos_token", "bos_token", &t->before, &t->n_before, label, err);
+    if (s == LM_OK)
+        s = config_side(t, root, "add_eos_token", "eos_token", &t->after, &t->n_after, label, err);
+    cJSON_Delete(root);
+    find_max_id(t);
+    return s;
+}
+
+int64_t lm_tok_max_id(const lm_tokenizer *t, const char **token)
+{
+    if (token)
+        *token = t->max_tok;
+    return t->max_id;
 }
 
 lm_status lm_tok_load(lm_tokenizer **out, const char *path, lm_err *err)
@@ -563,6 +751,21 @@ lm_status lm_tok_load(lm_tokenizer **out, const char *path, lm_err *err)
     if (s == LM_OK)
         s = lm_tok_parse(out, text, len, path, err);
     free(text);
+    text = NULL;
+    // tokenizer_config.json beside it
+    char *dir = lm_path_parent(path);
+    char *cfg = dir ? lm_path_join(dir, "tokenizer_config.json") : NULL;
+    if (s == LM_OK && !cfg)
+        s = nomem(err);
+    if (s == LM_OK && lm_is_file(cfg) && (s = lm_read_file(cfg, MAX_FILE, &text, &len, err)) == LM_OK)
+        s = lm_tok_config(*out, text, len, cfg, err);
+    free(text);
+    free(cfg);
+    free(dir);
+    if (s != LM_OK) {
+        lm_tok_free(*out);
+        *out = NULL;
+    }
     return s;
 }
 
@@ -586,6 +789,23 @@ static size_t char_len(const unsigned char *s)
     return s[0] < 0x80 ? 1 : s[0] < 0xE0 ? 2 : s[0] < 0xF0 ? 3 : 4;
 }
 
+// What one lm_tok_encode carries down to every piece.
+typedef struct enc {
+    const lm_tokenizer *t;
+    lm_tok_cache *c;       // may be NULL
+    int32_t **ids;         // the ids so far: n of them, cap their room
+    int64_t *n, *cap;
+    sbuf key;              // a merge's key, reused
+    const char *origin;    // the normalized text's first byte where it starts the whole text, else
+                           // NULL: a piece that starts there is Metaspace's "first"
+    lm_err *err;
+} enc;
+
+static bool emit(enc *e, int32_t id)
+{
+    return push_id(e->ids, e->n, e->cap, id);
+}
+
 // A piece's ids by BPE: its characters (or their bytes' tokens, or unk), then the merge of the
 // adjacent pair of lowest rank, again, until none applies.
 typedef struct sym {
@@ -593,29 +813,28 @@ typedef struct sym {
     int32_t id;         // >= 0: a byte-fallback or unknown symbol, not merged; -1: by its text
 } sym;
 
-static lm_status bpe_uncached(const lm_tokenizer *t, char *piece, size_t len, int32_t **ids, int64_t *n,
-                              int64_t *cap, sbuf *key, lm_err *err);
+static lm_status bpe_uncached(enc *e, char *piece, size_t len);
 
 // bpe_uncached, through the cache where there is one.
-static lm_status bpe(const lm_tokenizer *t, lm_tok_cache *c, const char *w, size_t len, int32_t **ids, int64_t *n,
-                     int64_t *cap, sbuf *key, lm_err *err)
+static lm_status bpe(enc *e, const char *w, size_t len)
 {
     char stack[128], *piece = len < sizeof stack ? stack : malloc(len + 1);
     if (!piece)
-        return nomem(err);
+        return nomem(e->err);
     memcpy(piece, w, len);
     piece[len] = '\0';
+    lm_tok_cache *c = e->c;
     int64_t hit = c ? lm_strmap_get(&c->map, piece) : -1;
     lm_status s = LM_OK;
     if (hit >= 0) {
         for (int32_t i = 0; i < c->count[hit] && s == LM_OK; i++)
-            if (!push_id(ids, n, cap, c->ids[c->first[hit] + i]))
-                s = nomem(err);
+            if (!emit(e, c->ids[c->first[hit] + i]))
+                s = nomem(e->err);
     } else {
-        int64_t before = *n;
-        s = bpe_uncached(t, piece, len, ids, n, cap, key, err);
+        int64_t before = *e->n;
+        s = bpe_uncached(e, piece, len);
         if (s == LM_OK && c)
-            cache_put(c, piece, *ids + before, *n - before);
+            cache_put(c, piece, *e->ids + before, *e->n - before);
     }
     if (piece != stack)
         free(piece);
@@ -623,17 +842,17 @@ static lm_status bpe(const lm_tokenizer *t, lm_tok_cache *c, const char *w, size
 }
 
 // The piece's ids by the merges (piece is NUL-terminated, the caller's to keep).
-static lm_status bpe_uncached(const lm_tokenizer *t, char *piece, size_t len, int32_t **ids, int64_t *n,
-                              int64_t *cap, sbuf *key, lm_err *err)
+static lm_status bpe_uncached(enc *e, char *piece, size_t len)
 {
+    const lm_tokenizer *t = e->t;
     lm_status s = LM_OK;
     int64_t whole = t->ignore_merges ? lm_strmap_get(&t->vocab, piece) : -1;
     if (whole >= 0)
-        return push_id(ids, n, cap, (int32_t)whole) ? LM_OK : nomem(err);
+        return emit(e, (int32_t)whole) ? LM_OK : nomem(e->err);
     sym *sy = malloc((len + 1) * sizeof *sy);
     int ns = 0;
     if (!sy)
-        return nomem(err);
+        return nomem(e->err);
     for (size_t i = 0; i < len;) {
         size_t cl = char_len((const unsigned char *)piece + i);
         char save = piece[i + cl];
@@ -650,11 +869,12 @@ static lm_status bpe_uncached(const lm_tokenizer *t, char *piece, size_t len, in
                 sy[ns++] = (sym){i, i + cl, t->unk};
         } else {
             free(sy);
-            return lm_err_set(err, LM_ERR_FORMAT, "%s: '%s' has a character in no token and the model has no "
+            return lm_err_set(e->err, LM_ERR_FORMAT, "%s: '%s' has a character in no token and the model has no "
                               "unk_token", t->label, piece);
         }
         i += cl;
     }
+    sbuf *key = &e->key;
     for (;;) {
         int64_t best = -1;
         int at = -1;
@@ -664,7 +884,7 @@ static lm_status bpe_uncached(const lm_tokenizer *t, char *piece, size_t len, in
             key->n = 0;
             if (!sb_put(key, piece + sy[i].start, sy[i].end - sy[i].start) || !sb_put(key, (char[]){MERGE_SEP}, 1) ||
                 !sb_put(key, piece + sy[i + 1].start, sy[i + 1].end - sy[i + 1].start)) {
-                s = nomem(err);
+                s = nomem(e->err);
                 break;
             }
             int64_t r = lm_strmap_get(&t->merges, key->p);
@@ -686,8 +906,8 @@ static lm_status bpe_uncached(const lm_tokenizer *t, char *piece, size_t len, in
             piece[sy[i].end] = save;
             id = v >= 0 ? (int32_t)v : t->unk;
         }
-        if (id >= 0 && !push_id(ids, n, cap, id))
-            s = nomem(err);
+        if (id >= 0 && !emit(e, id))
+            s = nomem(e->err);
     }
     free(sy);
     return s;
@@ -705,116 +925,205 @@ static bool to_bytelevel(const lm_tokenizer *t, const char *w, size_t len, sbuf 
     return true;
 }
 
-static lm_status pieces(const lm_tokenizer *t, lm_tok_cache *c, int k, const char *w, size_t len, int32_t **ids,
-                        int64_t *n, int64_t *cap, sbuf *key, lm_err *err);
+static lm_status pieces(enc *e, int k, const char *w, size_t len);
 
-// w cut by the regex re: the gaps and (unless removed) the matches, in order, each to the
-// pre-tokenizer's steps from k on.
-static lm_status split_re(const lm_tokenizer *t, lm_tok_cache *c, int k, const pcre2_code *re, bool removed,
-                          const char *w, size_t len, int32_t **ids, int64_t *n, int64_t *cap, sbuf *key, lm_err *err)
+// A split of w into pieces for the pre-tokenizer's steps from k on: its parts (each match of the
+// pattern and each gap between two) come in order and are joined as `how` says; one piece is
+// held back until the next part shows whether they join.
+typedef struct splitter {
+    enc *e;
+    int k;
+    split_how how;
+    const char *w;
+    size_t a, b;  // the piece held back, [a, b) of w (a == b: none)
+    bool prev;    // the last part was a match
+} splitter;
+
+static lm_status give(splitter *sp, size_t a, size_t b)
 {
-    pcre2_match_data *md = pcre2_match_data_create_from_pattern(re, NULL);
-    if (!md)
-        return nomem(err);
+    return pieces(sp->e, sp->k, sp->w + a, b - a);
+}
+
+static lm_status flush(splitter *sp)
+{
+    lm_status s = sp->a < sp->b ? give(sp, sp->a, sp->b) : LM_OK;
+    sp->a = sp->b = 0;
+    return s;
+}
+
+// The next part, [a, b) of w (not empty), a match or a gap.
+static lm_status part(splitter *sp, size_t a, size_t b, bool match)
+{
     lm_status s = LM_OK;
-    size_t pos = 0, last = 0;
-    while (s == LM_OK && pos <= len) {
-        int rc = pcre2_match(re, (PCRE2_SPTR)w, len, pos, 0, md, NULL);
-        if (rc == PCRE2_ERROR_NOMATCH)
-            break;
-        if (rc < 0) {
-            s = lm_err_set(err, LM_ERR_FORMAT, "%s: the pre-tokenizer's regex failed on a text (PCRE2 error %d)",
-                           t->label, rc);
-            break;
+    bool held = sp->a < sp->b;
+    switch (sp->how) {
+    case H_ISOLATED:
+        s = give(sp, a, b);
+        break;
+    case H_REMOVED:
+        s = match ? LM_OK : give(sp, a, b);
+        break;
+    case H_MERGED_PREV:
+        if (match && !sp->prev && held) {
+            sp->b = b;
+        } else {
+            s = flush(sp);
+            sp->a = a, sp->b = b;
         }
-        PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-        if (ov[1] == ov[0]) {  // an empty match: on to the next character
-            pos = ov[0] < len ? ov[0] + char_len((const unsigned char *)w + ov[0]) : len + 1;
-            continue;
+        break;
+    case H_MERGED_NEXT:  // only a match is held
+        if (!match && held) {
+            s = give(sp, sp->a, b);
+            sp->a = sp->b = 0;
+        } else {
+            s = flush(sp);
+            if (match)
+                sp->a = a, sp->b = b;
+            else if (s == LM_OK)
+                s = give(sp, a, b);
         }
-        s = pieces(t, c, k, w + last, ov[0] - last, ids, n, cap, key, err);
-        if (s == LM_OK && !removed)
-            s = pieces(t, c, k, w + ov[0], ov[1] - ov[0], ids, n, cap, key, err);
-        last = pos = ov[1];
+        break;
+    case H_CONTIGUOUS:
+        if (held && match == sp->prev) {
+            sp->b = b;
+        } else {
+            s = flush(sp);
+            sp->a = a, sp->b = b;
+        }
+        break;
     }
-    pcre2_match_data_free(md);
+    sp->prev = match;
+    return s;
+}
+
+// w split by the regex re or the string lit, its pieces to the steps from k on.
+static lm_status split(enc *e, int k, const pcre2_code *re, const char *lit, split_how how, const char *w,
+                       size_t len)
+{
+    splitter sp = {e, k, how, w, 0, 0, false};
+    lm_status s = LM_OK;
+    size_t last = 0;  // where the gap before the next match starts
+    if (lit) {
+        size_t ll = strlen(lit);
+        const char *hit;
+        while (s == LM_OK && (hit = memmem(w + last, len - last, lit, ll)) != NULL) {
+            size_t at = (size_t)(hit - w);
+            if (at > last)
+                s = part(&sp, last, at, false);
+            if (s == LM_OK)
+                s = part(&sp, at, at + ll, true);
+            last = at + ll;
+        }
+    } else {
+        pcre2_match_data *md = pcre2_match_data_create_from_pattern(re, NULL);
+        if (!md)
+            return nomem(e->err);
+        size_t pos = 0;
+        while (s == LM_OK && pos <= len) {
+            int rc = pcre2_match(re, (PCRE2_SPTR)w, len, pos, 0, md, NULL);
+            if (rc == PCRE2_ERROR_NOMATCH)
+                break;
+            if (rc < 0) {
+                s = lm_err_set(e->err, LM_ERR_FORMAT, "%s: the pre-tokenizer's regex failed on a text (PCRE2 error "
+                               "%d)", e->t->label, rc);
+                break;
+            }
+            PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
+            if (ov[1] == ov[0]) {  // an empty match: no part; on to the next character
+                pos = ov[0] < len ? ov[0] + char_len((const unsigned char *)w + ov[0]) : len + 1;
+                continue;
+            }
+            if (ov[0] > last)
+                s = part(&sp, last, ov[0], false);
+            if (s == LM_OK)
+                s = part(&sp, ov[0], ov[1], true);
+            last = pos = ov[1];
+        }
+        pcre2_match_data_free(md);
+    }
     if (s == LM_OK && last < len)
-        s = pieces(t, c, k, w + last, len - last, ids, n, cap, key, err);
+        s = part(&sp, last, len, false);
+    if (s == LM_OK)
+        s = flush(&sp);
+    return s;
+}
+
+// Metaspace: each space becomes the replacement character, which is put before the piece where
+// the scheme says and the piece does not start with it; then, with split, a piece starts at each.
+static lm_status metaspace_piece(enc *e, int k, const pre_step *st, const char *w, size_t len)
+{
+    size_t rl = strlen(st->rep);
+    bool starts = w[0] == ' ' || (len >= rl && memcmp(w, st->rep, rl) == 0);
+    bool put = !starts && (st->prepend == PREPEND_ALWAYS || (st->prepend == PREPEND_FIRST && w == e->origin));
+    sbuf x = {0};
+    bool ok = sb_put(&x, "", 0) && (!put || sb_put(&x, st->rep, rl));
+    for (size_t i = 0, from = 0; ok && i <= len; i++)
+        if (i == len || w[i] == ' ') {
+            ok = sb_put(&x, w + from, i - from) && (i == len || sb_put(&x, st->rep, rl));
+            from = i + 1;
+        }
+    lm_status s = !ok                ? nomem(e->err)
+                  : st->split ? split(e, k + 1, NULL, st->rep, H_MERGED_NEXT, x.p, x.n)
+                              : pieces(e, k + 1, x.p, x.n);
+    free(x.p);
     return s;
 }
 
 // The pieces of the pre-tokenizer from step `k` on, each then given to the model.
-static lm_status pieces(const lm_tokenizer *t, lm_tok_cache *c, int k, const char *w, size_t len, int32_t **ids,
-                        int64_t *n, int64_t *cap, sbuf *key, lm_err *err)
+static lm_status pieces(enc *e, int k, const char *w, size_t len)
 {
+    const lm_tokenizer *t = e->t;
     if (len == 0)
         return LM_OK;
     if (k == t->n_pre) {
         if (!t->byte_level)
-            return bpe(t, c, w, len, ids, n, cap, key, err);
+            return bpe(e, w, len);
         sbuf bl = {0};
-        lm_status s = to_bytelevel(t, w, len, &bl) ? bpe(t, c, bl.p, bl.n, ids, n, cap, key, err) : nomem(err);
+        lm_status s = to_bytelevel(t, w, len, &bl) ? bpe(e, bl.p, bl.n) : nomem(e->err);
         free(bl.p);
         return s;
     }
     const pre_step *st = &t->pre[k];
-    lm_status s = LM_OK;
-    if (st->kind == P_BYTELEVEL) {
-        sbuf pre = {0};
-        const char *x = w;
-        size_t xl = len;
-        if (st->prefix_space && w[0] != ' ') {
-            if (!sb_put(&pre, " ", 1) || !sb_put(&pre, w, len))
-                return nomem(err);
-            x = pre.p;
-            xl = pre.n;
+    if (st->kind == P_METASPACE)
+        return metaspace_piece(e, k, st, w, len);
+    if (st->kind == P_SPLIT)
+        return split(e, k + 1, st->re, st->lit, st->how, w, len);
+    // ByteLevel: a space before the piece where add_prefix_space says; use_regex: GPT-2's pattern,
+    // an Isolated split
+    sbuf pre = {0};
+    const char *x = w;
+    size_t xl = len;
+    if (st->prefix_space && w[0] != ' ') {
+        if (!sb_put(&pre, " ", 1) || !sb_put(&pre, w, len)) {
+            free(pre.p);
+            return nomem(e->err);
         }
-        // use_regex: GPT-2's pattern, an Isolated split
-        s = st->re ? split_re(t, c, k + 1, st->re, false, x, xl, ids, n, cap, key, err)
-                   : pieces(t, c, k + 1, x, xl, ids, n, cap, key, err);
-        free(pre.p);
-        return s;
+        x = pre.p;
+        xl = pre.n;
     }
-    // Split: the gaps and (Isolated) the matches, in order
-    if (st->re)
-        return split_re(t, c, k + 1, st->re, st->removed, w, len, ids, n, cap, key, err);
-    size_t pos = 0, last = 0, ll = strlen(st->lit);
-    const char *hit;
-    while (s == LM_OK && (hit = memmem(w + pos, len - pos, st->lit, ll)) != NULL) {
-        size_t at = (size_t)(hit - w);
-        s = pieces(t, c, k + 1, w + last, at - last, ids, n, cap, key, err);
-        if (s == LM_OK && !st->removed)
-            s = pieces(t, c, k + 1, w + at, ll, ids, n, cap, key, err);
-        last = pos = at + ll;
-    }
-    if (s == LM_OK && last < len)
-        s = pieces(t, c, k + 1, w + last, len - last, ids, n, cap, key, err);
+    lm_status s = st->re ? split(e, k + 1, st->re, NULL, H_ISOLATED, x, xl) : pieces(e, k + 1, x, xl);
+    free(pre.p);
     return s;
 }
 
-// The text between two added tokens: normalized, then pre-tokenized and given to the model.
-static lm_status segment(const lm_tokenizer *t, lm_tok_cache *c, const char *w, size_t len, int32_t **ids,
-                         int64_t *n, int64_t *cap, sbuf *key, lm_err *err)
+// The normalizer's steps on the `len` bytes at w, into *out (NUL-terminated; the caller frees
+// out->p, also on failure). False when memory runs out.
+static bool normalize(const lm_tokenizer *t, const char *w, size_t len, sbuf *out)
 {
-    if (len == 0)
-        return LM_OK;
     sbuf cur = {0};
-    if (!sb_put(&cur, w, len))
-        return nomem(err);
-    for (int i = 0; i < t->n_norm; i++) {
+    bool ok = sb_put(&cur, w, len);
+    for (int i = 0; ok && i < t->n_norm; i++) {
         const norm_step *st = &t->norm[i];
         sbuf next = {0};
-        bool ok = true;
         if (st->kind == N_UTF8PROC) {
             utf8proc_uint8_t *o = NULL;
             utf8proc_ssize_t r = utf8proc_map((const utf8proc_uint8_t *)cur.p, (utf8proc_ssize_t)cur.n, &o,
                                               (utf8proc_option_t)st->options);
             ok = r >= 0 && sb_put(&next, o, (size_t)r);
             free(o);
-        } else if (st->kind == N_PREPEND) {
-            ok = cur.n == 0 || (sb_put(&next, st->a, strlen(st->a)) && sb_put(&next, cur.p, cur.n));
-            if (cur.n == 0)
-                ok = sb_put(&next, "", 0);
+        } else if (st->kind == N_PREPEND) {  // not to an empty text
+            ok = sb_put(&next, "", 0) && (cur.n == 0 || (sb_put(&next, st->a, strlen(st->a)) &&
+                                                         sb_put(&next, cur.p, cur.n)));
         } else {  // N_REPLACE
             size_t la = strlen(st->a), lb = strlen(st->b), p = 0;
             ok = sb_put(&next, "", 0);
@@ -827,12 +1136,63 @@ static lm_status segment(const lm_tokenizer *t, lm_tok_cache *c, const char *w, 
         }
         free(cur.p);
         cur = next;
-        if (!ok) {
-            free(cur.p);
-            return nomem(err);
-        }
     }
-    lm_status s = pieces(t, c, 0, cur.p, cur.n, ids, n, cap, key, err);
+    *out = cur;
+    return ok;
+}
+
+typedef lm_status (*gap_fn)(enc *e, const char *w, size_t len, size_t at);
+
+// w cut at the added tokens of set a, at the first place where one starts the longest that does:
+// each token's id, and each text between two to gap (with its offset in w).
+static lm_status cut_added(enc *e, const added_set *a, const char *w, size_t len, gap_fn gap)
+{
+    lm_status s = LM_OK;
+    size_t start = 0;
+    for (size_t i = 0; s == LM_OK && i < len;) {
+        if (!a->starts[(unsigned char)w[i]]) {
+            i++;
+            continue;
+        }
+        int best = -1;
+        for (int k = 0; k < a->n; k++)
+            if (a->tok[k].content[0] == w[i] && a->tok[k].len <= len - i &&
+                memcmp(w + i, a->tok[k].content, a->tok[k].len) == 0 && (best < 0 || a->tok[k].len > a->tok[best].len))
+                best = k;
+        if (best < 0) {
+            i++;
+            continue;
+        }
+        if (i > start)
+            s = gap(e, w + start, i - start, start);
+        if (s == LM_OK && !emit(e, a->tok[best].id))
+            s = nomem(e->err);
+        i += a->tok[best].len;
+        start = i;
+    }
+    if (s == LM_OK && start < len)
+        s = gap(e, w + start, len - start, start);
+    return s;
+}
+
+// A normalized text between two normalized added tokens: to the pre-tokenizer.
+static lm_status normalized_gap(enc *e, const char *w, size_t len, size_t at)
+{
+    (void)at;
+    return pieces(e, 0, w, len);
+}
+
+// The raw text between two added tokens (at byte `at` of the whole text): normalized, cut at the
+// normalized added tokens, pre-tokenized and given to the model.
+static lm_status raw_gap(enc *e, const char *w, size_t len, size_t at)
+{
+    sbuf cur = {0};
+    if (!normalize(e->t, w, len, &cur)) {
+        free(cur.p);
+        return nomem(e->err);
+    }
+    e->origin = at == 0 ? cur.p : NULL;
+    lm_status s = cut_added(e, &e->t->normed, cur.p, cur.n, normalized_gap);
     free(cur.p);
     return s;
 }
@@ -845,41 +1205,20 @@ lm_status lm_tok_encode(const lm_tokenizer *t, lm_tok_cache *c, const char *text
         utf8proc_ssize_t r = utf8proc_iterate((const utf8proc_uint8_t *)text + i, (utf8proc_ssize_t)(len - i), &cp);
         if (r <= 0)
             return lm_err_set(err, LM_ERR_FORMAT, "not valid UTF-8 at byte %zu", i);
+        if (cp == 0)
+            return lm_err_set(err, LM_ERR_FORMAT, "a NUL character at byte %zu, which llmerge does not tokenize", i);
         i += (size_t)r;
     }
+    enc e = {.t = t, .c = c, .ids = ids, .n = n, .cap = cap, .err = err};
     lm_status s = LM_OK;
-    sbuf key = {0};
     for (int i = 0; special && i < t->n_before; i++)
-        if (!push_id(ids, n, cap, t->before[i]))
+        if (!emit(&e, t->before[i]))
             s = nomem(err);
-    // the added tokens first: at the first place where one starts, the longest that does
-    size_t start = 0;
-    for (size_t i = 0; s == LM_OK && i < len;) {
-        if (!t->starts[(unsigned char)text[i]]) {
-            i++;
-            continue;
-        }
-        int best = -1;
-        for (int a = 0; a < t->n_added; a++)
-            if (t->added[a].content[0] == text[i] && t->added[a].len <= len - i &&
-                memcmp(text + i, t->added[a].content, t->added[a].len) == 0 &&
-                (best < 0 || t->added[a].len > t->added[best].len))
-                best = a;
-        if (best < 0) {
-            i++;
-            continue;
-        }
-        s = segment(t, c, text + start, i - start, ids, n, cap, &key, err);
-        if (s == LM_OK && !push_id(ids, n, cap, t->added[best].id))
-            s = nomem(err);
-        i += t->added[best].len;
-        start = i;
-    }
     if (s == LM_OK)
-        s = segment(t, c, text + start, len - start, ids, n, cap, &key, err);
+        s = cut_added(&e, &t->raw, text, len, raw_gap);
     for (int i = 0; s == LM_OK && special && i < t->n_after; i++)
-        if (!push_id(ids, n, cap, t->after[i]))
+        if (!emit(&e, t->after[i]))
             s = nomem(err);
-    free(key.p);
+    free(e.key.p);
     return s;
 }

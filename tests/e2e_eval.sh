@@ -251,6 +251,7 @@ has late.out "tokens 2"
 # {"text": "..."} must evaluate as {"input_ids": [its bytes]} does; without a tokenizer.json, a
 # text line is refused naming the line
 cp -r "$fx/base" "$work/tk_base"
+rm "$work/tk_base/tokenizer_config.json"  # its add_bos_token names <s>, which the bytes' tokenizer lacks
 node -e '
   const v = {}; let n = 0;
   for (let b = 0; b < 256; b++) {
@@ -322,6 +323,16 @@ then ok; else bad "sparsegpt --tokenizer: text and its bytes' ids give other mer
 expect 2 "--tokenizer $fx/base has no tokenizer.json" eval "$work/tk_base" --tokenizer "$fx/base" --data "$work/text.jsonl"
 expect 2 "$work/text.jsonl:1: \"text\" needs a tokenizer, and there is none here (MODEL $fx/base has no tokenizer.json" \
   eval "$fx/base" --data "$work/text.jsonl"
+# a tokenizer with an id past the model's vocabulary (256) is refused before any work
+mkdir -p "$work/tk_big"
+sed 's/^{/{"added_tokens": [{"id": 300, "content": "<big>"}], /' "$work/tk_base/tokenizer.json" \
+  >"$work/tk_big/tokenizer.json"
+expect 2 "token '<big>' has id 300, past the model's vocab_size 256: the tokenizer does not fit the model" \
+  eval "$fx/base" --tokenizer "$work/tk_big" --data "$work/text.jsonl"
+# so is a tokenizer_config.json whose add_bos_token names a token the tokenizer lacks
+cp "$work/tk_base/tokenizer.json" "$fx/base/tokenizer_config.json" "$work/tk_big/"
+expect 2 "tk_big/tokenizer_config.json: add_bos_token is true but bos_token is no token of" \
+  eval "$fx/base" --tokenizer "$work/tk_big" --data "$work/text.jsonl"
 
 # --log-json never over an input: the data file, a file of MODEL or of the adapter
 cp "$data" "$work/g-data.jsonl" && cp -r "$fx/base" "$work/g-base" && cp -r "$fx/lora_plain" "$work/g-lora"

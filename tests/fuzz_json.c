@@ -135,10 +135,35 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             s = lm_tok_encode(tok, i % 2 ? c : NULL, texts[i], strlen(texts[i]), 1, &ids, &n, &cap, &err);
             if (s != LM_OK)
                 check_refusal(s, &err);
+            for (int64_t k = 0; s == LM_OK && k < n; k++)  // every id within what the tokenizer says
+                if (ids[k] < 0 || ids[k] > lm_tok_max_id(tok, NULL))
+                    abort();
             free(ids);
         }
         lm_tok_cache_free(c);
         lm_tok_free(tok);
     }
+
+    // tokenizer_config.json over a small tokenizer: accepted (the ids then within the largest) or
+    // refused
+    static const char small[] =
+        "{\"added_tokens\": [{\"id\": 3, \"content\": \"<s>\"}, {\"id\": 4, \"content\": \"</s>\"}],"
+        " \"model\": {\"type\": \"BPE\", \"vocab\": {\"h\": 0, \"i\": 1, \"hi\": 2}, \"merges\": [\"h i\"]}}";
+    if (lm_tok_parse(&tok, small, sizeof small - 1, "tokenizer.json", &err) != LM_OK)
+        abort();
+    s = lm_tok_config(tok, text, size, "tokenizer_config.json", &err);
+    if (s != LM_OK) {
+        check_refusal(s, &err);
+    } else {
+        int32_t *ids = NULL;
+        int64_t n = 0, cap = 0;
+        if (lm_tok_encode(tok, NULL, "hi", 2, 1, &ids, &n, &cap, &err) != LM_OK || n < 1 || n > 3)
+            abort();
+        for (int64_t k = 0; k < n; k++)
+            if (ids[k] < 0 || ids[k] > lm_tok_max_id(tok, NULL))
+                abort();
+        free(ids);
+    }
+    lm_tok_free(tok);
     return 0;
 }

@@ -387,6 +387,24 @@ static void test_bad(void)
     }
 }
 
+// lm_json_parse_nul keeps \u0000 as C0 80, where lm_json_parse refuses it; nothing else changes.
+static void test_nul(void)
+{
+    static const char text[] = "{\"x\\u0000y\": \"\\u0000\", \"b\": \"\\u0041\"}";
+    cJSON *root = NULL;
+    lm_err err = {0};
+    CHECK_OK(lm_json_parse_nul(&root, text, sizeof text - 1, "t.json", &err), &err);
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, "x\xC0\x80y");
+    CHECK(cJSON_IsString(v) && strcmp(v->valuestring, "\xC0\x80") == 0);
+    v = cJSON_GetObjectItemCaseSensitive(root, "b");
+    CHECK(cJSON_IsString(v) && strcmp(v->valuestring, "A") == 0);
+    cJSON_Delete(root);
+    root = NULL;
+    CHECK_FAILS(lm_json_parse(&root, text, sizeof text - 1, "t.json", &err), LM_ERR_FORMAT, "\\u0000", &err);
+    CHECK_FAILS(lm_json_parse_nul(&root, "{\"a\": \"\\u00\"}", 13, "t.json", &err), LM_ERR_FORMAT, "four hex digits",
+                &err);
+}
+
 // ==== files ===================================================================================
 
 static void test_load(void)
@@ -483,6 +501,7 @@ int main(int argc, char **argv)
     test_good();
     test_random_documents();
     test_bad();
+    test_nul();
     test_load();
     return check_report("test_json");
 }

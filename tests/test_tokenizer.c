@@ -1,15 +1,19 @@
 // Tests of tokenizer.c on small tokenizer.json files written here, with ids worked out by hand:
 // byte-level BPE through GPT-2's pattern (merges by rank, ignore_merges), SentencePiece-style
 // BPE (Prepend and Replace normalizers, byte fallback, unk and fuse_unk, TemplateProcessing's
-// BOS), added tokens (leftmost, the longest), NFC, a Split by a string with Removed, the cache,
-// and each refusal with what it names. The real tokenizers against Hugging Face's own are
+// BOS), added tokens (leftmost, the longest), NFC, a Split by a string with each behavior,
+// Metaspace with each prepend scheme and split, tokenizer_config.json's add_bos_token and
+// add_eos_token, the cache, and each refusal with what it names. The real tokenizers against Hugging Face's own are
 // tests/e2e_tokenize.sh's.
 #include <stdbool.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "tokenizer.h"
+#include "util.h"
 
 static lm_tokenizer *parsed(const char *json)
 {
@@ -148,6 +152,210 @@ static void test_nfc_and_split(void)
     }
 }
 
+// Every behavior of a split, on tokenizers' own example: "the-final--countdown" split at "-" is
+// Removed: the final countdown; Isolated: the - final - - countdown; MergedWithPrevious: the-
+// final- - countdown; MergedWithNext: the -final - -countdown; Contiguous: the - final --
+// countdown. Here with a for "the", b for "final", c for "countdown": each piece is a whole token
+// (ignore_merges), so the ids show the pieces.
+static void test_split_behaviors(void)
+{
+    static const struct {
+        const char *how, *text;
+        int32_t want[8];
+        int64_t n;
+    } cases[] = {
+        {"Removed", "a-b--c", {0, 1, 2}, 3},
+        {"Isolated", "a-b--c", {0, 3, 1, 3, 3, 2}, 6},
+        {"MergedWithPrevious", "a-b--c", {4, 5, 3, 2}, 4},
+        {"MergedWithNext", "a-b--c", {0, 6, 3, 7}, 4},
+        {"Contiguous", "a-b--c", {0, 3, 1, 8, 2}, 5},
+        // a match first or last: alone where there is nothing to join
+        {"MergedWithPrevious", "-a-", {3, 4}, 2},
+        {"MergedWithNext", "-a-", {9, 3}, 2},
+        {"Contiguous", "--a", {8, 0}, 2},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char json[1024];
+        snprintf(json, sizeof json,
+                 "{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"String\": \"-\"}, \"behavior\": \"%s\","
+                 " \"invert\": false}, \"model\": {\"type\": \"BPE\", \"ignore_merges\": true, \"vocab\": {\"a\": 0,"
+                 " \"b\": 1, \"c\": 2, \"-\": 3, \"a-\": 4, \"b-\": 5, \"-b\": 6, \"-c\": 7, \"--\": 8, \"-a\": 9},"
+                 " \"merges\": []}}", cases[i].how);
+        lm_tokenizer *t = parsed(json);
+        if (!t)
+            continue;
+        check_ids(t, NULL, cases[i].text, 1, cases[i].want, cases[i].n);
+        lm_tok_free(t);
+    }
+}
+
+// Metaspace: spaces become the replacement, put before a piece that does not start with one
+// (always; first: only before the piece that starts the text; never), then split before each
+// (split, MergedWithNext) or kept whole. Each piece is a whole token (ignore_merges) or unk.
+static void test_metaspace(void)
+{
+    static const char *const vocab =
+        "\"vocab\": {\"\\u2581hey\": 0, \"\\u2581\": 1, \"\\u2581friend\": 2, \"hey\": 3, \"friend\": 4,"
+        " \"\\u2581hey\\u2581friend\": 5, \"<unk>\": 6, \"<s>\": 7, \"hey\\u2581friend\": 9, \"x\": 10}";
+    static const struct {
+        const char *options, *text;
+        int32_t want[6];
+        int64_t n;
+    } cases[] = {
+        {"\"prepend_scheme\": \"always\", \"split\": true", "hey friend", {0, 2}, 2},
+        {"\"prepend_scheme\": \"always\", \"split\": true", "hey  friend", {0, 1, 2}, 3},
+        {"\"prepend_scheme\": \"always\", \"split\": true", " hey", {0}, 1},    // starts with one already
+        {"\"prepend_scheme\": \"always\"", "hey friend", {0, 2}, 2},             // split where absent
+        {"\"prepend_scheme\": \"always\", \"split\": false", "hey friend", {5}, 1},
+        {"\"prepend_scheme\": \"always\", \"split\": false", "<s>friend", {7, 2}, 2},
+        {"\"prepend_scheme\": \"first\", \"split\": false", "hey friend", {5}, 1},
+        {"\"prepend_scheme\": \"first\", \"split\": false", "<s>friend", {7, 4}, 2},  // not the text's start
+        {"\"prepend_scheme\": \"first\", \"split\": false", "<s>hey friend", {7, 9}, 2},
+        {"\"prepend_scheme\": \"never\", \"split\": false", "friend", {4}, 1},
+        {"\"add_prefix_space\": false", "friend", {4}, 1},                   // the older key
+        {"\"add_prefix_space\": true", "friend", {2}, 1},
+        {"", "friend", {2}, 1},                                           // always where absent
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char json[1024];
+        snprintf(json, sizeof json,
+                 "{\"added_tokens\": [{\"id\": 7, \"content\": \"<s>\"}], \"pre_tokenizer\": {\"type\": \"Metaspace\","
+                 " \"replacement\": \"\\u2581\"%s%s}, \"model\": {\"type\": \"BPE\", \"ignore_merges\": true,"
+                 " \"unk_token\": \"<unk>\", \"fuse_unk\": true, %s, \"merges\": []}}",
+                 *cases[i].options ? ", " : "", cases[i].options, vocab);
+        lm_tokenizer *t = parsed(json);
+        if (!t)
+            continue;
+        check_ids(t, NULL, cases[i].text, 1, cases[i].want, cases[i].n);
+        lm_tok_free(t);
+    }
+    // after a split in a sequence, "first" is the piece at the text's start only (tokenizers
+    // looks at the piece's offset in the text)
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", \"pattern\":"
+             " {\"String\": \"x\"}, \"behavior\": \"Isolated\", \"invert\": false}, {\"type\": \"Metaspace\","
+             " \"replacement\": \"\\u2581\", \"prepend_scheme\": \"first\", \"split\": false}]}, \"model\": {\"type\":"
+             " \"BPE\", \"ignore_merges\": true, \"unk_token\": \"<unk>\", %s, \"merges\": []}}", vocab);
+    lm_tokenizer *t = parsed(json);
+    if (t) {
+        check_ids(t, NULL, "heyxfriend", 1, IDS(0, 10, 4));
+        lm_tok_free(t);
+    }
+}
+
+// tokenizer_config.json's add_bos_token and add_eos_token over the template (SPM's puts <s>, 1,
+// before), and the largest id.
+static void test_config(void)
+{
+    char json[2048];
+    snprintf(json, sizeof json, SPM, "true");
+    static const struct {
+        const char *config;
+        int32_t want[4];
+        int64_t n;
+    } cases[] = {
+        {"{}", {1, 9}, 2},                                             // the template's
+        {"{\"add_bos_token\": false}", {9}, 1},
+        {"{\"add_bos_token\": null, \"add_eos_token\": false}", {1, 9}, 2},
+        {"{\"add_bos_token\": true, \"bos_token\": \"</s>\", \"add_eos_token\": true,"
+         " \"eos_token\": {\"content\": \"</s>\", \"lstrip\": false}}", {2, 9, 2}, 3},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        lm_tokenizer *t = parsed(json);
+        lm_err err = {0};
+        if (!t)
+            continue;
+        CHECK_OK(lm_tok_config(t, cases[i].config, strlen(cases[i].config), "tok_config.json", &err), &err);
+        check_ids(t, NULL, "hi", 1, cases[i].want, cases[i].n);
+        check_ids(t, NULL, "hi", 0, IDS(9));  // without special tokens, none
+        lm_tok_free(t);
+    }
+    static const struct {
+        const char *config, *needle;
+    } bad[] = {
+        {"{\"add_eos_token\": true, \"eos_token\": \"<nope>\"}",
+         "tok_config.json: add_eos_token is true but eos_token is no token of tok.json"},
+        {"{\"add_bos_token\": true}", "add_bos_token is true but bos_token is no token"},
+        {"{\"add_bos_token\": \"yes\"}", "tok_config.json: add_bos_token is not true or false"},
+        {"[]", "tok_config.json: not a JSON object"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        lm_tokenizer *t = parsed(json);
+        lm_err err = {0};
+        if (!t)
+            continue;
+        CHECK_FAILS(lm_tok_config(t, bad[i].config, strlen(bad[i].config), "tok_config.json", &err), LM_ERR_FORMAT,
+                    bad[i].needle, &err);
+        lm_tok_free(t);
+    }
+    // the largest id: the vocabulary's ▁t (11), then an eos past it
+    lm_tokenizer *t = parsed(json);
+    if (t) {
+        const char *tok = NULL;
+        CHECK(lm_tok_max_id(t, &tok) == 11 && tok && strcmp(tok, "\xE2\x96\x81t") == 0);
+        lm_tok_free(t);
+    }
+    // lm_tok_load reads the tokenizer_config.json beside tokenizer.json
+    char dir[] = "/tmp/test_tokenizer_XXXXXX", path[64], cfg[64];
+    lm_err err = {0};
+    char *made = mkdtemp(dir);
+    CHECK(made != NULL);
+    if (made) {
+        snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+        snprintf(cfg, sizeof cfg, "%s/tokenizer_config.json", dir);
+        const char *c = "{\"add_bos_token\": false, \"add_eos_token\": true, \"eos_token\": \"</s>\"}";
+        CHECK_OK(lm_write_file(path, json, strlen(json), &err), &err);
+        CHECK_OK(lm_write_file(cfg, c, strlen(c), &err), &err);
+        t = NULL;
+        CHECK_OK(lm_tok_load(&t, path, &err), &err);
+        if (t)
+            check_ids(t, NULL, "hi", 1, IDS(9, 2));
+        lm_tok_free(t);
+        CHECK_OK(lm_write_file(cfg, "{\"add_bos_token\": 1}", 20, &err), &err);
+        t = NULL;
+        CHECK_FAILS(lm_tok_load(&t, path, &err), LM_ERR_FORMAT, "tokenizer_config.json: add_bos_token is not", &err);
+        CHECK(t == NULL);
+        unlink(cfg);
+        unlink(path);
+        rmdir(dir);
+    }
+}
+
+// An added token with normalized: true is found, as its content normalized, in the normalized
+// text; one without, in the raw text. A token that is a NUL character is read; text with one is
+// refused.
+static void test_normalized_added_and_nul(void)
+{
+    static const char *const fmt =
+        "{\"added_tokens\": [{\"id\": 9, \"content\": \"a b\", \"normalized\": %s}],"
+        " \"normalizer\": {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, \"content\": \"\\u2581\"},"
+        " \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \"b\": 1, \"\\u2581\": 2, \"\\u0000\": 3},"
+        " \"merges\": []}}";
+    char json[1024];
+    snprintf(json, sizeof json, fmt, "true");
+    lm_tokenizer *t = parsed(json);
+    if (t) {
+        check_ids(t, NULL, "a b", 1, IDS(9));  // "a b" normalized is "a▁b", the token's normalized content
+        check_ids(t, NULL, "a\xE2\x96\x81" "b a b", 1, IDS(9, 2, 9));  // so is "a▁b"
+        check_ids(t, NULL, "a  b", 1, IDS(0, 2, 2, 1));
+        lm_tok_free(t);
+    }
+    snprintf(json, sizeof json, fmt, "false");
+    if ((t = parsed(json))) {
+        check_ids(t, NULL, "a b", 1, IDS(9));  // raw
+        check_ids(t, NULL, "a\xE2\x96\x81" "b", 1, IDS(0, 2, 1));
+        int32_t *ids = NULL;
+        int64_t n = 0, cap = 0;
+        lm_err err = {0};
+        CHECK_FAILS(lm_tok_encode(t, NULL, "a\0b", 3, 1, &ids, &n, &cap, &err), LM_ERR_FORMAT,
+                    "a NUL character at byte 1", &err);
+        free(ids);
+        CHECK(lm_tok_max_id(t, NULL) == 9);
+        lm_tok_free(t);
+    }
+}
+
 // The pair of lowest rank merges first: b c (rank 0) before a b (rank 1).
 static void test_rank_order(void)
 {
@@ -179,8 +387,16 @@ static void test_refusals(void)
     snprintf(json, sizeof json, "{\"normalizer\": {\"type\": \"Lowercase\"}, %s}", model);
     refused(json, LM_ERR_UNSUPPORTED, "normalizer 'Lowercase' is not supported");
     snprintf(json, sizeof json, "{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"a\"},"
-             " \"behavior\": \"MergedWithPrevious\"}, %s}", model);
-    refused(json, LM_ERR_UNSUPPORTED, "Split behavior 'MergedWithPrevious' is not supported");
+             " \"behavior\": \"Sideways\"}, %s}", model);
+    refused(json, LM_ERR_FORMAT, "behavior 'Sideways' is none of Isolated");
+    snprintf(json, sizeof json, "{\"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"ab\"}, %s}", model);
+    refused(json, LM_ERR_FORMAT, "Metaspace: replacement is not one character");
+    snprintf(json, sizeof json, "{\"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"_\","
+             " \"prepend_scheme\": \"sometimes\"}, %s}", model);
+    refused(json, LM_ERR_FORMAT, "prepend_scheme 'sometimes' is none of first, never, always");
+    snprintf(json, sizeof json, "{\"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"_\","
+             " \"prepend_scheme\": \"first\", \"add_prefix_space\": false}, %s}", model);
+    refused(json, LM_ERR_FORMAT, "add_prefix_space false contradicts prepend_scheme 'first'");
     snprintf(json, sizeof json, "{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"(\"},"
              " \"behavior\": \"Isolated\"}, %s}", model);
     refused(json, LM_ERR_UNSUPPORTED, "the regex '(' does not compile");
@@ -215,6 +431,10 @@ int main(void)
     test_sentencepiece();
     test_nfc_and_split();
     test_rank_order();
+    test_split_behaviors();
+    test_metaspace();
+    test_config();
+    test_normalized_added_and_nul();
     test_refusals();
     return check_report("test_tokenizer");
 }

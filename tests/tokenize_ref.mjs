@@ -9,7 +9,8 @@ import { pathToFileURL } from "url";
 const [modules, dir, file] = process.argv.slice(2);
 const { Tokenizer } = await import(pathToFileURL(path.join(modules, "@huggingface/tokenizers/dist/tokenizers.mjs")).href);
 const json = (name) => JSON.parse(fs.readFileSync(path.join(dir, name), "utf8"));
-const tok = new Tokenizer(json("tokenizer.json"), json("tokenizer_config.json"));
+const config = fs.existsSync(path.join(dir, "tokenizer_config.json")) ? json("tokenizer_config.json") : {};
+const tok = new Tokenizer(json("tokenizer.json"), config);
 const out = [];
 for (const line of fs.readFileSync(file, "utf8").split("\n")) {
   if (!line) continue;
