@@ -37,7 +37,8 @@ $(ASAN_BUILD)/CMakeCache.txt:
 	  -DLLMERGE_FUZZ=ON -DLLMERGE_FUZZ_SECONDS=$(FUZZ_SECONDS) -DLLMERGE_FUZZ_JSON_SECONDS=$(FUZZ_JSON_SECONDS) \
 	  -DLLMERGE_FUZZ_YAML_SECONDS=$(FUZZ_YAML_SECONDS)
 
-test: bootstrap
+test:
+	@bash scripts/bootstrap.sh --test
 	@$(MAKE) --no-print-directory test-cpu
 	@$(MAKE) --no-print-directory test-asan
 

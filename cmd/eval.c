@@ -68,7 +68,7 @@ static void usage(FILE *out)
             "                    does not fit runs on the CPU (each said on stderr as 'fallback:')\n"
             "  --gpu-mem SIZE    most device memory to use (default: all free); SIZE is bytes\n"
             "                    with K, M, G, KiB, MiB, GiB (powers of 1024) or KB, MB, GB\n"
-            "  --threads N       CPU threads (default 0: all cores)\n"
+            "  --threads N       CPU threads (default 0: the cores it may use)\n"
             "  --json            print one JSON object instead: perplexity, nll_mean, tokens,\n"
             "                    sequences, the inputs, the device and the fallbacks\n"
             "  --log-json FILE   write one JSON object per event to FILE (JSON Lines): progress,\n"

@@ -85,7 +85,7 @@ void lm_cmd_extract_usage(FILE *out, const void *arg)
             "  --device DEV           auto, cpu, cuda[:N], sim:SIZE (default auto); a matrix whose\n"
             "                         factorisation does not fit on the GPU is done on the CPU\n"
             "  --gpu-mem SIZE         most device memory to use\n"
-            "  --threads N            CPU threads (default: all cores)\n"
+            "  --threads N            CPU threads (default: the cores it may use)\n"
             "  --log-json FILE        one JSON object per event to FILE\n"
             "  -q, --quiet            nothing on stderr but errors\n"
             "  -v, --verbose          also the resolved settings and each input\n"

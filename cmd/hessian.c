@@ -78,7 +78,7 @@ static void usage(FILE *out)
             "                      said on stderr as 'fallback:')\n"
             "  --gpu-mem SIZE      most device memory to use (default: all free); SIZE is bytes\n"
             "                      with K, M, G, KiB, MiB, GiB (powers of 1024) or KB, MB, GB\n"
-            "  --threads N         CPU threads (default 0: all cores)\n"
+            "  --threads N         CPU threads (default 0: the cores it may use)\n"
             "  --log-json FILE     write one JSON object per event to FILE (JSON Lines): progress,\n"
             "                      fallbacks, errors (default: none); not inside an input\n"
             "  --sticky-fallback   once a sequence has gone to the CPU, run every later batch\n"

@@ -170,7 +170,7 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "                         line says which); the output is the same\n"
             "  --gpu-mem SIZE         most device memory to use (default: all free; no effect on\n"
             "                         the CPU)\n"
-            "  --threads N            CPU threads (default: all cores)\n"
+            "  --threads N            CPU threads (default: the cores it may use)\n"
             "  --cache-dir DIR        where Hessians and masks are kept between runs (default\n"
             "                         $XDG_CACHE_HOME/llmerge;%s)\n",
             m->name, usage, alt, m->summary, m->formula,

@@ -843,7 +843,7 @@ static void run_usage(FILE *out, const void *arg)
             "  --shard-size SIZE      most tensor bytes per output shard (default 5GB)\n"
             "  --device DEV           auto, cpu, cuda[:N], sim:SIZE, cuda-emu[:SIZE] (default auto)\n"
             "  --gpu-mem SIZE         most device memory to use (default: all free)\n"
-            "  --threads N            CPU threads (default: all cores)\n"
+            "  --threads N            CPU threads (default: the cores it may use)\n"
             "  --cache-dir DIR        where PATH+LORA models are kept once made (default\n"
             "                         $XDG_CACHE_HOME/llmerge)\n"
             "  --log-json FILE        one JSON object per event to FILE\n"

@@ -12,6 +12,7 @@
 #include "device.h"
 #include "hessian.h"
 #include "util.h"
+#include "xlock.h"
 
 static void cache_free(sgpt_cache *c)
 {
@@ -36,6 +37,8 @@ static void cache_free(sgpt_cache *c)
 // "not stored").
 static void cache_event(lm_cmd_sgpt *g, lm_cache_kind kind, const char *path, const char *result, const char *why)
 {
+    if (g->cache.polling && strcmp(result, "miss") == 0)
+        return;
     cJSON *f = cJSON_CreateObject();
     cJSON_AddStringToObject(f, "kind", lm_cache_kind_name(kind));
     cJSON_AddStringToObject(f, "path", path ? path : "");
@@ -310,7 +313,70 @@ static lm_status keep_hessian(void *ctx, int64_t layer, lm_fwd_point p, const fl
     return LM_OK;
 }
 
-// U_cc² set i: from the cache when it has it (or the Hessians), else captured (sparsegpt.h).
+// U_cc² set i from the cache: its own entry, or computed from its Hessians' entry; *hit says
+// whether either was there.
+static lm_status ucc2_cached(lm_cmd_sgpt *g, int i, bool *hit, lm_err *err)
+{
+    sgpt_cache *c = &g->cache;
+    const lm_ft *ft = g->in.from_base ? NULL : g->in.fts[i];
+    const lm_calib *cal = &g->in.calib[g->in.n_calib == 1 ? 0 : i];
+    const char *label = ft ? ft->path : g->in.base->dir;
+    const lm_config *cfg = &g->in.base->config;
+    int64_t n = cfg->num_hidden_layers * LM_FWD_N_POINTS, d[LM_FWD_N_POINTS];
+    input_dims(cfg, d);
+    int64_t *dims = malloc((size_t)(n ? n : 1) * sizeof *dims);
+    if (!dims)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    for (int64_t q = 0; q < n; q++)
+        dims[q] = d[q % LM_FWD_N_POINTS];
+    char why[LM_ERR_MSG_MAX] = "";
+    *hit = false;
+    lm_status s = lm_cache_load_ucc2(c->dir, c->ucc2_key[i], n, dims, &g->ucc2[i], hit, why, sizeof why, err);
+    free(dims);
+    if (s != LM_OK)
+        return s;
+    char *path = lm_cache_entry_path(c->dir, LM_CACHE_UCC2, c->ucc2_key[i]);
+    if (why[0])
+        cache_damaged(g, LM_CACHE_UCC2, c->ucc2_key[i], why);
+    cache_event(g, LM_CACHE_UCC2, path, *hit ? "hit" : "miss", NULL);
+    if (*hit) {
+        g->n_ucc2 = n;
+        lm_progress_note(g->in.progress, "Hessians of %s on %s: from the cache (%s)", label, cal->path, path);
+    }
+    free(path);
+    if (*hit)
+        return LM_OK;
+    if ((s = ucc2_from_hessians(g, i, label, hit, err)) == LM_OK && *hit)
+        store_ucc2(g, i, label);
+    return s;
+}
+
+typedef struct ucc2_wait {
+    lm_cmd_sgpt *g;
+    int i;
+} ucc2_wait;
+
+// lm_xlock_ready_fn: whether the job holding the lock has put the set into the cache.
+static lm_status ucc2_ready(void *ctx, bool *done, lm_err *err)
+{
+    ucc2_wait *w = ctx;
+    w->g->cache.polling = true;
+    lm_status s = ucc2_cached(w->g, w->i, done, err);
+    w->g->cache.polling = false;
+    return s;
+}
+
+// lm_xlock_waiting_fn: says who captures the Hessians meanwhile.
+static void ucc2_waiting(void *ctx, const char *holder, const char *path)
+{
+    ucc2_wait *w = ctx;
+    lm_progress_note(w->g->in.progress, "Hessians of set %d: waiting for %s, which holds %s (capturing them for the "
+                     "cache)", w->i + 1, holder, path);
+}
+
+// U_cc² set i: from the cache when it has it (or the Hessians), else captured (sparsegpt.h),
+// under a lock in the cache (lib/xlock.h) so that of the jobs that need the same Hessians at
+// once one captures them and the others read them.
 static lm_status ucc2_set(lm_cmd_sgpt *g, int i, lm_err *err)
 {
     sgpt_cache *c = &g->cache;
@@ -328,42 +394,38 @@ static lm_status ucc2_set(lm_cmd_sgpt *g, int i, lm_err *err)
         return LM_OK;
     }
     lm_status s;
+    lm_xlock *lock = NULL;
     if (c->dir) {
-        const lm_config *cfg = &g->in.base->config;
-        int64_t n = cfg->num_hidden_layers * LM_FWD_N_POINTS, d[LM_FWD_N_POINTS];
-        input_dims(cfg, d);
-        int64_t *dims = malloc((size_t)(n ? n : 1) * sizeof *dims);
-        if (!dims)
-            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-        for (int64_t q = 0; q < n; q++)
-            dims[q] = d[q % LM_FWD_N_POINTS];
-        char why[LM_ERR_MSG_MAX] = "";
         bool hit = false;
-        s = lm_cache_load_ucc2(c->dir, c->ucc2_key[i], n, dims, &g->ucc2[i], &hit, why, sizeof why, err);
-        free(dims);
-        if (s != LM_OK)
+        if ((s = ucc2_cached(g, i, &hit, err)) != LM_OK || hit)
             return s;
-        char *path = lm_cache_entry_path(c->dir, LM_CACHE_UCC2, c->ucc2_key[i]);
-        if (why[0])
-            cache_damaged(g, LM_CACHE_UCC2, c->ucc2_key[i], why);
-        cache_event(g, LM_CACHE_UCC2, path, hit ? "hit" : "miss", NULL);
-        if (hit) {
-            g->n_ucc2 = n;
-            lm_progress_note(g->in.progress, "Hessians of %s on %s: from the cache (%s)", label, cal->path, path);
-        }
+        char name[64];
+        snprintf(name, sizeof name, "%s-%016" PRIx64 ".lock", lm_cache_kind_name(LM_CACHE_HESS), c->hess_key[i]);
+        char *path = lm_path_join(c->dir, name);
+        ucc2_wait w = {g, i};
+        lm_err lerr = {0};
+        if (!path)
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        s = lm_mkdir_p(c->dir, &lerr);
+        if (s == LM_OK)
+            s = lm_xlock_acquire(&lock, path, ucc2_ready, ucc2_waiting, &w, &lerr);
         free(path);
-        if (hit)
-            return LM_OK;
-        if ((s = ucc2_from_hessians(g, i, label, &hit, err)) != LM_OK)
+        if (s == LM_ERR_IO) {  // the cache's own failure: said, not an error
+            lm_progress_note(g->in.progress, "warning: no lock on the Hessians of %s in the cache (another job may "
+                             "capture them too): %s", label, lerr.msg);
+            s = LM_OK;
+        } else if (s != LM_OK) {
+            *err = lerr;
             return s;
-        if (hit) {
-            store_ucc2(g, i, label);
+        } else if (!lock) {  // another job's Hessians, read
             return LM_OK;
         }
     }
     lm_fwd_seq *seqs = calloc((size_t)(cal->n_seqs ? cal->n_seqs : 1), sizeof *seqs);
-    if (!seqs)
+    if (!seqs) {
+        lm_xlock_release(lock);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
     for (int64_t q = 0; q < cal->n_seqs; q++)
         seqs[q] = (lm_fwd_seq){cal->ids + cal->offsets[q], cal->offsets[q + 1] - cal->offsets[q]};
     lm_progress_note(g->in.progress, "Hessians of %s on %s: %" PRId64 " sequences, %" PRId64 " tokens", label, cal->path,
@@ -378,6 +440,7 @@ static lm_status ucc2_set(lm_cmd_sgpt *g, int i, lm_err *err)
     free(seqs);
     if (s != LM_OK) {
         lm_cache_close(sink.e);
+        lm_xlock_release(lock);
         return lm_err_prefix(err, "Hessians of %s", label);
     }
     g->n_ucc2 = n_ucc2;
@@ -393,6 +456,7 @@ static lm_status ucc2_set(lm_cmd_sgpt *g, int i, lm_err *err)
     }
     if (c->dir)
         store_ucc2(g, i, label);
+    lm_xlock_release(lock);
     return LM_OK;
 }
 

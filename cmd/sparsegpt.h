@@ -59,6 +59,7 @@ typedef struct sgpt_cache {
     lm_cache_entry **mask_out; // (n_ft) the masks this merge selects, being written (NULL: none)
     bool *mask_failed;         // (n_ft) writing them failed once: said, not tried again
     int n_ft;
+    bool polling;              // looking again while another job captures: misses are not events
 } sgpt_cache;
 
 typedef struct lm_cmd_sgpt {

@@ -80,7 +80,7 @@ static void usage(FILE *out, const void *arg)
             "  --tokenizer DIR        the directory holding tokenizer.json (default: MODEL)\n"
             "  --data-format F        jsonl or text (default: jsonl for a .jsonl file)\n"
             "  --seq-len N            text: the window's length in tokens\n"
-            "  --threads N            CPU threads (default: all cores)\n"
+            "  --threads N            CPU threads (default: the cores it may use)\n"
             "  -q, --quiet            nothing on stderr but errors\n"
             "  --force                replace the output file\n"
             "  -h, --help             this help\n"

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "signals.h"
 #include "util.h"
 
 // ==== accumulators ============================================================================
@@ -528,6 +529,7 @@ lm_status lm_hess_ucc2_model(const lm_model *m, const lm_adapter *a, lm_dev *dev
     }
     if (s == LM_OK)
         s = lm_hess_capture(&h, &runner, seqs, n_seqs, err);
+    lm_test_delay();  // LLMERGE_TEST_DELAY_MS: a capture that lasts, for the tests of the cache's lock
     lm_fwd_runner_free(&runner);
     n = h.n_layers * LM_FWD_N_POINTS;
     if (s == LM_OK && !(ucc2 = calloc((size_t)(n > 0 ? n : 1), sizeof *ucc2)))

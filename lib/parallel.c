@@ -1,8 +1,10 @@
 // The thread pool: see parallel.h. Workers sleep on a condition variable between jobs; a job
 // is a function, a context and an atomic counter of the next task index.
+#define _GNU_SOURCE  // sched_getaffinity
 #include "parallel.h"
 
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
@@ -27,6 +29,15 @@ struct lm_pool {
 int lm_cpu_count(void)
 {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0 && CPU_COUNT(&set) < n)
+        n = CPU_COUNT(&set);
+    // a Slurm job's CPUs per task: what it was given, whether or not the cores are confined
+    const char *slurm = getenv("SLURM_CPUS_PER_TASK");
+    char *end;
+    long c = slurm && *slurm ? strtol(slurm, &end, 10) : 0;
+    if (slurm && *slurm && *end == '\0' && c > 0 && c < n)
+        n = c;
     return n > 0 ? (int)n : 1;
 }
 

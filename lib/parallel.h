@@ -32,7 +32,10 @@ void lm_pool_run(lm_pool *p, int64_t n, void (*fn)(void *ctx, int64_t i), void *
 void lm_pool_run_side(lm_pool *p, int64_t n, void (*fn)(void *ctx, int64_t i), void *ctx, void (*side)(void *ctx),
                       void *side_ctx);
 
-// The number of online cores.
+// The number of cores this process may use: the online cores, or fewer where its CPU affinity
+// says (taskset, a cgroup's cpuset, Slurm's task/affinity), or fewer where it runs in a Slurm job
+// with SLURM_CPUS_PER_TASK (srun -c, sbatch -c), so that a job never runs more threads than the
+// CPUs it was given. What --threads defaults to.
 int lm_cpu_count(void);
 
 #endif

@@ -206,6 +206,14 @@ same_shards "$o" "$work/ties_t1"
 check '[ ! -s "$work/out" ]' "-q: stderr not empty: $(cat "$work/out")"
 
 # ---- dare: seeds -----------------------------------------------------------------------------
+# without --threads: the cores it may use, fewer in a Slurm job's SLURM_CPUS_PER_TASK or under
+# an affinity of one core
+SLURM_CPUS_PER_TASK=1 merge ties "$B" "$lp" -o "$work/ties_slurm"
+check 'grep -q "(bf16, cpu, 1 thread)" "$work/out"' "SLURM_CPUS_PER_TASK=1: $(head -1 "$work/out")"
+if command -v taskset >/dev/null; then
+  if taskset -c 0 "$llmerge" ties "$B" "$lp" -o "$work/ties_aff" >"$work/out" 2>&1; then ok; else bad "taskset: $(cat "$work/out")"; fi
+  check 'grep -q "(bf16, cpu, 1 thread)" "$work/out"' "an affinity of one core: $(head -1 "$work/out")"
+fi
 merge dare "$B" "$lp" "$ff" -o "$work/dare1" --seed 7 --density 0.5 --threads 1
 merge dare "$B" "$lp" "$ff" -o "$work/dare2" --seed=7 --densities=0.5 --threads 2
 merge dare "$B" "$lp" "$ff" -o "$work/dare3" --seed 8 --density 0.5
@@ -815,6 +823,47 @@ same_shards "$work/sgpt-nc" "$work/sgpt-s1"
 merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-ro" --calib "$cj" --density 0.3 --cache-dir "$work/not-a-dir/cache"
 check 'grep -q "warning: .* not kept in the cache" "$work/out"' "an unwritable cache was not said: $(head -c 600 "$work/out")"
 same_shards "$work/sgpt-nc" "$work/sgpt-ro"
+
+# two jobs that need the same Hessians at once: the first takes the cache's lock on them and
+# captures, the other waits for it and reads them back (LLMERGE_TEST_DELAY_MS holds the capture
+# 1.5 s so that they overlap); each merge is the one without a cache; no lock is left
+cache=$work/ucache-lock
+LLMERGE_TEST_DELAY_MS=1500 "$llmerge" sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-j1" --calib "$cj" --density 0.3 \
+  --cache-dir "$cache" >"$work/j1.out" 2>&1 &
+j1=$!
+for i in $(seq 100); do ls "$cache"/hess-*.lock >/dev/null 2>&1 && break; sleep 0.05; done
+check 'ls "$cache"/hess-*.lock >/dev/null 2>&1' "the first job took no lock: $(ls -A "$cache" 2>&1) $(head -c 400 "$work/j1.out")"
+merge sparsegpt "$B" "$lp" "$ff" -o "$work/sgpt-j2" --calib "$cj" --density 0.6 --cache-dir "$cache"
+cp "$work/out" "$work/j2.out"
+check 'wait $j1' "the first job failed: $(head -c 600 "$work/j1.out")"
+check '[ "$(grep -c "Hessians of .* tokens" "$work/j1.out")" -eq 2 ] && [ "$(grep -c "Hessians of .* tokens" "$work/j2.out")" -eq 0 ]' \
+  "both jobs captured: $(head -c 600 "$work/j2.out")"
+check 'grep -q "waiting for $(hostname) pid $j1, which holds $cache/hess-[0-9a-f]*\.lock" "$work/j2.out" &&
+  [ "$(grep -c "Hessians of .*: from the cache" "$work/j2.out")" -eq 2 ]' "the second job did not wait and read: $(head -c 800 "$work/j2.out")"
+check '[ -z "$(ls -A "$cache" | grep -v "\.bin$")" ]' "left in the cache: $(ls -A "$cache")"
+same_shards "$work/sgpt-nc" "$work/sgpt-j1"
+same_shards "$work/sgpt-c3" "$work/sgpt-j2"
+# a holder killed outright (SIGKILL) leaves its lock; the next job finds its pid gone and takes over
+cache=$work/ucache-dead
+LLMERGE_TEST_DELAY_MS=20000 "$llmerge" sparsegpt "$B" "$lp" -o "$work/sgpt-k1" --calib "$cj" --density 0.3 \
+  --cache-dir "$cache" >"$work/k1.out" 2>&1 &
+k1=$!
+for i in $(seq 100); do ls "$cache"/hess-*.lock >/dev/null 2>&1 && break; sleep 0.05; done
+kill -9 $k1; wait $k1 2>/dev/null
+check 'ls "$cache"/hess-*.lock >/dev/null 2>&1' "SIGKILL left no lock (nothing to take over): $(ls -A "$cache" 2>&1)"
+merge sparsegpt "$B" "$lp" -o "$work/sgpt-k2" --calib "$cj" --density 0.3 --cache-dir "$cache"
+check 'grep -q "waiting for $(hostname) pid $k1, which is gone (the lock is taken over)" "$work/out" &&
+  [ "$(count "Hessians of .* tokens")" -eq 1 ]' "a dead holder's lock: $(head -c 800 "$work/out")"
+check '[ -z "$(ls -A "$cache" | grep -v "\.bin$")" ]' "left in the cache: $(ls -A "$cache")"
+# SIGTERM (a job's time limit, scancel) removes the lock as it removes the partial output
+cache=$work/ucache-term
+LLMERGE_TEST_DELAY_MS=20000 "$llmerge" sparsegpt "$B" "$lp" -o "$work/sgpt-t1" --calib "$cj" --density 0.3 \
+  --cache-dir "$cache" >"$work/t1.out" 2>&1 &
+t1=$!
+for i in $(seq 100); do ls "$cache"/hess-*.lock >/dev/null 2>&1 && break; sleep 0.05; done
+kill -TERM $t1; wait $t1 2>/dev/null
+check '[ -z "$(ls -A "$cache" | grep -v "\.bin$")" ] && [ ! -e "$work/sgpt-t1" ]' \
+  "SIGTERM left: $(ls -A "$cache" "$work" | grep -e lock -e sgpt-t1) $(head -c 300 "$work/t1.out")"
 
 x=$work/sgpt-bad
 expect 2 "needs calibration data" sparsegpt "$B" "$lp" -o "$x"

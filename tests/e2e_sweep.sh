@@ -6,7 +6,8 @@
 # divided among make's jobs as --threads; references.csv holds the base's and each input's own
 # perplexity, as `llmerge eval` gives it, and gnuplot is given them as level lines; the plot is
 # a PNG (when gnuplot is installed); a second make does nothing and touches no file; a point
-# whose model directory is removed (as after an interrupted run) is redone alone; the Makefile
+# whose model directory is removed (as after an interrupted run) is redone alone; a failing
+# point leaves the others to `make -k`, its log says why, and `make summary` lists it; the Makefile
 # copied alone into a directory of models runs there, with llmerge from the PATH. Then
 # `make install DESTDIR=...` from the top-level Makefile puts the binary and the man page in
 # place.
@@ -150,8 +151,8 @@ sg=$work/sweep-sg
 if sweep OUT="$sg" METHODS=sparsegpt DENSITIES="0.2 0.5" MERGE_FLAGS= -j1 >"$work/sg.log" 2>&1; then ok; else
   bad "the sparsegpt sweep failed: $(tail -c 1500 "$work/sg.log")"
 fi
-captured=$(grep -c "Hessians of .* tokens" "$work/sg.log")
-cached=$(grep -c "Hessians of .* from the cache" "$work/sg.log")
+captured=$(cat "$sg"/logs/*.merge.log | grep -c "Hessians of .* tokens")
+cached=$(cat "$sg"/logs/*.merge.log | grep -c "Hessians of .* from the cache")
 check '[ "$captured" -eq 3 ] && [ "$cached" -eq 3 ]' "sparsegpt sweep: $captured captures and $cached cache reads (want 3 and 3)"
 check '[ "$(grep -c "^sparsegpt," "$sg/results.csv")" -eq 2 ]' "sparsegpt sweep: $(cat "$sg/results.csv" 2>&1)"
 check '[ -n "$(ls "$sg/cache"/ucc2-*.bin 2>/dev/null)" ]' "sparsegpt sweep: no cache entries in $sg/cache"
@@ -161,6 +162,31 @@ if sweep OUT="$work/sweep-t3" METHODS=ties DENSITIES=0.5 THREADS=3 -j2 >"$work/t
   bad "the sweep with THREADS=3 failed: $(tail -c 800 "$work/t3.log")"
 fi
 check '[ "$(threads_of "$work/t3.log")" = "3 " ]' "THREADS=3: --threads '$(threads_of "$work/t3.log")'"
+
+# ---- a failing point: make -k goes on, make summary says why --------------------------------------
+# sparsegpt's calibration tokens are past the fixtures' vocabulary: its merge fails (exit 2)
+fk=$work/sweep-fail
+printf '{"input_ids": [1, 99999]}\n' >"$work/badcalib.jsonl"
+sweep OUT="$fk" METHODS="ties sparsegpt" DENSITIES=0.5 CALIB="$work/badcalib.jsonl" -k -j2 >"$work/fail.log" 2>&1
+rc=$?
+log=$fk/logs/sparsegpt-d0.5-w1_1_1.merge.log
+check '[ "$rc" -ne 0 ] && [ -d "$fk/models/ties-d0.5-w1_1_1" ] && [ -f "$fk/eval/ties-d0.5-w1_1_1.json" ] &&
+  [ ! -e "$fk/models/sparsegpt-d0.5-w1_1_1" ] && [ "$(ls "$fk"/eval/ref-*.json | wc -l)" -eq 4 ]' \
+  "make -k (exit $rc) did not finish the other points: $(ls "$fk/models" "$fk/eval")"
+check 'grep -q "^failed (exit status 2): $llmerge sparsegpt " "$work/fail.log" && grep -q "token id 99999" "$work/fail.log"' \
+  "make printed no failure with the log's lines: $(tail -c 800 "$work/fail.log")"
+check '[ "$(tail -n 1 "$log")" = "# exit 2" ] && grep -q "^# on .*, Slurm job none, step none$" "$log" &&
+  [ "$(tail -n 1 "$fk/logs/ties-d0.5-w1_1_1.merge.log")" = "# exit 0" ]' "the step logs: $(cat "$log")"
+sweep OUT="$fk" METHODS="ties sparsegpt" DENSITIES=0.5 CALIB="$work/badcalib.jsonl" summary >"$work/fsum.log" 2>&1
+check 'grep -q "^failed: sparsegpt-d0.5-w1_1_1: llmerge sparsegpt: error: .*token id 99999.* ($log)$" "$work/fsum.log" &&
+  grep -q "points and references: 5 done, 1 failed, 0 not done" "$work/fsum.log" &&
+  [ "$(cat "$fk/results.csv" | wc -l)" -eq 2 ] && grep -q "^ties,0.5,1 1 1," "$fk/results.csv" &&
+  [ "$(wc -l <"$fk/references.csv")" -eq 5 ]' "make summary after a failure: $(cat "$work/fsum.log")"
+# the same before anything ran: every point not done
+sweep OUT="$work/sweep-none" METHODS=ties DENSITIES=0.5 summary >"$work/nsum.log" 2>&1
+check 'grep -q "points and references: 0 done, 0 failed, 5 not done" "$work/nsum.log" &&
+  [ "$(cat "$work/sweep-none/results.csv")" = "method,density,weights,perplexity,tokens" ]' \
+  "make summary before anything ran: $(cat "$work/nsum.log")"
 
 # ---- the Makefile copied alone next to models ----------------------------------------------------
 copy=$work/mine
