@@ -72,9 +72,9 @@ check '! grep -q -- "--threads" "$work/srun.log" && grep -q "cpu, 1 thread)" "$w
   "srun: --threads given, or the merge not on the step's one CPU: $(grep -h "thread" "$work"/srun/logs/ties-d0.2*.merge.log)"
 check '[ -z "$(ls -A "$work/srun/cache" | grep -v "\.bin$")" ]' "srun: left in the cache: $(ls -A "$work/srun/cache")"
 
-# two sparsegpt merges started at once (make -j2 models), each capture held 0.5 s: one job captures
+# two sparsegpt merges started at once (make -j2 models), each capture held 1 s: one job captures
 # each FT's Hessians, the other waits for its lock and reads them
-if LLMERGE_TEST_DELAY_MS=500 sweep OUT="$work/lock" METHODS=sparsegpt -j2 SRUN="srun --quiet" MERGE_CPUS=1 models \
+if LLMERGE_TEST_DELAY_MS=1000 sweep OUT="$work/lock" METHODS=sparsegpt -j2 SRUN="srun --quiet" MERGE_CPUS=1 models \
      >"$work/lock.log" 2>&1; then ok; else bad "the sparsegpt merges through srun failed: $(tail -c 1500 "$work/lock.log")"; fi
 check '[ "$(captures "$work/lock")" -eq 3 ] && cat "$work"/lock/logs/*.merge.log | grep -q "waiting for .*, which holds .*/hess-[0-9a-f]*\.lock"' \
   "two jobs at once: $(captures "$work/lock") captures; $(grep -h "Hessians of" "$work"/lock/logs/*.merge.log)"

@@ -136,6 +136,16 @@ if cmp -s "$work/before" "$work/after"; then ok; else
 fi
 if ! grep -q "$llmerge" "$work/run2.log"; then ok; else bad "the second make ran llmerge: $(head -c 800 "$work/run2.log")"; fi
 
+# make summary on a finished sweep changes no table or plot, and leaves the next make nothing to do
+sleep 0.05
+if sweep summary >"$work/sum.log" 2>&1; then ok; else bad "make summary failed: $(cat "$work/sum.log")"; fi
+# (OUT's own entry changes: a .new file came and went in it)
+snapshot | grep -v -e '^summary.txt ' -e '^ ' >"$work/after-sum"
+grep -v -e '^summary.txt ' -e '^ ' "$work/before" >"$work/before-sum"
+check 'cmp -s "$work/before-sum" "$work/after-sum" && grep -q "points and references: 8 done, 0 failed, 0 not done" "$work/sum.log"' \
+  "make summary on a finished sweep: $(diff "$work/before-sum" "$work/after-sum" | head) $(tail -3 "$work/sum.log")"
+if sweep -q >/dev/null 2>&1; then ok; else bad "make -q after make summary says the sweep is not up to date"; fi
+
 # ---- resuming: only the missing point is redone ----------------------------------------------
 rm -rf "$out/models/dare-ties-d0.5-w1_1_1"
 if sweep -j2 >"$work/run3.log" 2>&1; then ok; else bad "the resumed make failed: $(tail -c 800 "$work/run3.log")"; fi
