@@ -324,6 +324,9 @@ static lm_status read_docs(tok_run *r, doc **out, int64_t *n_out, lm_err *err)
                 dd->ids[dd->n++] = (int32_t)x->valuedouble;
             }
             n++;
+        } else if (cJSON_GetObjectItemCaseSensitive(j, "messages")) {
+            s = lm_err_set(err, LM_ERR_FORMAT, "%s: line %" PRId64 ": chat data (\"messages\") is not read: render each "
+                           "conversation with the model's chat template into \"text\" first", r->file, line);
         } else {
             s = lm_err_set(err, LM_ERR_FORMAT, "%s: line %" PRId64 ": no \"text\" string or \"input_ids\" list",
                            r->file, line);

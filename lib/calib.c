@@ -203,6 +203,9 @@ static lm_status parse_jsonl(reader *r, const char *s, size_t len)
     }
     if (!cJSON_IsObject(root)) {
         st = lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": not a JSON object (" JSONL_SHAPE ")", path, r->line);
+    } else if (!ids && cJSON_GetObjectItemCaseSensitive(root, "messages")) {
+        st = lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": chat data (\"messages\") is not read: render each "
+                        "conversation with the model's chat template into \"text\" first", path, r->line);
     } else if (!ids) {
         st = lm_err_set(r->err, LM_ERR_FORMAT, "%s:%" PRId64 ": no \"input_ids\" key (" JSONL_SHAPE ")", path,
                         r->line);

@@ -323,6 +323,9 @@ then ok; else bad "sparsegpt --tokenizer: text and its bytes' ids give other mer
 expect 2 "--tokenizer $fx/base has no tokenizer.json" eval "$work/tk_base" --tokenizer "$fx/base" --data "$work/text.jsonl"
 expect 2 "$work/text.jsonl:1: \"text\" needs a tokenizer, and there is none here (MODEL $fx/base has no tokenizer.json" \
   eval "$fx/base" --data "$work/text.jsonl"
+# chat data is refused with its line
+printf '{"messages": [{"role": "user", "content": "hi"}]}\n' >"$work/chat.jsonl"
+expect 2 "$work/chat.jsonl:1: chat data (\"messages\") is not read" eval "$work/tk_base" --data "$work/chat.jsonl"
 # a tokenizer with an id past the model's vocabulary (256) is refused before any work
 mkdir -p "$work/tk_big"
 sed 's/^{/{"added_tokens": [{"id": 300, "content": "<big>"}], /' "$work/tk_base/tokenizer.json" \
