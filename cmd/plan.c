@@ -72,7 +72,9 @@ static bool has_entries(const char *dir)
     for (struct dirent *e; !found && (e = readdir(d));)
         for (size_t k = 0; k < sizeof kinds / sizeof kinds[0] && !found; k++) {
             const char *name = lm_cache_kind_name(kinds[k]);
-            found = strncmp(e->d_name, name, strlen(name)) == 0 && e->d_name[strlen(name)] == '-';
+            size_t nl = strlen(e->d_name);
+            found = strncmp(e->d_name, name, strlen(name)) == 0 && e->d_name[strlen(name)] == '-' && nl > 4 &&
+                    strcmp(e->d_name + nl - 4, ".bin") == 0;  // not a lock (xlock.h)
         }
     closedir(d);
     return found;

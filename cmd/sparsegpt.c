@@ -354,6 +354,7 @@ static lm_status ucc2_cached(lm_cmd_sgpt *g, int i, bool *hit, lm_err *err)
 typedef struct ucc2_wait {
     lm_cmd_sgpt *g;
     int i;
+    const char *label;  // the model whose Hessians these are
 } ucc2_wait;
 
 // lm_xlock_ready_fn: whether the job holding the lock has put the set into the cache.
@@ -366,12 +367,17 @@ static lm_status ucc2_ready(void *ctx, bool *done, lm_err *err)
     return s;
 }
 
-// lm_xlock_waiting_fn: says who captures the Hessians meanwhile.
-static void ucc2_waiting(void *ctx, const char *holder, const char *path)
+// lm_xlock_waiting_fn: says who captures the Hessians meanwhile, or that a dead holder's lock
+// was taken over.
+static void ucc2_waiting(void *ctx, const char *holder, bool gone, const char *path)
 {
     ucc2_wait *w = ctx;
-    lm_progress_note(w->g->in.progress, "Hessians of set %d: waiting for %s, which holds %s (capturing them for the "
-                     "cache)", w->i + 1, holder, path);
+    if (gone)
+        lm_progress_note(w->g->in.progress, "Hessians of %s: the lock %s of %s, which is gone, is taken over",
+                         w->label, path, holder);
+    else
+        lm_progress_note(w->g->in.progress, "Hessians of %s: waiting for %s, which holds %s (capturing them for the "
+                         "cache)", w->label, holder, path);
 }
 
 // U_cc² set i: from the cache when it has it (or the Hessians), else captured (sparsegpt.h),
@@ -402,7 +408,7 @@ static lm_status ucc2_set(lm_cmd_sgpt *g, int i, lm_err *err)
         char name[64];
         snprintf(name, sizeof name, "%s-%016" PRIx64 ".lock", lm_cache_kind_name(LM_CACHE_HESS), c->hess_key[i]);
         char *path = lm_path_join(c->dir, name);
-        ucc2_wait w = {g, i};
+        ucc2_wait w = {g, i, label};
         lm_err lerr = {0};
         if (!path)
             return lm_err_set(err, LM_ERR_NOMEM, "out of memory");

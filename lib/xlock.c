@@ -61,6 +61,13 @@ static void host_name(char *buf, size_t cap)
     buf[cap - 1] = '\0';
 }
 
+// This process's PID namespace (the inode of /proc/self/ns/pid; 0 where it cannot be told).
+static unsigned long long pid_ns(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (unsigned long long)st.st_ino : 0;
+}
+
 // Whether a process with this pid runs here: /proc/PID/stat exists and its state is not a
 // zombie's (a dead holder's parent may not have reaped it yet).
 static bool pid_alive(long pid)
@@ -114,6 +121,17 @@ static int create_lock(const char *path, const char *text)
     return 1;
 }
 
+// The text a lock file of this process holds.
+static void lock_text(char *buf, size_t cap)
+{
+    char host[256];
+    host_name(host, sizeof host);
+    uint64_t token = 0;
+    if (getrandom(&token, sizeof token, GRND_NONBLOCK) != (ssize_t)sizeof token)
+        token = (uint64_t)time(NULL) * 6364136223846793005ull ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)buf;
+    snprintf(buf, cap, "%s %ld %016llx %llu\n", host, (long)getpid(), (unsigned long long)token, pid_ns());
+}
+
 static void *beat_main(void *arg)
 {
     lm_xlock *l = arg;
@@ -124,8 +142,11 @@ static void *beat_main(void *arg)
         double t = (double)until.tv_nsec * 1e-9 + l->beat_s;
         until.tv_sec += (time_t)t;
         until.tv_nsec = (long)((t - (double)(time_t)t) * 1e9);
-        if (pthread_cond_timedwait(&l->cv, &l->mu, &until) == ETIMEDOUT && !l->stop)
+        if (pthread_cond_timedwait(&l->cv, &l->mu, &until) == ETIMEDOUT && !l->stop) {
+            pthread_mutex_unlock(&l->mu);  // a hung file system holds the touch, not the release
             utimensat(AT_FDCWD, l->path, NULL, AT_SYMLINK_NOFOLLOW);  // the server's time now
+            pthread_mutex_lock(&l->mu);
+        }
     }
     pthread_mutex_unlock(&l->mu);
     return NULL;
@@ -178,12 +199,7 @@ static lm_xlock *new_lock(const char *path)
     }
     pthread_mutex_init(&l->mu, NULL);
     pthread_cond_init(&l->cv, NULL);
-    char host[256];
-    host_name(host, sizeof host);
-    uint64_t token = 0;
-    if (getrandom(&token, sizeof token, GRND_NONBLOCK) != (ssize_t)sizeof token)
-        token = (uint64_t)time(NULL) * 6364136223846793005ull ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)l;
-    snprintf(l->text, sizeof l->text, "%s %ld %016llx\n", host, (long)getpid(), (unsigned long long)token);
+    lock_text(l->text, sizeof l->text);
     double beat = lm_xlock_stale_seconds() / 5;
     l->beat_s = beat < 0.05 ? 0.05 : beat > 30 ? 30 : beat;
     return l;
@@ -201,48 +217,74 @@ static lm_status start_holding(lm_xlock *l, lm_err *err)
     int rc = pthread_create(&l->beat, NULL, beat_main, l);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (rc != 0) {
+        lm_err_set(err, LM_ERR_NOMEM, "cannot start a thread for the lock %s", l->path);
         lm_xlock_release(l);
-        return lm_err_set(err, LM_ERR_NOMEM, "cannot start a thread for the lock %s", l->path);
+        return LM_ERR_NOMEM;
     }
     l->beating = true;
     return LM_OK;
 }
 
-// "HOST pid PID" of a lock file's text, and whether that holder is on this host and gone.
-static bool holder_gone_here(const char *text, char *who, size_t cap)
+// "HOST pid PID" of a lock file's text, and whether that holder is on this host and in this PID
+// namespace, and gone: no such process, or this process's pid under another token.
+static bool holder_gone_here(const char *text, const char *mine, char *who, size_t cap)
 {
-    char host[256], mine[256];
-    long pid = 0;
-    if (sscanf(text, "%255s %ld", host, &pid) != 2) {
+    char host[256], my_host[256], token[64] = "", my_token[64] = "";
+    long pid = 0, my_pid = 0;
+    unsigned long long ns = 0, my_ns = 0;
+    int n = sscanf(text, "%255s %ld %63s %llu", host, &pid, token, &ns);
+    if (n < 2) {
         snprintf(who, cap, "an unknown holder");
         return false;
     }
     snprintf(who, cap, "%s pid %ld", host, pid);
-    host_name(mine, sizeof mine);
-    return strcmp(host, mine) == 0 && pid > 0 && !pid_alive(pid);
+    sscanf(mine, "%255s %ld %63s %llu", my_host, &my_pid, my_token, &my_ns);
+    if (strcmp(host, my_host) != 0 || pid <= 0 || (n == 4 && ns != my_ns) || (n < 4 && my_ns != 0))
+        return false;
+    return pid == my_pid ? strcmp(token, my_token) != 0 : !pid_alive(pid);
 }
 
-// Moves a dead holder's file out of the way. The rename is atomic: of several waiters that found
-// it dead, one moves it. Where the file moved is not the one found dead (a new holder took the
-// lock between the look and the rename), it is put back unless another is there by then. False
-// when the file could not be moved (nor was gone already): the caller waits before it looks again.
-static bool take_over(const char *path, const char *dead_text)
+// Removes a dead holder's file, found as `dead_text` at inode `dead_ino`, under the lock
+// PATH.break: looked at again once that is held, and removed only when it is still that file,
+// so that of several waiters one removes it and none removes a lock taken meanwhile. A breaker
+// left by a process that died (it is held for a moment) is removed once this process has seen
+// it for `break_stale` seconds, as kept across calls in *break_seen_at. 1: done (the file is
+// gone, by this process or another); 0: the breaker is busy, look again later; -1: the file
+// cannot be removed (errno set).
+static int take_over(const char *path, const char *dead_text, ino_t dead_ino, const char *mine, double break_stale,
+                     double *break_seen_at)
 {
-    char host[256];
-    host_name(host, sizeof host);
-    char *aside = NULL;
-    if (asprintf(&aside, "%s.dead.%s.%ld", path, host, (long)getpid()) < 0)
-        return false;
-    bool moved = rename(path, aside) == 0, gone = !moved && errno == ENOENT;
-    if (moved) {
+    char *brk = NULL;
+    if (asprintf(&brk, "%s.break", path) < 0) {
+        errno = ENOMEM;
+        return -1;
+    }
+    int rc = create_lock(brk, mine);
+    if (rc == 0) {  // another waiter breaks it now, or one died doing so
         char text[TEXT_MAX];
         struct stat st;
-        if (read_lock(aside, text, &st) == 1 && strcmp(text, dead_text) != 0)
-            (void)link(aside, path);
-        unlink(aside);
+        double t = now_s();
+        if (*break_seen_at == 0)
+            *break_seen_at = t;
+        else if (t - *break_seen_at >= break_stale && read_lock(brk, text, &st) == 1)
+            unlink(brk), *break_seen_at = 0;
+        free(brk);
+        return 0;
     }
-    free(aside);
-    return moved || gone;
+    *break_seen_at = 0;
+    if (rc < 0) {
+        free(brk);
+        return -1;
+    }
+    char text[TEXT_MAX];
+    struct stat st;
+    int got = read_lock(path, text, &st), e = 0;
+    if (got == 1 && st.st_ino == dead_ino && strcmp(text, dead_text) == 0 && unlink(path) != 0 && errno != ENOENT)
+        e = errno, rc = -1;
+    unlink(brk);
+    free(brk);
+    errno = e;
+    return rc;
 }
 
 lm_status lm_xlock_acquire(lm_xlock **out, const char *path, lm_xlock_ready_fn ready, lm_xlock_waiting_fn waiting,
@@ -252,11 +294,11 @@ lm_status lm_xlock_acquire(lm_xlock **out, const char *path, lm_xlock_ready_fn r
     lm_xlock *l = new_lock(path);
     if (!l)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    double stale = lm_xlock_stale_seconds(), pause = 0.05;
+    double stale = lm_xlock_stale_seconds(), pause = 0.05, break_seen_at = 0;
     char seen[TEXT_MAX] = "";       // the holder's file as last seen, and since when unchanged
     struct stat seen_st = {0};
     double seen_since = 0;
-    bool told = false;
+    char told[TEXT_MAX] = "";       // the holder `waiting` was last told of
     lm_status s = LM_OK;
     for (;;) {
         bool done = false;
@@ -286,7 +328,7 @@ lm_status lm_xlock_acquire(lm_xlock **out, const char *path, lm_xlock_ready_fn r
         }
         if (rc == 0)
             continue;  // released meanwhile: try again at once
-        bool gone = holder_gone_here(text, who, sizeof who);
+        bool gone = holder_gone_here(text, l->text, who, sizeof who);
         double t = now_s();
         if (strcmp(text, seen) != 0 || st.st_ino != seen_st.st_ino || st.st_mtim.tv_sec != seen_st.st_mtim.tv_sec ||
             st.st_mtim.tv_nsec != seen_st.st_mtim.tv_nsec) {
@@ -297,19 +339,22 @@ lm_status lm_xlock_acquire(lm_xlock **out, const char *path, lm_xlock_ready_fn r
             gone = true;
         }
         if (gone) {
-            if (waiting) {
-                char msg[400];
-                snprintf(msg, sizeof msg, "%s, which is gone (the lock is taken over)", who);
-                waiting(ctx, msg, path);
+            int taken = take_over(path, text, st.st_ino, l->text, stale < 10 ? stale : 10, &break_seen_at);
+            if (taken < 0) {
+                s = lm_err_set(err, LM_ERR_IO, "%s: the lock of %s, which is gone, cannot be removed: %s", path, who,
+                               strerror(errno));
+                break;
             }
-            if (take_over(path, text)) {
-                seen[0] = '\0';
+            if (taken == 1) {
+                if (waiting)
+                    waiting(ctx, who, true, path);
+                seen[0] = told[0] = '\0';
                 continue;
             }
+        } else if (waiting && strcmp(text, told) != 0) {
+            waiting(ctx, who, false, path);
+            snprintf(told, sizeof told, "%s", text);
         }
-        if (!told && waiting)
-            waiting(ctx, who, path);
-        told = true;
         if (lm_interrupted()) {
             s = lm_interrupted_err(err);
             break;

@@ -6,7 +6,9 @@
 #
 #   slurm-local.sh start DIR   start it; prints `export SLURM_CONF=DIR/slurm.conf`, which the
 #                              clients (srun, sbatch, squeue, scancel) need
-#   slurm-local.sh stop DIR    stop it, from its pid files, and wait until each daemon is gone
+#   slurm-local.sh stop DIR    cancel its jobs, end what is left of them (the processes whose
+#                              environment names DIR/slurm.conf), stop the daemons from their pid
+#                              files, and wait until each is gone
 #   slurm-local.sh check       exit 0 when this machine can run it (the programs and root)
 #
 # The configuration is the least that runs jobs without systemd, cgroups or a database:
@@ -45,8 +47,39 @@ check() {
   [ "$(id -u)" -eq 0 ] || { echo "not root" >&2; return 1; }
 }
 
+# The pids of what is left of this cluster's jobs: slurmstepd and the jobs' own processes (a
+# batch script, a step's tasks, an srun inside an allocation): the processes whose environment
+# names its slurm.conf (slurmd exports it to what it starts) and that are slurmstepd or hold a
+# SLURM_JOB_ID. (The caller's own processes, an srun waiting outside any allocation, are not
+# among them: they end when their job is cancelled.)
+job_pids() {
+  local dir=$1 p pid env comm
+  for p in /proc/[0-9]*; do
+    pid=${p#/proc/}
+    [ "$pid" = $$ ] || [ "$pid" = "$BASHPID" ] && continue
+    env=$({ tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
+    case $env in *"SLURM_CONF=$dir/slurm.conf"*) ;; *) continue ;; esac
+    comm=$(cat "$p/comm" 2>/dev/null) || continue
+    case $comm in slurmd | slurmctld | munged) continue ;; esac
+    if [ "$comm" = slurmstepd ] || case $env in *SLURM_JOB_ID=*) true ;; *) false ;; esac; then echo "$pid"; fi
+  done
+  return 0
+}
+
 stop() {
-  local dir=$1 f i
+  local dir f i pids
+  dir=$(cd "$1" 2>/dev/null && pwd) || return 0
+  PATH=$PATH:/usr/sbin
+  # the jobs first, while the controller can still end them; then what is left of them
+  if alive "$dir/slurmctld.pid"; then
+    SLURM_CONF=$dir/slurm.conf scancel --quiet --user="$(id -un)" 2>/dev/null || true
+    for i in $(seq 30); do
+      [ -z "$(SLURM_CONF=$dir/slurm.conf squeue -h -o %i 2>/dev/null)" ] && break
+      sleep 0.1
+    done
+  fi
+  pids=$(job_pids "$dir") || true
+  [ -z "$pids" ] || kill -9 $pids 2>/dev/null || true
   for f in slurmd slurmctld munged; do
     alive "$dir/$f.pid" && kill "$(cat "$dir/$f.pid")" 2>/dev/null || true
   done
@@ -65,6 +98,10 @@ start() {
   dir=$(cd "$1" && pwd)
   PATH=$PATH:/usr/sbin
   check || die "cannot run here"
+  if alive "$dir/munged.pid" || alive "$dir/slurmctld.pid" || alive "$dir/slurmd.pid"; then
+    die "a cluster already runs from $dir: stop it first"
+  fi
+  trap "stop '$dir'" EXIT  # what started is stopped again when a later step fails
   host=$(hostname -s)
   cpus=$(nproc)
   mem=$(awk '/MemTotal/ { print int($2 / 1024 * 0.9) }' /proc/meminfo)
@@ -114,6 +151,7 @@ EOF
   slurmd -f "$dir/slurm.conf" -N "$host" || die "slurmd did not start: $(tail -3 "$dir/slurmd.log" 2>/dev/null)"
   for i in $(seq 100); do  # up when the node takes jobs
     if sinfo -h -o %t 2>/dev/null | grep -qx 'idle'; then
+      trap - EXIT
       echo "export SLURM_CONF=$dir/slurm.conf"
       return 0
     fi

@@ -66,7 +66,7 @@ n_logs=$(ls "$work"/srun/logs/*.log 2>/dev/null | wc -l)
 check '[ "$n_logs" -eq 12 ] && [ "$(jobs_of "$work/srun" | wc -l)" -eq 12 ] && ! grep -q "Slurm job none" "$work"/srun/logs/*.log' \
   "srun: $n_logs logs, jobs $(jobs_of "$work/srun" | tr '\n' ' ') (want 12 logs, each its own job)"
 check '[ "$(captures "$work/srun")" -eq 3 ]' "srun: the Hessians were captured $(captures "$work/srun") times, not once per FT"
-check 'head -n 1 "$work/srun/logs/ties-d0.2-w1_1_1.merge.log" | grep -q -- "^# srun --quiet --ntasks=1 --job-name=llmerge-merge-ties-d0.2-w1_1_1 --cpus-per-task=1 $llmerge ties "' \
+check 'head -n 1 "$work/srun/logs/ties-d0.2-w1_1_1.merge.log" | grep -q -- "^# srun --quiet --ntasks=1 --quit-on-interrupt --job-name=llmerge-merge-ties-d0.2-w1_1_1 --cpus-per-task=1 $llmerge ties "' \
   "no srun and its options in a merge's log: $(head -n 1 "$work/srun/logs/ties-d0.2-w1_1_1.merge.log")"
 check '! grep -q -- "--threads" "$work/srun.log" && grep -q "cpu, 1 thread)" "$work"/srun/logs/ties-d0.2-w1_1_1.merge.log' \
   "srun: --threads given, or the merge not on the step's one CPU: $(grep -h "thread" "$work"/srun/logs/ties-d0.2*.merge.log)"
@@ -115,7 +115,7 @@ check '[ -z "$(ls -A "$kill_out/cache" 2>/dev/null | grep -v "\.bin$")" ] && [ -
 check '[ "$(ls "$kill_out"/models | wc -l)" -eq 3 ] && [ "$(ls "$kill_out"/eval/*.json | wc -l)" -eq 7 ]' \
   "make -k did not finish the other points: $(ls "$kill_out/models" "$kill_out/eval")"
 sweep OUT="$kill_out" summary >"$work/summary.log" 2>&1
-check 'grep -q "^failed: ties-d0.5-w1_1_1: .*(.*logs/ties-d0.5-w1_1_1.merge.log)" "$work/summary.log" &&
+check 'grep -q "^failed: ties-d0.5-w1_1_1: llmerge ties: error: interrupted by SIGTERM.* (.*logs/ties-d0.5-w1_1_1.merge.log)$" "$work/summary.log" &&
   grep -q "points and references: 7 done, 1 failed, 0 not done" "$work/summary.log" &&
   [ "$(wc -l <"$kill_out/results.csv")" -eq 4 ] && grep -q "^ties  *0.2 " "$work/summary.log"' \
   "make summary after the cancel: $(cat "$work/summary.log")"
@@ -133,5 +133,12 @@ bash "$slurm" stop "$work/slurm"
 for pid in $pids; do
   check '[ ! -r "/proc/$pid/stat" ] || grep -q "^[0-9]* ([^)]*) [ZX]" "/proc/$pid/stat"' "pid $pid still runs: $(cat /proc/$pid/cmdline | tr "\0" " ")"
 done
+# nor a job's process (slurmstepd passes the configuration's path on to everything it starts)
+left=
+for p in /proc/[0-9]*; do
+  [ "$(cat "$p/comm" 2>/dev/null)" = slurmstepd ] && { tr '\0' '\n' <"$p/environ"; } 2>/dev/null |
+    grep -qx "SLURM_CONF=$work/slurm/slurm.conf" && ! grep -q "^[0-9]* ([^)]*) [ZX]" "$p/stat" && left="$left ${p#/proc/}"
+done
+check '[ -z "$left" ]' "slurmstepd left running:$left"
 
 e2e_end

@@ -173,6 +173,19 @@ if sweep OUT="$work/sweep-t3" METHODS=ties DENSITIES=0.5 THREADS=3 -j2 >"$work/t
 fi
 check '[ "$(threads_of "$work/t3.log")" = "3 " ]' "THREADS=3: --threads '$(threads_of "$work/t3.log")'"
 
+# ---- SRUN: any command that runs the step (here a wrapper that notes its arguments) -------------------
+# a command other than srun gets none of srun's options, and llmerge no --threads (it takes the
+# cores it may use)
+printf '%s\n' '#!/bin/sh' 'echo "$*" >>"${0%/*}/wrap.args"' 'exec "$@"' >"$work/wrap"
+chmod +x "$work/wrap"
+if sweep OUT="$work/sweep-wrap" METHODS=ties DENSITIES=0.5 SRUN="$work/wrap" MERGE_CPUS=4 >"$work/wrap.log" 2>&1; then ok; else
+  bad "the sweep through a wrapper failed: $(tail -c 800 "$work/wrap.log")"
+fi
+check '[ "$(wc -l <"$work/wrap.args")" -eq 6 ] && ! grep -q -e "--ntasks" -e "--cpus-per-task" -e "--threads" "$work/wrap.args" &&
+  head -n 1 "$work/sweep-wrap/logs/ties-d0.5-w1_1_1.merge.log" | grep -q "^# $work/wrap $llmerge ties "' \
+  "a wrapper as SRUN: $(cat "$work/wrap.args" 2>&1 | head -3)"
+check 'grep -q "^ties,0.5,1 1 1," "$work/sweep-wrap/results.csv"' "the wrapper's sweep has no result: $(cat "$work/sweep-wrap/results.csv" 2>&1)"
+
 # ---- a failing point: make -k goes on, make summary says why --------------------------------------
 # sparsegpt's calibration tokens are past the fixtures' vocabulary: its merge fails (exit 2)
 fk=$work/sweep-fail

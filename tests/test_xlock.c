@@ -1,8 +1,10 @@
 // Tests of xlock.c: a second process waits while the lock is held and reads what the holder made
 // instead of taking it; the holder touches its file; a dead holder on this host is taken over at
-// once, one on another host once its file has stood still for the stale time (and not while it is
-// touched); a release leaves a file that is no longer its own; a signal ends the wait; a lock
-// that cannot be created is an error naming the path.
+// once, one on another host (or in another PID namespace) once its file has stood still for the
+// stale time (and not while it is touched); this pid under another token is a dead holder; a
+// breaker left by a dead process is removed; processes taking the lock over and over from a dead
+// holder's are never two inside; a release leaves a file that is no longer its own; a signal
+// ends the wait; a lock that cannot be created is an error naming the path.
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -49,6 +51,17 @@ static char *read_text(const char *path)
     return lm_read_file(path, 4096, &text, &len, &err) == LM_OK ? text : NULL;
 }
 
+// A lock file's text for a holder on this host: `pid`, `token`, and this PID namespace (plus
+// ns_delta: another namespace).
+static void holder_text(char *buf, size_t cap, long pid, const char *token, unsigned long long ns_delta)
+{
+    char host[256] = "";
+    gethostname(host, sizeof host);
+    struct stat ns;
+    CHECK(stat("/proc/self/ns/pid", &ns) == 0);
+    snprintf(buf, cap, "%s %ld %s %llu\n", host, pid, token, (unsigned long long)ns.st_ino + ns_delta);
+}
+
 // ready: the entry is there
 static lm_status entry_ready(void *ctx, bool *done, lm_err *err)
 {
@@ -59,18 +72,18 @@ static lm_status entry_ready(void *ctx, bool *done, lm_err *err)
 }
 
 typedef struct told {
-    int n, gone;
+    int n, gone, bad_path;
     int fd;  // a byte is written here at each call (-1: none)
     char who[400];
 } told;
 
-static void on_waiting(void *ctx, const char *who, const char *path)
+static void on_waiting(void *ctx, const char *who, bool gone, const char *path)
 {
     told *t = ctx;
     t->n++;
-    t->gone += strstr(who, "which is gone") != NULL;
+    t->gone += gone;
+    t->bad_path += strcmp(path, lock_path) != 0;
     snprintf(t->who, sizeof t->who, "%s", who);
-    CHECK(strcmp(path, lock_path) == 0);
     if (t->fd >= 0)
         (void)!write(t->fd, "w", 1);
 }
@@ -89,7 +102,7 @@ static void test_wait_then_ready(void)
         lm_xlock *l = NULL;
         lm_err err = {0};
         lm_status s = lm_xlock_acquire(&l, lock_path, entry_ready, on_waiting, &t, &err);
-        _exit(s != LM_OK ? 11 : l != NULL ? 12 : t.n != 1 ? 13 : 0);
+        _exit(s != LM_OK ? 11 : l != NULL ? 12 : t.n != 1 ? 13 : t.bad_path ? 14 : 0);
     }
     lm_xlock *l = NULL;
     lm_err err = {0};
@@ -145,9 +158,8 @@ static void test_dead_here(void)
     if (pid == 0)
         _exit(0);
     waitpid(pid, NULL, 0);
-    char host[256] = "", text[400];
-    gethostname(host, sizeof host);
-    snprintf(text, sizeof text, "%s %ld 0123456789abcdef\n", host, (long)pid);
+    char text[400];
+    holder_text(text, sizeof text, pid, "0123456789abcdef", 0);
     write_text(lock_path, text);
     setenv("LLMERGE_LOCK_STALE", "5", 1);  // well past the 2 s allowed
     told t = {.fd = -1};
@@ -157,7 +169,7 @@ static void test_dead_here(void)
     CHECK_OK(lm_xlock_acquire(&l, lock_path, NULL, on_waiting, &t, &err), &err);
     CHECK_MSG(now_s() - t0 < 2.0, "took %.2f s", now_s() - t0);
     unsetenv("LLMERGE_LOCK_STALE");
-    CHECK(l != NULL && t.gone == 1);
+    CHECK(l != NULL && t.gone == 1 && t.n == 1 && !t.bad_path);
     char *got = read_text(lock_path);
     CHECK(got && strcmp(got, text) != 0);
     free(got);
@@ -208,6 +220,87 @@ static void test_stale_elsewhere(void)
     unsetenv("LLMERGE_LOCK_STALE");
 }
 
+// The same host in another PID namespace (a container of the same name): its pid is not judged
+// here, so the lock waits for the stale time; this process's own pid under another token (a pid
+// used again) is a dead holder at once; a breaker left by a process that died is removed.
+static void test_namespaces_and_breaker(void)
+{
+    char text[400], brk[160];
+    setenv("LLMERGE_LOCK_STALE", "0.6", 1);
+    holder_text(text, sizeof text, 1, "0123456789abcdef", 1);
+    write_text(lock_path, text);
+    lm_xlock *l = NULL;
+    lm_err err = {0};
+    double t0 = now_s();
+    CHECK_OK(lm_xlock_acquire(&l, lock_path, NULL, NULL, NULL, &err), &err);
+    CHECK_MSG(now_s() - t0 >= 0.6, "another namespace's pid 1 judged here: taken after %.2f s", now_s() - t0);
+    lm_xlock_release(l);
+
+    setenv("LLMERGE_LOCK_STALE", "5", 1);
+    holder_text(text, sizeof text, (long)getpid(), "ffffffffffffffff", 0);
+    write_text(lock_path, text);
+    t0 = now_s();
+    CHECK_OK(lm_xlock_acquire(&l, lock_path, NULL, NULL, NULL, &err), &err);
+    CHECK_MSG(now_s() - t0 < 2.0, "this pid under another token waited %.2f s", now_s() - t0);
+    lm_xlock_release(l);
+
+    setenv("LLMERGE_LOCK_STALE", "0.5", 1);
+    snprintf(brk, sizeof brk, "%s.break", lock_path);
+    write_text(lock_path, "no-such-host.example 12345 0123456789abcdef 1\n");
+    write_text(brk, "no-such-host.example 12346 0123456789abcdef 1\n");
+    t0 = now_s();
+    CHECK_OK(lm_xlock_acquire(&l, lock_path, NULL, NULL, NULL, &err), &err);
+    double took = now_s() - t0;
+    CHECK_MSG(took >= 0.9 && took < 4.0, "a dead breaker: taken after %.2f s", took);
+    CHECK(access(brk, F_OK) != 0);
+    lm_xlock_release(l);
+    unsetenv("LLMERGE_LOCK_STALE");
+}
+
+// Processes that take and release the lock over and over, starting from a dead holder's lock:
+// never two inside at once (each creates a marker file exclusively while it holds the lock).
+static void test_exclusion(void)
+{
+    char text[400], marker[160];
+    pid_t dead = fork();
+    if (dead == 0)
+        _exit(0);
+    waitpid(dead, NULL, 0);
+    holder_text(text, sizeof text, dead, "0123456789abcdef", 0);
+    write_text(lock_path, text);
+    snprintf(marker, sizeof marker, "%s/inside", dir);
+    enum { WORKERS = 4, ROUNDS = 15 };
+    pid_t kids[WORKERS];
+    for (int w = 0; w < WORKERS; w++) {
+        if ((kids[w] = fork()) == 0) {
+            int violations = 0;
+            for (int r = 0; r < ROUNDS; r++) {
+                lm_xlock *l = NULL;
+                lm_err err = {0};
+                if (lm_xlock_acquire(&l, lock_path, NULL, NULL, NULL, &err) != LM_OK || !l)
+                    _exit(100);
+                int fd = open(marker, O_WRONLY | O_CREAT | O_EXCL, 0644);
+                if (fd < 0) {
+                    violations++;
+                } else {
+                    close(fd);
+                    usleep(2000);
+                    unlink(marker);
+                }
+                lm_xlock_release(l);
+            }
+            _exit(violations);
+        }
+    }
+    for (int w = 0; w < WORKERS; w++) {
+        int status = 0;
+        CHECK(waitpid(kids[w], &status, 0) == kids[w]);
+        CHECK_MSG(WIFEXITED(status) && WEXITSTATUS(status) == 0, "worker %d: status %d (a count of times another "
+                  "held the lock too, or 100: no lock)", w, status);
+    }
+    CHECK(access(lock_path, F_OK) != 0 && access(marker, F_OK) != 0);
+}
+
 static void *interrupt_main(void *arg)
 {
     (void)arg;
@@ -239,6 +332,7 @@ static void test_interrupt_and_errors(void)
 
 int main(void)
 {
+    alarm(120);  // a lock that never comes (or a child that never waits) fails the test, not hangs it
     if (!mkdtemp(dir)) {
         perror("mkdtemp");
         return 1;
@@ -249,6 +343,8 @@ int main(void)
     test_heartbeat();
     test_dead_here();
     test_stale_elsewhere();
+    test_namespaces_and_breaker();
+    test_exclusion();
     test_interrupt_and_errors();
     rmdir(dir);
     return check_report("test_xlock");
