@@ -154,22 +154,26 @@ static lm_status prepare(void *ctx, bool *no_log, lm_err *err)
     tok_run *r = ctx;
     (void)no_log;
     lm_status s;
-    const char *dir = r->tok_dir;
+    // MODEL: a directory (with a tokenizer, weights or not), or a Hub id in the Hugging Face
+    // cache (which --tokenizer DIR does not need)
     char *resolved = NULL;
-    if (!dir && lm_is_dir(r->model)) {
-        dir = r->model;  // a directory with a tokenizer, weights or not
-    } else if (!dir) {  // a Hub id in the Hugging Face cache
+    const char *mdir = lm_is_dir(r->model) ? r->model : NULL;
+    if (!mdir) {
         lm_input_kind kind;
-        if ((s = lm_input_detect(r->model, &kind, &resolved, err)) != LM_OK)
+        lm_err ierr = {0};
+        if ((s = lm_input_detect(r->model, &kind, &resolved, &ierr)) == LM_OK)
+            mdir = resolved;
+        else if (!r->tok_dir) {
+            *err = ierr;
             return lm_err_prefix(err, "MODEL");
-        dir = resolved;
+        }
     }
-    r->tok_path = lm_path_join(dir, "tokenizer.json");
-    // MODEL's config.json (where MODEL is a model): every id must be below its vocab_size
-    const char *mdir = r->tok_dir ? (lm_is_dir(r->model) ? r->model : NULL) : dir;
+    r->tok_path = lm_path_join(r->tok_dir ? r->tok_dir : mdir, "tokenizer.json");
+    // MODEL's config.json, where it has one: every id must be below its vocab_size
     r->cfg_path = mdir ? lm_path_join(mdir, "config.json") : NULL;
+    bool nomem = !r->tok_path || (mdir && !r->cfg_path);
     free(resolved);
-    if (!r->tok_path || (mdir && !r->cfg_path))
+    if (nomem)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     if (r->cfg_path && lm_is_file(r->cfg_path)) {
         cJSON *cfg = NULL;
@@ -192,7 +196,7 @@ static lm_status prepare(void *ctx, bool *no_log, lm_err *err)
     if ((s = lm_tok_load(&r->tok, r->tok_path, err)) != LM_OK)
         return s;
     const char *tok;
-    int64_t max = lm_tok_max_id(r->tok, &tok);
+    int64_t max = lm_tok_max_id(r->tok, &tok, false);
     if (r->vocab_size && max >= r->vocab_size)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: token '%s' has id %" PRId64 ", past the model's vocab_size %" PRId64
                           " (%s): the tokenizer does not fit the model", r->tok_path, tok, max, r->vocab_size,
@@ -388,6 +392,17 @@ static int work(void *ctx)
             lm_err_prefix(&err, "%s", r->file);
         }
     }
+    // an id past the model's rows: an added token the model has none for (a multimodal
+    // tokenizer's image token under a text model), found where the text holds it
+    for (int64_t i = 0; s == LM_OK && r->vocab_size && i < n_docs; i++)
+        for (int64_t k = 0; docs[i].text && k < docs[i].n; k++)
+            if (docs[i].ids[k] >= r->vocab_size) {
+                char where[48];
+                snprintf(where, sizeof where, r->text ? "the document" : "line %" PRId64, docs[i].line);
+                s = lm_err_set(&err, LM_ERR_FORMAT, "%s: %s: token %" PRId64 " is id %d, past the model's vocab_size %"
+                               PRId64 " (%s)", r->file, where, k + 1, docs[i].ids[k], r->vocab_size, r->cfg_path);
+                break;
+            }
     if (s == LM_OK && r->out) {
         if (!(tmp = lm_strfmt("%s.tmp-XXXXXX", r->out))) {
             s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");

@@ -128,12 +128,14 @@ static lm_status parse_txt(reader *r, const char *s, size_t len)
 
 #define JSONL_SHAPE "expected {\"input_ids\": [...]} or {\"text\": \"...\"}"
 
-// The tokenizer at o->tokenizer, which must give no id past the model's vocabulary.
+// The tokenizer at o->tokenizer, whose vocabulary and special tokens must all be the model's (an
+// added token past the model's rows, a multimodal tokenizer's image token under a text model, is
+// refused only where a text holds it: every id is checked as it is read).
 static lm_status load_tokenizer(lm_tokenizer **tok, const lm_calib_opts *o, lm_err *err)
 {
     lm_status s = lm_tok_load(tok, o->tokenizer, err);
     const char *name;
-    int64_t max = s == LM_OK ? lm_tok_max_id(*tok, &name) : 0;
+    int64_t max = s == LM_OK ? lm_tok_max_id(*tok, &name, false) : 0;
     if (s == LM_OK && o->vocab_size > 0 && max >= o->vocab_size) {
         s = lm_err_set(err, LM_ERR_FORMAT, "%s: token '%s' has id %" PRId64 ", past the model's vocab_size %" PRId64
                        ": the tokenizer does not fit the model", o->tokenizer, name, max, o->vocab_size);

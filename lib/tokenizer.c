@@ -52,9 +52,10 @@ typedef struct pre_step {
 } pre_step;
 
 typedef struct added_tok {
-    const char *content;
+    const char *content;  // as matched: the file's, or normalized (normalized: true)
     size_t len;
     int32_t id;
+    const char *name;     // as the file writes it (in the tree)
 } added_tok;
 
 // Added tokens matched on one text: the raw text, or (normalized: true) each normalized text
@@ -82,8 +83,8 @@ struct lm_tokenizer {
     int32_t byte_tok[256];  // <0xNN> ids for byte_fallback, -1 where missing
     int32_t *before, *after;  // the template's special ids around the sequence
     int n_before, n_after;
-    int64_t max_id;       // the largest id the tokenizer can give
-    const char *max_tok;  // a token with that id (in the tree)
+    int64_t max_id, max_model;        // the largest id the tokenizer can give; without added tokens
+    const char *max_tok, *max_model_tok;  // a token with that id (in the tree)
     added_set raw, normed;  // the added tokens matched before the normalizer, and after it
     char **norm_text;     // (normed.n) normed's contents, normalized
     char byte_char[256][3];  // GPT-2's character for each byte, UTF-8, NUL-terminated
@@ -559,7 +560,7 @@ static lm_status load_model(lm_tokenizer *t, const cJSON *m, lm_err *err)
     return LM_OK;
 }
 
-static bool normalize(const lm_tokenizer *t, const char *w, size_t len, sbuf *out);
+static bool normalize(const lm_tokenizer *t, const char *w, size_t len, sbuf *out, bool *lead_kept);
 
 // The added tokens: those with normalized: true are matched on the normalized text, as their
 // content normalized; the others on the raw text.
@@ -581,9 +582,10 @@ static lm_status load_added(lm_tokenizer *t, const cJSON *added, lm_err *err)
                               "not supported", t->label, c->valuestring);
         added_set *set = &t->raw;
         const char *text = c->valuestring;
-        if (flag(e, "normalized")) {
+        // a token holding NUL (C0 80 here) matches no text, and no normalizer takes it: it keeps its id
+        if (flag(e, "normalized") && !strstr(text, "\xC0\x80")) {
             sbuf nt = {0};
-            if (!normalize(t, text, strlen(text), &nt)) {
+            if (!normalize(t, text, strlen(text), &nt, NULL)) {
                 free(nt.p);
                 return nomem(err);
             }
@@ -596,7 +598,7 @@ static lm_status load_added(lm_tokenizer *t, const cJSON *added, lm_err *err)
         }
         if (!*text)
             continue;
-        set->tok[set->n++] = (added_tok){text, strlen(text), (int32_t)id_of(id)};
+        set->tok[set->n++] = (added_tok){text, strlen(text), (int32_t)id_of(id), c->valuestring};
         set->starts[(unsigned char)text[0]] = true;
     }
     return LM_OK;
@@ -615,15 +617,17 @@ static void find_max_id(lm_tokenizer *t)
         if (id_of(e) > t->max_id)
             t->max_id = id_of(e), t->max_tok = e->string;
     }
-    for (int i = 0; i < t->raw.n + t->normed.n; i++) {
-        const added_tok *a = i < t->raw.n ? &t->raw.tok[i] : &t->normed.tok[i - t->raw.n];
-        if (a->id > t->max_id)
-            t->max_id = a->id, t->max_tok = a->content;
-    }
     for (int i = 0; i < t->n_before + t->n_after; i++) {
         int32_t id = i < t->n_before ? t->before[i] : t->after[i - t->n_before];
         if (id > t->max_id)
             t->max_id = id, t->max_tok = "(a special token of the post-processor)";
+    }
+    t->max_model = t->max_id;
+    t->max_model_tok = t->max_tok;
+    for (int i = 0; i < t->raw.n + t->normed.n; i++) {
+        const added_tok *a = i < t->raw.n ? &t->raw.tok[i] : &t->normed.tok[i - t->raw.n];
+        if (a->id > t->max_id)
+            t->max_id = a->id, t->max_tok = a->name;
     }
 }
 
@@ -687,57 +691,69 @@ static int64_t config_token(const lm_tokenizer *t, const cJSON *v)
         return -1;
     for (int i = 0; i < t->raw.n + t->normed.n; i++) {
         const added_tok *a = i < t->raw.n ? &t->raw.tok[i] : &t->normed.tok[i - t->raw.n];
-        if (strcmp(a->content, v->valuestring) == 0)
+        if (strcmp(a->name, v->valuestring) == 0)
             return a->id;
     }
     return lm_strmap_get(&t->vocab, v->valuestring);
 }
 
-// One side of the template as add_bos_token (add_eos_token) says, where the file has the key.
-static lm_status config_side(lm_tokenizer *t, const cJSON *root, const char *add_key, const char *tok_key,
-                             int32_t **ids, int *n, const char *label, lm_err *err)
+// What add_bos_token (add_eos_token) asks for: *id the token's (bos_token, eos_token), or -1 for
+// none (false, null or absent).
+static lm_status config_side(const lm_tokenizer *t, const cJSON *root, const char *add_key, const char *tok_key,
+                             int64_t *id, const char *label, lm_err *err)
 {
     const cJSON *add = cJSON_GetObjectItemCaseSensitive(root, add_key);
-    if (!add || cJSON_IsNull(add))
+    *id = -1;
+    if (add && !cJSON_IsBool(add) && !cJSON_IsNull(add))
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: %s is not true, false or null", label, add_key);
+    if (!cJSON_IsTrue(add))
         return LM_OK;
-    if (!cJSON_IsBool(add))
-        return lm_err_set(err, LM_ERR_FORMAT, "%s: %s is not true or false", label, add_key);
-    *n = 0;
-    if (cJSON_IsFalse(add))
-        return LM_OK;
-    int64_t id = config_token(t, cJSON_GetObjectItemCaseSensitive(root, tok_key));
-    if (id < 0)
+    if ((*id = config_token(t, cJSON_GetObjectItemCaseSensitive(root, tok_key))) < 0)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: %s is true but %s is no token of %s", label, add_key, tok_key,
                           t->label);
+    return LM_OK;
+}
+
+// Sets the ids of one side of the template to `id` alone, or to none (id < 0).
+static bool set_side(int32_t **ids, int *n, int64_t id)
+{
+    *n = 0;
+    if (id < 0)
+        return true;
     int32_t *g = realloc(*ids, sizeof *g);
     if (!g)
-        return nomem(err);
+        return false;
     *ids = g;
     g[0] = (int32_t)id;
     *n = 1;
-    return LM_OK;
+    return true;
 }
 
 lm_status lm_tok_config(lm_tokenizer *t, const char *text, size_t len, const char *label, lm_err *err)
 {
     cJSON *root = NULL;
-    lm_status s = lm_json_parse(&root, text, len, label, err);
+    lm_status s = lm_json_parse_nul(&root, text, len, label, err);  // a chat template may hold \u0000
     if (s == LM_OK && !cJSON_IsObject(root))
         s = lm_err_set(err, LM_ERR_FORMAT, "%s: not a JSON object", label);
-    if (s == LM_OK)
-        s = config_side(t, root, "add_bos_token", "bos_token", &t->before, &t->n_before, label, err);
-    if (s == LM_OK)
-        s = config_side(t, root, "add_eos_token", "eos_token", &t->after, &t->n_after, label, err);
+    int64_t bos = -1, eos = -1;
+    bool given = s == LM_OK && (cJSON_GetObjectItemCaseSensitive(root, "add_bos_token") ||
+                                cJSON_GetObjectItemCaseSensitive(root, "add_eos_token"));
+    if (given && (s = config_side(t, root, "add_bos_token", "bos_token", &bos, label, err)) == LM_OK)
+        s = config_side(t, root, "add_eos_token", "eos_token", &eos, label, err);
     cJSON_Delete(root);
+    if (s != LM_OK || !given)  // nothing changed
+        return s;
+    if (!set_side(&t->before, &t->n_before, bos) || !set_side(&t->after, &t->n_after, eos))
+        return nomem(err);
     find_max_id(t);
-    return s;
+    return LM_OK;
 }
 
-int64_t lm_tok_max_id(const lm_tokenizer *t, const char **token)
+int64_t lm_tok_max_id(const lm_tokenizer *t, const char **token, bool added)
 {
     if (token)
-        *token = t->max_tok;
-    return t->max_id;
+        *token = added ? t->max_tok : t->max_model_tok;
+    return added ? t->max_id : t->max_model;
 }
 
 lm_status lm_tok_load(lm_tokenizer **out, const char *path, lm_err *err)
@@ -951,7 +967,8 @@ static lm_status flush(splitter *sp)
     return s;
 }
 
-// The next part, [a, b) of w (not empty), a match or a gap.
+// The next part, [a, b) of w, a match or a gap; only a match may be empty (it joins or holds
+// nothing, but it is a match for the rules of the parts around it).
 static lm_status part(splitter *sp, size_t a, size_t b, bool match)
 {
     lm_status s = LM_OK;
@@ -1018,7 +1035,7 @@ static lm_status split(enc *e, int k, const pcre2_code *re, const char *lit, spl
         pcre2_match_data *md = pcre2_match_data_create_from_pattern(re, NULL);
         if (!md)
             return nomem(e->err);
-        size_t pos = 0;
+        size_t pos = 0, prev_end = SIZE_MAX;  // where the last match ended (none yet)
         while (s == LM_OK && pos <= len) {
             int rc = pcre2_match(re, (PCRE2_SPTR)w, len, pos, 0, md, NULL);
             if (rc == PCRE2_ERROR_NOMATCH)
@@ -1029,15 +1046,18 @@ static lm_status split(enc *e, int k, const pcre2_code *re, const char *lit, spl
                 break;
             }
             PCRE2_SIZE *ov = pcre2_get_ovector_pointer(md);
-            if (ov[1] == ov[0]) {  // an empty match: no part; on to the next character
-                pos = ov[0] < len ? ov[0] + char_len((const unsigned char *)w + ov[0]) : len + 1;
-                continue;
+            // An empty match is a match (it cuts the gap where it is), as the Rust library's
+            // iterator gives them, but for one right where the last match ended; then on to the
+            // next character.
+            bool empty = ov[1] == ov[0];
+            if (!(empty && ov[0] == prev_end)) {
+                if (ov[0] > last)
+                    s = part(&sp, last, ov[0], false);
+                if (s == LM_OK)
+                    s = part(&sp, ov[0], ov[1], true);
+                last = prev_end = ov[1];
             }
-            if (ov[0] > last)
-                s = part(&sp, last, ov[0], false);
-            if (s == LM_OK)
-                s = part(&sp, ov[0], ov[1], true);
-            last = pos = ov[1];
+            pos = !empty ? ov[1] : ov[0] < len ? ov[0] + char_len((const unsigned char *)w + ov[0]) : len + 1;
         }
         pcre2_match_data_free(md);
     }
@@ -1107,11 +1127,16 @@ static lm_status pieces(enc *e, int k, const char *w, size_t len)
 }
 
 // The normalizer's steps on the `len` bytes at w, into *out (NUL-terminated; the caller frees
-// out->p, also on failure). False when memory runs out.
-static bool normalize(const lm_tokenizer *t, const char *w, size_t len, sbuf *out)
+// out->p, also on failure). *lead_kept (when not NULL): whether the normalized text still starts
+// with what the text started with, not after characters a Replace removed there (the Rust
+// library's offsets then no longer start at 0, which Metaspace's "first" looks at). False when
+// memory runs out.
+static bool normalize(const lm_tokenizer *t, const char *w, size_t len, sbuf *out, bool *lead_kept)
 {
     sbuf cur = {0};
     bool ok = sb_put(&cur, w, len);
+    if (lead_kept)
+        *lead_kept = true;
     for (int i = 0; ok && i < t->n_norm; i++) {
         const norm_step *st = &t->norm[i];
         sbuf next = {0};
@@ -1130,6 +1155,8 @@ static bool normalize(const lm_tokenizer *t, const char *w, size_t len, sbuf *ou
             const char *hit;
             while (ok && (hit = memmem(cur.p + p, cur.n - p, st->a, la)) != NULL) {
                 ok = sb_put(&next, cur.p + p, (size_t)(hit - cur.p) - p) && sb_put(&next, st->b, lb);
+                if (lead_kept && lb == 0 && next.n == 0)  // removed at the start
+                    *lead_kept = false;
                 p = (size_t)(hit - cur.p) + la;
             }
             ok = ok && sb_put(&next, cur.p + p, cur.n - p);
@@ -1187,11 +1214,12 @@ static lm_status normalized_gap(enc *e, const char *w, size_t len, size_t at)
 static lm_status raw_gap(enc *e, const char *w, size_t len, size_t at)
 {
     sbuf cur = {0};
-    if (!normalize(e->t, w, len, &cur)) {
+    bool lead_kept;
+    if (!normalize(e->t, w, len, &cur, &lead_kept)) {
         free(cur.p);
         return nomem(e->err);
     }
-    e->origin = at == 0 ? cur.p : NULL;
+    e->origin = at == 0 && lead_kept ? cur.p : NULL;
     lm_status s = cut_added(e, &e->t->normed, cur.p, cur.n, normalized_gap);
     free(cur.p);
     return s;

@@ -25,6 +25,7 @@
 #ifndef LM_TOKENIZER_H
 #define LM_TOKENIZER_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -40,17 +41,21 @@ lm_status lm_tok_load(lm_tokenizer **out, const char *path, lm_err *err);
 // The same from `len` bytes of JSON text named `label` in messages (no tokenizer_config.json).
 lm_status lm_tok_parse(lm_tokenizer **out, const char *text, size_t len, const char *label, lm_err *err);
 
-// Applies tokenizer_config.json's text (`len` bytes named `label`) to t, as transformers'
-// tokenizers of the Llama family rewrite the post-processor: where the file has add_bos_token,
-// the ids before a sequence become its bos_token (true) or nothing (false), in place of the
-// template's; add_eos_token and eos_token the same after it. A token is named by its text or by
-// an object with its "content". Without either key nothing changes. LM_ERR_FORMAT for a key that
-// is not a boolean, or true with a token that is not one of t's.
+// Applies tokenizer_config.json's text (`len` bytes named `label`) to t, as transformers (5)
+// rewrites the post-processor: where the file has add_bos_token or add_eos_token, the ids before
+// a sequence become its bos_token where add_bos_token is true and none otherwise (false, null or
+// absent), in place of the template's, and the ids after it likewise by add_eos_token and
+// eos_token. A token is named by its text or by an object with its "content" (an added token's
+// content as the file writes it, else a vocabulary entry). Without either key nothing changes.
+// LM_ERR_FORMAT for a key that is not true, false or null, or true with a token that is not one
+// of t's; t is then unchanged.
 lm_status lm_tok_config(lm_tokenizer *t, const char *text, size_t len, const char *label, lm_err *err);
 
-// The largest id t can give (its vocabulary, added tokens and special tokens), with a token of
-// that id in *token (when not NULL; t's to keep): what a model's vocab_size must exceed.
-int64_t lm_tok_max_id(const lm_tokenizer *t, const char **token);
+// The largest id t can give, with a token of that id in *token (when not NULL; t's to keep): of
+// its vocabulary and the post-processor's special tokens, which ordinary text gives, and with
+// `added` also of its added tokens, which only a text that holds them gives (a tokenizer shared
+// by a model family may hold tokens past a text model's rows: Gemma 3's image token).
+int64_t lm_tok_max_id(const lm_tokenizer *t, const char **token, bool added);
 
 void lm_tok_free(lm_tokenizer *t);
 

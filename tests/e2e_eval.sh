@@ -326,12 +326,18 @@ expect 2 "$work/text.jsonl:1: \"text\" needs a tokenizer, and there is none here
 # chat data is refused with its line
 printf '{"messages": [{"role": "user", "content": "hi"}]}\n' >"$work/chat.jsonl"
 expect 2 "$work/chat.jsonl:1: chat data (\"messages\") is not read" eval "$work/tk_base" --data "$work/chat.jsonl"
-# a tokenizer with an id past the model's vocabulary (256) is refused before any work
-mkdir -p "$work/tk_big"
-sed 's/^{/{"added_tokens": [{"id": 300, "content": "<big>"}], /' "$work/tk_base/tokenizer.json" \
-  >"$work/tk_big/tokenizer.json"
-expect 2 "token '<big>' has id 300, past the model's vocab_size 256: the tokenizer does not fit the model" \
+# a tokenizer whose vocabulary goes past the model's (256 ids) is refused before any work; an
+# added token past it only where a text holds it
+mkdir -p "$work/tk_big" "$work/tk_added"
+sed 's/"vocab": *{/"vocab": {"zz": 300, /' "$work/tk_base/tokenizer.json" >"$work/tk_big/tokenizer.json"
+expect 2 "token 'zz' has id 300, past the model's vocab_size 256: the tokenizer does not fit the model" \
   eval "$fx/base" --tokenizer "$work/tk_big" --data "$work/text.jsonl"
+sed 's/^{/{"added_tokens": [{"id": 300, "content": "<big>"}], /' "$work/tk_base/tokenizer.json" \
+  >"$work/tk_added/tokenizer.json"
+run added_ok eval "$fx/base" --tokenizer "$work/tk_added" --data "$work/text.jsonl"
+printf '{"text": "fine"}\n{"text": "a <big> token"}\n' >"$work/big.jsonl"
+expect 2 "$work/big.jsonl:2: token 3 of the text: token id 300 is outside the vocabulary (vocab_size 256)" \
+  eval "$fx/base" --tokenizer "$work/tk_added" --data "$work/big.jsonl"
 # so is a tokenizer_config.json whose add_bos_token names a token the tokenizer lacks
 cp "$work/tk_base/tokenizer.json" "$fx/base/tokenizer_config.json" "$work/tk_big/"
 expect 2 "tk_big/tokenizer_config.json: add_bos_token is true but bos_token is no token of" \

@@ -112,8 +112,13 @@ expect 2 "a NUL character at byte 6, which llmerge does not tokenize" tokenize "
 # a tokenizer or ids past the model's vocab_size
 mkdir -p "$work/small"
 cp "$L3/tokenizer.json" "$work/small/"
+# (Llama 3's vocabulary has ids 0 to 127999; its added tokens 128000 and up are refused only
+# where a text holds one, as a multimodal tokenizer's image token under a text model would be)
 printf '{"vocab_size": 128000}\n' >"$work/small/config.json"
-expect 2 "past the model's vocab_size 128000" tokenize "$work/small" "$corpus" -o "$work/bad.out"
+expect 2 "tokenize_corpus.jsonl: line 24: token 1 is id 128000, past the model's vocab_size 128000 ($work/small/config.json)" \
+  tokenize "$work/small" "$corpus" -o "$work/bad.out"
+printf '{"text": "plain words"}\n' >"$work/plain.jsonl"
+run plain tokenize "$work/small" "$work/plain.jsonl" -o "$work/plain.ids"
 printf '{"vocab_size": 31999}\n' >"$work/small/config.json"
 expect 2 "the tokenizer does not fit the model" tokenize "$work/small" "$corpus" --tokenizer "$L2" -o "$work/bad.out"
 printf '{"vocab_size": 32000}\n' >"$work/small/config.json"

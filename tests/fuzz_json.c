@@ -136,7 +136,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
             if (s != LM_OK)
                 check_refusal(s, &err);
             for (int64_t k = 0; s == LM_OK && k < n; k++)  // every id within what the tokenizer says
-                if (ids[k] < 0 || ids[k] > lm_tok_max_id(tok, NULL))
+                if (ids[k] < 0 || ids[k] > lm_tok_max_id(tok, NULL, true))
                     abort();
             free(ids);
         }
@@ -160,7 +160,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (lm_tok_encode(tok, NULL, "hi", 2, 1, &ids, &n, &cap, &err) != LM_OK || n < 1 || n > 3)
             abort();
         for (int64_t k = 0; k < n; k++)
-            if (ids[k] < 0 || ids[k] > lm_tok_max_id(tok, NULL))
+            if (ids[k] < 0 || ids[k] > lm_tok_max_id(tok, NULL, true))
                 abort();
         free(ids);
     }

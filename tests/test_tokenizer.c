@@ -189,6 +189,29 @@ static void test_split_behaviors(void)
     }
 }
 
+// A regex that matches the empty string cuts the text where it does (as the Rust library's
+// matches and the JavaScript reference give them), but not right after a match: "x*" on "ab"
+// is a and b (no merge across the cut); on "axb", a, x, b.
+static void test_empty_matches(void)
+{
+    lm_tokenizer *t = parsed("{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"x*\"},"
+                             " \"behavior\": \"Isolated\", \"invert\": false}, \"model\": {\"type\": \"BPE\","
+                             " \"vocab\": {\"a\": 0, \"b\": 1, \"ab\": 2, \"x\": 3, \"xb\": 4}, \"merges\": [\"a b\", \"x b\"]}}");
+    if (t) {
+        check_ids(t, NULL, "ab", 1, IDS(0, 1));
+        check_ids(t, NULL, "axb", 1, IDS(0, 3, 1));
+        lm_tok_free(t);
+    }
+    // MergedWithPrevious: an empty match after a gap joins it, so the x after it stands alone
+    t = parsed("{\"pre_tokenizer\": {\"type\": \"Split\", \"pattern\": {\"Regex\": \"x*\"},"
+               " \"behavior\": \"MergedWithPrevious\", \"invert\": false}, \"model\": {\"type\": \"BPE\","
+               " \"ignore_merges\": true, \"vocab\": {\"a\": 0, \"b\": 1, \"ax\": 2, \"x\": 3}, \"merges\": []}}");
+    if (t) {
+        check_ids(t, NULL, "axb", 1, IDS(2, 1));
+        lm_tok_free(t);
+    }
+}
+
 // Metaspace: spaces become the replacement, put before a piece that does not start with one
 // (always; first: only before the piece that starts the text; never), then split before each
 // (split, MergedWithNext) or kept whole. Each piece is a whole token (ignore_merges) or unk.
@@ -229,6 +252,23 @@ static void test_metaspace(void)
         check_ids(t, NULL, cases[i].text, 1, cases[i].want, cases[i].n);
         lm_tok_free(t);
     }
+    // "first" after a normalizer that removes the text's first characters: the piece no longer
+    // starts at the text's start (its offset is the first kept character's), so nothing is put
+    {
+        char j[1024];
+        snprintf(j, sizeof j,
+                 "{\"normalizer\": {\"type\": \"Replace\", \"pattern\": {\"String\": \"q\"}, \"content\": \"\"},"
+                 " \"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"\\u2581\", \"prepend_scheme\":"
+                 " \"first\", \"split\": false}, \"model\": {\"type\": \"BPE\", \"ignore_merges\": true,"
+                 " \"unk_token\": \"<unk>\", %s, \"merges\": []}}", vocab);
+        lm_tokenizer *tq = parsed(j);
+        if (tq) {
+            check_ids(tq, NULL, "friend", 1, IDS(2));   // ▁friend
+            check_ids(tq, NULL, "qfriend", 1, IDS(4));  // friend
+            check_ids(tq, NULL, "fqriend", 1, IDS(2));  // a character removed later: still ▁friend
+            lm_tok_free(tq);
+        }
+    }
     // after a split in a sequence, "first" is the piece at the text's start only (tokenizers
     // looks at the piece's offset in the text)
     char json[1024];
@@ -257,7 +297,9 @@ static void test_config(void)
     } cases[] = {
         {"{}", {1, 9}, 2},                                             // the template's
         {"{\"add_bos_token\": false}", {9}, 1},
-        {"{\"add_bos_token\": null, \"add_eos_token\": false}", {1, 9}, 2},
+        {"{\"add_bos_token\": null, \"add_eos_token\": false}", {9}, 1},  // null is false
+        {"{\"add_eos_token\": true, \"eos_token\": \"</s>\"}", {9, 2}, 2},  // one key: the other false
+        {"{\"bos_token\": \"</s>\"}", {1, 9}, 2},                        // no add_ key: the template's
         {"{\"add_bos_token\": true, \"bos_token\": \"</s>\", \"add_eos_token\": true,"
          " \"eos_token\": {\"content\": \"</s>\", \"lstrip\": false}}", {2, 9, 2}, 3},
     };
@@ -277,7 +319,7 @@ static void test_config(void)
         {"{\"add_eos_token\": true, \"eos_token\": \"<nope>\"}",
          "tok_config.json: add_eos_token is true but eos_token is no token of tok.json"},
         {"{\"add_bos_token\": true}", "add_bos_token is true but bos_token is no token"},
-        {"{\"add_bos_token\": \"yes\"}", "tok_config.json: add_bos_token is not true or false"},
+        {"{\"add_bos_token\": \"yes\"}", "tok_config.json: add_bos_token is not true, false or null"},
         {"[]", "tok_config.json: not a JSON object"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -287,13 +329,40 @@ static void test_config(void)
             continue;
         CHECK_FAILS(lm_tok_config(t, bad[i].config, strlen(bad[i].config), "tok_config.json", &err), LM_ERR_FORMAT,
                     bad[i].needle, &err);
+        check_ids(t, NULL, "hi", 1, IDS(1, 9));  // unchanged
         lm_tok_free(t);
+    }
+    // bos_token names an added token by its content as the file writes it, also one matched
+    // normalized (here "<b>", matched as "▁<b>" under SPM's Prepend)
+    {
+        char j2[2048];
+        snprintf(j2, sizeof j2, SPM, "true");
+        char *at = strstr(j2, "\"added_tokens\": []");
+        CHECK(at != NULL);
+        if (at) {
+            char j3[2300];
+            snprintf(j3, sizeof j3, "%.*s\"added_tokens\": [{\"id\": 12, \"content\": \"<b>\", \"normalized\": true}]%s",
+                     (int)(at - j2), j2, at + strlen("\"added_tokens\": []"));
+            lm_tokenizer *tb = parsed(j3);
+            const char *c = "{\"add_bos_token\": true, \"bos_token\": {\"content\": \"<b>\"}}";
+            lm_err e2 = {0};
+            if (tb) {
+                // the largest id: the added <b> (by its name as written), 11 without added tokens
+                const char *name = NULL;
+                CHECK(lm_tok_max_id(tb, &name, true) == 12 && name && strcmp(name, "<b>") == 0);
+                CHECK(lm_tok_max_id(tb, NULL, false) == 11);
+                CHECK_OK(lm_tok_config(tb, c, strlen(c), "tok_config.json", &e2), &e2);
+                check_ids(tb, NULL, "hi", 1, IDS(12, 9));
+                CHECK(lm_tok_max_id(tb, NULL, false) == 12);  // now the template's BOS: ordinary text gives it
+                lm_tok_free(tb);
+            }
+        }
     }
     // the largest id: the vocabulary's ▁t (11), then an eos past it
     lm_tokenizer *t = parsed(json);
     if (t) {
         const char *tok = NULL;
-        CHECK(lm_tok_max_id(t, &tok) == 11 && tok && strcmp(tok, "\xE2\x96\x81t") == 0);
+        CHECK(lm_tok_max_id(t, &tok, true) == 11 && tok && strcmp(tok, "\xE2\x96\x81t") == 0);
         lm_tok_free(t);
     }
     // lm_tok_load reads the tokenizer_config.json beside tokenizer.json
@@ -351,7 +420,7 @@ static void test_normalized_added_and_nul(void)
         CHECK_FAILS(lm_tok_encode(t, NULL, "a\0b", 3, 1, &ids, &n, &cap, &err), LM_ERR_FORMAT,
                     "a NUL character at byte 1", &err);
         free(ids);
-        CHECK(lm_tok_max_id(t, NULL) == 9);
+        CHECK(lm_tok_max_id(t, NULL, true) == 9 && lm_tok_max_id(t, NULL, false) == 3);
         lm_tok_free(t);
     }
 }
@@ -432,6 +501,7 @@ int main(void)
     test_nfc_and_split();
     test_rank_order();
     test_split_behaviors();
+    test_empty_matches();
     test_metaspace();
     test_config();
     test_normalized_added_and_nul();
