@@ -44,6 +44,28 @@ lm_status lm_cmd_opt_threads(const char *shown, const char *v, int *out, lm_err 
     return LM_OK;
 }
 
+lm_status lm_cmd_opt_data_format(const char *shown, const char *v, bool *text, lm_err *err)
+{
+    if (strcmp(v, "text") != 0 && strcmp(v, "ids") != 0)
+        return lm_err_set(err, LM_ERR_USAGE, "%s '%s': ids (the default: .jsonl or .txt of token ids) or text",
+                          shown, v);
+    *text = strcmp(v, "text") == 0;
+    return LM_OK;
+}
+
+char *lm_cmd_calib_tokenizer(const char *opt_dir, const char *what, const char *dir, lm_calib_opts *co, char *why,
+                             size_t why_size)
+{
+    char *tok = lm_path_join(opt_dir ? opt_dir : dir, "tokenizer.json");
+    if (!tok)
+        return NULL;
+    snprintf(why, why_size, "%s %s has no tokenizer.json: give token ids (llmerge tokenize) or --tokenizer DIR",
+             opt_dir ? "--tokenizer" : what, opt_dir ? opt_dir : dir);
+    co->tokenizer = lm_is_file(tok) ? tok : NULL;
+    co->no_tokenizer = why;
+    return tok;
+}
+
 // The closest option name to `name` (without dashes), or NULL when none is close; a typed
 // prefix of a name ("--dens") counts as close.
 static const char *suggest(const char *name, const lm_opt *opts, size_t n)
@@ -251,11 +273,7 @@ static lm_status run_option(lm_run_args *a, const lm_opt *d, const char *shown, 
         a->tokenizer = v;
         return LM_OK;
     case LM_RUN_OPT_FORMAT:
-        if (strcmp(v, "text") != 0 && strcmp(v, "ids") != 0)
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': ids (the default: .jsonl or .txt of token ids) or text",
-                              shown, v);
-        a->text = strcmp(v, "text") == 0;
-        return LM_OK;
+        return lm_cmd_opt_data_format(shown, v, &a->text, err);
     case LM_RUN_OPT_ADAPTER:
     case LM_RUN_OPT_DEVICE:
     case LM_RUN_OPT_DATA:
@@ -377,15 +395,11 @@ lm_status lm_cmd_run_tokens(const lm_run_args *a, const lm_model *m, const char 
 {
     const lm_config *cfg = &m->config;
     *seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
+    lm_calib_opts co = {.max_samples = a->samples, .max_len = *seq_len, .vocab_size = cfg->vocab_size, .text = a->text};
     // a line of text is tokenized with MODEL's own tokenizer.json, or --tokenizer DIR's
-    char *tok = lm_path_join(a->tokenizer ? a->tokenizer : m->dir, "tokenizer.json"), why[LM_ERR_MSG_MAX / 2];
+    char why[LM_ERR_MSG_MAX / 2], *tok = lm_cmd_calib_tokenizer(a->tokenizer, "MODEL", m->dir, &co, why, sizeof why);
     if (!tok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    snprintf(why, sizeof why, "%s %s has no tokenizer.json: give token ids (llmerge tokenize) or --tokenizer DIR",
-             a->tokenizer ? "--tokenizer" : "MODEL", a->tokenizer ? a->tokenizer : m->dir);
-    bool have = lm_is_file(tok);
-    lm_calib_opts co = {.max_samples = a->samples, .max_len = *seq_len, .vocab_size = cfg->vocab_size,
-                        .tokenizer = have ? tok : NULL, .no_tokenizer = why, .text = a->text};
     lm_status s = lm_calib_load(data, path, &co, err);
     free(tok);
     if (s != LM_OK)

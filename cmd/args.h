@@ -46,6 +46,15 @@ const char *lm_cmd_dtype_flag(lm_dtype dt);
 // naming the option as the user wrote it (`shown`).
 lm_status lm_cmd_opt_gpu_mem(const char *shown, const char *v, uint64_t *out, lm_err *err);
 lm_status lm_cmd_opt_threads(const char *shown, const char *v, int *out, lm_err *err);
+// --data-format of the commands that read token data: "ids" (the default) or "text" (*text).
+lm_status lm_cmd_opt_data_format(const char *shown, const char *v, bool *text, lm_err *err);
+
+// The tokenizer.json a command's "text" data is tokenized with: --tokenizer DIR's (opt_dir), else
+// that of `what` ("MODEL", "BASE"), the model directory `dir`. Sets co->tokenizer to it where the
+// file is there (else NULL, and co->no_tokenizer to why[why_size], which says so). Returns the
+// path, for the caller to free once the data is read; NULL when memory runs out.
+char *lm_cmd_calib_tokenizer(const char *opt_dir, const char *what, const char *dir, lm_calib_opts *co, char *why,
+                             size_t why_size);
 
 // Scans argv[1..argc) against the n options. Unknown options, a missing value and a value given
 // to a flag are LM_ERR_USAGE naming them.

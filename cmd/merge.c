@@ -230,14 +230,13 @@ static lm_status read_calib(merge_run *r, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "--hessian-from base takes one --calib file, not %d", a->n_calib);
     const lm_config *cfg = &r->base->config;
     int64_t seq_len = a->seq_len ? a->seq_len : cfg->max_position_embeddings > 1 ? cfg->max_position_embeddings : 0;
+    lm_calib_opts co = {.max_samples = a->calib_samples, .max_len = seq_len, .vocab_size = cfg->vocab_size,
+                        .text = a->calib_text};
     // a line of text is tokenized with BASE's own tokenizer.json, or --tokenizer DIR's
-    char *tok = lm_path_join(a->tokenizer ? a->tokenizer : r->base->dir, "tokenizer.json"), why[LM_ERR_MSG_MAX / 2];
+    char why[LM_ERR_MSG_MAX / 2],
+        *tok = lm_cmd_calib_tokenizer(a->tokenizer, "BASE", r->base->dir, &co, why, sizeof why);
     if (!tok)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    snprintf(why, sizeof why, "%s %s has no tokenizer.json: give token ids (llmerge tokenize) or --tokenizer DIR",
-             a->tokenizer ? "--tokenizer" : "BASE", a->tokenizer ? a->tokenizer : r->base->dir);
-    lm_calib_opts co = {.max_samples = a->calib_samples, .max_len = seq_len, .vocab_size = cfg->vocab_size,
-                        .tokenizer = lm_is_file(tok) ? tok : NULL, .no_tokenizer = why, .text = a->calib_text};
     if (!(r->calib = calloc((size_t)a->n_calib, sizeof *r->calib))) {
         free(tok);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");

@@ -511,10 +511,7 @@ lm_status lm_merge_apply_option(void *ctx, const lm_opt *d, const char *shown, c
         a->tokenizer = v;
         return LM_OK;
     case OPT_DATA_FORMAT:
-        if (strcmp(v, "text") != 0 && strcmp(v, "ids") != 0)
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': ids (the default) or text", shown, v);
-        a->calib_text = strcmp(v, "text") == 0;
-        return LM_OK;
+        return lm_cmd_opt_data_format(shown, v, &a->calib_text, err);
     case OPT_RANK:
         if (!a->extract)
             return lm_err_set(err, LM_ERR_USAGE, "%s is llmerge extract's option: a merge written as an adapter "

@@ -93,7 +93,6 @@ static void usage(FILE *out, const void *arg)
 static lm_status on_opt(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
 {
     tok_run *r = ctx;
-    char *end = NULL;
     switch (d->id) {
     case T_OUTPUT: r->out = v; return LM_OK;
     case T_TOKENIZER: r->tok_dir = v; return LM_OK;
@@ -103,15 +102,11 @@ static lm_status on_opt(void *ctx, const lm_opt *d, const char *shown, const cha
         r->text = strcmp(v, "text") == 0;
         return LM_OK;
     case T_SEQ_LEN:
-        r->seq_len = strtoll(v, &end, 10);
-        if (!*v || *end || r->seq_len < 1)
+        if (!lm_cmd_parse_int(v, 1, INT64_MAX, &r->seq_len))
             return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a number of tokens, 1 or more", shown, v);
         return LM_OK;
     case T_THREADS:
-        r->threads = (int)strtol(v, &end, 10);
-        if (!*v || *end || r->threads < 1 || r->threads > 4096)
-            return lm_err_set(err, LM_ERR_USAGE, "%s '%s': a number of threads, 1 or more", shown, v);
-        return LM_OK;
+        return lm_cmd_opt_threads(shown, v, &r->threads, err);
     case T_QUIET: r->quiet = true; return LM_OK;
     case T_FORCE: r->force = true; return LM_OK;
     default: r->help = true; return LM_OK;
@@ -290,15 +285,11 @@ static lm_status read_docs(tok_run *r, doc **out, int64_t *n_out, lm_err *err)
         doc *dd = &d[n];
         dd->line = line;
         if (cJSON_IsString(text)) {
-            // the text stays in the tree: keep it by copying into place (the line's own bytes)
-            size_t tl = strlen(text->valuestring);
-            char *copy = malloc(tl + 1);
-            if (!copy) {
+            // the text stays in the tree, which goes: a copy
+            if (!(dd->text = lm_strdup(text->valuestring))) {
                 s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
             } else {
-                memcpy(copy, text->valuestring, tl + 1);
-                dd->text = copy;
-                dd->len = tl;
+                dd->len = strlen(dd->text);
                 n++;
             }
         } else if (cJSON_IsArray(ids)) {
@@ -410,10 +401,10 @@ static int work(void *ctx)
             int fd = mkstemp(tmp);
             if (fd < 0 || !(f = fdopen(fd, "w"))) {
                 s = lm_err_set(&err, LM_ERR_IO, "%s: cannot be created beside %s", tmp, r->out);
-                if (fd >= 0)
+                if (fd >= 0) {  // made, but not opened as a stream: nothing may stay
                     close(fd);
-                else
-                    tmp[0] = '\0';
+                    unlink(tmp);
+                }
             } else {
                 tmp_id = lm_signals_remove_on_exit(tmp, true);
             }

@@ -250,14 +250,10 @@ static lm_status load_text(lm_calib *c, const char *path, const lm_calib_opts *o
     if (!o->tokenizer)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: text needs a tokenizer, and there is none here (%s)", path,
                           o->no_tokenizer ? o->no_tokenizer : "give token ids");
-    int fd;
-    lm_status s = lm_open_regular(path, &fd, err);  // a FIFO or device refused before it is read
-    if (s != LM_OK)
-        return s;
-    close(fd);
     char *text = NULL;
     size_t len = 0;
-    if ((s = lm_read_file(path, (size_t)1 << 34, &text, &len, err)) != LM_OK)
+    lm_status s = lm_read_file(path, (size_t)1 << 34, &text, &len, err);  // a FIFO or device refused unread
+    if (s != LM_OK)
         return s;
     int64_t bad = lm_utf8_bad_line(text ? text : "", len);
     if (bad) {
@@ -304,14 +300,11 @@ static lm_status load_text(lm_calib *c, const char *path, const lm_calib_opts *o
 lm_status lm_calib_load(lm_calib *c, const char *path, const lm_calib_opts *o, lm_err *err)
 {
     memset(c, 0, sizeof *c);
-    if (o->text) {
-        if (lm_is_dir(path))
-            return lm_err_set(err, LM_ERR_USAGE, "%s is a directory, not a data file", path);
-        return load_text(c, path, o, err);
-    }
-    bool jsonl = lm_str_ends_with(path, ".jsonl"), txt = lm_str_ends_with(path, ".txt");
     if (lm_is_dir(path))
         return lm_err_set(err, LM_ERR_USAGE, "%s is a directory, not a data file", path);
+    if (o->text)
+        return load_text(c, path, o, err);
+    bool jsonl = lm_str_ends_with(path, ".jsonl"), txt = lm_str_ends_with(path, ".txt");
     if (!jsonl && !txt)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: unknown data format: expected a .jsonl file (one "
                           "{\"input_ids\": [...]} or {\"text\": \"...\"} per line) or a .txt file (one sequence of "

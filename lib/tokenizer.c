@@ -273,23 +273,31 @@ static lm_status compile_re(const lm_tokenizer *t, const char *where, const char
     return LM_OK;
 }
 
+typedef lm_status (*component_fn)(lm_tokenizer *t, const cJSON *o, lm_err *err);
+
+// A Sequence component (of kind `what`): each member of its list `key`, in order, to add.
+static lm_status sequence(lm_tokenizer *t, const cJSON *o, const char *what, const char *key, component_fn add,
+                          lm_err *err)
+{
+    const cJSON *list = cJSON_GetObjectItemCaseSensitive(o, key), *e;
+    if (!cJSON_IsArray(list))
+        return lm_err_set(err, LM_ERR_FORMAT, "%s: %s Sequence: no %s list", t->label, what, key);
+    cJSON_ArrayForEach(e, list)
+    {
+        lm_status s = add(t, e, err);
+        if (s != LM_OK)
+            return s;
+    }
+    return LM_OK;
+}
+
 static lm_status add_norm(lm_tokenizer *t, const cJSON *n, lm_err *err)
 {
     const char *ty = type_of(n);
     if (!ty)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: normalizer: no type", t->label);
-    if (strcmp(ty, "Sequence") == 0) {
-        const cJSON *list = cJSON_GetObjectItemCaseSensitive(n, "normalizers"), *e;
-        if (!cJSON_IsArray(list))
-            return lm_err_set(err, LM_ERR_FORMAT, "%s: normalizer Sequence: no normalizers list", t->label);
-        cJSON_ArrayForEach(e, list)
-        {
-            lm_status s = add_norm(t, e, err);
-            if (s != LM_OK)
-                return s;
-        }
-        return LM_OK;
-    }
+    if (strcmp(ty, "Sequence") == 0)
+        return sequence(t, n, "normalizer", "normalizers", add_norm, err);
     norm_step st = {0};
     if (strcmp(ty, "NFC") == 0) {
         st = (norm_step){N_UTF8PROC, UTF8PROC_STABLE | UTF8PROC_COMPOSE, NULL, NULL};
@@ -371,18 +379,8 @@ static lm_status add_pre(lm_tokenizer *t, const cJSON *p, lm_err *err)
     const char *ty = type_of(p);
     if (!ty)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer: no type", t->label);
-    if (strcmp(ty, "Sequence") == 0) {
-        const cJSON *list = cJSON_GetObjectItemCaseSensitive(p, "pretokenizers"), *e;
-        if (!cJSON_IsArray(list))
-            return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Sequence: no pretokenizers list", t->label);
-        cJSON_ArrayForEach(e, list)
-        {
-            lm_status s = add_pre(t, e, err);
-            if (s != LM_OK)
-                return s;
-        }
-        return LM_OK;
-    }
+    if (strcmp(ty, "Sequence") == 0)
+        return sequence(t, p, "pre_tokenizer", "pretokenizers", add_pre, err);
     pre_step st = {0};
     lm_status s = LM_OK;
     if (strcmp(ty, "Split") == 0) {
@@ -394,10 +392,11 @@ static lm_status add_pre(lm_tokenizer *t, const cJSON *p, lm_err *err)
             return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: pre_tokenizer Split with invert: true is not supported",
                               t->label);
         static const char *const hows[] = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"};
+        const int n_hows = (int)(sizeof hows / sizeof hows[0]);
         int h = 0;
-        while (h < 5 && strcmp(b, hows[h]) != 0)
+        while (h < n_hows && strcmp(b, hows[h]) != 0)
             h++;
-        if (h == 5)
+        if (h == n_hows)
             return lm_err_set(err, LM_ERR_FORMAT, "%s: pre_tokenizer Split: behavior '%s' is none of Isolated, "
                               "Removed, MergedWithPrevious, MergedWithNext, Contiguous", t->label, b);
         st.kind = P_SPLIT;
@@ -437,16 +436,8 @@ static lm_status add_post(lm_tokenizer *t, const cJSON *p, lm_err *err)
     const char *ty = type_of(p);
     if (!ty)
         return lm_err_set(err, LM_ERR_FORMAT, "%s: post_processor: no type", t->label);
-    if (strcmp(ty, "Sequence") == 0) {
-        const cJSON *list = cJSON_GetObjectItemCaseSensitive(p, "processors"), *e;
-        cJSON_ArrayForEach(e, list)
-        {
-            lm_status s = add_post(t, e, err);
-            if (s != LM_OK)
-                return s;
-        }
-        return LM_OK;
-    }
+    if (strcmp(ty, "Sequence") == 0)
+        return sequence(t, p, "post_processor", "processors", add_post, err);
     if (strcmp(ty, "ByteLevel") == 0)
         return LM_OK;  // offsets only
     if (strcmp(ty, "TemplateProcessing") != 0)
