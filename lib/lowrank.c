@@ -4,20 +4,52 @@
 #include <cblas.h>
 #include <lapacke.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dtype.h"
+#include "parallel.h"
 #include "sparsify.h"
 
 #define RESIDUAL_ROWS_ELEMS ((int64_t)1 << 18)  // elements of M's residual made at once (in cache)
 
+// The radius and angle of the pair of draws behind entries 2j and 2j + 1: two uniform draws in
+// (0, 1), the 32-bit draws of 2j and 2j + 1 offset by a half.
+static void normal_pair(uint64_t key, int64_t j, double *radius, double *angle)
+{
+    double u1 = ((double)lm_rng_draw(key, 2 * j) + 0.5) / 4294967296.0;
+    double u2 = ((double)lm_rng_draw(key, 2 * j + 1) + 0.5) / 4294967296.0;
+    *radius = sqrt(-2.0 * log(u1));
+    *angle = 6.283185307179586 * u2;
+}
+
 double lm_lowrank_normal(uint64_t key, int64_t i)
 {
-    // two uniform draws in (0, 1): the 32-bit draws of 2i and 2i + 1, offset by a half
-    double u1 = ((double)lm_rng_draw(key, 2 * i) + 0.5) / 4294967296.0;
-    double u2 = ((double)lm_rng_draw(key, 2 * i + 1) + 0.5) / 4294967296.0;
-    return sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2);
+    double r, a;
+    normal_pair(key, i >> 1, &r, &a);
+    return r * (i & 1 ? sin(a) : cos(a));
+}
+
+#define NORMAL_PAIRS 8192  // pairs of draws per task
+
+typedef struct normal_job {
+    uint64_t key;
+    int64_t n;
+    float *out;
+} normal_job;
+
+// out[i] = lm_lowrank_normal(key, i) for the task's i, each pair of draws taken once.
+static void normal_task(void *ctx, int64_t t)
+{
+    const normal_job *j = ctx;
+    for (int64_t p = t * NORMAL_PAIRS; p < (t + 1) * NORMAL_PAIRS && 2 * p < j->n; p++) {
+        double r, a;
+        normal_pair(j->key, p, &r, &a);
+        j->out[2 * p] = (float)(r * cos(a));
+        if (2 * p + 1 < j->n)
+            j->out[2 * p + 1] = (float)(r * sin(a));
+    }
 }
 
 void lm_lowrank_free(lm_lowrank *lr)
@@ -34,7 +66,7 @@ void lm_lowrank_free(lm_lowrank *lr)
 typedef struct lr_bufs {
     float *omega;  // (cols × l) Ω, then Z = Mᵀ·Q
     float *y;      // (rows × l) Y = M·Ω, then Q
-    float *bt;     // (l × cols) Q'·M
+    float *bt;     // (cols × l) Mᵀ·Q
     float *fb;     // (rows × r) B, for the residual
     float *fa;     // (r × cols) A
     float *res;    // (chunk rows × cols) the residual's rows
@@ -50,24 +82,232 @@ static void free_bufs(lm_dev *dev, lr_bufs *b)
     lm_dev_buf_free(dev, b->res);
 }
 
-// Replaces the device matrix x [n, l] (row-major) by an orthonormal basis of its columns: a
-// Householder QR in double on the host (h: n × l doubles, f: n × l floats of scratch).
-static lm_status orthonormalise(lm_dev *dev, float *x, int64_t n, int l, double *h, float *f, lm_err *err)
+// ---- orthonormal bases ---------------------------------------------------------------------
+// A tall matrix's QR by blocks of rows (TSQR): each block of QR_ROWS or more rows gets its own
+// Householder QR (LAPACK, double, in the caches, the blocks on the pool's threads), the blocks'
+// triangles stacked get another, and the basis is each block's Q times its part of the stack's.
+// It spans what one Householder QR of the whole matrix spans (the same Q, column signs aside,
+// where the matrix has full rank), at a fraction of the time: one QR of an embedding's 128,256 x
+// 74 matrix walks it from memory once per column. The blocks depend on the shape alone, so the
+// basis is the same bits on any thread count.
+#define QR_ROWS 512  // rows of a block at least (and at least twice the columns)
+
+typedef struct qr_job {
+    float *x;        // [n, l] row-major: the matrix, then its basis
+    double *h;       // the blocks, each column-major (block b at h + start(b)·l)
+    double *s;       // [nb·l, l] column-major: the blocks' triangles, then their Q
+    int64_t n, rows, nb;
+    int l;
+    bool failed;     // a block's LAPACK call failed, or no memory
+    pthread_mutex_t mu;
+} qr_job;
+
+static int64_t qr_start(const qr_job *j, int64_t b)
+{
+    return b * j->rows;
+}
+
+static int64_t qr_len(const qr_job *j, int64_t b)
+{
+    return b == j->nb - 1 ? j->n - b * j->rows : j->rows;  // the last block takes the rest
+}
+
+static void qr_fail(qr_job *j)
+{
+    pthread_mutex_lock(&j->mu);
+    j->failed = true;
+    pthread_mutex_unlock(&j->mu);
+}
+
+// Block b: its QR, its triangle into the stack, its Q in place.
+static void qr_block_task(void *ctx, int64_t b)
+{
+    qr_job *j = ctx;
+    int64_t r0 = qr_start(j, b), nr = qr_len(j, b), ns = j->nb * j->l;
+    int l = j->l;
+    double *h = j->h + r0 * l, tau[l];
+    for (int64_t i = 0; i < nr; i++)
+        for (int c = 0; c < l; c++)
+            h[c * nr + i] = j->x[(r0 + i) * l + c];
+    lapack_int info = LAPACKE_dgeqrf(LAPACK_COL_MAJOR, (lapack_int)nr, l, h, (lapack_int)nr, tau);
+    for (int c = 0; c < l; c++)
+        for (int i = 0; i < l; i++)
+            j->s[c * ns + b * l + i] = i <= c ? h[c * nr + i] : 0.0;
+    if (info == 0)
+        info = LAPACKE_dorgqr(LAPACK_COL_MAJOR, (lapack_int)nr, l, l, h, (lapack_int)nr, tau);
+    if (info != 0)
+        qr_fail(j);
+}
+
+// Block b's rows of the basis: its Q times its l rows of the stack's Q, into x as float32.
+static void qr_product_task(void *ctx, int64_t b)
+{
+    qr_job *j = ctx;
+    int64_t r0 = qr_start(j, b), nr = qr_len(j, b), ns = j->nb * j->l;
+    int l = j->l;
+    double *q = malloc((size_t)(nr * l) * sizeof *q);
+    if (!q) {
+        qr_fail(j);
+        return;
+    }
+    cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, (int)nr, l, l, 1.0, j->h + r0 * l, (int)nr,
+                j->s + b * l, (int)ns, 0.0, q, (int)nr);
+    for (int64_t i = 0; i < nr; i++)
+        for (int c = 0; c < l; c++)
+            j->x[(r0 + i) * l + c] = (float)q[c * nr + i];
+    free(q);
+}
+
+// The QR by blocks above of f [n, l] (row-major, float), its basis back into f; h: n × l doubles.
+static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, lm_err *err)
+{
+    int64_t rows = QR_ROWS > 2 * (int64_t)l ? QR_ROWS : 2 * (int64_t)l;
+    qr_job j = {.x = f, .h = h, .n = n, .rows = rows, .nb = n / rows < 1 ? 1 : n / rows, .l = l};
+    if (!(j.s = malloc((size_t)(j.nb * l * l) * sizeof *j.s)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    pthread_mutex_init(&j.mu, NULL);
+    lm_pool_run(pool, j.nb, qr_block_task, &j);
+    if (j.nb > 1 && !j.failed) {
+        int64_t ns = j.nb * l;
+        double tau[l];
+        lapack_int info = LAPACKE_dgeqrf(LAPACK_COL_MAJOR, (lapack_int)ns, l, j.s, (lapack_int)ns, tau);
+        if (info == 0)
+            info = LAPACKE_dorgqr(LAPACK_COL_MAJOR, (lapack_int)ns, l, l, j.s, (lapack_int)ns, tau);
+        if (info != 0)
+            j.failed = true;
+        else
+            lm_pool_run(pool, j.nb, qr_product_task, &j);
+    } else if (!j.failed) {
+        for (int64_t i = 0; i < n; i++)  // one block: its Q is the basis
+            for (int c = 0; c < l; c++)
+                f[i * l + c] = (float)h[c * n + i];
+    }
+    pthread_mutex_destroy(&j.mu);
+    free(j.s);
+    if (j.failed)
+        return lm_err_set(err, LM_ERR_FORMAT, "the QR of a %lld x %d matrix failed (out of memory, or LAPACK)",
+                          (long long)n, l);
+    return LM_OK;
+}
+
+// ---- Cholesky QR ------------------------------------------------------------------------------
+// Where the matrix is well conditioned (a Gaussian sketch of a matrix whose spectrum is not steep:
+// a full fine-tune's random change), its basis is made twice by Cholesky QR (CholeskyQR2):
+// G = XᵀX, R = chol(G), X = X·R⁻¹, then once more on the result, which makes it orthonormal to
+// double rounding. It is level-3 work (the Gram matrices and the solves, by blocks of rows on the
+// pool's threads, the blocks' Gram matrices added in block order), a quarter of the QR by blocks'
+// time at 74 columns. A matrix whose R is not well conditioned (a low-rank change, a steep
+// spectrum after the power iteration) takes the QR by blocks: the condition number the LAPACK
+// estimate gives must stay below CHOL_COND, where CholeskyQR2 keeps its orthogonality with room.
+#define CHOL_ROWS 4096  // rows per block of the Gram matrices and the solves
+#define CHOL_COND 1e6   // the bound on κ₂(X), from l times three times LAPACK's estimate of κ₁(R)
+
+typedef struct chol_job {
+    const float *x;  // [n, l] row-major: the matrix
+    double *h;       // [n, l] row-major: x in double, then x·R⁻¹, then x·R⁻¹·R₂⁻¹
+    double *g;       // [nb, l, l]: each block's Gram matrix (upper triangle, row-major)
+    const double *r; // [l, l] row-major: the triangle the solves divide by
+    float *out;      // where the last solve writes the basis as float32 (NULL: not yet)
+    int64_t n, nb;
+    int l;
+} chol_job;
+
+static int64_t chol_len(const chol_job *j, int64_t b)
+{
+    return b == j->nb - 1 ? j->n - b * CHOL_ROWS : CHOL_ROWS;
+}
+
+// Block b's Gram matrix (x converted first on the first pass).
+static void chol_gram_task(void *ctx, int64_t b)
+{
+    chol_job *j = ctx;
+    int64_t r0 = b * CHOL_ROWS, nr = chol_len(j, b);
+    double *h = j->h + r0 * j->l;
+    if (j->x)
+        for (int64_t i = 0; i < nr * j->l; i++)
+            h[i] = j->x[r0 * j->l + i];
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, j->l, (int)nr, 1.0, h, j->l, 0.0, j->g + b * j->l * j->l,
+                j->l);
+}
+
+// Block b divided by r (on the last pass also written to out as float32).
+static void chol_solve_task(void *ctx, int64_t b)
+{
+    chol_job *j = ctx;
+    int64_t r0 = b * CHOL_ROWS, nr = chol_len(j, b);
+    double *h = j->h + r0 * j->l;
+    cblas_dtrsm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, (int)nr, j->l, 1.0, j->r, j->l,
+                h, j->l);
+    if (j->out)
+        for (int64_t i = 0; i < nr * j->l; i++)
+            j->out[r0 * j->l + i] = (float)h[i];
+}
+
+// One pass: the blocks' Gram matrices, their sum's Cholesky factor R (upper, row-major, into r),
+// and (where check is set) whether R is well conditioned; then the solves. False where the
+// factor fails or is not well conditioned (nothing divided).
+static bool chol_pass(lm_pool *pool, chol_job *j, double *r, bool check)
+{
+    int l = j->l;
+    lm_pool_run(pool, j->nb, chol_gram_task, j);
+    j->x = NULL;
+    memset(r, 0, (size_t)l * l * sizeof *r);
+    for (int64_t b = 0; b < j->nb; b++)
+        for (int p = 0; p < l; p++)
+            for (int q = p; q < l; q++)
+                r[p * l + q] += j->g[(b * l + p) * l + q];
+    // the upper triangle row-major is the lower one column-major: LAPACK's 'L' factor there is
+    // Rᵀ column-major, which is R row-major
+    if (LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'L', l, r, l) != 0)
+        return false;
+    for (int p = 0; p < l; p++)
+        for (int q = 0; q < p; q++)
+            r[p * l + q] = 0.0;
+    if (check) {
+        double rcond = 0;
+        if (LAPACKE_dtrcon(LAPACK_ROW_MAJOR, '1', 'U', 'N', l, r, l, &rcond) != 0 ||
+            !(rcond * CHOL_COND >= 3.0 * l))
+            return false;
+    }
+    j->r = r;
+    lm_pool_run(pool, j->nb, chol_solve_task, j);
+    return true;
+}
+
+// The basis of f [n, l] by CholeskyQR2 into f, *done set; *done false (f untouched: only the
+// second pass's solves write it, after its factor) where the matrix is not well conditioned.
+static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, bool *done, lm_err *err)
+{
+    chol_job j = {.x = f, .h = h, .n = n, .nb = (n + CHOL_ROWS - 1) / CHOL_ROWS, .l = l};
+    double *r = malloc((size_t)l * l * sizeof *r);
+    if (!r || !(j.g = malloc((size_t)(j.nb * l * l) * sizeof *j.g))) {
+        free(r);
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    }
+    *done = chol_pass(pool, &j, r, true);
+    if (*done) {
+        j.out = f;
+        *done = chol_pass(pool, &j, r, false);
+    }
+    free(r);
+    free(j.g);
+    return LM_OK;
+}
+
+// Replaces the device matrix x [n, l] (row-major) by an orthonormal basis of its columns, made
+// in double on the host (h: n × l doubles, f: n × l floats of scratch): by Cholesky QR where the
+// matrix is well conditioned, else by the QR by blocks.
+static lm_status orthonormalise(lm_dev *dev, lm_pool *pool, float *x, int64_t n, int l, double *h, float *f,
+                                lm_err *err)
 {
     lm_status s = lm_dev_download(dev, f, x, (size_t)(n * l) * sizeof *f, err);
+    bool done = false;
+    if (s == LM_OK)
+        s = cholqr2(pool, f, n, l, h, &done, err);
+    if (s == LM_OK && !done)
+        s = tsqr(pool, f, n, l, h, err);
     if (s != LM_OK)
         return s;
-    for (int64_t i = 0; i < n * l; i++)
-        h[i] = f[i];
-    double tau[l];
-    lapack_int info = LAPACKE_dgeqrf(LAPACK_ROW_MAJOR, (lapack_int)n, l, h, l, tau);
-    if (info == 0)
-        info = LAPACKE_dorgqr(LAPACK_ROW_MAJOR, (lapack_int)n, l, l, h, l, tau);
-    if (info != 0)
-        return lm_err_set(err, LM_ERR_FORMAT, "the QR of a %lld x %d matrix failed (LAPACK info %d)", (long long)n, l,
-                          (int)info);
-    for (int64_t i = 0; i < n * l; i++)
-        f[i] = (float)h[i];
     return lm_dev_upload(dev, x, f, (size_t)(n * l) * sizeof *f, err);
 }
 
@@ -105,10 +345,13 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     float *f = malloc((size_t)(big * l > l * cols ? big * l : l * cols) * sizeof *f);
     lm_status s = LM_OK;
     double norm2 = 0;
+    lm_pool *pool = NULL;  // the host's work (Ω, the QRs) on the device's host threads
     if (!h || !bt || !u || !sig || !vt || !sup || !f) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto done;
     }
+    if ((s = lm_pool_create(&pool, lm_dev_threads(dev), err)) != LM_OK)
+        goto done;
     if ((s = sum_squares(dev, m, rows, cols, &norm2, err)) != LM_OK)
         goto done;
     if (!isfinite(norm2)) {
@@ -125,29 +368,34 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
         (s = lm_dev_alloc(dev, (size_t)(rows * l) * sizeof(float), (void **)&b.y, err)) != LM_OK ||
         (s = lm_dev_alloc(dev, (size_t)(l * cols) * sizeof(float), (void **)&b.bt, err)) != LM_OK)
         goto done;
-    for (int64_t i = 0; i < cols * l; i++)
-        f[i] = (float)lm_lowrank_normal(o->key, i);
+    normal_job nj = {.key = o->key, .n = cols * l, .out = f};
+    lm_pool_run(pool, (nj.n + 2 * NORMAL_PAIRS - 1) / (2 * NORMAL_PAIRS), normal_task, &nj);
     if ((s = lm_dev_upload(dev, b.omega, f, (size_t)(cols * l) * sizeof *f, err)) != LM_OK ||
         (s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err)) != LM_OK ||
-        (s = orthonormalise(dev, b.y, rows, l, h, f, err)) != LM_OK)
+        (s = orthonormalise(dev, pool, b.y, rows, l, h, f, err)) != LM_OK)
         goto done;
     for (int it = 0; it < o->power_iters; it++) {
         if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err)) !=
                 LM_OK ||
-            (s = orthonormalise(dev, b.omega, cols, l, h, f, err)) != LM_OK ||
+            (s = orthonormalise(dev, pool, b.omega, cols, l, h, f, err)) != LM_OK ||
             (s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err)) !=
                 LM_OK ||
-            (s = orthonormalise(dev, b.y, rows, l, h, f, err)) != LM_OK)
+            (s = orthonormalise(dev, pool, b.y, rows, l, h, f, err)) != LM_OK)
             goto done;
     }
-    // Q'·M [l, cols], and its SVD U·Σ·Vᵀ in double on the host
-    if ((s = lm_dev_gemm(dev, true, false, l, cols, rows, 1.0f, b.y, l, m, cols, 0.0f, b.bt, cols, err)) != LM_OK ||
+    // Q'·M [l, cols], made as its transpose Mᵀ·Q [cols, l] (the narrow product, as Mᵀ·Q above),
+    // and its SVD U·Σ·Vᵀ in double on the host
+    if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.bt, l, err)) != LM_OK ||
         (s = lm_dev_download(dev, f, b.bt, (size_t)(l * cols) * sizeof *f, err)) != LM_OK)
         goto done;
-    for (int64_t i = 0; i < l * cols; i++)
-        bt[i] = f[i];
-    lapack_int info = LAPACKE_dgesvd(LAPACK_ROW_MAJOR, 'S', 'S', l, (lapack_int)cols, bt, (lapack_int)cols, sig, u, l,
-                                     vt, (lapack_int)cols, sup);
+    for (int64_t c = 0; c < cols; c++)
+        for (int q = 0; q < l; q++)
+            bt[q * cols + c] = f[c * l + q];
+    // bt [l, cols] row-major is its transpose [cols, l] column-major, a tall matrix LAPACK takes
+    // as it is: Btᵀ = U'·Σ·V'ᵀ, whose U' [cols, l] column-major is vt [l, cols] row-major (Vᵀ of
+    // Bt) and V'ᵀ [l, l] column-major is u [l, l] row-major
+    lapack_int info = LAPACKE_dgesvd(LAPACK_COL_MAJOR, 'S', 'S', (lapack_int)cols, l, bt, (lapack_int)cols, sig, vt,
+                                     (lapack_int)cols, u, l, sup);
     if (info != 0) {
         s = lm_err_set(err, LM_ERR_FORMAT, "the SVD of a %d x %lld matrix did not converge (LAPACK info %d)", l,
                        (long long)cols, (int)info);
@@ -241,6 +489,7 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
         out->err = sqrt(res2 / norm2);
 
 done:
+    lm_pool_free(pool);
     free_bufs(dev, &b);
     free(h);
     free(bt);

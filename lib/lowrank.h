@@ -2,14 +2,16 @@
 // factorisation behind writing a merge's deltas as an adapter. A randomised range finder with
 // power iterations (Halko, Martinsson and Tropp, 2011) on the device: Y = M·Ω with Ω a Gaussian
 // test matrix of l = r + oversampling columns, re-orthonormalised after each product with Mᵀ and
-// M; then the small matrix Q'·M [l, cols] decomposed exactly (LAPACKE, double precision, on the
-// host). B = Q·U_r·√Σ_r and A = √Σ_r·V_rᵀ share the singular values, so that neither factor is
-// much larger than the other. Where M's rank is at most l the range is found whole and the
-// factorisation is exact to float32 rounding.
+// M (in double on the host: Cholesky QR twice where the product is well conditioned, else a
+// Householder QR by blocks of rows); then the small matrix Q'·M [l, cols] decomposed exactly
+// (LAPACKE, double precision, on the host). B = Q·U_r·√Σ_r and A = √Σ_r·V_rᵀ share the singular
+// values, so that neither factor is much larger than the other. Where M's rank is at most l the
+// range is found whole and the factorisation is exact to float32 rounding.
 //
 // Every draw of Ω is a pure function of (key, its index), the products are the device's
-// (lm_dev_gemm) and the small decompositions run on one thread, so the factors are the same bits
-// for any thread count and slab order. The relative error ‖M − B·A‖_F / ‖M‖_F is measured from
+// (lm_dev_gemm), and the host's work is split by the shape alone (blocks of rows, each
+// decomposed on one thread, added in block order), so the factors are the same bits for any
+// thread count and slab order. The relative error ‖M − B·A‖_F / ‖M‖_F is measured from
 // the residual itself, not from the singular values, with the factors as they will be stored.
 #ifndef LM_LOWRANK_H
 #define LM_LOWRANK_H
@@ -52,8 +54,9 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
 
 void lm_lowrank_free(lm_lowrank *lr);
 
-// The standard normal draw of index i of the stream `key` (Box-Muller from two of its uniform
-// draws, in double): Ω's entry i in row-major order.
+// The standard normal draw of index i of the stream `key`: Ω's entry i in row-major order.
+// Box-Muller, in double, from the uniform draws 2j and 2j + 1 of the stream (j = i / 2): the
+// cosine of their angle for even i, its sine for odd i, so that each pair of draws makes two.
 double lm_lowrank_normal(uint64_t key, int64_t i);
 
 #endif

@@ -8,7 +8,9 @@
 # cuda with the CPU's end to end (llmerge eval's perplexity, llmerge hessian's Hessians), and
 # prints the GPU benchmark tables: bench_merge --device cuda (merge time, host<->device GB/s
 # against cudaMemcpy measured in the same run, target >= 70% for LoRA inputs) and bench_capture
-# --device cuda (capture tokens/s against cuBLAS's SGEMM peak on the device, target >= 40%). The
+# --device cuda (capture tokens/s against cuBLAS's SGEMM peak on the device, target >= 40%),
+# bench_methods --device cuda (slerp, breadcrumbs, della and the --to-lora merges against their
+# reference methods in the same run, with the targets of the CPU's table). The
 # build's log lists the kernels ptxas reports spilling registers or using local memory. Exit
 # status 0 only when every step passed (a benchmark's MISSED target is printed, not a failure).
 #
@@ -184,6 +186,11 @@ if [ $bench -eq 1 ]; then
   ./build-gpu/bench_capture --device cuda --seqs 8 --len 512 || failed+=("bench_capture")
   # four times the tokens: how much of the capture's time is a fixed cost of the run
   ./build-gpu/bench_capture --device cuda --seqs 32 --len 512 || failed+=("bench_capture")
+  # the methods with a time target against their reference method, and merges written as
+  # adapters (the factorisation's products on cuBLAS, its small decompositions on the host)
+  step "benchmark: the mergekit methods and --to-lora on cuda (bench_methods --device cuda)"
+  ./build-gpu/bench_methods --device cuda --rounds 1 \
+    --methods slerp,breadcrumbs,della,extract-r16,extract-r64,ties-to-lora-r64 || failed+=("bench_methods")
 fi
 
 step "summary"

@@ -227,6 +227,84 @@ static void test_gemm_tiles(lm_dev *d1, lm_dev *d3)
 // one left alone (or mirrored), over sizes that make one tile, several with a ragged edge
 // (n 1000: tiles of 256), and none (k 0); beta 0 over NaN; 1 and 3 threads bit for bit; and a
 // device without the operation says so.
+// C = A·W and Aᵀ·W with C of a few columns and A large: the randomised SVD's products, which
+// the CPU makes with kernels of its own (one to five 16-wide vectors a row of C; more columns go
+// to OpenBLAS). Every element against a double reference (within 1e-6 of the sum of its terms'
+// magnitudes); the same bits on 1 and 3 threads; A,
+// W and C with strides past their widths (C's columns past n keep what they held); ragged rows
+// and sums; and a sum of 131,072 positive terms kept to 2e-6 of its value (one chain of float32
+// additions over them lost 1.5e-5).
+static void test_gemm_narrow(lm_dev *d1, lm_dev *d3)
+{
+    lm_err err = {0};
+    // m, n, k, ta: C [m, n]; A [m, k] (ta 0) or [k, m] (ta 1)
+    const int64_t shapes[][4] = {{1000, 26, 1100, 0}, {1030, 26, 1050, 1}, {2001, 74, 600, 0}, {600, 74, 2003, 1},
+                                 {1100, 1, 1000, 0},  {1100, 1, 1000, 1},  {700, 80, 1500, 0}, {1500, 80, 700, 1},
+                                 {650, 33, 1700, 1},  {1700, 48, 650, 0},  {900, 81, 1200, 1}};
+    for (size_t t = 0; t < sizeof shapes / sizeof shapes[0]; t++) {
+        int64_t m = shapes[t][0], n = shapes[t][1], k = shapes[t][2];
+        bool ta = shapes[t][3];
+        int64_t lda = (ta ? m : k) + 3, ldw = n + 5, ldc = n + 2;
+        float *a = malloc((size_t)((ta ? k : m) * lda) * 4), *w = malloc((size_t)(k * ldw) * 4);
+        float *c1 = malloc((size_t)(m * ldc) * 4), *c3 = malloc((size_t)(m * ldc) * 4);
+        fill(a, (ta ? k : m) * lda);
+        fill(w, k * ldw);
+        for (int64_t i = 0; i < m * ldc; i++)
+            c1[i] = c3[i] = NAN;
+        CHECK_OK(lm_dev_gemm(d1, ta, false, m, n, k, 1.0f, a, lda, w, ldw, 0.0f, c1, ldc, &err), &err);
+        CHECK_OK(lm_dev_gemm(d3, ta, false, m, n, k, 1.0f, a, lda, w, ldw, 0.0f, c3, ldc, &err), &err);
+        double maxerr = 0;
+        bool pad_kept = true;
+        for (int64_t i = 0; i < m; i++) {
+            for (int64_t j = 0; j < n; j++) {
+                double s = 0, mag = 0;  // the sum, and of its terms' magnitudes (its rounding's scale)
+                for (int64_t q = 0; q < k; q++) {
+                    double x = (double)(ta ? a[q * lda + i] : a[i * lda + q]) * w[q * ldw + j];
+                    s += x;
+                    mag += fabs(x);
+                }
+                double e = fabs(s - c3[i * ldc + j]) / mag;
+                maxerr = e > maxerr || isnan(e) ? e : maxerr;
+            }
+            for (int64_t j = n; j < ldc; j++)
+                pad_kept &= isnan(c1[i * ldc + j]) && isnan(c3[i * ldc + j]);
+        }
+        CHECK_MSG(maxerr < 1e-6, "narrow gemm ta=%d %lld x %lld x %lld: max error %g", (int)ta, (long long)m,
+                  (long long)n, (long long)k, maxerr);
+        CHECK_MSG(pad_kept, "narrow gemm ta=%d n=%lld: C's columns past n were written", (int)ta, (long long)n);
+        CHECK_MSG(same_bits(c1, c3, m * ldc), "narrow gemm ta=%d %lld x %lld x %lld: 1 and 3 threads differ",
+                  (int)ta, (long long)m, (long long)n, (long long)k);
+        free(a);
+        free(w);
+        free(c1);
+        free(c3);
+    }
+    // long sums of positive terms, both ways: C [16, 26] over k = 131,072
+    enum { LM = 16, LN = 26, LK = 131072 };
+    float *a = malloc((size_t)LM * LK * 4), *w = malloc((size_t)LK * LN * 4), *c = malloc(LM * LN * 4);
+    fill(a, (int64_t)LM * LK);
+    fill(w, (int64_t)LK * LN);
+    for (int64_t i = 0; i < (int64_t)LM * LK; i++)
+        a[i] = fabsf(a[i]);
+    for (int64_t i = 0; i < (int64_t)LK * LN; i++)
+        w[i] = fabsf(w[i]);
+    for (int ta = 0; ta < 2; ta++) {
+        CHECK_OK(lm_dev_gemm(d3, ta, false, LM, LN, LK, 1.0f, a, ta ? LM : LK, w, LN, 0.0f, c, LN, &err), &err);
+        double worst = 0;
+        for (int i = 0; i < LM; i++)
+            for (int j = 0; j < LN; j++) {
+                double s = 0;
+                for (int64_t q = 0; q < LK; q++)
+                    s += (double)(ta ? a[q * LM + i] : a[(int64_t)i * LK + q]) * w[q * LN + j];
+                worst = fmax(worst, fabs(c[i * LN + j] - s) / s);
+            }
+        CHECK_MSG(worst < 2e-6, "narrow gemm ta=%d over %d positive terms: relative error %g", ta, (int)LK, worst);
+    }
+    free(a);
+    free(w);
+    free(c);
+}
+
 static void test_syrk(lm_dev *d1, lm_dev *d3)
 {
     lm_err err = {0};
@@ -1339,6 +1417,7 @@ int main(void)
     test_elementwise(d1, d3);
     test_gemm(d3);
     test_gemm_tiles(d1, d3);
+    test_gemm_narrow(d1, d3);
     test_syrk(d1, d3);
     test_dora(d3);
     test_combine(d1, d3);

@@ -1,6 +1,7 @@
-// The CPU backend's arithmetic: GEMM through OpenBLAS (with its own kernel for the low-rank
-// products of LoRA pairs), the symmetric rank-k update, axpby, task vectors (delta, DoRA), and
-// the combination of task vectors (sign election, disjoint mean). See cpu_impl.h.
+// The CPU backend's arithmetic: GEMM through OpenBLAS (with its own kernels for the low-rank
+// products of LoRA pairs and for products of a large matrix with a few columns), the symmetric
+// rank-k update, axpby, task vectors (delta, DoRA), and the combination of task vectors (sign
+// election, disjoint mean). See cpu_impl.h.
 #include "cpu_impl.h"
 
 #include <cblas.h>
@@ -229,6 +230,232 @@ static void lowrank_task(void *ctx, int64_t t)
                      j->alpha, j->beta);
 }
 
+// ---- narrow products --------------------------------------------------------------------------
+// C = A·W and C = Aᵀ·W where C has at most NARROW_MAX_N columns and A is large: the randomised
+// SVD's products of a matrix with its test matrix and with its bases (lowrank.c). OpenBLAS
+// packs A for every such product, a copy of the whole matrix for a few columns of work (a third
+// of the products' time in an extraction); these kernels read A once, as it lies, against W's
+// rows held in vector registers. Each element of C is summed over k in order, in blocks of
+// NARROW_KB terms each summed from zero and added to C in block order: its value depends on its
+// own inputs alone, whichever task makes it, and the float32 sums are blocked as BLAS blocks
+// them (one chain over the 128,256 rows of an embedding lost two digits). AVX-512 only; other
+// processors, and other shapes, go to OpenBLAS.
+#define NARROW_MAX_N 80   // five 16-wide vectors
+#define NARROW_KB 256     // terms summed from zero before they are added to C
+#define NARROW_ROWS 256   // rows of C per task
+#define NARROW_MIN_WORK (1 << 20)  // m·k below this: OpenBLAS (the packed copy costs little there)
+
+typedef struct narrow_job {
+    int64_t m, n, k;
+    const float *a, *w;  // C = A·W: w is W packed, k rows of 16·V floats; C = Aᵀ·W: W itself
+    int64_t lda, ldw, ldc;
+    float *c;
+    int v;               // 16-wide vectors per row of C
+    uint16_t last;       // the lanes of C in the last vector
+} narrow_job;
+
+#ifdef HAVE_AVX512_PATH
+// The mask of vector v of V: every lane but in the last.
+#define NARROW_MASK(j, vv) ((__mmask16)((vv) == (j)->v - 1 ? (j)->last : 0xFFFF))
+
+// C's rows [i, i + R) of C = A·W over the terms [k0, k0 + NARROW_KB): summed from zero, then
+// added to C (written where k0 is 0). R and V are constants where it is inlined.
+__attribute__((target("avx512f"), always_inline)) static inline void narrow_ab_rows(const narrow_job *j, int64_t i,
+                                                                                 int64_t k0, const int R,
+                                                                                 const int V)
+{
+    int64_t k1 = j->k - k0 < NARROW_KB ? j->k : k0 + NARROW_KB;
+    __m512 s[8][5];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 5
+        for (int v = 0; v < V; v++)
+            s[r][v] = _mm512_setzero_ps();
+    const float *a = j->a + i * j->lda;
+    for (int64_t q = k0; q < k1; q++) {
+        const float *w = j->w + q * 16 * V;
+        __m512 wv[5];
+#pragma GCC unroll 5
+        for (int v = 0; v < V; v++)
+            wv[v] = _mm512_load_ps(w + 16 * v);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m512 x = _mm512_set1_ps(a[r * j->lda + q]);
+#pragma GCC unroll 5
+            for (int v = 0; v < V; v++)
+                s[r][v] = _mm512_fmadd_ps(x, wv[v], s[r][v]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 5
+        for (int v = 0; v < V; v++) {
+            float *cr = j->c + (i + r) * j->ldc + 16 * v;
+            __mmask16 mk = NARROW_MASK(j, v);
+            __m512 o = k0 == 0 ? s[r][v] : _mm512_add_ps(_mm512_maskz_loadu_ps(mk, cr), s[r][v]);
+            _mm512_mask_storeu_ps(cr, mk, o);
+        }
+}
+
+// Rows [r0, r1) of C = A·W, a block of terms at a time (its rows of W stay in the caches while
+// the task's rows pass): R rows at a time, then one.
+__attribute__((target("avx512f"), always_inline)) static inline void narrow_ab_task(const narrow_job *j, int64_t r0,
+                                                                                 int64_t r1, const int R, const int V)
+{
+    for (int64_t k0 = 0; k0 < j->k; k0 += NARROW_KB) {
+        int64_t i = r0;
+        for (; i + R <= r1; i += R)
+            narrow_ab_rows(j, i, k0, R, V);
+        for (; i < r1; i++)
+            narrow_ab_rows(j, i, k0, 1, V);
+    }
+}
+
+// p[c − c0] += Σ over A's rows [i, i + R) of A[row, c] · W[row] for C's rows c in [c0, c1)
+// (A's columns), p holding 16·V floats a row; U of C's rows at a time, then one. W's R rows are
+// held in registers across the sweep.
+__attribute__((target("avx512f"), always_inline)) static inline void narrow_atb_rows(const narrow_job *j, float *p,
+                                                                                  int64_t i, int64_t c0, int64_t c1,
+                                                                                  const int R, const int V, const int U)
+{
+    __m512 w[8][5];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 5
+        for (int v = 0; v < V; v++)
+            w[r][v] = _mm512_maskz_loadu_ps(NARROW_MASK(j, v), j->w + (i + r) * j->ldw + 16 * v);
+    const float *a = j->a + i * j->lda;
+    int64_t c = c0;
+    for (; c + U <= c1; c += U) {
+        float *pc = p + (c - c0) * 16 * V;
+        __m512 s[8][5];
+#pragma GCC unroll 8
+        for (int u = 0; u < U; u++)
+#pragma GCC unroll 5
+            for (int v = 0; v < V; v++)
+                s[u][v] = _mm512_load_ps(pc + (u * V + v) * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+            for (int u = 0; u < U; u++) {
+                __m512 x = _mm512_set1_ps(a[r * j->lda + c + u]);
+#pragma GCC unroll 5
+                for (int v = 0; v < V; v++)
+                    s[u][v] = _mm512_fmadd_ps(x, w[r][v], s[u][v]);
+            }
+#pragma GCC unroll 8
+        for (int u = 0; u < U; u++)
+#pragma GCC unroll 5
+            for (int v = 0; v < V; v++)
+                _mm512_store_ps(pc + (u * V + v) * 16, s[u][v]);
+    }
+    for (; c < c1; c++) {
+        float *pc = p + (c - c0) * 16 * V;
+        __m512 s[5];
+#pragma GCC unroll 5
+        for (int v = 0; v < V; v++)
+            s[v] = _mm512_load_ps(pc + v * 16);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m512 x = _mm512_set1_ps(a[r * j->lda + c]);
+#pragma GCC unroll 5
+            for (int v = 0; v < V; v++)
+                s[v] = _mm512_fmadd_ps(x, w[r][v], s[v]);
+        }
+#pragma GCC unroll 5
+        for (int v = 0; v < V; v++)
+            _mm512_store_ps(pc + v * 16, s[v]);
+    }
+}
+
+// C's rows [c0, c1) of C = Aᵀ·W (A's columns), A's rows a block of NARROW_KB at a time: each
+// block's sums made from zero in p, then added to C.
+__attribute__((target("avx512f"), always_inline)) static inline void narrow_atb_task(const narrow_job *j, int64_t c0,
+                                                                                  int64_t c1, const int R,
+                                                                                  const int V, const int U)
+{
+    _Alignas(64) float p[NARROW_ROWS * NARROW_MAX_N];
+    for (int64_t i0 = 0; i0 < j->k; i0 += NARROW_KB) {
+        int64_t i1 = j->k - i0 < NARROW_KB ? j->k : i0 + NARROW_KB, i = i0;
+        memset(p, 0, (size_t)((c1 - c0) * 16 * V) * sizeof *p);
+        for (; i + R <= i1; i += R)
+            narrow_atb_rows(j, p, i, c0, c1, R, V, U);
+        for (; i < i1; i++)
+            narrow_atb_rows(j, p, i, c0, c1, 1, V, U);
+        for (int64_t c = c0; c < c1; c++)
+#pragma GCC unroll 5
+            for (int v = 0; v < V; v++) {
+                float *cr = j->c + c * j->ldc + 16 * v;
+                __mmask16 mk = NARROW_MASK(j, v);
+                __m512 s = _mm512_load_ps(p + ((c - c0) * V + v) * 16);
+                _mm512_mask_storeu_ps(cr, mk, i0 == 0 ? s : _mm512_add_ps(_mm512_maskz_loadu_ps(mk, cr), s));
+            }
+    }
+}
+
+// One function per number of vectors, with its tile: R rows of A (and U rows of C for Aᵀ·W) at
+// a time, as many as keep the sums and W's rows in the 32 vector registers with enough
+// independent chains of multiply-adds to cover their latency.
+#define NARROW_FNS(V, RAB, RATB, U)                                                                                   \
+    __attribute__((target("avx512f"))) static void narrow_ab_v##V(void *ctx, int64_t t)                               \
+    {                                                                                                                 \
+        const narrow_job *j = ctx;                                                                                    \
+        int64_t r0 = t * NARROW_ROWS, r1 = j->m - r0 < NARROW_ROWS ? j->m : r0 + NARROW_ROWS;                         \
+        narrow_ab_task(j, r0, r1, RAB, V);                                                                            \
+    }                                                                                                                 \
+    __attribute__((target("avx512f"))) static void narrow_atb_v##V(void *ctx, int64_t t)                              \
+    {                                                                                                                 \
+        const narrow_job *j = ctx;                                                                                    \
+        int64_t c0 = t * NARROW_ROWS, c1 = j->m - c0 < NARROW_ROWS ? j->m : c0 + NARROW_ROWS;                         \
+        narrow_atb_task(j, c0, c1, RATB, V, U);                                                                       \
+    }
+NARROW_FNS(1, 8, 8, 8)
+NARROW_FNS(2, 8, 8, 4)
+NARROW_FNS(3, 6, 6, 2)
+NARROW_FNS(4, 4, 4, 2)
+NARROW_FNS(5, 4, 4, 2)
+
+static void (*const narrow_ab_fns[6])(void *, int64_t) = {NULL, narrow_ab_v1, narrow_ab_v2, narrow_ab_v3,
+                                                          narrow_ab_v4, narrow_ab_v5};
+static void (*const narrow_atb_fns[6])(void *, int64_t) = {NULL, narrow_atb_v1, narrow_atb_v2, narrow_atb_v3,
+                                                           narrow_atb_v4, narrow_atb_v5};
+#endif
+
+// C = A·W (ta false) or Aᵀ·W (ta true) by the kernels above, where they apply: true when done,
+// false for OpenBLAS (another shape, alpha not 1, beta not 0, a processor without AVX-512, or no
+// memory for W's packed copy).
+static bool narrow_gemm(lm_pool *pool, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
+                        const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc)
+{
+#ifdef HAVE_AVX512_PATH
+    if (tb || alpha != 1.0f || beta != 0.0f || n > NARROW_MAX_N || k < 1 || m * k < NARROW_MIN_WORK ||
+        !__builtin_cpu_supports("avx512f"))
+        return false;
+    int v = (int)((n + 15) / 16);
+    narrow_job j = {.m = m, .n = n, .k = k, .a = a, .w = b, .lda = lda, .ldw = ldb, .ldc = ldc, .c = c, .v = v,
+                    .last = (uint16_t)(0xFFFFu >> (16 * v - n))};
+    float *packed = NULL;
+    if (!ta) {
+        // W's rows padded with zeros to 16·V floats, aligned: k rows, in the caches block by block
+        size_t size = (size_t)(k * 16 * v) * sizeof *packed;
+        if (!(packed = aligned_alloc(64, (size + 63) / 64 * 64)))
+            return false;
+        for (int64_t q = 0; q < k; q++) {
+            memcpy(packed + q * 16 * v, b + q * ldb, (size_t)n * sizeof *packed);
+            memset(packed + q * 16 * v + n, 0, (size_t)(16 * v - n) * sizeof *packed);
+        }
+        j.w = packed;
+    }
+    lm_pool_run(pool, ceil_div(m, NARROW_ROWS), ta ? narrow_atb_fns[v] : narrow_ab_fns[v], &j);
+    free(packed);
+    return true;
+#else
+    (void)pool, (void)ta, (void)tb, (void)m, (void)n, (void)k, (void)alpha, (void)a, (void)lda, (void)b, (void)ldb,
+        (void)beta, (void)c, (void)ldc;
+    return false;
+#endif
+}
+
 lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                    const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                    float *c, int64_t ldc, lm_err *err)
@@ -244,6 +471,8 @@ lm_status cpu_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k,
         lm_pool_run(pool_of(d), ceil_div(m, j.tile_rows), lowrank_task, &j);
         return LM_OK;
     }
+    if (narrow_gemm(pool_of(d), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc))
+        return LM_OK;
     // OpenBLAS runs single-threaded (its spinning workers would compete with the pool); the
     // pool splits C into tiles. The split depends on the shape alone, never on the thread
     // count: OpenBLAS picks its kernel by the shape it is given, and at small shapes a row's

@@ -5,7 +5,8 @@
 // alike bit for bit. The files:
 //
 //   cpu.c          the vtable, memory, conversions, creating the device and its companion
-//   cpu_arith.c    GEMM (and its low-rank products), syrk, axpby, delta, DoRA, the combination
+//   cpu_arith.c    GEMM (and its low-rank and narrow products), syrk, axpby, delta, DoRA, the
+//                  combination
 //   cpu_select.c   histograms, top-k, importance, Cholesky, stored masks, random drop, L1
 //   cpu_dense.c    the fused dense passes (lm_dev_dense_hist, lm_dev_dense_merge)
 //   cpu_forward.c  the forward pass's row-wise operations
