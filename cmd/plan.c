@@ -246,6 +246,7 @@ static plan_lora lora_need(const lm_cmd_prepared *pr)
 {
     plan_lora l = {0};
     const lm_model *b = pr->base;
+    int threads = lm_dev_threads(pr->dev) > 0 ? lm_dev_threads(pr->dev) : 1;
     uint64_t es = lm_dtype_bits((lm_dtype)pr->lora_dtype) / 8;
     for (int64_t i = 0; i < b->n_tensors; i++) {
         const lm_st_tensor *t = b->tensors[i];
@@ -264,8 +265,14 @@ static plan_lora lora_need(const lm_cmd_prepared *pr)
             l.largest = t->name;
             l.delta = (uint64_t)t->numel * 4;
             int64_t big = rows > cols ? rows : cols;
+            // lowrank.c's buffers: the sketches in float and double, the small SVD's, the factors,
+            // the device's copies, the residual's chunk (4 MiB); the stacked triangles of a QR by
+            // blocks, each thread's block of its basis, the CPU's packed test matrix
+            int64_t qr_rows = 2 * lw > 512 ? 2 * lw : 512;
             l.work = (uint64_t)(big * lw) * 12 + (uint64_t)(lw * cols) * 28 + (uint64_t)((rows + cols) * r) * 8 +
-                     (uint64_t)(rows + cols) * (uint64_t)lw * 4 + (1u << 20);
+                     (uint64_t)(rows + cols) * (uint64_t)lw * 4 + (4u << 20) +
+                     (uint64_t)(big / qr_rows + 1) * (uint64_t)(lw * lw) * 8 +
+                     (uint64_t)threads * (uint64_t)(2 * qr_rows * lw) * 8 + (uint64_t)cols * (uint64_t)(lw + 15) / 16 * 64;
         }
     }
     if (pr->to_lora_exact)  // no merge: the inputs' factors, which the adapters' files size
