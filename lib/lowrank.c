@@ -17,21 +17,23 @@
 // against 3.82 s with 2^20 (medians of six alternating runs), mostly in system time.
 #define RESIDUAL_ROWS_ELEMS ((int64_t)1 << 20)
 
-// The radius and angle of the pair of draws behind entries 2j and 2j + 1: two uniform draws in
-// (0, 1), the 32-bit draws of 2j and 2j + 1 offset by a half.
-static void normal_pair(uint64_t key, int64_t j, double *radius, double *angle)
+// Entries 2j and 2j + 1 of the stream, from one pair of uniform draws in (0, 1) (the 32-bit
+// draws of 2j and 2j + 1 offset by a half): the one function that makes them, so that a single
+// entry and a run of them are the same bits.
+static void normal_pair(uint64_t key, int64_t j, double *even, double *odd)
 {
     double u1 = ((double)lm_rng_draw(key, 2 * j) + 0.5) / 4294967296.0;
     double u2 = ((double)lm_rng_draw(key, 2 * j + 1) + 0.5) / 4294967296.0;
-    *radius = sqrt(-2.0 * log(u1));
-    *angle = 6.283185307179586 * u2;
+    double radius = sqrt(-2.0 * log(u1)), angle = 6.283185307179586 * u2;
+    *even = radius * cos(angle);
+    *odd = radius * sin(angle);
 }
 
 double lm_lowrank_normal(uint64_t key, int64_t i)
 {
-    double r, a;
-    normal_pair(key, i >> 1, &r, &a);
-    return r * (i & 1 ? sin(a) : cos(a));
+    double even, odd;
+    normal_pair(key, i >> 1, &even, &odd);
+    return i & 1 ? odd : even;
 }
 
 #define NORMAL_PAIRS 8192  // pairs of draws per task
@@ -47,11 +49,11 @@ static void normal_task(void *ctx, int64_t t)
 {
     const normal_job *j = ctx;
     for (int64_t p = t * NORMAL_PAIRS; p < (t + 1) * NORMAL_PAIRS && 2 * p < j->n; p++) {
-        double r, a;
-        normal_pair(j->key, p, &r, &a);
-        j->out[2 * p] = (float)(r * cos(a));
+        double even, odd;
+        normal_pair(j->key, p, &even, &odd);
+        j->out[2 * p] = (float)even;
         if (2 * p + 1 < j->n)
-            j->out[2 * p + 1] = (float)(r * sin(a));
+            j->out[2 * p + 1] = (float)odd;
     }
 }
 
@@ -101,7 +103,8 @@ typedef struct qr_job {
     double *s;       // [nb·l, l] column-major: the blocks' triangles, then their Q
     int64_t n, rows, nb;
     int l;
-    bool failed;     // a block's LAPACK call failed, or no memory
+    bool failed;     // a block's LAPACK call failed
+    bool nomem;      // a block found no memory
     pthread_mutex_t mu;
 } qr_job;
 
@@ -115,10 +118,13 @@ static int64_t qr_len(const qr_job *j, int64_t b)
     return b == j->nb - 1 ? j->n - b * j->rows : j->rows;  // the last block takes the rest
 }
 
-static void qr_fail(qr_job *j)
+static void qr_fail(qr_job *j, bool nomem)
 {
     pthread_mutex_lock(&j->mu);
-    j->failed = true;
+    if (nomem)
+        j->nomem = true;
+    else
+        j->failed = true;
     pthread_mutex_unlock(&j->mu);
 }
 
@@ -139,7 +145,7 @@ static void qr_block_task(void *ctx, int64_t b)
     if (info == 0)
         info = LAPACKE_dorgqr(LAPACK_COL_MAJOR, (lapack_int)nr, l, l, h, (lapack_int)nr, tau);
     if (info != 0)
-        qr_fail(j);
+        qr_fail(j, false);
 }
 
 // Block b's rows of the basis: its Q times its l rows of the stack's Q, into x as float32.
@@ -150,7 +156,7 @@ static void qr_product_task(void *ctx, int64_t b)
     int l = j->l;
     double *q = malloc((size_t)(nr * l) * sizeof *q);
     if (!q) {
-        qr_fail(j);
+        qr_fail(j, true);
         return;
     }
     cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, (int)nr, l, l, 1.0, j->h + r0 * l, (int)nr,
@@ -187,9 +193,10 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, lm_e
     }
     pthread_mutex_destroy(&j.mu);
     free(j.s);
+    if (j.nomem)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     if (j.failed)
-        return lm_err_set(err, LM_ERR_FORMAT, "the QR of a %lld x %d matrix failed (out of memory, or LAPACK)",
-                          (long long)n, l);
+        return lm_err_set(err, LM_ERR_FORMAT, "the QR of a %lld x %d matrix failed (LAPACK)", (long long)n, l);
     return LM_OK;
 }
 
@@ -200,10 +207,13 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, lm_e
 // double rounding. It is level-3 work (the Gram matrices and the solves, by blocks of rows on the
 // pool's threads, the blocks' Gram matrices added in block order), a quarter of the QR by blocks'
 // time at 74 columns. A matrix whose R is not well conditioned (a low-rank change, a steep
-// spectrum after the power iteration) takes the QR by blocks: the condition number the LAPACK
-// estimate gives must stay below CHOL_COND, where CholeskyQR2 keeps its orthogonality with room.
+// spectrum after the power iteration) takes the QR by blocks. The test: LAPACK's estimate of
+// κ₁(R), times three (the estimate's slack) and times l (κ₂ <= l·κ₁), at most CHOL_COND, which
+// admits κ₁(R) up to about 4,500 at 74 columns, the order of CholeskyQR2's proven sufficient
+// bound (Yamamoto et al., 2015: 8·κ₂·√(n·l·u + l(l+1)·u) <= 1, about 4,000 for a 128,256 x 74
+// matrix) and far below where its Cholesky factor in double fails (κ₂ near 1e8).
 #define CHOL_ROWS 4096  // rows per block of the Gram matrices and the solves
-#define CHOL_COND 1e6   // the bound on κ₂(X), from l times three times LAPACK's estimate of κ₁(R)
+#define CHOL_COND 1e6
 
 typedef struct chol_job {
     const float *x;  // [n, l] row-major: the matrix
@@ -301,12 +311,13 @@ static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, b
 // in double on the host (h: n × l doubles, f: n × l floats of scratch): by Cholesky QR where the
 // matrix is well conditioned, else by the QR by blocks.
 static lm_status orthonormalise(lm_dev *dev, lm_pool *pool, float *x, int64_t n, int l, double *h, float *f,
-                                lm_err *err)
+                                int *n_cholesky, lm_err *err)
 {
     lm_status s = lm_dev_download(dev, f, x, (size_t)(n * l) * sizeof *f, err);
     bool done = false;
     if (s == LM_OK)
         s = cholqr2(pool, f, n, l, h, &done, err);
+    *n_cholesky += done;
     if (s == LM_OK && !done)
         s = tsqr(pool, f, n, l, h, err);
     if (s != LM_OK)
@@ -375,15 +386,15 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     lm_pool_run(pool, (nj.n + 2 * NORMAL_PAIRS - 1) / (2 * NORMAL_PAIRS), normal_task, &nj);
     if ((s = lm_dev_upload(dev, b.omega, f, (size_t)(cols * l) * sizeof *f, err)) != LM_OK ||
         (s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err)) != LM_OK ||
-        (s = orthonormalise(dev, pool, b.y, rows, l, h, f, err)) != LM_OK)
+        (s = orthonormalise(dev, pool, b.y, rows, l, h, f, &out->bases_cholesky, err)) != LM_OK)
         goto done;
     for (int it = 0; it < o->power_iters; it++) {
         if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err)) !=
                 LM_OK ||
-            (s = orthonormalise(dev, pool, b.omega, cols, l, h, f, err)) != LM_OK ||
+            (s = orthonormalise(dev, pool, b.omega, cols, l, h, f, &out->bases_cholesky, err)) != LM_OK ||
             (s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err)) !=
                 LM_OK ||
-            (s = orthonormalise(dev, pool, b.y, rows, l, h, f, err)) != LM_OK)
+            (s = orthonormalise(dev, pool, b.y, rows, l, h, f, &out->bases_cholesky, err)) != LM_OK)
             goto done;
     }
     // Q'·M [l, cols], made as its transpose Mᵀ·Q [cols, l] (the narrow product, as Mᵀ·Q above),

@@ -42,6 +42,8 @@ typedef struct lm_lowrank {
     int n_sigma;
     double norm;     // ‖M‖_F
     double err;      // ‖M − B·A‖_F / ‖M‖_F (0 where M is zero)
+    int bases_cholesky;  // of the range's bases (one, and two per power iteration), how many were
+                         // made by Cholesky QR (the others by the QR by blocks)
 } lm_lowrank;
 
 // Factors the matrix M [rows, cols] (row-major, device memory of `dev`) as above into *out

@@ -223,17 +223,13 @@ static void test_gemm_tiles(lm_dev *d1, lm_dev *d3)
     }
 }
 
-// syrk against a double reference: C[n,n] = alpha·AᵀA + beta·C on the upper triangle, the lower
-// one left alone (or mirrored), over sizes that make one tile, several with a ragged edge
-// (n 1000: tiles of 256), and none (k 0); beta 0 over NaN; 1 and 3 threads bit for bit; and a
-// device without the operation says so.
 // C = A·W and Aᵀ·W with C of a few columns and A large: the randomised SVD's products, which
-// the CPU makes with kernels of its own (one to five 16-wide vectors a row of C; more columns go
-// to OpenBLAS). Every element against a double reference (within 1e-6 of the sum of its terms'
-// magnitudes); the same bits on 1 and 3 threads; A,
-// W and C with strides past their widths (C's columns past n keep what they held); ragged rows
-// and sums; and a sum of 131,072 positive terms kept to 2e-6 of its value (one chain of float32
-// additions over them lost 1.5e-5).
+// the CPU makes with kernels of its own where the processor has AVX-512 (one to five 16-wide
+// vectors a row of C; more columns go to OpenBLAS, as does everything elsewhere). Every element
+// against a double reference (within 1e-6 of the sum of its terms' magnitudes); the same bits on
+// 1 and 3 threads; A, W and C with strides past their widths (C's columns past n keep what they
+// held); ragged rows and sums; and a sum of 131,072 positive terms kept to 2e-6 of its value
+// (one chain of float32 additions over them lost 1.5e-5).
 static void test_gemm_narrow(lm_dev *d1, lm_dev *d3)
 {
     lm_err err = {0};
@@ -305,6 +301,10 @@ static void test_gemm_narrow(lm_dev *d1, lm_dev *d3)
     free(c);
 }
 
+// syrk against a double reference: C[n,n] = alpha·AᵀA + beta·C on the upper triangle, the lower
+// one left alone (or mirrored), over sizes that make one tile, several with a ragged edge
+// (n 1000: tiles of 256), and none (k 0); beta 0 over NaN; 1 and 3 threads bit for bit; and a
+// device without the operation says so.
 static void test_syrk(lm_dev *d1, lm_dev *d3)
 {
     lm_err err = {0};

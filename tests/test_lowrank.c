@@ -2,8 +2,9 @@
 // exact SVD computed here in double (LAPACKE's dgesvd): on matrices with a decaying spectrum the
 // rank-r error within 1% of the Eckart-Young optimum sqrt(Σ_{i>=r} σ_i²)/‖M‖, wide and tall;
 // matrices of rank at most r recovered to float32 rounding; the error it reports against the
-// residual recomputed here; the rank the energy rule picks; the same bits on 1 and 3 threads
-// and on the simulated device; a zero matrix, NaN, ranks out of range, a device out of memory.
+// residual recomputed here; the rank the energy rule picks; tall and wide matrices through both
+// ways of making the bases and the CPU's narrow products; the same bits on 1 and 3 threads and on
+// the simulated device; a zero matrix, NaN, ranks out of range, a device out of memory.
 #include <lapacke.h>
 #include <math.h>
 #include <stdlib.h>
@@ -155,42 +156,50 @@ static void test_exact(lm_dev *dev)
 
 // Tall and wide matrices, whose bases are made by blocks of rows: a change of rank 3 (its
 // sketches are rank-deficient, so their bases come from the QR by blocks, nine blocks of 512
-// rows) found whole, and a decaying spectrum (bases by Cholesky QR over three blocks of
-// 4,096 rows) within 1% of the optimum; each the same bits on 1 and 3 threads.
+// rows) found whole, and a decaying spectrum (bases by Cholesky QR over three blocks of 4,096
+// rows) within 1% of the optimum; then a matrix of each kind large enough for the CPU's narrow
+// products (a million elements). Each the same bits on 1 and 3 threads, its bases made the way
+// said.
 static void test_blocks(void)
 {
     lm_dev *one = cpu(1), *three = cpu(3);
-    const int64_t shapes[][2] = {{5000, 40}, {40, 5000}, {9000, 48}, {48, 9000}};
-    for (size_t si = 0; si < 4; si++) {
-        int64_t rows = shapes[si][0], cols = shapes[si][1], k = rows < cols ? rows : cols;
-        bool low = si < 2;
-        float *m = make_matrix(rows, cols, low ? 3 : (int)k, low ? 0.5 : 0.85, 900 + si);
-        double *sv = malloc((size_t)k * sizeof *sv), total = 0, tail = 0;
-        exact_sigma(m, rows, cols, sv);
-        int r = 8;
-        for (int64_t i = 0; i < k; i++) {
-            total += sv[i] * sv[i];
-            tail += i >= r ? sv[i] * sv[i] : 0.0;
-        }
+    // rows, cols, the matrix's rank (0: full), whether its bases are Cholesky QR's
+    const int64_t cases[][4] = {{5000, 40, 3, 0},    {40, 5000, 3, 0},    {9000, 48, 0, 1}, {48, 9000, 0, 1},
+                                {1100, 1000, 3, 0}, {1000, 1100, 60, 1}};
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        int64_t rows = cases[ci][0], cols = cases[ci][1], k = rows < cols ? rows : cols;
+        int rank_m = cases[ci][2] ? (int)cases[ci][2] : (int)k, r = 8;
+        bool low = rank_m <= r, chol = cases[ci][3];
+        float *m = make_matrix(rows, cols, rank_m, low ? 0.5 : 0.85, 900 + ci);
         lm_lowrank_opts o = {.rank = r, .oversample = low ? 4 : 10, .power_iters = 1, .key = 13};
         lm_lowrank lr1, lr3;
         lm_err err = {0};
         CHECK_OK(factor(one, m, rows, cols, &o, &lr1, &err), &err);
         CHECK_OK(factor(three, m, rows, cols, &o, &lr3, &err), &err);
-        if (low)
-            CHECK_MSG(lr3.err < 2e-6 && lr3.rank >= 3, "%lldx%lld of rank 3: error %.3g at rank %d", (long long)rows,
-                      (long long)cols, lr3.err, lr3.rank);
-        else
+        CHECK_MSG(lr3.bases_cholesky == (chol ? 3 : 0), "%lldx%lld: %d of 3 bases by Cholesky QR", (long long)rows,
+                  (long long)cols, lr3.bases_cholesky);
+        if (low) {
+            CHECK_MSG(lr3.err < 2e-6 && lr3.rank >= rank_m, "%lldx%lld of rank %d: error %.3g at rank %d",
+                      (long long)rows, (long long)cols, rank_m, lr3.err, lr3.rank);
+        } else {
+            double *sv = malloc((size_t)k * sizeof *sv), total = 0, tail = 0;
+            exact_sigma(m, rows, cols, sv);
+            for (int64_t i = 0; i < k; i++) {
+                total += sv[i] * sv[i];
+                tail += i >= r ? sv[i] * sv[i] : 0.0;
+            }
             CHECK_MSG(lr3.rank == r && lr3.err <= 1.01 * sqrt(tail / total), "%lldx%lld rank %d: error %.6g, "
                       "optimum %.6g", (long long)rows, (long long)cols, r, lr3.err, sqrt(tail / total));
+            free(sv);
+        }
         double mine = residual(m, rows, cols, &lr3);
         CHECK_MSG(fabs(lr3.err - mine) <= 1e-4 * mine + 1e-7, "reported %.9g, recomputed %.9g", lr3.err, mine);
-        CHECK_MSG(lr1.rank == lr3.rank && memcmp(lr1.a, lr3.a, (size_t)(lr1.rank * cols) * sizeof(float)) == 0 &&
+        CHECK_MSG(lr1.rank == lr3.rank && lr1.bases_cholesky == lr3.bases_cholesky &&
+                      memcmp(lr1.a, lr3.a, (size_t)(lr1.rank * cols) * sizeof(float)) == 0 &&
                       memcmp(lr1.b, lr3.b, (size_t)(rows * lr1.rank) * sizeof(float)) == 0,
                   "%lldx%lld: 1 and 3 threads give other factors", (long long)rows, (long long)cols);
         lm_lowrank_free(&lr1);
         lm_lowrank_free(&lr3);
-        free(sv);
         free(m);
     }
     lm_dev_destroy(one);

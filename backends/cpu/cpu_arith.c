@@ -428,7 +428,7 @@ static bool narrow_gemm(lm_pool *pool, bool ta, bool tb, int64_t m, int64_t n, i
                         const float *a, int64_t lda, const float *b, int64_t ldb, float beta, float *c, int64_t ldc)
 {
 #ifdef HAVE_AVX512_PATH
-    if (tb || alpha != 1.0f || beta != 0.0f || n > NARROW_MAX_N || k < 1 || m * k < NARROW_MIN_WORK ||
+    if (tb || alpha != 1.0f || beta != 0.0f || n < 1 || n > NARROW_MAX_N || k < 1 || m * k < NARROW_MIN_WORK ||
         !__builtin_cpu_supports("avx512f"))
         return false;
     int v = (int)((n + 15) / 16);
