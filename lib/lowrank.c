@@ -71,7 +71,7 @@ void lm_lowrank_free(lm_lowrank *lr)
 typedef struct lr_bufs {
     float *omega;  // (cols × l) Ω, then Z = Mᵀ·Q
     float *y;      // (rows × l) Y = M·Ω, then Q
-    float *bt;     // (cols × l) Mᵀ·Q
+    float *bt;     // (cols × l) X = Mᵀ·Q
     float *fb;     // (rows × r) B, for the residual
     float *fa;     // (r × cols) A
     float *res;    // (chunk rows × cols) the residual's rows
@@ -167,8 +167,18 @@ static void qr_product_task(void *ctx, int64_t b)
     free(q);
 }
 
-// The QR by blocks above of f [n, l] (row-major, float), its basis back into f; h: n × l doubles.
-static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, lm_err *err)
+// Copies the upper triangle of the column-major l × l matrix at s (leading dimension ld) into r,
+// row-major, zeros below.
+static void copy_triangle(const double *s, int64_t ld, int l, double *r)
+{
+    for (int i = 0; i < l; i++)
+        for (int c = 0; c < l; c++)
+            r[i * l + c] = i <= c ? s[c * ld + i] : 0.0;
+}
+
+// The QR by blocks above of f [n, l] (row-major, float), its basis back into f, its R [l, l]
+// (row-major) into r where r is not NULL; h: n × l doubles.
+static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, double *r, lm_err *err)
 {
     int64_t rows = QR_ROWS > 2 * (int64_t)l ? QR_ROWS : 2 * (int64_t)l;
     qr_job j = {.x = f, .h = h, .n = n, .rows = rows, .nb = n / rows < 1 ? 1 : n / rows, .l = l};
@@ -180,6 +190,8 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, lm_e
         int64_t ns = j.nb * l;
         double tau[l];
         lapack_int info = LAPACKE_dgeqrf(LAPACK_COL_MAJOR, (lapack_int)ns, l, j.s, (lapack_int)ns, tau);
+        if (info == 0 && r)
+            copy_triangle(j.s, ns, l, r);
         if (info == 0)
             info = LAPACKE_dorgqr(LAPACK_COL_MAJOR, (lapack_int)ns, l, l, j.s, (lapack_int)ns, tau);
         if (info != 0)
@@ -187,9 +199,11 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, lm_e
         else
             lm_pool_run(pool, j.nb, qr_product_task, &j);
     } else if (!j.failed) {
-        for (int64_t i = 0; i < n; i++)  // one block: its Q is the basis
+        for (int64_t i = 0; i < n; i++)  // one block: its Q is the basis, its triangle R
             for (int c = 0; c < l; c++)
                 f[i * l + c] = (float)h[c * n + i];
+        if (r)
+            copy_triangle(j.s, l, l, r);
     }
     pthread_mutex_destroy(&j.mu);
     free(j.s);
@@ -287,42 +301,105 @@ static bool chol_pass(lm_pool *pool, chol_job *j, double *r, bool check)
     return true;
 }
 
-// The basis of f [n, l] by CholeskyQR2 into f, *done set; *done false (f untouched: only the
-// second pass's solves write it, after its factor) where the matrix is not well conditioned.
-static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, bool *done, lm_err *err)
+// The basis of f [n, l] by CholeskyQR2 into f, and R = R₂·R₁ [l, l] (row-major) into r where r
+// is not NULL, *done set; *done false (f untouched: only the second pass's solves write it,
+// after its factor) where the matrix is not well conditioned.
+static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, double *r, bool *done, lm_err *err)
 {
     chol_job j = {.x = f, .h = h, .n = n, .nb = (n + CHOL_ROWS - 1) / CHOL_ROWS, .l = l};
-    double *r = malloc((size_t)l * l * sizeof *r);
-    if (!r || !(j.g = malloc((size_t)(j.nb * l * l) * sizeof *j.g))) {
-        free(r);
+    double *r1 = malloc((size_t)l * l * sizeof *r1), *r2 = malloc((size_t)l * l * sizeof *r2);
+    if (!r1 || !r2 || !(j.g = malloc((size_t)(j.nb * l * l) * sizeof *j.g))) {
+        free(r1);
+        free(r2);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     }
-    *done = chol_pass(pool, &j, r, true);
+    *done = chol_pass(pool, &j, r1, true);
     if (*done) {
         j.out = f;
-        *done = chol_pass(pool, &j, r, false);
+        *done = chol_pass(pool, &j, r2, false);
     }
-    free(r);
+    if (*done && r)  // both upper triangular: R's row i from column i on
+        for (int i = 0; i < l; i++)
+            for (int c = 0; c < l; c++) {
+                double x = 0;
+                for (int q = i; q <= c; q++)
+                    x += r2[i * l + q] * r1[q * l + c];
+                r[i * l + c] = x;
+            }
+    free(r1);
+    free(r2);
     free(j.g);
     return LM_OK;
 }
 
+// The QR of the host matrix f [n, l] (row-major, float): its orthonormal basis Q back into f, R
+// [l, l] (row-major, upper) into r where r is not NULL; by Cholesky QR where the matrix is well
+// conditioned (*n_cholesky counts it), else by the QR by blocks. h: n × l doubles of scratch.
+static lm_status host_qr(lm_pool *pool, float *f, int64_t n, int l, double *h, double *r, int *n_cholesky,
+                         lm_err *err)
+{
+    bool done = false;
+    lm_status s = cholqr2(pool, f, n, l, h, r, &done, err);
+    *n_cholesky += done;
+    if (s == LM_OK && !done)
+        s = tsqr(pool, f, n, l, h, r, err);
+    return s;
+}
+
 // Replaces the device matrix x [n, l] (row-major) by an orthonormal basis of its columns, made
-// in double on the host (h: n × l doubles, f: n × l floats of scratch): by Cholesky QR where the
-// matrix is well conditioned, else by the QR by blocks.
+// in double on the host (host_qr; f: n × l floats of scratch).
 static lm_status orthonormalise(lm_dev *dev, lm_pool *pool, float *x, int64_t n, int l, double *h, float *f,
                                 int *n_cholesky, lm_err *err)
 {
     lm_status s = lm_dev_download(dev, f, x, (size_t)(n * l) * sizeof *f, err);
-    bool done = false;
     if (s == LM_OK)
-        s = cholqr2(pool, f, n, l, h, &done, err);
-    *n_cholesky += done;
-    if (s == LM_OK && !done)
-        s = tsqr(pool, f, n, l, h, err);
+        s = host_qr(pool, f, n, l, h, NULL, n_cholesky, err);
     if (s != LM_OK)
         return s;
     return lm_dev_upload(dev, x, f, (size_t)(n * l) * sizeof *f, err);
+}
+
+// ---- products on the host ---------------------------------------------------------------------
+#define PRODUCT_ROWS 4096  // rows per task
+
+typedef struct product_job {
+    const float *q;    // [n, l] row-major
+    const double *u;   // [l, l] row-major: its first r columns
+    double *out;       // [n, r] row-major
+    int64_t n;
+    int l, r;
+    bool nomem;
+    pthread_mutex_t mu;
+} product_job;
+
+static void product_task(void *ctx, int64_t t)
+{
+    product_job *j = ctx;
+    int64_t r0 = t * PRODUCT_ROWS, nr = j->n - r0 < PRODUCT_ROWS ? j->n - r0 : PRODUCT_ROWS;
+    double *q = malloc((size_t)(nr * j->l) * sizeof *q);
+    if (!q) {
+        pthread_mutex_lock(&j->mu);
+        j->nomem = true;
+        pthread_mutex_unlock(&j->mu);
+        return;
+    }
+    for (int64_t i = 0; i < nr * j->l; i++)
+        q[i] = j->q[r0 * j->l + i];
+    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)nr, j->r, j->l, 1.0, q, j->l, j->u, j->l, 0.0,
+                j->out + r0 * j->r, j->r);
+    free(q);
+}
+
+// out [n, r] = q [n, l] (float, row-major) · u[:, :r] (u [l, l] row-major), in double, by blocks of
+// rows on the pool's threads (the blocks by the shape alone, so the bits do not depend on them).
+static lm_status host_product(lm_pool *pool, const float *q, int64_t n, int l, const double *u, int r, double *out,
+                              lm_err *err)
+{
+    product_job j = {.q = q, .u = u, .out = out, .n = n, .l = l, .r = r};
+    pthread_mutex_init(&j.mu, NULL);
+    lm_pool_run(pool, (n + PRODUCT_ROWS - 1) / PRODUCT_ROWS, product_task, &j);
+    pthread_mutex_destroy(&j.mu);
+    return j.nomem ? lm_err_set(err, LM_ERR_NOMEM, "out of memory") : LM_OK;
 }
 
 // Σ of the row sums of squares of x [rows, cols] (device memory), in row order.
@@ -353,14 +430,14 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
                       : kmax);
     int64_t big = rows > cols ? rows : cols;
     lr_bufs b = {0};
-    double *h = malloc((size_t)(big * l) * sizeof *h), *bt = malloc((size_t)(l * cols) * sizeof *bt);
-    double *u = malloc((size_t)l * l * sizeof *u), *sig = malloc((size_t)l * sizeof *sig);
-    double *vt = malloc((size_t)(l * cols) * sizeof *vt), *sup = malloc((size_t)l * sizeof *sup);
-    float *f = malloc((size_t)(big * l > l * cols ? big * l : l * cols) * sizeof *f);
+    double *h = malloc((size_t)(big * l) * sizeof *h), *rx = malloc((size_t)l * l * sizeof *rx);
+    double *ur = malloc((size_t)l * l * sizeof *ur), *vrt = malloc((size_t)l * l * sizeof *vrt);
+    double *sig = malloc((size_t)l * sizeof *sig), *sup = malloc((size_t)l * sizeof *sup);
+    float *f = malloc((size_t)(big * l) * sizeof *f);
     lm_status s = LM_OK;
     double norm2 = 0;
-    lm_pool *pool = NULL;  // the host's work (Ω, the QRs) on the device's host threads
-    if (!h || !bt || !u || !sig || !vt || !sup || !f) {
+    lm_pool *pool = NULL;  // the host's work (Ω, the QRs, the products) on the device's host threads
+    if (!h || !rx || !ur || !vrt || !sig || !sup || !f) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto done;
     }
@@ -397,19 +474,15 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
             (s = orthonormalise(dev, pool, b.y, rows, l, h, f, &out->bases_cholesky, err)) != LM_OK)
             goto done;
     }
-    // Q'·M [l, cols], made as its transpose Mᵀ·Q [cols, l] (the narrow product, as Mᵀ·Q above),
-    // and its SVD U·Σ·Vᵀ in double on the host
+    // X = Mᵀ·Q [cols, l] (the narrow product, as above), the transpose of Q'·M, and its SVD in
+    // double on the host: X = Q_X·R (host_qr), R = U_R·Σ·V_Rᵀ, so that X = (Q_X·U_R)·Σ·V_Rᵀ and
+    // Q'·M = V_R·Σ·(Q_X·U_R)ᵀ: its left singular vectors V_R, its right ones Q_X·U_R
+    int x_cholesky = 0;
     if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.bt, l, err)) != LM_OK ||
-        (s = lm_dev_download(dev, f, b.bt, (size_t)(l * cols) * sizeof *f, err)) != LM_OK)
+        (s = lm_dev_download(dev, f, b.bt, (size_t)(l * cols) * sizeof *f, err)) != LM_OK ||
+        (s = host_qr(pool, f, cols, l, h, rx, &x_cholesky, err)) != LM_OK)
         goto done;
-    for (int64_t c = 0; c < cols; c++)
-        for (int q = 0; q < l; q++)
-            bt[q * cols + c] = f[c * l + q];
-    // bt [l, cols] row-major is its transpose [cols, l] column-major, a tall matrix LAPACK takes
-    // as it is: Btᵀ = U'·Σ·V'ᵀ, whose U' [cols, l] column-major is vt [l, cols] row-major (Vᵀ of
-    // Bt) and V'ᵀ [l, l] column-major is u [l, l] row-major
-    lapack_int info = LAPACKE_dgesvd(LAPACK_COL_MAJOR, 'S', 'S', (lapack_int)cols, l, bt, (lapack_int)cols, sig, vt,
-                                     (lapack_int)cols, u, l, sup);
+    lapack_int info = LAPACKE_dgesvd(LAPACK_ROW_MAJOR, 'A', 'A', l, l, rx, l, sig, ur, l, vrt, l, sup);
     if (info != 0) {
         s = lm_err_set(err, LM_ERR_FORMAT, "the SVD of a %d x %lld matrix did not converge (LAPACK info %d)", l,
                        (long long)cols, (int)info);
@@ -437,37 +510,29 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     if (r == 0)
         goto done;
 
-    // B = Q·U_r·√Σ_r [rows, r], A = √Σ_r·V_rᵀ [r, cols]
+    // A = √Σ_r·(Q_X·U_R)_rᵀ [r, cols], then B = Q·V_R,r·√Σ_r [rows, r] (h holds each product)
     out->b = malloc((size_t)(rows * r) * sizeof *out->b);
     out->a = malloc((size_t)(r * cols) * sizeof *out->a);
     if (!out->b || !out->a) {
         s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         goto done;
     }
+    if ((s = host_product(pool, f, cols, l, ur, r, h, err)) != LM_OK)
+        goto done;
     for (int q = 0; q < r; q++) {
         double w = sqrt(sig[q]);
         for (int64_t c = 0; c < cols; c++)
-            out->a[q * cols + c] = (float)(w * vt[q * cols + c]);
+            out->a[q * cols + c] = (float)(w * h[c * r + q]);
     }
-    // Q (rows × l) to the host in double, then Q·U_r
-    if ((s = lm_dev_download(dev, f, b.y, (size_t)(rows * l) * sizeof *f, err)) != LM_OK)
+    for (int i = 0; i < l; i++)  // V_R row-major, into rx (free again)
+        for (int q = 0; q < l; q++)
+            rx[i * l + q] = vrt[q * l + i];
+    if ((s = lm_dev_download(dev, f, b.y, (size_t)(rows * l) * sizeof *f, err)) != LM_OK ||
+        (s = host_product(pool, f, rows, l, rx, r, h, err)) != LM_OK)
         goto done;
-    for (int64_t i = 0; i < rows * l; i++)
-        h[i] = f[i];
-    double *qu = bt;  // l × cols doubles are free again; rows × r fit where rows <= cols, else reuse h's tail
-    double *qu_buf = NULL;
-    if ((int64_t)r * rows > l * cols) {
-        if (!(qu_buf = malloc((size_t)(rows * r) * sizeof *qu_buf))) {
-            s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-            goto done;
-        }
-        qu = qu_buf;
-    }
-    cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, r, l, 1.0, h, l, u, l, 0.0, qu, r);
     for (int64_t i = 0; i < rows; i++)
         for (int q = 0; q < r; q++)
-            out->b[i * r + q] = (float)(qu[i * r + q] * sqrt(sig[q]));
-    free(qu_buf);
+            out->b[i * r + q] = (float)(h[i * r + q] * sqrt(sig[q]));
 
     // the factors as they will be stored
     if (o->round_bf16 || o->round_f16) {
@@ -506,10 +571,10 @@ done:
     lm_pool_free(pool);
     free_bufs(dev, &b);
     free(h);
-    free(bt);
-    free(u);
+    free(rx);
+    free(ur);
+    free(vrt);
     free(sig);
-    free(vt);
     free(sup);
     free(f);
     if (s != LM_OK)

@@ -4,7 +4,7 @@
 // test matrix of l = r + oversampling columns, re-orthonormalised after each product with Mᵀ and
 // M (in double on the host: Cholesky QR twice where the product is well conditioned, else a
 // Householder QR by blocks of rows); then the small matrix Q'·M [l, cols] decomposed exactly
-// (LAPACKE, double precision, on the host). B = Q·U_r·√Σ_r and A = √Σ_r·V_rᵀ share the singular
+// in double on the host (the same QR of its transpose, then LAPACKE's SVD of the l × l triangle). B = Q·U_r·√Σ_r and A = √Σ_r·V_rᵀ share the singular
 // values, so that neither factor is much larger than the other. Where M's rank is at most l the
 // range is found whole and the factorisation is exact to float32 rounding.
 //
