@@ -238,8 +238,8 @@ static void lowrank_task(void *ctx, int64_t t)
 // rows held in vector registers. Each element of C is summed over k in order, in blocks of
 // NARROW_KB terms each summed from zero and added to C in block order: its value depends on its
 // own inputs alone, whichever task makes it, and the float32 sums are blocked as BLAS blocks
-// them (one chain over the 128,256 rows of an embedding lost two digits). AVX-512 only; other
-// processors, and other shapes, go to OpenBLAS.
+// them (a single chain over test_device's sum of 131,072 terms lost a digit). AVX-512 only;
+// other processors, and other shapes, go to OpenBLAS.
 #define NARROW_MAX_N 80   // five 16-wide vectors
 #define NARROW_KB 256     // terms summed from zero before they are added to C
 #define NARROW_ROWS 256   // rows of C per task
