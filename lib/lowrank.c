@@ -5,7 +5,7 @@
 #include <lapacke.h>
 #include <malloc.h>
 #include <math.h>
-#include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -70,9 +70,8 @@ void lm_lowrank_free(lm_lowrank *lr)
 
 // The device buffers of one factorisation.
 typedef struct lr_bufs {
-    float *omega;  // (cols × l) Ω, then Z = Mᵀ·Q
+    float *omega;  // (cols × l) Ω, then Z = Mᵀ·Q, then X = Mᵀ·Q of the last Q
     float *y;      // (rows × l) Y = M·Ω, then Q
-    float *bt;     // (cols × l) X = Mᵀ·Q
     float *fb;     // (rows × r) B, for the residual
     float *fa;     // (r × cols) A
     float *res;    // (chunk rows × cols) the residual's rows
@@ -82,7 +81,6 @@ static void free_bufs(lm_dev *dev, lr_bufs *b)
 {
     lm_dev_buf_free(dev, b->omega);
     lm_dev_buf_free(dev, b->y);
-    lm_dev_buf_free(dev, b->bt);
     lm_dev_buf_free(dev, b->fb);
     lm_dev_buf_free(dev, b->fa);
     lm_dev_buf_free(dev, b->res);
@@ -104,9 +102,8 @@ typedef struct qr_job {
     double *s;       // [nb·l, l] column-major: the blocks' triangles, then their Q
     int64_t n, rows, nb;
     int l;
-    bool failed;     // a block's LAPACK call failed
-    bool nomem;      // a block found no memory
-    pthread_mutex_t mu;
+    atomic_bool failed;  // a block's LAPACK call failed
+    atomic_bool nomem;   // a block found no memory
 } qr_job;
 
 static int64_t qr_start(const qr_job *j, int64_t b)
@@ -117,16 +114,6 @@ static int64_t qr_start(const qr_job *j, int64_t b)
 static int64_t qr_len(const qr_job *j, int64_t b)
 {
     return b == j->nb - 1 ? j->n - b * j->rows : j->rows;  // the last block takes the rest
-}
-
-static void qr_fail(qr_job *j, bool nomem)
-{
-    pthread_mutex_lock(&j->mu);
-    if (nomem)
-        j->nomem = true;
-    else
-        j->failed = true;
-    pthread_mutex_unlock(&j->mu);
 }
 
 // Block b: its QR, its triangle into the stack, its Q in place.
@@ -146,7 +133,7 @@ static void qr_block_task(void *ctx, int64_t b)
     if (info == 0)
         info = LAPACKE_dorgqr(LAPACK_COL_MAJOR, (lapack_int)nr, l, l, h, (lapack_int)nr, tau);
     if (info != 0)
-        qr_fail(j, false);
+        atomic_store(&j->failed, true);
 }
 
 // Block b's rows of the basis: its Q times its l rows of the stack's Q, into x as float32.
@@ -157,7 +144,7 @@ static void qr_product_task(void *ctx, int64_t b)
     int l = j->l;
     double *q = malloc((size_t)(nr * l) * sizeof *q);
     if (!q) {
-        qr_fail(j, true);
+        atomic_store(&j->nomem, true);
         return;
     }
     cblas_dgemm(CblasColMajor, CblasNoTrans, CblasNoTrans, (int)nr, l, l, 1.0, j->h + r0 * l, (int)nr,
@@ -185,7 +172,6 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, doub
     qr_job j = {.x = f, .h = h, .n = n, .rows = rows, .nb = n / rows < 1 ? 1 : n / rows, .l = l};
     if (!(j.s = malloc((size_t)(j.nb * l * l) * sizeof *j.s)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    pthread_mutex_init(&j.mu, NULL);
     lm_pool_run(pool, j.nb, qr_block_task, &j);
     if (j.nb > 1 && !j.failed) {
         int64_t ns = j.nb * l;
@@ -206,7 +192,6 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, doub
         if (r)
             copy_triangle(j.s, l, l, r);
     }
-    pthread_mutex_destroy(&j.mu);
     free(j.s);
     if (j.nomem)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
@@ -369,8 +354,7 @@ typedef struct product_job {
     double *out;       // [n, r] row-major
     int64_t n;
     int l, r;
-    bool nomem;
-    pthread_mutex_t mu;
+    atomic_bool nomem;
 } product_job;
 
 static void product_task(void *ctx, int64_t t)
@@ -379,9 +363,7 @@ static void product_task(void *ctx, int64_t t)
     int64_t r0 = t * PRODUCT_ROWS, nr = j->n - r0 < PRODUCT_ROWS ? j->n - r0 : PRODUCT_ROWS;
     double *q = malloc((size_t)(nr * j->l) * sizeof *q);
     if (!q) {
-        pthread_mutex_lock(&j->mu);
-        j->nomem = true;
-        pthread_mutex_unlock(&j->mu);
+        atomic_store(&j->nomem, true);
         return;
     }
     for (int64_t i = 0; i < nr * j->l; i++)
@@ -397,10 +379,8 @@ static lm_status host_product(lm_pool *pool, const float *q, int64_t n, int l, c
                               lm_err *err)
 {
     product_job j = {.q = q, .u = u, .out = out, .n = n, .l = l, .r = r};
-    pthread_mutex_init(&j.mu, NULL);
     lm_pool_run(pool, (n + PRODUCT_ROWS - 1) / PRODUCT_ROWS, product_task, &j);
-    pthread_mutex_destroy(&j.mu);
-    return j.nomem ? lm_err_set(err, LM_ERR_NOMEM, "out of memory") : LM_OK;
+    return atomic_load(&j.nomem) ? lm_err_set(err, LM_ERR_NOMEM, "out of memory") : LM_OK;
 }
 
 // Σ of the row sums of squares of x [rows, cols] (device memory), in row order.
@@ -457,8 +437,7 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
 
     // Y = M·Ω, then power iterations Y = M·(Mᵀ·Q), each product's result orthonormalised
     if ((s = lm_dev_alloc(dev, (size_t)(cols * l) * sizeof(float), (void **)&b.omega, err)) != LM_OK ||
-        (s = lm_dev_alloc(dev, (size_t)(rows * l) * sizeof(float), (void **)&b.y, err)) != LM_OK ||
-        (s = lm_dev_alloc(dev, (size_t)(l * cols) * sizeof(float), (void **)&b.bt, err)) != LM_OK)
+        (s = lm_dev_alloc(dev, (size_t)(rows * l) * sizeof(float), (void **)&b.y, err)) != LM_OK)
         goto done;
     normal_job nj = {.key = o->key, .n = cols * l, .out = f};
     lm_pool_run(pool, (nj.n + 2 * NORMAL_PAIRS - 1) / (2 * NORMAL_PAIRS), normal_task, &nj);
@@ -475,12 +454,14 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
             (s = orthonormalise(dev, pool, b.y, rows, l, h, f, &out->bases_cholesky, err)) != LM_OK)
             goto done;
     }
-    // X = Mᵀ·Q [cols, l] (the narrow product, as above), the transpose of Q'·M, and its SVD in
-    // double on the host: X = Q_X·R (host_qr), R = U_R·Σ·V_Rᵀ, so that X = (Q_X·U_R)·Σ·V_Rᵀ and
-    // Q'·M = V_R·Σ·(Q_X·U_R)ᵀ: its left singular vectors V_R, its right ones Q_X·U_R
+    // X = Mᵀ·Q [cols, l] (the narrow product, as above; in Ω's buffer, free now), the transpose
+    // of Q'·M, and its SVD in double on the host: X = Q_X·R (host_qr), R = U_R·Σ·V_Rᵀ, so that
+    // X = (Q_X·U_R)·Σ·V_Rᵀ and Q'·M = V_R·Σ·(Q_X·U_R)ᵀ: its left singular vectors V_R, its right
+    // ones Q_X·U_R
     int x_cholesky = 0;
-    if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.bt, l, err)) != LM_OK ||
-        (s = lm_dev_download(dev, f, b.bt, (size_t)(l * cols) * sizeof *f, err)) != LM_OK ||
+    if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err)) !=
+            LM_OK ||
+        (s = lm_dev_download(dev, f, b.omega, (size_t)(l * cols) * sizeof *f, err)) != LM_OK ||
         (s = host_qr(pool, f, cols, l, h, rx, &x_cholesky, err)) != LM_OK)
         goto done;
     lapack_int info = LAPACKE_dgesvd(LAPACK_ROW_MAJOR, 'A', 'A', l, l, rx, l, sig, ur, l, vrt, l, sup);
