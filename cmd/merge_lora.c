@@ -21,7 +21,6 @@
 #include <unistd.h>
 
 #include "adapter_write.h"
-#include "arch.h"
 #include "lowrank.h"
 #include "merge_args.h"
 #include "sparsify.h"
@@ -53,8 +52,6 @@ struct lm_cmd_lora {
     int64_t n;
     lm_dev *dev;
     lm_progress *p;
-    lm_arch_desc arch;  // to tell the embedding from the other matrices (zeroed when unknown)
-    bool have_arch;
     lm_adapter_out *w;
     lm_dtype dtype;
     float *buf;         // the current tensor's merged values
@@ -133,8 +130,6 @@ lm_status lm_cmd_lora_begin(lm_cmd_lora **out, const merge_args *a, const lm_mod
     l->dtype = dtype;
     l->buf_idx = -1;
     l->rank = a->to_lora;
-    lm_err ignored = {0};
-    l->have_arch = lm_arch_describe(&l->arch, &base->config, &ignored) == LM_OK;
     lm_status s = lm_adapter_out_new(&l->w, base, a->base, dtype, err);
     if (s != LM_OK) {
         lm_cmd_lora_free(l);
@@ -155,8 +150,6 @@ void lm_cmd_lora_free(lm_cmd_lora *l)
     free(l->rec);
     free(l->buf);
     free(l->chunk);
-    if (l->have_arch)
-        lm_arch_desc_free(&l->arch);
     lm_adapter_out_free(l->w);
     free(l);
 }
@@ -318,8 +311,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     r.norm = lr.norm;
     const char *dot = strrchr(bt->name, '.');
     char *module = strndup(bt->name, (size_t)(dot - bt->name));
-    const lm_arch_tensor *at = l->have_arch ? lm_arch_find(&l->arch, bt->name) : NULL;
-    bool embedding = at ? at->role == LM_ROLE_EMBED : ends_with(bt->name, "embed_tokens.weight");
+    bool embedding = lm_adapter_embedding(l->base, bt->name);
     if (!module)
         s = nomem(err);
     else if (lr.rank > 0)
@@ -346,6 +338,19 @@ static bool module_factored(const lm_cmd_lora *l, const char *name)
     return false;
 }
 
+// The weight of the layer whose bias is tensor `name`, where the layer is linear (a matrix that
+// is not an embedding), else NULL.
+static const lm_st_tensor *linear_weight(const lm_cmd_lora *l, const char *name)
+{
+    if (!ends_with(name, ".bias"))
+        return NULL;
+    char *wn = lm_strfmt("%.*s.weight", (int)(strlen(name) - strlen(".bias")), name);
+    const lm_st_tensor *wt = wn ? lm_model_find(l->base, wn) : NULL;
+    bool linear = wt && is_matrix(wt) && !lm_adapter_embedding(l->base, wn);
+    free(wn);
+    return linear ? wt : NULL;
+}
+
 lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err)
 {
     lm_status s = LM_OK;
@@ -353,20 +358,31 @@ lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err)
         lora_rec *r = &l->rec[i];
         if (r->rank >= 0 || !r->values)  // factored, or (exact) written already
             continue;
-        const lm_st_tensor *bt = lm_model_find(l->base, r->name);
-        if (r->ndim == 1 && ends_with(r->name, ".bias") && module_factored(l, r->name)) {
-            // lora_B.bias: the change itself
+        const lm_st_tensor *bt = lm_model_find(l->base, r->name), *wt = linear_weight(l, r->name);
+        if (r->ndim == 1 && wt) {
+            // lora_B.bias: the change itself; a layer whose weight did not change gets factors of
+            // zeros, rank 1, to carry it (rather than the layer saved whole, weight and all)
             float *base = malloc((size_t)bt->numel * sizeof *base);
-            if (!base)
+            const char *dot = strrchr(r->name, '.');
+            char *module = strndup(r->name, (size_t)(dot - r->name));
+            if (!base || !module) {
+                free(base);
+                free(module);
                 return nomem(err);
+            }
             s = lm_convert_to_f32(base, bt->data, bt->dtype, bt->numel, err);
             for (int64_t e = 0; s == LM_OK && e < bt->numel; e++)
                 r->values[e] -= base[e];
             free(base);
-            const char *dot = strrchr(r->name, '.');
-            char *module = strndup(r->name, (size_t)(dot - r->name));
+            if (s == LM_OK && !module_factored(l, r->name)) {
+                float *zeros = calloc((size_t)(wt->shape[0] + wt->shape[1]), sizeof *zeros);
+                s = zeros ? lm_adapter_out_lora(l->w, module, false, wt->shape[0], wt->shape[1], 1, zeros,
+                                                zeros + wt->shape[0], err)
+                          : nomem(err);
+                free(zeros);
+            }
             if (s == LM_OK)
-                s = module ? lm_adapter_out_bias(l->w, module, bt->numel, r->values, err) : nomem(err);
+                s = lm_adapter_out_bias(l->w, module, bt->numel, r->values, err);
             free(module);
         } else {
             s = lm_adapter_out_saved(l->w, r->name, r->ndim, r->shape, r->values, err);
@@ -378,6 +394,17 @@ lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "--to-lora: no tensor changes (the merge is BASE itself): there is no "
                           "adapter to write");
     return s == LM_OK ? lm_adapter_out_write(l->w, dir, l->rank, err) : s;
+}
+
+// Whether factored tensor `name`'s module was written whole (lm_adapter_out_write: an embedding
+// under lora_bias).
+static bool made_whole(const lm_cmd_lora *l, const char *name)
+{
+    const char *dot = strrchr(name, '.');
+    char *module = dot ? strndup(name, (size_t)(dot - name)) : NULL;
+    bool whole = module && lm_adapter_out_is_whole(l->w, module);
+    free(module);
+    return whole;
 }
 
 void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
@@ -416,6 +443,14 @@ void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
     else
         lm_progress_note(p, "adapter: no matrix changes; %" PRId64 " tensor%s whole", n_whole,
                          n_whole == 1 ? "" : "s");
+    for (int64_t i = 0; i < l->n_rec; i++)
+        if (l->rec[i].rank > 0 && made_whole(l, l->rec[i].name))
+            lm_progress_note(p, "adapter: %s written whole (modules_to_save, BASE plus its factors' product): a "
+                             "bias changes, and PEFT takes no embedding LoRA beside lora_bias", l->rec[i].name);
+    const char *biasless = lm_adapter_out_biasless(l->w);
+    if (biasless)
+        lm_progress_note(p, "adapter: lora_bias is on (a bias changes), and %s has no bias in BASE: PEFT applies "
+                         "the adapter but its merge_and_unload refuses such a layer (llmerge merges it)", biasless);
 }
 
 lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err)
@@ -440,12 +475,14 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
                 return nomem(err);
             continue;
         }
+        // factors, or (an embedding under lora_bias) BASE plus their product, whole
+        const char *as = made_whole(l, r->name) ? "whole" : "factors";
         if (r->exact) {  // concatenated: nothing measured
-            if (!cJSON_AddStringToObject(o, "as", "factors") || !cJSON_AddNumberToObject(o, "rank", r->rank))
+            if (!cJSON_AddStringToObject(o, "as", as) || !cJSON_AddNumberToObject(o, "rank", r->rank))
                 return nomem(err);
             continue;
         }
-        if (!cJSON_AddStringToObject(o, "as", "factors") || !cJSON_AddNumberToObject(o, "rank", r->rank) ||
+        if (!cJSON_AddStringToObject(o, "as", as) || !cJSON_AddNumberToObject(o, "rank", r->rank) ||
             !cJSON_AddNumberToObject(o, "error", r->err) || !cJSON_AddNumberToObject(o, "norm", r->norm) ||
             !cJSON_AddBoolToObject(o, "cpu_fallback", r->on_cpu))
             return nomem(err);

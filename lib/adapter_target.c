@@ -404,9 +404,12 @@ static void targets_str(const lm_lora_config *cfg, char *buf, size_t cap)
 
 // Whether target_modules selects at least one 2-D weight of the base; LM_ERR_FORMAT naming
 // adapter_config.json and the key when it selects none (PEFT's "Target modules ... not found in
-// the base model").
+// the base model"), unless it is "dummy-target-modules", which PEFT lets select none.
 static lm_status check_base_targets(const lm_lora_config *cfg, const lm_model *base, lm_err *err)
 {
+    // PEFT's name for no targets (an adapter of saved modules only): it selects none, knowingly
+    if (cfg->targets == LM_LORA_TARGETS_REGEX && strcmp(cfg->target_regex, "dummy-target-modules") == 0)
+        return LM_OK;
     bool seen[LM_LORA_NOT_LINEAR + 1] = {false};
     for (int64_t i = 0; i < base->n_tensors; i++) {
         const lm_st_tensor *t = base->tensors[i];

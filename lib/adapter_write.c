@@ -2,10 +2,12 @@
 #include "adapter_write.h"
 
 #include <cJSON.h>
+#include <cblas.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "manifest.h"
 #include "st_writer.h"
 #include "util.h"
@@ -18,8 +20,9 @@ typedef struct aw_tensor {
 } aw_tensor;
 
 typedef struct aw_module {
-    char *path;  // "model.layers.0.self_attn.q_proj"
-    int r;       // 0: a saved module
+    char *path;      // "model.layers.0.self_attn.q_proj"
+    int r;           // 0: a saved module
+    bool embedding;  // the base's embedding (lora_embedding_A/B where it has factors)
 } aw_module;
 
 struct lm_adapter_out {
@@ -130,8 +133,48 @@ static lm_status add_module(lm_adapter_out *w, const char *path, int r, lm_err *
     }
     if (!(w->mods[w->n_mods].path = lm_strdup(path)))
         return nomem(err);
+    w->mods[w->n_mods].embedding = false;
     w->mods[w->n_mods++].r = r;
     return LM_OK;
+}
+
+// The lm_adapter_embedding answer for a module path (its weight's name made from it).
+static bool module_is_embedding(const lm_adapter_out *w, const char *path)
+{
+    char *name = lm_strfmt("%s.weight", path);
+    bool e = name && lm_adapter_embedding(w->base, name);
+    free(name);
+    return e;
+}
+
+// Names of embedding modules in architectures llmerge does not describe: the last component of
+// the module's path (PEFT makes an Embedding layer of whatever module is nn.Embedding; these are
+// the names transformers gives them).
+static const char *const embedding_names[] = {"embed_tokens", "wte", "wpe", "word_embeddings",
+                                              "position_embeddings", "token_type_embeddings", "embed_positions",
+                                              "tok_embeddings", "embed_in", "embeddings", NULL};
+
+bool lm_adapter_embedding(const lm_model *base, const char *tensor)
+{
+    lm_arch_desc d;
+    lm_err ignored = {0};
+    if (lm_arch_describe(&d, &base->config, &ignored) == LM_OK) {
+        const lm_arch_tensor *at = lm_arch_find(&d, tensor);
+        bool e = at && at->role == LM_ROLE_EMBED;
+        lm_arch_desc_free(&d);
+        return e;
+    }
+    const char *end = strrchr(tensor, '.');
+    if (!end || strcmp(end, ".weight") != 0)
+        return false;
+    const char *start = end;
+    while (start > tensor && start[-1] != '.')
+        start--;
+    for (int i = 0; embedding_names[i]; i++)
+        if ((size_t)(end - start) == strlen(embedding_names[i]) && strncmp(start, embedding_names[i],
+                                                                             (size_t)(end - start)) == 0)
+            return true;
+    return false;
 }
 
 lm_status lm_adapter_out_lora(lm_adapter_out *w, const char *module, bool embedding, int64_t rows, int64_t cols,
@@ -142,6 +185,7 @@ lm_status lm_adapter_out_lora(lm_adapter_out *w, const char *module, bool embedd
     lm_status s = add_module(w, module, r, err);
     if (s != LM_OK)
         return s;
+    w->mods[w->n_mods - 1].embedding = embedding;
     if (!embedding) {
         s = add_tensor(w, module, "lora_A.weight", 2, r, cols, a, err);
         if (s == LM_OK)
@@ -230,7 +274,8 @@ static bool all_of_leaf(const lm_adapter_out *w, const char *name, bool saved)
 }
 
 // target_modules (saved false) or modules_to_save (true): each last name whose modules all have
-// factors (are saved), else the full paths; NULL (JSON null) where there are none.
+// factors (are saved), else the full paths; where there are none, "dummy-target-modules"
+// (target_modules) or null (modules_to_save).
 static cJSON *module_list(const lm_adapter_out *w, bool saved)
 {
     cJSON *list = cJSON_CreateArray();
@@ -254,9 +299,165 @@ static cJSON *module_list(const lm_adapter_out *w, bool saved)
     }
     if (list && n == 0) {
         cJSON_Delete(list);
-        return cJSON_CreateNull();
+        // no targets: PEFT's name for none (a null would be its default targets)
+        return saved ? cJSON_CreateNull() : cJSON_CreateString("dummy-target-modules");
     }
     return list;
+}
+
+// The index of the tensor whose key is `key`, or -1.
+static int64_t find_key(const lm_adapter_out *w, const char *key)
+{
+    for (int64_t i = 0; i < w->n_t; i++)
+        if (strcmp(w->t[i].key, key) == 0)
+            return i;
+    return -1;
+}
+
+static void drop_tensor(lm_adapter_out *w, int64_t i)
+{
+    free(w->t[i].key);
+    free(w->t[i].data);
+    memmove(&w->t[i], &w->t[i + 1], (size_t)(w->n_t - i - 1) * sizeof *w->t);
+    w->n_t--;
+}
+
+// A tensor's values as float32 (malloc'd), or NULL with *err set.
+static float *f32_of(const void *data, lm_dtype dt, int64_t n, lm_err *err)
+{
+    float *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
+    if (!v) {
+        nomem(err);
+        return NULL;
+    }
+    if (lm_convert_to_f32(v, data, dt, n, err) != LM_OK) {
+        free(v);
+        return NULL;
+    }
+    return v;
+}
+
+#define WHOLE_ROWS 4096  // rows of an embedding made whole at once
+
+// PEFT refuses an Embedding layer under lora_bias: embedding module m's factors become its
+// weight whole (modules_to_save), BASE + lora_embedding_Aᵀ·lora_embedding_Bᵀ (the product PEFT
+// would add, from the factors as stored), a block of rows at a time.
+static lm_status embedding_whole(lm_adapter_out *w, aw_module *m, lm_err *err)
+{
+    char *ka = lm_strfmt("base_model.model.%s.lora_embedding_A", m->path);
+    char *kb = lm_strfmt("base_model.model.%s.lora_embedding_B", m->path);
+    char *name = lm_strfmt("%s.weight", m->path), *key = lm_strfmt("base_model.model.%s.weight", m->path);
+    int64_t ia = ka ? find_key(w, ka) : -1, ib = kb ? find_key(w, kb) : -1;
+    const lm_st_tensor *bt = name ? lm_model_find(w->base, name) : NULL;
+    float *ea = NULL, *eb = NULL, *rows = NULL;
+    void *out = NULL;
+    lm_status s = LM_OK;
+    if (!ka || !kb || !name || !key) {
+        s = nomem(err);
+        goto done;
+    }
+    if (ia < 0 || ib < 0 || !bt || bt->ndim != 2) {
+        s = lm_err_set(err, LM_ERR_USAGE, "module '%s': no embedding factors or base weight to make whole", m->path);
+        goto done;
+    }
+    int64_t vocab = bt->shape[0], hidden = bt->shape[1], r = w->t[ia].shape[0], es = lm_dtype_bits(bt->dtype) / 8;
+    int64_t wb = lm_dtype_bits(w->dtype) / 8;
+    ea = f32_of(w->t[ia].data, w->dtype, r * vocab, err);  // [r, vocab]
+    eb = ea ? f32_of(w->t[ib].data, w->dtype, hidden * r, err) : NULL;  // [hidden, r]
+    rows = eb ? malloc((size_t)(WHOLE_ROWS * hidden) * sizeof *rows) : NULL;
+    out = rows ? malloc((size_t)(vocab * hidden * wb)) : NULL;
+    if (!ea || !eb) {
+        s = err->status != LM_OK ? err->status : LM_ERR_NOMEM;
+        goto done;
+    }
+    if (!rows || !out) {
+        s = nomem(err);
+        goto done;
+    }
+    for (int64_t i0 = 0; i0 < vocab && s == LM_OK; i0 += WHOLE_ROWS) {
+        int64_t nr = vocab - i0 < WHOLE_ROWS ? vocab - i0 : WHOLE_ROWS;
+        s = lm_convert_to_f32(rows, (const char *)bt->data + (size_t)(i0 * hidden * es), bt->dtype, nr * hidden,
+                              err);
+        if (s != LM_OK)
+            break;
+        // rows += (A[:, i0:i0+nr])ᵀ · Bᵀ
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasTrans, (int)nr, (int)hidden, (int)r, 1.0f, ea + i0, (int)vocab,
+                    eb, (int)r, 1.0f, rows, (int)hidden);
+        s = lm_convert_from_f32((char *)out + (size_t)(i0 * hidden * wb), w->dtype, rows, nr * hidden, err);
+    }
+    if (s != LM_OK)
+        goto done;
+    drop_tensor(w, ia > ib ? ia : ib);
+    drop_tensor(w, ia > ib ? ib : ia);
+    w->t[w->n_t] = (aw_tensor){.key = key, .ndim = 2, .shape = {vocab, hidden}, .data = out};  // room: two dropped
+    w->n_t++;
+    key = NULL;
+    out = NULL;
+    m->r = 0;
+done:
+    free(ka);
+    free(kb);
+    free(name);
+    free(key);
+    free(ea);
+    free(eb);
+    free(rows);
+    free(out);
+    return s;
+}
+
+// PEFT loads a saved module (modules_to_save) as a copy of the whole module, every one of its
+// parameters from the file: those of saved module m that did not change are added with the
+// base's values.
+static lm_status complete_saved(lm_adapter_out *w, const aw_module *m, lm_err *err)
+{
+    size_t pl = strlen(m->path);
+    for (int64_t i = 0; i < w->base->n_tensors; i++) {
+        const lm_st_tensor *t = w->base->tensors[i];
+        if (strncmp(t->name, m->path, pl) != 0 || t->name[pl] != '.' || strchr(t->name + pl + 1, '.'))
+            continue;
+        char *key = lm_strfmt("base_model.model.%s", t->name);
+        if (!key)
+            return nomem(err);
+        bool have = find_key(w, key) >= 0;
+        free(key);
+        if (have)
+            continue;
+        if (!lm_dtype_readable(t->dtype) || (t->ndim != 1 && t->ndim != 2))
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "tensor '%s' of saved module '%s' (%s, %d dimensions) "
+                              "cannot be written in an adapter", t->name, m->path, lm_dtype_name(t->dtype), t->ndim);
+        float *v = f32_of(t->data, t->dtype, t->numel, err);
+        if (!v)
+            return err->status != LM_OK ? err->status : LM_ERR_NOMEM;
+        lm_status s = add_tensor(w, m->path, t->name + pl + 1, t->ndim, t->shape[0], t->ndim == 2 ? t->shape[1] : 0,
+                                 v, err);
+        free(v);
+        if (s != LM_OK)
+            return s;
+    }
+    return LM_OK;
+}
+
+bool lm_adapter_out_is_whole(const lm_adapter_out *w, const char *module)
+{
+    for (int64_t m = 0; m < w->n_mods; m++)
+        if (strcmp(w->mods[m].path, module) == 0)
+            return w->mods[m].r == 0;
+    return false;
+}
+
+const char *lm_adapter_out_biasless(const lm_adapter_out *w)
+{
+    for (int64_t m = 0; w->lora_bias && m < w->n_mods; m++) {
+        if (w->mods[m].r == 0)
+            continue;
+        char *name = lm_strfmt("%s.bias", w->mods[m].path);
+        bool has = name && lm_model_find(w->base, name);
+        free(name);
+        if (!has)
+            return w->mods[m].path;
+    }
+    return NULL;
 }
 
 lm_status lm_adapter_out_write(lm_adapter_out *w, const char *dir, int rank, lm_err *err)
@@ -264,6 +465,17 @@ lm_status lm_adapter_out_write(lm_adapter_out *w, const char *dir, int rank, lm_
     if (w->n_t == 0)
         return lm_err_set(err, LM_ERR_USAGE, "no tensor changes: the adapter would be empty");
     lm_status s = LM_OK;
+    for (int64_t m = 0; s == LM_OK && w->lora_bias && m < w->n_mods; m++)
+        if (w->mods[m].r > 0 && w->mods[m].embedding)
+            s = embedding_whole(w, &w->mods[m], err);
+    for (int64_t m = 0; s == LM_OK && m < w->n_mods; m++)
+        if (w->mods[m].r == 0)
+            s = complete_saved(w, &w->mods[m], err);
+    if (s != LM_OK)
+        return s;
+    bool tie = false;  // the base ties lm_head to an embedding the adapter changes
+    for (int64_t m = 0; w->base->config.tie_word_embeddings && m < w->n_mods; m++)
+        tie = tie || w->mods[m].embedding || module_is_embedding(w, w->mods[m].path);
     cJSON *c = cJSON_CreateObject(), *rp = cJSON_CreateObject(), *ap = cJSON_CreateObject();
     char *text = NULL, *cfg_path = lm_path_join(dir, "adapter_config.json");
     char *st_path = lm_path_join(dir, "adapter_model.safetensors");
@@ -282,6 +494,7 @@ lm_status lm_adapter_out_write(lm_adapter_out *w, const char *dir, int rank, lm_
     ap = NULL;
     cJSON_AddStringToObject(c, "base_model_name_or_path", w->base_name);
     cJSON_AddStringToObject(c, "bias", "none");
+    cJSON_AddBoolToObject(c, "ensure_weight_tying", tie);
     cJSON_AddBoolToObject(c, "fan_in_fan_out", false);
     cJSON_AddBoolToObject(c, "inference_mode", true);
     cJSON_AddBoolToObject(c, "init_lora_weights", true);

@@ -5,15 +5,24 @@
 //
 // Keys (after `base_model.model.`): a linear module M gets `M.lora_A.weight` [r, in] and
 // `M.lora_B.weight` [out, r] (and `M.lora_B.bias` [out] where its bias changes: lora_bias), an
-// embedding `M.lora_embedding_A` [r, vocab] and `M.lora_embedding_B` [hidden, r], a tensor
-// saved whole (modules_to_save) `M.weight` or `M.bias`. The config: r and lora_alpha the
-// default rank (so that every module's scale alpha/r is 1), rank_pattern and alpha_pattern for
-// the modules of another rank (their full paths, both the module's rank), target_modules the
-// modules' last names where every module of that name in the base has factors, else their full
-// paths, modules_to_save likewise, use_rslora, use_dora and fan_in_fan_out false.
+// embedding `M.lora_embedding_A` [r, vocab] and `M.lora_embedding_B` [hidden, r], a module
+// saved whole (modules_to_save) every one of its tensors, `M.weight` and `M.bias` (PEFT loads
+// a saved module as a whole copy: those that did not change are written with the base's
+// values). The config: r and lora_alpha the default rank (so that every module's scale alpha/r
+// is 1), rank_pattern and alpha_pattern for the modules of another rank (their full paths, both
+// the module's rank), target_modules the modules' last names where every module of that name in
+// the base has factors, else their full paths ("dummy-target-modules", PEFT's name for none,
+// where no module has factors), modules_to_save likewise, use_rslora, use_dora and
+// fan_in_fan_out false, ensure_weight_tying true where the base ties lm_head to the embedding
+// and the adapter changes the embedding (so that PEFT adapts the output layer with it).
+//
+// lora_bias is one setting for the whole adapter, and PEFT refuses an Embedding layer under it:
+// where a bias changes, an embedding with factors is written whole instead (modules_to_save,
+// BASE plus the factors' product, which is what PEFT would have added).
 #ifndef LM_ADAPTER_WRITE_H
 #define LM_ADAPTER_WRITE_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "dtype.h"
@@ -51,5 +60,18 @@ lm_status lm_adapter_out_write(lm_adapter_out *w, const char *dir, int rank, lm_
 
 // Modules with factors, saved tensors and bias deltas added so far.
 int64_t lm_adapter_out_count(const lm_adapter_out *w);
+
+// After lm_adapter_out_write: where lora_bias is on, the first module with factors whose base
+// layer has no bias (PEFT applies such an adapter, but its merge_and_unload refuses the layer);
+// else NULL.
+const char *lm_adapter_out_biasless(const lm_adapter_out *w);
+
+// After lm_adapter_out_write: whether module `module` is written whole (modules_to_save).
+bool lm_adapter_out_is_whole(const lm_adapter_out *w, const char *module);
+
+// Whether base tensor `tensor` (a ".weight") is an embedding, which PEFT adapts with
+// lora_embedding_A/B: by the architecture's description where llmerge knows the architecture,
+// else by its module's last name (embed_tokens, wte, wpe, word_embeddings, ...).
+bool lm_adapter_embedding(const lm_model *base, const char *tensor);
 
 #endif

@@ -826,7 +826,7 @@ fail:
 static lm_status gen_qwen(const char *root, lm_err *err)
 {
     lm_status s = LM_OK;
-    fx_set base = {0}, ad = {0};
+    fx_set base = {0}, ad = {0}, ft = {0};
     char *dir = NULL;
 
     // qwen/: Qwen2 layout (q/k/v biases, tied embeddings), F32, one shard
@@ -835,6 +835,16 @@ static lm_status gen_qwen(const char *root, lm_err *err)
     TRY(save_config(dir, &QWEN, "float32", err));
     TRY(save_side_files(dir, err));
     TRY(set_save(&base, LM_DTYPE_F32, dir, NULL, 5000000000ull, 1, err));
+    free(dir);
+    dir = NULL;
+
+    // qwen_ft/: a full fine-tune of qwen/, every tensor changed (its biases and the tied
+    // embedding too), F32, one shard
+    TRY(make_finetune(&ft, &base, 22, 0.002, err));
+    TRY(fresh_dir(root, "qwen_ft", &dir, err));
+    TRY(save_config(dir, &QWEN, "float32", err));
+    TRY(save_side_files(dir, err));
+    TRY(set_save(&ft, LM_DTYPE_F32, dir, NULL, 5000000000ull, 1, err));
     free(dir);
     dir = NULL;
 
@@ -849,6 +859,7 @@ fail:
     free(dir);
     set_free(&base);
     set_free(&ad);
+    set_free(&ft);
     return s;
 }
 

@@ -9,7 +9,8 @@
 # errors; --to-lora exact (the inputs' factors concatenated) of task arithmetic and linear, and
 # its refusals; the energy rule's ranks in rank_pattern; the same adapter on sim and cuda-emu with
 # budgets under which factorisations fall back; llmerge run with --to-lora; every refusal exit
-# status 2 before any work, nothing left behind.
+# status 2 before any work, nothing left behind. PEFT's rules on a Qwen2 full fine-tune: bias
+# deltas beside an embedding (written whole), the tied embedding declared.
 # Usage: e2e_lora.sh LLMERGE FIXTURES JSONQ ST_DIFF
 set -u
 llmerge=$1 fx=$2 jsonq=$3 st_diff=$4
@@ -46,6 +47,24 @@ run qb task-arithmetic "$Q" "$LB" -o "$work/qb"
 json "$work/adq/adapter_config.json" lora_bias true
 check '"$st_diff" --ulps 1 --rel 1e-6 "$work/qb/model.safetensors" "$work/adqm/model.safetensors" >"$work/diff" 2>&1' \
   "the adapter with bias deltas merged back is not the merge (see st_diff)"
+
+# a Qwen2 full fine-tune (its biases and tied embedding change too): the biases as lora_B.bias
+# (lora_bias), so the embedding is written whole (PEFT takes no embedding LoRA beside lora_bias),
+# the tie declared (ensure_weight_tying), both said; o_proj has no bias in BASE, which is said;
+# llmerge reads it back
+run qex extract "$Q" "$fx/qwen_ft" -o "$work/qex" --rank 8 --dtype f32
+json "$work/qex/adapter_config.json" lora_bias true
+json "$work/qex/adapter_config.json" ensure_weight_tying true
+json "$work/qex/adapter_config.json" target_modules \
+  '["down_proj","gate_proj","up_proj","k_proj","o_proj","q_proj","v_proj"]'
+json "$work/qex/llmerge.json" outputs.adapter.tensors.0.name model.embed_tokens.weight
+json "$work/qex/llmerge.json" outputs.adapter.tensors.0.as whole
+check 'grep -q "model.embed_tokens.weight written whole (modules_to_save, BASE plus its factors. product)" \
+  "$work/qex.err" && grep -q "has no bias in BASE: PEFT applies the adapter but its merge_and_unload refuses" \
+  "$work/qex.err"' "the Qwen2 extraction's notes: $(tail -4 "$work/qex.err")"
+check 'grep -q "\"model.embed_tokens\"" "$work/qex/adapter_config.json" &&
+  ! grep -q lora_embedding "$work/qex/adapter_model.safetensors"' "the embedding is not in modules_to_save alone"
+run qexm task-arithmetic "$Q" "$work/qex" -o "$work/qexm"
 
 # a full fine-tune: its norms go whole into modules_to_save and come back exactly; its matrices
 # as rank-8 factors, each with its error recorded; extract is task-arithmetic --to-lora

@@ -4,7 +4,11 @@
 // name where every such module has factors and by full path where not, modules_to_save; each
 // module's kind, rank, scale (1) and factors (linear A and B as given; an embedding's transposed,
 // so that PEFT's (B·A)ᵀ is the product given); a saved tensor; bias deltas (lora_bias); BF16
-// rounding; an empty adapter and a bad rank refused.
+// rounding; an empty adapter and a bad rank refused. PEFT's rules on what it loads: an embedding
+// written whole under lora_bias, a saved module's unchanged tensors written with the base's
+// values, ensure_weight_tying for a tied base, "dummy-target-modules" where nothing has factors,
+// the embeddings of an architecture llmerge does not describe found by name.
+#include <cJSON.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -182,6 +186,174 @@ static void test_bias_and_refusals(void)
     lm_model_free(base);
 }
 
+// adapter_config.json of dir, parsed (NULL where it cannot be).
+static cJSON *read_config(const char *dir)
+{
+    char *path = lm_path_join(dir, "adapter_config.json");
+    lm_err err = {0};
+    char *text = NULL;
+    size_t n = 0;
+    cJSON *c = path && lm_read_file(path, 1 << 20, &text, &n, &err) == LM_OK ? cJSON_Parse(text) : NULL;
+    free(text);
+    free(path);
+    return c;
+}
+
+// Whether base tensor `name` of the fixture holds `want` (float32 values), bit for bit.
+static bool holds_base(const lm_st_file *f, const char *key, const lm_model *base, const char *name)
+{
+    const lm_st_tensor *t = lm_st_find(f, key), *bt = lm_model_find(base, name);
+    if (!t || !bt || t->numel != bt->numel)
+        return false;
+    lm_err err = {0};
+    float *want = malloc((size_t)bt->numel * sizeof *want);
+    bool ok = want && lm_convert_to_f32(want, bt->data, bt->dtype, bt->numel, &err) == LM_OK &&
+              same_f32(t, want, bt->numel);
+    free(want);
+    return ok;
+}
+
+// On the Qwen2 fixture (q, k and v biases; lm_head tied to the embedding): an embedding with
+// factors beside a bias delta is written whole, BASE + the factors' product, since PEFT takes no
+// Embedding under lora_bias; a module saved for its bias alone gets its weight (the base's); the
+// tie is declared; the first module with factors and no bias in BASE is named.
+static void test_peft_rules(void)
+{
+    lm_model *base = fixture_model("qwen");
+    if (!base)
+        return;
+    char *dir = make_tmpdir();
+    lm_adapter_out *w = NULL;
+    lm_err err = {0};
+    CHECK_OK(lm_adapter_out_new(&w, base, NULL, LM_DTYPE_F32, &err), &err);
+    float eb[256 * 2], ea[2 * 64], qb[64 * 2], qa[2 * 64], ob[64 * 2], oa[2 * 64], bias[64], kbias[32];
+    fill(eb, 256 * 2, 1);
+    fill(ea, 2 * 64, 2);
+    fill(qb, 64 * 2, 3);
+    fill(qa, 2 * 64, 4);
+    fill(ob, 64 * 2, 5);
+    fill(oa, 2 * 64, 6);
+    fill(bias, 64, 7);
+    fill(kbias, 32, 8);
+    CHECK_OK(lm_adapter_out_lora(w, "model.embed_tokens", true, 256, 64, 2, eb, ea, &err), &err);
+    CHECK_OK(lm_adapter_out_lora(w, "model.layers.0.self_attn.q_proj", false, 64, 64, 2, qb, qa, &err), &err);
+    CHECK_OK(lm_adapter_out_bias(w, "model.layers.0.self_attn.q_proj", 64, bias, &err), &err);
+    CHECK_OK(lm_adapter_out_lora(w, "model.layers.0.self_attn.o_proj", false, 64, 64, 2, ob, oa, &err), &err);
+    int64_t ks = 32;
+    CHECK_OK(lm_adapter_out_saved(w, "model.layers.1.self_attn.k_proj.bias", 1, &ks, kbias, &err), &err);
+    CHECK_OK(lm_adapter_out_write(w, dir, 2, &err), &err);
+    CHECK(lm_adapter_out_is_whole(w, "model.embed_tokens") && !lm_adapter_out_is_whole(w, "model.norm") &&
+          !lm_adapter_out_is_whole(w, "model.layers.0.self_attn.q_proj"));
+    const char *biasless = lm_adapter_out_biasless(w);
+    CHECK_MSG(biasless && strcmp(biasless, "model.layers.0.self_attn.o_proj") == 0, "biasless: %s",
+              biasless ? biasless : "(none)");
+    lm_adapter_out_free(w);
+
+    cJSON *c = read_config(dir);
+    CHECK(c != NULL);
+    if (c) {
+        CHECK(cJSON_IsTrue(cJSON_GetObjectItem(c, "lora_bias")) &&
+              cJSON_IsTrue(cJSON_GetObjectItem(c, "ensure_weight_tying")));
+        const cJSON *saved = cJSON_GetObjectItem(c, "modules_to_save"), *targets = cJSON_GetObjectItem(c,
+                                                                                                     "target_modules");
+        CHECK(cJSON_GetArraySize(saved) == 2 && cJSON_GetArraySize(targets) == 2);
+        if (cJSON_GetArraySize(saved) == 2)
+            CHECK(strcmp(cJSON_GetArrayItem(saved, 0)->valuestring, "model.embed_tokens") == 0 &&
+                  strcmp(cJSON_GetArrayItem(saved, 1)->valuestring, "model.layers.1.self_attn.k_proj") == 0);
+        cJSON_Delete(c);
+    }
+    char *st = lm_path_join(dir, "adapter_model.safetensors");
+    lm_st_file *f = NULL;
+    CHECK_OK(lm_st_open(&f, st, &err), &err);
+    if (f) {
+        CHECK(!lm_st_find(f, "base_model.model.model.embed_tokens.lora_embedding_A") &&
+              !lm_st_find(f, "base_model.model.model.embed_tokens.lora_embedding_B"));
+        const lm_st_tensor *e = lm_st_find(f, "base_model.model.model.embed_tokens.weight");
+        const lm_st_tensor *be = lm_model_find(base, "model.embed_tokens.weight");
+        CHECK(e && e->ndim == 2 && e->shape[0] == 256 && e->shape[1] == 64);
+        if (e && be && e->numel == 256 * 64) {
+            static float got[256 * 64], b0[256 * 64];
+            CHECK_OK(lm_convert_to_f32(got, e->data, e->dtype, 256 * 64, &err), &err);
+            CHECK_OK(lm_convert_to_f32(b0, be->data, be->dtype, 256 * 64, &err), &err);
+            double worst = 0;
+            for (int i = 0; i < 256; i++)
+                for (int j = 0; j < 64; j++) {
+                    double want = b0[i * 64 + j];
+                    for (int q = 0; q < 2; q++)
+                        want += (double)eb[i * 2 + q] * ea[q * 64 + j];
+                    double d = fabs(got[i * 64 + j] - want) / (fabs(want) + 1e-3);
+                    worst = d > worst ? d : worst;
+                }
+            CHECK_MSG(worst < 1e-6, "embedding made whole: worst relative difference %g", worst);
+        }
+        CHECK(holds_base(f, "base_model.model.model.layers.1.self_attn.k_proj.weight", base,
+                         "model.layers.1.self_attn.k_proj.weight"));
+        CHECK(same_f32(lm_st_find(f, "base_model.model.model.layers.1.self_attn.k_proj.bias"), kbias, 32));
+        CHECK(same_f32(lm_st_find(f, "base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias"), bias, 64));
+        lm_st_close(f);
+    }
+    lm_adapter *ad = NULL;  // and llmerge's reader takes it
+    CHECK_OK(lm_adapter_open(&ad, dir, &err), &err);
+    if (ad) {
+        CHECK_OK(lm_adapter_select(ad, base, &err), &err);
+        CHECK(ad->n_modules == 2 && ad->n_saved == 3);
+        lm_adapter_free(ad);
+    }
+    free(st);
+    remove_tmpdir(dir);
+    lm_model_free(base);
+}
+
+// Saved modules only: target_modules is "dummy-target-modules" (a null would be PEFT's default
+// targets), no tie on an untied base, and llmerge's reader takes it. Embeddings by name where the
+// architecture is not described.
+static void test_no_targets(void)
+{
+    lm_model *base = fixture_model("base");
+    if (!base)
+        return;
+    char *dir = make_tmpdir();
+    lm_adapter_out *w = NULL;
+    lm_err err = {0};
+    CHECK_OK(lm_adapter_out_new(&w, base, NULL, LM_DTYPE_F32, &err), &err);
+    float norm[64];
+    fill(norm, 64, 9);
+    int64_t ns = 64;
+    CHECK_OK(lm_adapter_out_saved(w, "model.norm.weight", 1, &ns, norm, &err), &err);
+    CHECK_OK(lm_adapter_out_write(w, dir, 4, &err), &err);
+    CHECK(!lm_adapter_out_biasless(w));
+    lm_adapter_out_free(w);
+    cJSON *c = read_config(dir);
+    CHECK(c != NULL);
+    if (c) {
+        const cJSON *t = cJSON_GetObjectItem(c, "target_modules");
+        CHECK(cJSON_IsString(t) && strcmp(t->valuestring, "dummy-target-modules") == 0);
+        CHECK(cJSON_IsFalse(cJSON_GetObjectItem(c, "ensure_weight_tying")) &&
+              cJSON_IsFalse(cJSON_GetObjectItem(c, "lora_bias")));
+        cJSON_Delete(c);
+    }
+    lm_adapter *ad = NULL;
+    CHECK_OK(lm_adapter_open(&ad, dir, &err), &err);
+    if (ad) {
+        CHECK_OK(lm_adapter_select(ad, base, &err), &err);
+        CHECK(ad->n_modules == 0 && ad->n_saved == 1);
+        lm_adapter_free(ad);
+    }
+    remove_tmpdir(dir);
+
+    CHECK(lm_adapter_embedding(base, "model.embed_tokens.weight") &&
+          !lm_adapter_embedding(base, "model.layers.0.self_attn.q_proj.weight") &&
+          !lm_adapter_embedding(base, "lm_head.weight"));
+    lm_arch known = base->config.arch;  // as if an architecture llmerge does not describe
+    base->config.arch = LM_ARCH_UNKNOWN;
+    CHECK(lm_adapter_embedding(base, "transformer.wte.weight") && lm_adapter_embedding(base, "transformer.wpe.weight") &&
+          lm_adapter_embedding(base, "model.embed_tokens.weight") &&
+          !lm_adapter_embedding(base, "transformer.h.0.attn.c_attn.weight") &&
+          !lm_adapter_embedding(base, "transformer.wte.bias") && !lm_adapter_embedding(base, "lm_head.weight"));
+    base->config.arch = known;
+    lm_model_free(base);
+}
+
 int main(void)
 {
     if (!fixture_env("test_adapter_write"))
@@ -189,5 +361,7 @@ int main(void)
     test_written(LM_DTYPE_F32);
     test_written(LM_DTYPE_BF16);
     test_bias_and_refusals();
+    test_peft_rules();
+    test_no_targets();
     return check_report("test_adapter_write");
 }
