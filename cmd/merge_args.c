@@ -193,8 +193,9 @@ void lm_merge_usage(FILE *out, const lm_method *m)
     fprintf(out,
             "  --to-lora RANK         write OUT as a PEFT LoRA adapter of BASE instead of a model:\n"
             "                         each matrix's merged change Δ as factors of rank RANK\n"
-            "                         (a truncated SVD), an embedding's as embedding LoRA, other\n"
-            "                         tensors that change (norms) whole in modules_to_save;\n"
+            "                         (a truncated SVD), an embedding's as embedding LoRA, biases\n"
+            "                         as lora_B.bias, other tensors that change (norms) whole in\n"
+            "                         modules_to_save (docs/merging.md: PEFT's rules);\n"
             "                         llmerge.json records each tensor's rank and relative error\n"
             "  --to-lora exact        (task-arithmetic and linear of LoRA adapters) the inputs'\n"
             "                         factors concatenated, each weight folded into its B: rank\n"
