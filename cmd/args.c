@@ -429,9 +429,14 @@ void lm_cmd_run_notes(lm_progress *p, const lm_run_args *a, const lm_calib *data
 void lm_cmd_adapter_warnings(lm_progress *p, const char *who, const lm_adapter *a, const char *verb,
                              const char *base)
 {
+    int64_t shown = 0;
     for (int64_t i = 0; a && i < a->n_ignored; i++) {
-        if (i == LM_CMD_MAX_IGNORED_WARNINGS) {
-            int64_t more = a->n_ignored - i;
+        if (a->ignored[i].why == LM_LORA_TIED)
+            continue;  // lm_head's copy of embed_tokens' adapter, as PEFT saves it: nothing is lost
+        if (shown++ == LM_CMD_MAX_IGNORED_WARNINGS) {
+            int64_t more = 0;
+            for (int64_t j = i; j < a->n_ignored; j++)
+                more += a->ignored[j].why != LM_LORA_TIED;
             lm_progress_note(p, "warning: %s: the keys of %" PRId64 " more module%s are not %s either "
                              "(llmerge inspect %s --base %s lists them all)", who, more, more == 1 ? "" : "s",
                              verb, a->dir, base);

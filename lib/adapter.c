@@ -272,7 +272,8 @@ static lm_status parse_lora_root(lm_lora_config *cfg, const cJSON *root, const c
     if ((s = get_bool(root, "use_rslora", &cfg->use_rslora, label, err)) != LM_OK ||
         (s = get_bool(root, "use_dora", &cfg->use_dora, label, err)) != LM_OK ||
         (s = get_bool(root, "fan_in_fan_out", &cfg->fan_in_fan_out, label, err)) != LM_OK ||
-        (s = get_bool(root, "lora_bias", &cfg->lora_bias, label, err)) != LM_OK)
+        (s = get_bool(root, "lora_bias", &cfg->lora_bias, label, err)) != LM_OK ||
+        (s = get_bool(root, "ensure_weight_tying", &cfg->ensure_weight_tying, label, err)) != LM_OK)
         return s;
     if ((s = get_patterns(root, "rank_pattern", true, &cfg->rank_pattern, &cfg->n_rank_pattern,
                           label, err)) != LM_OK ||
@@ -472,7 +473,7 @@ lm_status lm_adapter_claim_target(lm_adapter *a, const char *base_name, lm_adapt
 }
 
 // Whether module `path` is one of modules_to_save (PEFT: the name, or a ".name" suffix).
-static bool is_saved_module(const lm_lora_config *cfg, const char *path)
+bool lm_lora_is_saved_module(const lm_lora_config *cfg, const char *path)
 {
     for (int64_t i = 0; i < cfg->n_modules_to_save; i++) {
         const char *m = cfg->modules_to_save[i];
@@ -571,7 +572,10 @@ static lm_status map_key(lm_adapter *a, lm_strmap *by_path, const lm_st_tensor *
         char *module = lm_strfmt("%.*s", (int)mlen, rest);
         if (!module)
             return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", wp);
-        bool ok = is_saved_module(&a->config, module);
+        // (PEFT 0.18 and later save a tied lm_head beside a saved embed_tokens under
+        // ensure_weight_tying, without listing it: lm_adapter_select decides what it is)
+        bool ok = lm_lora_is_saved_module(&a->config, module) ||
+                  (a->config.ensure_weight_tying && strcmp(module, "lm_head") == 0);
         free(module);
         if (!ok)
             return lm_err_set(err, LM_ERR_FORMAT,

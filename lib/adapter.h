@@ -74,6 +74,7 @@ typedef struct lm_lora_config {
     char *exclude_regex;             // exclude_modules given as a regex string, or NULL
     lm_lora_re *exclude_re;          // exclude_regex, a full match
     bool use_rslora, use_dora, fan_in_fan_out, lora_bias;
+    bool ensure_weight_tying;        // a tied lm_head takes embed_tokens' adapter (PEFT 0.18+)
     lm_lora_pattern *rank_pattern;   // (n_rank_pattern) in file order
     int64_t n_rank_pattern;
     lm_lora_pattern *alpha_pattern;  // (n_alpha_pattern) in file order
@@ -127,6 +128,8 @@ typedef enum lm_lora_select {
     LM_LORA_OTHER_LAYER,   // its layer index is not in layers_to_transform
     LM_LORA_NO_LAYER,      // layers_to_transform is given and its path has no layer index
     LM_LORA_NOT_LINEAR,    // target_modules is "all-linear" and it is not a linear layer
+    LM_LORA_TIED,          // the base's lm_head, tied to embed_tokens (ensure_weight_tying):
+                           // PEFT gives it embed_tokens' adapter, whatever its keys hold
 } lm_lora_select;
 
 // Whether the config selects module `path` of a base model as PEFT's check_target_module_exists

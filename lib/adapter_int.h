@@ -35,4 +35,8 @@ void lm_lora_re_free(lm_lora_re *re);
 lm_status lm_adapter_claim_target(lm_adapter *a, const char *base_name, lm_adapter_touch touch, int64_t index,
                                   const char *key, lm_err *err);
 
+// Whether modules_to_save names module `path`, by PEFT's rule for its keys: the path itself or a
+// ".NAME" suffix.
+bool lm_lora_is_saved_module(const lm_lora_config *cfg, const char *path);
+
 #endif

@@ -185,6 +185,7 @@ const char *lm_lora_select_reason(lm_lora_select why)
     case LM_LORA_OTHER_LAYER: return "its layer is not in layers_to_transform";
     case LM_LORA_NO_LAYER: return "layers_to_transform is given and its path has no layer index";
     case LM_LORA_NOT_LINEAR: return "target_modules is all-linear and it is not a linear layer";
+    case LM_LORA_TIED: return "lm_head is tied to embed_tokens (ensure_weight_tying), whose adapter it takes";
     }
     return "unknown";
 }
@@ -468,6 +469,13 @@ static lm_status claim_all(lm_adapter *a, lm_err *err)
     return s;
 }
 
+// Whether PEFT ties the base's lm_head to embed_tokens' adapter: ensure_weight_tying, on a base
+// whose config ties them (and which holds no lm_head of its own).
+static bool tied_head(const lm_lora_config *cfg, const lm_model *base)
+{
+    return cfg->ensure_weight_tying && base->config.tie_word_embeddings && !lm_model_find(base, "lm_head.weight");
+}
+
 lm_status lm_adapter_select(lm_adapter *a, const lm_model *base, lm_err *err)
 {
     if (a->selected)
@@ -484,8 +492,14 @@ lm_status lm_adapter_select(lm_adapter *a, const lm_model *base, lm_err *err)
     int64_t *layer = calloc((size_t)a->n_modules + 1, sizeof *layer);
     int64_t n_out = 0;
     s = why && layer ? LM_OK : lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", cfg->path);
+    bool tied = base && tied_head(cfg, base);
     for (int64_t i = 0; i < a->n_modules && s == LM_OK; i++) {
         const lm_lora_module *m = &a->modules[i];
+        if (tied && strcmp(m->path, "lm_head") == 0) {
+            why[i] = LM_LORA_TIED;
+            n_out++;
+            continue;
+        }
         if ((s = lm_lora_config_select(cfg, m->path, &why[i], &layer[i], err)) != LM_OK)
             break;
         if (why[i] == LM_LORA_SELECTED && cfg->targets == LM_LORA_TARGETS_ALL_LINEAR) {
@@ -523,6 +537,21 @@ lm_status lm_adapter_select(lm_adapter *a, const lm_model *base, lm_err *err)
     a->n_modules = kept;
     free(why);
     free(layer);
+    // lm_head saved under ensure_weight_tying: on a tied base PEFT ties it to the saved
+    // embed_tokens, whatever it holds; on another, unless modules_to_save names it, PEFT does not
+    // load it
+    int64_t n_saved = 0;
+    bool head_listed = lm_lora_is_saved_module(cfg, "lm_head");
+    for (int64_t i = 0; i < a->n_saved; i++) {
+        bool drop = cfg->ensure_weight_tying && (tied || !head_listed);
+        if (drop && strcmp(a->saved[i].base_name, "lm_head.weight") == 0) {
+            free(a->saved[i].base_name);
+            n_out++;
+            continue;
+        }
+        a->saved[n_saved++] = a->saved[i];
+    }
+    a->n_saved = n_saved;
     a->selected = true;
     return n_out ? claim_all(a, err) : LM_OK;
 }

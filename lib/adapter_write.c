@@ -147,7 +147,7 @@ static bool module_is_embedding(const lm_adapter_out *w, const char *path)
     return e;
 }
 
-// Names of embedding modules in architectures llmerge does not describe: the last component of
+// Names of embedding modules where llmerge's description does not say: the last component of
 // the module's path (PEFT makes an Embedding layer of whatever module is nn.Embedding; these are
 // the names transformers gives them).
 static const char *const embedding_names[] = {"embed_tokens", "wte", "wpe", "word_embeddings",
@@ -162,8 +162,9 @@ bool lm_adapter_embedding(const lm_model *base, const char *tensor)
         const lm_arch_tensor *at = lm_arch_find(&d, tensor);
         bool e = at && at->role == LM_ROLE_EMBED;
         lm_arch_desc_free(&d);
-        return e;
-    }
+        if (at)
+            return e;
+    }  // else (a name the description does not have: another prefix, say) by the name
     const char *end = strrchr(tensor, '.');
     if (!end || strcmp(end, ".weight") != 0)
         return false;
@@ -446,6 +447,55 @@ bool lm_adapter_out_is_whole(const lm_adapter_out *w, const char *module)
     return false;
 }
 
+// Whether module m is an embedding that the base's lm_head is tied to, in the way PEFT ties
+// adapters (ensure_weight_tying): it finds the embedding by its last name, embed_tokens, and the
+// tied layer from the model (lm_head, which the base then does not hold).
+static bool tied_embedding(const lm_adapter_out *w, const aw_module *m)
+{
+    return w->base->config.tie_word_embeddings && !lm_model_find(w->base, "lm_head.weight") &&
+           strcmp(leaf(m->path), "embed_tokens") == 0 && (m->embedding || module_is_embedding(w, m->path));
+}
+
+// The tied lm_head's tensors as PEFT saves them beside the embedding's (PEFT 0.18 and later
+// read them): a copy of the whole embedding where it is saved, else linear factors that are
+// the embedding's transposed, lora_A = lora_embedding_Bᵀ [r, hidden] and lora_B =
+// lora_embedding_Aᵀ [vocab, r] (the embedding's change is (B·A)ᵀ = Aᵀ·Bᵀ, and so is lm_head's).
+static lm_status add_tied_head(lm_adapter_out *w, const aw_module *m, lm_err *err)
+{
+    const char *suffix[2] = {"weight", NULL}, *tied[2] = {"weight", NULL};
+    if (m->r > 0) {
+        suffix[0] = "lora_embedding_B", suffix[1] = "lora_embedding_A";
+        tied[0] = "lora_A.weight", tied[1] = "lora_B.weight";
+    }
+    for (int i = 0; i < 2 && suffix[i]; i++) {
+        char *key = lm_strfmt("base_model.model.%s.%s", m->path, suffix[i]);
+        int64_t at = key ? find_key(w, key) : -1;
+        free(key);
+        if (at < 0)
+            return lm_err_set(err, LM_ERR_USAGE, "module '%s': no %s to tie lm_head to", m->path, suffix[i]);
+        const aw_tensor *t = &w->t[at];
+        int64_t d0 = t->shape[0], d1 = t->shape[1];
+        float *v = f32_of(t->data, w->dtype, d0 * d1, err), *x = v;
+        if (!v)
+            return err->status != LM_OK ? err->status : LM_ERR_NOMEM;
+        if (m->r > 0) {  // transposed: [d1, d0]
+            x = malloc((size_t)(d0 * d1) * sizeof *x);
+            for (int64_t a = 0; x && a < d0; a++)
+                for (int64_t b = 0; b < d1; b++)
+                    x[b * d0 + a] = v[a * d1 + b];
+            int64_t d = d0;
+            d0 = d1, d1 = d;
+        }
+        lm_status s = x ? add_tensor(w, "lm_head", tied[i], 2, d0, d1, x, err) : nomem(err);
+        if (x != v)
+            free(x);
+        free(v);
+        if (s != LM_OK)
+            return s;
+    }
+    return LM_OK;
+}
+
 const char *lm_adapter_out_biasless(const lm_adapter_out *w)
 {
     for (int64_t m = 0; w->lora_bias && m < w->n_mods; m++) {
@@ -473,9 +523,12 @@ lm_status lm_adapter_out_write(lm_adapter_out *w, const char *dir, int rank, lm_
             s = complete_saved(w, &w->mods[m], err);
     if (s != LM_OK)
         return s;
-    bool tie = false;  // the base ties lm_head to an embedding the adapter changes
-    for (int64_t m = 0; w->base->config.tie_word_embeddings && m < w->n_mods; m++)
-        tie = tie || w->mods[m].embedding || module_is_embedding(w, w->mods[m].path);
+    bool tie = false;
+    for (int64_t m = 0; s == LM_OK && !tie && m < w->n_mods; m++)
+        if ((tie = tied_embedding(w, &w->mods[m])))
+            s = add_tied_head(w, &w->mods[m], err);
+    if (s != LM_OK)
+        return s;
     cJSON *c = cJSON_CreateObject(), *rp = cJSON_CreateObject(), *ap = cJSON_CreateObject();
     char *text = NULL, *cfg_path = lm_path_join(dir, "adapter_config.json");
     char *st_path = lm_path_join(dir, "adapter_model.safetensors");

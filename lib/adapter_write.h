@@ -13,8 +13,9 @@
 // the module's rank), target_modules the modules' last names where every module of that name in
 // the base has factors, else their full paths ("dummy-target-modules", PEFT's name for none,
 // where no module has factors), modules_to_save likewise, use_rslora, use_dora and
-// fan_in_fan_out false, ensure_weight_tying true where the base ties lm_head to the embedding
-// and the adapter changes the embedding (so that PEFT adapts the output layer with it).
+// fan_in_fan_out false, ensure_weight_tying true where the base ties lm_head to embed_tokens and
+// the adapter changes it (so that PEFT adapts the output layer with it; lm_head's tensors are
+// written too, as PEFT saves them: the whole embedding's copy, or its factors transposed).
 //
 // lora_bias is one setting for the whole adapter, and PEFT refuses an Embedding layer under it:
 // where a bias changes, an embedding with factors is written whole instead (modules_to_save,
@@ -70,8 +71,8 @@ const char *lm_adapter_out_biasless(const lm_adapter_out *w);
 bool lm_adapter_out_is_whole(const lm_adapter_out *w, const char *module);
 
 // Whether base tensor `tensor` (a ".weight") is an embedding, which PEFT adapts with
-// lora_embedding_A/B: by the architecture's description where llmerge knows the architecture,
-// else by its module's last name (embed_tokens, wte, wpe, word_embeddings, ...).
+// lora_embedding_A/B: by the architecture's description where it lists the tensor, else by its
+// module's last name (embed_tokens, wte, wpe, word_embeddings, ...).
 bool lm_adapter_embedding(const lm_model *base, const char *tensor);
 
 #endif

@@ -63,7 +63,9 @@ check 'grep -q "model.embed_tokens.weight written whole (modules_to_save, BASE p
   "$work/qex.err" && grep -q "has no bias in BASE: PEFT applies the adapter but its merge_and_unload refuses" \
   "$work/qex.err"' "the Qwen2 extraction's notes: $(tail -4 "$work/qex.err")"
 check 'grep -q "\"model.embed_tokens\"" "$work/qex/adapter_config.json" &&
-  ! grep -q lora_embedding "$work/qex/adapter_model.safetensors"' "the embedding is not in modules_to_save alone"
+  ! grep -q lora_embedding "$work/qex/adapter_model.safetensors" &&
+  grep -q "base_model.model.lm_head.weight" "$work/qex/adapter_model.safetensors"' \
+  "the embedding is not in modules_to_save alone, with the tied lm_head's copy"
 run qexm task-arithmetic "$Q" "$work/qex" -o "$work/qexm"
 
 # a full fine-tune: its norms go whole into modules_to_save and come back exactly; its matrices

@@ -286,6 +286,9 @@ static void test_peft_rules(void)
                 }
             CHECK_MSG(worst < 1e-6, "embedding made whole: worst relative difference %g", worst);
         }
+        // the tied lm_head, as PEFT saves it beside a saved embedding: the same values
+        const lm_st_tensor *h = lm_st_find(f, "base_model.model.lm_head.weight");
+        CHECK(h && e && h->nbytes == e->nbytes && memcmp(h->data, e->data, (size_t)e->nbytes) == 0);
         CHECK(holds_base(f, "base_model.model.model.layers.1.self_attn.k_proj.weight", base,
                          "model.layers.1.self_attn.k_proj.weight"));
         CHECK(same_f32(lm_st_find(f, "base_model.model.model.layers.1.self_attn.k_proj.bias"), kbias, 32));
@@ -354,6 +357,78 @@ static void test_no_targets(void)
     lm_model_free(base);
 }
 
+// An embedding LoRA on the tied Qwen2 fixture: ensure_weight_tying, and lm_head's factors as PEFT
+// saves them, the embedding's transposed (lora_A = lora_embedding_Bᵀ, lora_B =
+// lora_embedding_Aᵀ), which llmerge's reader sets aside as tied, with no warning to give. An
+// embedding PEFT would not tie (not embed_tokens) gets no tie.
+static void test_tied_lora(void)
+{
+    lm_model *base = fixture_model("qwen");
+    if (!base)
+        return;
+    char *dir = make_tmpdir(), *dir2 = make_tmpdir();
+    lm_adapter_out *w = NULL;
+    lm_err err = {0};
+    CHECK_OK(lm_adapter_out_new(&w, base, NULL, LM_DTYPE_BF16, &err), &err);
+    float eb[256 * 3], ea[3 * 64];
+    fill(eb, 256 * 3, 11);
+    fill(ea, 3 * 64, 12);
+    CHECK_OK(lm_adapter_out_lora(w, "model.embed_tokens", true, 256, 64, 3, eb, ea, &err), &err);
+    CHECK_OK(lm_adapter_out_write(w, dir, 3, &err), &err);
+    lm_adapter_out_free(w);
+    cJSON *c = read_config(dir);
+    CHECK(c && cJSON_IsTrue(cJSON_GetObjectItem(c, "ensure_weight_tying")));
+    cJSON_Delete(c);
+    char *st = lm_path_join(dir, "adapter_model.safetensors");
+    lm_st_file *f = NULL;
+    CHECK_OK(lm_st_open(&f, st, &err), &err);
+    if (f) {
+        const lm_st_tensor *la = lm_st_find(f, "base_model.model.lm_head.lora_A.weight");
+        const lm_st_tensor *lb = lm_st_find(f, "base_model.model.lm_head.lora_B.weight");
+        const lm_st_tensor *ka = lm_st_find(f, "base_model.model.model.embed_tokens.lora_embedding_A");
+        const lm_st_tensor *kb = lm_st_find(f, "base_model.model.model.embed_tokens.lora_embedding_B");
+        CHECK(la && lb && ka && kb && la->shape[0] == 3 && la->shape[1] == 64 && lb->shape[0] == 256 &&
+              lb->shape[1] == 3);
+        if (la && lb && ka && kb && la->numel == 3 * 64 && lb->numel == 256 * 3) {
+            static float A[3 * 64], B[256 * 3], EA[3 * 256], EB[64 * 3];
+            CHECK_OK(lm_convert_to_f32(A, la->data, la->dtype, 3 * 64, &err), &err);
+            CHECK_OK(lm_convert_to_f32(B, lb->data, lb->dtype, 256 * 3, &err), &err);
+            CHECK_OK(lm_convert_to_f32(EA, ka->data, ka->dtype, 3 * 256, &err), &err);
+            CHECK_OK(lm_convert_to_f32(EB, kb->data, kb->dtype, 64 * 3, &err), &err);
+            int bad = 0;
+            for (int q = 0; q < 3; q++) {
+                for (int j = 0; j < 64; j++)
+                    bad += A[q * 64 + j] != EB[j * 3 + q];
+                for (int i = 0; i < 256; i++)
+                    bad += B[i * 3 + q] != EA[q * 256 + i];
+            }
+            CHECK_MSG(bad == 0, "%d entries of lm_head's factors are not the embedding's transposed", bad);
+        }
+        lm_st_close(f);
+    }
+    lm_adapter *ad = NULL;
+    CHECK_OK(lm_adapter_open(&ad, dir, &err), &err);
+    if (ad) {
+        CHECK_OK(lm_adapter_select(ad, base, &err), &err);
+        CHECK(ad->n_modules == 1 && ad->n_ignored == 1 && ad->n_saved == 0);
+        if (ad->n_ignored == 1)
+            CHECK(ad->ignored[0].why == LM_LORA_TIED && strcmp(ad->ignored[0].path, "lm_head") == 0);
+        lm_adapter_free(ad);
+    }
+    // not embed_tokens: PEFT ties no adapter to it
+    CHECK_OK(lm_adapter_out_new(&w, base, NULL, LM_DTYPE_F32, &err), &err);
+    CHECK_OK(lm_adapter_out_lora(w, "transformer.wte", true, 256, 64, 3, eb, ea, &err), &err);
+    CHECK_OK(lm_adapter_out_write(w, dir2, 3, &err), &err);
+    lm_adapter_out_free(w);
+    c = read_config(dir2);
+    CHECK(c && cJSON_IsFalse(cJSON_GetObjectItem(c, "ensure_weight_tying")));
+    cJSON_Delete(c);
+    free(st);
+    remove_tmpdir(dir);
+    remove_tmpdir(dir2);
+    lm_model_free(base);
+}
+
 int main(void)
 {
     if (!fixture_env("test_adapter_write"))
@@ -363,5 +438,6 @@ int main(void)
     test_bias_and_refusals();
     test_peft_rules();
     test_no_targets();
+    test_tied_lora();
     return check_report("test_adapter_write");
 }
