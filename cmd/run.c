@@ -313,28 +313,42 @@ static lm_status make_pending(merge_args *a, lm_progress *pr, lm_err *err)
     return LM_OK;
 }
 
-// The output dtype a configuration names: out_dtype, else dtype (mergekit writes in the dtype it
-// merges in), else none.
-static lm_status config_dtype(const lm_mergecfg *cfg, merge_args *a, lm_err *err)
+// The dtype `name` names (written at `line` for `key`), into *dt.
+static lm_status dtype_named(const lm_mergecfg *cfg, const char *key, const char *name, int line, lm_dtype *dt,
+                             lm_err *err)
 {
-    const char *name = cfg->out_dtype ? cfg->out_dtype : cfg->dtype;
-    int line = cfg->out_dtype ? cfg->out_dtype_line : cfg->dtype_line;
-    if (!name)
-        return LM_OK;
     static const struct {
         const char *name;
         lm_dtype dt;
     } names[] = {{"float32", LM_DTYPE_F32}, {"fp32", LM_DTYPE_F32}, {"float", LM_DTYPE_F32},
                  {"float16", LM_DTYPE_F16}, {"fp16", LM_DTYPE_F16}, {"half", LM_DTYPE_F16},
                  {"bfloat16", LM_DTYPE_BF16}, {"bf16", LM_DTYPE_BF16}};
+    const char *bare = strncmp(name, "torch.", 6) == 0 ? name + 6 : name;  // mergekit's torch.float16
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (strcmp(names[i].name, name) == 0) {
-            a->have_dtype = true;
-            a->dtype = names[i].dt;
+        if (strcmp(names[i].name, bare) == 0) {
+            *dt = names[i].dt;
             return LM_OK;
         }
     return lm_err_set(err, LM_ERR_USAGE, "%s:%d: %s: '%s' is not a dtype llmerge writes (float32, float16 or "
-                      "bfloat16)", cfg->path, line, cfg->out_dtype ? "out_dtype" : "dtype", name);
+                      "bfloat16)", cfg->path, line, key, name);
+}
+
+// The output dtype a configuration names: out_dtype, else dtype (mergekit writes in the dtype it
+// merges in), else none. dtype is checked even where out_dtype wins: mergekit computes in it, so
+// a name it cannot read fails there whatever out_dtype says.
+static lm_status config_dtype(const lm_mergecfg *cfg, merge_args *a, lm_err *err)
+{
+    lm_dtype dt = LM_DTYPE_F32, out = LM_DTYPE_F32;
+    lm_status s;
+    if (cfg->dtype && (s = dtype_named(cfg, "dtype", cfg->dtype, cfg->dtype_line, &dt, err)) != LM_OK)
+        return s;
+    if (cfg->out_dtype && (s = dtype_named(cfg, "out_dtype", cfg->out_dtype, cfg->out_dtype_line, &out, err)) != LM_OK)
+        return s;
+    if (cfg->out_dtype || cfg->dtype) {
+        a->have_dtype = true;
+        a->dtype = cfg->out_dtype ? out : dt;
+    }
+    return LM_OK;
 }
 
 // The global parameters that are one value for the merge, into the merge's options.

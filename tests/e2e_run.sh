@@ -460,11 +460,11 @@ check '[ -s "$work/ties.run/README.md" ] && grep -q "^# ties.run" "$work/ties.ru
 json "$work/ties.run/llmerge.json" method ties
 json "$work/dare_linear1.run/llmerge.json" method dare
 
-# dtype alone sets the output dtype; out_dtype wins over it
+# dtype alone sets the output dtype (mergekit's torch. prefix read too); out_dtype wins over it
 cfg dtype <<EOF
 merge_method: task_arithmetic
 base_model: $B
-dtype: float16
+dtype: torch.float16
 models:
   - model: $F1
     parameters:
@@ -973,6 +973,17 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_gamma 4:10 "parameters: gamma -0.1 is not in [0, 1]"
+# dtype is checked where out_dtype wins over it too (mergekit computes in it)
+cfg e_dtype <<EOF
+merge_method: task_arithmetic
+base_model: $B
+dtype: float8
+out_dtype: float32
+models:
+  - model: $F1
+    parameters: {weight: 1}
+EOF
+refused e_dtype 3 "dtype: 'float8' is not a dtype llmerge writes"
 # della's density ± epsilon must lie in (0, 1) in every tensor: two settings that are each in
 # range but not together in the MLP's tensors are refused naming the first such tensor, before
 # any work, in a configuration and on the command line
