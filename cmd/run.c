@@ -170,17 +170,18 @@ static char *keep(run_preset *p, char *s)
 #define AT(cfg, line, col) (cfg)->path, (line), (col)
 
 // The first number of setting v (a number, a gradient, or conditions on those) outside the range
-// of parameter `name` (density: (0, 1]; gamma: [0, 1]; others: none), into *bad with the value
-// it was written in, *at; false when every number is in range. Every value the setting gives a
-// tensor lies between two of its numbers, so checking them is checking all.
-static bool out_of_range(const char *name, const lm_pval *v, double *bad, const lm_pval **at)
+// of parameter `name` (density: (0, 1]; gamma: [0, 1]; others: none), into *bad with where it
+// was written, *line and *col (a gradient's own number's place); false when every number is in
+// range. Every value the setting gives a tensor lies between two of its numbers, so checking
+// them is checking all.
+static bool out_of_range(const char *name, const lm_pval *v, double *bad, int *line, int *col)
 {
     bool density = strcmp(name, "density") == 0, gamma = strcmp(name, "gamma") == 0;
     if (!density && !gamma)
         return false;
     if (v->kind == LM_PVAL_CONDS) {
         for (int c = 0; c < v->n_conds; c++)
-            if (out_of_range(name, v->conds[c].value, bad, at))
+            if (out_of_range(name, v->conds[c].value, bad, line, col))
                 return true;
         return false;
     }
@@ -188,8 +189,10 @@ static bool out_of_range(const char *name, const lm_pval *v, double *bad, const 
     for (int i = 0; i < n; i++) {
         double x = v->kind == LM_PVAL_GRADIENT ? v->grad[i] : v->num;
         if (density ? !(x > 0 && x <= 1) : !(x >= 0 && x <= 1)) {
+            bool own = v->kind == LM_PVAL_GRADIENT && v->grad_lines;
             *bad = x;
-            *at = v;
+            *line = own ? v->grad_lines[i] : v->line;
+            *col = own ? v->grad_cols[i] : v->col;
             return true;
         }
     }
@@ -221,9 +224,9 @@ static lm_status check_params(const lm_mergecfg *cfg, const lm_params *ps, const
                                   "or a list of {filter, value} with such values", AT(cfg, v->line, v->col), where,
                                   q->name);
             double x;
-            const lm_pval *at;
-            if (out_of_range(q->name, v, &x, &at))
-                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: %s %g is not in %s", AT(cfg, at->line, at->col),
+            int line, col;
+            if (out_of_range(q->name, v, &x, &line, &col))
+                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: %s %g is not in %s", AT(cfg, line, col),
                                   where, q->name, x, q->name[0] == 'd' ? "(0, 1]" : "[0, 1]");
             continue;
         }

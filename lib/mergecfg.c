@@ -594,10 +594,17 @@ static lm_status read_setting(reader *r, const node *n, const char *what, bool c
             return nomem(r);
         }
         v->n_grad = n->n;
+        if (!(v->grad_lines = calloc((size_t)n->n, sizeof *v->grad_lines)) ||
+            !(v->grad_cols = calloc((size_t)n->n, sizeof *v->grad_cols))) {
+            lm_pval_free(v);
+            return nomem(r);
+        }
         for (int i = 0; i < n->n; i++) {
             scalar_kind k;
             key_path(sub, sizeof sub, "%s[%d]", what, i);
             scalar_type(r, n->kids[i], sub, &k, &v->grad[i]);  // checked above
+            v->grad_lines[i] = n->kids[i]->line;
+            v->grad_cols[i] = n->kids[i]->col;
         }
         *out = v;
         return LM_OK;

@@ -378,6 +378,8 @@ void lm_pval_free(lm_pval *v)
         return;
     free(v->str);
     free(v->grad);
+    free(v->grad_lines);
+    free(v->grad_cols);
     for (int i = 0; i < v->n_conds; i++) {
         free(v->conds[i].filter);
         lm_pval_free(v->conds[i].value);

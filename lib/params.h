@@ -49,6 +49,8 @@ struct lm_pval {
     char *str;        // STRING
     double *grad;     // (n_grad) GRADIENT, n_grad >= 1
     int n_grad;
+    int *grad_lines;  // (n_grad) where each of the gradient's numbers was written, 1-based; NULL
+    int *grad_cols;   // for the command line
     lm_pcond *conds;  // (n_conds) CONDS, n_conds >= 1
     int n_conds;
     int line, col;    // where it was written in its file, 1-based; 0 for the command line

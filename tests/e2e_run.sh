@@ -962,7 +962,19 @@ models:
           value: [0.5, 1.5]
         - value: 0.5
 EOF
-refused e_density 9:18 "models[0].parameters: density 1.5 is not in (0, 1]"
+refused e_density 9:24 "models[0].parameters: density 1.5 is not in (0, 1]"
+# a gradient's bad number is named where it stands, on a line of its own
+cfg e_density_line <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+      density: [0.5,
+        1.5]
+EOF
+refused e_density_line 8:9 "models[0].parameters: density 1.5 is not in (0, 1]"
 cfg e_gamma <<EOF
 merge_method: breadcrumbs
 base_model: $B

@@ -117,6 +117,9 @@ static void test_every_key(void)
     CHECK(v && v->kind == LM_PVAL_NUMBER && v->num == 1e-3);
     v = param(&c->params, "t");
     CHECK(v && v->kind == LM_PVAL_GRADIENT && v->n_grad == 3 && v->grad[1] == 0.5);
+    // each number's own place, for messages about one of them
+    CHECK(v && v->grad_lines && v->grad_cols && v->grad_lines[0] == 22 && v->grad_cols[0] == 7 &&
+          v->grad_lines[1] == 22 && v->grad_cols[1] == 10 && v->grad_lines[2] == 22 && v->grad_cols[2] == 14);
     v = param(&c->params, "label");
     CHECK(v && v->kind == LM_PVAL_STRING && strcmp(v->str, "yes") == 0);
     v = param(&c->params, "mode");  // YAML 1.1's yes is a string here
