@@ -975,6 +975,16 @@ models:
         1.5]
 EOF
 refused e_density_line 8:9 "models[0].parameters: density 1.5 is not in (0, 1]"
+# one {filter, value} on its own, not in a list, fails in mergekit for every tensor
+cfg e_cond_map <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: {filter: mlp, value: 0.5}
+EOF
+refused e_cond_map 6:15 "write it as a list of conditions"
 cfg e_gamma <<EOF
 merge_method: breadcrumbs
 base_model: $B
