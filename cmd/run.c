@@ -257,6 +257,33 @@ static bool same_model(const char *a, const char *b)
     return realpath(a, ra) && realpath(b, rb) && strcmp(ra, rb) == 0;
 }
 
+// Whether two models: entries name the same input: PATH, or PATH+LORA with both parts the same.
+static bool same_entry(const char *a, const char *b)
+{
+    const char *pa = strchr(a, '+'), *pb = strchr(b, '+');
+    if (!pa || !pb)
+        return !pa && !pb && same_model(a, b);
+    char *ha = strndup(a, (size_t)(pa - a)), *hb = strndup(b, (size_t)(pb - b));
+    bool same = ha && hb && same_model(ha, hb) && same_model(pa + 1, pb + 1);
+    free(ha);
+    free(hb);
+    return same;
+}
+
+// A model listed twice in models: mergekit keeps one input, with the first entry's parameters,
+// where llmerge would merge it twice; refused, so that neither reading is guessed at.
+static lm_status check_repeats(const lm_mergecfg *cfg, lm_err *err)
+{
+    for (int j = 1; j < cfg->n_models; j++)
+        for (int i = 0; i < j; i++)
+            if (same_entry(cfg->models[i].model, cfg->models[j].model))
+                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: model '%s' is listed twice in models (lines %d and "
+                                  "%d): mergekit would merge it once, with the first entry's parameters; list it once",
+                                  AT(cfg, cfg->models[j].line, cfg->models[j].col), cfg->models[j].model,
+                                  cfg->models[i].line, cfg->models[j].line);
+    return LM_OK;
+}
+
 // An input as the merge opens it: PATH, or for PATH+LORA (mergekit's LoRA applied to a model)
 // the adapter LORA, which llmerge merges onto the base as it is when PATH is the base; on any
 // other PATH, the model PATH+LORA is made in the cache before the merge (*pending set; the
@@ -732,7 +759,7 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
         if ((s = check_params(cfg, &cfg->models[i].params, mp, m->name, true, where, err)) != LM_OK)
             return s;
     }
-    if ((s = config_models(p, m, a, err)) != LM_OK)
+    if ((s = check_repeats(cfg, err)) != LM_OK || (s = config_models(p, m, a, err)) != LM_OK)
         return s;
     // as many models as the method takes, said of the configuration (the merge's own check
     // speaks of the command line's BASE and FTs)

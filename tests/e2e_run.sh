@@ -660,7 +660,7 @@ expect 2 "FT 3: $fx/lora_mts: its LoRA module 'model.embed_tokens' changes model
   run "$work/tk_mts.yml" -o "$work/tk_mts.run"
 check '[ ! -e "$work/tk_mts.run" ]' "a refused rebuild left $work/tk_mts.run"
 printf '{"model": {"vocab": {"a": -1}}}' >"$work/tk_pad/tokenizer.json"
-tk_cfg tk_bad "tokenizer_source: $work/tk_pad" tk_third
+tk_cfg tk_bad "tokenizer_source: $work/tk_pad"
 expect 2 "$work/tk_pad/tokenizer.json: model.vocab: token 'a' has id -1, not a token id" \
   run "$work/tk_bad.yml" -o "$work/tk_bad.run"
 printf '{"model": {"vocab": {}}}' >"$work/tk_pad/tokenizer.json"
@@ -932,6 +932,21 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_nuslerp_base 6:12 "base_model must not be among them"
+# a model listed twice: mergekit merges it once with the first entry's parameters (the same
+# directory by another path is the same model)
+cfg e_twice <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 1}
+  - model: $F2
+    parameters: {weight: 1}
+  - model: $F1/.
+    parameters: {weight: 0.5}
+EOF
+refused e_twice 8:12 "model '$F1/.' is listed twice in models (lines 4 and 8): mergekit would merge it once, \
+with the first entry's parameters; list it once"
 # as many models as the method takes
 cfg e_slerp_models <<EOF
 merge_method: slerp
