@@ -567,6 +567,14 @@ static const struct {
                "{{ '[|system|][|endofturn|]\\n' }}{% endif %}{{ '[|' + m['role'] + '|]' + m['content'] + "
                "('\\n' if m['role'] == 'user' else '[|endofturn|]\\n') }}{% endfor %}"
                "{% if add_generation_prompt %}{{ '[|assistant|]' }}{% endif %}"},
+    // Mistral's [INST] turns, a leading system message put before the first user turn
+    {"mistral", "{% set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+                "{{ bos_token }}{% for m in (messages[1:] if sys is not none else messages) %}"
+                "{% if m['role'] not in ['user', 'assistant'] or (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('mistral: after an optional system message, the roles alternate user, assistant, "
+                "user, ...') }}{% endif %}{% if m['role'] == 'user' %}{{ ' [INST] ' + (sys + '\\n\\n' if loop.first "
+                "and sys is not none else '') + m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + "
+                "eos_token }}{% endif %}{% endfor %}"},
 };
 
 // ---- tokenizer_source -----------------------------------------------------------------------
@@ -714,7 +722,7 @@ static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
         }
     if (strlen(t) < 20 || !strchr(t, '{'))  // mergekit's rule for a template given by name
         return lm_err_set(err, LM_ERR_USAGE, "%s:%d: chat_template '%s': not a template llmerge knows by name "
-                          "(alpaca, chatml, exaone, llama3), nor a Jinja template, nor auto", cfg->path,
+                          "(alpaca, chatml, exaone, llama3, mistral), nor a Jinja template, nor auto", cfg->path,
                           cfg->chat_template_line, t);
     a->chat_template = t;
     return LM_OK;

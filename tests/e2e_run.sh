@@ -684,13 +684,14 @@ tk_cfg tk_chatml "chat_template: chatml"
 runcfg tk_chatml
 json "$work/tk_chatml.run/tokenizer_config.json" chat_template \
   "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-for name in llama3 alpaca exaone; do
+for name in llama3 alpaca exaone mistral; do
   tk_cfg "tk_$name" "chat_template: $name"
   runcfg "tk_$name"
 done
 check 'grep -q "<|start_header_id|>" "$work/tk_llama3.run/tokenizer_config.json" &&
   grep -q "### Instruction:" "$work/tk_alpaca.run/tokenizer_config.json" &&
-  grep -q "\[|endofturn|\]" "$work/tk_exaone.run/tokenizer_config.json"' "a named chat_template not written"
+  grep -q "\[|endofturn|\]" "$work/tk_exaone.run/tokenizer_config.json" &&
+  grep -q " \[INST\] " "$work/tk_mistral.run/tokenizer_config.json"' "a named chat_template not written"
 tk_cfg tk_vicuna "chat_template: vicuna"
 expect 2 "$work/tk_vicuna.yml:3: chat_template 'vicuna'" run "$work/tk_vicuna.yml" -o "$work/tk_vicuna.run"
 check '[ ! -e "$work/tk_vicuna.run" ]' "a refused chat_template left $work/tk_vicuna.run"
