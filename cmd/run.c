@@ -1041,36 +1041,86 @@ int lm_cmd_run(int argc, char **argv)
 
 // ==== what OUT gets besides a merge's files ===================================================
 
-// The chat template `auto` picks, as mergekit does: the one most of the models' tokenizers
-// have (base first, then the inputs in order; a tie goes to the first met), or NULL when none
-// has one. A new string the caller frees.
+// The chat template a model's tokenizer has, as transformers loads it for mergekit: the file
+// chat_template.jinja where the directory has one (it wins over tokenizer_config.json), else
+// tokenizer_config.json's "chat_template": a string, or of the named templates (a list of
+// {name, template}, or a mapping of names) the one named "default". Stripped of the whitespace
+// around it, as mergekit strips it before comparing; NULL when there is none or nothing is left.
+// A new string the caller frees.
+static char *model_template(const char *dir)
+{
+    char *jinja = lm_path_join(dir, "chat_template.jinja"), *cfg = lm_path_join(dir, "tokenizer_config.json");
+    char *text = NULL, *res = NULL;
+    size_t len = 0;
+    lm_err e = {0};
+    if (jinja && lm_is_file(jinja)) {
+        if (lm_read_file(jinja, 64u << 20, &text, &len, &e) == LM_OK)
+            res = lm_strdup(text);
+    } else if (cfg && lm_read_file(cfg, 64u << 20, &text, &len, &e) == LM_OK) {
+        cJSON *j = cJSON_Parse(text);
+        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template"), *it;
+        if (cJSON_IsObject(ct))
+            ct = cJSON_GetObjectItemCaseSensitive(ct, "default");
+        else if (cJSON_IsArray(ct)) {
+            const cJSON *found = NULL;
+            cJSON_ArrayForEach(it, ct) {
+                const cJSON *name = cJSON_GetObjectItemCaseSensitive(it, "name");
+                if (!found && cJSON_IsString(name) && strcmp(name->valuestring, "default") == 0)
+                    found = cJSON_GetObjectItemCaseSensitive(it, "template");
+            }
+            ct = found;
+        }
+        if (cJSON_IsString(ct))
+            res = lm_strdup(ct->valuestring);
+        cJSON_Delete(j);
+    }
+    free(text);
+    free(jinja);
+    free(cfg);
+    if (!res)
+        return NULL;
+    size_t a = 0, b = strlen(res);
+    while (a < b && strchr(" \t\n\r\v\f", res[a]))
+        a++;
+    while (b > a && strchr(" \t\n\r\v\f", res[b - 1]))
+        b--;
+    memmove(res, res + a, b - a);
+    res[b - a] = '\0';
+    if (!res[0]) {
+        free(res);
+        return NULL;
+    }
+    return res;
+}
+
+// The chat template `auto` picks, as mergekit does: the one most of the configuration's models
+// have (base_model first, then models: in order, each model once; a tie goes to the first met,
+// where mergekit's order is a set's), each read from the model's directory (PATH of PATH+LORA),
+// or NULL when none has one. A new string the caller frees.
 static char *auto_template(const merge_args *a)
 {
-    int n = a->n_ft + 1, best = -1, best_count = 0;
+    const lm_mergecfg *cfg = ((const run_preset *)a->preset)->cfg;
+    int n = cfg->n_models + 1, best = -1, best_count = 0;
     char **t = calloc((size_t)n, sizeof *t);
     if (!t)
         return NULL;
     for (int i = 0; i < n; i++) {
-        const char *dir_arg = i == 0 ? a->base : a->fts[i - 1];
-        lm_input_kind kind;
-        char *dir = NULL, *text = NULL;
-        size_t len = 0;
-        lm_err e = {0};
-        if (lm_input_detect(dir_arg, &kind, &dir, &e) != LM_OK) {
-            free(dir);
+        const char *ref = i == 0 ? cfg->base_model : cfg->models[i - 1].model;
+        bool seen = !ref;
+        for (int j = 0; !seen && j < i; j++) {
+            const char *prev = j == 0 ? cfg->base_model : cfg->models[j - 1].model;
+            seen = prev && same_entry(prev, ref);
+        }
+        if (seen)
             continue;
-        }
-        char *path = lm_path_join(dir, "tokenizer_config.json");
-        if (path && lm_read_file(path, 64u << 20, &text, &len, &e) == LM_OK) {
-            cJSON *j = cJSON_Parse(text);
-            const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
-            if (cJSON_IsString(ct) && ct->valuestring[0])
-                t[i] = lm_strdup(ct->valuestring);
-            cJSON_Delete(j);
-        }
-        free(text);
-        free(path);
+        const char *plus = strchr(ref, '+');
+        char *path = plus && plus[1] ? strndup(ref, (size_t)(plus - ref)) : lm_strdup(ref), *dir = NULL;
+        lm_input_kind kind;
+        lm_err e = {0};
+        if (path && lm_input_detect(path, &kind, &dir, &e) == LM_OK && kind == LM_INPUT_MODEL)
+            t[i] = model_template(dir);
         free(dir);
+        free(path);
     }
     for (int i = 0; i < n; i++) {
         int count = 0;

@@ -680,6 +680,30 @@ tk_cfg tk_auto "chat_template: auto"
 runcfg tk_auto
 json "$work/tk_auto.run/tokenizer_config.json" chat_template "{{ 'other' }}"
 json "$work/tk_base.run/tokenizer_config.json" chat_template "{{ 'base' }}"
+# auto reads each template as transformers loads it for mergekit: chat_template.jinja over
+# tokenizer_config.json's string, a list's "default" entry, whitespace around it stripped; so
+# the three fine-tunes agree on one template, and the base's loses
+mkdir -p "$work/ct_jinja" "$work/ct_space" "$work/ct_list"
+for d in ct_jinja ct_space ct_list; do cp "$F1"/*.json "$F1"/*.safetensors "$work/$d/"; done
+printf "{{ 'chat' }}\n" >"$work/ct_jinja/chat_template.jinja"
+printf '{"chat_template": "{{ 1 }}"}' >"$work/ct_jinja/tokenizer_config.json"
+printf '{"chat_template": "  {{ '"'chat'"' }}\\n"}' >"$work/ct_space/tokenizer_config.json"
+printf '{"chat_template": [{"name": "tool_use", "template": "{{ 2 }}"}, %s]}' \
+  '{"name": "default", "template": "{{ '"'chat'"' }}"}' >"$work/ct_list/tokenizer_config.json"
+cfg ct_auto <<EOF
+merge_method: task_arithmetic
+base_model: $work/tk_base
+chat_template: auto
+models:
+  - model: $work/ct_jinja
+    parameters: {weight: 0.3}
+  - model: $work/ct_space
+    parameters: {weight: 0.3}
+  - model: $work/ct_list
+    parameters: {weight: 0.3}
+EOF
+runcfg ct_auto
+json "$work/ct_auto.run/tokenizer_config.json" chat_template "{{ 'chat' }}"
 tk_cfg tk_chatml "chat_template: chatml"
 runcfg tk_chatml
 json "$work/tk_chatml.run/tokenizer_config.json" chat_template \
