@@ -365,7 +365,7 @@ static lm_status cli_settings(merge_run *r, bool models, lm_err *err)
     for (int m = 0; m <= n; m++)
         r->cli_model_ptrs[m] = &r->cli_models[m];
     r->cli_params = (lm_merge_params){.global = &r->cli_global, .models = r->cli_model_ptrs, .n_ft = n,
-                                      .n_layers = r->base->config.num_hidden_layers, .base_is_model = models};
+                                      .base_is_model = models};
     a->params = &r->cli_params;
     return s;
 }
@@ -510,7 +510,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     if (a->params) {
         o->tensor_params = lm_merge_params_tensor;
         o->params_ctx = a->params;
-        a->params->n_layers = r->base->config.num_hidden_layers;
+        lm_merge_params_layout(a->params, r->base);
     }
     if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, err)) != LM_OK ||
         (s = lm_cmd_lora_exact_check(a, o, r->base, r->fts, err)) != LM_OK)

@@ -794,7 +794,7 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     p->mp = (lm_merge_params){.global = &cfg->params, .models = p->models, .n_ft = a->n_ft,
                               .required = param_find(mp, "weight") && param_find(mp, "weight")->required ? LM_MP_WEIGHT
                                                                                                         : 0,
-                              .base_is_model = models, .names = p->names};
+                              .base_is_model = models, .names = p->names, .file = cfg->path};
     a->params = &p->mp;
     if (p->n_pending > 0)
         a->prepare_inputs = make_pending;

@@ -1046,6 +1046,51 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_dtype 3 "dtype: 'float8' is not a dtype llmerge writes"
+# a gradient only where llmerge's position of a tensor is mergekit's: a base without
+# num_hidden_layers (an architecture llmerge does not check, named as GPT-2 is), or whose
+# tensors hold more layers than it says, is refused naming the gradient, the tensor and why, in
+# a configuration and on the command line; a number there is fine
+mkdir -p "$work/gr_nolayers" "$work/gr_ft" "$work/gr_short"
+cp "$B"/*.json "$B"/*.safetensors "$work/gr_nolayers/"
+cp "$F1"/*.json "$F1"/*.safetensors "$work/gr_ft/"
+cp "$B"/*.json "$B"/*.safetensors "$work/gr_short/"
+for d in gr_nolayers gr_ft; do
+  sed -i -e '/"num_hidden_layers"/d' -e 's/"LlamaForCausalLM"/"GPT2LMHeadModel"/' \
+    -e 's/"model_type": "llama"/"model_type": "gpt2"/' "$work/$d/config.json"
+done
+sed -i 's/"num_hidden_layers": 2/"num_hidden_layers": 1/' "$work/gr_short/config.json"
+cfg e_grad_nolayers <<EOF
+merge_method: ties
+base_model: $work/gr_nolayers
+models:
+  - model: $work/gr_ft
+    parameters:
+      weight: 1
+      density: [0.5, 1]
+EOF
+refused e_grad_nolayers 7:16 "parameter 'density' is a gradient over the layers, and tensor \
+'model.embed_tokens.weight' has no known position among them: the base's config.json has no num_hidden_layers"
+expect 2 "parameter 'density' is a gradient over the layers, and tensor 'model.embed_tokens.weight'" \
+  ties "$work/gr_nolayers" "$work/gr_ft" -o "$work/e_grad.cli" --densities '*=0.5,1'
+no_output "$work/e_grad.cli"
+expect 2 "parameter 't' is a gradient over the layers" \
+  slerp "$work/gr_nolayers" "$work/gr_ft" -o "$work/e_grad.cli" --t 'self_attn=0,0.5,1;0.5'
+no_output "$work/e_grad.cli"
+cli grad_number ties "$work/gr_nolayers" "$work/gr_ft" --densities 0.5
+cfg e_grad_short <<EOF
+merge_method: slerp
+base_model: $work/gr_short
+parameters:
+  t:
+    - filter: mlp
+      value: [0, 1]
+    - value: 0.5
+models:
+  - model: $work/gr_short
+  - model: $F1
+EOF
+refused e_grad_short 6:14 "tensor 'model.layers.0.mlp.down_proj.weight' has no known position among them: its \
+stack of layers ('model.layers.<i>.', 2 of them) is not the one the base's num_hidden_layers (1) counts"
 # della's density ± epsilon must lie in (0, 1) in every tensor: two settings that are each in
 # range but not together in the MLP's tensors are refused naming the first such tensor, before
 # any work, in a configuration and on the command line
