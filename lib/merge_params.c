@@ -3,6 +3,19 @@
 
 #include <string.h>
 
+lm_mp_form lm_merge_params_form(const lm_merge_params *mp, int m, const char *name, double *num)
+{
+    const lm_param *p = m >= 0 ? lm_params_find(mp->models[m], name) : NULL;
+    if (!p)
+        p = lm_params_find(mp->global, name);
+    if (!p)
+        return LM_MP_UNSET;
+    if (p->value->kind != LM_PVAL_NUMBER && p->value->kind != LM_PVAL_BOOL)
+        return LM_MP_PER_TENSOR;
+    *num = p->value->num;
+    return LM_MP_NUMBER;
+}
+
 void lm_merge_params_layout(lm_merge_params *mp, const lm_model *base)
 {
     memset(&mp->layout, 0, sizeof mp->layout);

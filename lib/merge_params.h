@@ -31,6 +31,18 @@ typedef struct lm_merge_params {
     const char *const *names;       // (n_ft + 1) how each model was named, for messages, or NULL
 } lm_merge_params;
 
+// How a parameter is set for the whole merge, for the records of it (the card, llmerge.json).
+typedef enum lm_mp_form {
+    LM_MP_UNSET,       // no setting gives it: the method's default applies everywhere
+    LM_MP_NUMBER,      // one number (or bool) for every tensor
+    LM_MP_PER_TENSOR,  // a gradient or conditions: it may differ from tensor to tensor
+} lm_mp_form;
+
+// How parameter `name` of model m (0 the base, 1 + i FT i; -1 the merge's own, the global
+// settings only) is set: the model's setting where it has one, else the global one; for
+// LM_MP_NUMBER *num holds the number (a bool as 0 or 1). Allocates nothing.
+lm_mp_form lm_merge_params_form(const lm_merge_params *mp, int m, const char *name, double *num);
+
 // Fills mp->layout from the base: its num_hidden_layers and the stacks of layers its tensors
 // form (params.h). The base must outlive mp's use. Allocates nothing.
 void lm_merge_params_layout(lm_merge_params *mp, const lm_model *base);

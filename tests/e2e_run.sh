@@ -458,6 +458,37 @@ check 'cmp -s "$work/karcher.yml" "$work/karcher.run/mergekit_config.yml"' \
 check '[ -s "$work/ties.run/README.md" ] && grep -q "^# ties.run" "$work/ties.run/README.md"' \
   "the card: $(head -c 300 "$work/ties.run/README.md" 2>&1)"
 json "$work/ties.run/llmerge.json" method ties
+# the card and llmerge.json give the configuration's parameters, not the defaults the engine
+# starts each tensor from: numbers as they are, settings that vary by tensor said to
+per="per tensor: see the configuration"
+check 'grep -qF "1. \`$F1\` (model): weight $per, density $per" "$work/ties.run/README.md" &&
+  grep -qF "2. \`$LP\` (LoRA adapter): weight 0.5, density 0.6" "$work/ties.run/README.md"' \
+  "the card's inputs: $(grep -A3 "^Fine-tunes" "$work/ties.run/README.md")"
+json "$work/ties.run/llmerge.json" options.weights '["per tensor: see the configuration",0.5]'
+json "$work/ties.run/llmerge.json" options.densities '["per tensor: see the configuration",0.6]'
+check 'grep -qx -- "- lambda: per tensor: see the configuration" "$work/task_arithmetic.run/README.md" &&
+  grep -qx -- "- lambda: per tensor: see --lambda" "$work/task_arithmetic.cli/README.md"' \
+  "the card's lambda: $(grep -- "- lambda" "$work/task_arithmetic.run/README.md" "$work/task_arithmetic.cli/README.md")"
+json "$work/task_arithmetic.run/llmerge.json" options.weights '[0.7,0.3]'
+json "$work/task_arithmetic.run/llmerge.json" options.lambda "per tensor: see the configuration"
+cfg card <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 0.3, density: 0.5}
+  - model: $F2
+    parameters: {weight: 0.7, density: 0.2}
+parameters: {lambda: 0.5}
+EOF
+runcfg card
+check 'grep -qF "1. \`$F1\` (model): weight 0.3, density 0.5" "$work/card.run/README.md" &&
+  grep -qF "2. \`$F2\` (model): weight 0.7, density 0.2" "$work/card.run/README.md" &&
+  grep -qx -- "- lambda: 0.5" "$work/card.run/README.md"' \
+  "the card: $(grep -A8 "^Fine-tunes" "$work/card.run/README.md")"
+json "$work/card.run/llmerge.json" options.weights '[0.3,0.7]'
+json "$work/card.run/llmerge.json" options.densities '[0.5,0.2]'
+json "$work/card.run/llmerge.json" options.lambda 0.5
 json "$work/dare_linear1.run/llmerge.json" method dare
 
 # dtype alone sets the output dtype (mergekit's torch. prefix read too); out_dtype wins over it
