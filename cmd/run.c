@@ -967,6 +967,15 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source and chat_template with passthrough are not "
                        "supported yet (the first slice's model gives the tokenizer)", cfg->path,
                        cfg->tokenizer_source ? cfg->tokenizer_line : cfg->chat_template_line);
+    // mergekit takes the output's config.json and tokenizer files from base_model, llmerge from
+    // the first slice's model: the same only where base_model is that model
+    const lm_cfg_model *first = s == LM_OK && n > 0 && cfg->slices[0].n_sources > 0 ? &cfg->slices[0].sources[0] : NULL;
+    if (first && cfg->base_model && !same_model(cfg->base_model, first->model))
+        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d:%d: base_model '%s': mergekit's passthrough takes the output's "
+                       "config.json and tokenizer files from base_model, and llmerge takes them from the first slice's "
+                       "model ('%s'); a base_model other than that model is not supported yet (leave base_model out, "
+                       "or list its layers first)", AT(cfg, cfg->base_line, cfg->base_col), cfg->base_model,
+                       first->model);
     if (s == LM_OK && (a.to_lora || a.to_lora_exact))
         s = lm_err_set(&err, LM_ERR_USAGE, "--to-lora: a passthrough stacks layers into a new model, which has no "
                        "base to be an adapter of");

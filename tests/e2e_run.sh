@@ -930,6 +930,21 @@ runcfg stack
 run stack.cli passthrough -o "$work/stack.cli" --slice "$B:0:2" --slice "$F1:1:2:0.5" --dtype f32 -q
 same "passthrough's slices vs llmerge passthrough" "$work/stack.run" "$work/stack.cli"
 check 'cmp -s "$work/stack.yml" "$work/stack.run/mergekit_config.yml"' "passthrough: OUT lacks the configuration"
+# base_model gives mergekit's passthrough its config.json and tokenizer: the first slice's model
+# is llmerge's, so that base_model is the same stack, and another is refused
+sed "1a base_model: $B" "$work/stack.yml" >"$work/stack_base.yml"
+runcfg stack_base
+same "passthrough with base_model the first slice's model" "$work/stack.run" "$work/stack_base.run"
+cfg e_stack_base <<EOF
+merge_method: passthrough
+base_model: $F2
+slices:
+  - sources:
+      - model: $B
+        layer_range: [0, 2]
+EOF
+refused e_stack_base 2:13 \
+  "base_model '$F2': mergekit's passthrough takes the output's config.json and tokenizer files from base_model"
 cfg e_sparsegpt <<EOF
 merge_method: sparsegpt
 base_model: $B
