@@ -126,6 +126,8 @@ static void run_free(merge_run *r)
     if (r->args.preset_free)
         r->args.preset_free(r->args.preset);
     free(r->epsilons);
+    free(r->args.weight_text);
+    free(r->args.density_text);
     free(r->args.epsilons);
     free(r->args.weights);
     free(r->args.densities);
@@ -365,9 +367,45 @@ static lm_status cli_settings(merge_run *r, bool models, lm_err *err)
     for (int m = 0; m <= n; m++)
         r->cli_model_ptrs[m] = &r->cli_models[m];
     r->cli_params = (lm_merge_params){.global = &r->cli_global, .models = r->cli_model_ptrs, .n_ft = n,
-                                      .n_layers = r->base->config.num_hidden_layers, .base_is_model = models};
+                                      .base_is_model = models};
     a->params = &r->cli_params;
     return s;
+}
+
+// With per-tensor settings, the options' weights, densities and lambda are only where each
+// tensor's values start from (the method's defaults); the card and llmerge.json read them. Each
+// is set to what the settings give where that is one number for the whole merge, and where it
+// varies from tensor to tensor, a->weight_text and the like say so instead.
+static lm_status settings_summary(merge_run *r, bool models, lm_err *err)
+{
+    merge_args *a = &r->args;
+    const lm_merge_params *mp = a->params;
+    lm_merge_opts *o = &r->opts;
+    a->weight_text = calloc((size_t)(a->n_ft ? a->n_ft : 1), sizeof *a->weight_text);
+    a->density_text = calloc((size_t)(a->n_ft ? a->n_ft : 1), sizeof *a->density_text);
+    if (!a->weight_text || !a->density_text)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    bool cfg = a->config_text != NULL;
+    double x = 0;
+    for (int i = 0; i < a->n_ft; i++) {
+        lm_mp_form f = lm_merge_params_form(mp, 1 + i, "weight", &x);
+        if (f == LM_MP_NUMBER)
+            r->weights[i] = x;
+        else if (f == LM_MP_PER_TENSOR)
+            a->weight_text[i] = cfg ? "per tensor: see the configuration" : "per tensor: see --weights";
+        if ((f = lm_merge_params_form(mp, 1 + i, "density", &x)) == LM_MP_NUMBER)
+            r->densities[i] = x;
+        else if (f == LM_MP_PER_TENSOR)
+            a->density_text[i] = cfg ? "per tensor: see the configuration" : "per tensor: see --densities";
+    }
+    if (models && lm_merge_params_form(mp, 0, "weight", &x) == LM_MP_NUMBER)
+        o->base_weight = x;
+    lm_mp_form f = lm_merge_params_form(mp, -1, "lambda", &x);
+    if (f == LM_MP_NUMBER)
+        o->lambda = x;
+    else if (f == LM_MP_PER_TENSOR)
+        a->lambda_text = cfg ? "per tensor: see the configuration" : "per tensor: see --lambda";
+    return LM_OK;
 }
 
 // Everything before the work: inputs opened and checked, options resolved, the device opened.
@@ -510,7 +548,9 @@ static lm_status prepare(merge_run *r, lm_err *err)
     if (a->params) {
         o->tensor_params = lm_merge_params_tensor;
         o->params_ctx = a->params;
-        a->params->n_layers = r->base->config.num_hidden_layers;
+        lm_merge_params_layout(a->params, r->base);
+        if ((s = settings_summary(r, models, err)) != LM_OK)
+            return s;
     }
     if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, err)) != LM_OK ||
         (s = lm_cmd_lora_exact_check(a, o, r->base, r->fts, err)) != LM_OK)
@@ -739,6 +779,26 @@ static lm_status build_manifest(merge_run *r, double *hash_s, lm_err *err)
     if (s != LM_OK || (s = lm_manifest_merge_options(m, &r->opts, err)) != LM_OK)
         return s;
     cJSON *opt = m->options;
+    // a setting that varies from tensor to tensor: said so, not the number the engine starts from
+    cJSON *ws = cJSON_GetObjectItemCaseSensitive(opt, "weights");
+    cJSON *ds = cJSON_GetObjectItemCaseSensitive(opt, "densities");
+    for (int i = 0; i < a->n_ft && a->weight_text; i++) {
+        cJSON *w = a->weight_text[i] ? cJSON_CreateString(a->weight_text[i]) : NULL;
+        cJSON *d = a->density_text[i] && cJSON_IsArray(ds) ? cJSON_CreateString(a->density_text[i]) : NULL;
+        if ((a->weight_text[i] && (!w || !cJSON_ReplaceItemInArray(ws, i, w))) ||
+            (a->density_text[i] && cJSON_IsArray(ds) && (!d || !cJSON_ReplaceItemInArray(ds, i, d)))) {
+            cJSON_Delete(w);
+            cJSON_Delete(d);
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        }
+    }
+    if (a->lambda_text) {
+        cJSON *l = cJSON_CreateString(a->lambda_text);
+        if (!l || !cJSON_ReplaceItemInObjectCaseSensitive(opt, "lambda", l)) {
+            cJSON_Delete(l);
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        }
+    }
     bool ok = cJSON_AddNumberToObject(opt, "shard_size", (double)a->shard_size) &&
               cJSON_AddStringToObject(opt, "device", lm_dev_name(r->dev)) &&
               (a->gpu_mem ? cJSON_AddNumberToObject(opt, "gpu_mem", (double)a->gpu_mem)

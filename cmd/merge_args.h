@@ -140,6 +140,12 @@ struct merge_args {
     // llmerge run: the settings of a configuration file (the parse of cmd/run.c sets them), else
     // NULL; with sets[] given, the merge builds its own from those (merge.c)
     lm_merge_params *params;
+    // with params: what the card and llmerge.json say, in place of the number, of a parameter
+    // whose setting varies from tensor to tensor (a gradient, filters); NULL where it is one
+    // number, which the merge's options then hold (merge.c)
+    const char **weight_text;  // (n_ft)
+    const char **density_text; // (n_ft)
+    const char *lambda_text;
     // what llmerge run adds (cmd/run.c): its context, freed by preset_free with the run, and its
     // work on the inputs before they are opened (the PATH+LORA models), or NULL
     void *preset;

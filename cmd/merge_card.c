@@ -45,7 +45,8 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     lm_card_input inputs[n];
     for (int i = 0; i < n; i++)
         inputs[i] = (lm_card_input){a->fts[i], fts[i]->adapter ? "LoRA adapter" : "model", o->weights[i],
-                                    u->density ? o->densities[i] : -1};
+                                    u->density ? o->densities[i] : -1, a->weight_text ? a->weight_text[i] : NULL,
+                                    u->density && a->density_text ? a->density_text[i] : NULL};
 
     // the methods whose base is one of the models take its weight first
     bool models = u->models || (u->models_only && o->models_only);
@@ -94,7 +95,7 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     // the options shown in the body, those the method uses
     lm_card_option opts[16 + a->n_calib];
     int k = 0;
-    opts[k++] = (lm_card_option){"lambda", lambda, false};
+    opts[k++] = (lm_card_option){"lambda", a->lambda_text ? a->lambda_text : lambda, false};
     opts[k++] = (lm_card_option){"normalize", o->normalize ? "on" : "off", false};
     if (u->sign)
         opts[k++] = (lm_card_option){"sign election", sign, false};

@@ -170,17 +170,18 @@ static char *keep(run_preset *p, char *s)
 #define AT(cfg, line, col) (cfg)->path, (line), (col)
 
 // The first number of setting v (a number, a gradient, or conditions on those) outside the range
-// of parameter `name` (density: (0, 1]; gamma: [0, 1]; others: none), into *bad with the value
-// it was written in, *at; false when every number is in range. Every value the setting gives a
-// tensor lies between two of its numbers, so checking them is checking all.
-static bool out_of_range(const char *name, const lm_pval *v, double *bad, const lm_pval **at)
+// of parameter `name` (density: (0, 1]; gamma: [0, 1]; others: none), into *bad with where it
+// was written, *line and *col (a gradient's own number's place); false when every number is in
+// range. Every value the setting gives a tensor lies between two of its numbers, so checking
+// them is checking all.
+static bool out_of_range(const char *name, const lm_pval *v, double *bad, int *line, int *col)
 {
     bool density = strcmp(name, "density") == 0, gamma = strcmp(name, "gamma") == 0;
     if (!density && !gamma)
         return false;
     if (v->kind == LM_PVAL_CONDS) {
         for (int c = 0; c < v->n_conds; c++)
-            if (out_of_range(name, v->conds[c].value, bad, at))
+            if (out_of_range(name, v->conds[c].value, bad, line, col))
                 return true;
         return false;
     }
@@ -188,8 +189,10 @@ static bool out_of_range(const char *name, const lm_pval *v, double *bad, const 
     for (int i = 0; i < n; i++) {
         double x = v->kind == LM_PVAL_GRADIENT ? v->grad[i] : v->num;
         if (density ? !(x > 0 && x <= 1) : !(x >= 0 && x <= 1)) {
+            bool own = v->kind == LM_PVAL_GRADIENT && v->grad_lines;
             *bad = x;
-            *at = v;
+            *line = own ? v->grad_lines[i] : v->line;
+            *col = own ? v->grad_cols[i] : v->col;
             return true;
         }
     }
@@ -221,9 +224,9 @@ static lm_status check_params(const lm_mergecfg *cfg, const lm_params *ps, const
                                   "or a list of {filter, value} with such values", AT(cfg, v->line, v->col), where,
                                   q->name);
             double x;
-            const lm_pval *at;
-            if (out_of_range(q->name, v, &x, &at))
-                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: %s %g is not in %s", AT(cfg, at->line, at->col),
+            int line, col;
+            if (out_of_range(q->name, v, &x, &line, &col))
+                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s: %s %g is not in %s", AT(cfg, line, col),
                                   where, q->name, x, q->name[0] == 'd' ? "(0, 1]" : "[0, 1]");
             continue;
         }
@@ -252,6 +255,33 @@ static bool same_model(const char *a, const char *b)
         return true;
     char ra[PATH_MAX], rb[PATH_MAX];
     return realpath(a, ra) && realpath(b, rb) && strcmp(ra, rb) == 0;
+}
+
+// Whether two models: entries name the same input: PATH, or PATH+LORA with both parts the same.
+static bool same_entry(const char *a, const char *b)
+{
+    const char *pa = strchr(a, '+'), *pb = strchr(b, '+');
+    if (!pa || !pb)
+        return !pa && !pb && same_model(a, b);
+    char *ha = strndup(a, (size_t)(pa - a)), *hb = strndup(b, (size_t)(pb - b));
+    bool same = ha && hb && same_model(ha, hb) && same_model(pa + 1, pb + 1);
+    free(ha);
+    free(hb);
+    return same;
+}
+
+// A model listed twice in models: mergekit keeps one input, with the first entry's parameters,
+// where llmerge would merge it twice; refused, so that neither reading is guessed at.
+static lm_status check_repeats(const lm_mergecfg *cfg, lm_err *err)
+{
+    for (int j = 1; j < cfg->n_models; j++)
+        for (int i = 0; i < j; i++)
+            if (same_entry(cfg->models[i].model, cfg->models[j].model))
+                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: model '%s' is listed twice in models (lines %d and "
+                                  "%d): mergekit would merge it once, with the first entry's parameters; list it once",
+                                  AT(cfg, cfg->models[j].line, cfg->models[j].col), cfg->models[j].model,
+                                  cfg->models[i].line, cfg->models[j].line);
+    return LM_OK;
 }
 
 // An input as the merge opens it: PATH, or for PATH+LORA (mergekit's LoRA applied to a model)
@@ -313,28 +343,42 @@ static lm_status make_pending(merge_args *a, lm_progress *pr, lm_err *err)
     return LM_OK;
 }
 
-// The output dtype a configuration names: out_dtype, else dtype (mergekit writes in the dtype it
-// merges in), else none.
-static lm_status config_dtype(const lm_mergecfg *cfg, merge_args *a, lm_err *err)
+// The dtype `name` names (written at `line` for `key`), into *dt.
+static lm_status dtype_named(const lm_mergecfg *cfg, const char *key, const char *name, int line, lm_dtype *dt,
+                             lm_err *err)
 {
-    const char *name = cfg->out_dtype ? cfg->out_dtype : cfg->dtype;
-    int line = cfg->out_dtype ? cfg->out_dtype_line : cfg->dtype_line;
-    if (!name)
-        return LM_OK;
     static const struct {
         const char *name;
         lm_dtype dt;
     } names[] = {{"float32", LM_DTYPE_F32}, {"fp32", LM_DTYPE_F32}, {"float", LM_DTYPE_F32},
                  {"float16", LM_DTYPE_F16}, {"fp16", LM_DTYPE_F16}, {"half", LM_DTYPE_F16},
                  {"bfloat16", LM_DTYPE_BF16}, {"bf16", LM_DTYPE_BF16}};
+    const char *bare = strncmp(name, "torch.", 6) == 0 ? name + 6 : name;  // mergekit's torch.float16
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (strcmp(names[i].name, name) == 0) {
-            a->have_dtype = true;
-            a->dtype = names[i].dt;
+        if (strcmp(names[i].name, bare) == 0) {
+            *dt = names[i].dt;
             return LM_OK;
         }
     return lm_err_set(err, LM_ERR_USAGE, "%s:%d: %s: '%s' is not a dtype llmerge writes (float32, float16 or "
-                      "bfloat16)", cfg->path, line, cfg->out_dtype ? "out_dtype" : "dtype", name);
+                      "bfloat16)", cfg->path, line, key, name);
+}
+
+// The output dtype a configuration names: out_dtype, else dtype (mergekit writes in the dtype it
+// merges in), else none. dtype is checked even where out_dtype wins: mergekit computes in it, so
+// a name it cannot read fails there whatever out_dtype says.
+static lm_status config_dtype(const lm_mergecfg *cfg, merge_args *a, lm_err *err)
+{
+    lm_dtype dt = LM_DTYPE_F32, out = LM_DTYPE_F32;
+    lm_status s;
+    if (cfg->dtype && (s = dtype_named(cfg, "dtype", cfg->dtype, cfg->dtype_line, &dt, err)) != LM_OK)
+        return s;
+    if (cfg->out_dtype && (s = dtype_named(cfg, "out_dtype", cfg->out_dtype, cfg->out_dtype_line, &out, err)) != LM_OK)
+        return s;
+    if (cfg->out_dtype || cfg->dtype) {
+        a->have_dtype = true;
+        a->dtype = cfg->out_dtype ? out : dt;
+    }
+    return LM_OK;
 }
 
 // The global parameters that are one value for the merge, into the merge's options.
@@ -523,6 +567,14 @@ static const struct {
                "{{ '[|system|][|endofturn|]\\n' }}{% endif %}{{ '[|' + m['role'] + '|]' + m['content'] + "
                "('\\n' if m['role'] == 'user' else '[|endofturn|]\\n') }}{% endfor %}"
                "{% if add_generation_prompt %}{{ '[|assistant|]' }}{% endif %}"},
+    // Mistral's [INST] turns, a leading system message put before the first user turn
+    {"mistral", "{% set sys = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+                "{{ bos_token }}{% for m in (messages[1:] if sys is not none else messages) %}"
+                "{% if m['role'] not in ['user', 'assistant'] or (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('mistral: after an optional system message, the roles alternate user, assistant, "
+                "user, ...') }}{% endif %}{% if m['role'] == 'user' %}{{ ' [INST] ' + (sys + '\\n\\n' if loop.first "
+                "and sys is not none else '') + m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + "
+                "eos_token }}{% endif %}{% endfor %}"},
 };
 
 // ---- tokenizer_source -----------------------------------------------------------------------
@@ -670,7 +722,7 @@ static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
         }
     if (strlen(t) < 20 || !strchr(t, '{'))  // mergekit's rule for a template given by name
         return lm_err_set(err, LM_ERR_USAGE, "%s:%d: chat_template '%s': not a template llmerge knows by name "
-                          "(alpaca, chatml, exaone, llama3), nor a Jinja template, nor auto", cfg->path,
+                          "(alpaca, chatml, exaone, llama3, mistral), nor a Jinja template, nor auto", cfg->path,
                           cfg->chat_template_line, t);
     a->chat_template = t;
     return LM_OK;
@@ -715,7 +767,7 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
         if ((s = check_params(cfg, &cfg->models[i].params, mp, m->name, true, where, err)) != LM_OK)
             return s;
     }
-    if ((s = config_models(p, m, a, err)) != LM_OK)
+    if ((s = check_repeats(cfg, err)) != LM_OK || (s = config_models(p, m, a, err)) != LM_OK)
         return s;
     // as many models as the method takes, said of the configuration (the merge's own check
     // speaks of the command line's BASE and FTs)
@@ -742,7 +794,7 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     p->mp = (lm_merge_params){.global = &cfg->params, .models = p->models, .n_ft = a->n_ft,
                               .required = param_find(mp, "weight") && param_find(mp, "weight")->required ? LM_MP_WEIGHT
                                                                                                         : 0,
-                              .base_is_model = models, .names = p->names};
+                              .base_is_model = models, .names = p->names, .file = cfg->path};
     a->params = &p->mp;
     if (p->n_pending > 0)
         a->prepare_inputs = make_pending;
@@ -915,6 +967,15 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source and chat_template with passthrough are not "
                        "supported yet (the first slice's model gives the tokenizer)", cfg->path,
                        cfg->tokenizer_source ? cfg->tokenizer_line : cfg->chat_template_line);
+    // mergekit takes the output's config.json and tokenizer files from base_model, llmerge from
+    // the first slice's model: the same only where base_model is that model
+    const lm_cfg_model *first = s == LM_OK && n > 0 && cfg->slices[0].n_sources > 0 ? &cfg->slices[0].sources[0] : NULL;
+    if (first && cfg->base_model && !same_model(cfg->base_model, first->model))
+        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d:%d: base_model '%s': mergekit's passthrough takes the output's "
+                       "config.json and tokenizer files from base_model, and llmerge takes them from the first slice's "
+                       "model ('%s'); a base_model other than that model is not supported yet (leave base_model out, "
+                       "or list its layers first)", AT(cfg, cfg->base_line, cfg->base_col), cfg->base_model,
+                       first->model);
     if (s == LM_OK && (a.to_lora || a.to_lora_exact))
         s = lm_err_set(&err, LM_ERR_USAGE, "--to-lora: a passthrough stacks layers into a new model, which has no "
                        "base to be an adapter of");
@@ -989,36 +1050,86 @@ int lm_cmd_run(int argc, char **argv)
 
 // ==== what OUT gets besides a merge's files ===================================================
 
-// The chat template `auto` picks, as mergekit does: the one most of the models' tokenizers
-// have (base first, then the inputs in order; a tie goes to the first met), or NULL when none
-// has one. A new string the caller frees.
+// The chat template a model's tokenizer has, as transformers loads it for mergekit: the file
+// chat_template.jinja where the directory has one (it wins over tokenizer_config.json), else
+// tokenizer_config.json's "chat_template": a string, or of the named templates (a list of
+// {name, template}, or a mapping of names) the one named "default". Stripped of the whitespace
+// around it, as mergekit strips it before comparing; NULL when there is none or nothing is left.
+// A new string the caller frees.
+static char *model_template(const char *dir)
+{
+    char *jinja = lm_path_join(dir, "chat_template.jinja"), *cfg = lm_path_join(dir, "tokenizer_config.json");
+    char *text = NULL, *res = NULL;
+    size_t len = 0;
+    lm_err e = {0};
+    if (jinja && lm_is_file(jinja)) {
+        if (lm_read_file(jinja, 64u << 20, &text, &len, &e) == LM_OK)
+            res = lm_strdup(text);
+    } else if (cfg && lm_read_file(cfg, 64u << 20, &text, &len, &e) == LM_OK) {
+        cJSON *j = cJSON_Parse(text);
+        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template"), *it;
+        if (cJSON_IsObject(ct))
+            ct = cJSON_GetObjectItemCaseSensitive(ct, "default");
+        else if (cJSON_IsArray(ct)) {
+            const cJSON *found = NULL;
+            cJSON_ArrayForEach(it, ct) {
+                const cJSON *name = cJSON_GetObjectItemCaseSensitive(it, "name");
+                if (!found && cJSON_IsString(name) && strcmp(name->valuestring, "default") == 0)
+                    found = cJSON_GetObjectItemCaseSensitive(it, "template");
+            }
+            ct = found;
+        }
+        if (cJSON_IsString(ct))
+            res = lm_strdup(ct->valuestring);
+        cJSON_Delete(j);
+    }
+    free(text);
+    free(jinja);
+    free(cfg);
+    if (!res)
+        return NULL;
+    size_t a = 0, b = strlen(res);
+    while (a < b && strchr(" \t\n\r\v\f", res[a]))
+        a++;
+    while (b > a && strchr(" \t\n\r\v\f", res[b - 1]))
+        b--;
+    memmove(res, res + a, b - a);
+    res[b - a] = '\0';
+    if (!res[0]) {
+        free(res);
+        return NULL;
+    }
+    return res;
+}
+
+// The chat template `auto` picks, as mergekit does: the one most of the configuration's models
+// have (base_model first, then models: in order, each model once; a tie goes to the first met,
+// where mergekit's order is a set's), each read from the model's directory (PATH of PATH+LORA),
+// or NULL when none has one. A new string the caller frees.
 static char *auto_template(const merge_args *a)
 {
-    int n = a->n_ft + 1, best = -1, best_count = 0;
+    const lm_mergecfg *cfg = ((const run_preset *)a->preset)->cfg;
+    int n = cfg->n_models + 1, best = -1, best_count = 0;
     char **t = calloc((size_t)n, sizeof *t);
     if (!t)
         return NULL;
     for (int i = 0; i < n; i++) {
-        const char *dir_arg = i == 0 ? a->base : a->fts[i - 1];
-        lm_input_kind kind;
-        char *dir = NULL, *text = NULL;
-        size_t len = 0;
-        lm_err e = {0};
-        if (lm_input_detect(dir_arg, &kind, &dir, &e) != LM_OK) {
-            free(dir);
+        const char *ref = i == 0 ? cfg->base_model : cfg->models[i - 1].model;
+        bool seen = !ref;
+        for (int j = 0; !seen && j < i; j++) {
+            const char *prev = j == 0 ? cfg->base_model : cfg->models[j - 1].model;
+            seen = prev && same_entry(prev, ref);
+        }
+        if (seen)
             continue;
-        }
-        char *path = lm_path_join(dir, "tokenizer_config.json");
-        if (path && lm_read_file(path, 64u << 20, &text, &len, &e) == LM_OK) {
-            cJSON *j = cJSON_Parse(text);
-            const cJSON *ct = cJSON_GetObjectItemCaseSensitive(j, "chat_template");
-            if (cJSON_IsString(ct) && ct->valuestring[0])
-                t[i] = lm_strdup(ct->valuestring);
-            cJSON_Delete(j);
-        }
-        free(text);
-        free(path);
+        const char *plus = strchr(ref, '+');
+        char *path = plus && plus[1] ? strndup(ref, (size_t)(plus - ref)) : lm_strdup(ref), *dir = NULL;
+        lm_input_kind kind;
+        lm_err e = {0};
+        if (path && lm_input_detect(path, &kind, &dir, &e) == LM_OK && kind == LM_INPUT_MODEL)
+            t[i] = model_template(dir);
         free(dir);
+        free(path);
     }
     for (int i = 0; i < n; i++) {
         int count = 0;

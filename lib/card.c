@@ -235,11 +235,11 @@ char *lm_card_text(const lm_card *c)
         lm_card_md_code(&b, in->path);
         lm_buf_fmt(&b, " (%s): weight ", in->kind);
         lm_card_number(num, sizeof num, in->weight);
-        lm_buf_str(&b, num);
-        if (in->density >= 0) {
+        lm_buf_str(&b, in->weight_text ? in->weight_text : num);
+        if (in->density >= 0 || in->density_text) {
             lm_card_number(num, sizeof num, in->density);
             lm_buf_str(&b, ", density ");
-            lm_buf_str(&b, num);
+            lm_buf_str(&b, in->density_text ? in->density_text : num);
         }
         lm_buf_str(&b, "\n");
     }

@@ -30,6 +30,8 @@ typedef struct lm_card_input {
     const char *kind;   // "LoRA adapter", "model"
     double weight;
     double density;     // the fraction kept; < 0 when the method keeps all of it
+    const char *weight_text;   // said instead of the number when not NULL ("per tensor: ..."),
+    const char *density_text;  // where a setting varies from tensor to tensor
 } lm_card_input;
 
 // An option shown in the body as "name: value" (value a code span when `code`).

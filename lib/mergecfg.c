@@ -545,19 +545,10 @@ static lm_status read_setting(reader *r, const node *n, const char *what, bool c
         if (!conds_allowed)
             return fail_at(r, LM_ERR_FORMAT, n->line, n->col, "%s: %s is needed, not a mapping (conditions do not "
                            "nest)", what, expected);
-        lm_pval *v = pval_new(LM_PVAL_CONDS, n);
-        if (!v || !(v->conds = calloc(1, sizeof *v->conds))) {
-            free(v);
-            return nomem(r);
-        }
-        v->n_conds = 1;
-        s = read_cond(r, n, what, &v->conds[0]);
-        if (s != LM_OK) {
-            lm_pval_free(v);
-            return s;
-        }
-        *out = v;
-        return LM_OK;
+        // mergekit reads conditions only as a list: one mapping on its own fails there for
+        // every tensor, so it is refused here rather than given a meaning mergekit lacks
+        return fail_at(r, LM_ERR_FORMAT, n->line, n->col, "%s: a {filter, value} mapping on its own is not a setting "
+                       "(mergekit fails on it): write it as a list of conditions, [{filter: ..., value: ...}]", what);
     }
     if (n->n == 0)
         return fail_at(r, LM_ERR_FORMAT, n->line, n->col, "%s: an empty list (a gradient needs at least one number)",
@@ -594,10 +585,17 @@ static lm_status read_setting(reader *r, const node *n, const char *what, bool c
             return nomem(r);
         }
         v->n_grad = n->n;
+        if (!(v->grad_lines = calloc((size_t)n->n, sizeof *v->grad_lines)) ||
+            !(v->grad_cols = calloc((size_t)n->n, sizeof *v->grad_cols))) {
+            lm_pval_free(v);
+            return nomem(r);
+        }
         for (int i = 0; i < n->n; i++) {
             scalar_kind k;
             key_path(sub, sizeof sub, "%s[%d]", what, i);
             scalar_type(r, n->kids[i], sub, &k, &v->grad[i]);  // checked above
+            v->grad_lines[i] = n->kids[i]->line;
+            v->grad_cols[i] = n->kids[i]->col;
         }
         *out = v;
         return LM_OK;

@@ -13,9 +13,10 @@
 //   - slices: a list of mappings with sources, a list of mappings with model, layer_range
 //     ([FROM, TO], whole numbers, 0 <= FROM < TO) and parameters;
 //   - parameters: a mapping from names to settings (params.h): a number, true or false, a
-//     string, a list of numbers (a gradient, at least one), a list of {filter, value} mappings
-//     (value a number, bool, string or gradient; filter a string, optional), or one such
-//     mapping. The reader does not know which names a method takes: it records every one;
+//     string, a list of numbers (a gradient, at least one, each number's place kept), or a list
+//     of {filter, value} mappings (value a number, bool, string or gradient; filter a string,
+//     optional); one such mapping not in a list is refused (mergekit fails on it). The reader
+//     does not know which names a method takes: it records every one;
 //   - a key whose value is null (~, null, or nothing) counts as absent where the key is
 //     optional.
 //

@@ -3,7 +3,9 @@
 #include "params.h"
 
 #include <errno.h>
+#include <inttypes.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -168,7 +170,9 @@ const lm_param *lm_params_find(const lm_params *ps, const char *name)
     return NULL;
 }
 
-int64_t lm_param_layer(const char *tensor)
+// The layer index of `tensor` (-1: none) and in *prefix the length of the text before its
+// "layers.".
+static int64_t layer_at(const char *tensor, size_t *prefix)
 {
     if (!tensor)
         return -1;
@@ -180,10 +184,105 @@ int64_t lm_param_layer(const char *tensor)
         size_t nd = 0;
         for (; is_digit(d[nd]); nd++)
             idx = idx > (INT64_MAX - 9) / 10 ? INT64_MAX : idx * 10 + (d[nd] - '0');
-        if (nd > 0 && d[nd] == '.')
+        if (nd > 0 && d[nd] == '.') {
+            *prefix = (size_t)(p - tensor);
             return idx;
+        }
     }
     return -1;
+}
+
+int64_t lm_param_layer(const char *tensor)
+{
+    size_t prefix;
+    return layer_at(tensor, &prefix);
+}
+
+void lm_param_layout_add(lm_param_layout *l, const char *tensor)
+{
+    size_t len = 0;
+    int64_t i = layer_at(tensor, &len);
+    if (i < 0)
+        return;
+    for (int k = 0; k < l->n_stacks; k++) {
+        lm_param_stack *st = &l->stacks[k];
+        if (st->len == len && memcmp(st->prefix, tensor, len) == 0) {
+            if (i >= st->n)
+                st->n = i == INT64_MAX ? i : i + 1;
+            return;
+        }
+    }
+    if (l->n_stacks == LM_PARAM_MAX_STACKS) {
+        l->overflow = true;
+        return;
+    }
+    l->stacks[l->n_stacks++] = (lm_param_stack){tensor, len, i == INT64_MAX ? i : i + 1};
+}
+
+// The first part of `tensor` between dots that is all digits, with the part before it, as
+// "h.3" into buf; false when there is none.
+static bool numbered_part(const char *tensor, char *buf, size_t cap)
+{
+    const char *prev = NULL;
+    for (const char *p = tensor; *p;) {
+        const char *end = strchr(p, '.');
+        if (!end)
+            break;  // the last part (weight, bias) is no block
+        size_t n = (size_t)(end - p), d = 0;
+        while (d < n && is_digit(p[d]))
+            d++;
+        if (n > 0 && d == n) {
+            if (prev)
+                snprintf(buf, cap, "%.*s%.*s", (int)(p - prev), prev, (int)n, p);
+            else
+                snprintf(buf, cap, "%.*s", (int)n, p);
+            return true;
+        }
+        prev = p;
+        p = end + 1;
+    }
+    return false;
+}
+
+bool lm_param_layout_position(const lm_param_layout *l, const char *tensor, double *t, char *why, size_t cap)
+{
+    char part[96];
+    *t = 0;
+    if (l->n_layers < 1) {
+        snprintf(why, cap, "the base's config.json has no num_hidden_layers (at its top level), so llmerge does not "
+                 "know where its layers lie");
+        return false;
+    }
+    size_t len = 0;
+    int64_t i = layer_at(tensor, &len);
+    if (i < 0) {
+        if (!numbered_part(tensor, part, sizeof part))
+            return true;  // outside the layers: embeddings, the final norm, lm_head
+        snprintf(why, cap, "its name has numbered blocks ('%s') that are not llmerge's 'layers.<i>.', whose "
+                 "positions it does not know", part);
+        return false;
+    }
+    if (i >= l->n_layers) {
+        snprintf(why, cap, "it is in layer %" PRId64 ", and the base has %" PRId64 " (num_hidden_layers)", i,
+                 l->n_layers);
+        return false;
+    }
+    const lm_param_stack *st = NULL;
+    for (int k = 0; k < l->n_stacks && !st; k++)
+        if (l->stacks[k].len == len && memcmp(l->stacks[k].prefix, tensor, len) == 0)
+            st = &l->stacks[k];
+    if (!st) {
+        snprintf(why, cap, "the base has layers under more than %d prefixes, and llmerge does not know which "
+                 "num_hidden_layers counts", LM_PARAM_MAX_STACKS);
+        return false;
+    }
+    if (st->n != l->n_layers) {
+        snprintf(why, cap, "its stack of layers ('%.*slayers.<i>.', %" PRId64 " of them) is not the one the base's "
+                 "num_hidden_layers (%" PRId64 ") counts", (int)(len > 60 ? 60 : len), tensor, st->n, l->n_layers);
+        return false;
+    }
+    *t = lm_param_position(tensor, l->n_layers);
+    return true;
 }
 
 double lm_param_position(const char *tensor, int64_t n_layers)
@@ -194,6 +293,22 @@ double lm_param_position(const char *tensor, int64_t n_layers)
     if (n_layers == 1 || i >= n_layers - 1)
         return 1;
     return (double)i / (double)(n_layers - 1);
+}
+
+const lm_pval *lm_param_leaf(const lm_params *model, const lm_params *global, const char *name, const char *tensor,
+                             const lm_param **from)
+{
+    const lm_params *levels[2] = {model, global};
+    for (int l = 0; l < 2; l++) {
+        const lm_param *p = lm_params_find(levels[l], name);
+        const lm_pval *leaf = p ? leaf_of(p->value, tensor) : NULL;
+        if (leaf) {
+            if (from)
+                *from = p;
+            return leaf;
+        }
+    }
+    return NULL;
 }
 
 lm_status lm_param_number(const lm_params *model, const lm_params *global, const char *name,
@@ -378,6 +493,8 @@ void lm_pval_free(lm_pval *v)
         return;
     free(v->str);
     free(v->grad);
+    free(v->grad_lines);
+    free(v->grad_cols);
     for (int i = 0; i < v->n_conds; i++) {
         free(v->conds[i].filter);
         lm_pval_free(v->conds[i].value);

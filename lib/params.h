@@ -49,6 +49,8 @@ struct lm_pval {
     char *str;        // STRING
     double *grad;     // (n_grad) GRADIENT, n_grad >= 1
     int n_grad;
+    int *grad_lines;  // (n_grad) where each of the gradient's numbers was written, 1-based; NULL
+    int *grad_cols;   // for the command line
     lm_pcond *conds;  // (n_conds) CONDS, n_conds >= 1
     int n_conds;
     int line, col;    // where it was written in its file, 1-based; 0 for the command line
@@ -85,6 +87,50 @@ double lm_param_position(const char *tensor, int64_t n_layers);
 
 // The layer index of a tensor name by the rule above, or -1 when it names no layer.
 int64_t lm_param_layer(const char *tensor);
+
+// ---- where a base's tensors lie, for gradients ----
+//
+// mergekit places each layer of a module at i / (n - 1) by that module's own layer count, and
+// knows which tensors are layers from its architecture files. llmerge knows one naming, a name
+// holding "layers.<i>." (lm_param_layer), and one count, the base's num_hidden_layers. A
+// layout records, for each prefix under which the base has such layers (the text before
+// "layers."; a vision tower's layers beside a language model's make two), how many there are
+// (the highest index + 1), so that a gradient is evaluated only where llmerge's position is
+// mergekit's: a tensor outside every stack with no numbered part in its name (t = 0), or a
+// layer of a stack exactly num_hidden_layers long. Anything else a gradient would be evaluated
+// at a guessed position, and lm_param_layout_position refuses it.
+
+#define LM_PARAM_MAX_STACKS 8
+
+typedef struct lm_param_stack {
+    const char *prefix;  // points into the name it was first seen in; not owned
+    size_t len;          // of the prefix, up to "layers."
+    int64_t n;           // the highest index seen + 1
+} lm_param_stack;
+
+typedef struct lm_param_layout {
+    int64_t n_layers;    // the base's num_hidden_layers; < 1 when its config.json has none
+    lm_param_stack stacks[LM_PARAM_MAX_STACKS];
+    int n_stacks;
+    bool overflow;       // more prefixes than stacks: the ones left out have no position
+} lm_param_layout;
+
+// Adds a base tensor's name to l (l->n_layers set first, the rest zeroed). The name must
+// outlive l. Allocates nothing.
+void lm_param_layout_add(lm_param_layout *l, const char *tensor);
+
+// The position t of `tensor` for a gradient (true), or false with why in `why` (a clause: "its
+// name has numbered blocks ('h.3') that are not llmerge's 'layers.<i>.'", ...) when llmerge
+// cannot place it where mergekit would: the base's layer count is unknown, its layer index is
+// not below num_hidden_layers, its stack of layers is not num_hidden_layers long, or it has a
+// part that is a number but no "layers.<i>.". Allocates nothing.
+bool lm_param_layout_position(const lm_param_layout *l, const char *tensor, double *t, char *why, size_t cap);
+
+// The setting lm_param_number evaluates for parameter `name` of `tensor` (the model's first,
+// then the global ones; any may be NULL): a number, bool, string or gradient, with the
+// parameter holding it in *from (may be NULL); NULL when none gives one. Allocates nothing.
+const lm_pval *lm_param_leaf(const lm_params *model, const lm_params *global, const char *name, const char *tensor,
+                             const lm_param **from);
 
 // The value of the numeric (or bool) parameter `name` for a tensor: the model's settings first
 // (model may be NULL), then the global ones (global may be NULL). On LM_OK, *found says whether

@@ -458,13 +458,44 @@ check 'cmp -s "$work/karcher.yml" "$work/karcher.run/mergekit_config.yml"' \
 check '[ -s "$work/ties.run/README.md" ] && grep -q "^# ties.run" "$work/ties.run/README.md"' \
   "the card: $(head -c 300 "$work/ties.run/README.md" 2>&1)"
 json "$work/ties.run/llmerge.json" method ties
+# the card and llmerge.json give the configuration's parameters, not the defaults the engine
+# starts each tensor from: numbers as they are, settings that vary by tensor said to
+per="per tensor: see the configuration"
+check 'grep -qF "1. \`$F1\` (model): weight $per, density $per" "$work/ties.run/README.md" &&
+  grep -qF "2. \`$LP\` (LoRA adapter): weight 0.5, density 0.6" "$work/ties.run/README.md"' \
+  "the card's inputs: $(grep -A3 "^Fine-tunes" "$work/ties.run/README.md")"
+json "$work/ties.run/llmerge.json" options.weights '["per tensor: see the configuration",0.5]'
+json "$work/ties.run/llmerge.json" options.densities '["per tensor: see the configuration",0.6]'
+check 'grep -qx -- "- lambda: per tensor: see the configuration" "$work/task_arithmetic.run/README.md" &&
+  grep -qx -- "- lambda: per tensor: see --lambda" "$work/task_arithmetic.cli/README.md"' \
+  "the card's lambda: $(grep -- "- lambda" "$work/task_arithmetic.run/README.md" "$work/task_arithmetic.cli/README.md")"
+json "$work/task_arithmetic.run/llmerge.json" options.weights '[0.7,0.3]'
+json "$work/task_arithmetic.run/llmerge.json" options.lambda "per tensor: see the configuration"
+cfg card <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 0.3, density: 0.5}
+  - model: $F2
+    parameters: {weight: 0.7, density: 0.2}
+parameters: {lambda: 0.5}
+EOF
+runcfg card
+check 'grep -qF "1. \`$F1\` (model): weight 0.3, density 0.5" "$work/card.run/README.md" &&
+  grep -qF "2. \`$F2\` (model): weight 0.7, density 0.2" "$work/card.run/README.md" &&
+  grep -qx -- "- lambda: 0.5" "$work/card.run/README.md"' \
+  "the card: $(grep -A8 "^Fine-tunes" "$work/card.run/README.md")"
+json "$work/card.run/llmerge.json" options.weights '[0.3,0.7]'
+json "$work/card.run/llmerge.json" options.densities '[0.5,0.2]'
+json "$work/card.run/llmerge.json" options.lambda 0.5
 json "$work/dare_linear1.run/llmerge.json" method dare
 
-# dtype alone sets the output dtype; out_dtype wins over it
+# dtype alone sets the output dtype (mergekit's torch. prefix read too); out_dtype wins over it
 cfg dtype <<EOF
 merge_method: task_arithmetic
 base_model: $B
-dtype: float16
+dtype: torch.float16
 models:
   - model: $F1
     parameters:
@@ -660,7 +691,7 @@ expect 2 "FT 3: $fx/lora_mts: its LoRA module 'model.embed_tokens' changes model
   run "$work/tk_mts.yml" -o "$work/tk_mts.run"
 check '[ ! -e "$work/tk_mts.run" ]' "a refused rebuild left $work/tk_mts.run"
 printf '{"model": {"vocab": {"a": -1}}}' >"$work/tk_pad/tokenizer.json"
-tk_cfg tk_bad "tokenizer_source: $work/tk_pad" tk_third
+tk_cfg tk_bad "tokenizer_source: $work/tk_pad"
 expect 2 "$work/tk_pad/tokenizer.json: model.vocab: token 'a' has id -1, not a token id" \
   run "$work/tk_bad.yml" -o "$work/tk_bad.run"
 printf '{"model": {"vocab": {}}}' >"$work/tk_pad/tokenizer.json"
@@ -680,17 +711,42 @@ tk_cfg tk_auto "chat_template: auto"
 runcfg tk_auto
 json "$work/tk_auto.run/tokenizer_config.json" chat_template "{{ 'other' }}"
 json "$work/tk_base.run/tokenizer_config.json" chat_template "{{ 'base' }}"
+# auto reads each template as transformers loads it for mergekit: chat_template.jinja over
+# tokenizer_config.json's string, a list's "default" entry, whitespace around it stripped; so
+# the three fine-tunes agree on one template, and the base's loses
+mkdir -p "$work/ct_jinja" "$work/ct_space" "$work/ct_list"
+for d in ct_jinja ct_space ct_list; do cp "$F1"/*.json "$F1"/*.safetensors "$work/$d/"; done
+printf "{{ 'chat' }}\n" >"$work/ct_jinja/chat_template.jinja"
+printf '{"chat_template": "{{ 1 }}"}' >"$work/ct_jinja/tokenizer_config.json"
+printf '{"chat_template": "  {{ '"'chat'"' }}\\n"}' >"$work/ct_space/tokenizer_config.json"
+printf '{"chat_template": [{"name": "tool_use", "template": "{{ 2 }}"}, %s]}' \
+  '{"name": "default", "template": "{{ '"'chat'"' }}"}' >"$work/ct_list/tokenizer_config.json"
+cfg ct_auto <<EOF
+merge_method: task_arithmetic
+base_model: $work/tk_base
+chat_template: auto
+models:
+  - model: $work/ct_jinja
+    parameters: {weight: 0.3}
+  - model: $work/ct_space
+    parameters: {weight: 0.3}
+  - model: $work/ct_list
+    parameters: {weight: 0.3}
+EOF
+runcfg ct_auto
+json "$work/ct_auto.run/tokenizer_config.json" chat_template "{{ 'chat' }}"
 tk_cfg tk_chatml "chat_template: chatml"
 runcfg tk_chatml
 json "$work/tk_chatml.run/tokenizer_config.json" chat_template \
   "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-for name in llama3 alpaca exaone; do
+for name in llama3 alpaca exaone mistral; do
   tk_cfg "tk_$name" "chat_template: $name"
   runcfg "tk_$name"
 done
 check 'grep -q "<|start_header_id|>" "$work/tk_llama3.run/tokenizer_config.json" &&
   grep -q "### Instruction:" "$work/tk_alpaca.run/tokenizer_config.json" &&
-  grep -q "\[|endofturn|\]" "$work/tk_exaone.run/tokenizer_config.json"' "a named chat_template not written"
+  grep -q "\[|endofturn|\]" "$work/tk_exaone.run/tokenizer_config.json" &&
+  grep -q " \[INST\] " "$work/tk_mistral.run/tokenizer_config.json"' "a named chat_template not written"
 tk_cfg tk_vicuna "chat_template: vicuna"
 expect 2 "$work/tk_vicuna.yml:3: chat_template 'vicuna'" run "$work/tk_vicuna.yml" -o "$work/tk_vicuna.run"
 check '[ ! -e "$work/tk_vicuna.run" ]' "a refused chat_template left $work/tk_vicuna.run"
@@ -874,6 +930,21 @@ runcfg stack
 run stack.cli passthrough -o "$work/stack.cli" --slice "$B:0:2" --slice "$F1:1:2:0.5" --dtype f32 -q
 same "passthrough's slices vs llmerge passthrough" "$work/stack.run" "$work/stack.cli"
 check 'cmp -s "$work/stack.yml" "$work/stack.run/mergekit_config.yml"' "passthrough: OUT lacks the configuration"
+# base_model gives mergekit's passthrough its config.json and tokenizer: the first slice's model
+# is llmerge's, so that base_model is the same stack, and another is refused
+sed "1a base_model: $B" "$work/stack.yml" >"$work/stack_base.yml"
+runcfg stack_base
+same "passthrough with base_model the first slice's model" "$work/stack.run" "$work/stack_base.run"
+cfg e_stack_base <<EOF
+merge_method: passthrough
+base_model: $F2
+slices:
+  - sources:
+      - model: $B
+        layer_range: [0, 2]
+EOF
+refused e_stack_base 2:13 \
+  "base_model '$F2': mergekit's passthrough takes the output's config.json and tokenizer files from base_model"
 cfg e_sparsegpt <<EOF
 merge_method: sparsegpt
 base_model: $B
@@ -932,6 +1003,21 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_nuslerp_base 6:12 "base_model must not be among them"
+# a model listed twice: mergekit merges it once with the first entry's parameters (the same
+# directory by another path is the same model)
+cfg e_twice <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 1}
+  - model: $F2
+    parameters: {weight: 1}
+  - model: $F1/.
+    parameters: {weight: 0.5}
+EOF
+refused e_twice 8:12 "model '$F1/.' is listed twice in models (lines 4 and 8): mergekit would merge it once, \
+with the first entry's parameters; list it once"
 # as many models as the method takes
 cfg e_slerp_models <<EOF
 merge_method: slerp
@@ -962,7 +1048,29 @@ models:
           value: [0.5, 1.5]
         - value: 0.5
 EOF
-refused e_density 9:18 "models[0].parameters: density 1.5 is not in (0, 1]"
+refused e_density 9:24 "models[0].parameters: density 1.5 is not in (0, 1]"
+# a gradient's bad number is named where it stands, on a line of its own
+cfg e_density_line <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: 1
+      density: [0.5,
+        1.5]
+EOF
+refused e_density_line 8:9 "models[0].parameters: density 1.5 is not in (0, 1]"
+# one {filter, value} on its own, not in a list, fails in mergekit for every tensor
+cfg e_cond_map <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: {filter: mlp, value: 0.5}
+EOF
+refused e_cond_map 6:15 "write it as a list of conditions"
 cfg e_gamma <<EOF
 merge_method: breadcrumbs
 base_model: $B
@@ -973,6 +1081,62 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_gamma 4:10 "parameters: gamma -0.1 is not in [0, 1]"
+# dtype is checked where out_dtype wins over it too (mergekit computes in it)
+cfg e_dtype <<EOF
+merge_method: task_arithmetic
+base_model: $B
+dtype: float8
+out_dtype: float32
+models:
+  - model: $F1
+    parameters: {weight: 1}
+EOF
+refused e_dtype 3 "dtype: 'float8' is not a dtype llmerge writes"
+# a gradient only where llmerge's position of a tensor is mergekit's: a base without
+# num_hidden_layers (an architecture llmerge does not check, named as GPT-2 is), or whose
+# tensors hold more layers than it says, is refused naming the gradient, the tensor and why, in
+# a configuration and on the command line; a number there is fine
+mkdir -p "$work/gr_nolayers" "$work/gr_ft" "$work/gr_short"
+cp "$B"/*.json "$B"/*.safetensors "$work/gr_nolayers/"
+cp "$F1"/*.json "$F1"/*.safetensors "$work/gr_ft/"
+cp "$B"/*.json "$B"/*.safetensors "$work/gr_short/"
+for d in gr_nolayers gr_ft; do
+  sed -i -e '/"num_hidden_layers"/d' -e 's/"LlamaForCausalLM"/"GPT2LMHeadModel"/' \
+    -e 's/"model_type": "llama"/"model_type": "gpt2"/' "$work/$d/config.json"
+done
+sed -i 's/"num_hidden_layers": 2/"num_hidden_layers": 1/' "$work/gr_short/config.json"
+cfg e_grad_nolayers <<EOF
+merge_method: ties
+base_model: $work/gr_nolayers
+models:
+  - model: $work/gr_ft
+    parameters:
+      weight: 1
+      density: [0.5, 1]
+EOF
+refused e_grad_nolayers 7:16 "parameter 'density' is a gradient over the layers, and tensor \
+'model.embed_tokens.weight' has no known position among them: the base's config.json has no num_hidden_layers"
+expect 2 "parameter 'density' is a gradient over the layers, and tensor 'model.embed_tokens.weight'" \
+  ties "$work/gr_nolayers" "$work/gr_ft" -o "$work/e_grad.cli" --densities '*=0.5,1'
+no_output "$work/e_grad.cli"
+expect 2 "parameter 't' is a gradient over the layers" \
+  slerp "$work/gr_nolayers" "$work/gr_ft" -o "$work/e_grad.cli" --t 'self_attn=0,0.5,1;0.5'
+no_output "$work/e_grad.cli"
+cli grad_number ties "$work/gr_nolayers" "$work/gr_ft" --densities 0.5
+cfg e_grad_short <<EOF
+merge_method: slerp
+base_model: $work/gr_short
+parameters:
+  t:
+    - filter: mlp
+      value: [0, 1]
+    - value: 0.5
+models:
+  - model: $work/gr_short
+  - model: $F1
+EOF
+refused e_grad_short 6:14 "tensor 'model.layers.0.mlp.down_proj.weight' has no known position among them: its \
+stack of layers ('model.layers.<i>.', 2 of them) is not the one the base's num_hidden_layers (1) counts"
 # della's density ± epsilon must lie in (0, 1) in every tensor: two settings that are each in
 # range but not together in the MLP's tensors are refused naming the first such tensor, before
 # any work, in a configuration and on the command line

@@ -109,15 +109,16 @@ static void test_card(void)
     char *dir = make_tmpdir();
     char *snap = subdir(dir, "models--org--base/snapshots/1");
     lm_card_input in[] = {
-        {"lora: \"math\"", "LoRA adapter", 1, 0.3},
-        {"ft`chat", "model", 0.5, -1},
+        {"lora: \"math\"", "LoRA adapter", 1, 0.3, NULL, NULL},
+        {"ft`chat", "model", 0.5, -1, NULL, NULL},
+        {"ft3", "model", 1, 1, "per tensor: see the configuration", "per tensor: see --densities"},
     };
     lm_card_option opts[] = {{"lambda", "1", false}, {"calibration data", "d a.jsonl", true}};
     const char *argv[] = {"llmerge", "task-arithmetic", snap, "lora: \"math\"", "ft`chat", "-o", "out ```"};
     lm_card c = {
         .title = "merged\nname", .version = "9.9.9", .method = "task-arithmetic",
         .method_summary = "Task arithmetic: add the weighted sum\nof the task vectors.", .base = snap,
-        .inputs = in, .n_inputs = 2, .options = opts, .n_options = 2, .argv = argv, .argc = 7,
+        .inputs = in, .n_inputs = 3, .options = opts, .n_options = 2, .argv = argv, .argc = 7,
     };
     char *text = lm_card_text(&c);
     CHECK(text != NULL);
@@ -128,11 +129,13 @@ static void test_card(void)
         CHECK_MSG(strncmp(text, front, strlen(front)) == 0, "%s", text);
         const char *want[] = {
             "\n# merged name\n",
-            "A merge of 2 fine-tunes onto `",
+            "A merge of 3 fine-tunes onto `",
             "by the task-arithmetic method, made with llmerge 9.9.9.",
             "`task-arithmetic`: Task arithmetic: add the weighted sum of the task vectors.\n",
             "1. `lora: \"math\"` (LoRA adapter): weight 1, density 0.3\n",
             "2. ``ft`chat`` (model): weight 0.5\n",
+            // a setting that varies from tensor to tensor is said so, not given a number
+            "3. `ft3` (model): weight per tensor: see the configuration, density per tensor: see --densities\n",
             "- lambda: 1\n- calibration data: `d a.jsonl`\n",
             // the command line's fence is longer than the backticks inside it
             "\n````sh\nllmerge task-arithmetic ",
@@ -146,7 +149,7 @@ static void test_card(void)
     free(text);
 
     // every model a Hub id: no note on paths; written to a file
-    lm_card_input hub_in[] = {{snap, "model", 1, 0.2}};
+    lm_card_input hub_in[] = {{snap, "model", 1, 0.2, NULL, NULL}};
     c.inputs = hub_in;
     c.n_inputs = 1;
     char *path = lm_path_join(dir, LM_CARD_NAME), *back = NULL;

@@ -29,7 +29,7 @@ static const char every_key[] =
     "        - filter: self_attn\n"                          // 13
     "          value: 0.5\n"                                 // 14
     "        - value: 1\n"                                   // 15
-    "      density: {filter: mlp, value: 0.3}\n"             // 16
+    "      density: [{filter: mlp, value: 0.3}]\n"           // 16
     "      normalize: true\n"                                // 17
     "      flag: False\n"                                    // 18
     "parameters:\n"                                          // 19
@@ -117,6 +117,9 @@ static void test_every_key(void)
     CHECK(v && v->kind == LM_PVAL_NUMBER && v->num == 1e-3);
     v = param(&c->params, "t");
     CHECK(v && v->kind == LM_PVAL_GRADIENT && v->n_grad == 3 && v->grad[1] == 0.5);
+    // each number's own place, for messages about one of them
+    CHECK(v && v->grad_lines && v->grad_cols && v->grad_lines[0] == 22 && v->grad_cols[0] == 7 &&
+          v->grad_lines[1] == 22 && v->grad_cols[1] == 10 && v->grad_lines[2] == 22 && v->grad_cols[2] == 14);
     v = param(&c->params, "label");
     CHECK(v && v->kind == LM_PVAL_STRING && strcmp(v->str, "yes") == 0);
     v = param(&c->params, "mode");  // YAML 1.1's yes is a string here
@@ -218,8 +221,8 @@ static const bad_case bad_cases[] = {
      "cfg.yml:4:1: key 'merge_method' appears twice (first at line 1, column 1)"},
     {HEAD "parameters:\n  w: 1\n  w: 2\n", LM_ERR_FORMAT,
      "cfg.yml:6:3: parameters: key 'w' appears twice (first at line 5, column 3)"},
-    {HEAD "parameters:\n  w: {value: 1, value: 2}\n", LM_ERR_FORMAT,
-     "cfg.yml:5:17: parameters.w: key 'value' appears twice (first at line 5, column 7)"},
+    {HEAD "parameters:\n  w: [{value: 1, value: 2}]\n", LM_ERR_FORMAT,
+     "cfg.yml:5:18: parameters.w[0]: key 'value' appears twice (first at line 5, column 8)"},
     // merge_method, models and slices
     {"models:\n  - model: a\n", LM_ERR_FORMAT, "cfg.yml:1:1: 'merge_method' is missing"},
     {"merge_method: ~\nmodels:\n  - model: a\n", LM_ERR_FORMAT, "cfg.yml:1:15: merge_method: a string is needed, not null"},
@@ -272,15 +275,21 @@ static const bad_case bad_cases[] = {
     {HEAD "parameters:\n  w: [0, true]\n", LM_ERR_FORMAT, "cfg.yml:5:10: parameters.w[1]: a number or a {filter, "
                                                           "value} mapping is needed"},
     {HEAD "parameters:\n  w: [[0, 1]]\n", LM_ERR_FORMAT, "cfg.yml:5:7: parameters.w[0]:"},
-    {HEAD "parameters:\n  w: {value: {value: 1}}\n", LM_ERR_FORMAT,
-     "cfg.yml:5:14: parameters.w.value: a number, true/false, a string or a list of numbers is needed, not a mapping "
-     "(conditions do not nest)"},
-    {HEAD "parameters:\n  w: {value: [{value: 1}]}\n", LM_ERR_FORMAT, "cfg.yml:5:15: parameters.w.value[0]:"},
+    {HEAD "parameters:\n  w: [{value: {value: 1}}]\n", LM_ERR_FORMAT,
+     "cfg.yml:5:15: parameters.w[0].value: a number, true/false, a string or a list of numbers is needed, not a "
+     "mapping (conditions do not nest)"},
+    {HEAD "parameters:\n  w: [{value: [{value: 1}]}]\n", LM_ERR_FORMAT, "cfg.yml:5:16: parameters.w[0].value[0]:"},
+    // one condition on its own, not in a list: mergekit fails on it
+    {HEAD "parameters:\n  w: {filter: mlp, value: 1}\n", LM_ERR_FORMAT,
+     "cfg.yml:5:6: parameters.w: a {filter, value} mapping on its own is not a setting (mergekit fails on it): write "
+     "it as a list of conditions"},
+    {HEAD "  - model: b\n    parameters:\n      weight:\n        filter: mlp\n        value: 1\n", LM_ERR_FORMAT,
+     "cfg.yml:7:9: models[1].parameters.weight: a {filter, value} mapping on its own"},
     {HEAD "parameters:\n  w:\n", LM_ERR_FORMAT, "cfg.yml:5:5: parameters.w: a value is needed, not null"},
     {HEAD "parameters:\n  w: [{filter: mlp}]\n", LM_ERR_FORMAT,
      "cfg.yml:5:7: parameters.w[0]: 'value' is missing (a condition is {filter, value})"},
-    {HEAD "parameters:\n  w: {filter: 3, value: 1}\n", LM_ERR_FORMAT,
-     "cfg.yml:5:15: parameters.w.filter: a string is needed, not a number"},
+    {HEAD "parameters:\n  w: [{filter: 3, value: 1}]\n", LM_ERR_FORMAT,
+     "cfg.yml:5:16: parameters.w[0].filter: a string is needed, not a number"},
     // layer ranges
     {"merge_method: passthrough\nslices:\n  - sources:\n      - model: a\n        layer_range: [3, 1]\n",
      LM_ERR_FORMAT, "cfg.yml:5:22: slices[0].sources[0].layer_range: [3, 1] is empty: FROM must be below TO"},

@@ -230,6 +230,79 @@ static void test_position(void)
     CHECK(lm_param_position("model.layers.1.mlp.up_proj.weight", 0) == 0);
 }
 
+// layout_of: a layout of n_layers over the names.
+static lm_param_layout layout_of(int64_t n_layers, const char *const *names, int n)
+{
+    lm_param_layout l;
+    memset(&l, 0, sizeof l);
+    l.n_layers = n_layers;
+    for (int i = 0; i < n; i++)
+        lm_param_layout_add(&l, names[i]);
+    return l;
+}
+
+// Where a gradient may be evaluated: a position where llmerge's is mergekit's, a refusal
+// (and why) everywhere else.
+static void test_layout(void)
+{
+    char why[512];
+    double t = -1;
+    // a Llama-style base of 3 layers: the layers and the tensors outside them
+    static const char *const llama[] = {"model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                                        "model.layers.1.mlp.up_proj.weight", "model.layers.2.mlp.up_proj.weight",
+                                        "model.norm.weight", "lm_head.weight"};
+    lm_param_layout l = layout_of(3, llama, 6);
+    CHECK(l.n_stacks == 1 && l.stacks[0].n == 3 && l.stacks[0].len == strlen("model."));
+    CHECK(lm_param_layout_position(&l, "model.layers.1.mlp.up_proj.weight", &t, why, sizeof why) && t == 0.5);
+    CHECK(lm_param_layout_position(&l, "model.layers.2.mlp.up_proj.weight", &t, why, sizeof why) && t == 1);
+    CHECK(lm_param_layout_position(&l, "lm_head.weight", &t, why, sizeof why) && t == 0);
+    // an index past num_hidden_layers
+    CHECK(!lm_param_layout_position(&l, "model.layers.3.mlp.up_proj.weight", &t, why, sizeof why) &&
+          strstr(why, "it is in layer 3, and the base has 3 (num_hidden_layers)"));
+    // the layer count unknown: nothing is placed, not even the embeddings
+    l.n_layers = 0;
+    CHECK(!lm_param_layout_position(&l, "model.embed_tokens.weight", &t, why, sizeof why) &&
+          strstr(why, "no num_hidden_layers"));
+    // GPT-2's numbered blocks: not llmerge's naming, refused; its embeddings are outside them
+    static const char *const gpt2[] = {"transformer.wte.weight", "transformer.h.0.attn.c_attn.weight",
+                                       "transformer.h.1.attn.c_attn.weight", "transformer.ln_f.weight"};
+    l = layout_of(2, gpt2, 4);
+    CHECK(l.n_stacks == 0);
+    CHECK(!lm_param_layout_position(&l, "transformer.h.1.attn.c_attn.weight", &t, why, sizeof why) &&
+          strstr(why, "numbered blocks ('h.1')"));
+    CHECK(!lm_param_layout_position(&l, "blocks.0.weight", &t, why, sizeof why) && strstr(why, "('blocks.0')"));
+    CHECK(!lm_param_layout_position(&l, "0.weight", &t, why, sizeof why) && strstr(why, "('0')"));
+    CHECK(lm_param_layout_position(&l, "transformer.wte.weight", &t, why, sizeof why) && t == 0);
+    CHECK(lm_param_layout_position(&l, "transformer.h1.weight", &t, why, sizeof why) && t == 0);  // h1: a name
+    // a vision tower beside the language model: its 4 layers are not the 2 num_hidden_layers
+    // counts, so they are refused; the language model's are placed, as are those of a tower of
+    // the same length (mergekit places each module's layers by its own count)
+    static const char *const vlm[] = {"model.language_model.layers.0.q.weight",
+                                      "model.language_model.layers.1.q.weight",
+                                      "model.vision_tower.layers.0.q.weight", "model.vision_tower.layers.3.q.weight",
+                                      "model.audio.layers.1.q.weight"};
+    l = layout_of(2, vlm, 5);
+    CHECK(l.n_stacks == 3);
+    CHECK(lm_param_layout_position(&l, "model.language_model.layers.1.q.weight", &t, why, sizeof why) && t == 1);
+    CHECK(!lm_param_layout_position(&l, "model.vision_tower.layers.0.q.weight", &t, why, sizeof why) &&
+          strstr(why, "its stack of layers ('model.vision_tower.layers.<i>.', 4 of them) is not the one the base's "
+                      "num_hidden_layers (2) counts"));
+    CHECK(lm_param_layout_position(&l, "model.audio.layers.0.q.weight", &t, why, sizeof why) && t == 0);
+    // more prefixes than a layout holds: the ones left out are not placed
+    lm_param_layout many;
+    memset(&many, 0, sizeof many);
+    many.n_layers = 1;
+    char names[LM_PARAM_MAX_STACKS + 1][32];
+    for (int i = 0; i <= LM_PARAM_MAX_STACKS; i++) {
+        snprintf(names[i], sizeof names[i], "m%d.layers.0.w", i);
+        lm_param_layout_add(&many, names[i]);
+    }
+    CHECK(many.overflow && many.n_stacks == LM_PARAM_MAX_STACKS);
+    CHECK(lm_param_layout_position(&many, names[0], &t, why, sizeof why) && t == 1);
+    CHECK(!lm_param_layout_position(&many, names[LM_PARAM_MAX_STACKS], &t, why, sizeof why) &&
+          strstr(why, "more than 8 prefixes"));
+}
+
 static void test_numbers(void)
 {
     static const struct {
@@ -435,6 +508,7 @@ int main(void)
     test_conditions();
     test_lookup();
     test_position();
+    test_layout();
     test_numbers();
     test_cli();
     test_cli_as_yaml();
