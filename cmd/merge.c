@@ -878,6 +878,20 @@ static void warn_nonfinite(merge_run *r)
     }
 }
 
+// Says where the magnitude trim kept nothing of an FT (res->empty_trims): the first such tensor
+// and how many there were. llmerge merges those tensors without that FT; mergekit stops at them.
+static void note_empty_trims(merge_run *r)
+{
+    const lm_merge_result *res = &r->res;
+    if (res->empty_trims == 0)
+        return;
+    int ft = res->empty_trim_ft;
+    lm_progress_note(&r->progress, "note: %s keeps nothing of FT %d (%s) in '%s', where floor(density * numel) is 0: "
+                     "%lld tensor%s lose an FT's task vector so (mergekit stops at the first)", r->args.m->name,
+                     ft + 1, r->fts[ft]->path, res->empty_trim_tensor, (long long)res->empty_trims,
+                     res->empty_trims == 1 ? "" : "s");
+}
+
 // The run was stopped by SIGINT or SIGTERM: removes the temporary directory, says so on stderr
 // and in the log ({"event": "interrupted", "signal", "removed", "exit_status"}, then the error
 // event), and returns 128 + the signal.
@@ -976,6 +990,7 @@ static int work(merge_run *r, double t_loaded)
     if (s != LM_OK)
         goto fail;
     warn_nonfinite(r);
+    note_empty_trims(r);
     if (a->use.hessians)
         lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
 merged:;

@@ -153,6 +153,7 @@ void lm_merge_result_free(lm_merge_result *res)
         for (int64_t i = 0; i < res->n_nonfinite; i++)
             free(res->nonfinite[i].tensor);
         free(res->nonfinite);
+        free(res->empty_trim_tensor);
         memset(res, 0, sizeof *res);
     }
 }
@@ -852,6 +853,18 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
     count_reset(e);
     if ((s = tensor_params(e, bt->name)) != LM_OK)
         return s;
+    // A magnitude trim that keeps nothing of a part (floor(d_i · numel) = 0) leaves its task
+    // vector out of this tensor where mergekit's magnitude trim stops: counted, for the caller to
+    // say. (--topk global picks each FT's k over its tensors as a whole.)
+    int empty_ft = -1;
+    for (int i = 0; i < k && e->m->rank != LM_RANK_NONE && !e->o->topk_global && bt->numel > 0 && empty_ft < 0; i++)
+        if (floor(e->tp.densities[parts[i].ft] * (double)bt->numel) == 0)
+            empty_ft = parts[i].ft;
+    if (empty_ft >= 0 && e->res->empty_trims++ == 0) {
+        if (!(e->res->empty_trim_tensor = lm_strdup(bt->name)))
+            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        e->res->empty_trim_ft = empty_ft;
+    }
     bool scaled = false;
     bool vs_base = e->m->input == LM_METHOD_EITHER && !e->o->models_only;
     if (k == 0 && e->m->coeffs && !vs_base && lm_dtype_readable(bt->dtype) && bt->numel > 0) {

@@ -591,6 +591,15 @@ no_output "$x"
 expect 0 "--sign has no effect on dare" dare "$B" "$lp" -o "$work/noted" --sign count --gpu-mem 1GiB --cache-dir "$work" \
   --device cpu
 check 'grep -q "gpu-mem has no effect" "$work/out"' "no note for --gpu-mem on the cpu"
+# a magnitude trim that keeps nothing of a tensor (floor(density · numel) = 0: the 64-entry norms
+# at density 0.01) says so, naming the first such tensor and counting them (5), but not under -q
+expect 0 "note: ties keeps nothing of FT 1 ($ff) in 'model.layers.0.input_layernorm.weight'" \
+  ties "$B" "$ff" -o "$work/empty_trim" --density 0.01 --force
+check 'grep -q "5 tensors lose an FT.s task vector so" "$work/out"' "the empty trims are not counted"
+check '"$llmerge" ties "$B" "$ff" -o "$work/empty_trim" --density 0.01 --force -q >"$work/out" 2>&1 &&
+  [ ! -s "$work/out" ]' "ties -q with empty trims: not quiet"
+expect 0 "merged 21 tensors" ties "$B" "$ff" -o "$work/empty_trim" --density 0.02 --force
+check '! grep -q "keeps nothing" "$work/out"' "a note about empty trims where each keeps an entry"
 
 # ---- a failure during the work: exit 1, nothing left -----------------------------------------
 # A file size limit (RLIMIT_FSIZE, SIGXFSZ ignored so writes fail with EFBIG) below the size of
