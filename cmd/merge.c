@@ -182,6 +182,13 @@ static void note_unused(merge_run *r)
     const merge_args *a = &r->args;
     const merge_uses *use = &a->use;
     struct { bool unused; const char *opt; const char *why; } u[] = {
+        {!use->weights && a->given[OPT_WEIGHTS], "--weights",
+         use->ramplus ? "each FT's weight is its lambda_i" : "its weights are the task vectors' mean squares"},
+        {!use->normalize && (a->given[OPT_NORMALIZE] || a->given[OPT_NO_NORMALIZE]),
+         a->given[OPT_NO_NORMALIZE] ? "--no-normalize" : "--normalize",
+         use->ramplus ? "it takes the plain mean of the entries that count"
+                      : "it always divides by the weights of the FTs that agree"},
+        {!use->lambda && a->given[OPT_LAMBDA], "--lambda", "it does not scale the merged task vector"},
         {!use->density && (a->given[OPT_DENSITY] || a->given[OPT_DENSITIES]), a->density_opt,
          "task vectors are used whole"},
         {!use->sign && a->given[OPT_SIGN], "--sign", "it elects no signs"},
@@ -206,7 +213,6 @@ static void note_unused(merge_run *r)
         {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
         {!use->ramplus && (a->given[OPT_RAM_R] || a->given[OPT_RAM_ALPHA]), "--r and --alpha",
          "it scales no FT's own entries"},
-        {use->ramplus && a->given[OPT_WEIGHTS], "--weights", "each FT's weight is its lambda_i"},
         {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
          use->models ? "its inputs are models already" : "it merges task vectors against BASE"},
     };
