@@ -184,6 +184,13 @@ static void note_unused(merge_run *r)
     const merge_args *a = &r->args;
     const merge_uses *use = &a->use;
     struct { bool unused; const char *opt; const char *why; } u[] = {
+        {!use->weights && a->given[OPT_WEIGHTS], "--weights",
+         use->ramplus ? "each FT's weight is its lambda_i" : "its weights are the task vectors' mean squares"},
+        {!use->normalize && (a->given[OPT_NORMALIZE] || a->given[OPT_NO_NORMALIZE]),
+         a->given[OPT_NO_NORMALIZE] ? "--no-normalize" : "--normalize",
+         use->ramplus ? "it takes the plain mean of the entries that count"
+                      : "it always divides by the weights of the FTs that agree"},
+        {!use->lambda && a->given[OPT_LAMBDA], "--lambda", "it does not scale the merged task vector"},
         {!use->density && (a->given[OPT_DENSITY] || a->given[OPT_DENSITIES]), a->density_opt,
          "task vectors are used whole"},
         {!use->sign && a->given[OPT_SIGN], "--sign", "it elects no signs"},
@@ -208,7 +215,6 @@ static void note_unused(merge_run *r)
         {!use->iter && (a->given[OPT_MAX_ITER] || a->given[OPT_TOL]), "--max-iter and --tol", "it does not iterate"},
         {!use->ramplus && (a->given[OPT_RAM_R] || a->given[OPT_RAM_ALPHA]), "--r and --alpha",
          "it scales no FT's own entries"},
-        {use->ramplus && a->given[OPT_WEIGHTS], "--weights", "each FT's weight is its lambda_i"},
         {!use->models_only && a->given[OPT_MODELS_ONLY], "--models-only",
          use->models ? "its inputs are models already" : "it merges task vectors against BASE"},
     };
@@ -938,6 +944,20 @@ static void warn_nonfinite(merge_run *r)
     }
 }
 
+// Says where the magnitude trim kept nothing of an FT (res->empty_trims): the first such tensor
+// and how many there were. llmerge merges those tensors without that FT; mergekit stops at them.
+static void note_empty_trims(merge_run *r)
+{
+    const lm_merge_result *res = &r->res;
+    if (res->empty_trims == 0)
+        return;
+    int ft = res->empty_trim_ft;
+    lm_progress_note(&r->progress, "note: %s keeps nothing of FT %d (%s) in '%s', where floor(density * numel) is 0: "
+                     "%lld tensor%s lose an FT's task vector so (mergekit stops at the first)", r->args.m->name,
+                     ft + 1, r->fts[ft]->path, res->empty_trim_tensor, (long long)res->empty_trims,
+                     res->empty_trims == 1 ? "" : "s");
+}
+
 // The run was stopped by SIGINT or SIGTERM: removes the temporary directory, says so on stderr
 // and in the log ({"event": "interrupted", "signal", "removed", "exit_status"}, then the error
 // event), and returns 128 + the signal.
@@ -1036,6 +1056,7 @@ static int work(merge_run *r, double t_loaded)
     if (s != LM_OK)
         goto fail;
     warn_nonfinite(r);
+    note_empty_trims(r);
     if (a->use.hessians)
         lm_cmd_sgpt_commit(&r->sgpt);  // they depend on the inputs only: kept even if writing OUT fails
 merged:;

@@ -17,6 +17,9 @@
 merge_uses lm_merge_uses(const lm_method *m)
 {
     return (merge_uses){
+        .weights = !m->sce && !m->ramplus,
+        .normalize = !m->sce && !m->ramplus,
+        .lambda = !m->sce,
         .density = m->density,
         .sign = m->elect,
         .topk = m->rank != LM_RANK_NONE,
@@ -117,7 +120,9 @@ void lm_merge_usage(FILE *out, const lm_method *m)
     else
         operands(usage, sizeof usage, "BASE", "FT", m->min_inputs, m->max_inputs);
     operands(models, sizeof models, "MODEL", "MODEL", m->min_inputs - 1, m->max_inputs ? m->max_inputs - 1 : 0);
-    char alt[256] = "";
+    char alt[256] = "", normalize[96] = "no effect on this method";
+    if (u.normalize)
+        snprintf(normalize, sizeof normalize, "default for %s: %s", m->name, m->normalize ? "on" : "off");
     if (u.models_only)
         snprintf(alt, sizeof alt, "       llmerge %s --models-only %s -o OUT [options]\n", m->name, models);
     fprintf(out,
@@ -138,13 +143,13 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "Options (also as --name=value):\n"
             "  -o, --output DIR       the output model directory (required); an existing one is\n"
             "                         refused unless --force is given\n"
-            "  --weights W1,W2,...    one weight per %s (default: 1 each)\n"
+            "  --weights W1,W2,...    one weight per %s (default: 1 each)%s\n"
             "  --density D            fraction of each task vector kept, in (0, 1], for every FT\n"
             "                         (default 0.2)%s\n"
             "  --densities D1,D2,...  one density per FT (a single value applies to all)\n"
-            "  --lambda L             scale of the merged task vector (default 1)\n"
+            "  --lambda L             scale of the merged task vector (default 1)%s\n"
             "  --normalize            divide by the sum of the weights (of the FTs that agree,\n"
-            "                         with a sign election); default for %s: %s\n"
+            "                         with a sign election); %s\n"
             "                         (on for ties; off for dare, dare-ties, task-arithmetic)\n"
             "  --no-normalize         do not divide\n"
             "  --sign sum|count       sign election by the sign of the weighted sum, or by the\n"
@@ -178,8 +183,10 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             u.models ? "The first MODEL is one of the models averaged, and the one the others are checked\n"
                        "against (its tensors, shapes and config.json are the output's).\n"
                      : "",
-            u.models ? "MODEL" : "FT", u.density ? "" : "; no effect on this method",
-            m->name, m->normalize ? "on" : "off",
+            u.models ? "MODEL" : "FT", u.weights ? "" : "; no effect on this method",
+            u.density ? "" : "; no effect on this method",
+            u.lambda ? "" : ";\n                         no effect on this method",
+            normalize,
             u.sign ? "" : ";\n                         no effect on this method",
             u.topk ? "" : ";\n                         no effect on this method",
             u.rescale ? "" : ";\n                         no effect on this method",

@@ -465,11 +465,14 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
         if (!base)
             return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s needs base_model: the task vectors are taken against "
                               "it", AT(cfg, cfg->method_line, cfg->method_col), m->name);
-        // mergekit's nuslerp refuses its base among the models; multislerp takes it as the base
-        if (m->id == LM_MERGE_NUSLERP && base_at >= 0)
-            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s with base_model interpolates the other models' task "
-                              "vectors: base_model must not be among them", AT(cfg, cfg->models[base_at].line,
-                                                                                cfg->models[base_at].col), m->name);
+        // A base_model listed among the models is the base, not an input, as mergekit drops it from
+        // the tensors it interpolates; but mergekit's nuslerp refuses it where it is one of just two
+        // listed, which leaves one task vector (with three listed it interpolates the other two).
+        if (m->id == LM_MERGE_NUSLERP && base_at >= 0 && n == 2)
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: %s with base_model interpolates two other models' task "
+                              "vectors: base_model is one of only two models listed (list two besides it, or "
+                              "leave base_model out to interpolate these two)",
+                              AT(cfg, cfg->models[base_at].line, cfg->models[base_at].col), m->name);
         a->base = base;
         p->models[0] = base_at >= 0 ? &cfg->models[base_at].params : NULL;
         p->names[0] = base;

@@ -153,6 +153,7 @@ void lm_merge_result_free(lm_merge_result *res)
         for (int64_t i = 0; i < res->n_nonfinite; i++)
             free(res->nonfinite[i].tensor);
         free(res->nonfinite);
+        free(res->empty_trim_tensor);
         memset(res, 0, sizeof *res);
     }
 }
@@ -833,8 +834,15 @@ lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm
 }
 
 // One output tensor: merged where its FTs change it, else the base's values converted (on the
-// CPU: a copy gains nothing from an accelerator). A method with coefficients but no Gram matrix
-// (linear) may scale even a tensor no FT changes (unnormalised weights): that runs as a merge.
+// CPU: a copy gains nothing from an accelerator). A method with coefficients may scale even a
+// tensor no FT changes, which then runs as a merge: linear with unnormalised weights, and
+// multislerp of the models themselves without normalize_weights ((Σ w_j)·θ_b, every x_j being
+// θ_b). A method with a Gram matrix is asked about such a tensor with θ_b·θ_b = 1 (every τ zero):
+// for equal vectors its coefficients follow from the weights, whatever their norm (but for norms
+// below the methods' guards, 1e-8 to --tol, where the base is kept); the merge then computes them
+// from the tensor's own Gram matrix. Task vectors against a base (nuslerp, multislerp with a
+// base) are all zero here and leave θ_b's coefficient at 1 (lm_coef_from_vectors): not asked,
+// since multislerp would call three zero vectors antipodal.
 static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH64_state_t *hash, bool *merged)
 {
     const lm_st_tensor *bt = e->base->tensors[idx];
@@ -845,21 +853,40 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
     count_reset(e);
     if ((s = tensor_params(e, bt->name)) != LM_OK)
         return s;
+    // A magnitude trim that keeps nothing of a part (floor(d_i · numel) = 0) leaves its task
+    // vector out of this tensor where mergekit's magnitude trim stops: counted, for the caller to
+    // say. (--topk global picks each FT's k over its tensors as a whole.)
+    int empty_ft = -1;
+    for (int i = 0; i < k && e->m->rank != LM_RANK_NONE && !e->o->topk_global && bt->numel > 0 && empty_ft < 0; i++)
+        if (floor(e->tp.densities[parts[i].ft] * (double)bt->numel) == 0)
+            empty_ft = parts[i].ft;
+    if (empty_ft >= 0 && e->res->empty_trims++ == 0) {
+        if (!(e->res->empty_trim_tensor = lm_strdup(bt->name)))
+            return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+        e->res->empty_trim_ft = empty_ft;
+    }
     bool scaled = false;
-    if (k == 0 && e->m->coeffs && !e->m->gram && lm_dtype_readable(bt->dtype) && bt->numel > 0) {
+    bool vs_base = e->m->input == LM_METHOD_EITHER && !e->o->models_only;
+    if (k == 0 && e->m->coeffs && !vs_base && lm_dtype_readable(bt->dtype) && bt->numel > 0) {
+        size_t s1 = (size_t)e->o->n_ft + 1;
         double a = 1.0, *c = calloc((size_t)e->o->n_ft, sizeof *c);
+        double *g = e->m->gram ? calloc(s1 * s1, sizeof *g) : NULL;
         bool *present = calloc((size_t)e->o->n_ft, sizeof *present);
-        if (!c || !present) {
+        if (!c || !present || (e->m->gram && !g)) {
             free(c);
+            free(g);
             free(present);
             return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
         }
+        if (g)
+            g[0] = 1.0;
         for (int i = 0; i < e->o->n_ft; i++)
             present[i] = e->fts[i]->adapter || lm_model_find(e->fts[i]->model, bt->name);
         lm_coef_in in = {.o = e->o, .tp = &e->tp, .tensor = bt->name, .numel = bt->numel, .n = e->o->n_ft,
-                         .present = present};
+                         .present = present, .gram = g};
         s = e->m->coeffs(&in, &a, c, e->err);
         free(c);
+        free(g);
         free(present);
         if (s != LM_OK)
             return s;

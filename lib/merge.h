@@ -245,6 +245,12 @@ typedef struct lm_merge_result {
     // float32 when read, in the output dtype when written, each once.
     lm_merge_nonfinite *nonfinite;  // (n_nonfinite)
     int64_t n_nonfinite;
+    // Tensors where a magnitude trim keeps nothing of some FT's task vector, floor(d_i · numel)
+    // being 0 (a small tensor at a low density; not counted with --topk global), and the first
+    // of them: its name (freed by lm_merge_result_free) and that FT (from 0).
+    int64_t empty_trims;
+    char *empty_trim_tensor;
+    int empty_trim_ft;
 } lm_merge_result;
 
 // Merges `fts` into `base` on `dev` and writes every output tensor (lm_merge_outputs' order

@@ -591,6 +591,30 @@ no_output "$x"
 expect 0 "--sign has no effect on dare" dare "$B" "$lp" -o "$work/noted" --sign count --gpu-mem 1GiB --cache-dir "$work" \
   --device cpu
 check 'grep -q "gpu-mem has no effect" "$work/out"' "no note for --gpu-mem on the cpu"
+# sce's weights are the task vectors' mean squares and it always divides: --weights, --no-normalize
+# and --lambda are noted and change nothing, and its help says so
+"$llmerge" sce "$B" "$ff" "$fx/ft_full2" -o "$work/sce_plain" -q
+expect 0 "note: --weights has no effect on sce" sce "$B" "$ff" "$fx/ft_full2" -o "$work/sce_noted" --weights 1,3 \
+  --no-normalize --lambda 2
+check 'grep -q "note: --no-normalize has no effect on sce" "$work/out" &&
+  grep -q "note: --lambda has no effect on sce" "$work/out"' "sce: --no-normalize or --lambda not noted"
+same_shards "$work/sce_plain" "$work/sce_noted"
+expect 0 "note: --normalize has no effect on sce" sce "$B" "$ff" "$fx/ft_full2" -o "$work/sce_noted" --normalize --force
+check '"$llmerge" sce --help | grep -A1 -- "--normalize " | grep -q "no effect on this method" &&
+  ! "$llmerge" sce --help | grep -q "default for sce"' "sce --help: --normalize's default given"
+expect 0 "note: --no-normalize has no effect on ramplus-tl" ramplus-tl "$B" "$ff" "$fx/ft_full2" \
+  -o "$work/ramplus_noted" --no-normalize --weights 1,2
+check 'grep -q "note: --weights has no effect on ramplus-tl (each FT.s weight is its lambda_i)" "$work/out"' \
+  "ramplus-tl: --weights not noted"
+# a magnitude trim that keeps nothing of a tensor (floor(density · numel) = 0: the 64-entry norms
+# at density 0.01) says so, naming the first such tensor and counting them (5), but not under -q
+expect 0 "note: ties keeps nothing of FT 1 ($ff) in 'model.layers.0.input_layernorm.weight'" \
+  ties "$B" "$ff" -o "$work/empty_trim" --density 0.01 --force
+check 'grep -q "5 tensors lose an FT.s task vector so" "$work/out"' "the empty trims are not counted"
+check '"$llmerge" ties "$B" "$ff" -o "$work/empty_trim" --density 0.01 --force -q >"$work/out" 2>&1 &&
+  [ ! -s "$work/out" ]' "ties -q with empty trims: not quiet"
+expect 0 "merged 21 tensors" ties "$B" "$ff" -o "$work/empty_trim" --density 0.02 --force
+check '! grep -q "keeps nothing" "$work/out"' "a note about empty trims where each keeps an entry"
 
 # ---- a failure during the work: exit 1, nothing left -----------------------------------------
 # A file size limit (RLIMIT_FSIZE, SIGXFSZ ignored so writes fail with EFBIG) below the size of

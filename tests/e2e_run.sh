@@ -383,6 +383,21 @@ models:
       weight: 2
 EOF
 vs nuslerp nuslerp "$B" "$F1" "$F2" --weights 1,2
+# base_model listed with two others: the base, as mergekit drops it from the models it interpolates
+cfg nuslerp_listed <<EOF
+merge_method: nuslerp
+base_model: $B
+models:
+  - model: $B
+  - model: $F1
+    parameters:
+      weight: 1
+  - model: $F2
+    parameters:
+      weight: 2
+EOF
+runcfg nuslerp_listed
+same "nuslerp: base_model listed among three" "$work/nuslerp.run" "$work/nuslerp_listed.run"
 cfg nuslerp_models <<EOF
 merge_method: nuslerp
 models:
@@ -1002,7 +1017,7 @@ models:
   - model: $B
     parameters: {weight: 1}
 EOF
-refused e_nuslerp_base 6:12 "base_model must not be among them"
+refused e_nuslerp_base 6:12 "base_model is one of only two models listed"
 # a model listed twice: mergekit merges it once with the first entry's parameters (the same
 # directory by another path is the same model)
 cfg e_twice <<EOF

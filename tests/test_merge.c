@@ -412,14 +412,19 @@ static void test_untouched_tensor(void)
     }
     lm_st_close(st);
 
-    // DARE at density 1 (every entry kept, rescale 1) with normalize: the same divisors.
+    // The other sums without an election at density 1 (every entry kept, rescale 1) with
+    // normalize: DARE, breadcrumbs, della-linear, the same divisors (mergekit's are Σ w over all).
     const double d[2] = {1.0, 1.0};
-    lm_merge_opts o = fixture_merge_opts(LM_MERGE_DARE, 2, w, d);
-    o.normalize = true;
-    st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
-    if (st)
-        check_combined(st, &f.base, &c, tp);
-    lm_st_close(st);
+    const lm_merge_method sums[] = {LM_MERGE_DARE, LM_MERGE_BREADCRUMBS, LM_MERGE_DELLA_LINEAR};
+    lm_merge_opts o;
+    for (size_t m = 0; m < sizeof sums / sizeof sums[0]; m++) {
+        o = fixture_merge_opts(sums[m], 2, w, d);
+        o.normalize = true;
+        st = run_merge(f.root, &o, f.base_dir, dirs, NULL);
+        if (st)
+            check_combined(st, &f.base, &c, tp);
+        lm_st_close(st);
+    }
 
     // TIES at density 1, sign by count and by sum, normalize.
     for (int sign = SIGN_SUM; sign <= SIGN_COUNT; sign++) {

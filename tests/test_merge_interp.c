@@ -785,6 +785,72 @@ static void test_per_row(void)
     fx_close(&f);
 }
 
+// ==== a tensor no FT changes =================================================================
+
+// Every coefficient method on adapters of layers.0 only: the tensors they leave alone are the
+// base's in each model, and each method's reference on those equal vectors says what they become.
+// The base, but for multislerp of the models without normalising: (Σ w_j)·θ_b (mergekit scales
+// its result by Σ w_j ‖x_j‖). Also the same bytes on the devices.
+static void test_untouched(void)
+{
+    fixture f;
+    fx_open(&f, interp_base, "float32");
+    inputs in = {0};
+    rng_seed(80);
+    add_lora_ft(&in, &f);
+    add_lora_ft(&in, &f);
+    const char *d[MAX_FT];
+    dirs_of(&in, d);
+    double w[2] = {0.25, 0.5};
+    const struct {
+        lm_merge_method m;
+        int n;  // adapters
+        bool models, normalize;
+    } runs[] = {
+        {LM_MERGE_SLERP, 1, true, false},       {LM_MERGE_NUSLERP, 2, false, false},
+        {LM_MERGE_NUSLERP, 1, true, false},     {LM_MERGE_MULTISLERP, 2, false, false},
+        {LM_MERGE_MULTISLERP, 2, true, true},   {LM_MERGE_MULTISLERP, 2, true, false},
+        {LM_MERGE_MULTISLERP, 1, true, false},  {LM_MERGE_KARCHER, 2, true, false},
+        {LM_MERGE_MODEL_STOCK, 2, false, false},
+    };
+    for (size_t r = 0; r < sizeof runs / sizeof runs[0]; r++) {
+        inputs sub = in;
+        sub.n = runs[r].n;
+        lm_merge_opts o = interp_opts(runs[r].m, &sub, w, 0.5);
+        o.models_only = runs[r].models && runs[r].m != LM_MERGE_SLERP && runs[r].m != LM_MERGE_KARCHER;
+        o.normalize = runs[r].normalize;
+        lm_st_file *st = run_merge(f.root, &o, f.base_dir, d, NULL);
+        for (int t = 1; st && t < NT; t++) {
+            double *x[MAX_FT + 1], wv[MAX_FT + 1] = {0.5, 0.25, 0.5};
+            int64_t n = f.base.t[t].n;
+            int m = vectors(&f, &sub, t, runs[r].models, x);
+            double *exp = malloc((size_t)n * sizeof *exp), *mag = scale_of(&f, &sub, t, 1);
+            if (runs[r].m == LM_MERGE_SLERP)
+                slerp_ref(o.t, x[0], x[1], n, exp);
+            else if (runs[r].m == LM_MERGE_NUSLERP)
+                nuslerp_ref(runs[r].models ? 1.0 / 3 : 2.0 / 3, x[0], x[1], n, exp);
+            else if (runs[r].m == LM_MERGE_MULTISLERP && runs[r].models)
+                multislerp_ref(x, wv, m, runs[r].normalize, n, exp);
+            else if (runs[r].m == LM_MERGE_KARCHER)
+                karcher_ref(x, m, 10, 1e-5, n, exp);
+            else  // zero task vectors: mergekit's multislerp falls back to their weighted sum (two of
+                  // them), model_stock's ratio is 0
+                memset(exp, 0, (size_t)n * sizeof *exp);
+            for (int64_t j = 0; !runs[r].models && j < n; j++)
+                exp[j] += f.base.t[t].v[j];
+            check_values(st, f.base.t[t].name, exp, mag, n);
+            free(exp);
+            free(mag);
+            free_vecs(x, m);
+        }
+        if (runs[r].m == LM_MERGE_MULTISLERP && runs[r].models && !runs[r].normalize && runs[r].n == 2)
+            same_on_devices(f.root, &o, f.base_dir, d, st, false, "multislerp of untouched tensors");
+        lm_st_close(st);
+    }
+    free_inputs(&in);
+    fx_close(&f);
+}
+
 // ==== the same bytes on the simulated device ==================================================
 
 // Every method on the CPU and on the simulated device, whole and under budgets where units fall
@@ -841,6 +907,7 @@ int main(void)
     test_model_stock();
     test_nearswap();
     test_per_row();
+    test_untouched();
     test_devices();
     return check_report("test_merge_interp");
 }
