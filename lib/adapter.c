@@ -572,8 +572,9 @@ static lm_status map_key(lm_adapter *a, lm_strmap *by_path, const lm_st_tensor *
         char *module = lm_strfmt("%.*s", (int)mlen, rest);
         if (!module)
             return lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", wp);
-        // (PEFT 0.18 and later save a tied lm_head beside a saved embed_tokens under
-        // ensure_weight_tying, without listing it: lm_adapter_select decides what it is)
+        // (PEFT saves a tied lm_head beside a saved embed_tokens under ensure_weight_tying
+        // without listing it: on a tied base lm_adapter_select checks it is the embedding's copy;
+        // on another, PEFT loads it into lm_head as any key that is not an adapter's)
         bool ok = lm_lora_is_saved_module(&a->config, module) ||
                   (a->config.ensure_weight_tying && strcmp(module, "lm_head") == 0);
         free(module);

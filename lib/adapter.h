@@ -128,8 +128,8 @@ typedef enum lm_lora_select {
     LM_LORA_OTHER_LAYER,   // its layer index is not in layers_to_transform
     LM_LORA_NO_LAYER,      // layers_to_transform is given and its path has no layer index
     LM_LORA_NOT_LINEAR,    // target_modules is "all-linear" and it is not a linear layer
-    LM_LORA_TIED,          // the base's lm_head, tied to embed_tokens (ensure_weight_tying):
-                           // PEFT gives it embed_tokens' adapter, whatever its keys hold
+    LM_LORA_TIED,          // the base's lm_head, tied to embed_tokens (ensure_weight_tying),
+                           // its keys embed_tokens' own (the tied tensor takes the embedding's)
 } lm_lora_select;
 
 // Whether the config selects module `path` of a base model as PEFT's check_target_module_exists

@@ -185,7 +185,8 @@ const char *lm_lora_select_reason(lm_lora_select why)
     case LM_LORA_OTHER_LAYER: return "its layer is not in layers_to_transform";
     case LM_LORA_NO_LAYER: return "layers_to_transform is given and its path has no layer index";
     case LM_LORA_NOT_LINEAR: return "target_modules is all-linear and it is not a linear layer";
-    case LM_LORA_TIED: return "lm_head is tied to embed_tokens (ensure_weight_tying), whose adapter it takes";
+    case LM_LORA_TIED:
+        return "lm_head is tied to embed_tokens (ensure_weight_tying), and its keys are embed_tokens' own";
     }
     return "unknown";
 }
@@ -476,6 +477,59 @@ static bool tied_head(const lm_lora_config *cfg, const lm_model *base)
     return cfg->ensure_weight_tying && base->config.tie_word_embeddings && !lm_model_find(base, "lm_head.weight");
 }
 
+// Whether tensors x and y hold the same values, y read transposed when `transposed` (both 2-D).
+static bool same_values(const lm_st_tensor *x, const lm_st_tensor *y, bool transposed)
+{
+    if (!x || !y || x->ndim != 2 || y->ndim != 2 || x->numel != y->numel ||
+        x->shape[0] != y->shape[transposed ? 1 : 0])
+        return false;
+    if (!transposed)
+        return x->dtype == y->dtype && x->nbytes == y->nbytes && memcmp(x->data, y->data, (size_t)x->nbytes) == 0;
+    int64_t rows = x->shape[0], cols = x->shape[1];
+    float *xv = malloc((size_t)x->numel * sizeof *xv), *yv = malloc((size_t)y->numel * sizeof *yv);
+    lm_err ignored = {0};
+    bool same = xv && yv && lm_convert_to_f32(xv, x->data, x->dtype, x->numel, &ignored) == LM_OK &&
+                lm_convert_to_f32(yv, y->data, y->dtype, y->numel, &ignored) == LM_OK;
+    for (int64_t i = 0; same && i < rows; i++)
+        for (int64_t j = 0; same && j < cols; j++)
+            same = memcmp(&xv[i * cols + j], &yv[j * rows + i], sizeof *xv) == 0;
+    free(xv);
+    free(yv);
+    return same;
+}
+
+// On a base whose lm_head is tied to embed_tokens, under ensure_weight_tying: lm_head's keys,
+// where the adapter has them, must be embed_tokens' own, as PEFT saves a tied pair (a copy of the
+// saved embedding; the embedding's factors transposed). Other values are refused: PEFT 0.19 and
+// later load them into the tied tensors at both ends, PEFT 0.18 keeps the two apart, and the base
+// has one tensor for both.
+static lm_status check_tied_copies(const lm_adapter *a, lm_err *err)
+{
+    const lm_lora_module *head = NULL, *emb = NULL;
+    const lm_st_tensor *head_saved = NULL, *emb_saved = NULL;
+    for (int64_t i = 0; i < a->n_modules; i++) {
+        const lm_lora_module *m = &a->modules[i];
+        if (strcmp(m->path, "lm_head") == 0)
+            head = m;
+        else if (m->kind == LM_LORA_EMBEDDING && lm_str_ends_with(m->base_name, "embed_tokens.weight"))
+            emb = m;
+    }
+    for (int64_t i = 0; i < a->n_saved; i++) {
+        if (strcmp(a->saved[i].base_name, "lm_head.weight") == 0)
+            head_saved = a->saved[i].t;
+        else if (lm_str_ends_with(a->saved[i].base_name, "embed_tokens.weight"))
+            emb_saved = a->saved[i].t;
+    }
+    bool ok = (!head || (emb && same_values(head->a, emb->b, true) && same_values(head->b, emb->a, true))) &&
+              (!head_saved || same_values(head_saved, emb_saved, false));
+    if (ok)
+        return LM_OK;
+    return lm_err_set(err, LM_ERR_FORMAT, "%s: lm_head's keys ('%s') are not embed_tokens' own, and the base ties "
+                      "the two (ensure_weight_tying is set): PEFT 0.19 and later would put lm_head's values in both, "
+                      "PEFT 0.18 would keep them apart, and llmerge does not guess which", a->weights_path,
+                      head ? head->a->name : head_saved->name);
+}
+
 lm_status lm_adapter_select(lm_adapter *a, const lm_model *base, lm_err *err)
 {
     if (a->selected)
@@ -493,6 +547,8 @@ lm_status lm_adapter_select(lm_adapter *a, const lm_model *base, lm_err *err)
     int64_t n_out = 0;
     s = why && layer ? LM_OK : lm_err_set(err, LM_ERR_NOMEM, "%s: out of memory", cfg->path);
     bool tied = base && tied_head(cfg, base);
+    if (s == LM_OK && tied)
+        s = check_tied_copies(a, err);
     for (int64_t i = 0; i < a->n_modules && s == LM_OK; i++) {
         const lm_lora_module *m = &a->modules[i];
         if (tied && strcmp(m->path, "lm_head") == 0) {
@@ -537,14 +593,10 @@ lm_status lm_adapter_select(lm_adapter *a, const lm_model *base, lm_err *err)
     a->n_modules = kept;
     free(why);
     free(layer);
-    // lm_head saved under ensure_weight_tying: on a tied base PEFT ties it to the saved
-    // embed_tokens, whatever it holds; on another, unless modules_to_save names it, PEFT does not
-    // load it
+    // a saved lm_head that is the tied embed_tokens' copy (check_tied_copies) is the same tensor
     int64_t n_saved = 0;
-    bool head_listed = lm_lora_is_saved_module(cfg, "lm_head");
     for (int64_t i = 0; i < a->n_saved; i++) {
-        bool drop = cfg->ensure_weight_tying && (tied || !head_listed);
-        if (drop && strcmp(a->saved[i].base_name, "lm_head.weight") == 0) {
+        if (tied && strcmp(a->saved[i].base_name, "lm_head.weight") == 0) {
             free(a->saved[i].base_name);
             n_out++;
             continue;
@@ -566,7 +618,9 @@ void lm_adapter_ignored_msg(const lm_adapter *a, int64_t i, const char *verb, ch
             o += (size_t)snprintf(buf + o, cap - o, "%s '%s'", n++ ? "," : "", g->keys[k]->name);
     if (o >= cap)
         return;
-    if (g->why == LM_LORA_OTHER_LAYER)
+    if (g->why == LM_LORA_TIED)
+        snprintf(buf + o, cap - o, " are not %s apart: module %s: %s", verb, g->path, lm_lora_select_reason(g->why));
+    else if (g->why == LM_LORA_OTHER_LAYER)
         snprintf(buf + o, cap - o, " are not %s, as PEFT would not load them: module %s: its layer %" PRId64
                  " is not in layers_to_transform", verb, g->path, g->layer);
     else

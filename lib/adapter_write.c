@@ -274,9 +274,10 @@ static bool all_of_leaf(const lm_adapter_out *w, const char *name, bool saved)
     return true;
 }
 
-// target_modules (saved false) or modules_to_save (true): each last name whose modules all have
-// factors (are saved), else the full paths; where there are none, "dummy-target-modules"
-// (target_modules) or null (modules_to_save).
+// target_modules (saved false) or modules_to_save (true): for target_modules each last name whose
+// modules all have factors, else the full paths; for modules_to_save the full paths, but
+// embed_tokens by its last name where that is all of them; where there are none,
+// "dummy-target-modules" (target_modules) or null (modules_to_save).
 static cJSON *module_list(const lm_adapter_out *w, bool saved)
 {
     cJSON *list = cJSON_CreateArray();
@@ -284,8 +285,11 @@ static cJSON *module_list(const lm_adapter_out *w, bool saved)
     for (int64_t m = 0; list && m < w->n_mods; m++) {
         if ((w->mods[m].r == 0) != saved)
             continue;
-        const char *name = saved ? w->mods[m].path : leaf(w->mods[m].path);
-        if (!saved && all_of_leaf(w, name, false)) {
+        // a saved embed_tokens by that name alone: PEFT 0.18 ties lm_head to a saved embedding
+        // only where modules_to_save names it so
+        bool by_leaf = saved ? strcmp(leaf(w->mods[m].path), "embed_tokens") == 0 : true;
+        const char *name = by_leaf ? leaf(w->mods[m].path) : w->mods[m].path;
+        if (by_leaf && all_of_leaf(w, name, saved)) {
             bool listed = false;  // once per last name
             const cJSON *e;
             cJSON_ArrayForEach(e, list)

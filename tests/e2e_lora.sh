@@ -62,7 +62,7 @@ json "$work/qex/llmerge.json" outputs.adapter.tensors.0.as whole
 check 'grep -q "model.embed_tokens.weight written whole (modules_to_save, BASE plus its factors. product)" \
   "$work/qex.err" && grep -q "has no bias in BASE: PEFT applies the adapter but its merge_and_unload refuses" \
   "$work/qex.err"' "the Qwen2 extraction's notes: $(tail -4 "$work/qex.err")"
-check 'grep -q "\"model.embed_tokens\"" "$work/qex/adapter_config.json" &&
+check 'grep -q "\"embed_tokens\"" "$work/qex/adapter_config.json" &&
   ! grep -q lora_embedding "$work/qex/adapter_model.safetensors" &&
   grep -q "base_model.model.lm_head.weight" "$work/qex/adapter_model.safetensors"' \
   "the embedding is not in modules_to_save alone, with the tied lm_head's copy"
