@@ -184,13 +184,10 @@ static void note_unused(merge_run *r)
     const merge_args *a = &r->args;
     const merge_uses *use = &a->use;
     struct { bool unused; const char *opt; const char *why; } u[] = {
-        {!use->weights && a->given[OPT_WEIGHTS], "--weights",
-         use->ramplus ? "each FT's weight is its lambda_i" : "its weights are the task vectors' mean squares"},
+        {!use->weights && a->given[OPT_WEIGHTS], "--weights", a->m->ignores_weights},
         {!use->normalize && (a->given[OPT_NORMALIZE] || a->given[OPT_NO_NORMALIZE]),
-         a->given[OPT_NO_NORMALIZE] ? "--no-normalize" : "--normalize",
-         use->ramplus ? "it takes the plain mean of the entries that count"
-                      : "it always divides by the weights of the FTs that agree"},
-        {!use->lambda && a->given[OPT_LAMBDA], "--lambda", "it does not scale the merged task vector"},
+         a->given[OPT_NO_NORMALIZE] ? "--no-normalize" : "--normalize", a->m->ignores_normalize},
+        {!use->lambda && a->given[OPT_LAMBDA], "--lambda", a->m->ignores_lambda},
         {!use->density && (a->given[OPT_DENSITY] || a->given[OPT_DENSITIES]), a->density_opt,
          "task vectors are used whole"},
         {!use->sign && a->given[OPT_SIGN], "--sign", "it elects no signs"},

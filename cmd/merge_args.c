@@ -17,9 +17,9 @@
 merge_uses lm_merge_uses(const lm_method *m)
 {
     return (merge_uses){
-        .weights = !m->sce && !m->ramplus,
-        .normalize = !m->sce && !m->ramplus,
-        .lambda = !m->sce,
+        .weights = !m->ignores_weights,
+        .normalize = !m->ignores_normalize,
+        .lambda = !m->ignores_lambda,
         .density = m->density,
         .sign = m->elect,
         .topk = m->rank != LM_RANK_NONE,

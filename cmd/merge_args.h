@@ -22,11 +22,11 @@
 // an option a method does not read is said to have no effect in --help and, when given, in a
 // note before the work.
 typedef struct merge_uses {
-    bool weights;   // --weights: all but sce (its weights are the task vectors' mean squares) and
-                    // ramplus-tl (each FT's is its lambda_i)
-    bool normalize; // --normalize, --no-normalize: all but sce (it always divides by the agreeing
-                    // FTs' weights) and ramplus-tl (a plain mean)
-    bool lambda;    // --lambda: all but sce (it does not scale the merged task vector)
+    bool weights;   // --weights: unless m->ignores_weights (sce, ramplus-tl, slerp, karcher,
+                    // model-stock, nearswap)
+    bool normalize; // --normalize, --no-normalize: unless m->ignores_normalize (those and nuslerp)
+    bool lambda;    // --lambda: unless m->ignores_lambda (sce and the interpolations: linear, the
+                    // slerps, karcher, model-stock, nearswap)
     bool density;   // --density, --densities: m->density
     bool sign;      // --sign: m->elect
     bool topk;      // --topk: a top-k trim, m->rank

@@ -118,6 +118,11 @@ typedef struct lm_method {
     int min_inputs, max_inputs;
     bool reads_t;            // --t
     bool reads_iter;         // --max-iter and --tol
+    // options it does not read, each with why (a note when one is given; "no effect" in --help);
+    // NULL where it reads them
+    const char *ignores_weights;    // --weights
+    const char *ignores_normalize;  // --normalize, --no-normalize
+    const char *ignores_lambda;     // --lambda
 } lm_method;
 
 extern const lm_method lm_method_ties;

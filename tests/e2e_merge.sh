@@ -606,6 +606,28 @@ expect 0 "note: --no-normalize has no effect on ramplus-tl" ramplus-tl "$B" "$ff
   -o "$work/ramplus_noted" --no-normalize --weights 1,2
 check 'grep -q "note: --weights has no effect on ramplus-tl (each FT.s weight is its lambda_i)" "$work/out"' \
   "ramplus-tl: --weights not noted"
+# the interpolations read no --lambda (nothing to scale), slerp, karcher, model-stock and
+# nearswap no --weights, and those and nuslerp no --normalize: each noted, with its reason, and
+# changing no byte
+"$llmerge" slerp "$B" "$ff" -o "$work/slerp_plain" --t 0.3 -q
+expect 0 "note: --weights has no effect on slerp (it interpolates by --t)" slerp "$B" "$ff" -o "$work/slerp_noted" \
+  --t 0.3 --weights 0.5 --no-normalize --lambda 2
+check 'grep -q "note: --no-normalize has no effect on slerp" "$work/out" &&
+  grep -q "note: --lambda has no effect on slerp" "$work/out"' "slerp: --no-normalize or --lambda not noted"
+same_shards "$work/slerp_plain" "$work/slerp_noted"
+"$llmerge" karcher "$B" "$ff" "$fx/ft_full2" -o "$work/karcher_plain" -q
+expect 0 "note: --weights has no effect on karcher (its models weigh equally)" karcher "$B" "$ff" "$fx/ft_full2" \
+  -o "$work/karcher_noted" --weights 1,2,3 --lambda 2
+same_shards "$work/karcher_plain" "$work/karcher_noted"
+"$llmerge" nuslerp "$B" "$ff" "$fx/ft_full2" -o "$work/nuslerp_plain" --weights 1,3 -q
+expect 0 "note: --no-normalize has no effect on nuslerp" nuslerp "$B" "$ff" "$fx/ft_full2" -o "$work/nuslerp_noted" \
+  --weights 1,3 --no-normalize --lambda 0.5
+check 'grep -q "note: --lambda has no effect on nuslerp" "$work/out" && ! grep -q "note: --weights" "$work/out"' \
+  "nuslerp: --lambda not noted, or --weights noted"
+same_shards "$work/nuslerp_plain" "$work/nuslerp_noted"
+expect 0 "note: --lambda has no effect on linear" linear "$B" "$ff" "$fx/ft_full2" -o "$work/linear_noted" --lambda 2 \
+  --weights 1,2,1 --no-normalize
+check '! grep -q "note: --weights\|note: --no-normalize" "$work/out"' "linear: an option it reads noted"
 # a magnitude trim that keeps nothing of a tensor (floor(density · numel) = 0: the 64-entry norms
 # at density 0.01) says so, naming the first such tensor and counting them (5), but not under -q
 expect 0 "note: ties keeps nothing of FT 1 ($ff) in 'model.layers.0.input_layernorm.weight'" \

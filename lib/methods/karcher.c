@@ -98,4 +98,7 @@ const lm_method lm_method_karcher = {
     .gram = true,
     .min_inputs = 2,
     .reads_iter = true,
+    .ignores_weights = "its models weigh equally",
+    .ignores_normalize = "its models weigh equally",
+    .ignores_lambda = "it takes the models' mean, with no task vector to scale",
 };

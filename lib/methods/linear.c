@@ -38,4 +38,5 @@ const lm_method lm_method_linear = {
     .linear = true,
     .coeffs = linear_coeffs,
     .min_inputs = 2,
+    .ignores_lambda = "it averages the models, with no task vector to scale",
 };

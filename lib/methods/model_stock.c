@@ -44,4 +44,7 @@ const lm_method lm_method_model_stock = {
     .gram = true,
     .rows_ok = true,
     .min_inputs = 2,
+    .ignores_weights = "its ratio comes from the cosines between the task vectors",
+    .ignores_normalize = "its ratio comes from the cosines between the task vectors",
+    .ignores_lambda = "its ratio comes from the cosines between the task vectors",
 };

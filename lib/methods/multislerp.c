@@ -92,4 +92,5 @@ const lm_method lm_method_multislerp = {
     .coeffs = multislerp_coeffs,
     .gram = true,
     .min_inputs = 1,
+    .ignores_lambda = "it interpolates, with no task vector to scale",
 };

@@ -16,4 +16,7 @@ const lm_method lm_method_nearswap = {
     .min_inputs = 1,
     .max_inputs = 1,
     .reads_t = true,
+    .ignores_weights = "it steps by --t",
+    .ignores_normalize = "it steps by --t",
+    .ignores_lambda = "it steps by --t",
 };

@@ -53,4 +53,6 @@ const lm_method lm_method_nuslerp = {
     .cols_ok = true,
     .min_inputs = 2,
     .max_inputs = 2,
+    .ignores_normalize = "its t is w_2 / (w_1 + w_2), whatever the weights' scale",
+    .ignores_lambda = "it interpolates, with no task vector to scale",
 };

@@ -21,4 +21,6 @@ const lm_method lm_method_ramplus_tl = {
     .input = LM_METHOD_TASK_VECTORS,
     .threshold = true,
     .ramplus = true,
+    .ignores_weights = "each FT's weight is its lambda_i",
+    .ignores_normalize = "it takes the plain mean of the entries that count",
 };

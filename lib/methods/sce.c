@@ -21,4 +21,7 @@ const lm_method lm_method_sce = {
     .input = LM_METHOD_TASK_VECTORS,
     .normalize = true,
     .sce = true,
+    .ignores_weights = "its weights are the task vectors' mean squares",
+    .ignores_normalize = "it always divides by the weights of the FTs that agree",
+    .ignores_lambda = "it does not scale the merged task vector",
 };

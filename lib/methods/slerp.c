@@ -47,4 +47,7 @@ const lm_method lm_method_slerp = {
     .min_inputs = 1,
     .max_inputs = 1,
     .reads_t = true,
+    .ignores_weights = "it interpolates by --t",
+    .ignores_normalize = "it interpolates by --t",
+    .ignores_lambda = "it interpolates by --t, with no task vector to scale",
 };
