@@ -401,8 +401,11 @@ static lm_status settings_summary(merge_run *r, bool models, lm_err *err)
         else if (f == LM_MP_PER_TENSOR)
             a->density_text[i] = cfg ? "per tensor: see the configuration" : "per tensor: see --densities";
     }
-    if (models && lm_merge_params_form(mp, 0, "weight", &x) == LM_MP_NUMBER)
+    lm_mp_form bf = models ? lm_merge_params_form(mp, 0, "weight", &x) : LM_MP_NUMBER;
+    if (models && bf == LM_MP_NUMBER)
         o->base_weight = x;
+    else if (models && bf == LM_MP_PER_TENSOR)
+        a->base_weight_text = cfg ? "per tensor: see the configuration" : "per tensor: see --weights";
     lm_mp_form f = lm_merge_params_form(mp, -1, "lambda", &x);
     if (f == LM_MP_NUMBER)
         o->lambda = x;
@@ -738,7 +741,9 @@ static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err 
         ok = ok && cJSON_AddNumberToObject(opt, "t", o->t);
     if (u->select_topk)
         ok = ok && cJSON_AddNumberToObject(opt, "select_topk", o->select_topk);
-    if (u->models || (u->models_only && o->models_only))
+    if ((u->models || (u->models_only && o->models_only)) && a->base_weight_text)
+        ok = ok && cJSON_AddStringToObject(opt, "base_weight", a->base_weight_text);
+    else if (u->models || (u->models_only && o->models_only))
         ok = ok && cJSON_AddNumberToObject(opt, "base_weight", o->base_weight);
     if (u->models_only)
         ok = ok && cJSON_AddBoolToObject(opt, "models_only", o->models_only);
@@ -941,18 +946,22 @@ static void warn_nonfinite(merge_run *r)
     }
 }
 
-// Says where the magnitude trim kept nothing of an FT (res->empty_trims): the first such tensor
-// and how many there were. llmerge merges those tensors without that FT; mergekit stops at them.
+// Says where the trim kept nothing of an FT (res->empty_trims): the first such tensor and how
+// many there were. llmerge merges those tensors without that FT; mergekit's ties stops at them,
+// its breadcrumbs keeps nothing there too, silently; sparsegpt's importance has no counterpart.
 static void note_empty_trims(merge_run *r)
 {
     const lm_merge_result *res = &r->res;
     if (res->empty_trims == 0)
         return;
     int ft = res->empty_trim_ft;
+    const lm_method *m = r->args.m;
+    const char *mk = m->rank == LM_RANK_IMPORTANCE ? ""
+                     : m->outliers                 ? " (mergekit's breadcrumbs keeps nothing there too, silently)"
+                                                   : " (mergekit's ties stops at the first)";
     lm_progress_note(&r->progress, "note: %s keeps nothing of FT %d (%s) in '%s', where floor(density * numel) is 0: "
-                     "%lld tensor%s lose an FT's task vector so (mergekit stops at the first)", r->args.m->name,
-                     ft + 1, r->fts[ft]->path, res->empty_trim_tensor, (long long)res->empty_trims,
-                     res->empty_trims == 1 ? "" : "s");
+                     "%lld tensor%s lose an FT's task vector so%s", m->name, ft + 1, r->fts[ft]->path,
+                     res->empty_trim_tensor, (long long)res->empty_trims, res->empty_trims == 1 ? "" : "s", mk);
 }
 
 // The run was stopped by SIGINT or SIGTERM: removes the temporary directory, says so on stderr

@@ -151,6 +151,8 @@ struct merge_args {
     const char **weight_text;  // (n_ft)
     const char **density_text; // (n_ft)
     const char *lambda_text;
+    const char *base_weight_text;  // the first model's weight (linear, karcher, the --models-only
+                                   // slerps), likewise
     // what llmerge run adds (cmd/run.c): its context, freed by preset_free with the run, and its
     // work on the inputs before they are opened (the PATH+LORA models), or NULL
     void *preset;

@@ -95,8 +95,10 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
     // the options shown in the body, those the method uses
     lm_card_option opts[16 + a->n_calib];
     int k = 0;
-    opts[k++] = (lm_card_option){"lambda", a->lambda_text ? a->lambda_text : lambda, false};
-    opts[k++] = (lm_card_option){"normalize", o->normalize ? "on" : "off", false};
+    if (u->lambda)
+        opts[k++] = (lm_card_option){"lambda", a->lambda_text ? a->lambda_text : lambda, false};
+    if (u->normalize)
+        opts[k++] = (lm_card_option){"normalize", o->normalize ? "on" : "off", false};
     if (u->sign)
         opts[k++] = (lm_card_option){"sign election", sign, false};
     if (u->topk)
@@ -156,9 +158,12 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         argv[c++] = operand_word(a->fts[i], ft_w[i], sizeof ft_w[i]);
     argv[c++] = "-o";
     argv[c++] = a->out;
-    // an option given as per-tensor settings is written as it was given
-    argv[c++] = "--weights";
-    argv[c++] = a->sets[SET_WEIGHT].text ? a->sets[SET_WEIGHT].text : weights.p;
+    // an option given as per-tensor settings is written as it was given; one the method does
+    // not read is left out
+    if (u->weights) {
+        argv[c++] = "--weights";
+        argv[c++] = a->sets[SET_WEIGHT].text ? a->sets[SET_WEIGHT].text : weights.p;
+    }
     if (u->density) {
         argv[c++] = "--densities";
         argv[c++] = a->sets[SET_DENSITY].text ? a->sets[SET_DENSITY].text : densities.p;
@@ -191,9 +196,12 @@ lm_status lm_merge_write_card(const merge_args *a, const lm_merge_opts *o, const
         argv[c++] = "--alpha";
         argv[c++] = ram_alpha;
     }
-    argv[c++] = "--lambda";
-    argv[c++] = a->sets[SET_LAMBDA].text ? a->sets[SET_LAMBDA].text : lambda;
-    argv[c++] = o->normalize ? "--normalize" : "--no-normalize";
+    if (u->lambda) {
+        argv[c++] = "--lambda";
+        argv[c++] = a->sets[SET_LAMBDA].text ? a->sets[SET_LAMBDA].text : lambda;
+    }
+    if (u->normalize)
+        argv[c++] = o->normalize ? "--normalize" : "--no-normalize";
     if (u->sign) {
         argv[c++] = "--sign";
         argv[c++] = sign;

@@ -270,13 +270,15 @@ static bool same_entry(const char *a, const char *b)
     return same;
 }
 
-// A model listed twice in models: mergekit keeps one input, with the first entry's parameters,
-// where llmerge would merge it twice; refused, so that neither reading is guessed at.
+// A model listed twice in models, the same text: mergekit keeps one input (its references are
+// equal), with the first entry's parameters, where llmerge would merge it twice; refused, so
+// that neither reading is guessed at. The same directory spelled otherwise is two references to
+// mergekit as well, merged twice by both.
 static lm_status check_repeats(const lm_mergecfg *cfg, lm_err *err)
 {
     for (int j = 1; j < cfg->n_models; j++)
         for (int i = 0; i < j; i++)
-            if (same_entry(cfg->models[i].model, cfg->models[j].model))
+            if (strcmp(cfg->models[i].model, cfg->models[j].model) == 0)
                 return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: model '%s' is listed twice in models (lines %d and "
                                   "%d): mergekit would merge it once, with the first entry's parameters; list it once",
                                   AT(cfg, cfg->models[j].line, cfg->models[j].col), cfg->models[j].model,

@@ -26,13 +26,16 @@ void lm_merge_params_layout(lm_merge_params *mp, const lm_model *base)
 
 // Sets *v from setting `name` of model m (m NULL: the global ones only) for the tensor, when
 // one gives a value; *found says whether one did. `why` is NULL where the tensor's position t
-// is known, else why it is not: a gradient then is an error.
+// is known, else why it is not: a gradient then is an error, unless its numbers are all one.
 static lm_status lookup(const lm_merge_params *mp, int m, const char *name, const char *tensor, double t,
                         const char *why, double *v, bool *found, lm_err *err)
 {
     const lm_params *own = m >= 0 ? mp->models[m] : NULL;
     const lm_pval *leaf = why ? lm_param_leaf(own, mp->global, name, tensor, NULL) : NULL;
-    if (leaf && leaf->kind == LM_PVAL_GRADIENT) {
+    bool constant = leaf && leaf->kind == LM_PVAL_GRADIENT;  // the same value at every position
+    for (int q = 1; constant && q < leaf->n_grad; q++)
+        constant = leaf->grad[q] == leaf->grad[0];
+    if (leaf && leaf->kind == LM_PVAL_GRADIENT && !constant) {
         const char *who = m < 0 ? "the merge" : mp->names && mp->names[m] ? mp->names[m] : m == 0 ? "the base" : "FT";
         static const char fix[] = "give such tensors a value of their own (a condition with a filter before the "
                                   "gradient), or a number";

@@ -262,11 +262,6 @@ bool lm_param_layout_position(const lm_param_layout *l, const char *tensor, doub
                  "positions it does not know", part);
         return false;
     }
-    if (i >= l->n_layers) {
-        snprintf(why, cap, "it is in layer %" PRId64 ", and the base has %" PRId64 " (num_hidden_layers)", i,
-                 l->n_layers);
-        return false;
-    }
     const lm_param_stack *st = NULL;
     for (int k = 0; k < l->n_stacks && !st; k++)
         if (l->stacks[k].len == len && memcmp(l->stacks[k].prefix, tensor, len) == 0)
@@ -276,7 +271,17 @@ bool lm_param_layout_position(const lm_param_layout *l, const char *tensor, doub
                  "num_hidden_layers counts", LM_PARAM_MAX_STACKS);
         return false;
     }
-    if (st->n != l->n_layers) {
+    // The counted stack is one of num_hidden_layers layers (and any other of that length is
+    // placed alike, as mergekit places each module's layers by its own count); where there is
+    // none, the one stack that is longer: the counted layers and extra ones past them (a
+    // multi-token-prediction layer), which take the last position, t = 1 (lm_param_position).
+    // Any other stack is another module's (a vision tower's).
+    int exact = 0, longer = 0;
+    for (int k = 0; k < l->n_stacks; k++) {
+        exact += l->stacks[k].n == l->n_layers;
+        longer += l->stacks[k].n > l->n_layers;
+    }
+    if (st->n != l->n_layers && (exact > 0 || longer != 1 || st->n < l->n_layers)) {
         snprintf(why, cap, "its stack of layers ('%.*slayers.<i>.', %" PRId64 " of them) is not the one the base's "
                  "num_hidden_layers (%" PRId64 ") counts", (int)(len > 60 ? 60 : len), tensor, st->n, l->n_layers);
         return false;

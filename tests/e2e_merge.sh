@@ -615,6 +615,12 @@ expect 0 "note: --weights has no effect on slerp (it interpolates by --t)" slerp
 check 'grep -q "note: --no-normalize has no effect on slerp" "$work/out" &&
   grep -q "note: --lambda has no effect on slerp" "$work/out"' "slerp: --no-normalize or --lambda not noted"
 same_shards "$work/slerp_plain" "$work/slerp_noted"
+# the card's command line spells out only the options the method reads: made again, no note
+check '! card_cmd "$work/slerp_noted" | grep -q -- "--weights\|--lambda\|normalize"' \
+  "slerp's card: an option it does not read: $(card_cmd "$work/slerp_noted")"
+card_again "$work/slerp_noted" "$work/slerp_again"
+check 'eval "$(card_cmd "$work/slerp_noted") -o \"$work/slerp_again2\"" >"$work/again.out" 2>&1 &&
+  ! grep -q "note:" "$work/again.out"' "slerp's card command: notes: $(head -c 300 "$work/again.out")"
 "$llmerge" karcher "$B" "$ff" "$fx/ft_full2" -o "$work/karcher_plain" -q
 expect 0 "note: --weights has no effect on karcher (its models weigh equally)" karcher "$B" "$ff" "$fx/ft_full2" \
   -o "$work/karcher_noted" --weights 1,2,3 --lambda 2
@@ -632,7 +638,10 @@ check '! grep -q "note: --weights\|note: --no-normalize" "$work/out"' "linear: a
 # at density 0.01) says so, naming the first such tensor and counting them (5), but not under -q
 expect 0 "note: ties keeps nothing of FT 1 ($ff) in 'model.layers.0.input_layernorm.weight'" \
   ties "$B" "$ff" -o "$work/empty_trim" --density 0.01 --force
-check 'grep -q "5 tensors lose an FT.s task vector so" "$work/out"' "the empty trims are not counted"
+check 'grep -q "5 tensors lose an FT.s task vector so (mergekit.s ties stops at the first)" "$work/out"' \
+  "the empty trims are not counted"
+expect 0 "lose an FT's task vector so (mergekit's breadcrumbs keeps nothing there too, silently)" \
+  breadcrumbs "$B" "$ff" -o "$work/empty_trim" --density 0.01 --force
 check '"$llmerge" ties "$B" "$ff" -o "$work/empty_trim" --density 0.01 --force -q >"$work/out" 2>&1 &&
   [ ! -s "$work/out" ]' "ties -q with empty trims: not quiet"
 expect 0 "merged 21 tensors" ties "$B" "$ff" -o "$work/empty_trim" --density 0.02 --force

@@ -340,6 +340,19 @@ models:
       weight: 0.2
 EOF
 vs linear linear "$F1" "$F2" "$B" --weights 0.3,0.5,0.2 --normalize
+# the first model's weight as a gradient: llmerge.json says so, not the default
+cfg linear_grad <<EOF
+merge_method: linear
+models:
+  - model: $F1
+    parameters:
+      weight: [0.3, 0.6]
+  - model: $F2
+    parameters:
+      weight: 0.5
+EOF
+runcfg linear_grad
+json "$work/linear_grad.run/llmerge.json" options.base_weight "per tensor: see the configuration"
 cfg linear_base <<EOF
 merge_method: linear
 base_model: $B
@@ -1018,9 +1031,22 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_nuslerp_base 6:12 "base_model is one of only two models listed"
-# a model listed twice: mergekit merges it once with the first entry's parameters (the same
-# directory by another path is the same model)
+# a model listed twice: mergekit merges it once with the first entry's parameters; the same
+# directory spelled otherwise is another reference to mergekit, merged twice by both
 cfg e_twice <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 1}
+  - model: $F2
+    parameters: {weight: 1}
+  - model: $F1
+    parameters: {weight: 0.5}
+EOF
+refused e_twice 8:12 "model '$F1' is listed twice in models (lines 4 and 8): mergekit would merge it once, \
+with the first entry's parameters; list it once"
+cfg twice_spelled <<EOF
 merge_method: ties
 base_model: $B
 models:
@@ -1031,8 +1057,7 @@ models:
   - model: $F1/.
     parameters: {weight: 0.5}
 EOF
-refused e_twice 8:12 "model '$F1/.' is listed twice in models (lines 4 and 8): mergekit would merge it once, \
-with the first entry's parameters; list it once"
+vs twice_spelled ties "$B" "$F1" "$F2" "$F1/." --weights 1,1,0.5 --density 1
 # as many models as the method takes
 cfg e_slerp_models <<EOF
 merge_method: slerp
@@ -1108,9 +1133,9 @@ models:
 EOF
 refused e_dtype 3 "dtype: 'float8' is not a dtype llmerge writes"
 # a gradient only where llmerge's position of a tensor is mergekit's: a base without
-# num_hidden_layers (an architecture llmerge does not check, named as GPT-2 is), or whose
-# tensors hold more layers than it says, is refused naming the gradient, the tensor and why, in
-# a configuration and on the command line; a number there is fine
+# num_hidden_layers (an architecture llmerge does not check, named as GPT-2 is) is refused naming
+# the gradient, the tensor and why, in a configuration and on the command line; a number there is
+# fine
 mkdir -p "$work/gr_nolayers" "$work/gr_ft" "$work/gr_short"
 cp "$B"/*.json "$B"/*.safetensors "$work/gr_nolayers/"
 cp "$F1"/*.json "$F1"/*.safetensors "$work/gr_ft/"
@@ -1138,7 +1163,10 @@ expect 2 "parameter 't' is a gradient over the layers" \
   slerp "$work/gr_nolayers" "$work/gr_ft" -o "$work/e_grad.cli" --t 'self_attn=0,0.5,1;0.5'
 no_output "$work/e_grad.cli"
 cli grad_number ties "$work/gr_nolayers" "$work/gr_ft" --densities 0.5
-cfg e_grad_short <<EOF
+# layers past num_hidden_layers in its stack (a multi-token-prediction layer after the counted
+# ones): the last position, t = 1 (with one layer counted, layer 0 is at 1 too), so the gradient
+# is 1 on every MLP tensor; a gradient of one value anywhere is fine
+cfg grad_long <<EOF
 merge_method: slerp
 base_model: $work/gr_short
 parameters:
@@ -1150,8 +1178,20 @@ models:
   - model: $work/gr_short
   - model: $F1
 EOF
-refused e_grad_short 6:14 "tensor 'model.layers.0.mlp.down_proj.weight' has no known position among them: its \
-stack of layers ('model.layers.<i>.', 2 of them) is not the one the base's num_hidden_layers (1) counts"
+runcfg grad_long
+sed -e 's/value: \[0, 1\]/value: 1/' "$work/grad_long.yml" >"$work/grad_long1.yml"
+runcfg grad_long1
+same "layers past num_hidden_layers at t = 1" "$work/grad_long.run" "$work/grad_long1.run"
+cli grad_const ties "$work/gr_nolayers" "$work/gr_ft" --densities '*=0.5,0.5'
+cli grad_const1 ties "$work/gr_nolayers" "$work/gr_ft" --densities 0.5
+same "a gradient of one value where positions are unknown" "$work/grad_const" "$work/grad_const1"
+# a stack shorter than num_hidden_layers is another one (a vision tower's): refused
+sed -e 's/"num_hidden_layers": 2/"num_hidden_layers": 3/' "$B/config.json" >"$work/gr_nolayers/config.json"
+sed -i -e 's/"LlamaForCausalLM"/"GPT2LMHeadModel"/' -e 's/"model_type": "llama"/"model_type": "gpt2"/' \
+  "$work/gr_nolayers/config.json"
+expect 2 "its stack of layers ('model.layers.<i>.', 2 of them) is not the one the base's num_hidden_layers (3) counts" \
+  ties "$work/gr_nolayers" "$work/gr_ft" -o "$work/e_grad.cli" --densities '*=0.5,1'
+no_output "$work/e_grad.cli"
 # della's density ± epsilon must lie in (0, 1) in every tensor: two settings that are each in
 # range but not together in the MLP's tensors are refused naming the first such tensor, before
 # any work, in a configuration and on the command line

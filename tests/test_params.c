@@ -256,9 +256,13 @@ static void test_layout(void)
     CHECK(lm_param_layout_position(&l, "model.layers.1.mlp.up_proj.weight", &t, why, sizeof why) && t == 0.5);
     CHECK(lm_param_layout_position(&l, "model.layers.2.mlp.up_proj.weight", &t, why, sizeof why) && t == 1);
     CHECK(lm_param_layout_position(&l, "lm_head.weight", &t, why, sizeof why) && t == 0);
-    // an index past num_hidden_layers
-    CHECK(!lm_param_layout_position(&l, "model.layers.3.mlp.up_proj.weight", &t, why, sizeof why) &&
-          strstr(why, "it is in layer 3, and the base has 3 (num_hidden_layers)"));
+    // a layer past num_hidden_layers in the same stack (a multi-token-prediction layer): the last
+    // position
+    static const char *const mtp[] = {"model.layers.0.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                                      "model.layers.2.mlp.up_proj.weight", "model.layers.3.mlp.up_proj.weight"};
+    lm_param_layout lm = layout_of(3, mtp, 4);
+    CHECK(lm_param_layout_position(&lm, "model.layers.3.mlp.up_proj.weight", &t, why, sizeof why) && t == 1);
+    CHECK(lm_param_layout_position(&lm, "model.layers.1.mlp.up_proj.weight", &t, why, sizeof why) && t == 0.5);
     // the layer count unknown: nothing is placed, not even the embeddings
     l.n_layers = 0;
     CHECK(!lm_param_layout_position(&l, "model.embed_tokens.weight", &t, why, sizeof why) &&
