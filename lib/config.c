@@ -353,6 +353,16 @@ static lm_status parse_root(lm_config *cfg, const cJSON *root, cfg_ctx *c)
 
     // Optional dimensions: null or absent take their defaults.
     bool present;
+    // the layers a gradient is spread over: the top level's count, else (a multimodal model:
+    // Mistral3, Gemma 3, Qwen2.5-VL) its language model's, under text_config
+    cfg->layer_count = cfg->num_hidden_layers;
+    const cJSON *tc = item(root, "text_config");
+    if (!cfg->layer_count && cJSON_IsObject(tc)) {
+        int64_t n = 0;
+        if ((s = get_int(c, tc, "text_config.", "num_hidden_layers", &n, &present)) != LM_OK)
+            return s;
+        cfg->layer_count = present && n > 0 ? n : 0;
+    }
     if ((s = get_int(c, root, "", "num_key_value_heads", &cfg->num_key_value_heads, &present)) != LM_OK)
         return s;
     if (!present)

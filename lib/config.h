@@ -56,6 +56,8 @@ typedef struct lm_config {
     int64_t hidden_size;
     int64_t intermediate_size;
     int64_t num_hidden_layers;
+    int64_t layer_count;          // the layers a gradient spreads over: num_hidden_layers, else
+                                  // text_config's (a multimodal model); 0 where neither gives one
     int64_t num_attention_heads;
     int64_t num_key_value_heads;  // = num_attention_heads when null or absent
     int64_t head_dim;             // = hidden_size / num_attention_heads when null or absent

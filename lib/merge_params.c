@@ -19,7 +19,7 @@ lm_mp_form lm_merge_params_form(const lm_merge_params *mp, int m, const char *na
 void lm_merge_params_layout(lm_merge_params *mp, const lm_model *base)
 {
     memset(&mp->layout, 0, sizeof mp->layout);
-    mp->layout.n_layers = base->config.num_hidden_layers;
+    mp->layout.n_layers = base->config.layer_count;
     for (int64_t i = 0; i < base->n_tensors; i++)
         lm_param_layout_add(&mp->layout, base->tensors[i]->name);
 }

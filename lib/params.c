@@ -249,8 +249,8 @@ bool lm_param_layout_position(const lm_param_layout *l, const char *tensor, doub
     char part[96];
     *t = 0;
     if (l->n_layers < 1) {
-        snprintf(why, cap, "the base's config.json has no num_hidden_layers (at its top level), so llmerge does not "
-                 "know where its layers lie");
+        snprintf(why, cap, "the base's config.json has no num_hidden_layers (at its top level or in text_config), so "
+                 "llmerge does not know where its layers lie");
         return false;
     }
     size_t len = 0;

@@ -1155,7 +1155,8 @@ models:
       density: [0.5, 1]
 EOF
 refused e_grad_nolayers 7:16 "parameter 'density' is a gradient over the layers, and tensor \
-'model.embed_tokens.weight' has no known position among them: the base's config.json has no num_hidden_layers"
+'model.embed_tokens.weight' has no known position among them: the base's config.json has no num_hidden_layers (at \
+its top level or in text_config)"
 expect 2 "parameter 'density' is a gradient over the layers, and tensor 'model.embed_tokens.weight'" \
   ties "$work/gr_nolayers" "$work/gr_ft" -o "$work/e_grad.cli" --densities '*=0.5,1'
 no_output "$work/e_grad.cli"
@@ -1185,6 +1186,18 @@ same "layers past num_hidden_layers at t = 1" "$work/grad_long.run" "$work/grad_
 cli grad_const ties "$work/gr_nolayers" "$work/gr_ft" --densities '*=0.5,0.5'
 cli grad_const1 ties "$work/gr_nolayers" "$work/gr_ft" --densities 0.5
 same "a gradient of one value where positions are unknown" "$work/grad_const" "$work/grad_const1"
+# a multimodal model's count, under text_config, places the layers as a top-level one does
+mkdir -p "$work/gr_text" "$work/gr_top"
+cp "$B"/*.json "$B"/*.safetensors "$work/gr_text/"
+cp "$B"/*.json "$B"/*.safetensors "$work/gr_top/"
+sed -e 's/"num_hidden_layers": 2,/"text_config": {"num_hidden_layers": 2},/' -e 's/"LlamaForCausalLM"/"GPT2LMHeadModel"/' \
+  -e 's/"model_type": "llama"/"model_type": "gpt2"/' "$B/config.json" >"$work/gr_text/config.json"
+sed -e 's/"LlamaForCausalLM"/"GPT2LMHeadModel"/' -e 's/"model_type": "llama"/"model_type": "gpt2"/' \
+  "$B/config.json" >"$work/gr_top/config.json"
+check 'grep -q "\"text_config\": {\"num_hidden_layers\": 2}" "$work/gr_text/config.json"' "no text_config made"
+cli grad_text ties "$work/gr_text" "$work/gr_ft" --densities '*=0.5,1'
+cli grad_top ties "$work/gr_top" "$work/gr_ft" --densities '*=0.5,1'
+same "layers counted under text_config" "$work/grad_text" "$work/grad_top"
 # a stack shorter than num_hidden_layers is another one (a vision tower's): refused
 sed -e 's/"num_hidden_layers": 2/"num_hidden_layers": 3/' "$B/config.json" >"$work/gr_nolayers/config.json"
 sed -i -e 's/"LlamaForCausalLM"/"GPT2LMHeadModel"/' -e 's/"model_type": "llama"/"model_type": "gpt2"/' \
