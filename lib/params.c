@@ -271,22 +271,18 @@ bool lm_param_layout_position(const lm_param_layout *l, const char *tensor, doub
                  "num_hidden_layers counts", LM_PARAM_MAX_STACKS);
         return false;
     }
-    // The counted stack is one of num_hidden_layers layers (and any other of that length is
-    // placed alike, as mergekit places each module's layers by its own count); where there is
-    // none, the one stack that is longer: the counted layers and extra ones past them (a
-    // multi-token-prediction layer), which take the last position, t = 1 (lm_param_position).
-    // Any other stack is another module's (a vision tower's).
+    // The counted stack is one of num_hidden_layers layers; where there is none, the one stack
+    // that is longer: the counted layers and extra ones past them (a multi-token-prediction
+    // layer), which take the last position, t = 1 (lm_param_position). Any other stack is another
+    // module's (a vision tower's), placed by its own count as mergekit places each module's
+    // layers: the layers it holds.
     int exact = 0, longer = 0;
     for (int k = 0; k < l->n_stacks; k++) {
         exact += l->stacks[k].n == l->n_layers;
         longer += l->stacks[k].n > l->n_layers;
     }
-    if (st->n != l->n_layers && (exact > 0 || longer != 1 || st->n < l->n_layers)) {
-        snprintf(why, cap, "its stack of layers ('%.*slayers.<i>.', %" PRId64 " of them) is not the one the base's "
-                 "num_hidden_layers (%" PRId64 ") counts", (int)(len > 60 ? 60 : len), tensor, st->n, l->n_layers);
-        return false;
-    }
-    *t = lm_param_position(tensor, l->n_layers);
+    bool counted = st->n == l->n_layers || (exact == 0 && longer == 1 && st->n > l->n_layers);
+    *t = lm_param_position(tensor, counted ? l->n_layers : st->n);
     return true;
 }
 

@@ -92,13 +92,14 @@ int64_t lm_param_layer(const char *tensor);
 //
 // mergekit places each layer of a module at i / (n - 1) by that module's own layer count, and
 // knows which tensors are layers from its architecture files. llmerge knows one naming, a name
-// holding "layers.<i>." (lm_param_layer), and one count, the base's num_hidden_layers. A
-// layout records, for each prefix under which the base has such layers (the text before
-// "layers."; a vision tower's layers beside a language model's make two), how many there are
-// (the highest index + 1), so that a gradient is evaluated only where llmerge's position is
-// mergekit's: a tensor outside every stack with no numbered part in its name (t = 0), or a
-// layer of a stack exactly num_hidden_layers long. Anything else a gradient would be evaluated
-// at a guessed position, and lm_param_layout_position refuses it.
+// holding "layers.<i>." (lm_param_layer), and the base's count (num_hidden_layers, or
+// text_config's). A layout records, for each prefix under which the base has such layers (the
+// text before "layers."; a vision tower's layers beside a language model's make two), how many
+// there are (the highest index + 1). The stack the count counts is placed by it (layers past it,
+// a multi-token-prediction layer, at t = 1); any other by its own length, as mergekit places
+// another module's layers by that module's count; a tensor outside every stack with no numbered
+// part in its name at t = 0. A gradient anywhere else would be evaluated at a guessed position,
+// and lm_param_layout_position refuses it.
 
 #define LM_PARAM_MAX_STACKS 8
 
@@ -109,7 +110,7 @@ typedef struct lm_param_stack {
 } lm_param_stack;
 
 typedef struct lm_param_layout {
-    int64_t n_layers;    // the base's num_hidden_layers; < 1 when its config.json has none
+    int64_t n_layers;    // the base's layer count (lm_config's layer_count); < 1 when it has none
     lm_param_stack stacks[LM_PARAM_MAX_STACKS];
     int n_stacks;
     bool overflow;       // more prefixes than stacks: the ones left out have no position
@@ -121,9 +122,9 @@ void lm_param_layout_add(lm_param_layout *l, const char *tensor);
 
 // The position t of `tensor` for a gradient (true), or false with why in `why` (a clause: "its
 // name has numbered blocks ('h.3') that are not llmerge's 'layers.<i>.'", ...) when llmerge
-// cannot place it where mergekit would: the base's layer count is unknown, its layer index is
-// not below num_hidden_layers, its stack of layers is not num_hidden_layers long, or it has a
-// part that is a number but no "layers.<i>.". Allocates nothing.
+// cannot place it where mergekit would: the base's layer count is unknown, the base has layers
+// under more prefixes than a layout holds, or the name has a part that is a number but no
+// "layers.<i>.". Allocates nothing.
 bool lm_param_layout_position(const lm_param_layout *l, const char *tensor, double *t, char *why, size_t cap);
 
 // The setting lm_param_number evaluates for parameter `name` of `tensor` (the model's first,
