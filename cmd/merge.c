@@ -558,7 +558,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
         if ((s = settings_summary(r, models, err)) != LM_OK)
             return s;
     }
-    if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, err)) != LM_OK ||
+    if ((s = lm_merge_check_opts(o, err)) != LM_OK || (s = lm_merge_check_params(o, r->base, r->fts, err)) != LM_OK ||
         (s = lm_cmd_lora_exact_check(a, o, r->base, r->fts, err)) != LM_OK)
         return s;
     if (a->use.hessians && (s = read_calib(r, err)) != LM_OK)

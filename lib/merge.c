@@ -817,18 +817,44 @@ lm_status lm_merge_linear_coefs(const lm_merge_opts *o, lm_ft *const *fts, const
     return s;
 }
 
-lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_err *err)
+// Whether the method may scale a tensor no FT changes (merge_unit asks its coefficients then):
+// the methods with coefficients, but the interpolations of task vectors against a base, whose
+// vectors are all zero there.
+static bool scales_untouched(const lm_merge_opts *o, const lm_method *m)
+{
+    return m->coeffs && !(m->input == LM_METHOD_EITHER && !o->models_only);
+}
+
+// Whether any FT changes tensor `name` (a full model holding it readable, an adapter touching it).
+static bool touched(const lm_merge_opts *o, lm_ft *const *fts, const char *name)
+{
+    for (int i = 0; i < o->n_ft; i++) {
+        const lm_st_tensor *t = fts[i]->model ? lm_model_find(fts[i]->model, name) : NULL;
+        if ((t && lm_dtype_readable(t->dtype)) ||
+            (fts[i]->adapter && lm_adapter_lookup(fts[i]->adapter, name, NULL) != LM_TOUCH_NONE))
+            return true;
+    }
+    return false;
+}
+
+lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, lm_err *err)
 {
     if (!o->tensor_params)
         return LM_OK;
+    const lm_method *m = lm_method_of(o->method);
     size_t n = (size_t)(o->n_ft > 0 ? o->n_ft : 1);
     double *v = calloc(4 * n, sizeof *v);
     if (!v)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     lm_tensor_params tp = {.weights = v, .densities = v + n, .gammas = v + 2 * n, .epsilons = v + 3 * n};
     lm_status s = LM_OK;
-    for (int64_t i = 0; s == LM_OK && i < base->n_tensors; i++)
-        s = params_of(o, lm_method_of(o->method), base->tensors[i]->name, &tp, err);
+    for (int64_t i = 0; s == LM_OK && i < base->n_tensors; i++) {
+        const char *name = base->tensors[i]->name;
+        // a tensor copied as it is reads no parameter (merge_unit)
+        if (fts && !scales_untouched(o, m) && !touched(o, fts, name))
+            continue;
+        s = params_of(o, m, name, &tp, err);
+    }
     free(v);
     return s;
 }
@@ -851,7 +877,8 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
     *merged = k > 0;
     lm_status s;
     count_reset(e);
-    if ((s = tensor_params(e, bt->name)) != LM_OK)
+    // a tensor no FT changes reads its parameters only where the method may scale it
+    if ((k > 0 || scales_untouched(e->o, e->m)) && (s = tensor_params(e, bt->name)) != LM_OK)
         return s;
     // A magnitude trim that keeps nothing of a part (floor(d_i · numel) = 0) leaves its task
     // vector out of this tensor where mergekit's magnitude trim stops: counted, for the caller to
@@ -866,8 +893,7 @@ static lm_status merge_unit(engine *e, int64_t idx, const lm_st_desc *desc, XXH6
         e->res->empty_trim_ft = empty_ft;
     }
     bool scaled = false;
-    bool vs_base = e->m->input == LM_METHOD_EITHER && !e->o->models_only;
-    if (k == 0 && e->m->coeffs && !vs_base && lm_dtype_readable(bt->dtype) && bt->numel > 0) {
+    if (k == 0 && scales_untouched(e->o, e->m) && lm_dtype_readable(bt->dtype) && bt->numel > 0) {
         size_t s1 = (size_t)e->o->n_ft + 1;
         double a = 1.0, *c = calloc((size_t)e->o->n_ft, sizeof *c);
         double *g = e->m->gram ? calloc(s1 * s1, sizeof *g) : NULL;
@@ -977,7 +1003,7 @@ lm_status lm_merge_run(const lm_merge_opts *o, lm_dev *dev, const lm_model *base
     memset(res, 0, sizeof *res);
     lm_status s = lm_merge_check_opts(o, err);
     if (s == LM_OK)
-        s = lm_merge_check_params(o, base, err);
+        s = lm_merge_check_params(o, base, fts, err);
     if (s != LM_OK)
         return s;
     double t0 = lm_now();

@@ -173,9 +173,11 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err);
 
 // Checks every tensor's parameters as o->tensor_params gives them (settings that vary by layer
 // or module) as the merge checks each tensor's, so that a value out of range anywhere is an
-// error before any work: LM_ERR_USAGE naming the parameter, the input and the tensor. LM_OK at
-// once without tensor_params.
-lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_err *err);
+// error before any work: LM_ERR_USAGE naming the parameter, the input and the tensor. With the
+// FTs (fts not NULL), a tensor none of them changes is left out where the merge copies it
+// without reading its parameters (every method but those that may scale it: linear, and the
+// interpolations of the models themselves). LM_OK at once without tensor_params.
+lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, lm_err *err);
 
 // Task arithmetic's and linear's merge of tensor `name` as θ = a·θ_b + Σ c_i τ_i (c: n_ft values),
 // the coefficients the engine uses (its per-tensor parameters, normalize over the FTs that change

@@ -362,7 +362,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
     memset(p, 0, sizeof *p);
     lm_status s = lm_merge_check_opts(o, err);
     if (s == LM_OK)
-        s = lm_merge_check_params(o, base, err);
+        s = lm_merge_check_params(o, base, fts, err);
     if (s != LM_OK)
         return s;
     // a method that ranks by Hessian importance (sparsegpt) captures Hessians first

@@ -851,6 +851,63 @@ static void test_untouched(void)
     fx_close(&f);
 }
 
+// The per-tensor parameters of a tensor no FT changes are not read where the merge copies it: a
+// callback that refuses every tensor but the adapter's (layers.0.q_proj) is asked about no other
+// by task-arithmetic, neither before the work (lm_merge_check_params with the FTs) nor during
+// it, but is by linear, which may scale such a tensor; without the FTs every tensor is checked.
+static lm_status only_touched(void *ctx, const char *tensor, lm_tensor_params *tp, lm_err *err)
+{
+    (void)tp;
+    return strcmp(tensor, (const char *)ctx) == 0 ? LM_OK : lm_err_set(err, LM_ERR_USAGE, "asked about '%s'", tensor);
+}
+
+static void test_untouched_params(void)
+{
+    fixture f;
+    fx_open(&f, interp_base, "float32");
+    inputs in = {0};
+    rng_seed(81);
+    add_lora_ft(&in, &f);
+    const char *d[MAX_FT];
+    dirs_of(&in, d);
+    double w = 1;
+    lm_err err = {0};
+    lm_model *base = NULL;
+    lm_ft *ft = NULL;
+    CHECK_OK(lm_model_open(&base, f.base_dir, &err), &err);
+    if (base)
+        CHECK_OK(lm_ft_open(&ft, d[0], base, &err), &err);
+    lm_merge_opts o = interp_opts(LM_MERGE_TASK_ARITHMETIC, &in, &w, 1);
+    o.tensor_params = only_touched;
+    o.params_ctx = (void *)"layers.0.q_proj.weight";
+    if (base && ft) {
+        CHECK_OK(lm_merge_check_params(&o, base, &ft, &err), &err);
+        CHECK_FAILS(lm_merge_check_params(&o, base, NULL, &err), LM_ERR_USAGE, "asked about 'layers.1.mlp.weight'",
+                    &err);
+        lm_merge_opts lin = interp_opts(LM_MERGE_LINEAR, &in, &w, 1);
+        lin.tensor_params = only_touched;
+        lin.params_ctx = o.params_ctx;
+        CHECK_FAILS(lm_merge_check_params(&lin, base, &ft, &err), LM_ERR_USAGE, "asked about 'layers.1.mlp.weight'",
+                    &err);
+    }
+    lm_st_file *st = run_merge(f.root, &o, f.base_dir, d, NULL);  // the merge itself asks about no other
+    CHECK(st != NULL);
+    for (int t = 1; st && t < NT; t++) {  // the base's, copied
+        int64_t n = f.base.t[t].n;
+        double *exp = malloc((size_t)n * sizeof *exp), *mag = scale_of(&f, &in, t, 1);
+        for (int64_t j = 0; exp && j < n; j++)
+            exp[j] = f.base.t[t].v[j];
+        check_values(st, f.base.t[t].name, exp, mag, n);
+        free(exp);
+        free(mag);
+    }
+    lm_st_close(st);
+    lm_ft_free(ft);
+    lm_model_free(base);
+    free_inputs(&in);
+    fx_close(&f);
+}
+
 // ==== the same bytes on the simulated device ==================================================
 
 // Every method on the CPU and on the simulated device, whole and under budgets where units fall
@@ -908,6 +965,7 @@ int main(void)
     test_nearswap();
     test_per_row();
     test_untouched();
+    test_untouched_params();
     test_devices();
     return check_report("test_merge_interp");
 }
