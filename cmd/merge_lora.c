@@ -69,6 +69,12 @@ static lm_status nomem(lm_err *err)
     return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
 }
 
+// The float32 values of tensor t (free with free()), or NULL with *err set.
+static float *values_of(const lm_st_tensor *t, lm_err *err)
+{
+    return lm_convert_to_f32_new(t->data, t->dtype, t->numel, err);
+}
+
 static bool ends_with(const char *s, const char *suffix)
 {
     size_t n = strlen(s), m = strlen(suffix);
@@ -362,16 +368,14 @@ lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err)
         if (r->ndim == 1 && wt) {
             // lora_B.bias: the change itself; a layer whose weight did not change gets factors of
             // zeros, rank 1, to carry it (rather than the layer saved whole, weight and all)
-            float *base = malloc((size_t)bt->numel * sizeof *base);
             const char *dot = strrchr(r->name, '.');
             char *module = strndup(r->name, (size_t)(dot - r->name));
-            if (!base || !module) {
-                free(base);
+            float *base = module ? values_of(bt, err) : NULL;
+            if (!base) {
                 free(module);
-                return nomem(err);
+                return module ? err->status : nomem(err);
             }
-            s = lm_convert_to_f32(base, bt->data, bt->dtype, bt->numel, err);
-            for (int64_t e = 0; s == LM_OK && e < bt->numel; e++)
+            for (int64_t e = 0; e < bt->numel; e++)
                 r->values[e] -= base[e];
             free(base);
             if (s == LM_OK && !module_factored(l, r->name)) {
@@ -557,21 +561,6 @@ lm_status lm_cmd_lora_exact_check(const merge_args *a, const lm_merge_opts *o, c
     }
     free(c);
     return s;
-}
-
-// The float32 values of tensor t.
-static float *values_of(const lm_st_tensor *t, lm_err *err)
-{
-    float *v = malloc((size_t)(t->numel > 0 ? t->numel : 1) * sizeof *v);
-    if (!v) {
-        nomem(err);
-        return NULL;
-    }
-    if (lm_convert_to_f32(v, t->data, t->dtype, t->numel, err) != LM_OK) {
-        free(v);
-        return NULL;
-    }
-    return v;
 }
 
 // Base tensor bt as the adapters' factors concatenated: B = [c_1 s_1 B_1 | c_2 s_2 B_2 | ...],

@@ -486,10 +486,10 @@ static bool same_values(const lm_st_tensor *x, const lm_st_tensor *y, bool trans
     if (!transposed)
         return x->dtype == y->dtype && x->nbytes == y->nbytes && memcmp(x->data, y->data, (size_t)x->nbytes) == 0;
     int64_t rows = x->shape[0], cols = x->shape[1];
-    float *xv = malloc((size_t)x->numel * sizeof *xv), *yv = malloc((size_t)y->numel * sizeof *yv);
     lm_err ignored = {0};
-    bool same = xv && yv && lm_convert_to_f32(xv, x->data, x->dtype, x->numel, &ignored) == LM_OK &&
-                lm_convert_to_f32(yv, y->data, y->dtype, y->numel, &ignored) == LM_OK;
+    float *xv = lm_convert_to_f32_new(x->data, x->dtype, x->numel, &ignored);
+    float *yv = lm_convert_to_f32_new(y->data, y->dtype, y->numel, &ignored);
+    bool same = xv && yv;
     for (int64_t i = 0; same && i < rows; i++)
         for (int64_t j = 0; same && j < cols; j++)
             same = memcmp(&xv[i * cols + j], &yv[j * rows + i], sizeof *xv) == 0;

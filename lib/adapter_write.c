@@ -327,21 +327,6 @@ static void drop_tensor(lm_adapter_out *w, int64_t i)
     w->n_t--;
 }
 
-// A tensor's values as float32 (malloc'd), or NULL with *err set.
-static float *f32_of(const void *data, lm_dtype dt, int64_t n, lm_err *err)
-{
-    float *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
-    if (!v) {
-        nomem(err);
-        return NULL;
-    }
-    if (lm_convert_to_f32(v, data, dt, n, err) != LM_OK) {
-        free(v);
-        return NULL;
-    }
-    return v;
-}
-
 #define WHOLE_ROWS 4096  // rows of an embedding made whole at once
 
 // PEFT refuses an Embedding layer under lora_bias: embedding module m's factors become its
@@ -367,8 +352,8 @@ static lm_status embedding_whole(lm_adapter_out *w, aw_module *m, lm_err *err)
     }
     int64_t vocab = bt->shape[0], hidden = bt->shape[1], r = w->t[ia].shape[0], es = lm_dtype_bits(bt->dtype) / 8;
     int64_t wb = lm_dtype_bits(w->dtype) / 8;
-    ea = f32_of(w->t[ia].data, w->dtype, r * vocab, err);  // [r, vocab]
-    eb = ea ? f32_of(w->t[ib].data, w->dtype, hidden * r, err) : NULL;  // [hidden, r]
+    ea = lm_convert_to_f32_new(w->t[ia].data, w->dtype, r * vocab, err);  // [r, vocab]
+    eb = ea ? lm_convert_to_f32_new(w->t[ib].data, w->dtype, hidden * r, err) : NULL;  // [hidden, r]
     rows = eb ? malloc((size_t)(WHOLE_ROWS * hidden) * sizeof *rows) : NULL;
     out = rows ? malloc((size_t)(vocab * hidden * wb)) : NULL;
     if (!ea || !eb) {
@@ -431,7 +416,7 @@ static lm_status complete_saved(lm_adapter_out *w, const aw_module *m, lm_err *e
         if (!lm_dtype_readable(t->dtype) || (t->ndim != 1 && t->ndim != 2))
             return lm_err_set(err, LM_ERR_UNSUPPORTED, "tensor '%s' of saved module '%s' (%s, %d dimensions) "
                               "cannot be written in an adapter", t->name, m->path, lm_dtype_name(t->dtype), t->ndim);
-        float *v = f32_of(t->data, t->dtype, t->numel, err);
+        float *v = lm_convert_to_f32_new(t->data, t->dtype, t->numel, err);
         if (!v)
             return err->status != LM_OK ? err->status : LM_ERR_NOMEM;
         lm_status s = add_tensor(w, m->path, t->name + pl + 1, t->ndim, t->shape[0], t->ndim == 2 ? t->shape[1] : 0,
@@ -479,7 +464,7 @@ static lm_status add_tied_head(lm_adapter_out *w, const aw_module *m, lm_err *er
             return lm_err_set(err, LM_ERR_USAGE, "module '%s': no %s to tie lm_head to", m->path, suffix[i]);
         const aw_tensor *t = &w->t[at];
         int64_t d0 = t->shape[0], d1 = t->shape[1];
-        float *v = f32_of(t->data, w->dtype, d0 * d1, err), *x = v;
+        float *v = lm_convert_to_f32_new(t->data, w->dtype, d0 * d1, err), *x = v;
         if (!v)
             return err->status != LM_OK ? err->status : LM_ERR_NOMEM;
         if (m->r > 0) {  // transposed: [d1, d0]

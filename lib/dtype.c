@@ -3,6 +3,7 @@
 
 #include "util.h"
 
+#include <stdlib.h>
 #include <string.h>
 
 static const struct { const char *name; unsigned bits; } dtype_info[LM_DTYPE_COUNT] = {
@@ -119,6 +120,20 @@ LM_VECTOR_CLONES lm_status lm_convert_to_f32(float *dst, const void *src, lm_dty
                           "dtype %s cannot be computed with (llmerge reads F32, F16, BF16 and F64)",
                           lm_dtype_name(dt));
     }
+}
+
+float *lm_convert_to_f32_new(const void *src, lm_dtype dt, int64_t n, lm_err *err)
+{
+    float *v = malloc((size_t)(n > 0 ? n : 1) * sizeof *v);
+    if (!v) {
+        lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        return NULL;
+    }
+    if (lm_convert_to_f32(v, src, dt, n, err) != LM_OK) {
+        free(v);
+        return NULL;
+    }
+    return v;
 }
 
 LM_VECTOR_CLONES lm_status lm_convert_from_f32(void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err)

@@ -145,6 +145,10 @@ typedef struct lm_nonfinite {
 // Returns LM_ERR_UNSUPPORTED (message naming the dtype) when dt is not readable.
 lm_status lm_convert_to_f32(float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err);
 
+// lm_convert_to_f32 into a new array (free with free()); NULL with *err set (LM_ERR_NOMEM, or
+// as lm_convert_to_f32) on failure.
+float *lm_convert_to_f32_new(const void *src, lm_dtype dt, int64_t n, lm_err *err);
+
 // Converts n float32 values to `dt` (F32, F16 or BF16) into `dst` (any alignment), rounding
 // to nearest even, every NaN written as the dtype's canonical NaN (for F32, dst may equal src).
 // Returns LM_ERR_UNSUPPORTED when dt is not writable.
