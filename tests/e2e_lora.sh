@@ -70,8 +70,8 @@ run qexm task-arithmetic "$Q" "$work/qex" -o "$work/qexm"
 
 # a full fine-tune: its norms go whole into modules_to_save and come back exactly; its matrices
 # as rank-8 factors, each with its error recorded; extract is task-arithmetic --to-lora
-run ex extract "$B" "$F1" -o "$work/ex" --rank 8
-run exta task-arithmetic "$B" "$F1" -o "$work/exta" --to-lora 8
+run ex extract "$B" "$F1" -o "$work/ex" --rank 8 --device cpu
+run exta task-arithmetic "$B" "$F1" -o "$work/exta" --to-lora 8 --device cpu
 check 'cmp -s "$work/ex/adapter_model.safetensors" "$work/exta/adapter_model.safetensors" &&
   cmp -s "$work/ex/adapter_config.json" "$work/exta/adapter_config.json"' "extract is not task-arithmetic --to-lora"
 json "$work/ex/adapter_config.json" modules_to_save \

@@ -210,11 +210,13 @@ check '[ ! -s "$work/out" ]' "-q: stderr not empty: $(cat "$work/out")"
 # an affinity of one core
 # (on a machine of one core every run has one thread: nothing to check there)
 if [ "$(nproc)" -gt 1 ]; then
-  SLURM_CPUS_PER_TASK=1 merge ties "$B" "$lp" -o "$work/ties_slurm"
+  SLURM_CPUS_PER_TASK=1 merge ties "$B" "$lp" -o "$work/ties_slurm" --device cpu
   check 'grep -q "(bf16, cpu, 1 thread)" "$work/out"' "SLURM_CPUS_PER_TASK=1: $(head -1 "$work/out")"
 fi
 if command -v taskset >/dev/null && [ "$(nproc)" -gt 1 ]; then
-  if taskset -c 0 "$llmerge" ties "$B" "$lp" -o "$work/ties_aff" >"$work/out" 2>&1; then ok; else bad "taskset: $(cat "$work/out")"; fi
+  if taskset -c 0 "$llmerge" ties "$B" "$lp" -o "$work/ties_aff" --device cpu >"$work/out" 2>&1; then ok; else
+    bad "taskset: $(cat "$work/out")"
+  fi
   check 'grep -q "(bf16, cpu, 1 thread)" "$work/out"' "an affinity of one core: $(head -1 "$work/out")"
 fi
 merge dare "$B" "$lp" "$ff" -o "$work/dare1" --seed 7 --density 0.5 --threads 1
