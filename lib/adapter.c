@@ -598,6 +598,24 @@ static void part_key(char *buf, size_t cap, const lm_lora_module *m, key_part pa
     snprintf(buf, cap, "%s%s%s", KEY_PREFIX, m->path, sfx);
 }
 
+// Whether every value of floating tensor t is +0 or -0 (false for a dtype llmerge cannot read).
+static bool all_zero(const lm_st_tensor *t)
+{
+    if (!lm_dtype_readable(t->dtype))
+        return false;
+    const unsigned char *p = t->data;
+    size_t width = lm_dtype_bits(t->dtype) / 8;
+    for (int64_t i = 0; i < t->numel; i++, p += width) {
+        // little-endian: the sign is the top bit of the last byte
+        for (size_t b = 0; b + 1 < width; b++)
+            if (p[b])
+                return false;
+        if (p[width - 1] & 0x7f)
+            return false;
+    }
+    return true;
+}
+
 // Completes one module: both factors present, r and alpha, shapes consistent with r.
 static lm_status finish_module(lm_adapter *a, int64_t mi, lm_err *err)
 {
@@ -845,22 +863,23 @@ static lm_status validate_module(const lm_adapter *a, const lm_lora_module *m,
         return shape_mismatch(a, base, m->b, w, need, err);
     }
     // B's first dimension is `out` and bias/magnitude were checked against it at open, so they
-    // fit too; a bias also needs a base bias of that shape.
-    if (m->bias) {
-        const lm_st_tensor *bb = lm_model_find(base, m->bias_name);
-        if (!bb)
-            return lm_err_set(err, LM_ERR_MISMATCH,
-                              "%s: adapter key '%s' changes '%s', which the base model %s does not "
-                              "have (base tensor '%s' has no bias)", wp, m->bias->name,
-                              m->bias_name, base->dir, m->base_name);
-        if (bb->ndim != 1 || bb->shape[0] != out) {
-            snprintf(need, sizeof need, "a bias must be [%lld]", (long long)out);
-            return shape_mismatch(a, base, m->bias, bb, need, err);
-        }
+    // fit too; a bias also needs a base bias of that shape. Under lora_bias PEFT gives every
+    // LoRA layer a bias in lora_B and saves it, zeros where the base has none (llmerge writes
+    // those too): such a bias changes nothing and is accepted. Where the base has the bias, one
+    // of zeros is a change like any other (it counts among the inputs that touch the tensor).
+    const lm_st_tensor *bb = m->bias ? lm_model_find(base, m->bias_name) : NULL;
+    if (m->bias && !bb && !all_zero(m->bias))
+        return lm_err_set(err, LM_ERR_MISMATCH,
+                          "%s: adapter key '%s' changes '%s', which the base model %s does not "
+                          "have (base tensor '%s' has no bias)", wp, m->bias->name,
+                          m->bias_name, base->dir, m->base_name);
+    if (bb && (bb->ndim != 1 || bb->shape[0] != out)) {
+        snprintf(need, sizeof need, "a bias must be [%lld]", (long long)out);
+        return shape_mismatch(a, base, m->bias, bb, need, err);
     }
     lm_status s;
     if ((s = need_readable_base(a, base, w, m->a, err)) != LM_OK ||
-        (m->bias && (s = need_readable_base(a, base, lm_model_find(base, m->bias_name), m->bias, err)) != LM_OK))
+        (bb && (s = need_readable_base(a, base, bb, m->bias, err)) != LM_OK))
         return s;
     if ((s = need_readable(m->a, wp, err)) != LM_OK || (s = need_readable(m->b, wp, err)) != LM_OK ||
         (s = need_readable(m->bias, wp, err)) != LM_OK ||

@@ -485,6 +485,41 @@ static lm_status add_tied_head(lm_adapter_out *w, const aw_module *m, lm_err *er
     return LM_OK;
 }
 
+// The tensor of `key` ("base_model.model.M.lora_B.weight"), or NULL.
+static const aw_tensor *find_tensor(const lm_adapter_out *w, const char *key)
+{
+    for (int64_t i = 0; i < w->n_t; i++)
+        if (strcmp(w->t[i].key, key) == 0)
+            return &w->t[i];
+    return NULL;
+}
+
+// Under lora_bias PEFT makes lora_B of every LoRA layer with a bias, and loading an adapter
+// without one warns of missing keys (leaving it at its initial zeros): LoRA module m whose bias
+// did not change, or whose base has none, gets a lora_B.bias of zeros. llmerge's reader takes
+// a bias of zeros as no change.
+static lm_status zero_bias(lm_adapter_out *w, const aw_module *m, lm_err *err)
+{
+    char *bias = lm_strfmt("base_model.model.%s.lora_B.bias", m->path);
+    char *weight = lm_strfmt("base_model.model.%s.lora_B.weight", m->path);
+    if (!bias || !weight) {
+        free(bias);
+        free(weight);
+        return nomem(err);
+    }
+    const aw_tensor *b = find_tensor(w, weight);
+    lm_status s = LM_OK;
+    if (b && !find_tensor(w, bias)) {
+        int64_t out = b->shape[0];
+        float *zeros = calloc((size_t)out, sizeof *zeros);
+        s = zeros ? add_tensor(w, m->path, "lora_B.bias", 1, out, 0, zeros, err) : nomem(err);
+        free(zeros);
+    }
+    free(bias);
+    free(weight);
+    return s;
+}
+
 const char *lm_adapter_out_biasless(const lm_adapter_out *w)
 {
     for (int64_t m = 0; w->lora_bias && m < w->n_mods; m++) {
@@ -507,6 +542,9 @@ lm_status lm_adapter_out_write(lm_adapter_out *w, const char *dir, int rank, lm_
     for (int64_t m = 0; s == LM_OK && w->lora_bias && m < w->n_mods; m++)
         if (w->mods[m].r > 0 && w->mods[m].embedding)
             s = embedding_whole(w, &w->mods[m], err);
+    for (int64_t m = 0; s == LM_OK && w->lora_bias && m < w->n_mods; m++)
+        if (w->mods[m].r > 0)
+            s = zero_bias(w, &w->mods[m], err);
     for (int64_t m = 0; s == LM_OK && m < w->n_mods; m++)
         if (w->mods[m].r == 0)
             s = complete_saved(w, &w->mods[m], err);

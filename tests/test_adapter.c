@@ -768,10 +768,11 @@ static void test_adapter_dora_bias(void)
         fixture_t2(K(0, "mlp.down_proj", ".lora_B.weight"), 8, 4),
         fixture_t1(K(0, "mlp.down_proj", ".lora_magnitude_vector"), 8),
     };
-    write_adapter(ad,
-                  "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"use_rslora\": true, "
-                  "\"use_dora\": true, \"lora_bias\": true, \"target_modules\": [\"k_proj\", \"down_proj\"]}",
-                  ts, 7);
+    // values that are not zero: a bias of zeros changes nothing and is set aside (below)
+    write_text(ad, "adapter_config.json",
+               "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_alpha\": 8, \"use_rslora\": true, "
+               "\"use_dora\": true, \"lora_bias\": true, \"target_modules\": [\"k_proj\", \"down_proj\"]}");
+    fixture_write_st(ad, "adapter_model.safetensors", ts, 7, FIXTURE_PATTERN);
     lm_adapter *a = NULL;
     lm_model *bp = NULL, *bb = NULL;
     lm_err err;
@@ -796,6 +797,54 @@ static void test_adapter_dora_bias(void)
         CHECK_OK(lm_adapter_validate(a, bb, &err), &err);
     }
     lm_adapter_free(a);
+    // PEFT saves lora_B.bias for every LoRA layer under lora_bias, zeros where the base has no
+    // bias (as llmerge writes them too): a bias of zeros (-0 included) is accepted there. It is
+    // still the module's bias: on a base with the bias it is a change like any other (it counts
+    // among the inputs touching the tensor, which --normalize divides by).
+    fixture_tensor zb[] = {
+        fixture_t2(K(0, "self_attn.k_proj", ".lora_A.weight"), 4, 8),
+        fixture_t2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 4),
+        fixture_t1(K(0, "self_attn.k_proj", ".lora_B.bias"), 4),
+    };
+    write_text(ad, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": 4, \"lora_bias\": true}");
+    fixture_write_st(ad, "adapter_model.safetensors", zb, 3, FIXTURE_ZEROS);
+    a = NULL;
+    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+    if (a && bp && bb) {
+        CHECK(a->n_modules == 1 && a->modules[0].bias != NULL);
+        int64_t idx = -1;
+        CHECK(lm_adapter_lookup(a, "model.layers.0.self_attn.k_proj.bias", &idx) == LM_TOUCH_BIAS && idx == 0);
+        CHECK_OK(lm_adapter_validate(a, bp, &err), &err);
+        CHECK_OK(lm_adapter_validate(a, bb, &err), &err);
+    }
+    lm_adapter_free(a);
+    {
+        // -0.0f in the last element: still zeros; 1e-45 (the smallest subnormal) is a change
+        char *w = lm_path_join(ad, "adapter_model.safetensors");
+        size_t len = 0;
+        char *text = NULL;
+        CHECK_OK(lm_read_file(w, 1 << 20, &text, &len, &err), &err);
+        unsigned char *bytes = (unsigned char *)text;
+        if (bytes && len >= 4) {
+            bytes[len - 1] = 0x80;
+            CHECK_OK(lm_write_file(w, bytes, len, &err), &err);
+            a = NULL;
+            CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+            if (a && bp)
+                CHECK_OK(lm_adapter_validate(a, bp, &err), &err);
+            lm_adapter_free(a);
+            bytes[len - 1] = 0;
+            bytes[len - 4] = 1;
+            CHECK_OK(lm_write_file(w, bytes, len, &err), &err);
+            a = NULL;
+            CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
+            if (a && bp)
+                CHECK_FAILS(lm_adapter_validate(a, bp, &err), LM_ERR_MISMATCH, "which the base model", &err);
+            lm_adapter_free(a);
+        }
+        free(bytes);
+        free(w);
+    }
     lm_model_free(bp);
     lm_model_free(bb);
     free(plain);
@@ -997,7 +1046,10 @@ static void test_adapter_base_dtype(void)
         fixture_t2(K(0, "self_attn.k_proj", ".lora_B.weight"), 4, 2),
         fixture_t1(K(0, "self_attn.k_proj", ".lora_B.bias"), 4),
     };
-    a = write_open(ad, "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_bias\": true}", kb, 3);
+    write_text(ad, "adapter_config.json", "{\"peft_type\": \"LORA\", \"r\": 2, \"lora_bias\": true}");
+    fixture_write_st(ad, "adapter_model.safetensors", kb, 3, FIXTURE_PATTERN);  // a bias that is not zeros
+    a = NULL;
+    CHECK_OK(lm_adapter_open(&a, ad, &err), &err);
     if (a && bi32)
         CHECK_FAILS(lm_adapter_validate(a, bi32, &err), LM_ERR_UNSUPPORTED,
                     "k_proj.lora_B.bias' changes 'model.layers.0.self_attn.k_proj.bias', which is I32", &err);

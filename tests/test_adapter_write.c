@@ -293,6 +293,10 @@ static void test_peft_rules(void)
                          "model.layers.1.self_attn.k_proj.weight"));
         CHECK(same_f32(lm_st_find(f, "base_model.model.model.layers.1.self_attn.k_proj.bias"), kbias, 32));
         CHECK(same_f32(lm_st_find(f, "base_model.model.model.layers.0.self_attn.q_proj.lora_B.bias"), bias, 64));
+        // o_proj's factors, no bias in BASE: a lora_B.bias of zeros, which PEFT's lora_B (made
+        // with a bias for every layer under lora_bias) expects in the file
+        static const float zeros[64];
+        CHECK(same_f32(lm_st_find(f, "base_model.model.model.layers.0.self_attn.o_proj.lora_B.bias"), zeros, 64));
         lm_st_close(f);
     }
     lm_adapter *ad = NULL;  // and llmerge's reader takes it
@@ -300,6 +304,8 @@ static void test_peft_rules(void)
     if (ad) {
         CHECK_OK(lm_adapter_select(ad, base, &err), &err);
         CHECK(ad->n_modules == 2 && ad->n_saved == 3);
+        for (int64_t m = 0; m < ad->n_modules; m++)  // o_proj's bias of zeros is accepted
+            CHECK_MSG(ad->modules[m].bias != NULL, "%s: no bias read", ad->modules[m].path);
         lm_adapter_free(ad);
     }
     free(st);
