@@ -355,6 +355,10 @@ static int work(void *ctx)
     lm_progress_start(p, "sequence", r->run.data.n_seqs, 0);
     s = lm_hess_capture(&r->hess, &r->run.runner, r->run.seqs, r->run.data.n_seqs, &err);
     lm_progress_end(p);
+    // A device runs the last batches' products after lm_hess_capture returns: the capture's
+    // time is taken once they are done
+    if (s == LM_OK)
+        s = lm_dev_sync(r->run.dev, &err);
     if (s == LM_OK && r->hess.n_tokens != r->run.data.n_tokens)
         s = lm_err_set(&err, LM_ERR_DEVICE, "captured %" PRId64 " tokens of %" PRId64, r->hess.n_tokens,
                        r->run.data.n_tokens);
