@@ -277,7 +277,7 @@ void lm_eng_sample_runs(int64_t cnt, int64_t *n_runs, int64_t *run, int64_t *str
 bool lm_eng_keeps_fit(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k,
                       bool one_slab);
 lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab,
-                               const int64_t *keep);
+                               const int64_t *keep, bool have_tau);
 void lm_eng_band(double density, double gamma, int64_t n, int64_t *k_lo, int64_t *k_hi);
 lm_status lm_eng_select_global(engine *e, int64_t n_out);
 

@@ -651,23 +651,25 @@ lm_status lm_eng_merge_tensor(engine *e, wset *ws, int64_t idx, const lm_st_desc
             twice[i] = twice[k + i] = parts[i];
             lm_eng_band(e->tp.densities[parts[i].ft], e->tp.gammas[parts[i].ft], bt->numel, &keep[k + i], &keep[i]);
         }
-        s = lm_eng_select_tensor(e, ws, bt, twice, 2 * k, one_slab, keep);
+        s = lm_eng_select_tensor(e, ws, bt, twice, 2 * k, one_slab, keep, false);
         for (int i = 0; s == LM_OK && i < k; i++) {
             parts[i].topk_hi = twice[i].topk;
             parts[i].topk = twice[k + i].topk;
         }
     } else if (select && e->m->outliers) {
-        // the same one threshold after the other, on τ in the buffers
+        // the same one threshold after the other; over a single slab the second counts τ as the
+        // first left it in the buffers, rather than making it again from the inputs (on a GPU,
+        // copying them to the device a second time)
         int64_t k_lo[k], k_hi[k];
         for (int i = 0; i < k; i++)
             lm_eng_band(e->tp.densities[parts[i].ft], e->tp.gammas[parts[i].ft], bt->numel, &k_lo[i], &k_hi[i]);
-        if ((s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, k_hi)) != LM_OK)
+        if ((s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, k_hi, false)) != LM_OK)
             return s;
         for (int i = 0; i < k; i++)
             parts[i].topk_hi = parts[i].topk;
-        s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, k_lo);
+        s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, k_lo, true);
     } else if (select) {
-        s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, NULL);
+        s = lm_eng_select_tensor(e, ws, bt, parts, k, one_slab, NULL, false);
     } else if (e->m->threshold) {
         // RAM: the trim's rule at a fixed threshold, no selection: kept where |τ| > ε_i, which
         // for the magnitude bits of float32 is bits(|τ|) > bits(ε_i) (no ties kept)

@@ -265,9 +265,10 @@ void lm_eng_band(double density, double gamma, int64_t n, int64_t *k_lo, int64_t
 }
 
 // Finds each part's exact top-k threshold over the whole tensor into its topk: k = keep[i] for
-// part i, or floor(d_i · numel) where keep is NULL.
+// part i, or floor(d_i · numel) where keep is NULL. have_tau: every part's τ of the whole tensor
+// (one slab) is in its buffer already, from an earlier selection that was not fused.
 lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab,
-                               const int64_t *keep_k)
+                               const int64_t *keep_k, bool have_tau)
 {
     uint64_t *hists[k];
     const lm_topk *sel[k];
@@ -307,7 +308,7 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
         memset(wins[i].win, 0, (size_t)wins[i].n * LM_HIST_BINS * sizeof(uint64_t));
         sel[i] = &parts[i].topk;
     }
-    lm_status s = hist_tensor(e, ws, bt, parts, k, hists, sel, 2, false, wins);
+    lm_status s = hist_tensor(e, ws, bt, parts, k, hists, sel, 2, one_slab && have_tau, wins);
     bool again = false;
     for (int i = 0; s == LM_OK && i < k; i++) {
         missed[i] = parts[i].topk;

@@ -99,6 +99,18 @@ same_as_cpu della della "$B" "$ff" "$ff2" "$lp" --density 0.5 --seed 2
 same_as_cpu sce sce "$B" "$ff" "$ff2" "$lp"
 same_as_cpu ram ram "$B" "$ff" "$ff2" "$lp" --epsilon 0.001
 same_as_cpu ramplus-tl ramplus-tl "$B" "$ff" "$ff2" "$lp" --epsilon 0.001 --r 0.5 --alpha 2
+# breadcrumbs' second selection counts τ where its first left it (a tensor in one slab), rather
+# than copying the inputs to the device again: as much copied to the device as ties copies
+for m in ties breadcrumbs; do
+  "$llmerge" $m "$B" "$ff" "$ff2" "$lp" --density 0.4 -o "$work/copies-$m" "${ample[@]}" -q >"$work/out" 2>&1 ||
+    bad "$m with ${ample[*]} failed: $(head -c 400 "$work/out")"
+done
+to_t=$("$jsonq" "$work/copies-ties/llmerge.json" transfers.bytes_to_device 2>&1)
+to_b=$("$jsonq" "$work/copies-breadcrumbs/llmerge.json" transfers.bytes_to_device 2>&1)
+if [ "$to_t" -gt 0 ] 2>/dev/null && [ "$to_b" = "$to_t" ]; then ok; else
+  bad "with ${ample[*]}: breadcrumbs copied $to_b bytes to the device, ties $to_t"; fi
+rm -rf "$work/copies-ties" "$work/copies-breadcrumbs"
+
 # NaN and Inf in the base, a full FT and a LoRA factor
 od=$fx/odd
 same_as_cpu nonfinite-ties ties "$od/base_inf" "$od/ft_nonfinite" "$od/lora_nan" "$lr" --densities 0.3,0.5,0.4
