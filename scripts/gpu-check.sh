@@ -4,7 +4,8 @@
 # CUDA, runs the whole test
 # suite with the CUDA device under test as well (test_device compares every device operation on
 # cuda against the CPU), runs the end-to-end device comparison on cuda with room and with a
-# small --gpu-mem that forces real CUDA out-of-memory fallbacks, compares the forward pass on
+# small --gpu-mem that forces real CUDA out-of-memory fallbacks, compares merges written as
+# adapters (--to-lora, llmerge extract) on cuda with the CPU's, compares the forward pass on
 # cuda with the CPU's end to end (llmerge eval's perplexity, llmerge hessian's Hessians), and
 # prints the GPU benchmark tables: bench_merge --device cuda (merge time, host<->device GB/s
 # against cudaMemcpy measured in the same run, target >= 70% for LoRA inputs) and bench_capture
@@ -19,7 +20,8 @@
 # --no-build: use build-gpu as it is, without scripts/bootstrap.sh or a build, for a GPU node that
 # cannot install packages: configure and build build-gpu (-DLLMERGE_CUDA=ON) on a machine with
 # the same CUDA toolkit, at the same path, with its build log in build-gpu/build.log, and give
-# the node the libraries the programs load (LD_LIBRARY_PATH).
+# the node the libraries the programs load (LD_LIBRARY_PATH). At another path, rewrite the
+# paths in build-gpu/CTestTestfile.cmake (docs/devices.md).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 bench=1 build=1
@@ -113,6 +115,63 @@ step "end to end on cuda against the cpu (to 1 ulp), with room and with --gpu-me
 # out: the cap refuses first).
 bash tests/e2e_device.sh build-gpu/llmerge build-gpu/fixtures build-gpu/st_diff 1 \
   --device cuda -- --device cuda --gpu-mem 1200KiB || failed+=("e2e_device on cuda")
+
+step "merges written as adapters (--to-lora) on cuda against the cpu"
+# The range finder's products run on cuBLAS, which sums in another order than the CPU, so the
+# factors agree with the CPU's to float32 rounding, not bit for bit (on cuda-emu they are
+# identical: e2e_lora). Compared is what an adapter does: the same rank for every matrix, and the
+# adapter merged back onto its base in float32 on the CPU within 1e-4 of each tensor's largest
+# value. Each merge runs on the CPU, on cuda, and on cuda with --gpu-mem 1200KiB, under which
+# factorisations fall back (said on the output).
+fx=build-gpu/fixtures
+lora=$(mktemp -d /tmp/gpu-check-lora-XXXXXX)
+lora_failed=0
+lora_bad() { echo "FAIL: $*" >&2; lora_failed=1; }
+# lora_ranks DIR: every changed tensor's name and rank (or "whole"), one per line
+lora_ranks() {
+  local n i t
+  n=$(./build-gpu/jsonq "$1/llmerge.json" outputs.adapter.tensors.#) && [ "$n" -gt 0 ] || return 1
+  for ((i = 0; i < n; i++)); do
+    t=outputs.adapter.tensors.$i
+    echo "$(./build-gpu/jsonq "$1/llmerge.json" $t.name)" \
+      "$(./build-gpu/jsonq "$1/llmerge.json" $t.rank 2>/dev/null || ./build-gpu/jsonq "$1/llmerge.json" $t.as)"
+  done
+}
+# lora_same NAME BASE LLMERGE-ARGS...: the adapter on cuda does what the CPU's does
+lora_same() {
+  local name=$1 base=$2 label
+  shift 2
+  for label in cpu cuda small; do
+    local dev=(--device "$label")
+    [ $label = small ] && dev=(--device cuda --gpu-mem 1200KiB)
+    if ! ./build-gpu/llmerge "$@" -o "$lora/$name-$label" --dtype f32 "${dev[@]}" >"$lora/$name-$label.err" 2>&1 ||
+      ! ./build-gpu/llmerge task-arithmetic "$base" "$lora/$name-$label" -o "$lora/$name-$label-back" --dtype f32 \
+        --device cpu -q >>"$lora/$name-$label.err" 2>&1; then
+      lora_bad "$name on $label: $(head -c 600 "$lora/$name-$label.err")"
+      return
+    fi
+    [ $label = cuda ] && grep -q "fallback: " "$lora/$name-$label.err" &&
+      lora_bad "$name on cuda fell back: $(grep fallback "$lora/$name-$label.err" | head -3)"
+    [ $label = small ] && ! grep -q "fallback: --to-lora: the factors of" "$lora/$name-$label.err" &&
+      lora_bad "$name with --gpu-mem 1200KiB: no factorisation fell back: $(tail -3 "$lora/$name-$label.err")"
+    [ $label = cpu ] && continue
+    local r_cpu r_dev
+    r_cpu=$(lora_ranks "$lora/$name-cpu") && r_dev=$(lora_ranks "$lora/$name-$label") && [ "$r_cpu" = "$r_dev" ] ||
+      lora_bad "$name on $label: other ranks than the cpu's, or none recorded"
+    local e_dev e_cpu
+    e_dev=$(./build-gpu/jsonq "$lora/$name-$label/llmerge.json" outputs.adapter.error_max)
+    e_cpu=$(./build-gpu/jsonq "$lora/$name-cpu/llmerge.json" outputs.adapter.error_max)
+    echo "$name on $label: worst error $e_dev, on the cpu $e_cpu; merged back:"
+    ./build-gpu/st_diff --ulps 64 --rel 1e-4 "$lora/$name-cpu-back/model.safetensors" \
+      "$lora/$name-$label-back/model.safetensors" || lora_bad "$name on $label, merged back, differs from the cpu's"
+  done
+}
+lora_same extract "$fx/base" extract "$fx/base" "$fx/ft_full" --rank 8
+lora_same extract-qwen "$fx/qwen" extract "$fx/qwen" "$fx/qwen_ft" --rank 8
+lora_same ties-energy "$fx/base" ties "$fx/base" "$fx/lora_plain" "$fx/lora_rslora" "$fx/ft_full" --to-lora 16 \
+  --to-lora-energy 0.9
+rm -rf "$lora"
+[ $lora_failed -eq 0 ] || failed+=("--to-lora on cuda")
 
 step "the forward pass on cuda against the cpu: llmerge eval and llmerge hessian on the fixtures"
 # Every token must run on the GPU (no fallback). The perplexity agrees to 1e-4 relative; each
