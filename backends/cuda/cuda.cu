@@ -390,6 +390,20 @@ lm_status lm_cuda_scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
     return scratch_reserve(d, bytes, err);
 }
 
+// Gives a scratch that one operation grew past SCRATCH_MIN (della's ranks of a whole slab) to
+// the cache, once that operation is queued: there it counts as free (a live scratch of a slab's
+// size would shrink every later unit's room for the rest of the run), and the next operation of
+// that size takes it back without a cudaMalloc. The next one that needs scratch reserves it.
+void lm_cuda_scratch_trim(lm_dev *d)
+{
+    cuda_ctx *c = ctx_of(d);
+    if (c->scratch && c->scratch_size > SCRATCH_MIN) {
+        cache_put(c, c->scratch, c->scratch_size);
+        c->scratch = NULL;
+        c->scratch_size = 0;
+    }
+}
+
 static lm_status host_reserve(cuda_ctx *c, size_t bytes, lm_err *err)
 {
     if (bytes <= c->host_scratch_size)

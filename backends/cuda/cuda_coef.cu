@@ -32,7 +32,7 @@ lm_status lm_cuda_op_row_dot(lm_dev *d, const float *x, const float *y, int64_t 
 }
 
 // The ranks go through device scratch (4 bytes an element of the slab: an allocation that may
-// fail with LM_ERR_DEVICE_OOM, and the unit then falls back).
+// fail with LM_ERR_DEVICE_OOM, and the unit then falls back), given back to the cache after.
 lm_status lm_cuda_op_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first,
                                 double p_lo, double p_hi, bool inv, lm_err *err)
 {
@@ -45,7 +45,9 @@ lm_status lm_cuda_op_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols,
                           (long long)cols);
     if ((s = lm_cuda_scratch_reserve(d, (size_t)(rows * cols) * sizeof(int32_t), err)) != LM_OK)
         return s;
-    return lm_cuda_della_drop(x, (int32_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
+    s = lm_cuda_della_drop(x, (int32_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
+    lm_cuda_scratch_trim(d);
+    return s;
 }
 
 lm_status lm_cuda_op_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,

@@ -76,6 +76,7 @@ lm_status lm_cuda_begin(lm_dev *d, lm_err *err);
 
 // Makes the device scratch (ctx_of(d)->scratch) at least `bytes` long; its contents are not kept.
 lm_status lm_cuda_scratch_reserve(lm_dev *d, size_t bytes, lm_err *err);
+void lm_cuda_scratch_trim(lm_dev *d);
 
 // Copies n bytes of device memory to the host through the staging buffers, and waits for them.
 lm_status lm_cuda_copy_home(cuda_ctx *c, void *dst, const void *src, size_t n, lm_err *err);
