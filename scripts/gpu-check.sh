@@ -11,8 +11,9 @@
 # against cudaMemcpy measured in the same run, target >= 70% for LoRA inputs) and bench_capture
 # --device cuda (capture tokens/s against cuBLAS's SGEMM peak on the device, target >= 40%),
 # bench_methods --device cuda (slerp, breadcrumbs, della and the --to-lora merges against their
-# reference methods in the same run, with the targets of the CPU's table). The
-# build's log lists the kernels ptxas reports spilling registers or using local memory. Exit
+# reference methods in the same run, with the targets of the CPU's table). Where python3 has
+# PyTorch it runs merges while another process holds all of the GPU but 1.2 GB (each must
+# finish), and where it has transformers and peft, scripts/peft-check.py. The build's log lists the kernels ptxas reports spilling registers or using local memory. Exit
 # status 0 only when every step passed (a benchmark's MISSED target is printed, not a failure).
 #
 #   scripts/gpu-check.sh [--no-bench] [--no-build]
@@ -250,6 +251,59 @@ if [ $bench -eq 1 ]; then
   step "benchmark: the mergekit methods and --to-lora on cuda (bench_methods --device cuda)"
   ./build-gpu/bench_methods --device cuda --rounds 1 \
     --methods slerp,breadcrumbs,della,extract-r16,extract-r64,ties-to-lora-r64 || failed+=("bench_methods")
+
+  # Another process holds all of the GPU but 1.2 GB (a PyTorch tensor of the rest): merges of the
+  # 1B-shape inputs must finish, each unit that finds no room falling back to the CPU, none dying
+  # of it. Needs python3 with torch (skipped, and said, without).
+  step "the GPU nearly full: merges of the 1B-shape inputs while another process holds it"
+  w=/tmp/llmerge-bench-merge
+  if ! python3 -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+    echo "skipped: no python3 with torch and CUDA to hold the GPU"
+  elif [ ! -d $w/ft1 ] || [ ! -d $w/lora1 ]; then
+    echo "skipped: no inputs in $w (bench_merge generates them)"
+  else
+    rm -f /tmp/gpu-check-hold
+    python3 - <<'PY' &
+import time, torch
+free, total = torch.cuda.mem_get_info()
+held = torch.empty(free - (1200 << 20), dtype=torch.uint8, device="cuda")
+torch.cuda.synchronize()
+open("/tmp/gpu-check-hold", "w").write("%d MiB free of %d MiB" % (torch.cuda.mem_get_info()[0] >> 20, total >> 20))
+time.sleep(600)
+PY
+    hold=$!
+    for i in $(seq 120); do [ -s /tmp/gpu-check-hold ] && break; sleep 0.5; done
+    echo "held by another process: $(cat /tmp/gpu-check-hold 2>/dev/null || echo "(not held)")"
+    while read -r args; do
+      # shellcheck disable=SC2086  # the arguments split on spaces
+      if ./build-gpu/llmerge $args -o /tmp/gpu-check-full --device cuda --force >/tmp/gpu-check-full.log 2>&1; then
+        echo "llmerge $args: done; $(grep -c "fallback: " /tmp/gpu-check-full.log) fallbacks;" \
+          "$(grep -m1 "devices:" /tmp/gpu-check-full.log | sed 's/.*devices: //')"
+      else
+        echo "FAIL: llmerge $args with the GPU nearly full: $(tail -3 /tmp/gpu-check-full.log)" >&2
+        failed+=("the GPU nearly full")
+      fi
+    done <<EOF2
+extract $w/base $w/ft1 --rank 16
+ties $w/base $w/lora1 $w/lora2 $w/lora3 --to-lora 64
+ties $w/base $w/ft1 $w/ft2 $w/ft3
+slerp $w/base $w/ft1 --t 0.3
+della $w/base $w/ft1 $w/ft2 $w/ft3
+EOF2
+    kill $hold 2>/dev/null
+    wait $hold 2>/dev/null
+    rm -rf /tmp/gpu-check-full /tmp/gpu-check-full.log /tmp/gpu-check-hold
+  fi
+fi
+
+# PEFT itself loads llmerge's adapters as llmerge merges them (needs python3 with torch,
+# transformers and peft; skipped, and said, without)
+step "PEFT loads the adapters llmerge writes (scripts/peft-check.py)"
+if python3 -c "import torch, transformers, peft, safetensors" 2>/dev/null; then
+  python3 scripts/peft-check.py build-gpu/llmerge build-gpu/fixtures 2>&1 | grep -v "Loading weights" ||
+    failed+=("peft-check")
+else
+  echo "skipped: no python3 with torch, transformers, peft and safetensors"
 fi
 
 step "summary"
