@@ -496,8 +496,8 @@ static const aw_tensor *find_tensor(const lm_adapter_out *w, const char *key)
 
 // Under lora_bias PEFT makes lora_B of every LoRA layer with a bias, and loading an adapter
 // without one warns of missing keys (leaving it at its initial zeros): LoRA module m whose bias
-// did not change, or whose base has none, gets a lora_B.bias of zeros. llmerge's reader takes
-// a bias of zeros as no change.
+// did not change, or whose base has none, gets a lora_B.bias of zeros (which llmerge's reader
+// accepts where the base has no bias).
 static lm_status zero_bias(lm_adapter_out *w, const aw_module *m, lm_err *err)
 {
     char *bias = lm_strfmt("base_model.model.%s.lora_B.bias", m->path);
