@@ -90,6 +90,14 @@ typedef struct bm_opts {
     bool chosen[N_CASES];  // --methods
 } bm_opts;
 
+// An adapter's figures from its llmerge.json: the relative errors, mean and worst (-1 where
+// there are none), and where the factorisation's time went (outputs.adapter.timings: Δ made,
+// factored, and of that the host's work and the error's pass; -1 where absent).
+typedef struct bm_adapter {
+    double mean, max;
+    double delta_s, factor_s, host_s, residual_s;
+} bm_adapter;
+
 // The measurements of one case on one kind of input, a run of each per round.
 typedef struct bm_result {
     const bm_case *c;
@@ -97,15 +105,15 @@ typedef struct bm_result {
     int n;                     // rounds completed
     bm_child ref[MAX_ROUNDS];
     bm_child run[MAX_ROUNDS];
-    double err_mean[MAX_ROUNDS], err_max[MAX_ROUNDS];  // an adapter's errors (llmerge.json), or -1
+    bm_adapter ad[MAX_ROUNDS];  // an adapter's figures (llmerge.json)
 } bm_result;
 
 // ==== running =================================================================================
 
-// The adapter's relative errors, mean and worst, from OUT/llmerge.json (-1 where there are none).
-static void adapter_errors(const char *out, double *mean, double *max)
+// The adapter's figures from OUT/llmerge.json.
+static void adapter_figures(const char *out, bm_adapter *ad)
 {
-    *mean = *max = -1;
+    *ad = (bm_adapter){-1, -1, -1, -1, -1, -1};
     char *path = lm_path_join(out, "llmerge.json"), *text = NULL;
     size_t len = 0;
     lm_err err = {0};
@@ -114,8 +122,16 @@ static void adapter_errors(const char *out, double *mean, double *max)
         const cJSON *a = cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(j, "outputs"), "adapter");
         const cJSON *m = cJSON_GetObjectItemCaseSensitive(a, "error_mean"), *x = cJSON_GetObjectItemCaseSensitive(a, "error_max");
         if (cJSON_IsNumber(m) && cJSON_IsNumber(x)) {
-            *mean = m->valuedouble;
-            *max = x->valuedouble;
+            ad->mean = m->valuedouble;
+            ad->max = x->valuedouble;
+        }
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(a, "timings");
+        const char *names[] = {"delta_s", "factor_s", "host_s", "residual_s"};
+        double *to[] = {&ad->delta_s, &ad->factor_s, &ad->host_s, &ad->residual_s};
+        for (int i = 0; i < 4; i++) {
+            const cJSON *v = cJSON_GetObjectItemCaseSensitive(t, names[i]);
+            if (cJSON_IsNumber(v))
+                *to[i] = v->valuedouble;
         }
         cJSON_Delete(j);
     }
@@ -124,11 +140,10 @@ static void adapter_errors(const char *out, double *mean, double *max)
 }
 
 // Runs `method` on BASE and the first n_ft inputs of `fts` into WORK/methods/out, removing the
-// output afterwards (an adapter's errors into err_mean and err_max first, where not NULL).
+// output afterwards (an adapter's figures into *ad first, where ad is not NULL).
 // Returns -1 when it could not be run; a failing merge has c->status != 0.
 static int run_merge(const bm_opts *o, const char *method, const char *base, char *const *fts,
-                     int n_ft, const char *const *extra, const char *dir, bm_child *c, double *err_mean,
-                     double *err_max)
+                     int n_ft, const char *const *extra, const char *dir, bm_child *c, bm_adapter *ad)
 {
     char *out = lm_path_join(dir, "out"), *log = lm_path_join(dir, "merge.log");
     char *args[32];
@@ -161,8 +176,8 @@ static int run_merge(const bm_opts *o, const char *method, const char *base, cha
     } else if (!lm_is_dir(out)) {
         fprintf(stderr, BENCH_PROG ": `llmerge %s` exited 0 but wrote no %s\n", method, out);
         c->status = -1;
-    } else if (err_mean) {
-        adapter_errors(out, err_mean, err_max);
+    } else if (ad) {
+        adapter_figures(out, ad);
     }
     lm_rm_rf(out, &err);
     rc = 0;
@@ -240,9 +255,15 @@ static void print_results(const bm_result *res, int nres, int rounds)
     }
     for (int i = 0; i < nres; i++) {
         const bm_result *r = &res[i];
-        if (r->n > 0 && r->err_mean[0] >= 0)
+        const bm_adapter *a = &r->ad[0];
+        if (r->n > 0 && a->mean >= 0)
             printf("  %s %s: the adapter's relative error |D - B.A| / |D|, mean %.4g, worst %.4g (first round)\n",
-                   case_name(r->c), r->kind, r->err_mean[0], r->err_max[0]);
+                   case_name(r->c), r->kind, a->mean, a->max);
+        if (r->n > 0 && a->factor_s >= 0)
+            printf("  %s %s: D made in %.2f s, factored in %.2f s: the host's work %.2f s, the error's pass %.2f s,"
+                   " the rest (%.2f s) the device's products and copies (first round)\n",
+                   case_name(r->c), r->kind, a->delta_s, a->factor_s, a->host_s, a->residual_s,
+                   a->factor_s - a->host_s - a->residual_s);
     }
     printf("(medians over %d rounds of reference then method on the same inputs; ratio = method s"
            " / ref s;\n pairs: the smallest and largest ratio within one round; RSS: peak RSS in GB "
@@ -401,7 +422,7 @@ int main(int argc, char **argv)
         bm_child warm;
         printf("\n%s: warming the page cache (task-arithmetic of base + %d) ...\n", kname, N_FT);
         fflush(stdout);
-        if (run_merge(&o, "task-arithmetic", base, fts, N_FT, NULL, dir, &warm, NULL, NULL) != 0)
+        if (run_merge(&o, "task-arithmetic", base, fts, N_FT, NULL, dir, &warm, NULL) != 0)
             goto done;
         for (int round = 0; round < o.rounds; round++) {
             for (int i = first; i < nres; i++) {
@@ -409,9 +430,8 @@ int main(int argc, char **argv)
                 if (r->n < round)  // a failure earlier: not run again
                     continue;
                 bm_child *ref = &r->ref[round], *run = &r->run[round];
-                if (run_merge(&o, r->c->ref, base, fts, r->c->n_ft, NULL, dir, ref, NULL, NULL) != 0 ||
-                    run_merge(&o, r->c->method, base, fts, r->c->n_ft, r->c->extra, dir, run, &r->err_mean[round],
-                              &r->err_max[round]) != 0)
+                if (run_merge(&o, r->c->ref, base, fts, r->c->n_ft, NULL, dir, ref, NULL) != 0 ||
+                    run_merge(&o, r->c->method, base, fts, r->c->n_ft, r->c->extra, dir, run, &r->ad[round]) != 0)
                     goto done;
                 if (ref->status != 0 || run->status != 0) {
                     failures++;

@@ -62,6 +62,9 @@ struct lm_cmd_lora {
     int64_t n_rec, cap_rec;
     int64_t fallbacks;
     int rank;           // the adapter's r: --to-lora's, or with exact the commonest module's
+    // seconds, over the matrices: Δ made on the CPU, then factored (Δ's copy to the device, the
+    // device's products and copies, and of them the host's work and the error's pass)
+    double delta_s, factor_s, host_s, residual_s;
 };
 
 static lm_status nomem(lm_err *err)
@@ -268,6 +271,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     // time (no second copy of the tensor) and its pages let go as it goes; a Δ of zeros has no
     // factors (the factorisation finds its norm 0)
     lm_dev *cpu = NULL;
+    double t0 = lm_now();
     if (!l->chunk && !(l->chunk = malloc(DELTA_CHUNK * sizeof *l->chunk)))
         return nomem(err);
     if ((s = lm_dev_cpu_companion(l->dev, &cpu, err)) != LM_OK)
@@ -295,6 +299,8 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
                          strlen(bt->name))), .round_bf16 = l->dtype == LM_DTYPE_BF16,
                          .round_f16 = l->dtype == LM_DTYPE_F16};
     lm_lowrank lr;
+    double t1 = lm_now();
+    l->delta_s += t1 - t0;
     s = factor_on(l->dev, l->buf, rows, cols, &o, &lr, err);
     if (s == LM_ERR_DEVICE_OOM && cpu != l->dev) {
         lm_progress_note(l->p, "fallback: --to-lora: the factors of %s did not fit on %s (%s): made on the cpu",
@@ -303,6 +309,9 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
         r.on_cpu = true;
         s = factor_on(cpu, l->buf, rows, cols, &o, &lr, err);
     }
+    l->factor_s += lm_now() - t1;
+    l->host_s += lr.host_s;
+    l->residual_s += lr.residual_s;
     if (s != LM_OK) {
         free(r.name);
         return s;
@@ -497,6 +506,11 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
     int64_t n_factored = 0;
     for (int64_t i = 0; i < l->n_rec; i++)
         n_factored += l->rec[i].rank >= 0;
+    cJSON *t = cJSON_AddObjectToObject(ad, "timings");
+    if (!t || !cJSON_AddNumberToObject(t, "delta_s", l->delta_s) ||
+        !cJSON_AddNumberToObject(t, "factor_s", l->factor_s) || !cJSON_AddNumberToObject(t, "host_s", l->host_s) ||
+        !cJSON_AddNumberToObject(t, "residual_s", l->residual_s))
+        return nomem(err);
     if (!cJSON_AddNumberToObject(ad, "factored", (double)n_factored) ||
         !(n_f ? cJSON_AddNumberToObject(ad, "error_mean", sum / (double)n_f) : cJSON_AddNullToObject(ad, "error_mean")) ||
         !(n_f ? cJSON_AddNumberToObject(ad, "error_max", worst) : cJSON_AddNullToObject(ad, "error_max")))

@@ -12,6 +12,7 @@
 #include "dtype.h"
 #include "parallel.h"
 #include "sparsify.h"
+#include "util.h"
 
 // Elements of M's residual made at once (in the last-level cache). Each chunk is three device
 // operations; with 2^18 (1 MiB) an extraction at rank 16 of the 1B-shape benchmark took 5.05 s
@@ -335,11 +336,13 @@ static lm_status host_qr(lm_pool *pool, float *f, int64_t n, int l, double *h, d
 // Replaces the device matrix x [n, l] (row-major) by an orthonormal basis of its columns, made
 // in double on the host (host_qr; f: n × l floats of scratch).
 static lm_status orthonormalise(lm_dev *dev, lm_pool *pool, float *x, int64_t n, int l, double *h, float *f,
-                                int *n_cholesky, lm_err *err)
+                                lm_lowrank *out, lm_err *err)
 {
     lm_status s = lm_dev_download(dev, f, x, (size_t)(n * l) * sizeof *f, err);
+    double t = lm_now();
     if (s == LM_OK)
-        s = host_qr(pool, f, n, l, h, NULL, n_cholesky, err);
+        s = host_qr(pool, f, n, l, h, NULL, &out->bases_cholesky, err);
+    out->host_s += lm_now() - t;
     if (s != LM_OK)
         return s;
     return lm_dev_upload(dev, x, f, (size_t)(n * l) * sizeof *f, err);
@@ -440,18 +443,20 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
         (s = lm_dev_alloc(dev, (size_t)(rows * l) * sizeof(float), (void **)&b.y, err)) != LM_OK)
         goto done;
     normal_job nj = {.key = o->key, .n = cols * l, .out = f};
+    double t_host = lm_now();
     lm_pool_run(pool, (nj.n + 2 * NORMAL_PAIRS - 1) / (2 * NORMAL_PAIRS), normal_task, &nj);
+    out->host_s += lm_now() - t_host;
     if ((s = lm_dev_upload(dev, b.omega, f, (size_t)(cols * l) * sizeof *f, err)) != LM_OK ||
         (s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err)) != LM_OK ||
-        (s = orthonormalise(dev, pool, b.y, rows, l, h, f, &out->bases_cholesky, err)) != LM_OK)
+        (s = orthonormalise(dev, pool, b.y, rows, l, h, f, out, err)) != LM_OK)
         goto done;
     for (int it = 0; it < o->power_iters; it++) {
         if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err)) !=
                 LM_OK ||
-            (s = orthonormalise(dev, pool, b.omega, cols, l, h, f, &out->bases_cholesky, err)) != LM_OK ||
+            (s = orthonormalise(dev, pool, b.omega, cols, l, h, f, out, err)) != LM_OK ||
             (s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err)) !=
                 LM_OK ||
-            (s = orthonormalise(dev, pool, b.y, rows, l, h, f, &out->bases_cholesky, err)) != LM_OK)
+            (s = orthonormalise(dev, pool, b.y, rows, l, h, f, out, err)) != LM_OK)
             goto done;
     }
     // X = Mᵀ·Q [cols, l] (the narrow product, as above; in Ω's buffer, free now), the transpose
@@ -461,8 +466,10 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     int x_cholesky = 0;
     if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err)) !=
             LM_OK ||
-        (s = lm_dev_download(dev, f, b.omega, (size_t)(l * cols) * sizeof *f, err)) != LM_OK ||
-        (s = host_qr(pool, f, cols, l, h, rx, &x_cholesky, err)) != LM_OK)
+        (s = lm_dev_download(dev, f, b.omega, (size_t)(l * cols) * sizeof *f, err)) != LM_OK)
+        goto done;
+    t_host = lm_now();  // from here to the download of Q, and from that to the residual: the host's
+    if ((s = host_qr(pool, f, cols, l, h, rx, &x_cholesky, err)) != LM_OK)
         goto done;
     lapack_int info = LAPACKE_dgesvd(LAPACK_ROW_MAJOR, 'A', 'A', l, l, rx, l, sig, ur, l, vrt, l, sup);
     if (info != 0) {
@@ -509,8 +516,11 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     for (int i = 0; i < l; i++)  // V_R row-major, into rx (free again)
         for (int q = 0; q < l; q++)
             rx[i * l + q] = vrt[q * l + i];
-    if ((s = lm_dev_download(dev, f, b.y, (size_t)(rows * l) * sizeof *f, err)) != LM_OK ||
-        (s = host_product(pool, f, rows, l, rx, r, h, err)) != LM_OK)
+    out->host_s += lm_now() - t_host;
+    if ((s = lm_dev_download(dev, f, b.y, (size_t)(rows * l) * sizeof *f, err)) != LM_OK)
+        goto done;
+    t_host = lm_now();
+    if ((s = host_product(pool, f, rows, l, rx, r, h, err)) != LM_OK)
         goto done;
     for (int64_t i = 0; i < rows; i++)
         for (int q = 0; q < r; q++)
@@ -526,7 +536,9 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
                 fs[i][e] = dt == LM_DTYPE_BF16 ? lm_bf16_to_f32(lm_f32_to_bf16(fs[i][e]))
                                                : lm_f16_to_f32(lm_f32_to_f16(fs[i][e]));
     }
+    out->host_s += lm_now() - t_host;
     // the error, from the residual M − B·A made a chunk of rows at a time
+    double t_res = lm_now();
     int64_t chunk = RESIDUAL_ROWS_ELEMS / cols > 0 ? RESIDUAL_ROWS_ELEMS / cols : 1;
     chunk = chunk < rows ? chunk : rows;
     if ((s = lm_dev_alloc(dev, (size_t)(rows * r) * sizeof(float), (void **)&b.fb, err)) != LM_OK ||
@@ -548,6 +560,7 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     }
     if (s == LM_OK)
         out->err = sqrt(res2 / norm2);
+    out->residual_s = lm_now() - t_res;
 
 done:
     lm_pool_free(pool);

@@ -44,6 +44,9 @@ typedef struct lm_lowrank {
     double err;      // ‖M − B·A‖_F / ‖M‖_F (0 where M is zero)
     int bases_cholesky;  // of the range's bases (one, and two per power iteration), how many were
                          // made by Cholesky QR (the others by the QR by blocks)
+    double host_s;       // seconds of the host's work: Ω, the bases' QRs, the small SVD and the
+                         // products with its vectors (the rest is the device's products and copies)
+    double residual_s;   // seconds of the error's pass: B·A and M − B·A on the device, their sums
 } lm_lowrank;
 
 // Factors the matrix M [rows, cols] (row-major, device memory of `dev`) as above into *out
