@@ -393,7 +393,9 @@ lm_status lm_cuda_scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
 // Gives a scratch that one operation grew past SCRATCH_MIN (della's ranks of a whole slab) to
 // the cache, once that operation is queued: there it counts as free (a live scratch of a slab's
 // size would shrink every later unit's room for the rest of the run), and the next operation of
-// that size takes it back without a cudaMalloc. The next one that needs scratch reserves it.
+// that size takes it back without a cudaMalloc. The scratch every device keeps, which the
+// growth put in the cache, is taken back (where the cache was given to the driver since, the
+// next operation that needs scratch reserves it).
 void lm_cuda_scratch_trim(lm_dev *d)
 {
     cuda_ctx *c = ctx_of(d);
@@ -401,6 +403,9 @@ void lm_cuda_scratch_trim(lm_dev *d)
         cache_put(c, c->scratch, c->scratch_size);
         c->scratch = NULL;
         c->scratch_size = 0;
+        size_t got;
+        if (cache_take(c, SCRATCH_MIN, &c->scratch, &got))
+            c->scratch_size = got;
     }
 }
 
