@@ -307,6 +307,8 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
                          bt->name, lm_dev_name(l->dev), err->msg);
         l->fallbacks++;
         r.on_cpu = true;
+        l->host_s += lr.host_s;  // the attempt on the device counts too
+        l->residual_s += lr.residual_s;
         s = factor_on(cpu, l->buf, rows, cols, &o, &lr, err);
     }
     l->factor_s += lm_now() - t1;

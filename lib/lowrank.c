@@ -496,8 +496,10 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     while (r > 0 && sig[r - 1] == 0)
         r--;
     out->rank = r;
-    if (r == 0)
+    if (r == 0) {
+        out->host_s += lm_now() - t_host;
         goto done;
+    }
 
     // A = √Σ_r·(Q_X·U_R)_rᵀ [r, cols], then B = Q·V_R,r·√Σ_r [rows, r] (h holds each product)
     out->b = malloc((size_t)(rows * r) * sizeof *out->b);
@@ -578,7 +580,11 @@ done:
     // around does not carry it (63 MB at rank 64 on the 1B-shape benchmark)
     malloc_trim(0);
 #endif
-    if (s != LM_OK)
+    if (s != LM_OK) {  // the factors go; the times stay, for the caller's account of a redo
+        double host_s = out->host_s, residual_s = out->residual_s;
         lm_lowrank_free(out);
+        out->host_s = host_s;
+        out->residual_s = residual_s;
+    }
     return s;
 }

@@ -46,7 +46,8 @@ typedef struct lm_lowrank {
                          // made by Cholesky QR (the others by the QR by blocks)
     double host_s;       // seconds of the host's work: Ω, the bases' QRs, the small SVD and the
                          // products with its vectors (the rest is the device's products and copies)
-    double residual_s;   // seconds of the error's pass: B·A and M − B·A on the device, their sums
+    double residual_s;   // seconds of the error's pass: B and A copied to the device, B·A and
+                         // M − B·A there, their sums (both times kept when the factorisation fails)
 } lm_lowrank;
 
 // Factors the matrix M [rows, cols] (row-major, device memory of `dev`) as above into *out
