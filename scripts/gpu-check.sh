@@ -272,16 +272,26 @@ open("/tmp/gpu-check-hold", "w").write("%d MiB free of %d MiB" % (torch.cuda.mem
 time.sleep(600)
 PY
     hold=$!
-    for i in $(seq 120); do [ -s /tmp/gpu-check-hold ] && break; sleep 0.5; done
-    echo "held by another process: $(cat /tmp/gpu-check-hold 2>/dev/null || echo "(not held)")"
-    while read -r args; do
+    trap 'kill $hold 2>/dev/null' EXIT
+    for _ in $(seq 120); do
+      [ -s /tmp/gpu-check-hold ] || ! kill -0 $hold 2>/dev/null && break
+      sleep 0.5
+    done
+    full_failed=0 held=1
+    if [ ! -s /tmp/gpu-check-hold ]; then
+      echo "FAIL: the other process could not hold the GPU; the merges were not run" >&2
+      full_failed=1 held=0
+    else
+      echo "held by another process: $(cat /tmp/gpu-check-hold)"
+    fi
+    while [ $held -eq 1 ] && read -r args; do
       # shellcheck disable=SC2086  # the arguments split on spaces
       if ./build-gpu/llmerge $args -o /tmp/gpu-check-full --device cuda --force >/tmp/gpu-check-full.log 2>&1; then
         echo "llmerge $args: done; $(grep -c "fallback: " /tmp/gpu-check-full.log) fallbacks;" \
           "$(grep -m1 "devices:" /tmp/gpu-check-full.log | sed 's/.*devices: //')"
       else
         echo "FAIL: llmerge $args with the GPU nearly full: $(tail -3 /tmp/gpu-check-full.log)" >&2
-        failed+=("the GPU nearly full")
+        full_failed=1
       fi
     done <<EOF2
 extract $w/base $w/ft1 --rank 16
@@ -290,9 +300,16 @@ ties $w/base $w/ft1 $w/ft2 $w/ft3
 slerp $w/base $w/ft1 --t 0.3
 della $w/base $w/ft1 $w/ft2 $w/ft3
 EOF2
+    # the merges ran against a GPU still held
+    if [ $held -eq 1 ] && ! kill -0 $hold 2>/dev/null; then
+      echo "FAIL: the process holding the GPU ended before the merges did" >&2
+      full_failed=1
+    fi
     kill $hold 2>/dev/null
     wait $hold 2>/dev/null
+    trap - EXIT
     rm -rf /tmp/gpu-check-full /tmp/gpu-check-full.log /tmp/gpu-check-hold
+    [ $full_failed -eq 0 ] || failed+=("the GPU nearly full")
   fi
 fi
 
