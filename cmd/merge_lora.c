@@ -328,7 +328,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     r.norm = lr.norm;
     const char *dot = strrchr(bt->name, '.');
     char *module = strndup(bt->name, (size_t)(dot - bt->name));
-    bool embedding = lm_adapter_embedding(l->base, bt->name);
+    bool embedding = lm_adapter_out_embedding(l->w, bt->name);
     if (!module)
         s = nomem(err);
     else if (lr.rank > 0)
@@ -363,7 +363,7 @@ static const lm_st_tensor *linear_weight(const lm_cmd_lora *l, const char *name)
         return NULL;
     char *wn = lm_strfmt("%.*s.weight", (int)(strlen(name) - strlen(".bias")), name);
     const lm_st_tensor *wt = wn ? lm_model_find(l->base, wn) : NULL;
-    bool linear = wt && is_matrix(wt) && !lm_adapter_embedding(l->base, wn);
+    bool linear = wt && is_matrix(wt) && !lm_adapter_out_embedding(l->w, wn);
     free(wn);
     return linear ? wt : NULL;
 }

@@ -35,6 +35,8 @@ struct lm_adapter_out {
     int64_t n_mods, cap_mods;
     bool lora_bias;
     int64_t count;
+    lm_arch_desc arch;  // the base's description, made once (have_arch: it has one)
+    bool have_arch;
 };
 
 static lm_status nomem(lm_err *err)
@@ -55,6 +57,8 @@ lm_status lm_adapter_out_new(lm_adapter_out **out, const lm_model *base, const c
     }
     w->base = base;
     w->dtype = dtype;
+    lm_err ignored = {0};
+    w->have_arch = lm_arch_describe(&w->arch, &base->config, &ignored) == LM_OK;
     *out = w;
     return LM_OK;
 }
@@ -72,6 +76,8 @@ void lm_adapter_out_free(lm_adapter_out *w)
     free(w->t);
     free(w->mods);
     free(w->base_name);
+    if (w->have_arch)
+        lm_arch_desc_free(&w->arch);
     free(w);
 }
 
@@ -138,15 +144,6 @@ static lm_status add_module(lm_adapter_out *w, const char *path, int r, lm_err *
     return LM_OK;
 }
 
-// The lm_adapter_embedding answer for a module path (its weight's name made from it).
-static bool module_is_embedding(const lm_adapter_out *w, const char *path)
-{
-    char *name = lm_strfmt("%s.weight", path);
-    bool e = name && lm_adapter_embedding(w->base, name);
-    free(name);
-    return e;
-}
-
 // Names of embedding modules where llmerge's description does not say: the last component of
 // the module's path (PEFT makes an Embedding layer of whatever module is nn.Embedding; these are
 // the names transformers gives them).
@@ -154,17 +151,13 @@ static const char *const embedding_names[] = {"embed_tokens", "wte", "wpe", "wor
                                               "position_embeddings", "token_type_embeddings", "embed_positions",
                                               "tok_embeddings", "embed_in", "embeddings", NULL};
 
-bool lm_adapter_embedding(const lm_model *base, const char *tensor)
+// lm_adapter_embedding with the base's description d (NULL where it has none).
+static bool is_embedding(const lm_arch_desc *d, const char *tensor)
 {
-    lm_arch_desc d;
-    lm_err ignored = {0};
-    if (lm_arch_describe(&d, &base->config, &ignored) == LM_OK) {
-        const lm_arch_tensor *at = lm_arch_find(&d, tensor);
-        bool e = at && at->role == LM_ROLE_EMBED;
-        lm_arch_desc_free(&d);
-        if (at)
-            return e;
-    }  // else (a name the description does not have: another prefix, say) by the name
+    const lm_arch_tensor *at = d ? lm_arch_find(d, tensor) : NULL;
+    if (at)
+        return at->role == LM_ROLE_EMBED;
+    // a name the description does not have (another prefix, say): by the name
     const char *end = strrchr(tensor, '.');
     if (!end || strcmp(end, ".weight") != 0)
         return false;
@@ -176,6 +169,31 @@ bool lm_adapter_embedding(const lm_model *base, const char *tensor)
                                                                              (size_t)(end - start)) == 0)
             return true;
     return false;
+}
+
+bool lm_adapter_embedding(const lm_model *base, const char *tensor)
+{
+    lm_arch_desc d;
+    lm_err ignored = {0};
+    if (lm_arch_describe(&d, &base->config, &ignored) != LM_OK)
+        return is_embedding(NULL, tensor);
+    bool e = is_embedding(&d, tensor);
+    lm_arch_desc_free(&d);
+    return e;
+}
+
+bool lm_adapter_out_embedding(const lm_adapter_out *w, const char *tensor)
+{
+    return is_embedding(w->have_arch ? &w->arch : NULL, tensor);
+}
+
+// lm_adapter_out_embedding for a module path (its weight's name made from it).
+static bool module_is_embedding(const lm_adapter_out *w, const char *path)
+{
+    char *name = lm_strfmt("%s.weight", path);
+    bool e = name && lm_adapter_out_embedding(w, name);
+    free(name);
+    return e;
 }
 
 lm_status lm_adapter_out_lora(lm_adapter_out *w, const char *module, bool embedding, int64_t rows, int64_t cols,
@@ -485,15 +503,6 @@ static lm_status add_tied_head(lm_adapter_out *w, const aw_module *m, lm_err *er
     return LM_OK;
 }
 
-// The tensor of `key` ("base_model.model.M.lora_B.weight"), or NULL.
-static const aw_tensor *find_tensor(const lm_adapter_out *w, const char *key)
-{
-    for (int64_t i = 0; i < w->n_t; i++)
-        if (strcmp(w->t[i].key, key) == 0)
-            return &w->t[i];
-    return NULL;
-}
-
 // Under lora_bias PEFT makes lora_B of every LoRA layer with a bias, and loading an adapter
 // without one warns of missing keys (leaving it at its initial zeros): LoRA module m whose bias
 // did not change, or whose base has none, gets a lora_B.bias of zeros (which llmerge's reader
@@ -507,10 +516,10 @@ static lm_status zero_bias(lm_adapter_out *w, const aw_module *m, lm_err *err)
         free(weight);
         return nomem(err);
     }
-    const aw_tensor *b = find_tensor(w, weight);
+    int64_t b = find_key(w, weight);
     lm_status s = LM_OK;
-    if (b && !find_tensor(w, bias)) {
-        int64_t out = b->shape[0];
+    if (b >= 0 && find_key(w, bias) < 0) {
+        int64_t out = w->t[b].shape[0];
         float *zeros = calloc((size_t)out, sizeof *zeros);
         s = zeros ? add_tensor(w, m->path, "lora_B.bias", 1, out, 0, zeros, err) : nomem(err);
         free(zeros);

@@ -74,5 +74,7 @@ bool lm_adapter_out_is_whole(const lm_adapter_out *w, const char *module);
 // lora_embedding_A/B: by the architecture's description where it lists the tensor, else by its
 // module's last name (embed_tokens, wte, wpe, word_embeddings, ...).
 bool lm_adapter_embedding(const lm_model *base, const char *tensor);
+// The same for the writer's base, from its description made once (for a call per tensor).
+bool lm_adapter_out_embedding(const lm_adapter_out *w, const char *tensor);
 
 #endif
