@@ -54,10 +54,21 @@ struct lm_cmd_lora {
     lm_progress *p;
     lm_adapter_out *w;
     lm_dtype dtype;
-    float *buf;         // the current tensor's merged values
+    float *buf;         // the current tensor's merged values (on the host)
     int64_t buf_idx;
     size_t buf_cap;
     float *chunk;       // (DELTA_CHUNK) the base's values as float32
+    // On a device whose memory is not the host's, a matrix's merged values go straight to the
+    // device as they come, where Δ is made and factored: the host never holds the matrix (the
+    // embedding's change alone is 1 GB in float32 at 1B shapes). Where it does not fit, the
+    // host's buffer above as on the CPU.
+    float *dbuf;        // the current matrix's merged values, then its Δ, on dev
+    bool on_dev;        // the current tensor is in dbuf, not buf
+    void *dstage;       // (stage_bytes) a chunk of the base's bytes, on dev
+    float *dchunk;      // (chunk_elems) the chunk's values as float32, on dev
+    size_t stage_bytes;
+    int64_t chunk_elems;
+    int64_t deltas_on_dev, deltas_on_host;  // matrices whose Δ was made on dev, on the host
     lora_rec *rec;
     int64_t n_rec, cap_rec;
     int64_t fallbacks;
@@ -159,8 +170,54 @@ void lm_cmd_lora_free(lm_cmd_lora *l)
     free(l->rec);
     free(l->buf);
     free(l->chunk);
+    lm_dev_buf_free(l->dev, l->dbuf);
+    lm_dev_buf_free(l->dev, l->dstage);
+    lm_dev_buf_free(l->dev, l->dchunk);
     lm_adapter_out_free(l->w);
     free(l);
+}
+
+// Whether output tensor idx, once complete, is a matrix whose Δ is factored.
+static bool matrix_delta(const lm_cmd_lora *l, int64_t idx)
+{
+    const lm_st_tensor *bt = l->base->tensors[idx];
+    return lm_dtype_readable(bt->dtype) && l->descs[idx].dtype == LM_DTYPE_F32 && is_matrix(bt);
+}
+
+// Room on the device for matrix bt's values (size bytes) and the base's chunks: l->on_dev set
+// where there is, a note where there is not (the host's buffer then, as on the CPU).
+static lm_status dev_room(lm_cmd_lora *l, const lm_st_tensor *bt, size_t size, lm_err *err)
+{
+    // the chunks: DELTA_CHUNK elements, or the tensor's where it is smaller (grown as needed)
+    int64_t elems = bt->numel < DELTA_CHUNK ? bt->numel : DELTA_CHUNK;
+    size_t bytes = (size_t)elems * (lm_dtype_bits(bt->dtype) / 8);
+    lm_status s = LM_OK;
+    if (bytes > l->stage_bytes) {
+        lm_dev_buf_free(l->dev, l->dstage);
+        l->dstage = NULL;
+        l->stage_bytes = 0;
+        if ((s = lm_dev_alloc(l->dev, bytes, &l->dstage, err)) == LM_OK)
+            l->stage_bytes = bytes;
+    }
+    if (s == LM_OK && elems > l->chunk_elems) {
+        lm_dev_buf_free(l->dev, l->dchunk);
+        l->dchunk = NULL;
+        l->chunk_elems = 0;
+        if ((s = lm_dev_alloc(l->dev, (size_t)elems * sizeof(float), (void **)&l->dchunk, err)) == LM_OK)
+            l->chunk_elems = elems;
+    }
+    if (s == LM_OK)
+        s = lm_dev_alloc(l->dev, size, (void **)&l->dbuf, err);
+    if (s == LM_OK) {
+        l->on_dev = true;
+        return LM_OK;
+    }
+    if (s != LM_ERR_DEVICE_OOM)
+        return s;
+    lm_progress_note(l->p, "fallback: --to-lora: the change of %s did not fit on %s beside the merge (%s): made "
+                     "on the cpu", bt->name, lm_dev_name(l->dev), err->msg);
+    l->fallbacks++;
+    return LM_OK;
 }
 
 lm_status lm_cmd_lora_put(lm_cmd_lora *l, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes,
@@ -173,7 +230,16 @@ lm_status lm_cmd_lora_put(lm_cmd_lora *l, int64_t idx, uint64_t offset, const vo
     if (offset + nbytes > size)
         return lm_err_set(err, LM_ERR_USAGE, "--to-lora: bytes past the end of '%s'", bt->name);
     if (idx != l->buf_idx) {
-        if (size > l->buf_cap) {
+        lm_dev_buf_free(l->dev, l->dbuf);
+        l->dbuf = NULL;
+        l->on_dev = false;
+        l->buf_idx = -1;
+        if (!lm_dev_host_memory(l->dev) && matrix_delta(l, idx)) {
+            lm_status s = dev_room(l, bt, size, err);
+            if (s != LM_OK)
+                return s;
+        }
+        if (!l->on_dev && size > l->buf_cap) {
             float *g = realloc(l->buf, size);
             if (!g)
                 return nomem(err);
@@ -182,6 +248,8 @@ lm_status lm_cmd_lora_put(lm_cmd_lora *l, int64_t idx, uint64_t offset, const vo
         }
         l->buf_idx = idx;
     }
+    if (l->on_dev)
+        return lm_dev_upload(l->dev, (char *)l->dbuf + offset, data, nbytes, err);
     memcpy((char *)l->buf + offset, data, nbytes);
     return LM_OK;
 }
@@ -232,6 +300,19 @@ static lm_status factor_on(lm_dev *dev, const float *delta, int64_t rows, int64_
     return s;
 }
 
+// Δ from the device to the host's buffer, for a factorisation on the CPU.
+static lm_status delta_home(lm_cmd_lora *l, size_t size, lm_err *err)
+{
+    if (size > l->buf_cap) {
+        free(l->buf);  // nothing in it to keep
+        l->buf_cap = 0;
+        if (!(l->buf = malloc(size)))
+            return nomem(err);
+        l->buf_cap = size;
+    }
+    return lm_dev_download(l->dev, l->buf, l->dbuf, size, err);
+}
+
 lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
 {
     const lm_st_tensor *bt = l->base->tensors[idx];
@@ -267,20 +348,26 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
         memcpy(r.values, l->buf, size);
         return LM_OK;
     }
-    // a matrix: Δ = merged − base in place, on the CPU's threads, the base's values a chunk at a
-    // time (no second copy of the tensor) and its pages let go as it goes; a Δ of zeros has no
-    // factors (the factorisation finds its norm 0)
+    // a matrix: Δ = merged − base in place, on the device that holds it (dbuf on l->dev, else buf
+    // on the CPU's threads), the base's values a chunk at a time (no second copy of the tensor)
+    // and its pages let go as it goes; a Δ of zeros has no factors (the factorisation finds its
+    // norm 0)
     lm_dev *cpu = NULL;
     double t0 = lm_now();
-    if (!l->chunk && !(l->chunk = malloc(DELTA_CHUNK * sizeof *l->chunk)))
+    if (!l->on_dev && !l->chunk && !(l->chunk = malloc(DELTA_CHUNK * sizeof *l->chunk)))
         return nomem(err);
     if ((s = lm_dev_cpu_companion(l->dev, &cpu, err)) != LM_OK)
         return s;
+    lm_dev *dd = l->on_dev ? l->dev : cpu;
+    float *delta = l->on_dev ? l->dbuf : l->buf, *chunk = l->on_dev ? l->dchunk : l->chunk;
     for (int64_t c0 = 0; c0 < bt->numel && s == LM_OK; c0 += DELTA_CHUNK) {
         int64_t cnt = bt->numel - c0 < DELTA_CHUNK ? bt->numel - c0 : DELTA_CHUNK;
-        s = lm_dev_to_f32(cpu, l->chunk, (const char *)bt->data + (size_t)c0 * es, bt->dtype, cnt, err);
+        const char *src = (const char *)bt->data + (size_t)c0 * es;
+        if (l->on_dev && (s = lm_dev_upload(dd, l->dstage, src, (size_t)cnt * es, err)) != LM_OK)
+            break;
+        s = lm_dev_to_f32(dd, chunk, l->on_dev ? l->dstage : src, bt->dtype, cnt, err);
         if (s == LM_OK)
-            s = lm_dev_axpby(cpu, l->buf + c0, 1.0f, l->chunk, -1.0f, cnt, err);
+            s = lm_dev_axpby(dd, delta + c0, 1.0f, chunk, -1.0f, cnt, err);
         uint64_t done = (uint64_t)(c0 + cnt) * es;
         if (done - let_go >= RELEASE_BYTES) {
             release(bt, let_go, done);
@@ -288,6 +375,8 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
         }
     }
     release(bt, let_go, bt->nbytes);
+    if (s == LM_OK && l->on_dev)
+        s = lm_dev_sync(dd, err);  // Δ made, for the timings
     if (s != LM_OK)
         return s;
     lora_rec r = {.ndim = 2, .shape = {bt->shape[0], bt->shape[1]}};
@@ -301,7 +390,13 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     lm_lowrank lr;
     double t1 = lm_now();
     l->delta_s += t1 - t0;
-    s = factor_on(l->dev, l->buf, rows, cols, &o, &lr, err);
+    if (l->on_dev) {
+        l->deltas_on_dev++;
+        s = lm_lowrank_factor(l->dev, l->dbuf, rows, cols, &o, &lr, err);
+    } else {
+        l->deltas_on_host++;
+        s = factor_on(l->dev, l->buf, rows, cols, &o, &lr, err);
+    }
     if (s == LM_ERR_DEVICE_OOM && cpu != l->dev) {
         lm_progress_note(l->p, "fallback: --to-lora: the factors of %s did not fit on %s (%s): made on the cpu",
                          bt->name, lm_dev_name(l->dev), err->msg);
@@ -309,8 +404,13 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
         r.on_cpu = true;
         l->host_s += lr.host_s;  // the attempt on the device counts too
         l->residual_s += lr.residual_s;
-        s = factor_on(cpu, l->buf, rows, cols, &o, &lr, err);
+        s = l->on_dev ? delta_home(l, size, err) : LM_OK;
+        if (s == LM_OK)
+            s = factor_on(cpu, l->buf, rows, cols, &o, &lr, err);
     }
+    lm_dev_buf_free(l->dev, l->dbuf);  // factored: its device memory goes back before the next
+    l->dbuf = NULL;
+    l->on_dev = false;
     l->factor_s += lm_now() - t1;
     l->host_s += lr.host_s;
     l->residual_s += lr.residual_s;
@@ -512,6 +612,11 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
     if (!t || !cJSON_AddNumberToObject(t, "delta_s", l->delta_s) ||
         !cJSON_AddNumberToObject(t, "factor_s", l->factor_s) || !cJSON_AddNumberToObject(t, "host_s", l->host_s) ||
         !cJSON_AddNumberToObject(t, "residual_s", l->residual_s))
+        return nomem(err);
+    // where the matrices' changes were made: on the device, beside the merge, or on the host
+    // (the CPU's merges; on a device, where there was no room)
+    if (!cJSON_AddNumberToObject(ad, "deltas_on_device", (double)l->deltas_on_dev) ||
+        !cJSON_AddNumberToObject(ad, "deltas_on_host", (double)l->deltas_on_host))
         return nomem(err);
     if (!cJSON_AddNumberToObject(ad, "factored", (double)n_factored) ||
         !(n_f ? cJSON_AddNumberToObject(ad, "error_mean", sum / (double)n_f) : cJSON_AddNullToObject(ad, "error_mean")) ||

@@ -380,7 +380,13 @@ static void print_text(const lm_cmd_prepared *pr, const lm_plan *p, const char *
     }
     if (pr->to_lora || pr->to_lora_exact) {
         plan_lora l = lora_need(pr);
-        if (pr->to_lora)
+        if (pr->to_lora && p->dev_accelerator)
+            printf("adapter: each matrix's change is held in float32 on %s while it is factored at rank %d (the "
+                   "largest, %s, %s), with %s of the factorisation's buffers on the host; a change that does not "
+                   "fit there beside the merge is held on the host (about %s in all)\n", dev_name, pr->to_lora,
+                   l.largest ? l.largest : "-", fmt(a, l.delta), fmt(b, l.work),
+                   fmt(c, p->cpu.peak + l.delta + l.work));
+        else if (pr->to_lora)
             printf("adapter: each matrix's change is held in float32 while it is factored at rank %d: the largest, "
                    "%s, %s, with %s of the factorisation's buffers, beside the merge's peak (about %s in all)\n",
                    pr->to_lora, l.largest ? l.largest : "-", fmt(a, l.delta), fmt(b, l.work),
@@ -601,7 +607,10 @@ static int print_json(const lm_cmd_prepared *pr, const lm_plan *p, const char *d
         cJSON_AddItemToObject(ad, "largest", l.largest ? cJSON_CreateString(l.largest) : cJSON_CreateNull());
         cJSON_AddNumberToObject(ad, "delta_bytes", (double)l.delta);
         cJSON_AddNumberToObject(ad, "work_bytes", (double)l.work);
+        // the host's peak where the changes are on the host: the CPU's merges, and a device's
+        // where a change does not fit beside the merge (it is held on the device otherwise)
         cJSON_AddNumberToObject(ad, "cpu_peak", (double)(p->cpu.peak + l.delta + l.work));
+        cJSON_AddStringToObject(ad, "delta_on", p->dev_accelerator ? "device" : "host");
         if (pr->to_lora)
             cJSON_AddNumberToObject(ad, "bytes_at_most", (double)l.bytes);
         else

@@ -104,12 +104,22 @@ check 'grep -q "adapter: 16 matrices as factors of rank 8, relative error mean" 
   "no summary of the factors: $(tail -3 "$work/ex.err")"
 
 # llmerge plan sizes the change held while it is factored, and the adapter
-run plan plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8
+run plan plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device cpu
 check 'grep -q "adapter: each matrix.s change is held in float32 while it is factored at rank 8: the largest, model.embed_tokens.weight, 64.00 KiB" "$work/plan.out"' \
   "plan --to-lora: $(cat "$work/plan.out")"
-"$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --json >"$work/plan.json" 2>/dev/null
+"$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device cpu --json >"$work/plan.json" \
+  2>/dev/null
 json "$work/plan.json" adapter.rank 8
 json "$work/plan.json" adapter.delta_bytes 65536
+json "$work/plan.json" adapter.delta_on host
+# on a device the changes are held there
+"$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device sim:1GiB >"$work/plan_sim.out" \
+  2>&1
+check 'grep -q "held in float32 on sim:1GiB while it is factored at rank 8 (the largest, model.embed_tokens.weight, 64.00 KiB)" "$work/plan_sim.out"' \
+  "plan --to-lora on sim: $(cat "$work/plan_sim.out")"
+"$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device sim:1GiB --json \
+  >"$work/plan_sim.json" 2>/dev/null
+json "$work/plan_sim.json" adapter.delta_on device
 check '[ ! -e "$work/planned" ]' "plan wrote $work/planned"
 
 # the energy rule: per matrix the fewest values keeping the fraction, in rank_pattern
@@ -123,14 +133,37 @@ for i in 0 1 2 3; do
 done
 
 # the same adapter on the simulated and the emulated CUDA device, with room and with budgets under
-# which units fall back
-for d in sim:1GiB sim:40KiB cuda-emu:1GiB cuda-emu:300KiB; do
+# which units fall back. With room every matrix's change is made and factored on the device (the
+# merge's values go there as they come); at sim:200KiB the changes fit but some factorisations do
+# not (the change comes back to the host for the CPU's); at cuda-emu:300KiB the embedding's change
+# does not fit beside the merge (made on the host) and every factorisation falls back; at sim:40KiB
+# nothing fits
+for d in sim:1GiB sim:200KiB sim:40KiB cuda-emu:1GiB cuda-emu:300KiB; do
   run "dev_$d" extract "$B" "$F1" -o "$work/dev_$d" --rank 8 --device "$d"
   check 'cmp -s "$work/dev_$d/adapter_model.safetensors" "$work/ex/adapter_model.safetensors"' \
     "--device $d: another adapter than the cpu's"
 done
-check 'grep -q "fallback: --to-lora: the factors of" "$work/dev_cuda-emu:300KiB.err"' \
-  "no factorisation fell back on cuda-emu:300KiB: $(tail -3 "$work/dev_cuda-emu:300KiB.err")"
+where() { echo "$("$jsonq" "$work/dev_$1/llmerge.json" outputs.adapter.deltas_on_device 2>&1)" \
+  "$("$jsonq" "$work/dev_$1/llmerge.json" outputs.adapter.deltas_on_host 2>&1)"; }
+notes() { echo "$(grep -c "fallback: --to-lora: the change of" "$work/dev_$1.err")" \
+  "$(grep -c "fallback: --to-lora: the factors of" "$work/dev_$1.err")"; }
+factored=$("$jsonq" "$work/ex/llmerge.json" outputs.adapter.factored)
+ex_where="$("$jsonq" "$work/ex/llmerge.json" outputs.adapter.deltas_on_device 2>&1) $("$jsonq" \
+  "$work/ex/llmerge.json" outputs.adapter.deltas_on_host 2>&1)"
+check '[ "$ex_where" = "0 $factored" ]' "the cpu: changes on a device and the host $ex_where (of $factored)"
+for d in sim:1GiB cuda-emu:1GiB; do
+  check '[ "$(where $d)" = "$factored 0" ] && [ "$(notes $d)" = "0 0" ]' \
+    "--device $d: changes on the device and the host $(where $d) (of $factored), notes $(notes $d)"
+done
+check '[ "$(where sim:200KiB)" = "$factored 0" ] && [ "$(notes sim:200KiB | cut -d" " -f1)" = 0 ] &&
+  [ "$(notes sim:200KiB | cut -d" " -f2)" -gt 0 ]' \
+  "sim:200KiB: changes on the device and the host $(where sim:200KiB), notes $(notes sim:200KiB)"
+check '[ "$(where cuda-emu:300KiB)" = "$((factored - 1)) 1" ] &&
+  [ "$(notes cuda-emu:300KiB)" = "1 $factored" ] &&
+  grep -q "the change of model.embed_tokens.weight did not fit" "$work/dev_cuda-emu:300KiB.err"' \
+  "cuda-emu:300KiB: changes on the device and the host $(where cuda-emu:300KiB), notes $(notes cuda-emu:300KiB)"
+check '[ "$(where sim:40KiB)" = "0 $factored" ] && [ "$(notes sim:40KiB)" = "$factored $factored" ]' \
+  "sim:40KiB: changes on the device and the host $(where sim:40KiB), notes $(notes sim:40KiB)"
 
 # llmerge run takes --to-lora from the command line
 cat >"$work/cfg.yml" <<EOF
