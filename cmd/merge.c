@@ -420,6 +420,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
 {
     merge_args *a = &r->args;
     lm_status s;
+    if ((!a->base || a->n_ft == 0) && a->extract)
+        return lm_err_set(err, LM_ERR_USAGE, "needs BASE and FT (usage: llmerge extract BASE FT -o ADAPTER --rank R)");
     if (!a->base || a->n_ft == 0)
         return lm_err_set(err, LM_ERR_USAGE, "needs BASE and at least one FT (usage: llmerge %s "
                           "BASE FT [FT...] -o OUT)", a->m->name);
@@ -1234,8 +1236,12 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     }
     out->priv = r;
     r->args.m = lm_method_find(argv[0]);
-    // a configuration file (llmerge plan CONFIG.yml) rather than a method
-    if (!r->args.m && lm_is_file(argv[0]))
+    // llmerge plan extract ..., or a configuration file (llmerge plan CONFIG.yml), rather than a
+    // method
+    bool extract = !r->args.m && strcmp(argv[0], "extract") == 0;
+    if (extract)
+        r->parse_fn = lm_cmd_extract_parse;
+    else if (!r->args.m && lm_is_file(argv[0]))
         r->parse_fn = lm_cmd_run_parse_file;
     if (!r->args.m && !r->parse_fn) {
         char hint[256], names[256];
@@ -1254,7 +1260,7 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     lm_status s = r->parse_fn ? r->parse_fn(&r->args, argc, argv, &err) : lm_merge_parse_args(&r->args, argc, argv, &err);
     if (s != LM_OK) {
         lm_progress_error(&r->progress, 2, "%s (see llmerge %s --help)", err.msg,
-                          r->parse_fn ? "run" : r->args.m->name);
+                          extract ? "extract" : r->parse_fn ? "run" : r->args.m->name);
         return 2;
     }
     if ((s = lm_cmd_guard_args(&r->guard, argc, argv, lm_merge_opt_defs, lm_merge_n_opts, guarded_opts, 2, "BASE",
@@ -1263,9 +1269,12 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         return 1;
     }
     if (r->args.help) {
-        if (!r->args.m)
+        if (extract)
+            lm_cmd_extract_usage(stdout, NULL);
+        else if (!r->args.m)
             return 2;  // llmerge plan's own --help comes first; a configuration has none
-        lm_merge_usage(stdout, r->args.m);
+        else
+            lm_merge_usage(stdout, r->args.m);
         out->help = true;
         return 0;
     }

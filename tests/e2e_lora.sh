@@ -112,6 +112,9 @@ check 'grep -q "adapter: each matrix.s change is held in float32 while it is fac
 json "$work/plan.json" adapter.rank 8
 json "$work/plan.json" adapter.delta_bytes 65536
 json "$work/plan.json" adapter.delta_on host
+# llmerge plan extract plans what extract runs: the task arithmetic of the one FT into an adapter
+"$llmerge" plan extract "$B" "$F1" -o "$work/planned" --rank 8 --device cpu >"$work/plan_ex.out" 2>&1
+check 'cmp -s "$work/plan.out" "$work/plan_ex.out"' "plan extract: $(diff "$work/plan.out" "$work/plan_ex.out")"
 # on a device the changes are held there
 "$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device sim:1GiB >"$work/plan_sim.out" \
   2>&1
@@ -235,6 +238,10 @@ expect 2 "--to-lora-energy '1.5': a fraction of the energy in (0, 1]" task-arith
 expect 2 "--rank is llmerge extract's option" ties "$B" "$LP" -o "$work/bad" --rank 8
 expect 2 "--rank R is needed" extract "$B" "$F1" -o "$work/bad"
 expect 2 "llmerge extract takes BASE and one FT" extract "$B" "$F1" "$LP" -o "$work/bad" --rank 4
+expect 2 "needs BASE and FT (usage: llmerge extract BASE FT -o ADAPTER --rank R)" extract "$B" -o "$work/bad" --rank 4
+expect 2 "llmerge plan: error: --rank R is needed: the adapter's rank (see llmerge extract --help)" \
+  plan extract "$B" "$F1" -o "$work/bad"
+expect 0 "Usage: llmerge extract BASE FT -o ADAPTER --rank R" plan extract "$B" "$F1" -o "$work/bad" --rank 4 --help
 expect 2 "--density is not an option of llmerge extract" extract "$B" "$F1" -o "$work/bad" --rank 4 --density 0.5
 expect 2 "--rank 33: tensor 'model.layers.0.self_attn.k_proj.weight'" extract "$B" "$F1" -o "$work/bad" --rank 33
 # a merge that changes nothing has no adapter
