@@ -18,6 +18,11 @@
 // operations; with 2^18 (1 MiB) an extraction at rank 16 of the 1B-shape benchmark took 5.05 s
 // against 3.82 s with 2^20 (medians of six alternating runs), mostly in system time.
 #define RESIDUAL_ROWS_ELEMS ((int64_t)1 << 20)
+// Below this fraction of ‖M‖², the error is measured from the residual itself (see the error's
+// pass in lm_lowrank_factor): a relative error under 0.1. Above it, the sum's rounding (the
+// narrow product's float32 sums, about 1e-6 of ⟨M, B·A⟩) moves the error by 1e-4 of itself at
+// most.
+#define RESIDUAL_EXACT 1e-2
 
 // Entries 2j and 2j + 1 of the stream, from one pair of uniform draws in (0, 1) (the 32-bit
 // draws of 2j and 2j + 1 offset by a half): the one function that makes them, so that a single
@@ -319,6 +324,23 @@ static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, d
     return LM_OK;
 }
 
+// The upper triangle of xᵀ·x [l, l] (row-major, double) into g, x [n, l] row-major float: the
+// Gram matrices of CholeskyQR's blocks (h: n × l doubles of scratch), added in block order.
+static lm_status host_gram(lm_pool *pool, const float *x, int64_t n, int l, double *h, double *g, lm_err *err)
+{
+    chol_job j = {.x = x, .h = h, .n = n, .nb = (n + CHOL_ROWS - 1) / CHOL_ROWS, .l = l};
+    if (!(j.g = malloc((size_t)(j.nb * l * l) * sizeof *j.g)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    lm_pool_run(pool, j.nb, chol_gram_task, &j);
+    memset(g, 0, (size_t)l * l * sizeof *g);
+    for (int64_t b = 0; b < j.nb; b++)
+        for (int p = 0; p < l; p++)
+            for (int q = p; q < l; q++)
+                g[p * l + q] += j.g[(b * l + p) * l + q];
+    free(j.g);
+    return LM_OK;
+}
+
 // The QR of the host matrix f [n, l] (row-major, float): its orthonormal basis Q back into f, R
 // [l, l] (row-major, upper) into r where r is not NULL; by Cholesky QR where the matrix is well
 // conditioned (*n_cholesky counts it), else by the QR by blocks. h: n × l doubles of scratch.
@@ -539,17 +561,43 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
                                                : lm_f16_to_f32(lm_f32_to_f16(fs[i][e]));
     }
     out->host_s += lm_now() - t_host;
-    // the error, from the residual M − B·A made a chunk of rows at a time
-    double t_res = lm_now();
+    // the error. ‖M − B·A‖² = ‖M‖² − 2⟨M, B·A⟩ + ‖B·A‖², with ⟨M, B·A⟩ = Σ B ∘ (M·Aᵀ), one narrow
+    // product on the device (the range's shape), and ‖B·A‖² = ⟨BᵀB, A·Aᵀ⟩ from two r × r Gram
+    // matrices: one pass over M, against the residual's product of M's size and its three passes.
+    // The sum cancels: where it leaves less than RESIDUAL_EXACT of ‖M‖² (a change of about rank r
+    // or less), rounding would be too large a part of it, and the residual M − B·A itself is made
+    // and summed, a chunk of rows at a time.
+    double t_res = lm_now(), gb_ga = 0, m_ba = 0;
+    float *at = f, *g = f;  // Aᵀ [cols, r], then M·Aᵀ [rows, r]
+    for (int q = 0; q < r; q++)
+        for (int64_t c = 0; c < cols; c++)
+            at[c * r + q] = out->a[q * cols + c];
+    if ((s = host_gram(pool, at, cols, r, h, ur, err)) != LM_OK ||
+        (s = host_gram(pool, out->b, rows, r, h, rx, err)) != LM_OK ||
+        (s = lm_dev_alloc(dev, (size_t)(r * cols) * sizeof(float), (void **)&b.fa, err)) != LM_OK ||
+        (s = lm_dev_alloc(dev, (size_t)(rows * r) * sizeof(float), (void **)&b.fb, err)) != LM_OK ||
+        (s = lm_dev_upload(dev, b.fa, at, (size_t)(r * cols) * sizeof(float), err)) != LM_OK ||
+        (s = lm_dev_gemm(dev, false, false, rows, r, cols, 1.0f, m, cols, b.fa, r, 0.0f, b.fb, r, err)) != LM_OK ||
+        (s = lm_dev_download(dev, g, b.fb, (size_t)(rows * r) * sizeof(float), err)) != LM_OK)
+        goto done;
+    for (int p = 0; p < r; p++)  // the upper triangles: the diagonal once, the rest twice
+        for (int q = p; q < r; q++)
+            gb_ga += (p == q ? 1.0 : 2.0) * rx[p * r + q] * ur[p * r + q];
+    for (int64_t i = 0; i < rows * r; i++)
+        m_ba += (double)out->b[i] * g[i];
+    double res2 = norm2 - 2.0 * m_ba + gb_ga;
+    if (res2 >= RESIDUAL_EXACT * norm2) {
+        out->err = sqrt(res2 / norm2);
+        out->residual_s = lm_now() - t_res;
+        goto done;
+    }
     int64_t chunk = RESIDUAL_ROWS_ELEMS / cols > 0 ? RESIDUAL_ROWS_ELEMS / cols : 1;
     chunk = chunk < rows ? chunk : rows;
-    if ((s = lm_dev_alloc(dev, (size_t)(rows * r) * sizeof(float), (void **)&b.fb, err)) != LM_OK ||
-        (s = lm_dev_alloc(dev, (size_t)(r * cols) * sizeof(float), (void **)&b.fa, err)) != LM_OK ||
-        (s = lm_dev_alloc(dev, (size_t)(chunk * cols) * sizeof(float), (void **)&b.res, err)) != LM_OK ||
+    if ((s = lm_dev_alloc(dev, (size_t)(chunk * cols) * sizeof(float), (void **)&b.res, err)) != LM_OK ||
         (s = lm_dev_upload(dev, b.fb, out->b, (size_t)(rows * r) * sizeof(float), err)) != LM_OK ||
         (s = lm_dev_upload(dev, b.fa, out->a, (size_t)(r * cols) * sizeof(float), err)) != LM_OK)
         goto done;
-    double res2 = 0;
+    res2 = 0;
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += chunk) {
         int64_t nr = rows - r0 < chunk ? rows - r0 : chunk;
         double part = 0;

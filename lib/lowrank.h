@@ -11,8 +11,11 @@
 // Every draw of Ω is a pure function of (key, its index), the products are the device's
 // (lm_dev_gemm), and the host's work is split by the shape alone (blocks of rows, each
 // decomposed on one thread, added in block order), so the factors are the same bits for any
-// thread count and slab order. The relative error ‖M − B·A‖_F / ‖M‖_F is measured from
-// the residual itself, not from the singular values, with the factors as they will be stored.
+// thread count and slab order. The relative error ‖M − B·A‖_F / ‖M‖_F is measured with the
+// factors as they will be stored, not from the singular values: as ‖M‖² − 2⟨M, B·A⟩ + ‖B·A‖²
+// (⟨M, B·A⟩ from one product M·Aᵀ on the device) where that is 1% of ‖M‖² or more (an error of
+// 0.1 or more, which that sum gives to 1e-4 of itself or better), else from the residual
+// M − B·A itself.
 #ifndef LM_LOWRANK_H
 #define LM_LOWRANK_H
 
@@ -46,8 +49,10 @@ typedef struct lm_lowrank {
                          // made by Cholesky QR (the others by the QR by blocks)
     double host_s;       // seconds of the host's work: Ω, the bases' QRs, the small SVD and the
                          // products with its vectors (the rest is the device's products and copies)
-    double residual_s;   // seconds of the error's pass: B and A copied to the device, B·A and
-                         // M − B·A there, their sums (both times kept when the factorisation fails)
+    double residual_s;   // seconds of the error's pass: the Gram matrices of B and A, Aᵀ copied to
+                         // the device and M·Aᵀ made there and summed against B, and where the
+                         // error is under 0.1, B and A copied there, B·A and M − B·A made and
+                         // summed (both times kept when the factorisation fails)
 } lm_lowrank;
 
 // Factors the matrix M [rows, cols] (row-major, device memory of `dev`) as above into *out

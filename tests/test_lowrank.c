@@ -206,6 +206,38 @@ static void test_blocks(void)
     lm_dev_destroy(three);
 }
 
+// The error as reported against the residual recomputed in double, on both sides of the 0.1
+// below which it is measured from the residual itself (above it from ‖M‖² − 2⟨M, B·A⟩ + ‖B·A‖²),
+// with float32 and with BF16-rounded factors: a matrix of random entries (a flat spectrum, an
+// error near 1, rows long enough for several of the narrow product's blocks of 256 terms) and a
+// decaying spectrum at ranks whose optimum is just above and just below 0.1.
+static void test_error_paths(lm_dev *dev)
+{
+    int64_t rows = 120, cols = 1100;
+    float *flat = malloc((size_t)(rows * cols) * sizeof *flat);
+    for (int64_t i = 0; i < rows * cols; i++)
+        flat[i] = (float)lm_lowrank_normal(99, i);
+    float *steep = make_matrix(rows, cols, (int)rows, 0.8, 900);  // optimum 0.8^r: 0.107 at 10, 0.086 at 11
+    struct { const float *m; int r; double lo, hi; } cases[] = {
+        {flat, 8, 0.9, 1.0}, {steep, 10, 0.1, 0.11}, {steep, 11, 0.08, 0.0999}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++)
+        for (int bf16 = 0; bf16 < 2; bf16++) {
+            lm_lowrank_opts o = {.rank = cases[c].r, .oversample = 10, .power_iters = 1, .key = 5,
+                                 .round_bf16 = bf16};
+            lm_lowrank lr;
+            lm_err err = {0};
+            CHECK_OK(factor(dev, cases[c].m, rows, cols, &o, &lr, &err), &err);
+            double mine = residual(cases[c].m, rows, cols, &lr);
+            CHECK_MSG(mine >= cases[c].lo && mine <= cases[c].hi, "case %zu: error %.6g outside [%g, %g]", c, mine,
+                      cases[c].lo, cases[c].hi);
+            CHECK_MSG(fabs(lr.err - mine) <= 1e-5 * mine, "case %zu%s: reported %.9g, recomputed %.9g", c,
+                      bf16 ? " (BF16)" : "", lr.err, mine);
+            lm_lowrank_free(&lr);
+        }
+    free(flat);
+    free(steep);
+}
+
 // The energy rule: the fewest values that keep the fraction, capped by rank.
 static void test_energy(lm_dev *dev)
 {
@@ -300,6 +332,7 @@ int main(void)
     lm_dev *dev = cpu(2);
     test_decaying(dev);
     test_exact(dev);
+    test_error_paths(dev);
     test_blocks();
     test_energy(dev);
     test_same_bits();
