@@ -96,6 +96,7 @@ typedef struct bm_opts {
 typedef struct bm_adapter {
     double mean, max;
     double delta_s, factor_s, host_s, residual_s;
+    int on_device, on_host;  // matrices whose Δ was made on the device, on the host (-1: absent)
 } bm_adapter;
 
 // The measurements of one case on one kind of input, a run of each per round.
@@ -113,7 +114,7 @@ typedef struct bm_result {
 // The adapter's figures from OUT/llmerge.json.
 static void adapter_figures(const char *out, bm_adapter *ad)
 {
-    *ad = (bm_adapter){-1, -1, -1, -1, -1, -1};
+    *ad = (bm_adapter){-1, -1, -1, -1, -1, -1, -1, -1};
     char *path = lm_path_join(out, "llmerge.json"), *text = NULL;
     size_t len = 0;
     lm_err err = {0};
@@ -132,6 +133,12 @@ static void adapter_figures(const char *out, bm_adapter *ad)
             const cJSON *v = cJSON_GetObjectItemCaseSensitive(t, names[i]);
             if (cJSON_IsNumber(v))
                 *to[i] = v->valuedouble;
+        }
+        const cJSON *dd = cJSON_GetObjectItemCaseSensitive(a, "deltas_on_device"),
+                    *dh = cJSON_GetObjectItemCaseSensitive(a, "deltas_on_host");
+        if (cJSON_IsNumber(dd) && cJSON_IsNumber(dh)) {
+            ad->on_device = dd->valueint;
+            ad->on_host = dh->valueint;
         }
         cJSON_Delete(j);
     }
@@ -264,6 +271,9 @@ static void print_results(const bm_result *res, int nres, int rounds)
                    " the rest (%.2f s) the device's products and copies (first round)\n",
                    case_name(r->c), r->kind, a->delta_s, a->factor_s, a->host_s, a->residual_s,
                    a->factor_s - a->host_s - a->residual_s);
+        if (r->n > 0 && a->on_device > 0)
+            printf("  %s %s: D made and factored on the device for %d matrices, on the host for %d (first round)\n",
+                   case_name(r->c), r->kind, a->on_device, a->on_host);
     }
     printf("(medians over %d rounds of reference then method on the same inputs; ratio = method s"
            " / ref s;\n pairs: the smallest and largest ratio within one round; RSS: peak RSS in GB "
