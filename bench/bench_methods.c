@@ -92,10 +92,10 @@ typedef struct bm_opts {
 
 // An adapter's figures from its llmerge.json: the relative errors, mean and worst (-1 where
 // there are none), and where the factorisation's time went (outputs.adapter.timings: Δ made,
-// factored, and of that the host's work and the error's pass; -1 where absent).
+// factored, and of that the host's work, the device's and the error's pass; -1 where absent).
 typedef struct bm_adapter {
     double mean, max;
-    double delta_s, factor_s, host_s, residual_s;
+    double delta_s, factor_s, host_s, device_s, residual_s;
     int on_device, on_host;  // matrices whose Δ was made on the device, on the host (-1: absent)
 } bm_adapter;
 
@@ -114,7 +114,7 @@ typedef struct bm_result {
 // The adapter's figures from OUT/llmerge.json.
 static void adapter_figures(const char *out, bm_adapter *ad)
 {
-    *ad = (bm_adapter){-1, -1, -1, -1, -1, -1, -1, -1};
+    *ad = (bm_adapter){-1, -1, -1, -1, -1, -1, -1, -1, -1};
     char *path = lm_path_join(out, "llmerge.json"), *text = NULL;
     size_t len = 0;
     lm_err err = {0};
@@ -127,9 +127,9 @@ static void adapter_figures(const char *out, bm_adapter *ad)
             ad->max = x->valuedouble;
         }
         const cJSON *t = cJSON_GetObjectItemCaseSensitive(a, "timings");
-        const char *names[] = {"delta_s", "factor_s", "host_s", "residual_s"};
-        double *to[] = {&ad->delta_s, &ad->factor_s, &ad->host_s, &ad->residual_s};
-        for (int i = 0; i < 4; i++) {
+        const char *names[] = {"delta_s", "factor_s", "host_s", "device_s", "residual_s"};
+        double *to[] = {&ad->delta_s, &ad->factor_s, &ad->host_s, &ad->device_s, &ad->residual_s};
+        for (int i = 0; i < 5; i++) {
             const cJSON *v = cJSON_GetObjectItemCaseSensitive(t, names[i]);
             if (cJSON_IsNumber(v))
                 *to[i] = v->valuedouble;
@@ -267,10 +267,10 @@ static void print_results(const bm_result *res, int nres, int rounds)
             printf("  %s %s: the adapter's relative error |D - B.A| / |D|, mean %.4g, worst %.4g (first round)\n",
                    case_name(r->c), r->kind, a->mean, a->max);
         if (r->n > 0 && a->factor_s >= 0)
-            printf("  %s %s: D made in %.2f s, factored in %.2f s: the host's work %.2f s, the error's pass %.2f s,"
-                   " the rest (%.2f s) the device's products and copies (first round)\n",
-                   case_name(r->c), r->kind, a->delta_s, a->factor_s, a->host_s, a->residual_s,
-                   a->factor_s - a->host_s - a->residual_s);
+            printf("  %s %s: D made in %.2f s, factored in %.2f s: the host's work %.2f s, the device's products "
+                   "and copies %.2f s, the error's pass %.2f s, the rest %.2f s (first round)\n",
+                   case_name(r->c), r->kind, a->delta_s, a->factor_s, a->host_s, a->device_s, a->residual_s,
+                   a->factor_s - a->host_s - a->device_s - a->residual_s);
         if (r->n > 0 && a->on_device > 0)
             printf("  %s %s: D made and factored on the device for %d matrices, on the host for %d (first round)\n",
                    case_name(r->c), r->kind, a->on_device, a->on_host);

@@ -73,9 +73,9 @@ struct lm_cmd_lora {
     int64_t n_rec, cap_rec;
     int64_t fallbacks;
     int rank;           // the adapter's r: --to-lora's, or with exact the commonest module's
-    // seconds, over the matrices: Δ made on the CPU, then factored (Δ's copy to the device, the
-    // device's products and copies, and of them the host's work and the error's pass)
-    double delta_s, factor_s, host_s, residual_s;
+    // seconds, over the matrices: Δ made, then factored (Δ's copy to the device where it was made
+    // on the host; of the factorisation, the host's work, the device's and the error's pass)
+    double delta_s, factor_s, host_s, device_s, residual_s;
 };
 
 static lm_status nomem(lm_err *err)
@@ -403,6 +403,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
         l->fallbacks++;
         r.on_cpu = true;
         l->host_s += lr.host_s;  // the attempt on the device counts too
+        l->device_s += lr.device_s;
         l->residual_s += lr.residual_s;
         s = l->on_dev ? delta_home(l, size, err) : LM_OK;
         if (s == LM_OK)
@@ -413,6 +414,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     l->on_dev = false;
     l->factor_s += lm_now() - t1;
     l->host_s += lr.host_s;
+    l->device_s += lr.device_s;
     l->residual_s += lr.residual_s;
     if (s != LM_OK) {
         free(r.name);
@@ -611,6 +613,7 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
     cJSON *t = cJSON_AddObjectToObject(ad, "timings");
     if (!t || !cJSON_AddNumberToObject(t, "delta_s", l->delta_s) ||
         !cJSON_AddNumberToObject(t, "factor_s", l->factor_s) || !cJSON_AddNumberToObject(t, "host_s", l->host_s) ||
+        !cJSON_AddNumberToObject(t, "device_s", l->device_s) ||
         !cJSON_AddNumberToObject(t, "residual_s", l->residual_s))
         return nomem(err);
     // where the matrices' changes were made: on the device, beside the merge, or on the host

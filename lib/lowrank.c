@@ -360,14 +360,19 @@ static lm_status host_qr(lm_pool *pool, float *f, int64_t n, int l, double *h, d
 static lm_status orthonormalise(lm_dev *dev, lm_pool *pool, float *x, int64_t n, int l, double *h, float *f,
                                 lm_lowrank *out, lm_err *err)
 {
-    lm_status s = lm_dev_download(dev, f, x, (size_t)(n * l) * sizeof *f, err);
     double t = lm_now();
+    lm_status s = lm_dev_download(dev, f, x, (size_t)(n * l) * sizeof *f, err);
+    double t1 = lm_now();
+    out->device_s += t1 - t;
     if (s == LM_OK)
         s = host_qr(pool, f, n, l, h, NULL, &out->bases_cholesky, err);
-    out->host_s += lm_now() - t;
+    out->host_s += lm_now() - t1;
     if (s != LM_OK)
         return s;
-    return lm_dev_upload(dev, x, f, (size_t)(n * l) * sizeof *f, err);
+    t = lm_now();
+    s = lm_dev_upload(dev, x, f, (size_t)(n * l) * sizeof *f, err);
+    out->device_s += lm_now() - t;
+    return s;
 }
 
 // ---- products on the host ---------------------------------------------------------------------
@@ -449,7 +454,10 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     }
     if ((s = lm_pool_create(&pool, lm_dev_threads(dev), err)) != LM_OK)
         goto done;
-    if ((s = sum_squares(dev, m, rows, cols, &norm2, err)) != LM_OK)
+    double t_dev = lm_now();
+    s = sum_squares(dev, m, rows, cols, &norm2, err);
+    out->device_s += lm_now() - t_dev;
+    if (s != LM_OK)
         goto done;
     if (!isfinite(norm2)) {
         s = lm_err_set(err, LM_ERR_FORMAT, "the %lld x %lld matrix holds NaN or Inf: it has no SVD", (long long)rows,
@@ -468,17 +476,25 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     double t_host = lm_now();
     lm_pool_run(pool, (nj.n + 2 * NORMAL_PAIRS - 1) / (2 * NORMAL_PAIRS), normal_task, &nj);
     out->host_s += lm_now() - t_host;
-    if ((s = lm_dev_upload(dev, b.omega, f, (size_t)(cols * l) * sizeof *f, err)) != LM_OK ||
-        (s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err)) != LM_OK ||
-        (s = orthonormalise(dev, pool, b.y, rows, l, h, f, out, err)) != LM_OK)
+    // (the products' time is the device's: where they run asynchronously, the download after
+    // each waits for it)
+    t_dev = lm_now();
+    s = lm_dev_upload(dev, b.omega, f, (size_t)(cols * l) * sizeof *f, err);
+    if (s == LM_OK)
+        s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err);
+    out->device_s += lm_now() - t_dev;
+    if (s != LM_OK || (s = orthonormalise(dev, pool, b.y, rows, l, h, f, out, err)) != LM_OK)
         goto done;
     for (int it = 0; it < o->power_iters; it++) {
-        if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err)) !=
-                LM_OK ||
-            (s = orthonormalise(dev, pool, b.omega, cols, l, h, f, out, err)) != LM_OK ||
-            (s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err)) !=
-                LM_OK ||
-            (s = orthonormalise(dev, pool, b.y, rows, l, h, f, out, err)) != LM_OK)
+        t_dev = lm_now();
+        s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err);
+        out->device_s += lm_now() - t_dev;
+        if (s != LM_OK || (s = orthonormalise(dev, pool, b.omega, cols, l, h, f, out, err)) != LM_OK)
+            goto done;
+        t_dev = lm_now();
+        s = lm_dev_gemm(dev, false, false, rows, l, cols, 1.0f, m, cols, b.omega, l, 0.0f, b.y, l, err);
+        out->device_s += lm_now() - t_dev;
+        if (s != LM_OK || (s = orthonormalise(dev, pool, b.y, rows, l, h, f, out, err)) != LM_OK)
             goto done;
     }
     // X = Mᵀ·Q [cols, l] (the narrow product, as above; in Ω's buffer, free now), the transpose
@@ -486,9 +502,12 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     // X = (Q_X·U_R)·Σ·V_Rᵀ and Q'·M = V_R·Σ·(Q_X·U_R)ᵀ: its left singular vectors V_R, its right
     // ones Q_X·U_R
     int x_cholesky = 0;
-    if ((s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err)) !=
-            LM_OK ||
-        (s = lm_dev_download(dev, f, b.omega, (size_t)(l * cols) * sizeof *f, err)) != LM_OK)
+    t_dev = lm_now();
+    s = lm_dev_gemm(dev, true, false, cols, l, rows, 1.0f, m, cols, b.y, l, 0.0f, b.omega, l, err);
+    if (s == LM_OK)
+        s = lm_dev_download(dev, f, b.omega, (size_t)(l * cols) * sizeof *f, err);
+    out->device_s += lm_now() - t_dev;
+    if (s != LM_OK)
         goto done;
     t_host = lm_now();  // from here to the download of Q, and from that to the residual: the host's
     if ((s = host_qr(pool, f, cols, l, h, rx, &x_cholesky, err)) != LM_OK)
@@ -541,7 +560,10 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
         for (int q = 0; q < l; q++)
             rx[i * l + q] = vrt[q * l + i];
     out->host_s += lm_now() - t_host;
-    if ((s = lm_dev_download(dev, f, b.y, (size_t)(rows * l) * sizeof *f, err)) != LM_OK)
+    t_dev = lm_now();
+    s = lm_dev_download(dev, f, b.y, (size_t)(rows * l) * sizeof *f, err);
+    out->device_s += lm_now() - t_dev;
+    if (s != LM_OK)
         goto done;
     t_host = lm_now();
     if ((s = host_product(pool, f, rows, l, rx, r, h, err)) != LM_OK)
@@ -629,10 +651,11 @@ done:
     malloc_trim(0);
 #endif
     if (s != LM_OK) {  // the factors go; the times stay, for the caller's account of a redo
-        double host_s = out->host_s, residual_s = out->residual_s;
+        double host_s = out->host_s, residual_s = out->residual_s, device_s = out->device_s;
         lm_lowrank_free(out);
         out->host_s = host_s;
         out->residual_s = residual_s;
+        out->device_s = device_s;
     }
     return s;
 }

@@ -49,6 +49,8 @@ typedef struct lm_lowrank {
                          // made by Cholesky QR (the others by the QR by blocks)
     double host_s;       // seconds of the host's work: Ω, the bases' QRs, the small SVD and the
                          // products with its vectors (the rest is the device's products and copies)
+    double device_s;     // seconds of the device's work outside the error's pass: the norm, the
+                         // products (each waited for by the copy after it) and the copies
     double residual_s;   // seconds of the error's pass: the Gram matrices of B and A, Aᵀ copied to
                          // the device and M·Aᵀ made there and summed against B, and where the
                          // error is under 0.1, B and A copied there, B·A and M − B·A made and

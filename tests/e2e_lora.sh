@@ -35,10 +35,11 @@ json "$work/ad16/llmerge.json" outputs.adapter.factored 4
 check 'awk "BEGIN { exit !($("$jsonq" "$work/ad16/llmerge.json" outputs.adapter.error_max) < 1e-6) }"' \
   "a rank-16 change at rank 16: error $("$jsonq" "$work/ad16/llmerge.json" outputs.adapter.error_max)"
 # where the factorisation's time went (outputs.adapter.timings): Δ made, factored, and of that
-# the host's work and the error's pass
+# the host's work, the device's and the error's pass
 tim() { "$jsonq" "$work/ad16/llmerge.json" outputs.adapter.timings.$1 2>&1; }
 check 'awk -v d="$(tim delta_s)" -v f="$(tim factor_s)" -v h="$(tim host_s)" -v r="$(tim residual_s)" \
-  "BEGIN { exit !(d + 0 >= 0 && f + 0 > 0 && h + 0 > 0 && r + 0 > 0 && h + r <= f) }"' \
+  -v v="$(tim device_s)" "BEGIN { exit !(d + 0 >= 0 && f + 0 > 0 && h + 0 > 0 && r + 0 > 0 && v + 0 > 0 &&
+  h + r + v <= f) }"' \
   "timings: $("$jsonq" "$work/ad16/llmerge.json" outputs.adapter.timings 2>&1)"
 # the same in BF16, the base's dtype (the default): the factors' rounding is the error
 run ad16b task-arithmetic "$B" "$LP" "$LN" -o "$work/ad16b" --to-lora 16
