@@ -266,13 +266,16 @@ static void print_results(const bm_result *res, int nres, int rounds)
         if (r->n > 0 && a->mean >= 0)
             printf("  %s %s: the adapter's relative error |D - B.A| / |D|, mean %.4g, worst %.4g (first round)\n",
                    case_name(r->c), r->kind, a->mean, a->max);
-        if (r->n > 0 && a->factor_s >= 0)
+        if (r->n > 0 && a->factor_s >= 0 && a->device_s >= 0)
             printf("  %s %s: D made in %.2f s, factored in %.2f s: the host's work %.2f s, the device's products "
                    "and copies %.2f s, the error's pass %.2f s, the rest %.2f s (first round)\n",
                    case_name(r->c), r->kind, a->delta_s, a->factor_s, a->host_s, a->device_s, a->residual_s,
                    a->factor_s - a->host_s - a->device_s - a->residual_s);
+        else if (r->n > 0 && a->factor_s >= 0)  // an llmerge from before device_s
+            printf("  %s %s: D made in %.2f s, factored in %.2f s: the host's work %.2f s, the error's pass %.2f s "
+                   "(first round)\n", case_name(r->c), r->kind, a->delta_s, a->factor_s, a->host_s, a->residual_s);
         if (r->n > 0 && a->on_device > 0)
-            printf("  %s %s: D made and factored on the device for %d matrices, on the host for %d (first round)\n",
+            printf("  %s %s: D made on the device for %d matrices, on the host for %d (first round)\n",
                    case_name(r->c), r->kind, a->on_device, a->on_host);
     }
     printf("(medians over %d rounds of reference then method on the same inputs; ratio = method s"

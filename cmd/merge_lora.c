@@ -64,19 +64,26 @@ struct lm_cmd_lora {
     // host's buffer above as on the CPU.
     float *dbuf;        // the current matrix's merged values, then its Δ, on dev
     bool on_dev;        // the current tensor is in dbuf, not buf
-    void *dstage;       // (stage_bytes) a chunk of the base's bytes, on dev
-    float *dchunk;      // (chunk_elems) the chunk's values as float32, on dev
-    size_t stage_bytes;
-    int64_t chunk_elems;
+    void *dstage;       // while Δ is made on dev: a chunk of the base's bytes there
+    float *dchunk;      // and its values as float32
     int64_t deltas_on_dev, deltas_on_host;  // matrices whose Δ was made on dev, on the host
     lora_rec *rec;
     int64_t n_rec, cap_rec;
-    int64_t fallbacks;
+    int64_t fallbacks;  // matrices whose Δ or factors fell back to the CPU (fallback notes)
     int rank;           // the adapter's r: --to-lora's, or with exact the commonest module's
     // seconds, over the matrices: Δ made, then factored (Δ's copy to the device where it was made
     // on the host; of the factorisation, the host's work, the device's and the error's pass)
     double delta_s, factor_s, host_s, device_s, residual_s;
 };
+
+// Frees the device's chunk buffers of Δ's making.
+static void stage_free(lm_cmd_lora *l)
+{
+    lm_dev_buf_free(l->dev, l->dstage);
+    lm_dev_buf_free(l->dev, l->dchunk);
+    l->dstage = NULL;
+    l->dchunk = NULL;
+}
 
 static lm_status nomem(lm_err *err)
 {
@@ -171,8 +178,7 @@ void lm_cmd_lora_free(lm_cmd_lora *l)
     free(l->buf);
     free(l->chunk);
     lm_dev_buf_free(l->dev, l->dbuf);
-    lm_dev_buf_free(l->dev, l->dstage);
-    lm_dev_buf_free(l->dev, l->dchunk);
+    stage_free(l);
     lm_adapter_out_free(l->w);
     free(l);
 }
@@ -184,30 +190,11 @@ static bool matrix_delta(const lm_cmd_lora *l, int64_t idx)
     return lm_dtype_readable(bt->dtype) && l->descs[idx].dtype == LM_DTYPE_F32 && is_matrix(bt);
 }
 
-// Room on the device for matrix bt's values (size bytes) and the base's chunks: l->on_dev set
-// where there is, a note where there is not (the host's buffer then, as on the CPU).
+// Room on the device for matrix bt's values (size bytes): l->on_dev set where there is, a note
+// where there is not (the host's buffer then, as on the CPU).
 static lm_status dev_room(lm_cmd_lora *l, const lm_st_tensor *bt, size_t size, lm_err *err)
 {
-    // the chunks: DELTA_CHUNK elements, or the tensor's where it is smaller (grown as needed)
-    int64_t elems = bt->numel < DELTA_CHUNK ? bt->numel : DELTA_CHUNK;
-    size_t bytes = (size_t)elems * (lm_dtype_bits(bt->dtype) / 8);
-    lm_status s = LM_OK;
-    if (bytes > l->stage_bytes) {
-        lm_dev_buf_free(l->dev, l->dstage);
-        l->dstage = NULL;
-        l->stage_bytes = 0;
-        if ((s = lm_dev_alloc(l->dev, bytes, &l->dstage, err)) == LM_OK)
-            l->stage_bytes = bytes;
-    }
-    if (s == LM_OK && elems > l->chunk_elems) {
-        lm_dev_buf_free(l->dev, l->dchunk);
-        l->dchunk = NULL;
-        l->chunk_elems = 0;
-        if ((s = lm_dev_alloc(l->dev, (size_t)elems * sizeof(float), (void **)&l->dchunk, err)) == LM_OK)
-            l->chunk_elems = elems;
-    }
-    if (s == LM_OK)
-        s = lm_dev_alloc(l->dev, size, (void **)&l->dbuf, err);
+    lm_status s = lm_dev_alloc(l->dev, size, (void **)&l->dbuf, err);
     if (s == LM_OK) {
         l->on_dev = true;
         return LM_OK;
@@ -216,9 +203,11 @@ static lm_status dev_room(lm_cmd_lora *l, const lm_st_tensor *bt, size_t size, l
         return s;
     lm_progress_note(l->p, "fallback: --to-lora: the change of %s did not fit on %s beside the merge (%s): made "
                      "on the cpu", bt->name, lm_dev_name(l->dev), err->msg);
+    lm_err_clear(err);
     l->fallbacks++;
     return LM_OK;
 }
+
 
 lm_status lm_cmd_lora_put(lm_cmd_lora *l, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes,
                           lm_err *err)
@@ -354,10 +343,31 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     // norm 0)
     lm_dev *cpu = NULL;
     double t0 = lm_now();
-    if (!l->on_dev && !l->chunk && !(l->chunk = malloc(DELTA_CHUNK * sizeof *l->chunk)))
-        return nomem(err);
     if ((s = lm_dev_cpu_companion(l->dev, &cpu, err)) != LM_OK)
         return s;
+    if (l->on_dev) {
+        // the base's chunks on the device, now that the merge's unit has let go of its memory;
+        // where they do not fit, the merged values come home and Δ is made there
+        int64_t elems = bt->numel < DELTA_CHUNK ? bt->numel : DELTA_CHUNK;
+        s = lm_dev_alloc(l->dev, (size_t)elems * es, &l->dstage, err);
+        if (s == LM_OK)
+            s = lm_dev_alloc(l->dev, (size_t)elems * sizeof(float), (void **)&l->dchunk, err);
+        if (s == LM_ERR_DEVICE_OOM) {
+            lm_progress_note(l->p, "fallback: --to-lora: the change of %s: no room on %s for the base's values (%s): "
+                             "made on the cpu", bt->name, lm_dev_name(l->dev), err->msg);
+            lm_err_clear(err);
+            l->fallbacks++;
+            stage_free(l);
+            s = delta_home(l, size, err);
+            lm_dev_buf_free(l->dev, l->dbuf);
+            l->dbuf = NULL;
+            l->on_dev = false;
+        }
+        if (s != LM_OK)
+            return s;
+    }
+    if (!l->on_dev && !l->chunk && !(l->chunk = malloc(DELTA_CHUNK * sizeof *l->chunk)))
+        return nomem(err);
     lm_dev *dd = l->on_dev ? l->dev : cpu;
     float *delta = l->on_dev ? l->dbuf : l->buf, *chunk = l->on_dev ? l->dchunk : l->chunk;
     for (int64_t c0 = 0; c0 < bt->numel && s == LM_OK; c0 += DELTA_CHUNK) {
@@ -377,6 +387,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     release(bt, let_go, bt->nbytes);
     if (s == LM_OK && l->on_dev)
         s = lm_dev_sync(dd, err);  // Δ made, for the timings
+    stage_free(l);
     if (s != LM_OK)
         return s;
     lora_rec r = {.ndim = 2, .shape = {bt->shape[0], bt->shape[1]}};
@@ -400,6 +411,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     if (s == LM_ERR_DEVICE_OOM && cpu != l->dev) {
         lm_progress_note(l->p, "fallback: --to-lora: the factors of %s did not fit on %s (%s): made on the cpu",
                          bt->name, lm_dev_name(l->dev), err->msg);
+        lm_err_clear(err);
         l->fallbacks++;
         r.on_cpu = true;
         l->host_s += lr.host_s;  // the attempt on the device counts too
@@ -412,6 +424,11 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     lm_dev_buf_free(l->dev, l->dbuf);  // factored: its device memory goes back before the next
     l->dbuf = NULL;
     l->on_dev = false;
+    if (!lm_dev_host_memory(l->dev)) {  // nor does the host keep a matrix a fallback brought there
+        free(l->buf);
+        l->buf = NULL;
+        l->buf_cap = 0;
+    }
     l->factor_s += lm_now() - t1;
     l->host_s += lr.host_s;
     l->device_s += lr.device_s;
@@ -619,7 +636,8 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
     // where the matrices' changes were made: on the device, beside the merge, or on the host
     // (the CPU's merges; on a device, where there was no room)
     if (!cJSON_AddNumberToObject(ad, "deltas_on_device", (double)l->deltas_on_dev) ||
-        !cJSON_AddNumberToObject(ad, "deltas_on_host", (double)l->deltas_on_host))
+        !cJSON_AddNumberToObject(ad, "deltas_on_host", (double)l->deltas_on_host) ||
+        !cJSON_AddNumberToObject(ad, "fallbacks", (double)l->fallbacks))
         return nomem(err);
     if (!cJSON_AddNumberToObject(ad, "factored", (double)n_factored) ||
         !(n_f ? cJSON_AddNumberToObject(ad, "error_mean", sum / (double)n_f) : cJSON_AddNullToObject(ad, "error_mean")) ||

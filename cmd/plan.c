@@ -246,7 +246,15 @@ typedef struct plan_lora {
     uint64_t delta;       // its change in float32
     uint64_t work;        // the factorisation's buffers for it
     uint64_t bytes;       // the adapter's tensor data, at most
+    uint64_t stage;       // on a device, the chunks its change is made with there (base's and float32)
 } plan_lora;
+
+// Whether the largest matrix's change fits a device's budget, with the chunks it is made with:
+// where it does, the changes are held on the device (merge_lora.c); else on the host.
+static bool lora_on_device(const lm_plan *p, const plan_lora *l)
+{
+    return p->dev_accelerator && l->delta + l->stage <= p->budget;
+}
 
 static plan_lora lora_need(const lm_cmd_prepared *pr)
 {
@@ -270,6 +278,8 @@ static plan_lora lora_need(const lm_cmd_prepared *pr)
         if ((uint64_t)t->numel * 4 > l.delta) {
             l.largest = t->name;
             l.delta = (uint64_t)t->numel * 4;
+            int64_t chunk = t->numel < ((int64_t)1 << 20) ? t->numel : ((int64_t)1 << 20);  // merge_lora.c's
+            l.stage = (uint64_t)chunk * (lm_dtype_bits(t->dtype) / 8 + 4);
             int64_t big = rows > cols ? rows : cols;
             // lowrank.c's buffers: the sketches in float and double, the small SVD's, the factors,
             // the device's copies, the residual's chunk (4 MiB); the stacked triangles of a QR by
@@ -289,7 +299,7 @@ static plan_lora lora_need(const lm_cmd_prepared *pr)
 static void print_text(const lm_cmd_prepared *pr, const lm_plan *p, const char *dev_name, size_t free_b,
                        size_t total_b, const char *cache_dir, bool looked)
 {
-    char a[32], b[32], c[32];
+    char a[32], b[32], c[32], d[32];
     if (p->dev_accelerator)
         printf("device: %s, %s free of %s, budget %s%s\n", dev_name, fmt(a, free_b), fmt(b, total_b),
                fmt(c, p->budget), pr->gpu_mem ? " (with --gpu-mem)" : "");
@@ -386,11 +396,17 @@ static void print_text(const lm_cmd_prepared *pr, const lm_plan *p, const char *
     }
     if (pr->to_lora || pr->to_lora_exact) {
         plan_lora l = lora_need(pr);
-        if (pr->to_lora && p->dev_accelerator)
+        if (pr->to_lora && lora_on_device(p, &l))
             printf("adapter: each matrix's change is held in float32 on %s while it is factored at rank %d (the "
                    "largest, %s, %s), with %s of the factorisation's buffers on the host; a change that does not "
                    "fit there beside the merge is held on the host (about %s in all)\n", dev_name, pr->to_lora,
                    l.largest ? l.largest : "-", fmt(a, l.delta), fmt(b, l.work),
+                   fmt(c, p->cpu.peak + l.delta + l.work));
+        else if (pr->to_lora && p->dev_accelerator)
+            printf("adapter: each matrix's change is held in float32 on %s while it is factored at rank %d where it "
+                   "fits beside the merge; the largest, %s, %s, does not fit its budget of %s and is held on the host, "
+                   "with %s of the factorisation's buffers, beside the merge's peak (about %s in all)\n", dev_name,
+                   pr->to_lora, l.largest ? l.largest : "-", fmt(a, l.delta), fmt(d, p->budget), fmt(b, l.work),
                    fmt(c, p->cpu.peak + l.delta + l.work));
         else if (pr->to_lora)
             printf("adapter: each matrix's change is held in float32 while it is factored at rank %d: the largest, "
@@ -614,9 +630,10 @@ static int print_json(const lm_cmd_prepared *pr, const lm_plan *p, const char *d
         cJSON_AddNumberToObject(ad, "delta_bytes", (double)l.delta);
         cJSON_AddNumberToObject(ad, "work_bytes", (double)l.work);
         // the host's peak where the changes are on the host: the CPU's merges, and a device's
-        // where a change does not fit beside the merge (it is held on the device otherwise)
+        // where a change does not fit beside the merge (it is held on the device otherwise);
+        // delta_on: where the largest is held
         cJSON_AddNumberToObject(ad, "cpu_peak", (double)(p->cpu.peak + l.delta + l.work));
-        cJSON_AddStringToObject(ad, "delta_on", p->dev_accelerator ? "device" : "host");
+        cJSON_AddStringToObject(ad, "delta_on", lora_on_device(p, &l) ? "device" : "host");
         if (pr->to_lora)
             cJSON_AddNumberToObject(ad, "bytes_at_most", (double)l.bytes);
         else

@@ -619,6 +619,7 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
         (s = lm_dev_upload(dev, b.fb, out->b, (size_t)(rows * r) * sizeof(float), err)) != LM_OK ||
         (s = lm_dev_upload(dev, b.fa, out->a, (size_t)(r * cols) * sizeof(float), err)) != LM_OK)
         goto done;
+    out->err_residual = true;
     res2 = 0;
     for (int64_t r0 = 0; r0 < rows && s == LM_OK; r0 += chunk) {
         int64_t nr = rows - r0 < chunk ? rows - r0 : chunk;

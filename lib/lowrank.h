@@ -45,6 +45,7 @@ typedef struct lm_lowrank {
     int n_sigma;
     double norm;     // ‖M‖_F
     double err;      // ‖M − B·A‖_F / ‖M‖_F (0 where M is zero)
+    bool err_residual;   // err from the residual itself (under 0.1), not from the Gram sum
     int bases_cholesky;  // of the range's bases (one, and two per power iteration), how many were
                          // made by Cholesky QR (the others by the QR by blocks)
     double host_s;       // seconds of the host's work: Ω, the bases' QRs, the small SVD and the

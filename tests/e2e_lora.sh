@@ -119,11 +119,16 @@ check 'cmp -s "$work/plan.out" "$work/plan_ex.out"' "plan extract: $(diff "$work
 # on a device the changes are held there
 "$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device sim:1GiB >"$work/plan_sim.out" \
   2>&1
-check 'grep -q "held in float32 on sim:1GiB while it is factored at rank 8 (the largest, model.embed_tokens.weight, 64.00 KiB)" "$work/plan_sim.out"' \
+check 'grep -q "held in float32 on sim:1GiB while it is factored at rank 8 (the largest, model.embed_tokens.weight" \
+  "$work/plan_sim.out"' \
   "plan --to-lora on sim: $(cat "$work/plan_sim.out")"
 "$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device sim:1GiB --json \
   >"$work/plan_sim.json" 2>/dev/null
 json "$work/plan_sim.json" adapter.delta_on device
+# where the largest change does not fit the device's budget, it is held on the host
+"$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device sim:40KiB --json \
+  >"$work/plan_small.json" 2>/dev/null
+json "$work/plan_small.json" adapter.delta_on host
 check '[ ! -e "$work/planned" ]' "plan wrote $work/planned"
 
 # the energy rule: per matrix the fewest values keeping the fraction, in rank_pattern
@@ -138,36 +143,45 @@ done
 
 # the same adapter on the simulated and the emulated CUDA device, with room and with budgets under
 # which units fall back. With room every matrix's change is made and factored on the device (the
-# merge's values go there as they come); at sim:180KiB the changes fit but some factorisations do
-# not (the change comes back to the host for the CPU's); at cuda-emu:300KiB the embedding's change
-# does not fit beside the merge (made on the host) and every factorisation falls back; at sim:40KiB
-# nothing fits
-for d in sim:1GiB sim:180KiB sim:40KiB cuda-emu:1GiB cuda-emu:300KiB; do
+# merge's values go there as they come). The budgets, each exercising one way back to the CPU:
+# at cuda-emu:400KiB the changes are made on the device but no factorisation fits (each change
+# comes home for the CPU's); at sim:100KiB some changes find no room for the base's chunks (the
+# merged values come home, the change is made there); at cuda-emu:300KiB the embedding's change
+# does not fit beside the merge (the merged values go to the host); sim:40KiB mixes them all.
+# Every matrix is counted on one side, and each fallback note in llmerge.json.
+budgets="cuda-emu:400KiB sim:100KiB cuda-emu:300KiB sim:40KiB"
+for d in sim:1GiB cuda-emu:1GiB $budgets; do
   run "dev_$d" extract "$B" "$F1" -o "$work/dev_$d" --rank 8 --device "$d"
   check 'cmp -s "$work/dev_$d/adapter_model.safetensors" "$work/ex/adapter_model.safetensors"' \
     "--device $d: another adapter than the cpu's"
 done
-where() { echo "$("$jsonq" "$work/dev_$1/llmerge.json" outputs.adapter.deltas_on_device 2>&1)" \
-  "$("$jsonq" "$work/dev_$1/llmerge.json" outputs.adapter.deltas_on_host 2>&1)"; }
-notes() { echo "$(grep -c "fallback: --to-lora: the change of" "$work/dev_$1.err")" \
+adq() { "$jsonq" "$work/dev_$1/llmerge.json" "outputs.adapter.$2" 2>&1; }
+where() { echo "$(adq "$1" deltas_on_device) $(adq "$1" deltas_on_host)"; }
+# the notes: the change did not fit beside the merge, no room for the base's chunks, the factors
+notes() { echo "$(grep -c "fallback: --to-lora: the change of .* did not fit" "$work/dev_$1.err")" \
+  "$(grep -c "fallback: --to-lora: the change of .*: no room on" "$work/dev_$1.err")" \
   "$(grep -c "fallback: --to-lora: the factors of" "$work/dev_$1.err")"; }
 factored=$("$jsonq" "$work/ex/llmerge.json" outputs.adapter.factored)
 ex_where="$("$jsonq" "$work/ex/llmerge.json" outputs.adapter.deltas_on_device 2>&1) $("$jsonq" \
   "$work/ex/llmerge.json" outputs.adapter.deltas_on_host 2>&1)"
 check '[ "$ex_where" = "0 $factored" ]' "the cpu: changes on a device and the host $ex_where (of $factored)"
 for d in sim:1GiB cuda-emu:1GiB; do
-  check '[ "$(where $d)" = "$factored 0" ] && [ "$(notes $d)" = "0 0" ]' \
+  check '[ "$(where $d)" = "$factored 0" ] && [ "$(notes $d)" = "0 0 0" ] && [ "$(adq $d fallbacks)" = 0 ]' \
     "--device $d: changes on the device and the host $(where $d) (of $factored), notes $(notes $d)"
 done
-check '[ "$(where sim:180KiB)" = "$factored 0" ] && [ "$(notes sim:180KiB | cut -d" " -f1)" = 0 ] &&
-  [ "$(notes sim:180KiB | cut -d" " -f2)" -gt 0 ]' \
-  "sim:180KiB: changes on the device and the host $(where sim:180KiB), notes $(notes sim:180KiB)"
-check '[ "$(where cuda-emu:300KiB)" = "$((factored - 1)) 1" ] &&
-  [ "$(notes cuda-emu:300KiB)" = "1 $factored" ] &&
-  grep -q "the change of model.embed_tokens.weight did not fit" "$work/dev_cuda-emu:300KiB.err"' \
-  "cuda-emu:300KiB: changes on the device and the host $(where cuda-emu:300KiB), notes $(notes cuda-emu:300KiB)"
-check '[ "$(where sim:40KiB)" = "0 $factored" ] && [ "$(notes sim:40KiB)" = "$factored $factored" ]' \
-  "sim:40KiB: changes on the device and the host $(where sim:40KiB), notes $(notes sim:40KiB)"
+for d in $budgets; do
+  read -r on_dev on_host < <(where $d)
+  read -r n_change n_room n_factors < <(notes $d)
+  check '[ $((on_dev + on_host)) = "$factored" ] && [ "$(adq $d fallbacks)" = $((n_change + n_room + n_factors)) ] &&
+    [ "$on_host" = $((n_change + n_room)) ]' \
+    "$d: changes on the device and the host $(where $d) (of $factored), notes $(notes $d), $(adq $d fallbacks) counted"
+done
+check '[ "$(notes cuda-emu:400KiB)" = "0 0 $factored" ] && [ "$(where cuda-emu:400KiB)" = "$factored 0" ]' \
+  "cuda-emu:400KiB: notes $(notes cuda-emu:400KiB), changes on the device and the host $(where cuda-emu:400KiB)"
+check '[ "$(notes sim:100KiB | cut -d" " -f1)" = 0 ] && [ "$(notes sim:100KiB | cut -d" " -f2)" -gt 0 ]' \
+  "sim:100KiB: notes $(notes sim:100KiB)"
+check 'grep -q "the change of model.embed_tokens.weight did not fit on cuda-emu:300KiB beside the merge" \
+  "$work/dev_cuda-emu:300KiB.err"' "cuda-emu:300KiB: notes $(notes cuda-emu:300KiB)"
 
 # llmerge run takes --to-lora from the command line
 cat >"$work/cfg.yml" <<EOF

@@ -232,6 +232,8 @@ static void test_error_paths(lm_dev *dev)
                       cases[c].lo, cases[c].hi);
             CHECK_MSG(fabs(lr.err - mine) <= 1e-5 * mine, "case %zu%s: reported %.9g, recomputed %.9g", c,
                       bf16 ? " (BF16)" : "", lr.err, mine);
+            CHECK_MSG(lr.err_residual == (mine < 0.1), "case %zu%s: error %.6g measured %s", c, bf16 ? " (BF16)" : "",
+                      mine, lr.err_residual ? "from the residual" : "from the Gram sum");
             lm_lowrank_free(&lr);
         }
     free(flat);
