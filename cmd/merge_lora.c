@@ -69,7 +69,7 @@ struct lm_cmd_lora {
     int64_t deltas_on_dev, deltas_on_host;  // matrices whose Δ was made on dev, on the host
     lora_rec *rec;
     int64_t n_rec, cap_rec;
-    int64_t fallbacks;  // matrices whose Δ or factors fell back to the CPU (fallback notes)
+    int64_t fallbacks;  // fallback notes: a matrix's Δ made on the host, its factors on the CPU
     int rank;           // the adapter's r: --to-lora's, or with exact the commonest module's
     // seconds, over the matrices: Δ made, then factored (Δ's copy to the device where it was made
     // on the host; of the factorisation, the host's work, the device's and the error's pass)
@@ -208,7 +208,6 @@ static lm_status dev_room(lm_cmd_lora *l, const lm_st_tensor *bt, size_t size, l
     return LM_OK;
 }
 
-
 lm_status lm_cmd_lora_put(lm_cmd_lora *l, int64_t idx, uint64_t offset, const void *data, uint64_t nbytes,
                           lm_err *err)
 {
@@ -289,7 +288,7 @@ static lm_status factor_on(lm_dev *dev, const float *delta, int64_t rows, int64_
     return s;
 }
 
-// Δ from the device to the host's buffer, for a factorisation on the CPU.
+// The current matrix's values on the device (merged, or Δ) to the host's buffer, for the CPU.
 static lm_status delta_home(lm_cmd_lora *l, size_t size, lm_err *err)
 {
     if (size > l->buf_cap) {
