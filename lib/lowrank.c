@@ -220,6 +220,12 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, doub
 // matrix) and far below where its Cholesky factor in double fails (κ₂ near 1e8).
 #define CHOL_ROWS 4096  // rows per block of the Gram matrices and the solves
 #define CHOL_COND 1e6
+// One pass is enough where the same bound on κ₂ (three times l over LAPACK's reciprocal estimate)
+// is at most CHOL_ONE: one Cholesky QR loses orthogonality of about κ₂²·u (u = 1.1e-16 in double),
+// 1e-8 here, under the float32 rounding (6e-8) of the basis as it is stored. A Gaussian sketch of
+// a change with a flat spectrum (a full fine-tune's random change) takes one pass; a steep one
+// after the power iteration, two.
+#define CHOL_ONE 1e4
 
 typedef struct chol_job {
     const float *x;  // [n, l] row-major: the matrix
@@ -263,9 +269,11 @@ static void chol_solve_task(void *ctx, int64_t b)
 }
 
 // One pass: the blocks' Gram matrices, their sum's Cholesky factor R (upper, row-major, into r),
-// and (where check is set) whether R is well conditioned; then the solves. False where the
+// and (where check is set) whether R is well conditioned, and whether well enough for this pass
+// to be the only one (CHOL_ONE: j->out set to one_out, where one_out is not NULL); then the
+// solves. False where the
 // factor fails or is not well conditioned (nothing divided).
-static bool chol_pass(lm_pool *pool, chol_job *j, double *r, bool check)
+static bool chol_pass(lm_pool *pool, chol_job *j, double *r, bool check, float *one_out)
 {
     int l = j->l;
     lm_pool_run(pool, j->nb, chol_gram_task, j);
@@ -287,16 +295,20 @@ static bool chol_pass(lm_pool *pool, chol_job *j, double *r, bool check)
         if (LAPACKE_dtrcon(LAPACK_ROW_MAJOR, '1', 'U', 'N', l, r, l, &rcond) != 0 ||
             !(rcond * CHOL_COND >= 3.0 * l))
             return false;
+        if (one_out && rcond * CHOL_ONE >= 3.0 * l)
+            j->out = one_out;  // this pass is the last: its solves write the basis
     }
     j->r = r;
     lm_pool_run(pool, j->nb, chol_solve_task, j);
     return true;
 }
 
-// The basis of f [n, l] by CholeskyQR2 into f, and R = R₂·R₁ [l, l] (row-major) into r where r
-// is not NULL, *done set; *done false (f untouched: only the second pass's solves write it,
-// after its factor) where the matrix is not well conditioned.
-static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, double *r, bool *done, lm_err *err)
+// The basis of f [n, l] by CholeskyQR2 into f (by one pass where that is enough, CHOL_ONE: *passes
+// says how many), and R = R₂·R₁ (or R₁) [l, l] (row-major) into r where r is not NULL, *done
+// set; *done false (f untouched: only the last pass's solves write it, after its factor) where
+// the matrix is not well conditioned.
+static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, double *r, bool *done, int *passes,
+                         lm_err *err)
 {
     chol_job j = {.x = f, .h = h, .n = n, .nb = (n + CHOL_ROWS - 1) / CHOL_ROWS, .l = l};
     double *r1 = malloc((size_t)l * l * sizeof *r1), *r2 = malloc((size_t)l * l * sizeof *r2);
@@ -305,12 +317,16 @@ static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, d
         free(r2);
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     }
-    *done = chol_pass(pool, &j, r1, true);
-    if (*done) {
+    *done = chol_pass(pool, &j, r1, true, f);
+    bool one = j.out != NULL;
+    if (*done && !one) {
         j.out = f;
-        *done = chol_pass(pool, &j, r2, false);
+        *done = chol_pass(pool, &j, r2, false, NULL);
     }
-    if (*done && r)  // both upper triangular: R's row i from column i on
+    *passes = one ? 1 : 2;
+    if (*done && r && one)
+        memcpy(r, r1, (size_t)l * l * sizeof *r);
+    else if (*done && r)  // both upper triangular: R's row i from column i on
         for (int i = 0; i < l; i++)
             for (int c = 0; c < l; c++) {
                 double x = 0;
@@ -343,13 +359,17 @@ static lm_status host_gram(lm_pool *pool, const float *x, int64_t n, int l, doub
 
 // The QR of the host matrix f [n, l] (row-major, float): its orthonormal basis Q back into f, R
 // [l, l] (row-major, upper) into r where r is not NULL; by Cholesky QR where the matrix is well
-// conditioned (*n_cholesky counts it), else by the QR by blocks. h: n × l doubles of scratch.
+// conditioned (*n_cholesky counts it, and *n_one where n_one is not NULL if one pass made it),
+// else by the QR by blocks. h: n × l doubles of scratch.
 static lm_status host_qr(lm_pool *pool, float *f, int64_t n, int l, double *h, double *r, int *n_cholesky,
-                         lm_err *err)
+                         int *n_one, lm_err *err)
 {
     bool done = false;
-    lm_status s = cholqr2(pool, f, n, l, h, r, &done, err);
+    int passes = 0;
+    lm_status s = cholqr2(pool, f, n, l, h, r, &done, &passes, err);
     *n_cholesky += done;
+    if (n_one)
+        *n_one += done && passes == 1;
     if (s == LM_OK && !done)
         s = tsqr(pool, f, n, l, h, r, err);
     return s;
@@ -365,7 +385,7 @@ static lm_status orthonormalise(lm_dev *dev, lm_pool *pool, float *x, int64_t n,
     double t1 = lm_now();
     out->device_s += t1 - t;
     if (s == LM_OK)
-        s = host_qr(pool, f, n, l, h, NULL, &out->bases_cholesky, err);
+        s = host_qr(pool, f, n, l, h, NULL, &out->bases_cholesky, &out->bases_one_pass, err);
     out->host_s += lm_now() - t1;
     if (s != LM_OK)
         return s;
@@ -510,7 +530,7 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
     if (s != LM_OK)
         goto done;
     t_host = lm_now();  // from here to the download of Q, and from that to the residual: the host's
-    if ((s = host_qr(pool, f, cols, l, h, rx, &x_cholesky, err)) != LM_OK)
+    if ((s = host_qr(pool, f, cols, l, h, rx, &x_cholesky, NULL, err)) != LM_OK)
         goto done;
     lapack_int info = LAPACKE_dgesvd(LAPACK_ROW_MAJOR, 'A', 'A', l, l, rx, l, sig, ur, l, vrt, l, sup);
     if (info != 0) {

@@ -2,10 +2,11 @@
 // factorisation behind writing a merge's deltas as an adapter. A randomised range finder with
 // power iterations (Halko, Martinsson and Tropp, 2011) on the device: Y = M·Ω with Ω a Gaussian
 // test matrix of l = r + oversampling columns, re-orthonormalised after each product with Mᵀ and
-// M (in double on the host: Cholesky QR twice where the product is well conditioned, else a
-// Householder QR by blocks of rows); then the small matrix Q'·M [l, cols] decomposed exactly
-// in double on the host (the same QR of its transpose, then LAPACKE's SVD of the l × l triangle). B = Q·U_r·√Σ_r and A = √Σ_r·V_rᵀ share the singular
-// values, so that neither factor is much larger than the other. Where M's rank is at most l the
+// M (in double on the host: Cholesky QR, once or twice, where the product is well conditioned,
+// else a Householder QR by blocks of rows); then the small matrix Q'·M [l, cols] decomposed
+// exactly in double on the host (the same QR of its transpose, then LAPACKE's SVD of the l × l
+// triangle). B = Q·U_r·√Σ_r and A = √Σ_r·V_rᵀ share the singular values, so that neither factor
+// is much larger than the other. Where M's rank is at most l the
 // range is found whole and the factorisation is exact to float32 rounding.
 //
 // Every draw of Ω is a pure function of (key, its index), the products are the device's
@@ -48,6 +49,7 @@ typedef struct lm_lowrank {
     bool err_residual;   // err from the residual itself (under 0.1), not from the Gram sum
     int bases_cholesky;  // of the range's bases (one, and two per power iteration), how many were
                          // made by Cholesky QR (the others by the QR by blocks)
+    int bases_one_pass;  // of those, how many by one pass of it (the others by two)
     double host_s;       // seconds of the host's work: Ω, the bases' QRs, the small SVD and the
                          // products with its vectors (the rest is the device's products and copies)
     double device_s;     // seconds of the device's work outside the error's pass: the norm, the

@@ -234,6 +234,25 @@ static void test_error_paths(lm_dev *dev)
                       bf16 ? " (BF16)" : "", lr.err, mine);
             CHECK_MSG(lr.err_residual == (mine < 0.1), "case %zu%s: error %.6g measured %s", c, bf16 ? " (BF16)" : "",
                       mine, lr.err_residual ? "from the residual" : "from the Gram sum");
+            // the bases: one pass of Cholesky QR for the flat spectrum's (well conditioned), two
+            // for some of the steep one's; either way B = Q·U_r·√Σ_r has BᵀB = Σ_r to float32
+            // rounding (Q orthonormal)
+            if (c == 0)
+                CHECK_MSG(lr.bases_cholesky == 3 && lr.bases_one_pass == 3, "flat: %d bases by Cholesky QR, %d by "
+                          "one pass", lr.bases_cholesky, lr.bases_one_pass);
+            else
+                CHECK_MSG(lr.bases_cholesky == 3 && lr.bases_one_pass < 3, "steep: %d bases by Cholesky QR, %d by "
+                          "one pass", lr.bases_cholesky, lr.bases_one_pass);
+            double worst = 0;
+            for (int p = 0; !bf16 && p < lr.rank; p++)
+                for (int q = 0; q < lr.rank; q++) {
+                    double g = 0;
+                    for (int64_t i = 0; i < rows; i++)
+                        g += (double)lr.b[i * lr.rank + p] * lr.b[i * lr.rank + q];
+                    worst = fmax(worst, fabs(g - (p == q ? lr.sigma[p] : 0.0)) / lr.sigma[0]);
+                }
+            CHECK_MSG(worst <= 2e-6, "case %zu: B'B differs from the singular values by %.3g of the largest", c,
+                      worst);
             lm_lowrank_free(&lr);
         }
     free(flat);
