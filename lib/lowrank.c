@@ -271,8 +271,7 @@ static void chol_solve_task(void *ctx, int64_t b)
 // One pass: the blocks' Gram matrices, their sum's Cholesky factor R (upper, row-major, into r),
 // and (where check is set) whether R is well conditioned, and whether well enough for this pass
 // to be the only one (CHOL_ONE: j->out set to one_out, where one_out is not NULL); then the
-// solves. False where the
-// factor fails or is not well conditioned (nothing divided).
+// solves. False where the factor fails or is not well conditioned (nothing divided).
 static bool chol_pass(lm_pool *pool, chol_job *j, double *r, bool check, float *one_out)
 {
     int l = j->l;
@@ -620,8 +619,10 @@ lm_status lm_lowrank_factor(lm_dev *dev, const float *m, int64_t rows, int64_t c
         (s = lm_dev_alloc(dev, (size_t)(rows * r) * sizeof(float), (void **)&b.fb, err)) != LM_OK ||
         (s = lm_dev_upload(dev, b.fa, at, (size_t)(r * cols) * sizeof(float), err)) != LM_OK ||
         (s = lm_dev_gemm(dev, false, false, rows, r, cols, 1.0f, m, cols, b.fa, r, 0.0f, b.fb, r, err)) != LM_OK ||
-        (s = lm_dev_download(dev, g, b.fb, (size_t)(rows * r) * sizeof(float), err)) != LM_OK)
+        (s = lm_dev_download(dev, g, b.fb, (size_t)(rows * r) * sizeof(float), err)) != LM_OK) {
+        out->residual_s = lm_now() - t_res;  // kept for the caller's account of a redo
         goto done;
+    }
     for (int p = 0; p < r; p++)  // the upper triangles: the diagonal once, the rest twice
         for (int q = p; q < r; q++)
             gb_ga += (p == q ? 1.0 : 2.0) * rx[p * r + q] * ur[p * r + q];
