@@ -117,7 +117,8 @@ json "$work/plan.json" adapter.delta_on host
 "$llmerge" plan extract "$B" "$F1" -o "$work/planned" --rank 8 --device cpu >"$work/plan_ex.out" 2>&1
 # (the free disk space, which other processes move between the two, left out)
 free_out() { sed 's/; [^;]* free at .*$/; FREE/' "$1"; }
-check '[ "$(free_out "$work/plan.out")" = "$(free_out "$work/plan_ex.out")" ] && grep -q "^adapter:" "$work/plan_ex.out"' \
+check '[ "$(free_out "$work/plan.out")" = "$(free_out "$work/plan_ex.out")" ] &&
+  grep -q "^adapter:" "$work/plan_ex.out"' \
   "plan extract: $(diff <(free_out "$work/plan.out") <(free_out "$work/plan_ex.out"))"
 # on a device the changes are held there
 "$llmerge" plan task-arithmetic "$B" "$F1" -o "$work/planned" --to-lora 8 --device sim:1GiB >"$work/plan_sim.out" \
