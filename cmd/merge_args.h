@@ -184,6 +184,10 @@ lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bo
 
 // --to-lora (cmd/merge_lora.c): the merge's output made into a PEFT LoRA adapter of BASE.
 typedef struct lm_cmd_lora lm_cmd_lora;
+// The columns the range finder adds to the rank, and the base's values a matrix's change is made
+// with at once (on a device, the chunks it is made with there): what llmerge plan sizes too.
+#define LM_LORA_OVERSAMPLE 10
+#define LM_LORA_DELTA_CHUNK ((int64_t)1 << 20)
 // Before any work: --to-lora-energy without --to-lora, a rank above a matrix's smaller side, a
 // floating tensor of more than two dimensions: LM_ERR_USAGE or LM_ERR_UNSUPPORTED naming it.
 lm_status lm_cmd_lora_check(const merge_args *a, const lm_model *base, lm_err *err);

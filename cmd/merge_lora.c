@@ -26,11 +26,9 @@
 #include "sparsify.h"
 #include "util.h"
 
-#define LORA_OVERSAMPLE 10
 #define LORA_POWER_ITERS 1
 #define BASE_CHUNK 4096                // base values converted at once
 #define RELEASE_BYTES ((uint64_t)8 << 20)  // base bytes read between two madvise calls
-#define DELTA_CHUNK ((int64_t)1 << 20)     // a matrix's base values converted at once
 
 // A tensor that changed, with what was made of it.
 typedef struct lora_rec {
@@ -57,7 +55,7 @@ struct lm_cmd_lora {
     float *buf;         // the current tensor's merged values (on the host)
     int64_t buf_idx;
     size_t buf_cap;
-    float *chunk;       // (DELTA_CHUNK) the base's values as float32
+    float *chunk;       // (LM_LORA_DELTA_CHUNK) the base's values as float32
     // On a device whose memory is not the host's, a matrix's merged values go straight to the
     // device as they come, where Δ is made and factored: the host never holds the matrix (the
     // embedding's change alone is 1 GB in float32 at 1B shapes). Where it does not fit, the
@@ -347,7 +345,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     if (l->on_dev) {
         // the base's chunks on the device, now that the merge's unit has let go of its memory;
         // where they do not fit, the merged values come home and Δ is made there
-        int64_t elems = bt->numel < DELTA_CHUNK ? bt->numel : DELTA_CHUNK;
+        int64_t elems = bt->numel < LM_LORA_DELTA_CHUNK ? bt->numel : LM_LORA_DELTA_CHUNK;
         s = lm_dev_alloc(l->dev, (size_t)elems * es, &l->dstage, err);
         if (s == LM_OK)
             s = lm_dev_alloc(l->dev, (size_t)elems * sizeof(float), (void **)&l->dchunk, err);
@@ -365,12 +363,12 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
         if (s != LM_OK)
             return s;
     }
-    if (!l->on_dev && !l->chunk && !(l->chunk = malloc(DELTA_CHUNK * sizeof *l->chunk)))
+    if (!l->on_dev && !l->chunk && !(l->chunk = malloc(LM_LORA_DELTA_CHUNK * sizeof *l->chunk)))
         return nomem(err);
     lm_dev *dd = l->on_dev ? l->dev : cpu;
     float *delta = l->on_dev ? l->dbuf : l->buf, *chunk = l->on_dev ? l->dchunk : l->chunk;
-    for (int64_t c0 = 0; c0 < bt->numel && s == LM_OK; c0 += DELTA_CHUNK) {
-        int64_t cnt = bt->numel - c0 < DELTA_CHUNK ? bt->numel - c0 : DELTA_CHUNK;
+    for (int64_t c0 = 0; c0 < bt->numel && s == LM_OK; c0 += LM_LORA_DELTA_CHUNK) {
+        int64_t cnt = bt->numel - c0 < LM_LORA_DELTA_CHUNK ? bt->numel - c0 : LM_LORA_DELTA_CHUNK;
         const char *src = (const char *)bt->data + (size_t)c0 * es;
         if (l->on_dev && (s = lm_dev_upload(dd, l->dstage, src, (size_t)cnt * es, err)) != LM_OK)
             break;
@@ -393,7 +391,7 @@ lm_status lm_cmd_lora_done(lm_cmd_lora *l, int64_t idx, lm_err *err)
     if (!(r.name = lm_strdup(bt->name)))
         return nomem(err);
     int64_t rows = bt->shape[0], cols = bt->shape[1];
-    lm_lowrank_opts o = {.rank = l->a->to_lora, .energy = l->a->to_lora_energy, .oversample = LORA_OVERSAMPLE,
+    lm_lowrank_opts o = {.rank = l->a->to_lora, .energy = l->a->to_lora_energy, .oversample = LM_LORA_OVERSAMPLE,
                          .power_iters = LORA_POWER_ITERS, .key = lm_rng_key(l->a->seed, 0, lm_xxh64(bt->name,
                          strlen(bt->name))), .round_bf16 = l->dtype == LM_DTYPE_BF16,
                          .round_f16 = l->dtype == LM_DTYPE_F16};

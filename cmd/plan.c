@@ -23,6 +23,7 @@
 #include "device.h"
 #include "forward.h"
 #include "merge.h"
+#include "merge_args.h"
 #include "plan.h"
 #include "util.h"
 
@@ -273,12 +274,12 @@ static plan_lora lora_need(const lm_cmd_prepared *pr)
             continue;
         }
         int64_t rows = t->shape[0], cols = t->shape[1], k = rows < cols ? rows : cols;
-        int64_t r = pr->to_lora_exact ? 0 : pr->to_lora, lw = r + 10 < k ? r + 10 : k;
+        int64_t r = pr->to_lora_exact ? 0 : pr->to_lora, lw = r + LM_LORA_OVERSAMPLE < k ? r + LM_LORA_OVERSAMPLE : k;
         l.bytes += (uint64_t)(r * (rows + cols)) * es;
         if ((uint64_t)t->numel * 4 > l.delta) {
             l.largest = t->name;
             l.delta = (uint64_t)t->numel * 4;
-            int64_t chunk = t->numel < ((int64_t)1 << 20) ? t->numel : ((int64_t)1 << 20);  // merge_lora.c's
+            int64_t chunk = t->numel < LM_LORA_DELTA_CHUNK ? t->numel : LM_LORA_DELTA_CHUNK;
             l.stage = (uint64_t)chunk * (lm_dtype_bits(t->dtype) / 8 + 4);
             int64_t big = rows > cols ? rows : cols;
             // lowrank.c's buffers: the sketches in float and double, the small SVD's, the factors,

@@ -268,6 +268,20 @@ static void chol_solve_task(void *ctx, int64_t b)
             j->out[r0 * j->l + i] = (float)h[i];
 }
 
+// The blocks' Gram matrices (x converted first where j->x is set, which then is not), their sum
+// in block order into the upper triangle of g [l, l] (row-major; the rest zero).
+static void gram_sum(lm_pool *pool, chol_job *j, double *g)
+{
+    int l = j->l;
+    lm_pool_run(pool, j->nb, chol_gram_task, j);
+    j->x = NULL;
+    memset(g, 0, (size_t)l * l * sizeof *g);
+    for (int64_t b = 0; b < j->nb; b++)
+        for (int p = 0; p < l; p++)
+            for (int q = p; q < l; q++)
+                g[p * l + q] += j->g[(b * l + p) * l + q];
+}
+
 // One pass: the blocks' Gram matrices, their sum's Cholesky factor R (upper, row-major, into r),
 // and (where check is set) whether R is well conditioned, and whether well enough for this pass
 // to be the only one (CHOL_ONE: j->out set to one_out, where one_out is not NULL); then the
@@ -275,13 +289,7 @@ static void chol_solve_task(void *ctx, int64_t b)
 static bool chol_pass(lm_pool *pool, chol_job *j, double *r, bool check, float *one_out)
 {
     int l = j->l;
-    lm_pool_run(pool, j->nb, chol_gram_task, j);
-    j->x = NULL;
-    memset(r, 0, (size_t)l * l * sizeof *r);
-    for (int64_t b = 0; b < j->nb; b++)
-        for (int p = 0; p < l; p++)
-            for (int q = p; q < l; q++)
-                r[p * l + q] += j->g[(b * l + p) * l + q];
+    gram_sum(pool, j, r);
     // the upper triangle row-major is the lower one column-major: LAPACK's 'L' factor there is
     // Rᵀ column-major, which is R row-major
     if (LAPACKE_dpotrf(LAPACK_COL_MAJOR, 'L', l, r, l) != 0)
@@ -339,19 +347,14 @@ static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, d
     return LM_OK;
 }
 
-// The upper triangle of xᵀ·x [l, l] (row-major, double) into g, x [n, l] row-major float: the
-// Gram matrices of CholeskyQR's blocks (h: n × l doubles of scratch), added in block order.
+// The upper triangle of xᵀ·x [l, l] (row-major, double) into g, x [n, l] row-major float, as
+// CholeskyQR's first pass makes it (h: n × l doubles of scratch).
 static lm_status host_gram(lm_pool *pool, const float *x, int64_t n, int l, double *h, double *g, lm_err *err)
 {
     chol_job j = {.x = x, .h = h, .n = n, .nb = (n + CHOL_ROWS - 1) / CHOL_ROWS, .l = l};
     if (!(j.g = malloc((size_t)(j.nb * l * l) * sizeof *j.g)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    lm_pool_run(pool, j.nb, chol_gram_task, &j);
-    memset(g, 0, (size_t)l * l * sizeof *g);
-    for (int64_t b = 0; b < j.nb; b++)
-        for (int p = 0; p < l; p++)
-            for (int q = p; q < l; q++)
-                g[p * l + q] += j.g[(b * l + p) * l + q];
+    gram_sum(pool, &j, g);
     free(j.g);
     return LM_OK;
 }

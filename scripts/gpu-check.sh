@@ -13,8 +13,9 @@
 # bench_methods --device cuda (slerp, breadcrumbs, della and the --to-lora merges against their
 # reference methods in the same run, with the targets of the CPU's table). Where python3 has
 # PyTorch it runs merges while another process holds all of the GPU but 1.2 GB (each must
-# finish), and where it has transformers and peft, scripts/peft-check.py. The build's log lists the kernels ptxas reports spilling registers or using local memory. Exit
-# status 0 only when every step passed (a benchmark's MISSED target is printed, not a failure).
+# finish), and where it has transformers and peft, scripts/peft-check.py. The build's log lists
+# the kernels ptxas reports spilling registers or using local memory. Exit status 0 only when
+# every step passed (a benchmark's MISSED target is printed, not a failure).
 #
 #   scripts/gpu-check.sh [--no-bench] [--no-build]
 #
