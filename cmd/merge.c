@@ -456,10 +456,6 @@ static lm_status prepare(merge_run *r, lm_err *err)
     if ((s = check_parent(a->out, err)) != LM_OK)
         return s;
 
-    // llmerge run's inputs made before they are opened (PATH+LORA)
-    if (a->prepare_inputs && (s = a->prepare_inputs(a, &r->progress, err)) != LM_OK)
-        return s;
-
     // BASE
     lm_input_kind kind;
     char *resolved = NULL;
@@ -481,8 +477,11 @@ static lm_status prepare(merge_run *r, lm_err *err)
     r->fts = calloc((size_t)a->n_ft, sizeof *r->fts);
     if (!r->fts)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-    // --to-lora's checks against the base, before the FTs are opened (or a vocabulary rebuilt)
+    // --to-lora's checks against the base, before the FTs are made, opened or rebuilt
     if ((s = lm_cmd_lora_check(a, r->base, err)) != LM_OK)
+        return s;
+    // llmerge run's inputs made before they are opened (PATH+LORA)
+    if (a->prepare_inputs && (s = a->prepare_inputs(a, &r->progress, err)) != LM_OK)
         return s;
     // (llmerge run's models of other vocabularies: their embeddings rebuilt first, llmerge plan's
     // only as large as they will be)
@@ -537,7 +536,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->seed = a->seed;
     o->out_dtype = a->have_dtype ? a->dtype : lm_model_out_dtype(r->base);
     if (a->to_lora || a->to_lora_exact) {  // the merge's values in float32, from which each tensor's Δ is made
-        a->lora_dtype = o->out_dtype;
+        // (exact: float32 unless --dtype says otherwise, so that the adapter is the merge)
+        a->lora_dtype = a->to_lora_exact && !a->have_dtype ? LM_DTYPE_F32 : o->out_dtype;
         o->out_dtype = LM_DTYPE_F32;
     }
     o->threads = a->threads;

@@ -136,8 +136,8 @@ struct merge_args {
     bool calib_text;           // --data-format text: each --calib file is one text document
     int to_lora;               // --to-lora RANK: OUT is a LoRA adapter of that rank (0: a model)
     bool to_lora_exact;        // --to-lora exact: the adapter inputs' factors concatenated
-    lm_dtype lora_dtype;       // --to-lora: the adapter's dtype (--dtype, else the base's); the
-                               // merge's own output is then float32
+    lm_dtype lora_dtype;       // --to-lora: the adapter's dtype (--dtype, else the base's; exact:
+                               // else float32); the merge's own output is then float32
     double to_lora_energy;     // --to-lora-energy F: per tensor the rank that keeps F of Δ's
                                // energy, at most to_lora (0: to_lora each)
     bool given[OPT_HELP + 1];  // which options appeared

@@ -538,16 +538,23 @@ static bool made_whole(const lm_cmd_lora *l, const char *name)
     return whole;
 }
 
+// Whether record r is the change of a linear layer's bias (written as lora_B.bias).
+static bool bias_change(const lm_cmd_lora *l, const lora_rec *r)
+{
+    return r->rank < 0 && r->ndim == 1 && linear_weight(l, r->name);
+}
+
 void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
 {
-    int64_t n_f = 0, n_whole = 0;
+    int64_t n_f = 0, n_whole = 0, n_bias = 0;
     double worst = 0, sum = 0;
     const char *worst_name = NULL;
     int r_min = 0, r_max = 0;
     for (int64_t i = 0; i < l->n_rec; i++) {
         const lora_rec *r = &l->rec[i];
         if (r->rank < 0) {
-            n_whole++;
+            n_bias += bias_change(l, r);
+            n_whole += !bias_change(l, r);
             continue;
         }
         if (n_f == 0 || r->rank < r_min)
@@ -559,20 +566,25 @@ void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
         if (!worst_name || r->err > worst)
             worst = r->err, worst_name = r->name;
     }
-    char ranks[48];
+    char ranks[48], biases[64] = "";
+    if (n_bias)
+        snprintf(biases, sizeof biases, "; %" PRId64 " bias change%s as lora_B.bias", n_bias, n_bias == 1 ? "" : "s");
     if (r_min == r_max)
         snprintf(ranks, sizeof ranks, "%d", r_min);
     else
         snprintf(ranks, sizeof ranks, "%d to %d", r_min, r_max);
     if (n_f && l->a->to_lora_exact)
-        lm_progress_note(p, "adapter: %" PRId64 " matri%s as the inputs' factors concatenated (rank %s, exact); %"
-                         PRId64 " tensor%s whole", n_f, n_f == 1 ? "x" : "ces", ranks, n_whole, n_whole == 1 ? "" : "s");
+        lm_progress_note(p, "adapter: %" PRId64 " matri%s as the inputs' factors concatenated (rank %s, exact%s%s)%s; %"
+                         PRId64 " tensor%s whole", n_f, n_f == 1 ? "x" : "ces", ranks,
+                         l->dtype == LM_DTYPE_F32 ? "" : ", then rounded to ",
+                         l->dtype == LM_DTYPE_F32 ? "" : lm_cmd_dtype_flag(l->dtype), biases, n_whole,
+                         n_whole == 1 ? "" : "s");
     else if (n_f)
         lm_progress_note(p, "adapter: %" PRId64 " matri%s as factors of rank %s, relative error mean %.3g, worst "
-                         "%.3g (%s); %" PRId64 " tensor%s whole", n_f, n_f == 1 ? "x" : "ces", ranks,
-                         sum / (double)n_f, worst, worst_name, n_whole, n_whole == 1 ? "" : "s");
+                         "%.3g (%s)%s; %" PRId64 " tensor%s whole", n_f, n_f == 1 ? "x" : "ces", ranks,
+                         sum / (double)n_f, worst, worst_name, biases, n_whole, n_whole == 1 ? "" : "s");
     else
-        lm_progress_note(p, "adapter: no matrix changes; %" PRId64 " tensor%s whole", n_whole,
+        lm_progress_note(p, "adapter: no matrix changes%s; %" PRId64 " tensor%s whole", biases, n_whole,
                          n_whole == 1 ? "" : "s");
     for (int64_t i = 0; i < l->n_rec; i++)
         if (l->rec[i].rank > 0 && made_whole(l, l->rec[i].name))
@@ -601,8 +613,8 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
         cJSON *o = cJSON_CreateObject();
         if (!o || !cJSON_AddItemToArray(list, o) || !cJSON_AddStringToObject(o, "name", r->name))
             return nomem(err);
-        if (r->rank < 0) {
-            if (!cJSON_AddStringToObject(o, "as", "whole"))
+        if (r->rank < 0) {  // a bias's change (lora_B.bias), or a tensor saved whole (modules_to_save)
+            if (!cJSON_AddStringToObject(o, "as", bias_change(l, r) ? "bias" : "whole"))
                 return nomem(err);
             continue;
         }

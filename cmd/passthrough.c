@@ -37,7 +37,18 @@
 
 #define DEFAULT_SHARD_SIZE 5000000000ull  // "5GB", as transformers and the merge commands
 
-enum { OPT_OUTPUT, OPT_SLICE, OPT_DTYPE, OPT_SHARD_SIZE, OPT_LOG_JSON, OPT_QUIET, OPT_FORCE, OPT_NO_CARD, OPT_HELP };
+enum {
+    OPT_OUTPUT,
+    OPT_SLICE,
+    OPT_DTYPE,
+    OPT_SHARD_SIZE,
+    OPT_LOG_JSON,
+    OPT_QUIET,
+    OPT_FORCE,
+    OPT_NO_CARD,
+    OPT_HELP,
+    OPT_TO_LORA,  // the merge commands' options a passthrough cannot take, refused with the reason
+};
 
 static const lm_opt opt_defs[] = {
     {"output", 'o', true, OPT_OUTPUT},
@@ -49,6 +60,8 @@ static const lm_opt opt_defs[] = {
     {"force", 0, false, OPT_FORCE},
     {"no-card", 0, false, OPT_NO_CARD},
     {"help", 'h', false, OPT_HELP},
+    {"to-lora", 0, true, OPT_TO_LORA},
+    {"to-lora-energy", 0, true, OPT_TO_LORA},
 };
 #define N_OPTS (sizeof opt_defs / sizeof opt_defs[0])
 
@@ -252,6 +265,9 @@ static lm_status apply_option(void *ctx, const lm_opt *d, const char *shown, con
     case OPT_HELP:
         r->help = true;
         return LM_OK;
+    case OPT_TO_LORA:
+        return lm_err_set(err, LM_ERR_USAGE, "%s: a passthrough stacks layers into a new model, which has no base "
+                          "to be an adapter of", shown);
     }
     return LM_OK;
 }

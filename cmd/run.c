@@ -329,6 +329,10 @@ static lm_status model_input(run_preset *p, const lm_cfg_model *m, const char *b
 static lm_status make_pending(merge_args *a, lm_progress *pr, lm_err *err)
 {
     run_preset *p = a->preset;
+    if (a->to_lora_exact && p->n_pending > 0)  // refused before it is made, naming it as written
+        return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact concatenates the inputs' factors: FT %d %s+%s is a "
+                          "LoRA of another model than the base, so a full model once merged onto it, which has "
+                          "none (give a rank)", p->pending_ft[0] + 1, p->pending_path[0], p->pending_lora[0]);
     for (int i = 0; i < p->n_pending; i++) {
         char *dir = NULL;
         bool made = false;
@@ -910,14 +914,18 @@ static void run_usage(FILE *out, const void *arg)
             "  --no-card              do not write README.md, the model card\n"
             "  --strict               refuse a full model holding a tensor the base does not have\n"
             "  --to-lora RANK         write OUT as a PEFT LoRA adapter of base_model (each matrix's\n"
-            "                         merged change as factors of rank RANK; llmerge METHOD --help)\n"
-            "  --to-lora-energy F     with --to-lora: per matrix the smallest rank keeping F of\n"
-            "                         its change's energy, at most RANK\n"
+            "                         merged change as factors of rank RANK; llmerge METHOD --help);\n"
+            "                         not for passthrough\n"
+            "  --to-lora exact        (task_arithmetic and linear of LoRA adapters of base_model)\n"
+            "                         the inputs' factors concatenated: no SVD, no error\n"
+            "  --to-lora-energy F     with --to-lora RANK: per matrix the smallest rank keeping F\n"
+            "                         of its change's energy, at most RANK\n"
             "  -h, --help             this help\n"
             "\n"
             "OUT gets what a merge command writes (the weights, config.json, the tokenizer and\n"
-            "generation files, README.md, llmerge.json) and the configuration itself as\n"
-            "mergekit_config.yml. llmerge plan CONFIG.yml -o OUT says what the merge will need.\n"
+            "generation files, README.md, llmerge.json; with --to-lora, adapter_config.json and\n"
+            "adapter_model.safetensors instead of the model's files) and the configuration itself\n"
+            "as mergekit_config.yml. llmerge plan CONFIG.yml -o OUT says what the merge will need.\n"
             "\n"
             "Exit status: 0 done; 1 the merge failed; 2 bad usage or a bad configuration or input,\n"
             "found before any work; 128 + the signal when stopped by one (nothing is left at OUT).\n",

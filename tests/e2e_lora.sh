@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # End-to-end tests of merges written as LoRA adapters (--to-lora, llmerge extract) through the
 # binary, on the fixtures: the round trip (the adapter merged back onto the base gives the merge
-# it came from) where the merge's change has rank at most RANK (two adapters of rank 8 at rank
-# 16; an adapter with bias deltas onto a base with biases), float32 factors against the merge to
-# one unit in the last place or a millionth of the tensor's largest value (the change is the
-# merge's float32 output less the base); norms that change written whole (modules_to_save) and merged back exactly;
-# extract the same adapter as task-arithmetic --to-lora; llmerge.json's per-tensor ranks and
-# errors; --to-lora exact (the inputs' factors concatenated) of task arithmetic and linear, and
-# its refusals; the energy rule's ranks in rank_pattern; the same adapter on sim and cuda-emu with
-# budgets under which factorisations fall back; llmerge run with --to-lora; every refusal exit
-# status 2 before any work, nothing left behind. PEFT's rules on a Qwen2 full fine-tune: bias
-# deltas beside an embedding (written whole), the tied embedding declared.
-# Usage: e2e_lora.sh LLMERGE FIXTURES JSONQ ST_DIFF
+# it came from) where the merge's change has rank at most RANK (two adapters of rank 8 at rank 16;
+# an adapter with bias deltas onto a base with biases), and where it does not (a full fine-tune at
+# rank 8: BASE plus the factors' product, computed apart by st_lora), float32 factors against the
+# merge to one unit in the last place or a millionth of the tensor's largest value (the change is
+# the merge's float32 output less the base); norms that change written whole (modules_to_save) and
+# merged back exactly; extract the same adapter as task-arithmetic --to-lora; llmerge.json's
+# per-tensor ranks and errors; --to-lora exact (the inputs' factors concatenated) of task
+# arithmetic and linear, and its refusals; the energy rule's ranks in rank_pattern; the same
+# adapter on sim and cuda-emu with budgets under which factorisations fall back; llmerge run with
+# --to-lora; every refusal exit status 2 before any work, nothing left behind. PEFT's rules on a
+# Qwen2 full fine-tune: bias deltas beside an embedding (written whole), the tied embedding
+# declared.
+# Usage: e2e_lora.sh LLMERGE FIXTURES JSONQ ST_DIFF ST_LORA
 set -u
-llmerge=$1 fx=$2 jsonq=$3 st_diff=$4
+llmerge=$1 fx=$2 jsonq=$3 st_diff=$4 st_lora=$5
 . "$(dirname "$0")/e2e_lib.sh"
 e2e_start e2e_lora
 
@@ -66,6 +68,9 @@ json "$work/qex/adapter_config.json" target_modules \
   '["down_proj","gate_proj","up_proj","k_proj","o_proj","q_proj","v_proj"]'
 json "$work/qex/llmerge.json" outputs.adapter.tensors.0.name model.embed_tokens.weight
 json "$work/qex/llmerge.json" outputs.adapter.tensors.0.as whole
+check '"$jsonq" "$work/qex/llmerge.json" outputs.adapter.tensors | grep -q "k_proj.bias\",\"as\":\"bias\"" &&
+  grep -q "; 6 bias changes as lora_B.bias; 5 tensors whole" "$work/qex.err"' \
+  "the bias changes are not listed as lora_B.bias: $(grep "adapter:" "$work/qex.err" | head -1)"
 check 'grep -q "model.embed_tokens.weight written whole (modules_to_save, BASE plus its factors. product)" \
   "$work/qex.err" && grep -q "has no bias in BASE: PEFT applies the adapter but its merge_and_unload refuses" \
   "$work/qex.err"' "the Qwen2 extraction's notes: $(tail -4 "$work/qex.err")"
@@ -74,6 +79,8 @@ check 'grep -q "\"embed_tokens\"" "$work/qex/adapter_config.json" &&
   grep -q "base_model.model.lm_head.weight" "$work/qex/adapter_model.safetensors"' \
   "the embedding is not in modules_to_save alone, with the tied lm_head's copy"
 run qexm task-arithmetic "$Q" "$work/qex" -o "$work/qexm"
+check '"$st_lora" "$Q" "$work/qex" "$work/qexm" 1e-6 >"$work/stl" 2>&1' \
+  "the Qwen2 adapter merged back is not BASE plus its change: $(cat "$work/stl")"
 
 # a full fine-tune: its norms go whole into modules_to_save and come back exactly; its matrices
 # as rank-8 factors, each with its error recorded; extract is task-arithmetic --to-lora
@@ -89,6 +96,14 @@ json "$work/ex/llmerge.json" outputs.adapter.tensors.0.name model.embed_tokens.w
 json "$work/ex/llmerge.json" outputs.adapter.tensors.0.as factors
 json "$work/ex/llmerge.json" outputs.adapter.tensors.0.rank 8
 run exm task-arithmetic "$B" "$work/ex" -o "$work/exm"
+# merged back (in float32), the truncated change: BASE + B·A, computed apart (st_lora), where the
+# rank-8 factors are far from the fine-tune's change
+run exm32 task-arithmetic "$B" "$work/ex" -o "$work/exm32" --dtype f32
+check '"$st_lora" "$B" "$work/ex" "$work/exm32" 1e-6 >"$work/stl" 2>&1 && grep -q "^16 tensors with factors" "$work/stl"' \
+  "the rank-8 adapter merged back is not BASE plus its factors' product: $(cat "$work/stl")"
+run ftm32 task-arithmetic "$B" "$F1" -o "$work/ftm32" --dtype f32
+check '! "$st_lora" "$B" "$work/ex" "$work/ftm32" 1e-3 >/dev/null 2>&1' \
+  "the fine-tune itself is BASE plus its rank-8 factors' product: a check that cannot fail"
 run ftm task-arithmetic "$B" "$F1" -o "$work/ftm"
 n=$("$jsonq" "$work/exm/llmerge.json" outputs.tensors.#)
 for i in $(seq 0 $((n - 1))); do
@@ -221,8 +236,14 @@ json "$work/ex1/llmerge.json" outputs.adapter.exact true
 json "$work/ex1/llmerge.json" outputs.adapter.error_max null
 check 'grep -q "5 matrices as the inputs. factors concatenated (rank 4 to 12, exact); 1 tensor whole" "$work/ex1.err"' \
   "exact: $(tail -2 "$work/ex1.err")"
-# linear (normalized: the base's coefficient is 1) of two adapters
-run ex2 linear "$B" "$LP" "$LN" --weights '1|2|1' -o "$work/ex2" --to-lora exact --dtype f32
+# linear (normalized: the base's coefficient is 1) of two adapters, in float32 by default (the
+# base's dtype is bf16); with --dtype bf16 the factors are rounded, which the run says
+run ex2 linear "$B" "$LP" "$LN" --weights '1|2|1' -o "$work/ex2" --to-lora exact
+json "$work/ex2/llmerge.json" outputs.adapter.dtype F32
+run ex2h linear "$B" "$LP" "$LN" --weights '1|2|1' -o "$work/ex2h" --to-lora exact --dtype bf16
+json "$work/ex2h/llmerge.json" outputs.adapter.dtype BF16
+check 'grep -q "(rank 16, exact, then rounded to bf16)" "$work/ex2h.err"' \
+  "exact in bf16: $(grep adapter: "$work/ex2h.err")"
 run ex2m task-arithmetic "$B" "$work/ex2" -o "$work/ex2m"
 run ex2r linear "$B" "$LP" "$LN" --weights '1|2|1' -o "$work/ex2r"
 check '"$st_diff" --ulps 1 --rel 1e-6 "$work/ex2r/model.safetensors" "$work/ex2m/model.safetensors" >"$work/diff" 2>&1' \
@@ -248,6 +269,22 @@ slices:
         layer_range: [0, 2]
 EOF
 expect 2 "--to-lora: a passthrough stacks layers into a new model" run "$work/pt.yml" -o "$work/bad" --to-lora 4
+expect 2 "--to-lora: a passthrough stacks layers into a new model" passthrough --slice "$B:0:2" -o "$work/bad" \
+  --to-lora 4
+# a LoRA of another model (PATH+LORA) is merged onto it in the cache: not before --to-lora's checks
+cat >"$work/pl.yml" <<EOF
+merge_method: task_arithmetic
+base_model: $B
+models:
+  - model: $F1+$LP
+    parameters: {weight: 1.0}
+EOF
+expect 2 "--to-lora 40: tensor 'model.layers.0.self_attn.k_proj.weight' is [32, 64]" \
+  run "$work/pl.yml" -o "$work/bad" --to-lora 40 --cache-dir "$work/plcache"
+expect 2 "FT 1 $F1+$LP is a LoRA of another model than the base" \
+  run "$work/pl.yml" -o "$work/bad" --to-lora exact --cache-dir "$work/plcache"
+check '[ ! -e "$work/plcache" ]' \
+  "a refused --to-lora made PATH+LORA's model first: $(ls -R "$work/plcache" 2>/dev/null | head -5)"
 expect 2 "--to-lora '0': the adapter's rank" task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora 0
 expect 2 "--to-lora 40: tensor 'model.layers.0.self_attn.k_proj.weight' is [32, 64], whose rank is at most 32" \
   task-arithmetic "$B" "$LP" -o "$work/bad" --to-lora 40
