@@ -138,7 +138,17 @@ void lm_merge_usage(FILE *out, const lm_method *m)
             "(adapter_config.json + adapter_model.safetensors) or a full fine-tuned model directory\n"
             "of %s, also when the directory holds exactly one such subdirectory. Task vectors are\n"
             "computed in float32 whatever the input dtype; adapters are never expanded into models.\n"
+            "A model or adapter that is not a directory, ORG/NAME[@REVISION], is read from the\n"
+            "Hugging Face cache ($HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub),\n"
+            "never downloaded.\n"
             "%s"
+            "\n"
+            "Per tensor: an option of numbers takes, for each input (separated by '|', or one for\n"
+            "all), a number, a gradient over the layers '0,0.5,1', or filters\n"
+            "'FILTER=VALUE;...;VALUE' (the first whose FILTER is in the tensor's name, '*' any; a\n"
+            "tensor none matches takes the default), as a mergekit configuration's parameters:\n"
+            "  --weights '1 | mlp=0.5;1'   --t 'self_attn=0,0.5,1;mlp=1,0.5,0;0.5'\n"
+            "(docs/mergekit.md: Parameters).\n"
             "\n"
             "Options (also as --name=value):\n"
             "  -o, --output DIR       the output model directory (required); an existing one is\n"
@@ -306,15 +316,10 @@ void lm_merge_usage(FILE *out, const lm_method *m)
 // A finite number written entirely as one.
 static bool parse_number(const char *text, double *out)
 {
-    if (!*text)
-        return false;
-    char *end;
-    errno = 0;
-    double v = strtod(text, &end);
-    if (*end || errno == ERANGE || !isfinite(v))
-        return false;
-    *out = v;
-    return true;
+    // the grammar of the settings' numbers (and a configuration's): no hexadecimal, no leading
+    // zeros, nothing beyond a double, so that a plain number and a setting read alike
+    lm_pnum k = lm_param_scan_number(text, strlen(text), out);
+    return k == LM_PNUM_INT || k == LM_PNUM_FLOAT;
 }
 
 // "1,0.5,2" into a new array (*out, caller frees) of *n numbers.

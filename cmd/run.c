@@ -801,8 +801,10 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     a->density_opt = "density";
     bool models = m->input == LM_METHOD_MODELS || (m->input == LM_METHOD_EITHER && a->models_only);
     p->mp = (lm_merge_params){.global = &cfg->params, .models = p->models, .n_ft = a->n_ft,
-                              .required = param_find(mp, "weight") && param_find(mp, "weight")->required ? LM_MP_WEIGHT
-                                                                                                        : 0,
+                              .required = (param_find(mp, "weight") && param_find(mp, "weight")->required
+                                               ? LM_MP_WEIGHT
+                                               : 0) |
+                                          (param_find(mp, "t") && param_find(mp, "t")->required ? LM_MP_T : 0),
                               .base_is_model = models, .names = p->names, .file = cfg->path};
     a->params = &p->mp;
     if (p->n_pending > 0)
@@ -943,6 +945,44 @@ static lm_status any_opt(void *ctx, const lm_opt *d, const char *shown, const ch
     return LM_OK;
 }
 
+// llmerge passthrough's command line from llmerge run's (pt_opt, pt_operand): each option written
+// again as --name[=value] but those a stack of copied layers has no use for (where the work runs,
+// the cache of PATH+LORA models, -v, --strict: checked, then dropped); the configuration left out.
+typedef struct pt_line {
+    char **args;   // the command line being made
+    int n;
+    char **owned;  // the options written again, freed by the caller
+    int n_owned;
+    const char *config;
+    merge_args checked;  // where the dropped options' values are checked
+} pt_line;
+
+static lm_status pt_opt(void *ctx, const lm_opt *d, const char *shown, const char *v, lm_err *err)
+{
+    pt_line *pl = ctx;
+    switch (d->id) {
+    case OPT_DEVICE: case OPT_GPU_MEM: case OPT_THREADS: case OPT_CACHE_DIR: case OPT_VERBOSE: case OPT_STRICT:
+        return lm_merge_apply_option(&pl->checked, d, shown, v, err);
+    default:
+        break;
+    }
+    char *o = v ? lm_strfmt("--%s=%s", d->name, v) : lm_strfmt("--%s", d->name);
+    if (!o)
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    pl->owned[pl->n_owned++] = o;
+    pl->args[pl->n++] = o;
+    return LM_OK;
+}
+
+static lm_status pt_operand(void *ctx, const char *arg, lm_err *err)
+{
+    (void)err;
+    pt_line *pl = ctx;
+    if (arg != pl->config)
+        pl->args[pl->n++] = (char *)arg;  // another operand, which llmerge passthrough refuses
+    return LM_OK;
+}
+
 // A configuration of merge_method: passthrough runs as llmerge passthrough on its slices (one
 // source each, with an optional scalar scale), OUT getting the configuration too. Returns the
 // exit status; *handled false when argv's configuration is not one (it is then llmerge run's).
@@ -963,9 +1003,10 @@ static int run_passthrough(int argc, char **argv, bool *handled)
     }
     *handled = true;
     lm_status s = LM_OK;
-    int n = cfg->n_slices, c = 0, rc = 2;
+    int n = cfg->n_slices, c = 0, rc = 2, n_opts = 0;
     char **args = calloc((size_t)(argc + 2 * n + 4), sizeof *args), **owned = calloc((size_t)n + 1, sizeof *owned);
-    if (!args || !owned) {
+    char **opts = calloc((size_t)argc + 1, sizeof *opts);
+    if (!args || !owned || !opts) {
         s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
         goto done;
     }
@@ -993,9 +1034,11 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         s = lm_err_set(&err, LM_ERR_USAGE, "--to-lora: a passthrough stacks layers into a new model, which has no "
                        "base to be an adapter of");
     args[c++] = "passthrough";
-    for (int i = 1; i < argc; i++)
-        if (argv[i] != rs.config)
-            args[c++] = argv[i];
+    pt_line pl = {.args = args, .n = c, .owned = opts, .config = rs.config};
+    if (s == LM_OK)
+        s = lm_cmd_scan(argc, argv, lm_merge_opt_defs, lm_merge_n_opts, pt_opt, pt_operand, &pl, &err);
+    c = pl.n;
+    n_opts = pl.n_owned;
     for (int i = 0; s == LM_OK && i < n; i++) {
         const lm_cfg_slice *sl = &cfg->slices[i];
         if (sl->n_sources != 1) {
@@ -1046,6 +1089,9 @@ done:
         fprintf(stderr, "llmerge run: error: %s\n", err.msg);
     for (int i = 0; owned && i < n; i++)
         free(owned[i]);
+    for (int i = 0; i < n_opts; i++)
+        free(opts[i]);
+    free(opts);
     free(owned);
     free(args);
     lm_mergecfg_free(cfg);

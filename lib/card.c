@@ -156,13 +156,23 @@ void lm_card_number(char *buf, size_t cap, double v)
 }
 
 // The Hub id of each model (the base, then the FTs) found in the Hub's cache, into ids[]
-// (cap bytes each); returns how many were found. Local paths are not ids: the Hub refuses a
-// base_model that names no repository.
-static int hub_ids(const lm_card *c, char (*ids)[256])
+// (cap bytes each), each id once (two revisions of a repository, or a model given twice, are
+// one id); returns how many; *all whether every model had one. Local paths are not ids: the Hub
+// refuses a base_model that names no repository.
+static int hub_ids(const lm_card *c, char (*ids)[256], bool *all)
 {
     int n = 0;
-    for (int i = -1; i < c->n_inputs; i++)
-        n += lm_card_hub_id(i < 0 ? c->base : c->inputs[i].path, ids[n], sizeof ids[n]);
+    *all = true;
+    for (int i = -1; i < c->n_inputs; i++) {
+        if (!lm_card_hub_id(i < 0 ? c->base : c->inputs[i].path, ids[n], sizeof ids[n])) {
+            *all = false;
+            continue;
+        }
+        bool seen = false;
+        for (int j = 0; j < n && !seen; j++)
+            seen = strcmp(ids[j], ids[n]) == 0;
+        n += !seen;
+    }
     return n;
 }
 
@@ -181,7 +191,8 @@ char *lm_card_text(const lm_card *c)
     char (*ids)[256] = calloc((size_t)c->n_inputs + 1, sizeof *ids);
     if (!ids)
         return NULL;
-    int n_ids = hub_ids(c, ids);
+    bool every_id;
+    int n_ids = hub_ids(c, ids, &every_id);
     bool adapter = c->adapter_rank != 0;
     // an adapter is an adapter of its base alone
     bool base_id = adapter && lm_card_hub_id(c->base, ids[0], sizeof ids[0]);
@@ -197,7 +208,7 @@ char *lm_card_text(const lm_card *c)
         }
         lm_buf_str(&b, adapter ? "base_model_relation: adapter\n" : "base_model_relation: merge\n");
     }
-    bool all_hub = adapter ? base_id : n_ids == c->n_inputs + 1;
+    bool all_hub = adapter ? base_id : every_id;
     free(ids);
     lm_buf_str(&b, adapter ? "library_name: peft\ntags:\n- merge\n- llmerge\n- lora\n---\n\n"
                            : "library_name: transformers\ntags:\n- merge\n- llmerge\n---\n\n");

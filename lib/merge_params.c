@@ -91,6 +91,15 @@ lm_status lm_merge_params_tensor(void *ctx, const char *tensor, lm_tensor_params
         s = lookup(mp, -1, "lambda", tensor, t, why, &tp->lambda, &found, err);
     if (s == LM_OK)
         s = lookup(mp, -1, "t", tensor, t, why, &tp->t, &found, err);
+    if (s == LM_OK && !found && (mp->required & LM_MP_T)) {
+        const lm_param *tp_set = mp->global ? lm_params_find(mp->global, "t") : NULL;
+        if (mp->file && tp_set && tp_set->line > 0)
+            return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: t: no condition matches tensor '%s', and the method "
+                              "needs a t for every tensor (add one without a filter, last)", mp->file, tp_set->line,
+                              tp_set->col, tensor);
+        s = lm_err_set(err, LM_ERR_USAGE, "no t for tensor '%s': no setting gives one, and the method needs it",
+                       tensor);
+    }
     if (s == LM_OK)
         s = lookup(mp, -1, "select_topk", tensor, t, why, &tp->select_topk, &found, err);
     return s;

@@ -14,10 +14,12 @@
 #include "merge.h"
 #include "params.h"
 
-// Parameters a tensor must get from a setting (a configuration's required weight): a tensor
-// where none gives one is an error naming the model and the tensor.
+// Parameters a tensor must get from a setting (a configuration's required weight, or slerp's
+// and nearswap's t): a tensor where none gives one is an error naming the model (for t, the
+// global settings) and the tensor.
 enum {
     LM_MP_WEIGHT = 1u << 0,
+    LM_MP_T = 1u << 1,
 };
 
 typedef struct lm_merge_params {
@@ -26,7 +28,8 @@ typedef struct lm_merge_params {
     int n_ft;
     lm_param_layout layout;         // where the base's tensors lie, for gradients (lm_merge_params_layout)
     const char *file;               // the configuration the settings come from, for messages, or NULL
-    unsigned required;              // LM_MP_* for the FTs (and the base where it is a model)
+    unsigned required;              // LM_MP_*: the weight for the FTs (and the base where it is a
+                                    // model), t for the merge
     bool base_is_model;             // the base takes a weight (linear, karcher, --models-only)
     const char *const *names;       // (n_ft + 1) how each model was named, for messages, or NULL
 } lm_merge_params;

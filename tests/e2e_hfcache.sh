@@ -69,6 +69,11 @@ check 'grep -qF "llmerge ties org/base org/lora org/ft@v1 -o" "$work/hub-out/REA
   "the card's command line: $(grep -F "llmerge ties" "$work/hub-out/README.md")"
 # main of org/ft is another model: another result
 run main ties org/base org/lora org/ft -o "$work/main-out" --density 0.5
+# two revisions of one repository are one Hub id in base_model, and the card has no note asking
+# for ids it has
+run two ties org/base org/ft org/ft@v1 -o "$work/two-out" --density 0.5
+check '[ "$(grep -cxF -- "- \"org/ft\"" "$work/two-out/README.md")" = 1 ] &&
+  ! grep -q "add their Hub ids" "$work/two-out/README.md"' "org/ft twice in base_model: $(head -8 "$work/two-out/README.md")"
 check '! cmp -s "$work/hub-out/model.safetensors" "$work/main-out/model.safetensors"' "org/ft and org/ft@v1 gave the same merge"
 # a commit, abbreviated
 run commit task-arithmetic org/base org/ft@3333333 -o "$work/commit-out"

@@ -871,6 +871,39 @@ models:
   - model: $F1
 EOF
 refused e_no_t 1:15 "slerp needs parameters: t"
+# t given only for some tensors: the others have none (mergekit stops there too), for slerp and
+# nearswap; the weight the same, for a model's tensors
+cfg e_t_part <<EOF
+merge_method: slerp
+base_model: $B
+models:
+  - model: $B
+  - model: $F1
+parameters:
+  t:
+    - filter: self_attn
+      value: 0.2
+EOF
+refused e_t_part 7:3 "t: no condition matches tensor 'model.embed_tokens.weight', and the method needs a t for"
+cfg e_t_part_ns <<EOF
+merge_method: nearswap
+base_model: $B
+models:
+  - model: $F1
+parameters:
+  t: [{filter: mlp, value: 0.001}]
+EOF
+refused e_t_part_ns 6:3 "t: no condition matches tensor"
+cfg e_w_part <<EOF
+merge_method: task_arithmetic
+base_model: $B
+models:
+  - model: $F1
+    parameters:
+      weight: [{filter: mlp, value: 0.5}]
+EOF
+expect 2 "model.embed_tokens.weight" run "$work/e_w_part.yml" -o "$work/e_w_part.run"
+no_output "$work/e_w_part.run"
 cfg e_no_base <<EOF
 merge_method: ties
 models:
@@ -958,6 +991,13 @@ runcfg stack
 run stack.cli passthrough -o "$work/stack.cli" --slice "$B:0:2" --slice "$F1:1:2:0.5" --dtype f32 -q
 same "passthrough's slices vs llmerge passthrough" "$work/stack.run" "$work/stack.cli"
 check 'cmp -s "$work/stack.yml" "$work/stack.run/mergekit_config.yml"' "passthrough: OUT lacks the configuration"
+# the run options a stack has no use for (where it runs, the cache, -v, --strict) are taken, as
+# for any configuration, and their values still checked
+run stack.opts run "$work/stack.yml" -o "$work/stack.opts" --device cpu --threads 2 --gpu-mem 1GiB \
+  --cache-dir "$work/stack.cache" -v --strict -q
+same "passthrough with the run options" "$work/stack.run" "$work/stack.opts"
+expect 2 "--threads 'x': a whole number of threads" run "$work/stack.yml" -o "$work/stack.bad" --threads x
+no_output "$work/stack.bad"
 # base_model gives mergekit's passthrough its config.json and tokenizer: the first slice's model
 # is llmerge's, so that base_model is the same stack, and another is refused
 sed "1a base_model: $B" "$work/stack.yml" >"$work/stack_base.yml"
