@@ -1,19 +1,20 @@
 // Benchmark of the merge methods that came with mergekit's configurations (linear, slerp,
 // nuslerp, multislerp, karcher, model-stock, nearswap, breadcrumbs, breadcrumbs-ties, della,
-// della-linear, ram, ramplus-tl) and merges written as LoRA adapters (--to-lora: a full
-// fine-tune extracted at rank 16 and 64, ties of three adapters into one of rank 64, each with
-// its relative errors) on the 1B-shape inputs bench_merge generates (Llama-3.2-1B shapes, BF16: the
-// base, three full fine-tunes, three rank-16 LoRA adapters), each against a reference method
-// run on the same inputs in the same run: task-arithmetic for the interpolations, averages and
-// the ram methods, ties for the band selections and della. Each case runs its reference and then itself, and
-// the whole list of cases is gone through --rounds times, so a method and its reference are
-// always neighbours in time and a slow moment of a shared machine falls on both; the figures
-// are the medians over the rounds. It prints each run, then per case the median wall times,
-// their ratio against the target (1.25x the reference for linear, slerp, breadcrumbs,
-// breadcrumbs-ties, della and della-linear; 2x for the adapters; the others have none) and the median peak RSS
-// against the reference's and against TIES's bound of 1.5 GB. Not a test: it asserts nothing,
-// and exits non-zero only when something fails to run (a merge exiting non-zero, inputs
-// missing).
+// della-linear, sce, ram, ramplus-tl, passthrough) and merges written as LoRA adapters
+// (--to-lora: a full fine-tune extracted at rank 16 and 64, ties of three adapters into one of
+// rank 64, each with its relative errors) on the 1B-shape inputs bench_merge generates
+// (Llama-3.2-1B shapes, BF16: the base, three full fine-tunes, three rank-16 LoRA adapters),
+// each against a reference method run on the same inputs in the same run: task-arithmetic for
+// the interpolations, averages, the ram methods and passthrough (the base's layers and a
+// fine-tune's stacked), ties for the band selections, della and sce. Each case runs its
+// reference and then itself, and the whole list of cases is gone through --rounds times, so a
+// method and its reference are always neighbours in time and a slow moment of a shared machine
+// falls on both; the figures are the medians over the rounds. It prints each run, then per case
+// the median wall times, their ratio against the target (1.25x the reference for linear, slerp,
+// breadcrumbs, breadcrumbs-ties, della and della-linear; 2x for the adapters; the others have
+// none) and the median peak RSS against the reference's and against TIES's bound of 1.5 GB. Not
+// a test: it asserts nothing, and exits non-zero only when something fails to run (a merge
+// exiting non-zero, inputs missing).
 //
 //   bench_methods [--work DIR] [--llmerge PATH] [--only full|lora] [--rounds N]
 //                 [--methods M1,M2,...] [--device DEV]
@@ -64,6 +65,7 @@ static const bm_case CASES[] = {
     {"breadcrumbs-ties", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
     {"della", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
     {"della-linear", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
+    {"sce", "ties", N_FT, {NULL}, 0, NULL, BOTH},
     {"ram", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
     {"ramplus-tl", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
     // merges written as LoRA adapters: a full fine-tune extracted at rank 16 and 64, and ties of
@@ -72,6 +74,9 @@ static const bm_case CASES[] = {
     {"task-arithmetic", "task-arithmetic", 1, {"--to-lora", "64", NULL}, 2.0, "extract-r64", FULL_ONLY},
     {"ties", "task-arithmetic", N_FT, {"--to-lora", "64", NULL}, 2.0, "ties-to-lora-r64", LORA_ONLY},
     {"task-arithmetic", "task-arithmetic", N_FT, {"--to-lora", "exact", NULL}, 0, "ta-to-lora-exact", LORA_ONLY},
+    // every layer of the base, then every layer of the fine-tune, stacked (a model twice as
+    // deep), against task arithmetic of the same two: the same reads, twice the writes
+    {"passthrough", "task-arithmetic", 1, {NULL}, 0, NULL, FULL_ONLY},
 };
 
 // A case's name in --methods and the tables.
@@ -146,8 +151,27 @@ static void adapter_figures(const char *out, bm_adapter *ad)
     free(path);
 }
 
+// The num_hidden_layers of the model directory `dir`'s config.json, or 0.
+static int n_layers(const char *dir)
+{
+    char *path = lm_path_join(dir, "config.json"), *text = NULL;
+    size_t len = 0;
+    lm_err err = {0};
+    int n = 0;
+    if (path && lm_read_file(path, 16u << 20, &text, &len, &err) == LM_OK) {
+        cJSON *j = cJSON_ParseWithLength(text, len);
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(j, "num_hidden_layers");
+        n = cJSON_IsNumber(v) ? (int)v->valuedouble : 0;
+        cJSON_Delete(j);
+    }
+    free(text);
+    free(path);
+    return n;
+}
+
 // Runs `method` on BASE and the first n_ft inputs of `fts` into WORK/methods/out, removing the
-// output afterwards (an adapter's figures into *ad first, where ad is not NULL).
+// output afterwards (an adapter's figures into *ad first, where ad is not NULL); passthrough
+// stacks all of BASE's layers, then all of each input's (--slice MODEL:0:N each).
 // Returns -1 when it could not be run; a failing merge has c->status != 0.
 static int run_merge(const bm_opts *o, const char *method, const char *base, char *const *fts,
                      int n_ft, const char *const *extra, const char *dir, bm_child *c, bm_adapter *ad)
@@ -162,12 +186,25 @@ static int run_merge(const bm_opts *o, const char *method, const char *base, cha
     }
     args[n++] = (char *)o->llmerge;
     args[n++] = (char *)method;
-    args[n++] = (char *)base;
-    for (int i = 0; i < n_ft; i++)
-        args[n++] = fts[i];
-    const char *common[] = {"-o", out, "--density", DENSITY, "--seed", SEED, "-q", "--force",
-                            "--device", o->device};
-    for (size_t i = 0; i < sizeof common / sizeof common[0]; i++)
+    bool stack = strcmp(method, "passthrough") == 0;
+    char slices[1 + N_FT][4096];
+    int layers = stack ? n_layers(base) : 0;
+    if (stack && layers < 1) {
+        fprintf(stderr, BENCH_PROG ": %s/config.json: no num_hidden_layers\n", base);
+        goto done;
+    }
+    for (int i = 0; stack && i <= n_ft && i <= N_FT; i++) {
+        snprintf(slices[i], sizeof slices[i], "%s:0:%d", i == 0 ? base : fts[i - 1], layers);
+        args[n++] = "--slice";
+        args[n++] = slices[i];
+    }
+    if (!stack) {
+        args[n++] = (char *)base;
+        for (int i = 0; i < n_ft; i++)
+            args[n++] = fts[i];
+    }
+    const char *common[] = {"-o", out, "-q", "--force", "--density", DENSITY, "--seed", SEED, "--device", o->device};
+    for (size_t i = 0; i < (stack ? 4 : sizeof common / sizeof common[0]); i++)  // passthrough: the first four
         args[n++] = (char *)common[i];
     for (int i = 0; extra && extra[i]; i++)
         args[n++] = (char *)extra[i];

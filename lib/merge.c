@@ -526,6 +526,7 @@ static void ws_release(engine *e, wset *w)
     lm_dev_buf_free(w->dev, w->stage_dev);
     lm_dev_buf_free(w->dev, w->out_dev);
     lm_dev_buf_free(w->dev, w->mag_buf);
+    lm_dev_buf_free(w->dev, w->var_buf);
     for (int i = 0; w->key_buf && i < e->o->n_ft; i++) {
         lm_dev_buf_free(w->dev, w->key_buf[i]);
         lm_dev_buf_free(w->dev, w->ucc2_buf[i]);
@@ -568,6 +569,8 @@ static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, const ws_size *z, con
         if (s == LM_OK && parts && !lm_dev_host_memory(dev))
             s = lm_dev_alloc(dev, (size_t)w->cap_cols * sizeof(double), (void **)&w->ucc2_buf[ft], e->err);
     }
+    if (s == LM_OK && e->m->sce)  // as lm_eng_ws_size's extra_bytes
+        s = lm_dev_alloc(dev, bytes, (void **)&w->var_buf, e->err);
     if (s == LM_OK && !lm_dev_host_memory(dev))
         s = lm_dev_alloc(dev, z->stage_bytes, &w->stage_dev, e->err);
     if (s == LM_OK && !lm_dev_host_memory(dev))

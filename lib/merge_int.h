@@ -86,6 +86,9 @@ typedef struct wset {
     float **key_buf;      // (n_ft) sparsegpt: importance buffers, like tau_buf
     double **ucc2_buf;    // (n_ft) on an accelerator: the parts' U_cc², cap_cols values
     int64_t cap_cols;
+    float *var_buf;       // sce: a slab of the variances across the FTs (cap), kept with the rest
+                          // (on the CPU for the whole run: a buffer made per tensor among the
+                          // run's smaller allocations left the heap in pieces, 1.3 GB of them)
 } wset;
 
 typedef struct engine {

@@ -60,7 +60,7 @@ void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, 
     *z = (ws_size){.cap = cnt, .n_tau = k};
     for (int i = 0; i < k; i++)
         z->n_key += parts[i].ucc2 != NULL;
-    if (e->m->sce && k > 0)  // the slab of variances merge_sce.c allocates
+    if (e->m->sce)  // the slab of variances (ws_alloc's var_buf)
         z->extra_bytes += (size_t)cnt * sizeof(float);
     if (e->m->della && !lm_dev_host_memory(dev))  // della_drop's ranks in device scratch
         z->extra_bytes += (size_t)cnt * sizeof(int32_t);

@@ -25,7 +25,8 @@ typedef struct sce_pass {
     lm_topk t;             // the mask's threshold over the variances
 } sce_pass;
 
-// Rows [r0, r0 + nr): the base, every part's τ and the variances of the slab's entries.
+// Rows [r0, r0 + nr): the base, every part's τ and, where a mask applies, the variances of the
+// slab's entries (without one nothing reads them).
 static lm_status slab_key(sce_pass *p, int64_t r0, int64_t nr)
 {
     engine *e = p->e;
@@ -33,7 +34,7 @@ static lm_status slab_key(sce_pass *p, int64_t r0, int64_t nr)
     lm_status s = lm_eng_load_base(e, p->ws, p->bt, r0, nr);
     for (int i = 0; s == LM_OK && i < p->k; i++)
         s = lm_eng_tau_for(e, p->ws, &p->parts[i], p->bt, r0, nr, p->ws->base_buf);
-    if (s == LM_OK)
+    if (s == LM_OK && p->masked)
         s = lm_dev_tau_var(p->ws->dev, p->key, p->taus, p->k, e->o->n_ft, cnt, e->err);
     return s;
 }
@@ -103,8 +104,8 @@ lm_status lm_eng_merge_sce(engine *e, wset *ws, int64_t idx, const lm_st_desc *d
     for (int i = 0; i < k; i++)
         taus[i] = parts[i].tau;
     sce_pass p = {e, ws, bt, parts, k, slab_rows, NULL, taus, topk < 1, {0}};
-    int64_t cap = (slab_rows < rows ? slab_rows : rows) * cols;
-    lm_status s = lm_dev_alloc(ws->dev, (size_t)(cap ? cap : 1) * sizeof(float), (void **)&p.key, e->err);
+    p.key = ws->var_buf;
+    lm_status s = p.masked && !p.key ? lm_err_set(e->err, LM_ERR_USAGE, "sce: no buffer for the variances") : LM_OK;
     double sq[k > 0 ? k : 1], *row = malloc((size_t)(slab_rows < rows ? slab_rows : rows) * sizeof *row);
     memset(sq, 0, sizeof sq);
     if (s == LM_OK && !row)
@@ -154,7 +155,6 @@ lm_status lm_eng_merge_sce(engine *e, wset *ws, int64_t idx, const lm_st_desc *d
         if (!one_slab)
             lm_eng_release_slab(e, bt, parts, k, r0, nr);
     }
-    lm_dev_buf_free(ws->dev, p.key);
     free(row);
     return s;
 }
