@@ -110,7 +110,7 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
         double d = o->densities ? o->densities[i] : 1, eps = o->epsilons ? o->epsilons[i] : lm_method_epsilon(m);
         if (d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
             return lm_err_set(err, LM_ERR_USAGE,
-                              "--epsilon: input %d has density %g and epsilon %g: density - epsilon and density + "
+                              "epsilon: input %d has density %g and epsilon %g: density - epsilon and density + "
                               "epsilon must lie in (0, 1)",
                               i + 1, d, eps);
     }
