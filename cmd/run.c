@@ -96,6 +96,20 @@ static const method_params *params_of(lm_merge_method id)
     return NULL;
 }
 
+// The merge_method values llmerge runs from a configuration, as llmerge names them: every
+// method but sparsegpt (which needs calibration data), and passthrough.
+static void config_method_names(char *buf, size_t cap)
+{
+    size_t len = 0;
+    buf[0] = '\0';
+    const lm_method *m;
+    for (size_t i = 0; (m = lm_method_at(i)) && len < cap; i++)
+        if (m->id != LM_MERGE_SPARSEGPT && params_of(m->id))
+            len += (size_t)snprintf(buf + len, cap - len, "%s%s", len ? ", " : "", m->name);
+    if (len < cap)
+        snprintf(buf + len, cap - len, "%spassthrough", len ? ", " : "");
+}
+
 static const param_def *param_find(const method_params *mp, const char *name)
 {
     for (int i = 0; i < MAX_PARAMS && mp->p[i].name; i++)
@@ -753,7 +767,11 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     const lm_method *m = lm_method_find(cfg->merge_method);
     if (!m || m->id == LM_MERGE_SPARSEGPT || !params_of(m->id)) {
         char names[512];
-        lm_cmd_method_names(names, sizeof names);
+        config_method_names(names, sizeof names);
+        if (strcmp(cfg->merge_method, "arcee_fusion") == 0)  // mergekit's, which llmerge lacks
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: merge_method: arcee_fusion is mergekit's and not "
+                              "in llmerge (docs/mergekit.md, Methods, says why); llmerge runs %s",
+                              AT(cfg, cfg->method_line, cfg->method_col), names);
         if (strcmp(cfg->merge_method, "passthrough") == 0)  // llmerge plan: llmerge run stacks them
             return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: merge_method: passthrough: llmerge plan does not "
                               "plan a stack of layers (llmerge run CONFIG does it)",
@@ -880,7 +898,7 @@ static void run_usage(FILE *out, const void *arg)
 {
     (void)arg;
     char names[512];
-    lm_cmd_method_names(names, sizeof names);
+    config_method_names(names, sizeof names);
     fprintf(out,
             "Usage: llmerge run CONFIG.yml -o OUT [options]\n"
             "\n"

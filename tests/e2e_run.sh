@@ -1028,6 +1028,15 @@ models:
   - model: $F1
 EOF
 refused e_method 1:15 "'ties_plus' is not a method"
+check 'grep -qF "(ties, dare, " "$work/out" && grep -qF ", passthrough; sparsegpt needs" "$work/out" &&
+  ! grep -qF ", sparsegpt," "$work/out"' "the methods a configuration runs: $(cat "$work/out")"
+cfg e_fusion <<EOF
+merge_method: arcee_fusion
+base_model: $B
+models:
+  - model: $F1
+EOF
+refused e_fusion 1:15 "merge_method: arcee_fusion is mergekit's and not in llmerge"
 # PATH+LORA on a model other than the base: the adapter merged into PATH once, in the cache
 cfg pluslora <<EOF
 merge_method: ties
