@@ -162,6 +162,9 @@ struct merge_args {
     // in the model card (NULL for the merge commands)
     const char *config_text;
     const char *config_path;
+    // llmerge run: where the base ([0]) and each FT ([1 + i]) were written in the configuration
+    // ("FILE:LINE:COL: model 'NAME'"), the prefix of a message about one of them; NULL elsewhere
+    const char *const *input_where;
     const char *tokenizer_dir;  // tokenizer files from this model's directory rather than BASE's
     const char *chat_template;  // set in OUT's tokenizer_config.json, or NULL
     const char *note;           // a line said before the work (a key that changes nothing), or NULL

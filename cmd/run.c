@@ -144,6 +144,7 @@ typedef struct run_preset {
     int n_owned;
     const lm_params **models;       // (n_ft + 1) each model's settings: the base's, then each FT's
     const char **names;             // (n_ft + 1) how each was written, for messages
+    const char **where;             // (n_ft + 1) where each was written (merge_args' input_where)
     lm_merge_params mp;
     lm_vocab *vocab;                // the vocabulary the embeddings are rebuilt to, or NULL
 } run_preset;
@@ -160,6 +161,7 @@ static void preset_free(void *ctx)
     free(p->owned);
     free(p->models);
     free(p->names);
+    free(p->where);
     free(p->pending_ft);
     free(p->pending_path);
     free(p->pending_lora);
@@ -447,13 +449,19 @@ static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merg
 }
 
 // Appends input `path` with settings `ps` (named `name`) as FT n of the preset.
-static lm_status add_ft(run_preset *p, merge_args *a, const char *path, const lm_params *ps, const char *name,
-                        lm_err *err)
+// Where model cm was written, for messages about it: "FILE:LINE:COL: model 'NAME'" (owned by p).
+static const char *written_at(run_preset *p, const lm_cfg_model *cm)
 {
-    (void)err;
+    return keep(p, lm_strfmt("%s:%d:%d: model '%s'", AT(p->cfg, cm->line, cm->col), cm->model));
+}
+
+static lm_status add_ft(run_preset *p, merge_args *a, const char *path, const lm_cfg_model *cm, lm_err *err)
+{
     a->fts[a->n_ft] = path;
-    p->models[1 + a->n_ft] = ps;
-    p->names[1 + a->n_ft] = name;
+    p->models[1 + a->n_ft] = &cm->params;
+    p->names[1 + a->n_ft] = cm->model;
+    if (!(p->where[1 + a->n_ft] = written_at(p, cm)))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     a->n_ft++;
     return LM_OK;
 }
@@ -466,8 +474,10 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     a->fts = calloc((size_t)n + 1, sizeof *a->fts);
     p->models = calloc((size_t)n + 2, sizeof *p->models);
     p->names = calloc((size_t)n + 2, sizeof *p->names);
-    if (!a->fts || !p->models || !p->names)
+    p->where = calloc((size_t)n + 2, sizeof *p->where);
+    if (!a->fts || !p->models || !p->names || !p->where)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    a->input_where = p->where;
     const char *base = cfg->base_model;
     if (base && strchr(base, '+'))
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: base_model '%s': a LoRA on the base is not supported "
@@ -496,6 +506,7 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
         a->base = base;
         p->models[0] = base_at >= 0 ? &cfg->models[base_at].params : NULL;
         p->names[0] = base;
+        p->where[0] = keep(p, lm_strfmt("%s:%d:%d: base_model '%s'", AT(cfg, cfg->base_line, cfg->base_col), base));
         for (int i = 0; s == LM_OK && i < n; i++) {
             if (i == base_at)
                 continue;
@@ -505,7 +516,7 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
                 break;
             if (pending)
                 p->pending_ft[p->n_pending - 1] = a->n_ft;
-            s = add_ft(p, a, in, &cfg->models[i].params, cfg->models[i].model, err);
+            s = add_ft(p, a, in, &cfg->models[i], err);
         }
         return s;
     }
@@ -518,6 +529,9 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     a->base = ref >= 0 ? cfg->models[ref].model : base;
     p->models[0] = ref >= 0 ? &cfg->models[ref].params : NULL;
     p->names[0] = a->base;
+    p->where[0] = ref >= 0 ? written_at(p, &cfg->models[ref])
+                           : keep(p, lm_strfmt("%s:%d:%d: base_model '%s'", AT(cfg, cfg->base_line, cfg->base_col),
+                                               a->base));
     if (ref >= 0 && strchr(cfg->models[ref].model, '+'))
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': the first model of %s is the one the "
                           "others are checked against: a LoRA on it is not supported (list a plain model first)",
@@ -531,7 +545,7 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
             break;
         if (pending)
             p->pending_ft[p->n_pending - 1] = a->n_ft;
-        s = add_ft(p, a, in, &cfg->models[i].params, cfg->models[i].model, err);
+        s = add_ft(p, a, in, &cfg->models[i], err);
     }
     return s;
 }

@@ -1037,6 +1037,26 @@ models:
   - model: $F1
 EOF
 refused e_fusion 1:15 "merge_method: arcee_fusion is mergekit's and not in llmerge"
+# a model that cannot be opened is named where it was written
+cfg e_nomodel <<EOF
+merge_method: ties
+base_model: $B
+models:
+  - model: $F1
+    parameters: {weight: 1}
+  - model: $work/no-such-model
+    parameters: {weight: 1}
+EOF
+refused e_nomodel 6:12 "model '$work/no-such-model': $work/no-such-model: no such file or directory"
+cfg e_linear_lora <<EOF
+merge_method: linear
+models:
+  - model: $LP
+    parameters: {weight: 1}
+  - model: $B
+    parameters: {weight: 1}
+EOF
+refused e_linear_lora 3:12 "model '$LP': BASE $LP is not a model directory (it is an adapter directory)"
 # PATH+LORA on a model other than the base: the adapter merged into PATH once, in the cache
 cfg pluslora <<EOF
 merge_method: ties
