@@ -842,11 +842,14 @@ static bool touched(const lm_merge_opts *o, lm_ft *const *fts, const char *name)
 
 lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts, lm_err *err)
 {
-    if (!o->tensor_params)
+    // linear's normalised weights must not sum to 0 in any tensor (the models that hold it):
+    // found here rather than at that tensor's turn
+    bool linear = o->method == LM_MERGE_LINEAR && o->normalize && fts;
+    if (!o->tensor_params && !linear)
         return LM_OK;
     const lm_method *m = lm_method_of(o->method);
     size_t n = (size_t)(o->n_ft > 0 ? o->n_ft : 1);
-    double *v = calloc(4 * n, sizeof *v);
+    double *v = calloc(5 * n, sizeof *v), a;
     if (!v)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     lm_tensor_params tp = {.weights = v, .densities = v + n, .gammas = v + 2 * n, .epsilons = v + 3 * n};
@@ -857,6 +860,8 @@ lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm
         if (fts && !scales_untouched(o, m) && !touched(o, fts, name))
             continue;
         s = params_of(o, m, name, &tp, err);
+        if (s == LM_OK && linear && lm_dtype_readable(base->tensors[i]->dtype))
+            s = lm_merge_linear_coefs(o, fts, name, &a, v + 4 * n, err);
     }
     free(v);
     return s;

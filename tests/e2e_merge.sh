@@ -1058,6 +1058,10 @@ expect 0 "llmerge nuslerp --models-only MODEL MODEL -o OUT" nuslerp --help
 expect 2 "slerp takes 1 fine-tuned input besides the base, not 2" slerp "$B" "$lp" "$lp" -o "$x"
 expect 2 "model-stock takes at least 2 fine-tuned inputs besides the base, not 1" model-stock "$B" "$lp" -o "$x"
 expect 2 "--weights gives 1 weight for 2 models (one per MODEL, the first one's first)" linear "$B" "$lp" -o "$x" --weights 1
+# normalised weights that sum to 0: refused before any work, naming the first such tensor
+expect 2 "linear: the weights of the models sum to 0 in tensor 'model.embed_tokens.weight'" \
+  linear "$B" "$fx/ft_full" -o "$x" --weights 1,-1
+no_output "$x"
 expect 0 "note: --t has no effect on linear" linear "$B" "$lp" -o "$x" --t 0.3
 rm -rf "$x"
 # any other unknown command: the error, the commands and the methods
