@@ -460,13 +460,14 @@ static lm_status prepare(merge_run *r, lm_err *err)
     lm_input_kind kind;
     char *resolved = NULL;
     if ((s = lm_input_detect(a->base, &kind, &resolved, err)) != LM_OK)
-        return a->input_where ? lm_err_prefix(err, "%s", a->input_where[0]) : lm_err_prefix(err, "BASE");
+        return a->input_where && a->input_where[0] ? lm_err_prefix(err, "%s", a->input_where[0])
+                                                   : lm_err_prefix(err, "BASE");
     if (kind != LM_INPUT_MODEL) {
         s = lm_err_set(err, LM_ERR_USAGE, "BASE %s is not a model directory (it is %s %s); "
                        "BASE must hold config.json and model.safetensors or shards", a->base,
                        kind == LM_INPUT_ADAPTER ? "an" : "a", lm_input_kind_name(kind));
         free(resolved);
-        return a->input_where ? lm_err_prefix(err, "%s", a->input_where[0]) : s;
+        return a->input_where && a->input_where[0] ? lm_err_prefix(err, "%s", a->input_where[0]) : s;
     }
     s = lm_model_open(&r->base, resolved, err);
     free(resolved);
@@ -489,8 +490,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return s;
     for (int i = 0; i < a->n_ft; i++) {
         if (!a->vocab && (s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
-            return a->input_where ? lm_err_prefix(err, "%s", a->input_where[1 + i])
-                                  : lm_err_prefix(err, "FT %d", i + 1);
+            return a->input_where && a->input_where[1 + i] ? lm_err_prefix(err, "%s", a->input_where[1 + i])
+                                                           : lm_err_prefix(err, "FT %d", i + 1);
         char what[32];
         snprintf(what, sizeof what, "FT %d", i + 1);
         if ((s = lm_cmd_guard_model(&r->guard, what, r->fts[i]->model, err)) != LM_OK ||

@@ -448,13 +448,14 @@ static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merg
     return LM_OK;
 }
 
-// Appends input `path` with settings `ps` (named `name`) as FT n of the preset.
 // Where model cm was written, for messages about it: "FILE:LINE:COL: model 'NAME'" (owned by p).
 static const char *written_at(run_preset *p, const lm_cfg_model *cm)
 {
     return keep(p, lm_strfmt("%s:%d:%d: model '%s'", AT(p->cfg, cm->line, cm->col), cm->model));
 }
 
+// Appends input `path`, written as model cm (its settings, its name, where), as FT n of the
+// preset.
 static lm_status add_ft(run_preset *p, merge_args *a, const char *path, const lm_cfg_model *cm, lm_err *err)
 {
     a->fts[a->n_ft] = path;
