@@ -66,6 +66,7 @@ static const bm_case CASES[] = {
     {"della", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
     {"della-linear", "ties", N_FT, {NULL}, 1.25, NULL, BOTH},
     {"sce", "ties", N_FT, {NULL}, 0, NULL, BOTH},
+    {"sce", "ties", N_FT, {"--select-topk", "0.1", NULL}, 0, "sce-topk0.1", BOTH},  // a mask of the variances
     {"ram", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
     {"ramplus-tl", "task-arithmetic", N_FT, {NULL}, 0, NULL, BOTH},
     // merges written as LoRA adapters: a full fine-tune extracted at rank 16 and 64, and ties of
