@@ -318,7 +318,13 @@ static bool parse_number(const char *text, double *out)
 {
     // the grammar of the settings' numbers (and a configuration's): no hexadecimal, no leading
     // zeros, nothing beyond a double, so that a plain number and a setting read alike
-    lm_pnum k = lm_param_scan_number(text, strlen(text), out);
+    // (blanks around it are for reading, as around a setting)
+    while (*text == ' ')
+        text++;
+    size_t len = strlen(text);
+    while (len > 0 && text[len - 1] == ' ')
+        len--;
+    lm_pnum k = lm_param_scan_number(text, len, out);
     return k == LM_PNUM_INT || k == LM_PNUM_FLOAT;
 }
 

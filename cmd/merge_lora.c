@@ -41,6 +41,7 @@ typedef struct lora_rec {
     float *values;   // kept whole: the merged values (until the end)
     bool on_cpu;     // factored on the CPU after the device ran out of memory
     bool exact;      // the inputs' factors concatenated (--to-lora exact): no error to measure
+    bool as_bias;    // kept whole and written as its layer's lora_B.bias (lm_cmd_lora_finish)
 } lora_rec;
 
 struct lm_cmd_lora {
@@ -514,6 +515,7 @@ lm_status lm_cmd_lora_finish(lm_cmd_lora *l, const char *dir, lm_err *err)
             }
             if (s == LM_OK)
                 s = lm_adapter_out_bias(l->w, module, bt->numel, r->values, err);
+            r->as_bias = s == LM_OK;
             free(module);
         } else {
             s = lm_adapter_out_saved(l->w, r->name, r->ndim, r->shape, r->values, err);
@@ -538,10 +540,12 @@ static bool made_whole(const lm_cmd_lora *l, const char *name)
     return whole;
 }
 
-// Whether record r is the change of a linear layer's bias (written as lora_B.bias).
+// Whether record r is the change of a linear layer's bias, written as lora_B.bias (not a bias an
+// input adapter saves whole, which --to-lora exact writes into modules_to_save).
 static bool bias_change(const lm_cmd_lora *l, const lora_rec *r)
 {
-    return r->rank < 0 && r->ndim == 1 && linear_weight(l, r->name);
+    (void)l;
+    return r->rank < 0 && r->as_bias;
 }
 
 void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)

@@ -1037,8 +1037,13 @@ static int run_passthrough(int argc, char **argv, bool *handled)
     *handled = true;
     lm_status s = LM_OK;
     int n = cfg->n_slices, c = 0, rc = 2, n_opts = 0;
-    char **args = calloc((size_t)(argc + 2 * n + 4), sizeof *args), **owned = calloc((size_t)n + 1, sizeof *owned);
-    char **opts = calloc((size_t)argc + 1, sizeof *opts);
+    // the options written again: bundled short flags (-qv) are one each, so at most a character
+    // of argv each
+    size_t n_chars = 0;
+    for (int i = 0; i < argc; i++)
+        n_chars += strlen(argv[i]);
+    char **args = calloc(n_chars + (size_t)(argc + 2 * n + 4), sizeof *args);
+    char **owned = calloc((size_t)n + 1, sizeof *owned), **opts = calloc(n_chars + 1, sizeof *opts);
     if (!args || !owned || !opts) {
         s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
         goto done;

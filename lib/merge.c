@@ -860,7 +860,7 @@ lm_status lm_merge_check_params(const lm_merge_opts *o, const lm_model *base, lm
         if (fts && !scales_untouched(o, m) && !touched(o, fts, name))
             continue;
         s = params_of(o, m, name, &tp, err);
-        if (s == LM_OK && linear && lm_dtype_readable(base->tensors[i]->dtype))
+        if (s == LM_OK && linear && lm_dtype_readable(base->tensors[i]->dtype) && base->tensors[i]->numel > 0)
             s = lm_merge_linear_coefs(o, fts, name, &a, v + 4 * n, err);
     }
     free(v);

@@ -105,7 +105,9 @@ lm_status lm_eng_merge_sce(engine *e, wset *ws, int64_t idx, const lm_st_desc *d
         taus[i] = parts[i].tau;
     sce_pass p = {e, ws, bt, parts, k, slab_rows, NULL, taus, topk < 1, {0}};
     p.key = ws->var_buf;
-    lm_status s = p.masked && !p.key ? lm_err_set(e->err, LM_ERR_USAGE, "sce: no buffer for the variances") : LM_OK;
+    lm_status s = LM_OK;
+    if (p.masked && !p.key)  // ws_alloc makes it for sce
+        s = lm_err_set(e->err, LM_ERR_FORMAT, "sce: no buffer for the variances (a defect)");
     double sq[k > 0 ? k : 1], *row = malloc((size_t)(slab_rows < rows ? slab_rows : rows) * sizeof *row);
     memset(sq, 0, sizeof sq);
     if (s == LM_OK && !row)

@@ -73,7 +73,8 @@ run main ties org/base org/lora org/ft -o "$work/main-out" --density 0.5
 # for ids it has
 run two ties org/base org/ft org/ft@v1 -o "$work/two-out" --density 0.5
 check '[ "$(grep -cxF -- "- \"org/ft\"" "$work/two-out/README.md")" = 1 ] &&
-  ! grep -q "add their Hub ids" "$work/two-out/README.md"' "org/ft twice in base_model: $(head -8 "$work/two-out/README.md")"
+  ! grep -q "add their Hub ids" "$work/two-out/README.md"' \
+  "org/ft twice in base_model: $(head -8 "$work/two-out/README.md")"
 check '! cmp -s "$work/hub-out/model.safetensors" "$work/main-out/model.safetensors"' "org/ft and org/ft@v1 gave the same merge"
 # a commit, abbreviated
 run commit task-arithmetic org/base org/ft@3333333 -o "$work/commit-out"

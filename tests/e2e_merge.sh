@@ -1058,6 +1058,9 @@ expect 0 "llmerge nuslerp --models-only MODEL MODEL -o OUT" nuslerp --help
 expect 2 "slerp takes 1 fine-tuned input besides the base, not 2" slerp "$B" "$lp" "$lp" -o "$x"
 expect 2 "model-stock takes at least 2 fine-tuned inputs besides the base, not 1" model-stock "$B" "$lp" -o "$x"
 expect 2 "--weights gives 1 weight for 2 models (one per MODEL, the first one's first)" linear "$B" "$lp" -o "$x" --weights 1
+# blanks around a number, as around a setting
+if "$llmerge" linear "$B" "$lp" -o "$x" --weights '1, 0.5' -q; then ok; else bad "--weights '1, 0.5' refused"; fi
+rm -rf "$x"
 # normalised weights that sum to 0: refused before any work, naming the first such tensor
 expect 2 "linear: the weights of the models sum to 0 in tensor 'model.embed_tokens.weight'" \
   linear "$B" "$fx/ft_full" -o "$x" --weights 1,-1

@@ -997,6 +997,8 @@ run stack.opts run "$work/stack.yml" -o "$work/stack.opts" --device cpu --thread
   --cache-dir "$work/stack.cache" -v --strict -q
 same "passthrough with the run options" "$work/stack.run" "$work/stack.opts"
 expect 2 "--threads 'x': a whole number of threads" run "$work/stack.yml" -o "$work/stack.bad" --threads x
+run stack.flags run "$work/stack.yml" -o "$work/stack.flags" -qqqqqqqq -vvvvvvvv
+same "passthrough with bundled flags" "$work/stack.run" "$work/stack.flags"
 no_output "$work/stack.bad"
 # base_model gives mergekit's passthrough its config.json and tokenizer: the first slice's model
 # is llmerge's, so that base_model is the same stack, and another is refused
