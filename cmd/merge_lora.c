@@ -41,7 +41,8 @@ typedef struct lora_rec {
     float *values;   // kept whole: the merged values (until the end)
     bool on_cpu;     // factored on the CPU after the device ran out of memory
     bool exact;      // the inputs' factors concatenated (--to-lora exact): no error to measure
-    bool as_bias;    // kept whole and written as its layer's lora_B.bias (lm_cmd_lora_finish)
+    bool as_bias;    // kept whole and written as its layer's lora_B.bias (lm_cmd_lora_finish), not
+                     // into modules_to_save (a bias an input saves whole, under --to-lora exact)
 } lora_rec;
 
 struct lm_cmd_lora {
@@ -540,14 +541,6 @@ static bool made_whole(const lm_cmd_lora *l, const char *name)
     return whole;
 }
 
-// Whether record r is the change of a linear layer's bias, written as lora_B.bias (not a bias an
-// input adapter saves whole, which --to-lora exact writes into modules_to_save).
-static bool bias_change(const lm_cmd_lora *l, const lora_rec *r)
-{
-    (void)l;
-    return r->rank < 0 && r->as_bias;
-}
-
 void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
 {
     int64_t n_f = 0, n_whole = 0, n_bias = 0;
@@ -557,8 +550,8 @@ void lm_cmd_lora_summary(const lm_cmd_lora *l, lm_progress *p)
     for (int64_t i = 0; i < l->n_rec; i++) {
         const lora_rec *r = &l->rec[i];
         if (r->rank < 0) {
-            n_bias += bias_change(l, r);
-            n_whole += !bias_change(l, r);
+            n_bias += r->as_bias;
+            n_whole += !r->as_bias;
             continue;
         }
         if (n_f == 0 || r->rank < r_min)
@@ -618,7 +611,7 @@ lm_status lm_cmd_lora_manifest(const lm_cmd_lora *l, cJSON *outputs, lm_err *err
         if (!o || !cJSON_AddItemToArray(list, o) || !cJSON_AddStringToObject(o, "name", r->name))
             return nomem(err);
         if (r->rank < 0) {  // a bias's change (lora_B.bias), or a tensor saved whole (modules_to_save)
-            if (!cJSON_AddStringToObject(o, "as", bias_change(l, r) ? "bias" : "whole"))
+            if (!cJSON_AddStringToObject(o, "as", r->as_bias ? "bias" : "whole"))
                 return nomem(err);
             continue;
         }

@@ -118,6 +118,13 @@ static const param_def *param_find(const method_params *mp, const char *name)
     return NULL;
 }
 
+// Whether the method needs parameter `name` from every tensor's settings.
+static bool required_param(const method_params *mp, const char *name)
+{
+    const param_def *d = param_find(mp, name);
+    return d && d->required;
+}
+
 // The parameter names of mp, for messages.
 static void param_names(const method_params *mp, bool per_model, char *buf, size_t cap)
 {
@@ -448,10 +455,15 @@ static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merg
     return LM_OK;
 }
 
-// Where model cm was written, for messages about it: "FILE:LINE:COL: model 'NAME'" (owned by p).
+// Where model cm was written, for messages about it: "FILE:LINE:COL: model 'NAME'" (owned by p);
+// with cm NULL, base_model's line.
 static const char *written_at(run_preset *p, const lm_cfg_model *cm)
 {
-    return keep(p, lm_strfmt("%s:%d:%d: model '%s'", AT(p->cfg, cm->line, cm->col), cm->model));
+    const lm_mergecfg *cfg = p->cfg;
+    if (!cm)
+        return keep(p, lm_strfmt("%s:%d:%d: base_model '%s'", AT(cfg, cfg->base_line, cfg->base_col),
+                                 cfg->base_model));
+    return keep(p, lm_strfmt("%s:%d:%d: model '%s'", AT(cfg, cm->line, cm->col), cm->model));
 }
 
 // Appends input `path`, written as model cm (its settings, its name, where), as FT n of the
@@ -507,7 +519,7 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
         a->base = base;
         p->models[0] = base_at >= 0 ? &cfg->models[base_at].params : NULL;
         p->names[0] = base;
-        p->where[0] = keep(p, lm_strfmt("%s:%d:%d: base_model '%s'", AT(cfg, cfg->base_line, cfg->base_col), base));
+        p->where[0] = written_at(p, NULL);
         for (int i = 0; s == LM_OK && i < n; i++) {
             if (i == base_at)
                 continue;
@@ -530,9 +542,7 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     a->base = ref >= 0 ? cfg->models[ref].model : base;
     p->models[0] = ref >= 0 ? &cfg->models[ref].params : NULL;
     p->names[0] = a->base;
-    p->where[0] = ref >= 0 ? written_at(p, &cfg->models[ref])
-                           : keep(p, lm_strfmt("%s:%d:%d: base_model '%s'", AT(cfg, cfg->base_line, cfg->base_col),
-                                               a->base));
+    p->where[0] = written_at(p, ref >= 0 ? &cfg->models[ref] : NULL);
     if (ref >= 0 && strchr(cfg->models[ref].model, '+'))
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': the first model of %s is the one the "
                           "others are checked against: a LoRA on it is not supported (list a plain model first)",
@@ -834,10 +844,8 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     a->density_opt = "density";
     bool models = m->input == LM_METHOD_MODELS || (m->input == LM_METHOD_EITHER && a->models_only);
     p->mp = (lm_merge_params){.global = &cfg->params, .models = p->models, .n_ft = a->n_ft,
-                              .required = (param_find(mp, "weight") && param_find(mp, "weight")->required
-                                               ? LM_MP_WEIGHT
-                                               : 0) |
-                                          (param_find(mp, "t") && param_find(mp, "t")->required ? LM_MP_T : 0),
+                              .required = (required_param(mp, "weight") ? LM_MP_WEIGHT : 0) |
+                                          (required_param(mp, "t") ? LM_MP_T : 0),
                               .base_is_model = models, .names = p->names, .file = cfg->path};
     a->params = &p->mp;
     if (p->n_pending > 0)
@@ -980,13 +988,13 @@ static lm_status any_opt(void *ctx, const lm_opt *d, const char *shown, const ch
 
 // llmerge passthrough's command line from llmerge run's (pt_opt, pt_operand): each option written
 // again as --name[=value] but those a stack of copied layers has no use for (where the work runs,
-// the cache of PATH+LORA models, -v, --strict: checked, then dropped); the configuration left out.
+// the cache of PATH+LORA models, -v, --strict: checked, then dropped); the configuration left out
+// (pt_operand).
 typedef struct pt_line {
     char **args;   // the command line being made
     int n;
     char **owned;  // the options written again, freed by the caller
     int n_owned;
-    const char *config;
     merge_args checked;  // where the dropped options' values are checked
 } pt_line;
 
@@ -1007,12 +1015,11 @@ static lm_status pt_opt(void *ctx, const lm_opt *d, const char *shown, const cha
     return LM_OK;
 }
 
+// The one operand, the configuration (run_passthrough handles a command line of one only), is
+// not llmerge passthrough's.
 static lm_status pt_operand(void *ctx, const char *arg, lm_err *err)
 {
-    (void)err;
-    pt_line *pl = ctx;
-    if (arg != pl->config)
-        pl->args[pl->n++] = (char *)arg;  // another operand, which llmerge passthrough refuses
+    (void)ctx, (void)arg, (void)err;
     return LM_OK;
 }
 
@@ -1072,7 +1079,7 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         s = lm_err_set(&err, LM_ERR_USAGE, "--to-lora: a passthrough stacks layers into a new model, which has no "
                        "base to be an adapter of");
     args[c++] = "passthrough";
-    pt_line pl = {.args = args, .n = c, .owned = opts, .config = rs.config};
+    pt_line pl = {.args = args, .n = c, .owned = opts};
     if (s == LM_OK)
         s = lm_cmd_scan(argc, argv, lm_merge_opt_defs, lm_merge_n_opts, pt_opt, pt_operand, &pl, &err);
     c = pl.n;

@@ -33,6 +33,13 @@ typedef struct model {
     int n;
 } model;
 
+static void close_model(model *m)
+{
+    for (int i = 0; i < m->n; i++)
+        lm_st_close(m->f[i]);
+    m->n = 0;
+}
+
 static bool open_model(model *m, const char *path)
 {
     lm_err err;
@@ -50,12 +57,16 @@ static bool open_model(model *m, const char *path)
             if (m->n == MAX_FILES || lm_st_open(&m->f[m->n], file, &err) != LM_OK) {
                 fprintf(stderr, "st_lora: %s: %s\n", file, m->n == MAX_FILES ? "too many files" : err.msg);
                 closedir(d);
+                close_model(m);
                 return false;
             }
             m->n++;
         }
-        if (d)
-            closedir(d);
+        if (!d) {
+            fprintf(stderr, "st_lora: %s: cannot read the directory\n", path);
+            return false;
+        }
+        closedir(d);
     } else if (lm_st_open(&m->f[0], path, &err) == LM_OK) {
         m->n = 1;
     } else {
@@ -75,13 +86,6 @@ static const lm_st_tensor *find(const model *m, const char *name)
             return t;
     }
     return NULL;
-}
-
-static void close_model(model *m)
-{
-    for (int i = 0; i < m->n; i++)
-        lm_st_close(m->f[i]);
-    m->n = 0;
 }
 
 static double *values(const lm_st_tensor *t)
@@ -166,6 +170,8 @@ static int check_tensor(const model *base, const model *ad, const lm_st_tensor *
     if (expected && got && !saved && dot && strcmp(dot, ".bias") == 0) {
         const lm_st_tensor *db = adapter_key(ad, module, ".lora_B.bias");
         double *d = db && db->numel == m->numel ? values(db) : NULL;
+        if (db && !d)
+            factors = -1;  // a change of another length, or unreadable
         for (int64_t i = 0; d && i < m->numel; i++)
             expected[i] += d[i];
         free(d);
@@ -173,7 +179,7 @@ static int check_tensor(const model *base, const model *ad, const lm_st_tensor *
     int rc = 0;
     if (!expected || !got || factors < 0) {
         fprintf(stderr, "st_lora: %s: %s\n", m->name,
-                factors < 0 ? "the adapter's factors do not fit it" : "cannot read its values");
+                factors < 0 ? "the adapter's change does not fit it" : "cannot read its values");
         rc = 2;
     } else {
         double largest = 0;
