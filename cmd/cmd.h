@@ -73,6 +73,7 @@ typedef struct lm_cmd_prepared {
     struct lm_model *base;
     struct lm_ft **fts;           // (opts->n_ft)
     const char **ft_args;         // (opts->n_ft) the FTs as given
+    const char *const *ft_names;  // (opts->n_ft) how messages name them: "FT 2", llmerge run's "model 'NAME'"
     const struct lm_merge_opts *opts;
     struct lm_dev *dev;
     const char *dev_why;          // what --device opened and why

@@ -68,6 +68,7 @@ typedef struct merge_run {
     double t0;                 // when the command started
     lm_model *base;
     lm_ft **fts;               // (args.n_ft)
+    char **labels;             // (args.n_ft + 1) "BASE", "FT 1", ...: args.input_name of the merge commands
     lm_dev *dev;
     char dev_why[512];         // what --device opened and, for auto, why
     cJSON *fallbacks;          // the units that went to the CPU, for llmerge.json (or NULL)
@@ -112,6 +113,9 @@ static void run_free(merge_run *r)
     for (int i = 0; r->fts && i < r->args.n_ft; i++)
         lm_ft_free(r->fts[i]);
     free(r->fts);
+    for (int i = 0; r->labels && i <= r->args.n_ft; i++)
+        free(r->labels[i]);
+    free(r->labels);
     lm_model_free(r->base);
     lm_dev_destroy(r->dev);
     free(r->weights);
@@ -258,7 +262,7 @@ static lm_status read_calib(merge_run *r, lm_err *err)
     for (int i = 0; i < a->n_ft; i++) {
         lm_status s = lm_fwd_check(r->fts[i]->model ? r->fts[i]->model : r->base, r->fts[i]->adapter, err);
         if (s != LM_OK)
-            return lm_err_prefix(err, "FT %d (%s)", i + 1, r->fts[i]->path);
+            return lm_err_prefix(err, "%s (%s)", a->input_name[1 + i], r->fts[i]->path);
     }
     // with --hessian-from base the forward pass runs BASE itself, whatever the FTs are
     if (a->hessian_from_base) {
@@ -298,9 +302,9 @@ static lm_status find_dropped(merge_run *r, lm_err *err)
     char more[64] = "";
     if (r->n_dropped > 1)
         snprintf(more, sizeof more, " (and %lld more)", (long long)(r->n_dropped - 1));
-    return lm_err_set(err, LM_ERR_MISMATCH, "FT %d (%s): tensor '%s' is not in the base %s%s, so it cannot be "
-                      "merged%s; without --strict it is left out with a warning", d->ft + 1, r->fts[d->ft]->path,
-                      d->name, r->base->dir, dropped_why(r, d->name), more);
+    return lm_err_set(err, LM_ERR_MISMATCH, "%s (%s): tensor '%s' is not in the base %s%s, so it cannot be "
+                      "merged%s; without --strict it is left out with a warning", r->args.input_name[1 + d->ft],
+                      r->fts[d->ft]->path, d->name, r->base->dir, dropped_why(r, d->name), more);
 }
 
 // A warning for each tensor find_dropped listed, on stderr and in the log.
@@ -309,8 +313,9 @@ static void note_dropped(merge_run *r)
     for (int64_t i = 0; i < r->n_dropped; i++) {
         const dropped_tensor *d = &r->dropped[i];
         char msg[LM_ERR_MSG_MAX];
-        snprintf(msg, sizeof msg, "FT %d (%s): tensor '%s' is not in the base%s: left out of the merge "
-                 "(--strict refuses it)", d->ft + 1, r->fts[d->ft]->path, d->name, dropped_why(r, d->name));
+        snprintf(msg, sizeof msg, "%s (%s): tensor '%s' is not in the base%s: left out of the merge "
+                 "(--strict refuses it)", r->args.input_name[1 + d->ft], r->fts[d->ft]->path, d->name,
+                 dropped_why(r, d->name));
         lm_progress_note(&r->progress, "warning: %s", msg);
         cJSON *f = cJSON_CreateObject();
         cJSON_AddStringToObject(f, "message", msg);
@@ -434,6 +439,14 @@ static lm_status prepare(merge_run *r, lm_err *err)
                           "BASE FT [FT...] -o OUT)", a->m->name);
     if (!a->out)
         return lm_err_set(err, LM_ERR_USAGE, "no output directory: give -o OUT");
+    if (!a->input_name) {  // the merge commands' names of the inputs in messages
+        if (!(r->labels = calloc((size_t)a->n_ft + 1, sizeof *r->labels)))
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        for (int i = 0; i <= a->n_ft; i++)
+            if (!(r->labels[i] = i == 0 ? lm_strdup("BASE") : lm_strfmt("FT %d", i)))
+                return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+        a->input_name = (const char *const *)r->labels;
+    }
     // the methods whose base is one of the models take a weight for it first
     bool models = a->use.models || (a->use.models_only && a->models_only);
     int n_w = a->n_ft + (models ? 1 : 0);
@@ -496,10 +509,8 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return s;
     for (int i = 0; i < a->n_ft; i++) {
         if (!a->vocab && (s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
-            return input_where(a, 1 + i) ? lm_err_prefix(err, "%s", input_where(a, 1 + i))
-                                         : lm_err_prefix(err, "FT %d", i + 1);
-        char what[32];
-        snprintf(what, sizeof what, "FT %d", i + 1);
+            return lm_err_prefix(err, "%s", input_where(a, 1 + i) ? input_where(a, 1 + i) : a->input_name[1 + i]);
+        const char *what = a->input_name[1 + i];
         if ((s = lm_cmd_guard_model(&r->guard, what, r->fts[i]->model, err)) != LM_OK ||
             (s = lm_cmd_guard_adapter(&r->guard, what, r->fts[i]->adapter, err)) != LM_OK)
             return s;
@@ -511,7 +522,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return s;
     for (int i = 0; i < a->n_ft; i++) {
         char who[LM_ERR_MSG_MAX / 2];
-        snprintf(who, sizeof who, "FT %d %s", i + 1, r->fts[i]->path);
+        snprintf(who, sizeof who, "%s %s", a->input_name[1 + i], r->fts[i]->path);
         lm_cmd_adapter_warnings(&r->progress, who, r->fts[i]->adapter, "merged", a->base);
     }
 
@@ -559,6 +570,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
     o->tol = a->tol;
     o->ram_r = a->ram_r;
     o->ram_alpha = a->ram_alpha;
+    o->ft_names = a->input_name + 1;
     if (!a->params && (s = cli_settings(r, models, err)) != LM_OK)
         return s;
     if (a->params) {
@@ -672,7 +684,7 @@ static void describe_run(merge_run *r)
         char density[32] = "";
         if (a->use.density)
             snprintf(density, sizeof density, ", density %g", o->densities[i]);
-        lm_progress_note(&r->progress, "  FT %d %s: %s (%s), weight %g%s", i + 1, ft->path,
+        lm_progress_note(&r->progress, "  %s %s: %s (%s), weight %g%s", a->input_name[1 + i], ft->path,
                          ft_kind(ft), what, o->weights[i], density);
     }
     lm_progress_note(&r->progress, "  lambda %g, normalize %s, sign %s, topk %s, rescale %s, "
@@ -944,7 +956,7 @@ static void warn_nonfinite(merge_run *r)
         if (who == 0)
             snprintf(what, sizeof what, "the base (%s):", r->base->dir);
         else if (who > 0)
-            snprintf(what, sizeof what, "FT %d (%s):", who, r->fts[who - 1]->path);
+            snprintf(what, sizeof what, "%s (%s):", r->args.input_name[who], r->fts[who - 1]->path);
         else
             snprintf(what, sizeof what, "the output holds");
         snprintf(msg, sizeof msg, "%s %" PRIu64 " NaN and %" PRIu64 " Inf value%s in %lld tensor%s (%s)", what, nan,
@@ -969,8 +981,9 @@ static void note_empty_trims(merge_run *r)
     const char *mk = m->rank == LM_RANK_IMPORTANCE ? ""
                      : m->outliers                 ? " (mergekit's breadcrumbs keeps nothing there too, silently)"
                                                    : " (mergekit's ties stops at the first)";
-    lm_progress_note(&r->progress, "note: %s keeps nothing of FT %d (%s) in '%s', where floor(density * numel) is 0: "
-                     "%lld tensor%s lose an FT's task vector so%s", m->name, ft + 1, r->fts[ft]->path,
+    lm_progress_note(&r->progress, "note: %s keeps nothing of %s (%s) in '%s', where floor(density * numel) is 0: "
+                     "%lld tensor%s lose an FT's task vector so%s", m->name, r->args.input_name[1 + ft],
+                     r->fts[ft]->path,
                      res->empty_trim_tensor, (long long)res->empty_trims, res->empty_trims == 1 ? "" : "s", mk);
 }
 
@@ -1296,6 +1309,7 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     out->base = r->base;
     out->fts = r->fts;
     out->ft_args = r->args.fts;
+    out->ft_names = r->args.input_name + 1;
     out->opts = &r->opts;
     out->dev = r->dev;
     out->dev_why = r->dev_why;

@@ -165,6 +165,9 @@ struct merge_args {
     // llmerge run: where the base ([0]) and each FT ([1 + i]) were written in the configuration
     // ("FILE:LINE:COL: model 'NAME'"), the prefix of a message about one of them; NULL elsewhere
     const char *const *input_where;
+    // how messages name the base ([0]) and each FT: llmerge run's "base_model 'NAME'" and
+    // "model 'NAME'", else set by the merge's prepare to "BASE", "FT 1", ...
+    const char *const *input_name;
     const char *tokenizer_dir;  // tokenizer files from this model's directory rather than BASE's
     const char *chat_template;  // set in OUT's tokenizer_config.json, or NULL
     const char *note;           // a line said before the work (a key that changes nothing), or NULL

@@ -678,16 +678,17 @@ lm_status lm_cmd_lora_exact_check(const merge_args *a, const lm_merge_opts *o, c
         return LM_OK;
     for (int i = 0; i < a->n_ft; i++) {
         const lm_adapter *ad = fts[i]->adapter;
+        const char *ft = a->input_name[1 + i];
         if (!ad)
-            return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact concatenates the inputs' factors: FT %d %s is a "
-                              "full model, which has none (give a rank)", i + 1, fts[i]->path);
+            return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact concatenates the inputs' factors: %s %s is a "
+                              "full model, which has none (give a rank)", ft, fts[i]->path);
         if (ad->config.fan_in_fan_out)
-            return lm_err_set(err, LM_ERR_UNSUPPORTED, "--to-lora exact: FT %d %s stores its weights transposed "
-                              "(fan_in_fan_out), which the adapter written does not", i + 1, fts[i]->path);
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "--to-lora exact: %s %s stores its weights transposed "
+                              "(fan_in_fan_out), which the adapter written does not", ft, fts[i]->path);
         for (int64_t m = 0; m < ad->n_modules; m++)
             if (ad->modules[m].magnitude)
-                return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact: FT %d %s is DoRA (module '%s'), whose change "
-                                  "is not its factors' product (give a rank)", i + 1, fts[i]->path,
+                return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact: %s %s is DoRA (module '%s'), whose change "
+                                  "is not its factors' product (give a rank)", ft, fts[i]->path,
                                   ad->modules[m].path);
     }
     double *c = malloc((size_t)(a->n_ft > 0 ? a->n_ft : 1) * sizeof *c);

@@ -71,6 +71,15 @@ static lm_status check_adapter(const lm_ft *ft, const char *const *names, int n,
     return LM_OK;
 }
 
+// Prefixes err with where FT i was written (llmerge run), or "FT i+1".
+static void ft_prefix(const merge_args *a, int i, lm_err *err)
+{
+    if (a->input_where && a->input_where[1 + i])
+        lm_err_prefix(err, "%s", a->input_where[1 + i]);
+    else
+        lm_err_prefix(err, "FT %d", i + 1);
+}
+
 lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bool data, lm_progress *p,
                             lm_err *err)
 {
@@ -123,14 +132,14 @@ lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bo
         lm_input_kind kind;
         char *resolved = NULL;
         if ((s = lm_input_detect(a->fts[i], &kind, &resolved, err)) != LM_OK) {
-            lm_err_prefix(err, "FT %d", i + 1);
+            ft_prefix(a, i, err);
             goto done;
         }
         if (kind != LM_INPUT_MODEL) {
             free(resolved);
             if ((s = lm_ft_open(&fts[i], a->fts[i], base, err)) != LM_OK ||
                 (s = check_adapter(fts[i], names, n_names, source, err)) != LM_OK) {
-                lm_err_prefix(err, "FT %d", i + 1);
+                ft_prefix(a, i, err);
                 goto done;
             }
             continue;
@@ -139,20 +148,20 @@ lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bo
         s = lm_model_open(&m, resolved, err);
         free(resolved);
         if (s != LM_OK) {
-            lm_err_prefix(err, "FT %d", i + 1);
+            ft_prefix(a, i, err);
             goto done;
         }
         slot[i] = n_models;
         models[n_models] = m;
         rows[n_models] = m->config.vocab_size;
         if ((s = lm_vocab_load_dir(&vocabs[n_models], m->dir, true, NULL, err)) != LM_OK) {
-            lm_err_prefix(err, "FT %d", i + 1);
+            ft_prefix(a, i, err);
             goto done;
         }
         n_models++;
         if (rows[n_models - 1] <= 0) {
-            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "FT %d %s: config.json has no vocab_size: its embeddings cannot "
-                           "be rebuilt to the output's vocabulary (%s)", i + 1, m->dir, source);
+            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s %s: config.json has no vocab_size: its embeddings cannot "
+                           "be rebuilt to the output's vocabulary (%s)", a->input_name[1 + i], m->dir, source);
             goto done;
         }
         for (int k = 0; k < n_names; k++) {
@@ -162,10 +171,10 @@ lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bo
                 snprintf(want, sizeof want, "[%" PRId64 ", %" PRId64 "]", m->config.vocab_size, b->shape[1]);
                 if (mine)
                     lm_st_shape_str(mine->shape, mine->ndim, got, sizeof got);
-                s = lm_err_set(err, LM_ERR_MISMATCH, "FT %d %s: tensor '%s' is %s%s; a model of vocab_size %" PRId64
-                               " whose embeddings are rebuilt to the output's vocabulary (%s) needs it %s", i + 1,
-                               m->dir, names[k], mine ? "" : "missing", mine ? got : "", m->config.vocab_size, source,
-                               want);
+                s = lm_err_set(err, LM_ERR_MISMATCH, "%s %s: tensor '%s' is %s%s; a model of vocab_size %" PRId64
+                               " whose embeddings are rebuilt to the output's vocabulary (%s) needs it %s",
+                               a->input_name[1 + i], m->dir, names[k], mine ? "" : "missing", mine ? got : "",
+                               m->config.vocab_size, source, want);
                 goto done;
             }
         }
@@ -203,7 +212,7 @@ lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bo
             s = lm_ft_of_model(&fts[i], models[slot[i]], base, err);
             models[slot[i]] = NULL;  // fts[i] has it, or freed it
             if (s != LM_OK) {
-                lm_err_prefix(err, "FT %d", i + 1);
+                ft_prefix(a, i, err);
                 goto done;
             }
         }
@@ -214,11 +223,10 @@ lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bo
                      n_names == 1 ? "" : "s", perm->n_rows, source, perm->n_single, perm->n_base, perm->n_average,
                      perm->n_none);
     for (int j = 0; j < n_models; j++) {
-        int ft = 0;
+        int ft = 0;  // input 0 the base, 1 + i FT i
         for (int i = 0; i < n_ft; i++)
             ft = slot[i] == j && j > 0 ? i + 1 : ft;
-        char who[32];
-        snprintf(who, sizeof who, j == 0 ? "BASE" : "FT %d", ft);
+        const char *who = a->input_name[ft];
         lm_progress_note(p, "vocabulary: %s has %" PRId64 " of the %" PRId64 " tokens (%" PRId64 " at other ids)", who,
                          perm->n_own[j], perm->n_tokens, perm->n_moved[j]);
     }

@@ -315,12 +315,13 @@ static void print_text(const lm_cmd_prepared *pr, const lm_plan *p, const char *
         print_capture(p, &p->captures[i], dev_name);
     for (int i = 0; i < p->n_ft; i++) {
         const lm_plan_ft *f = &p->ft[i];
+        const char *name = pr->ft_names[i];
         if (!pr->fts[i]->adapter)
-            printf("place: FT %d (%s) is a full model: no LoRA factors to place\n", i + 1, pr->ft_args[i]);
+            printf("place: %s (%s) is a full model: no LoRA factors to place\n", name, pr->ft_args[i]);
         else if (!p->accelerator)
-            printf("place: FT %d (%s) %s of LoRA factors: on cpu\n", i + 1, pr->ft_args[i], fmt(a, f->resident_bytes));
+            printf("place: %s (%s) %s of LoRA factors: on cpu\n", name, pr->ft_args[i], fmt(a, f->resident_bytes));
         else
-            printf("place: FT %d (%s) %s of LoRA factors: %s%s\n", i + 1, pr->ft_args[i], fmt(a, f->resident_bytes),
+            printf("place: %s (%s) %s of LoRA factors: %s%s\n", name, pr->ft_args[i], fmt(a, f->resident_bytes),
                    f->on_device ? "on " : "stays on cpu (does not fit)", f->on_device ? dev_name : "");
     }
     const char *merge_dev = p->accelerator ? dev_name : "cpu";

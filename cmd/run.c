@@ -152,6 +152,7 @@ typedef struct run_preset {
     const lm_params **models;       // (n_ft + 1) each model's settings: the base's, then each FT's
     const char **names;             // (n_ft + 1) how each was written, for messages
     const char **where;             // (n_ft + 1) where each was written (merge_args' input_where)
+    const char **label;             // (n_ft + 1) "model 'NAME'" (merge_args' input_name)
     lm_merge_params mp;
     lm_vocab *vocab;                // the vocabulary the embeddings are rebuilt to, or NULL
 } run_preset;
@@ -169,6 +170,7 @@ static void preset_free(void *ctx)
     free(p->models);
     free(p->names);
     free(p->where);
+    free(p->label);
     free(p->pending_ft);
     free(p->pending_path);
     free(p->pending_lora);
@@ -353,9 +355,9 @@ static lm_status make_pending(merge_args *a, lm_progress *pr, lm_err *err)
 {
     run_preset *p = a->preset;
     if (a->to_lora_exact && p->n_pending > 0)  // refused before it is made, naming it as written
-        return lm_err_set(err, LM_ERR_USAGE, "--to-lora exact concatenates the inputs' factors: FT %d %s+%s is a "
-                          "LoRA of another model than the base, so a full model once merged onto it, which has "
-                          "none (give a rank)", p->pending_ft[0] + 1, p->pending_path[0], p->pending_lora[0]);
+        return lm_err_set(err, LM_ERR_USAGE, "%s: --to-lora exact concatenates the inputs' factors: this is a LoRA "
+                          "of another model than the base, so a full model once merged onto it, which has none "
+                          "(give a rank)", p->where[1 + p->pending_ft[0]]);
     for (int i = 0; i < p->n_pending; i++) {
         char *dir = NULL;
         bool made = false;
@@ -455,15 +457,17 @@ static lm_status config_options(const lm_mergecfg *cfg, const lm_method *m, merg
     return LM_OK;
 }
 
-// Where model cm was written, for messages about it: "FILE:LINE:COL: model 'NAME'" (owned by p);
-// with cm NULL, base_model's line.
-static const char *written_at(run_preset *p, const lm_cfg_model *cm)
+// Input i (0 the base) as model cm was written, for messages about it (owned by p): where,
+// "FILE:LINE:COL: model 'NAME'", and its label, "model 'NAME'"; with cm NULL, base_model's.
+// False when memory runs out.
+static bool written_at(run_preset *p, int i, const lm_cfg_model *cm)
 {
     const lm_mergecfg *cfg = p->cfg;
-    if (!cm)
-        return keep(p, lm_strfmt("%s:%d:%d: base_model '%s'", AT(cfg, cfg->base_line, cfg->base_col),
-                                 cfg->base_model));
-    return keep(p, lm_strfmt("%s:%d:%d: model '%s'", AT(cfg, cm->line, cm->col), cm->model));
+    const char *key = cm ? "model" : "base_model", *name = cm ? cm->model : cfg->base_model;
+    p->label[i] = keep(p, lm_strfmt("%s '%s'", key, name));
+    p->where[i] = keep(p, lm_strfmt("%s:%d:%d: %s", AT(cfg, cm ? cm->line : cfg->base_line,
+                                                       cm ? cm->col : cfg->base_col), p->label[i] ? p->label[i] : ""));
+    return p->label[i] && p->where[i];
 }
 
 // Appends input `path`, written as model cm (its settings, its name, where), as FT n of the
@@ -473,7 +477,7 @@ static lm_status add_ft(run_preset *p, merge_args *a, const char *path, const lm
     a->fts[a->n_ft] = path;
     p->models[1 + a->n_ft] = &cm->params;
     p->names[1 + a->n_ft] = cm->model;
-    if (!(p->where[1 + a->n_ft] = written_at(p, cm)))
+    if (!written_at(p, 1 + a->n_ft, cm))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     a->n_ft++;
     return LM_OK;
@@ -488,9 +492,11 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     p->models = calloc((size_t)n + 2, sizeof *p->models);
     p->names = calloc((size_t)n + 2, sizeof *p->names);
     p->where = calloc((size_t)n + 2, sizeof *p->where);
-    if (!a->fts || !p->models || !p->names || !p->where)
+    p->label = calloc((size_t)n + 2, sizeof *p->label);
+    if (!a->fts || !p->models || !p->names || !p->where || !p->label)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     a->input_where = p->where;
+    a->input_name = p->label;
     const char *base = cfg->base_model;
     if (base && strchr(base, '+'))
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: base_model '%s': a LoRA on the base is not supported "
@@ -519,7 +525,8 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
         a->base = base;
         p->models[0] = base_at >= 0 ? &cfg->models[base_at].params : NULL;
         p->names[0] = base;
-        p->where[0] = written_at(p, NULL);
+        if (!written_at(p, 0, NULL))
+            return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         for (int i = 0; s == LM_OK && i < n; i++) {
             if (i == base_at)
                 continue;
@@ -542,7 +549,8 @@ static lm_status config_models(run_preset *p, const lm_method *m, merge_args *a,
     a->base = ref >= 0 ? cfg->models[ref].model : base;
     p->models[0] = ref >= 0 ? &cfg->models[ref].params : NULL;
     p->names[0] = a->base;
-    p->where[0] = written_at(p, ref >= 0 ? &cfg->models[ref] : NULL);
+    if (!written_at(p, 0, ref >= 0 ? &cfg->models[ref] : NULL))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     if (ref >= 0 && strchr(cfg->models[ref].model, '+'))
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': the first model of %s is the one the "
                           "others are checked against: a LoRA on it is not supported (list a plain model first)",

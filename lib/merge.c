@@ -108,11 +108,13 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
                               o->epsilons[i]);
     for (int i = 0; m->della && i < o->n_ft; i++) {
         double d = o->densities ? o->densities[i] : 1, eps = o->epsilons ? o->epsilons[i] : lm_method_epsilon(m);
+        char ft[32];
+        snprintf(ft, sizeof ft, "input %d", i + 1);
         if (d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
             return lm_err_set(err, LM_ERR_USAGE,
-                              "epsilon: input %d has density %g and epsilon %g: density - epsilon and density + "
+                              "epsilon: %s has density %g and epsilon %g: density - epsilon and density + "
                               "epsilon must lie in (0, 1)",
-                              i + 1, d, eps);
+                              o->ft_names ? o->ft_names[i] : ft, d, eps);
     }
     if (m->outliers && o->topk_global)
         return lm_err_set(err, LM_ERR_USAGE, "--topk global: %s trims each tensor on its own", m->name);
@@ -753,23 +755,26 @@ static lm_status params_of(const lm_merge_opts *o, const lm_method *m, const cha
     if (s != LM_OK)
         return s;
     for (int i = 0; i < o->n_ft; i++) {
+        char ft[32];
+        snprintf(ft, sizeof ft, "input %d", i + 1);
+        const char *who = o->ft_names ? o->ft_names[i] : ft;
         if (!isfinite(tp->weights[i]))
-            return lm_err_set(err, LM_ERR_USAGE, "weight of input %d is %g in tensor '%s', not a finite number",
-                              i + 1, tp->weights[i], name);
+            return lm_err_set(err, LM_ERR_USAGE, "weight of %s is %g in tensor '%s', not a finite number", who,
+                              tp->weights[i], name);
         if (m->density && !(tp->densities[i] > 0 && tp->densities[i] <= 1))
-            return lm_err_set(err, LM_ERR_USAGE, "density of input %d is %g in tensor '%s', not in (0, 1]", i + 1,
+            return lm_err_set(err, LM_ERR_USAGE, "density of %s is %g in tensor '%s', not in (0, 1]", who,
                               tp->densities[i], name);
         double d = tp->densities[i], eps = tp->epsilons[i];
         if (m->della && d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
             return lm_err_set(err, LM_ERR_USAGE,
-                              "epsilon of input %d is %g in tensor '%s' with density %g: density - epsilon and "
+                              "epsilon of %s is %g in tensor '%s' with density %g: density - epsilon and "
                               "density + epsilon must lie in (0, 1)",
-                              i + 1, eps, name, d);
+                              who, eps, name, d);
         if (m->threshold && !(eps >= 0 && isfinite(eps)))
-            return lm_err_set(err, LM_ERR_USAGE, "epsilon of input %d is %g in tensor '%s', not a finite number of 0 "
-                              "or more", i + 1, eps, name);
+            return lm_err_set(err, LM_ERR_USAGE, "epsilon of %s is %g in tensor '%s', not a finite number of 0 "
+                              "or more", who, eps, name);
         if (m->outliers && !(tp->gammas[i] >= 0 && tp->gammas[i] <= 1))
-            return lm_err_set(err, LM_ERR_USAGE, "gamma of input %d is %g in tensor '%s', not in [0, 1]", i + 1,
+            return lm_err_set(err, LM_ERR_USAGE, "gamma of %s is %g in tensor '%s', not in [0, 1]", who,
                               tp->gammas[i], name);
     }
     if (!isfinite(tp->base_weight) || !isfinite(tp->lambda) || !isfinite(tp->t) || !isfinite(tp->select_topk))

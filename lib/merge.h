@@ -111,6 +111,7 @@ typedef struct lm_merge_opts {
     // global, whose densities are the whole model's.
     lm_status (*tensor_params)(void *ctx, const char *tensor, lm_tensor_params *tp, lm_err *err);
     void *params_ctx;
+    const char *const *ft_names; // (n_ft) how messages name each FT ("FT 2", "model 'NAME'"), or NULL
     bool normalize;           // resolved: the caller applies lm_merge_default_normalize
     lm_sign_rule sign;
     bool topk_global;         // magnitude threshold per model over all its tensors

@@ -79,7 +79,10 @@ check 'grep -q "\"embed_tokens\"" "$work/qex/adapter_config.json" &&
   grep -q "base_model.model.lm_head.weight" "$work/qex/adapter_model.safetensors"' \
   "the embedding is not in modules_to_save alone, with the tied lm_head's copy"
 run qexm task-arithmetic "$Q" "$work/qex" -o "$work/qexm"
-check '"$st_lora" "$Q" "$work/qex" "$work/qexm" 1e-6 >"$work/stl" 2>&1' \
+# (st_lora runs before check, so that the message shows what it printed)
+"$st_lora" "$Q" "$work/qex" "$work/qexm" 1e-6 >"$work/stl" 2>&1
+rc=$?
+check '[ $rc -eq 0 ]' \
   "the Qwen2 adapter merged back is not BASE plus its change: $(cat "$work/stl")"
 
 # a full fine-tune: its norms go whole into modules_to_save and come back exactly; its matrices
@@ -99,8 +102,9 @@ run exm task-arithmetic "$B" "$work/ex" -o "$work/exm"
 # merged back (in float32), the truncated change: BASE + B·A, computed apart (st_lora), where the
 # rank-8 factors are far from the fine-tune's change
 run exm32 task-arithmetic "$B" "$work/ex" -o "$work/exm32" --dtype f32
-check '"$st_lora" "$B" "$work/ex" "$work/exm32" 1e-6 >"$work/stl" 2>&1 &&
-  grep -q "^16 tensors with factors" "$work/stl"' \
+"$st_lora" "$B" "$work/ex" "$work/exm32" 1e-6 >"$work/stl" 2>&1
+rc=$?
+check '[ $rc -eq 0 ] && grep -q "^16 tensors with factors" "$work/stl"' \
   "the rank-8 adapter merged back is not BASE plus its factors' product: $(cat "$work/stl")"
 run ftm32 task-arithmetic "$B" "$F1" -o "$work/ftm32" --dtype f32
 check '"$st_lora" "$B" "$work/ex" "$work/ftm32" 1e-3 >/dev/null 2>&1; [ $? -eq 1 ]' \
@@ -282,7 +286,7 @@ models:
 EOF
 expect 2 "--to-lora 40: tensor 'model.layers.0.self_attn.k_proj.weight' is [32, 64]" \
   run "$work/pl.yml" -o "$work/bad" --to-lora 40 --cache-dir "$work/plcache"
-expect 2 "FT 1 $F1+$LP is a LoRA of another model than the base" \
+expect 2 "pl.yml:4:12: model '$F1+$LP': --to-lora exact concatenates the inputs' factors: this is a LoRA of another model than the base" \
   run "$work/pl.yml" -o "$work/bad" --to-lora exact --cache-dir "$work/plcache"
 check '[ ! -e "$work/plcache" ]' \
   "a refused --to-lora made PATH+LORA's model first: $(ls -R "$work/plcache" 2>/dev/null | head -5)"

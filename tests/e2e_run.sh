@@ -650,7 +650,7 @@ same "tokenizer_source leaves the weights alone" "$work/tk_same.run" "$work/tk_b
 # swapped by st_rows (apart from llmerge) under the base's tokenizer.
 tk_cfg tk_model "tokenizer_source: base"
 run tk_model run "$work/tk_model.yml" -o "$work/tk_model.run"
-check 'grep -q "vocabulary: FT 2 has 256 of the 256 tokens (2 at other ids)" "$work/tk_model.err"' \
+check 'grep -qF "vocabulary: model '"'$work/tk_other'"' has 256 of the 256 tokens (2 at other ids)" "$work/tk_model.err"' \
   "tk_model: no note of the rows moved: $(head -c 600 "$work/tk_model.err")"
 # rows OP DIR ARGS...: $F2's files in DIR, `st_rows OP` ARGS applied to each of its shards.
 rows() {
@@ -715,7 +715,7 @@ expect 2 "--to-lora: the merge moves the embeddings' rows to another vocabulary 
 check '[ ! -e "$work/tk_lora.run" ]' "a refused --to-lora left $work/tk_lora.run"
 # an adapter that changes a rebuilt matrix cannot have its rows moved
 sed "s|$work/tk_third|$fx/lora_mts|" "$work/tk_other.yml" >"$work/tk_mts.yml"
-expect 2 "FT 3: $fx/lora_mts: its LoRA module 'model.embed_tokens' changes model.embed_tokens.weight, whose rows are rebuilt" \
+expect 2 "$work/tk_mts.yml:11:12: model '$fx/lora_mts': $fx/lora_mts: its LoRA module 'model.embed_tokens' changes model.embed_tokens.weight, whose rows are rebuilt" \
   run "$work/tk_mts.yml" -o "$work/tk_mts.run"
 check '[ ! -e "$work/tk_mts.run" ]' "a refused rebuild left $work/tk_mts.run"
 printf '{"model": {"vocab": {"a": -1}}}' >"$work/tk_pad/tokenizer.json"
@@ -1292,13 +1292,13 @@ models:
   - model: $F1
     parameters: {weight: 1}
 EOF
-expect 2 "epsilon of input 1 is 0.6 in tensor 'model.layers.0.mlp.down_proj.weight' with density 0.5" \
+expect 2 "epsilon of model '$F1' is 0.6 in tensor 'model.layers.0.mlp.down_proj.weight' with density 0.5" \
   run "$work/e_della.yml" -o "$work/e_della.run"
 no_output "$work/e_della.run"
-expect 2 "epsilon of input 1 is 0.6 in tensor 'model.layers.0.mlp.down_proj.weight' with density 0.5" \
+expect 2 "epsilon of FT 1 is 0.6 in tensor 'model.layers.0.mlp.down_proj.weight' with density 0.5" \
   della "$B" "$F1" -o "$work/e_della.cli" --density 0.5 --epsilon 'mlp=0.6;0.1'
 no_output "$work/e_della.cli"
-expect 2 "epsilon of input 1 is 0.6 in tensor" plan "$work/e_della.yml" -o "$work/e_della.run"
+expect 2 "epsilon of model '$F1' is 0.6 in tensor" plan "$work/e_della.yml" -o "$work/e_della.run"
 # the command line: a merge option, two operands
 expect 2 "--density shapes the merge: llmerge run takes it from CONFIG" run "$work/ties.yml" -o "$work/e_cli.run" \
   --density 0.5
@@ -1310,7 +1310,7 @@ no_output "$work/e_cli.run"
 
 # the output's size follows the configuration's dtype: 106,816 parameters in bf16, then in f32
 expect 0 "output: 213632 bytes in 1 shard" plan "$work/ties.yml" -o "$work/plan.run"
-check 'grep -q "^place: FT 2 ($LP) .* of LoRA factors" "$work/out" && grep -q "^merge: " "$work/out"' \
+check 'grep -qF "place: model '"'$LP'"' ($LP) " "$work/out" && grep -q "^place: .* of LoRA factors" "$work/out" && grep -q "^merge: " "$work/out"' \
   "llmerge plan printed: $(head -c 600 "$work/out")"
 no_output "$work/plan.run"
 expect 0 "output: 427264 bytes in 1 shard" plan "$work/out_dtype.yml" -o "$work/plan.run"
