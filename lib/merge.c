@@ -571,7 +571,10 @@ static lm_status ws_alloc(engine *e, wset *w, lm_dev *dev, const ws_size *z, con
         if (s == LM_OK && parts && !lm_dev_host_memory(dev))
             s = lm_dev_alloc(dev, (size_t)w->cap_cols * sizeof(double), (void **)&w->ucc2_buf[ft], e->err);
     }
-    if (s == LM_OK && e->m->sce)  // as lm_eng_ws_size's extra_bytes
+    // sce's variances where a mask reads them (select_topk < 1): the tensor's, as lm_eng_ws_size's
+    // extra_bytes; the CPU's set, kept for the whole run, for any tensor (untouched pages in host
+    // memory where none is masked)
+    if (s == LM_OK && e->m->sce && (!parts || e->tp.select_topk < 1))
         s = lm_dev_alloc(dev, bytes, (void **)&w->var_buf, e->err);
     if (s == LM_OK && !lm_dev_host_memory(dev))
         s = lm_dev_alloc(dev, z->stage_bytes, &w->stage_dev, e->err);
@@ -780,6 +783,17 @@ static lm_status params_of(const lm_merge_opts *o, const lm_method *m, const cha
     if (!isfinite(tp->base_weight) || !isfinite(tp->lambda) || !isfinite(tp->t) || !isfinite(tp->select_topk))
         return lm_err_set(err, LM_ERR_USAGE, "a weight, lambda or t of tensor '%s' is not a finite number", name);
     return LM_OK;
+}
+
+double lm_eng_tensor_select_topk(const lm_merge_opts *o, const char *name)
+{
+    if (!o->tensor_params)
+        return o->select_topk;
+    int n = o->n_ft > 0 ? o->n_ft : 1;
+    double v[4 * n];
+    lm_tensor_params tp = {.weights = v, .densities = v + n, .gammas = v + 2 * n, .epsilons = v + 3 * n};
+    lm_err err;
+    return params_of(o, lm_method_of(o->method), name, &tp, &err) == LM_OK ? tp.select_topk : o->select_topk;
 }
 
 static lm_status tensor_params(engine *e, const char *name)

@@ -289,6 +289,10 @@ lm_status lm_eng_select_global(engine *e, int64_t n_out);
 int64_t lm_eng_slab_rows(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
 size_t lm_eng_stage_need(const lm_st_tensor *bt, const part *parts, int k, int64_t cnt);
 int64_t lm_eng_slab_cnt(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k);
+// select_topk of tensor `name`: the option's, or its per-tensor setting (where that setting is
+// refused, the option's: the merge refuses it before any work). For sizing sce's working set.
+double lm_eng_tensor_select_topk(const lm_merge_opts *o, const char *name);
+
 void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k,
                     ws_size *z);
 uint64_t lm_eng_mapped_bytes(const lm_st_tensor *bt, const part *parts, int k);

@@ -60,7 +60,7 @@ void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, 
     *z = (ws_size){.cap = cnt, .n_tau = k};
     for (int i = 0; i < k; i++)
         z->n_key += parts[i].ucc2 != NULL;
-    if (e->m->sce)  // the slab of variances (ws_alloc's var_buf)
+    if (e->m->sce && e->tp.select_topk < 1)  // the slab of variances (ws_alloc's var_buf) for a mask
         z->extra_bytes += (size_t)cnt * sizeof(float);
     if (e->m->della && !lm_dev_host_memory(dev))  // della_drop's ranks in device scratch
         z->extra_bytes += (size_t)cnt * sizeof(int32_t);
@@ -156,6 +156,7 @@ int64_t lm_eng_largest_slab(const lm_model *base, int64_t slab_elems)
 static engine sizing_engine(const lm_merge_opts *o, const lm_model *base, lm_ft *const *fts)
 {
     engine e = {.o = o, .m = lm_method_of(o->method), .base = base, .fts = fts};
+    e.tp.select_topk = o->select_topk;
     e.slab_elems = o->slab_elems > 0 ? o->slab_elems : LARGE_SLAB_ELEMS;
     e.slab_dense = o->slab_elems > 0 ? o->slab_elems : DENSE_SLAB_ELEMS;
     e.slab_max = lm_eng_largest_slab(base, e.slab_elems);
@@ -198,6 +199,8 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
         return LM_OK;
     }
     int64_t rows = tensor_rows(bt);
+    if (e.m->sce)  // a mask, and with it the variances' slab, as this tensor's select_topk says
+        e.tp.select_topk = lm_eng_tensor_select_topk(o, bt->name);
     ws_size z;
     lm_eng_ws_size(&e, dev, bt, parts, k, &z);
     int64_t cnt = z.cap;

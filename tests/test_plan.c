@@ -476,7 +476,8 @@ static bool run_on_sim(const lm_merge_opts *o, const lm_model *base, lm_ft *cons
 // The plan's sizes of each merge unit are what the run allocates: on a simulated device with
 // room for the placed factors and the largest unit nothing falls back, and with a byte less
 // exactly the units the plan says will not fit do (for several methods, a full FT, a plain
-// LoRA and a DoRA adapter); the plan asks a real simulated device of that budget.
+// LoRA and a DoRA adapter); the plan asks a real simulated device of that budget. sce holds a
+// slab of variances more where its mask reads them (select_topk < 1), and only there.
 static void test_units(void)
 {
     lm_err err = {0};
@@ -492,16 +493,20 @@ static void test_units(void)
     }
     char *out = lm_strfmt("%s/llmerge-test-plan-%d", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp", (int)getpid());
     double w[3] = {1, 0.5, 0.75}, d[3] = {0.3, 0.5, 0.2};
-    struct { lm_merge_method m; lm_rescale r; bool global; } runs[] = {
-        {LM_MERGE_TIES, LM_RESCALE_INV, false},
-        {LM_MERGE_TIES, LM_RESCALE_INV, true},
-        {LM_MERGE_DARE_TIES, LM_RESCALE_L1, false},
-        {LM_MERGE_TASK_ARITHMETIC, LM_RESCALE_INV, false},
+    struct { lm_merge_method m; lm_rescale r; bool global; double topk; } runs[] = {
+        {LM_MERGE_TIES, LM_RESCALE_INV, false, 1},
+        {LM_MERGE_TIES, LM_RESCALE_INV, true, 1},
+        {LM_MERGE_DARE_TIES, LM_RESCALE_L1, false, 1},
+        {LM_MERGE_TASK_ARITHMETIC, LM_RESCALE_INV, false, 1},
+        {LM_MERGE_SCE, LM_RESCALE_INV, false, 1},
+        {LM_MERGE_SCE, LM_RESCALE_INV, false, 0.5},
     };
+    uint64_t sce_bytes[2] = {0, 0};  // the largest unit's, unmasked and masked
+    int64_t sce_slab = 0;
     for (size_t r = 0; out && fts[0] && fts[1] && fts[2] && r < sizeof runs / sizeof runs[0]; r++) {
         lm_merge_opts o = {.method = runs[r].m, .n_ft = 3, .weights = w, .densities = d, .lambda = 1,
                            .out_dtype = LM_DTYPE_BF16, .sign = LM_SIGN_SUM, .rescale = runs[r].r,
-                           .topk_global = runs[r].global, .seed = 5, .threads = 1};
+                           .topk_global = runs[r].global, .seed = 5, .threads = 1, .select_topk = runs[r].topk};
         lm_plan_device big = {.name = "sim:1GiB", .free_bytes = 1ull << 30, .total_bytes = 1ull << 30};
         lm_plan p;
         CHECK_OK(lm_plan_make(&p, &o, base, fts, &big, NULL, 5000000000ull, out, &err), &err);
@@ -511,6 +516,10 @@ static void test_units(void)
         }
         uint64_t fits = p.placed_bytes + p.tensors[p.largest].dev_bytes;
         CHECK(p.n_fallback == 0 && p.n_place_fallback == 0 && p.n_merged > 0);
+        if (runs[r].m == LM_MERGE_SCE) {
+            sce_bytes[runs[r].topk < 1] = p.tensors[p.largest].dev_bytes;
+            sce_slab = p.tensors[p.largest].dev.slab_elems;
+        }
         lm_plan_free(&p);
         for (uint64_t budget = fits - 1; budget <= fits; budget++) {
             lm_plan_device dev = {.name = "sim", .free_bytes = budget, .total_bytes = budget};
@@ -528,6 +537,9 @@ static void test_units(void)
             lm_plan_free(&p);
         }
     }
+    CHECK_MSG(sce_slab > 0 && sce_bytes[1] == sce_bytes[0] + (uint64_t)sce_slab * sizeof(float),
+              "sce's largest unit: %" PRIu64 " bytes unmasked, %" PRIu64 " masked, slab %" PRId64, sce_bytes[0],
+              sce_bytes[1], sce_slab);
     if (out)
         lm_rm_rf(out, &err);
     free(out);
