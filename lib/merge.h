@@ -283,6 +283,7 @@ typedef struct lm_merge_need {
     int64_t slab_elems;     // elements of one slab where it runs (lm_eng_run_unit's lm_eng_slab_cnt)
     int64_t touched_elems;  // elements of each buffer it writes: slab_elems, or on the CPU with
                             // fused passes only the selection's sample (0 without one)
+    int64_t var_elems;      // sce where a mask applies: elements of the variances' slab it writes
     bool one_slab;          // the whole tensor in one slab
     uint64_t ws_bytes;      // the unit's working set: base and one τ per part as float32, on a
                             // device without host memory the staging and output buffers, and

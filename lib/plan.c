@@ -436,7 +436,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
         goto fail;
     p->slab_max = lm_merge_plan_slab_max(o, base);
     bool cpu_used = !p->accelerator;  // the CPU's buffers exist from the start on the CPU
-    uint64_t base_touch = 0, dev_host = p->placed_bytes, masks_loaded = 0, masks_recorded = 0;
+    uint64_t base_touch = 0, var_touch = 0, dev_host = p->placed_bytes, masks_loaded = 0, masks_recorded = 0;
     for (int64_t i = 0; i < base->n_tensors; i++) {
         lm_plan_tensor *t = &p->tensors[i];
         t->name = base->tensors[i]->name;
@@ -485,6 +485,7 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
             uint64_t slab = (uint64_t)where->slab_elems * sizeof(float);
             uint64_t touched = (uint64_t)where->touched_elems * sizeof(float);
             base_touch = max_u64(base_touch, touched);
+            var_touch = max_u64(var_touch, (uint64_t)where->var_elems * sizeof(float));
             for (int f = 0; f < o->n_ft; f++) {
                 if (where->part_mask >> (f < 63 ? f : 63) & 1)
                     tau_touch[f] = max_u64(tau_touch[f], touched);
@@ -515,8 +516,10 @@ lm_status lm_plan_make(lm_plan *p, const lm_merge_opts *o, const lm_model *base,
         c->mapped = max_u64(c->mapped, where ? where->mapped_bytes : t->dev.mapped_bytes);
     }
     if (cpu_used) {
-        c->ws_reserved = (uint64_t)(1 + o->n_ft) * (uint64_t)p->slab_max * sizeof(float);
-        c->ws_touched = base_touch;
+        // base, one τ per FT, and sce's variances (written where a mask applies)
+        bool sce = lm_method_of(o->method)->sce;
+        c->ws_reserved = (uint64_t)(1 + o->n_ft + sce) * (uint64_t)p->slab_max * sizeof(float);
+        c->ws_touched = base_touch + var_touch;
         for (int f = 0; f < o->n_ft; f++)
             c->ws_touched += tau_touch[f];
         // sparsegpt: the CPU's buffers have an importance buffer per FT besides

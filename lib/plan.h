@@ -120,7 +120,7 @@ typedef struct lm_plan_tensor {
 // CPU memory, bytes. RSS counts pages written, so buffers the engine reserves at their
 // largest but fills less are counted as filled.
 typedef struct lm_plan_cpu {
-    uint64_t ws_reserved;     // (1 + n_ft) × slab_max float32, when the CPU's buffers exist
+    uint64_t ws_reserved;     // (1 + n_ft) × slab_max float32 (sce: one more), when the CPU's buffers exist
     uint64_t ws_touched;      // the part of them the tensors fill
     uint64_t residents;       // every adapter's factors as float32 (always in host memory)
     uint64_t adapter_mapped;  // adapters' tensor bytes read from their mapping (kept mapped)

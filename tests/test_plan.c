@@ -548,6 +548,48 @@ static void test_units(void)
     lm_model_free(base);
 }
 
+// On the CPU the fused passes fill the float32 buffers only at the selection's sample (task
+// arithmetic: none, it has no selection); sce, nearswap and ramplus_tl make every τ in them, and
+// sce fills a slab of variances besides where its mask applies. The plan's figures per tensor
+// say so.
+static void test_touched(lm_dev *cpu)
+{
+    lm_err err = {0};
+    lm_model *base = fixture_model("base");
+    char *dir = fx("ft_full");
+    lm_ft *ft = NULL;
+    if (base && dir)
+        CHECK_OK(lm_ft_open(&ft, dir, base, &err), &err);
+    free(dir);
+    int64_t idx = -1;  // the largest tensor
+    for (int64_t i = 0; base && i < base->n_tensors; i++)
+        if (idx < 0 || base->tensors[i]->numel > base->tensors[idx]->numel)
+            idx = i;
+    struct { lm_merge_method m; double topk; bool all, var; } cases[] = {
+        {LM_MERGE_TASK_ARITHMETIC, 1, false, false},
+        {LM_MERGE_SCE, 1, true, false},              {LM_MERGE_SCE, 0.5, true, true},
+        {LM_MERGE_NEARSWAP, 1, true, false},         {LM_MERGE_RAMPLUS, 1, true, false},
+    };
+    double w[1] = {1}, d[1] = {0.3}, eps[1] = {0};
+    for (size_t c = 0; ft && idx >= 0 && c < sizeof cases / sizeof cases[0]; c++) {
+        lm_merge_opts o = {.method = cases[c].m, .n_ft = 1, .weights = w, .densities = d, .epsilons = eps,
+                           .lambda = 1, .out_dtype = LM_DTYPE_BF16, .sign = LM_SIGN_SUM, .t = 0.5,
+                           .select_topk = cases[c].topk, .ram_r = 0.1, .ram_alpha = 0.2, .threads = 1};
+        lm_merge_need need;
+        CHECK_OK(lm_merge_plan_tensor(&o, base, &ft, idx, cpu, &need), &err);
+        const char *name = lm_merge_method_name(o.method);
+        CHECK_MSG(need.parts == 1 && need.slab_elems > 0, "%s: %d parts, slab %" PRId64, name, need.parts,
+                  need.slab_elems);
+        CHECK_MSG(cases[c].all ? need.touched_elems == need.slab_elems : need.touched_elems < need.slab_elems,
+                  "%s select_topk %g: %" PRId64 " of %" PRId64 " elements touched", name, cases[c].topk,
+                  need.touched_elems, need.slab_elems);
+        CHECK_MSG(need.var_elems == (cases[c].var ? need.slab_elems : 0), "%s select_topk %g: %" PRId64
+                  " variances", name, cases[c].topk, need.var_elems);
+    }
+    lm_ft_free(ft);
+    lm_model_free(base);
+}
+
 int main(void)
 {
     if (!fixture_env("test_plan"))
@@ -558,6 +600,8 @@ int main(void)
     CHECK_OK(lm_dev_sim_create(&sim, 64u << 20, NULL, 2, &err), &err);
     if (cpu && sim)
         test_weights(cpu, sim);
+    if (cpu)
+        test_touched(cpu);
     lm_dev_destroy(cpu);
     lm_dev_destroy(sim);
     test_accumulators();
