@@ -492,6 +492,13 @@ static lm_status prepare(merge_run *r, lm_err *err)
     free(resolved);
     if (s != LM_OK || (s = lm_cmd_guard_model(&r->guard, "BASE", r->base, err)) != LM_OK)
         return s;
+    // llmerge run's one slice: its sources' [0, N] is the base's whole stack of layers
+    int64_t n_layers = r->base->config.layer_count;
+    if (a->slice_layers > 0 && a->slice_layers != n_layers)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: its sources' layer_range is [0, %" PRId64 "], and the base "
+                          "%s has %" PRId64 " layers%s: with merge_method %s a slice gives every layer (passthrough "
+                          "stacks parts of stacks)", a->slice_where, a->slice_layers, r->base->dir, n_layers,
+                          n_layers > 0 ? "" : " (its config.json gives no num_hidden_layers)", a->m->name);
 
     // each FT, checked against BASE
     r->fts = calloc((size_t)a->n_ft, sizeof *r->fts);

@@ -168,6 +168,11 @@ struct merge_args {
     // how messages name the base ([0]) and each FT: llmerge run's "base_model 'NAME'" and
     // "model 'NAME'", else set by the merge's prepare to "BASE", "FT 1", ...
     const char *const *input_name;
+    // llmerge run of one slice with a method: its layer_range's N, which must be the base's
+    // layer count, and where the slice was written ("FILE:LINE:COL: slices[0]"); 0 and NULL
+    // elsewhere
+    int64_t slice_layers;
+    const char *slice_where;
     const char *tokenizer_dir;  // tokenizer files from this model's directory rather than BASE's
     const char *chat_template;  // set in OUT's tokenizer_config.json, or NULL
     const char *note;           // a line said before the work (a key that changes nothing), or NULL

@@ -142,6 +142,7 @@ static void param_names(const method_params *mp, bool per_model, char *buf, size
 // What a configuration becomes, kept until the merge is done (merge_args' preset).
 typedef struct run_preset {
     lm_mergecfg *cfg;
+    bool sliced;                    // cfg's models were its one slice's sources (slice_as_models)
     // the PATH+LORA inputs on a model other than the base: input ft[i] is made from path[i] and
     // lora[i] before the merge opens its inputs (lm_cmd_lora_model)
     int *pending_ft;
@@ -784,6 +785,39 @@ static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
     return LM_OK;
 }
 
+// mergekit merges a slice's sources layer by layer, the output's layers being the slices'
+// in turn. llmerge runs with a method the form such files have: one slice whose sources each
+// give the whole stack, [0, N], N the base's layers (merge.c checks N once the base is open).
+// mergekit turns models: into that very slice, so it runs as models:, each source's parameters
+// a model's: the sources become cfg's models, and the span goes to a.
+static lm_status slice_as_models(run_preset *p, const lm_method *m, merge_args *a, lm_err *err)
+{
+    lm_mergecfg *cfg = p->cfg;
+    const lm_cfg_slice *sl = &cfg->slices[0];
+    if (cfg->n_slices > 1)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: %d slices: with merge_method %s llmerge merges one "
+                          "slice, whose sources each give every layer, [0, N]; slices merged apart and stacked are "
+                          "not supported yet (passthrough stacks slices of one source each)",
+                          AT(cfg, cfg->slices[1].line, cfg->slices[1].col), cfg->n_slices, m->name);
+    for (int i = 0; i < sl->n_sources; i++)
+        if (sl->sources[i].layer_range[0] != 0)
+            return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': layer_range [%" PRId64 ", %" PRId64
+                              "]: with merge_method %s a slice's sources each give every layer, [0, N] with N the "
+                              "base's num_hidden_layers (passthrough stacks parts of stacks)",
+                              AT(cfg, sl->sources[i].line, sl->sources[i].col), sl->sources[i].model,
+                              sl->sources[i].layer_range[0], sl->sources[i].layer_range[1], m->name);
+    a->slice_layers = sl->sources[0].layer_range[1];
+    if (!(a->slice_where = keep(p, lm_strfmt("%s:%d:%d: slices[0]", AT(cfg, sl->line, sl->col)))))
+        return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    cfg->models = sl->sources;
+    cfg->n_models = sl->n_sources;
+    free(cfg->slices);
+    cfg->slices = NULL;
+    cfg->n_slices = 0;
+    p->sliced = true;
+    return LM_OK;
+}
+
 lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
 {
     run_preset *p = calloc(1, sizeof *p);
@@ -815,15 +849,14 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
     }
     a->m = m;
     a->use = lm_merge_uses(m);
-    if (cfg->n_slices > 0)
-        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: slices work with merge_method: passthrough only; %s "
-                          "takes models:", AT(cfg, cfg->slices[0].line, cfg->slices[0].col), m->name);
+    if (cfg->n_slices > 0 && (s = slice_as_models(p, m, a, err)) != LM_OK)
+        return s;
     const method_params *mp = params_of(m->id);
     if ((s = check_params(cfg, &cfg->params, mp, m->name, false, "parameters", err)) != LM_OK)
         return s;
     for (int i = 0; i < cfg->n_models; i++) {
         char where[64];
-        snprintf(where, sizeof where, "models[%d].parameters", i);
+        snprintf(where, sizeof where, p->sliced ? "slices[0].sources[%d].parameters" : "models[%d].parameters", i);
         if ((s = check_params(cfg, &cfg->models[i].params, mp, m->name, true, where, err)) != LM_OK)
             return s;
     }
@@ -935,7 +968,9 @@ static void run_usage(FILE *out, const void *arg)
             "\n"
             "Merges what a mergekit configuration file says: merge_method, base_model, models (each\n"
             "model: PATH, ORG/NAME from the Hugging Face cache, or PATH+LORA: on another PATH than\n"
-            "the base, the adapter is merged into PATH once, in --cache-dir, and reused),\n"
+            "the base, the adapter is merged into PATH once, in --cache-dir, and reused), slices\n"
+            "(passthrough's layer stacks; with another method, one slice whose sources each give\n"
+            "every layer, [0, N], merged as those models would be under models:),\n"
             "parameters (numbers, gradients over the layers, {filter, value} lists; a model's own\n"
             "before the global ones), dtype, out_dtype, tokenizer_source, chat_template and\n"
             "random_seed, with mergekit's defaults (density 1, normalize and rescale per method).\n"

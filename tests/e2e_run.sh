@@ -382,6 +382,49 @@ EOF
 vs slerp slerp "$B" "$F1" --t 'mlp=0.3,0.7;0.5'
 cli slerp.half slerp "$B" "$F1" --t 0.5
 differ "slerp: t's filter and gradient" "$work/slerp.run" "$work/slerp.half"
+# the same as mergekit's gradient-slerp example writes it: one slice of both models' every
+# layer, which mergekit makes of models: itself; and ties with parameters per source; written
+# into OUT as they are. llmerge plan plans it.
+cfg slerp_slice <<EOF
+slices:
+  - sources:
+      - model: $B
+        layer_range: [0, 2]
+      - model: $F1
+        layer_range: [0, 2]
+merge_method: slerp
+base_model: $B
+parameters:
+  t:
+    - filter: mlp
+      value: [0.3, 0.7]
+    - value: 0.5
+EOF
+runcfg slerp_slice
+same "slerp in one slice is slerp of models:" "$work/slerp_slice.run" "$work/slerp.run"
+check 'cmp -s "$work/slerp_slice.yml" "$work/slerp_slice.run/mergekit_config.yml"' "slerp_slice: mergekit_config.yml"
+expect 0 "output: 213632 bytes in 1 shard" plan "$work/slerp_slice.yml" -o "$work/slerp_slice.plan"
+cfg ties_slice <<EOF
+merge_method: ties
+base_model: $B
+slices:
+  - sources:
+      - model: $F1
+        layer_range: [0, 2]
+        parameters:
+          weight:
+            - filter: self_attn
+              value: 0.7
+            - value: 1.0
+          density: [0.3, 0.8]
+      - model: $LP
+        layer_range: [0, 2]
+        parameters:
+          weight: 0.5
+          density: 0.6
+EOF
+runcfg ties_slice
+same "ties in one slice is ties of models:" "$work/ties_slice.run" "$work/ties.run"
 
 # nuslerp: with base_model two fine-tunes' task vectors, without it two models
 cfg nuslerp <<EOF
@@ -959,14 +1002,43 @@ models:
     parameters: {weight: 1}
 EOF
 refused e_union 3:19 "tokenizer_source: 'union'"
+# slices with a method: one slice whose sources each give every layer runs as models: (below);
+# several slices, a part of the stack, or a stack not the base's are refused, naming it
 cfg e_slices <<EOF
 merge_method: linear
 slices:
   - sources:
       - model: $B
-        layer_range: [0, 2]
+        layer_range: [0, 1]
+  - sources:
+      - model: $B
+        layer_range: [1, 2]
 EOF
-refused e_slices 3:5 "slices work with merge_method: passthrough only"
+refused e_slices 6:5 "2 slices: with merge_method linear llmerge merges one slice"
+cfg e_slice_from <<EOF
+merge_method: linear
+slices:
+  - sources:
+      - model: $B
+        layer_range: [0, 2]
+      - model: $F1
+        layer_range: [1, 3]
+EOF
+refused e_slice_from 6:16 "model '$F1': layer_range [1, 3]: with merge_method linear a slice's sources each give every layer"
+cfg e_slice_part <<EOF
+merge_method: linear
+slices:
+  - sources:
+      - model: $B
+        layer_range: [0, 1]
+      - model: $F1
+        layer_range: [0, 1]
+parameters:
+  weight: 1
+EOF
+refused e_slice_part 3:5 "slices[0]: its sources' layer_range is [0, 1], and the base $B has 2 layers"
+expect 2 "$work/e_slice_part.yml:3:5: slices[0]: its sources' layer_range is [0, 1]" \
+  plan "$work/e_slice_part.yml" -o "$work/e_slice_part.run"
 cfg e_passthrough <<EOF
 merge_method: passthrough
 models:
