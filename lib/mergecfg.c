@@ -150,7 +150,7 @@ static lm_status build_tree(reader *r, node **root)
         case YAML_DOCUMENT_START_EVENT:
             if (++docs > 1)
                 s = fail_at(r, LM_ERR_FORMAT, line, col, "a second YAML document: a configuration is one "
-                            "document");
+                            "document (mergekit-multi's stages each go in a file of their own)");
             break;
         case YAML_ALIAS_EVENT:
             s = fail_at(r, LM_ERR_FORMAT, line, col, "alias '*%.100s': anchors and aliases are not supported "
