@@ -810,15 +810,53 @@ static lm_status optional_string(reader *r, const node *k, const node *v, char *
     return want_string(r, v, k->text, out);
 }
 
+// mergekit's `tokenizer:` block. Its `source` is tokenizer_source's (and, absent, mergekit's
+// default, union); `tokens` (an embedding chosen per token) and `pad_to_multiple_of` (rows added
+// to the vocabulary) are not supported. With `source: base` or a model and neither of those it
+// is the same merge as tokenizer_source.
+static lm_status read_tokenizer(reader *r, const node *k, const node *v, lm_mergecfg *c)
+{
+    static const char *const known[] = {"source", "tokens", "pad_to_multiple_of", NULL};
+    if (is_null(v))
+        return LM_OK;
+    lm_status s = want_map(r, v, "tokenizer");
+    const node *source = NULL;
+    for (int i = 0; s == LM_OK && i < v->n; i += 2) {
+        const node *k2 = v->kids[i], *v2 = v->kids[i + 1];
+        if (strcmp(k2->text, "source") == 0)
+            source = is_null(v2) ? NULL : v2;
+        else if (strcmp(k2->text, "tokens") == 0 || strcmp(k2->text, "pad_to_multiple_of") == 0)
+            s = is_null(v2) ? LM_OK
+                            : fail_at(r, LM_ERR_UNSUPPORTED, k2->line, k2->col, "tokenizer.%s (%s) is not supported",
+                                      k2->text, k2->text[0] == 't' ? "embeddings chosen per token"
+                                                                   : "the vocabulary padded with rows");
+        else
+            s = unknown_key(r, k2, "tokenizer", known);
+    }
+    if (s != LM_OK)
+        return s;
+    if (!source)
+        return fail_at(r, LM_ERR_UNSUPPORTED, k->line, k->col, "tokenizer: without 'source', mergekit builds a "
+                       "'union' of every model's vocabulary, which is not supported: give source: base or a model");
+    if ((s = want_string(r, source, "tokenizer.source", &c->tokenizer_source)) != LM_OK)
+        return s;
+    c->tokenizer_line = source->line;
+    if (strcmp(c->tokenizer_source, "union") == 0)
+        return fail_at(r, LM_ERR_UNSUPPORTED, source->line, source->col, "tokenizer.source: 'union' (a vocabulary "
+                       "merged from every model's) is not supported: give 'base' or a model");
+    return LM_OK;
+}
+
 static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
 {
     static const char *const known[] = {"merge_method", "base_model", "models", "slices", "parameters", "dtype",
-                                        "out_dtype", "tokenizer_source", "chat_template", "random_seed", NULL};
+                                        "out_dtype", "tokenizer_source", "tokenizer", "chat_template", "random_seed",
+                                        NULL};
     if (root->kind != NODE_MAP)
         return fail_at(r, LM_ERR_FORMAT, root->line, root->col, "a configuration is a mapping of keys (merge_method, "
                        "models, ...), not %s", type_name(root));
     lm_status s = check_keys(r, root, "");
-    const node *models = NULL, *slices = NULL, *method = NULL;
+    const node *models = NULL, *slices = NULL, *method = NULL, *tok_source = NULL, *tokenizer = NULL;
     for (int i = 0; i < root->n && s == LM_OK; i += 2) {
         const node *k = root->kids[i], *v = root->kids[i + 1];
         const char *key = k->text;
@@ -850,7 +888,12 @@ static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
         } else if (strcmp(key, "out_dtype") == 0) {
             s = optional_string(r, k, v, &c->out_dtype, &c->out_dtype_line, NULL);
         } else if (strcmp(key, "tokenizer_source") == 0) {
-            s = optional_string(r, k, v, &c->tokenizer_source, &c->tokenizer_line, NULL);
+            tok_source = is_null(v) ? NULL : k;
+            if (tok_source && tokenizer)
+                s = fail_at(r, LM_ERR_FORMAT, k->line, k->col, "tokenizer_source and tokenizer (line %d) are both "
+                            "given: give one", tokenizer->line);
+            if (s == LM_OK)
+                s = optional_string(r, k, v, &c->tokenizer_source, &c->tokenizer_line, NULL);
             if (s == LM_OK && c->tokenizer_source && strcmp(c->tokenizer_source, "union") == 0)
                 s = fail_at(r, LM_ERR_UNSUPPORTED, v->line, v->col, "tokenizer_source: 'union' (a vocabulary merged "
                             "from every model's) is not supported: give 'base' or a model");
@@ -862,10 +905,16 @@ static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
                 c->has_seed = true;
                 s = want_uint(r, v, key, UINT64_MAX, &c->random_seed);
             }
-        } else if (strcmp(key, "modules") == 0 || strcmp(key, "tokenizer") == 0) {
-            s = fail_at(r, LM_ERR_UNSUPPORTED, k->line, k->col, "key '%s' (mergekit's %s) is not supported", key,
-                        key[0] == 'm' ? "merges of several modules" : "tokenizer building; tokenizer_source: base "
-                        "or a model is");
+        } else if (strcmp(key, "tokenizer") == 0) {
+            tokenizer = is_null(v) ? NULL : k;
+            if (tokenizer && tok_source)
+                s = fail_at(r, LM_ERR_FORMAT, k->line, k->col, "tokenizer and tokenizer_source (line %d) are both "
+                            "given: give one", tok_source->line);
+            if (s == LM_OK)
+                s = read_tokenizer(r, k, v, c);
+        } else if (strcmp(key, "modules") == 0) {
+            s = fail_at(r, LM_ERR_UNSUPPORTED, k->line, k->col, "key 'modules' (mergekit's merges of several modules) "
+                        "is not supported");
         } else {
             s = unknown_key(r, k, "", known);
         }

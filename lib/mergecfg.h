@@ -7,8 +7,9 @@
 //
 //   - one YAML document whose top level is a mapping with the keys merge_method (a string,
 //     required), base_model, models, slices, parameters, dtype, out_dtype, tokenizer_source,
-//     chat_template (strings) and random_seed (a whole number from 0 to 2^64 - 1); exactly one
-//     of models and slices;
+//     chat_template (strings), tokenizer (a mapping whose source, a string, is read as
+//     tokenizer_source; not both keys) and random_seed (a whole number from 0 to 2^64 - 1);
+//     exactly one of models and slices;
 //   - models: a list of mappings with model (a string, required) and parameters;
 //   - slices: a list of mappings with sources, a list of mappings with model, layer_range
 //     ([FROM, TO], whole numbers, 0 <= FROM < TO) and parameters;
@@ -28,10 +29,11 @@
 // libyaml's text), a key not in the lists above (with the closest known key when one is
 // close), a key given twice, a value of the wrong type (naming the key and the type needed),
 // anchors and aliases, tags (!!str ...), a second document, a string holding a NUL character,
-// and the limits above. mergekit's modules, tokenizer, a slice's parameters, base_model and
-// residual_weight and tokenizer_source: union are LM_ERR_UNSUPPORTED; every other defect is
-// LM_ERR_FORMAT (both are exit status 2); LM_ERR_NOMEM and, for lm_mergecfg_load, the errors
-// of reading the file otherwise.
+// and the limits above. mergekit's modules, a slice's parameters, base_model and
+// residual_weight, tokenizer_source: union, and tokenizer's tokens, pad_to_multiple_of and a
+// source of union or none (mergekit's default is union) are LM_ERR_UNSUPPORTED; every other
+// defect is LM_ERR_FORMAT (both are exit status 2); LM_ERR_NOMEM and, for lm_mergecfg_load, the
+// errors of reading the file otherwise.
 #ifndef LM_MERGECFG_H
 #define LM_MERGECFG_H
 

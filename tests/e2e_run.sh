@@ -695,6 +695,11 @@ tk_cfg tk_model "tokenizer_source: base"
 run tk_model run "$work/tk_model.yml" -o "$work/tk_model.run"
 check 'grep -qF "vocabulary: model '"'$work/tk_other'"' has 256 of the 256 tokens (2 at other ids)" "$work/tk_model.err"' \
   "tk_model: no note of the rows moved: $(head -c 600 "$work/tk_model.err")"
+# mergekit's tokenizer block with a source is tokenizer_source
+tk_cfg tk_block "tokenizer:
+  source: base"
+run tk_block run "$work/tk_block.yml" -o "$work/tk_block.run"
+same "tokenizer: {source: base} is tokenizer_source: base" "$work/tk_block.run" "$work/tk_model.run"
 # rows OP DIR ARGS...: $F2's files in DIR, `st_rows OP` ARGS applied to each of its shards.
 rows() {
   local op=$1 dir=$2 f

@@ -140,6 +140,13 @@ static void test_every_key(void)
               !c->tokenizer_source && !c->chat_template && !c->has_seed && c->seed_line == 0);
     }
     lm_mergecfg_free(c);
+    // mergekit's tokenizer block with a source is tokenizer_source; null parts count as absent
+    c = parse("merge_method: linear\nmodels:\n- model: a\ntokenizer:\n  tokens: ~\n  source: m/b\n", &err);
+    CHECK(c && c->tokenizer_source && strcmp(c->tokenizer_source, "m/b") == 0 && c->tokenizer_line == 6);
+    lm_mergecfg_free(c);
+    c = parse("merge_method: linear\nmodels:\n- model: a\ntokenizer: ~\ntokenizer_source: base\n", &err);
+    CHECK(c && c->tokenizer_source && strcmp(c->tokenizer_source, "base") == 0 && c->tokenizer_line == 5);
+    lm_mergecfg_free(c);
     // JSON is YAML too
     c = parse("{\"merge_method\": \"ties\", \"models\": [{\"model\": \"a\", \"parameters\": {\"density\": 0.5}}], "
               "\"random_seed\": 7}", &err);
@@ -321,7 +328,22 @@ static const bad_case bad_cases[] = {
     // mergekit's keys llmerge does not take
     {HEAD "modules:\n  text: {}\n", LM_ERR_UNSUPPORTED, "cfg.yml:4:1: key 'modules' (mergekit's merges of several "
                                                          "modules) is not supported"},
-    {HEAD "tokenizer:\n  source: base\n", LM_ERR_UNSUPPORTED, "cfg.yml:4:1: key 'tokenizer' (mergekit's tokenizer"},
+    {HEAD "tokenizer:\n  source: union\n", LM_ERR_UNSUPPORTED,
+     "cfg.yml:5:11: tokenizer.source: 'union' (a vocabulary merged from every model's) is not supported"},
+    {HEAD "tokenizer:\n  pad_to_multiple_of: ~\n", LM_ERR_UNSUPPORTED,
+     "cfg.yml:4:1: tokenizer: without 'source', mergekit builds a 'union'"},
+    {HEAD "tokenizer:\n  source: base\n  pad_to_multiple_of: 64\n", LM_ERR_UNSUPPORTED,
+     "cfg.yml:6:3: tokenizer.pad_to_multiple_of (the vocabulary padded with rows) is not supported"},
+    {HEAD "tokenizer:\n  source: base\n  tokens:\n    <x>: {source: a}\n", LM_ERR_UNSUPPORTED,
+     "cfg.yml:6:3: tokenizer.tokens (embeddings chosen per token) is not supported"},
+    {HEAD "tokenizer:\n  sourc: base\n", LM_ERR_FORMAT, "cfg.yml:5:3: tokenizer: unknown key 'sourc'; did you mean "
+                                                        "'source'?"},
+    {HEAD "tokenizer:\n  source: [base]\n", LM_ERR_FORMAT, "cfg.yml:5:11: tokenizer.source: a string is needed"},
+    {HEAD "tokenizer: base\n", LM_ERR_FORMAT, "cfg.yml:4:12: tokenizer: a mapping of keys is needed, not a string"},
+    {HEAD "tokenizer_source: base\ntokenizer:\n  source: base\n", LM_ERR_FORMAT,
+     "cfg.yml:5:1: tokenizer and tokenizer_source (line 4) are both given: give one"},
+    {HEAD "tokenizer:\n  source: base\ntokenizer_source: base\n", LM_ERR_FORMAT,
+     "cfg.yml:6:1: tokenizer_source and tokenizer (line 4) are both given: give one"},
     {HEAD "tokenizer_source: union\n", LM_ERR_UNSUPPORTED,
      "cfg.yml:4:19: tokenizer_source: 'union' (a vocabulary merged from every model's) is not supported"},
     {"merge_method: passthrough\nslices:\n  - sources: [{model: a, layer_range: [0, 1]}]\n    parameters: {w: 1}\n",
