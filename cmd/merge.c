@@ -757,6 +757,36 @@ static lm_status start_hasher(merge_run *r, lm_err *err)
     return lm_hasher_start(&r->hasher, paths, n, err);
 }
 
+// What llmerge.json records for parameter `name` of model m (1 + i FT i; -1 the merge's own)
+// whose option `option` has value v: where per-tensor settings give it (llmerge run's
+// configuration, or settings on the command line), the number they give every tensor, or where
+// it varies from tensor to tensor, a string saying so; else v. NULL when memory runs out.
+static cJSON *resolved(const merge_args *a, int m, const char *name, const char *option, double v)
+{
+    double x = v;
+    lm_mp_form f = a->params ? lm_merge_params_form(a->params, m, name, &x) : LM_MP_UNSET;
+    if (f != LM_MP_PER_TENSOR)
+        return cJSON_CreateNumber(x);
+    char text[64];
+    snprintf(text, sizeof text, "per tensor: see %s", a->config_text ? "the configuration" : option);
+    return cJSON_CreateString(text);
+}
+
+// resolved() of parameter `name` of each FT (its option's values v), as an array.
+static cJSON *resolved_each(const merge_args *a, const char *name, const char *option, const double *v)
+{
+    cJSON *arr = cJSON_CreateArray();
+    for (int i = 0; arr && i < a->n_ft; i++) {
+        cJSON *x = resolved(a, 1 + i, name, option, v[i]);
+        if (!x || !cJSON_AddItemToArray(arr, x)) {
+            cJSON_Delete(x);
+            cJSON_Delete(arr);
+            return NULL;
+        }
+    }
+    return arr;
+}
+
 // What llmerge.json's options add for the methods beyond ties and dare and for per-tensor
 // settings: t, the base's weight, gamma, epsilon, karcher's iteration, --models-only; each option
 // given as settings, as given; llmerge run's configuration, with the xxHash64 of its text.
@@ -766,10 +796,12 @@ static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err 
     const lm_merge_opts *o = &r->opts;
     const merge_uses *u = &a->use;
     bool ok = true;
+    cJSON *x;
     if (u->t)
-        ok = ok && cJSON_AddNumberToObject(opt, "t", o->t);
+        ok = ok && (x = resolved(a, -1, "t", "--t", o->t)) && cJSON_AddItemToObject(opt, "t", x);
     if (u->select_topk)
-        ok = ok && cJSON_AddNumberToObject(opt, "select_topk", o->select_topk);
+        ok = ok && (x = resolved(a, -1, "select_topk", "--select-topk", o->select_topk)) &&
+             cJSON_AddItemToObject(opt, "select_topk", x);
     if ((u->models || (u->models_only && o->models_only)) && a->base_weight_text)
         ok = ok && cJSON_AddStringToObject(opt, "base_weight", a->base_weight_text);
     else if (u->models || (u->models_only && o->models_only))
@@ -784,12 +816,11 @@ static lm_status manifest_method_options(const merge_run *r, cJSON *opt, lm_err 
         ok = ok && cJSON_AddNumberToObject(opt, "max_iter", o->max_iter) && cJSON_AddNumberToObject(opt, "tol", o->tol);
     if (u->ramplus)
         ok = ok && cJSON_AddNumberToObject(opt, "r", o->ram_r) && cJSON_AddNumberToObject(opt, "alpha", o->ram_alpha);
-    cJSON *arr;
     if (u->gamma)
-        ok = ok && (arr = cJSON_CreateDoubleArray(o->gammas, a->n_ft)) && cJSON_AddItemToObject(opt, "gammas", arr);
+        ok = ok && (x = resolved_each(a, "gamma", "--gamma", o->gammas)) && cJSON_AddItemToObject(opt, "gammas", x);
     if (u->epsilon)
-        ok = ok && (arr = cJSON_CreateDoubleArray(o->epsilons, a->n_ft)) &&
-             cJSON_AddItemToObject(opt, "epsilons", arr);
+        ok = ok && (x = resolved_each(a, "epsilon", "--epsilon", o->epsilons)) &&
+             cJSON_AddItemToObject(opt, "epsilons", x);
     static const char *const names[SET_COUNT] = {"weights", "densities", "gamma", "epsilon", "t", "lambda",
                                                  "select_topk"};
     cJSON *sets = NULL;

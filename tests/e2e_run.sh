@@ -542,6 +542,14 @@ check 'grep -qx -- "- lambda: per tensor: see the configuration" "$work/task_ari
   "the card's lambda: $(grep -- "- lambda" "$work/task_arithmetic.run/README.md" "$work/task_arithmetic.cli/README.md")"
 json "$work/task_arithmetic.run/llmerge.json" options.weights '[0.7,0.3]'
 json "$work/task_arithmetic.run/llmerge.json" options.lambda "per tensor: see the configuration"
+# t, gamma and epsilon likewise: the configuration's numbers, or "per tensor" where they vary
+json "$work/slerp.run/llmerge.json" options.t "per tensor: see the configuration"
+json "$work/slerp.cli/llmerge.json" options.t "per tensor: see --t"
+json "$work/slerp.half/llmerge.json" options.t 0.5
+json "$work/breadcrumbs.run/llmerge.json" options.gammas '[0.05,0.05]'
+json "$work/breadcrumbs_ties.run/llmerge.json" options.gammas '["per tensor: see the configuration",0.05]'
+json "$work/della.run/llmerge.json" options.epsilons '[0.1,"per tensor: see the configuration"]'
+json "$work/della_linear.run/llmerge.json" options.epsilons '[0.1,0.1]'
 cfg card <<EOF
 merge_method: ties
 base_model: $B
