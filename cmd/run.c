@@ -11,6 +11,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cJSON.h>
 
@@ -638,6 +639,25 @@ static const struct {
 
 // Whether two model directories' tokenizer.model files (SentencePiece's, read by llmerge no
 // further) are there and byte for byte the same.
+// Whether directory d holds a tokenizer.model.
+static bool has_spm(const char *d)
+{
+    char *path = lm_path_join(d, "tokenizer.model");
+    bool has = path && access(path, F_OK) == 0;
+    free(path);
+    return has;
+}
+
+// Whether directories a and b are one directory.
+static bool same_dir(const char *a, const char *b)
+{
+    char *ra = realpath(a, NULL), *rb = realpath(b, NULL);
+    bool same = ra && rb && strcmp(ra, rb) == 0;
+    free(ra);
+    free(rb);
+    return same;
+}
+
 static bool same_spm(const char *a, const char *b)
 {
     char *pa = lm_path_join(a, "tokenizer.model"), *pb = lm_path_join(b, "tokenizer.model");
@@ -690,12 +710,17 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
         if (s == LM_OK && (s = lm_vocab_load_dir(&out, src_dir, false, NULL, err)) != LM_OK)
             lm_err_prefix(err, "%s:%d: tokenizer_source '%s'", cfg->path, cfg->tokenizer_line, src);
         if (s == LM_OK && !out && !base) {
-            // no tokenizer.json on either side: SentencePiece's tokenizer.model, the same bytes
-            if (!same_spm(src_dir, base_dir))
+            // no tokenizer.json on either side: the base's own directory, or SentencePiece's
+            // tokenizer.model, the same bytes
+            bool spm_src = has_spm(src_dir), spm_base = has_spm(base_dir);
+            if (!same_dir(src_dir, base_dir) && !same_spm(src_dir, base_dir))
                 s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': neither it nor the base has a "
-                               "tokenizer.json, and their tokenizer.model files are not the same: the vocabularies "
-                               "cannot be compared (llmerge reads tokenizer.json's)", cfg->path, cfg->tokenizer_line,
-                               src);
+                               "tokenizer.json, and %s: the vocabularies cannot be compared (llmerge reads "
+                               "tokenizer.json's)", cfg->path, cfg->tokenizer_line, src,
+                               spm_src && spm_base ? "their tokenizer.model files are not the same"
+                               : spm_src           ? "the base has no tokenizer.model"
+                               : spm_base          ? "it has no tokenizer.model"
+                                                   : "neither has a tokenizer.model");
         } else if (s == LM_OK && (!out || !base)) {
             s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': %s has no tokenizer.json and %s "
                            "has one: the vocabularies cannot be compared", cfg->path, cfg->tokenizer_line, src,

@@ -499,6 +499,20 @@ EOF
 vs karcher karcher "$B" "$F1" "$F2" --max-iter 3 --tol 1e-9
 cli karcher.1 karcher "$B" "$F1" "$F2" --max-iter 1 --tol 1e-9
 differ "karcher: max_iter" "$work/karcher.run" "$work/karcher.1"
+# a base_model not among karcher's models is one more of them, the one the others are checked
+# against, as mergekit adds it
+cfg karcher_base <<EOF
+merge_method: karcher
+base_model: $B
+parameters:
+  max_iter: 3
+  tol: 1e-9
+models:
+  - model: $F1
+  - model: $F2
+EOF
+runcfg karcher_base
+same "karcher: base_model outside models" "$work/karcher_base.run" "$work/karcher.run"
 cfg model_stock <<EOF
 merge_method: model_stock
 base_model: $B
@@ -783,6 +797,23 @@ expect 2 "$work/tk_bad.yml:3: tokenizer_source '$work/tk_pad': its vocabulary ha
   run "$work/tk_bad.yml" -o "$work/tk_bad.run"
 check '[ ! -e "$work/tk_bad.run" ]' "a refused tokenizer_source left $work/tk_bad.run"
 vocab 0 256 null >"$work/tk_pad/tokenizer.json"
+# without tokenizer.json anywhere (the fixtures): the base's own directory is its vocabulary;
+# another model is compared by tokenizer.model, and the message says which side lacks it
+cfg tk_basedir <<EOF
+merge_method: task_arithmetic
+base_model: $B
+tokenizer_source: $B
+parameters:
+  weight: 1
+models:
+  - model: $F1
+EOF
+runcfg tk_basedir
+cli tk_basedir.cli task-arithmetic "$B" "$F1"
+same "tokenizer_source: the base's directory" "$work/tk_basedir.run" "$work/tk_basedir.cli"
+sed "s|^tokenizer_source: .*|tokenizer_source: $F2|" "$work/tk_basedir.yml" >"$work/tk_nospm.yml"
+expect 2 "$work/tk_nospm.yml:3: tokenizer_source '$F2': neither it nor the base has a tokenizer.json, and neither \
+has a tokenizer.model" run "$work/tk_nospm.yml" -o "$work/tk_nospm.run"
 # chat_template: a Jinja string into OUT's tokenizer_config.json (the rest of it kept); auto,
 # the template most of the models have (tk_other's and tk_third's, neither the base's nor the
 # first fine-tune's); a name of mergekit's gives llmerge's template of that format; another
