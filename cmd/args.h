@@ -202,4 +202,9 @@ void lm_cmd_model_run_free(lm_model_run *r);
 lm_status lm_cmd_model_run_begin(lm_model_run *r, const lm_run_args *a, const char *what, const char *phase,
                                  lm_err *err);
 
+// Sets the chat template of the model directory dir: into chat_template.jinja where dir has one
+// (transformers reads it first), else into tokenizer_config.json's "chat_template", else a new
+// chat_template.jinja (cmd/run.c).
+lm_status lm_cmd_set_template(const char *dir, const char *tmpl, lm_err *err);
+
 #endif

@@ -30,8 +30,10 @@ int lm_cmd_eval(int argc, char **argv);
 // nothing that outlives the call.
 int lm_cmd_passthrough(int argc, char **argv);
 // llmerge passthrough with argv built from a configuration (cmd/run.c): OUT also gets
-// config_text as mergekit_config.yml; messages start with prefix.
-int lm_cmd_passthrough_config(int argc, char **argv, const char *config_text, const char *prefix);
+// config_text as mergekit_config.yml and, where chat_template is not NULL, that chat template
+// (lm_cmd_set_template); messages start with prefix.
+int lm_cmd_passthrough_config(int argc, char **argv, const char *config_text, const char *chat_template,
+                              const char *prefix);
 // llmerge tokenize MODEL FILE [-o OUT.jsonl] (cmd/tokenize.c).
 int lm_cmd_tokenize(int argc, char **argv);
 // llmerge extract BASE FT -o ADAPTER --rank R (cmd/extract.c).

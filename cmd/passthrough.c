@@ -100,6 +100,7 @@ typedef struct pt_run {
     lm_manifest manifest;
     lm_pt_result res;
     const char *config_text;  // llmerge run: the configuration, written as mergekit_config.yml
+    const char *chat_template;  // llmerge run: the chat template OUT's tokenizer gets, or NULL
 } pt_run;
 
 static void usage(FILE *out, const void *arg)
@@ -629,7 +630,8 @@ static int work(void *ctx)
         goto fail;
     free(path);
     path = NULL;
-    if ((s = lm_manifest_copy_side_files(lm_pt_model(r->plan, 0)->dir, r->od.tmp, &n_side, &err)) != LM_OK)
+    if ((s = lm_manifest_copy_side_files(lm_pt_model(r->plan, 0)->dir, r->od.tmp, &n_side, &err)) != LM_OK ||
+        (r->chat_template && (s = lm_cmd_set_template(r->od.tmp, r->chat_template, &err)) != LM_OK))
         goto fail;
     if (!r->no_card && (s = write_card(r, &err)) != LM_OK)
         goto fail;
@@ -685,15 +687,17 @@ static void cleanup(void *ctx)
 
 int lm_cmd_passthrough(int argc, char **argv)
 {
-    return lm_cmd_passthrough_config(argc, argv, NULL, "llmerge passthrough");
+    return lm_cmd_passthrough_config(argc, argv, NULL, NULL, "llmerge passthrough");
 }
 
-int lm_cmd_passthrough_config(int argc, char **argv, const char *config_text, const char *prefix)
+int lm_cmd_passthrough_config(int argc, char **argv, const char *config_text, const char *chat_template,
+                              const char *prefix)
 {
     pt_run r;
     memset(&r, 0, sizeof r);
     r.t0 = lm_now();
     r.config_text = config_text;
+    r.chat_template = chat_template;
     lm_command c = {
         .prefix = prefix, .log_error_prefix = "", .progress = &r.progress, .guard = &r.guard,
         .opts = opt_defs, .n_opts = N_OPTS, .inputs = NULL, .n_inputs = 0, .first = "MODEL", .rest = "MODEL",

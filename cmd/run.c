@@ -783,6 +783,31 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
     return s;
 }
 
+// chat_template: *out the Jinja template (a name of mergekit's as llmerge's template of that
+// format), "auto", or NULL where the configuration gives none.
+static lm_status config_template(const lm_mergecfg *cfg, const char **out, lm_err *err)
+{
+    const char *t = cfg->chat_template;
+    *out = NULL;
+    if (!t)
+        return LM_OK;
+    if (strcmp(t, "auto") == 0) {
+        *out = "auto";
+        return LM_OK;
+    }
+    for (size_t i = 0; i < sizeof named_templates / sizeof *named_templates; i++)
+        if (strcmp(t, named_templates[i].name) == 0) {
+            *out = named_templates[i].jinja;
+            return LM_OK;
+        }
+    if (strlen(t) < 20 || !strchr(t, '{'))  // mergekit's rule for a template given by name
+        return lm_err_set(err, LM_ERR_USAGE, "%s:%d: chat_template '%s': not a template llmerge knows by name "
+                          "(alpaca, chatml, exaone, llama3, mistral), nor a Jinja template, nor auto", cfg->path,
+                          cfg->chat_template_line, t);
+    *out = t;
+    return LM_OK;
+}
+
 // tokenizer_source and chat_template.
 static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
 {
@@ -790,24 +815,7 @@ static lm_status config_tokenizer(run_preset *p, merge_args *a, lm_err *err)
     lm_status s;
     if (cfg->tokenizer_source && (s = config_vocab(p, a, err)) != LM_OK)
         return s;
-    const char *t = cfg->chat_template;
-    if (!t)
-        return LM_OK;
-    if (strcmp(t, "auto") == 0) {
-        a->chat_template = "auto";
-        return LM_OK;
-    }
-    for (size_t i = 0; i < sizeof named_templates / sizeof *named_templates; i++)
-        if (strcmp(t, named_templates[i].name) == 0) {
-            a->chat_template = named_templates[i].jinja;
-            return LM_OK;
-        }
-    if (strlen(t) < 20 || !strchr(t, '{'))  // mergekit's rule for a template given by name
-        return lm_err_set(err, LM_ERR_USAGE, "%s:%d: chat_template '%s': not a template llmerge knows by name "
-                          "(alpaca, chatml, exaone, llama3, mistral), nor a Jinja template, nor auto", cfg->path,
-                          cfg->chat_template_line, t);
-    a->chat_template = t;
-    return LM_OK;
+    return config_template(cfg, &a->chat_template, err);
 }
 
 // mergekit merges a slice's sources layer by layer, the output's layers being the slices'
@@ -1091,9 +1099,12 @@ static lm_status pt_operand(void *ctx, const char *arg, lm_err *err)
     return LM_OK;
 }
 
+static char *pick_template(const char *const *refs, int n);
+
 // A configuration of merge_method: passthrough runs as llmerge passthrough on its slices (one
-// source each, with an optional scalar scale), OUT getting the configuration too. Returns the
-// exit status; *handled false when argv's configuration is not one (it is then llmerge run's).
+// source each, with an optional scalar scale), OUT getting the configuration and its chat
+// template too. Returns the exit status; *handled false when argv's configuration is not one
+// (it is then llmerge run's).
 static int run_passthrough(int argc, char **argv, bool *handled)
 {
     *handled = false;
@@ -1130,10 +1141,6 @@ static int run_passthrough(int argc, char **argv, bool *handled)
     else if (cfg->params.n > 0)
         s = lm_err_set(&err, LM_ERR_USAGE, "%s:%d:%d: passthrough takes no global parameters (a source's scale is "
                        "its own)", AT(cfg, cfg->params.items[0].line, cfg->params.items[0].col));
-    else if (cfg->tokenizer_source || cfg->chat_template)
-        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source and chat_template with passthrough are not "
-                       "supported yet (the first slice's model gives the tokenizer)", cfg->path,
-                       cfg->tokenizer_source ? cfg->tokenizer_line : cfg->chat_template_line);
     // mergekit takes the output's config.json and tokenizer files from base_model, llmerge from
     // the first slice's model: the same only where base_model is that model
     const lm_cfg_model *first = s == LM_OK && n > 0 && cfg->slices[0].n_sources > 0 ? &cfg->slices[0].sources[0] : NULL;
@@ -1143,6 +1150,31 @@ static int run_passthrough(int argc, char **argv, bool *handled)
                        "model ('%s'); a base_model other than that model is not supported yet (leave base_model out, "
                        "or list its layers first)", AT(cfg, cfg->base_line, cfg->base_col), cfg->base_model,
                        first->model);
+    // tokenizer_source: the first slice's model's tokenizer, as base (base_model being that model)
+    // or by its name, keeps every row where it is; another's would move the embeddings' rows
+    const char *ts = cfg->tokenizer_source;
+    if (s == LM_OK && first && ts && strcmp(ts, "base") == 0 && !cfg->base_model)
+        s = lm_err_set(&err, LM_ERR_USAGE, "%s:%d: tokenizer_source: base needs base_model", cfg->path,
+                       cfg->tokenizer_line);
+    else if (s == LM_OK && first && ts && strcmp(ts, "base") != 0 && !same_model(ts, first->model))
+        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': with passthrough, the tokenizer is the "
+                       "first slice's model's ('%s'); another model's, whose vocabulary would move the embeddings' "
+                       "rows, is not supported yet", cfg->path, cfg->tokenizer_line, ts, first->model);
+    // chat_template: as for a merge, auto over base_model and the slices' models
+    const char *tmpl = NULL;
+    char *picked = NULL;
+    if (s == LM_OK && (s = config_template(cfg, &tmpl, &err)) == LM_OK && tmpl && strcmp(tmpl, "auto") == 0) {
+        const char **refs = calloc((size_t)n + 1, sizeof *refs);
+        if (!refs) {
+            s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
+        } else {
+            refs[0] = cfg->base_model;
+            for (int i = 0; i < n; i++)
+                refs[1 + i] = cfg->slices[i].n_sources > 0 ? cfg->slices[i].sources[0].model : NULL;
+            tmpl = picked = pick_template(refs, n + 1);  // none among them: nothing set, as mergekit
+            free(refs);
+        }
+    }
     if (s == LM_OK && (a.to_lora || a.to_lora_exact))
         s = lm_err_set(&err, LM_ERR_USAGE, "--to-lora: a passthrough stacks layers into a new model, which has no "
                        "base to be an adapter of");
@@ -1196,7 +1228,8 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         }
     }
     if (s == LM_OK)
-        rc = lm_cmd_passthrough_config(c, args, cfg->text, "llmerge run");
+        rc = lm_cmd_passthrough_config(c, args, cfg->text, tmpl, "llmerge run");
+    free(picked);
 done:
     if (s != LM_OK)
         fprintf(stderr, "llmerge run: error: %s\n", err.msg);
@@ -1274,24 +1307,21 @@ static char *model_template(const char *dir)
     return res;
 }
 
-// The chat template `auto` picks, as mergekit does: the one most of the configuration's models
-// have (base_model first, then models: in order, each model once; a tie goes to the first met,
-// where mergekit's order is a set's), each read from the model's directory (PATH of PATH+LORA),
-// or NULL when none has one. A new string the caller frees.
-static char *auto_template(const merge_args *a)
+// The chat template `auto` picks, as mergekit does: the one most of the models refs[0..n) have
+// (each model once, NULL entries skipped; a tie goes to the first met, where mergekit's order is
+// a set's), each read from the model's directory (PATH of PATH+LORA), or NULL when none has one.
+// A new string the caller frees.
+static char *pick_template(const char *const *refs, int n)
 {
-    const lm_mergecfg *cfg = ((const run_preset *)a->preset)->cfg;
-    int n = cfg->n_models + 1, best = -1, best_count = 0;
-    char **t = calloc((size_t)n, sizeof *t);
+    int best = -1, best_count = 0;
+    char **t = calloc((size_t)(n > 0 ? n : 1), sizeof *t);
     if (!t)
         return NULL;
     for (int i = 0; i < n; i++) {
-        const char *ref = i == 0 ? cfg->base_model : cfg->models[i - 1].model;
+        const char *ref = refs[i];
         bool seen = !ref;
-        for (int j = 0; !seen && j < i; j++) {
-            const char *prev = j == 0 ? cfg->base_model : cfg->models[j - 1].model;
-            seen = prev && same_entry(prev, ref);
-        }
+        for (int j = 0; !seen && j < i; j++)
+            seen = refs[j] && same_entry(refs[j], ref);
         if (seen)
             continue;
         const char *plus = strchr(ref, '+');
@@ -1320,9 +1350,22 @@ static char *auto_template(const merge_args *a)
     return res;
 }
 
-// Sets OUT's chat template: into chat_template.jinja where OUT has one (transformers reads it
-// first), else into tokenizer_config.json's "chat_template", else a new chat_template.jinja.
-static lm_status set_template(const char *dir, const char *tmpl, lm_err *err)
+// pick_template over the configuration's base_model, then its models in order.
+static char *auto_template(const merge_args *a)
+{
+    const lm_mergecfg *cfg = ((const run_preset *)a->preset)->cfg;
+    const char **refs = calloc((size_t)cfg->n_models + 1, sizeof *refs);
+    if (!refs)
+        return NULL;
+    refs[0] = cfg->base_model;
+    for (int i = 0; i < cfg->n_models; i++)
+        refs[1 + i] = cfg->models[i].model;
+    char *t = pick_template(refs, cfg->n_models + 1);
+    free(refs);
+    return t;
+}
+
+lm_status lm_cmd_set_template(const char *dir, const char *tmpl, lm_err *err)
 {
     char *jinja = lm_path_join(dir, "chat_template.jinja"), *cfg = lm_path_join(dir, "tokenizer_config.json");
     lm_status s = LM_OK;
@@ -1378,7 +1421,7 @@ lm_status lm_cmd_run_outputs(const merge_args *a, const char *out_dir, lm_err *e
     if (s == LM_OK && a->chat_template) {
         char *tmpl = strcmp(a->chat_template, "auto") == 0 ? auto_template(a) : lm_strdup(a->chat_template);
         if (tmpl)  // auto with no template among the models: nothing to set, as mergekit
-            s = set_template(out_dir, tmpl, err);
+            s = lm_cmd_set_template(out_dir, tmpl, err);
         free(tmpl);
     }
     char *path = lm_path_join(out_dir, "mergekit_config.yml");

@@ -1131,6 +1131,35 @@ slices:
 EOF
 refused e_stack_base 2:13 \
   "base_model '$F2': mergekit's passthrough takes the output's config.json and tokenizer files from base_model"
+# chat_template with passthrough: set on the first slice's tokenizer, as mergekit sets it on the
+# copied one; auto over base_model and the slices' models (ct_jinja and ct_space agree on one)
+sed '$a chat_template: chatml' "$work/stack.yml" >"$work/stack_chatml.yml"
+runcfg stack_chatml
+same "passthrough: chat_template leaves the weights alone" "$work/stack.run" "$work/stack_chatml.run"
+json "$work/stack_chatml.run/tokenizer_config.json" chat_template \
+  "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+cfg stack_auto <<EOF
+merge_method: passthrough
+chat_template: auto
+slices:
+  - sources: [{model: $B, layer_range: [0, 2]}]
+  - sources: [{model: $work/ct_jinja, layer_range: [1, 2]}]
+  - sources: [{model: $work/ct_space, layer_range: [0, 1]}]
+EOF
+runcfg stack_auto
+json "$work/stack_auto.run/tokenizer_config.json" chat_template "{{ 'chat' }}"
+# tokenizer_source with passthrough: the first slice's model's tokenizer (base, where base_model
+# is that model, or by its name) is the stack as it is; another model's is refused
+sed "1a tokenizer_source: base" "$work/stack_base.yml" >"$work/stack_tkbase.yml"
+runcfg stack_tkbase
+same "passthrough: tokenizer_source: base" "$work/stack.run" "$work/stack_tkbase.run"
+sed "1a tokenizer_source: $B" "$work/stack.yml" >"$work/stack_tkfirst.yml"
+runcfg stack_tkfirst
+same "passthrough: tokenizer_source the first slice's model" "$work/stack.run" "$work/stack_tkfirst.run"
+sed "1a tokenizer_source: base" "$work/stack.yml" >"$work/e_stack_tknobase.yml"
+refused e_stack_tknobase 2 "tokenizer_source: base needs base_model"
+sed "1a tokenizer_source: $F2" "$work/stack.yml" >"$work/e_stack_tkother.yml"
+refused e_stack_tkother 2 "tokenizer_source '$F2': with passthrough, the tokenizer is the first slice's model's"
 cfg e_sparsegpt <<EOF
 merge_method: sparsegpt
 base_model: $B
