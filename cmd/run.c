@@ -1377,13 +1377,17 @@ lm_status lm_cmd_set_template(const char *dir, const char *tmpl, lm_err *err)
         char *text = NULL;
         size_t len = 0;
         if ((s = lm_read_file(cfg, 64u << 20, &text, &len, err)) == LM_OK) {
-            cJSON *j = cJSON_Parse(text);
+            cJSON *j = cJSON_Parse(text), *t = NULL;
             char *out = NULL;
             if (!cJSON_IsObject(j))
                 s = lm_err_set(err, LM_ERR_FORMAT, "%s: not a JSON object", cfg);
-            else if (!cJSON_ReplaceItemInObjectCaseSensitive(j, "chat_template", cJSON_CreateString(tmpl)) &&
-                     !cJSON_AddStringToObject(j, "chat_template", tmpl))
+            else if (cJSON_GetObjectItemCaseSensitive(j, "chat_template")
+                         ? !(t = cJSON_CreateString(tmpl)) ||
+                               !cJSON_ReplaceItemInObjectCaseSensitive(j, "chat_template", t)
+                         : !cJSON_AddStringToObject(j, "chat_template", tmpl)) {
+                cJSON_Delete(t);  // (not in j: the replacement failed)
                 s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+            }
             else if (!(out = cJSON_Print(j)))
                 s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
             else
