@@ -301,14 +301,14 @@ static bool same_entry(const char *a, const char *b)
 // equal), with the first entry's parameters, where llmerge would merge it twice; refused, so
 // that neither reading is guessed at. The same directory spelled otherwise is two references to
 // mergekit as well, merged twice by both.
-static lm_status check_repeats(const lm_mergecfg *cfg, lm_err *err)
+static lm_status check_repeats(const lm_mergecfg *cfg, const char *list, lm_err *err)
 {
     for (int j = 1; j < cfg->n_models; j++)
         for (int i = 0; i < j; i++)
             if (strcmp(cfg->models[i].model, cfg->models[j].model) == 0)
-                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: model '%s' is listed twice in models (lines %d and "
+                return lm_err_set(err, LM_ERR_USAGE, "%s:%d:%d: model '%s' is listed twice in %s (lines %d and "
                                   "%d): mergekit would merge it once, with the first entry's parameters; list it once",
-                                  AT(cfg, cfg->models[j].line, cfg->models[j].col), cfg->models[j].model,
+                                  AT(cfg, cfg->models[j].line, cfg->models[j].col), cfg->models[j].model, list,
                                   cfg->models[i].line, cfg->models[j].line);
     return LM_OK;
 }
@@ -637,8 +637,6 @@ static const struct {
 
 // ---- tokenizer_source -----------------------------------------------------------------------
 
-// Whether two model directories' tokenizer.model files (SentencePiece's, read by llmerge no
-// further) are there and byte for byte the same.
 // Whether directory d holds a tokenizer.model.
 static bool has_spm(const char *d)
 {
@@ -658,6 +656,8 @@ static bool same_dir(const char *a, const char *b)
     return same;
 }
 
+// Whether two model directories' tokenizer.model files (SentencePiece's, read by llmerge no
+// further) are there and byte for byte the same.
 static bool same_spm(const char *a, const char *b)
 {
     char *pa = lm_path_join(a, "tokenizer.model"), *pb = lm_path_join(b, "tokenizer.model");
@@ -736,9 +736,10 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
                 s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         }
     }
-    // every model with a tokenizer of its own, against the output's vocabulary
+    // every model with a tokenizer of its own, against the output's vocabulary (one that has none
+    // cannot be matched to a model's)
     lm_vocab *want = out ? out : base;
-    for (int i = 0; s == LM_OK && want && i <= cfg->n_models; i++) {
+    for (int i = 0; s == LM_OK && i <= cfg->n_models; i++) {
         const char *m = i < cfg->n_models ? cfg->models[i].model : cfg->base_model;
         int line = i < cfg->n_models ? cfg->models[i].line : cfg->base_line;
         if (!m)
@@ -753,6 +754,10 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
             // (what is not a model is refused with its line where the models are read)
             if ((s = lm_vocab_load_dir(&v, resolved, true, NULL, err)) != LM_OK)
                 lm_err_prefix(err, "%s:%d: model '%s'", cfg->path, line, m);
+            else if (v && !want)
+                s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: model '%s' has a tokenizer.json, and the output's "
+                               "vocabulary (tokenizer_source: %s) has none: its rows cannot be matched to the "
+                               "output's ids", cfg->path, line, m, src);
             else if (v && !rebuild)
                 rebuild = lm_vocab_first_difference(v, want, v->n_ids > want->n_ids ? v->n_ids : want->n_ids) >= 0;
         }
@@ -839,6 +844,15 @@ static lm_status slice_as_models(run_preset *p, const lm_method *m, merge_args *
                               "base's num_hidden_layers (passthrough stacks parts of stacks)",
                               AT(cfg, sl->sources[i].line, sl->sources[i].col), sl->sources[i].model,
                               sl->sources[i].layer_range[0], sl->sources[i].layer_range[1], m->name);
+    // mergekit merges a slice's sources only: under models: it adds a base_model not listed, in a
+    // slice its methods that take task vectors stop without it, and the others leave it out
+    bool base_listed = !cfg->base_model;
+    for (int i = 0; !base_listed && i < sl->n_sources; i++)
+        base_listed = same_model(cfg->base_model, sl->sources[i].model);
+    if (!base_listed)
+        return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d:%d: base_model '%s' is not among the slice's sources, which "
+                          "are all mergekit merges in a slice (where the method needs the base, it stops): list it "
+                          "among them, or write models:", AT(cfg, cfg->base_line, cfg->base_col), cfg->base_model);
     a->slice_layers = sl->sources[0].layer_range[1];
     if (!(a->slice_where = keep(p, lm_strfmt("%s:%d:%d: slices[0]", AT(cfg, sl->line, sl->col)))))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
@@ -893,7 +907,7 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
         if ((s = check_params(cfg, &cfg->models[i].params, mp, m->name, true, where, err)) != LM_OK)
             return s;
     }
-    if ((s = check_repeats(cfg, err)) != LM_OK || (s = config_models(p, m, a, err)) != LM_OK)
+    if ((s = check_repeats(cfg, p->sliced ? "the slice's sources" : "models", err)) != LM_OK || (s = config_models(p, m, a, err)) != LM_OK)
         return s;
     // as many models as the method takes, said of the configuration (the merge's own check
     // speaks of the command line's BASE and FTs)
@@ -1101,6 +1115,34 @@ static lm_status pt_operand(void *ctx, const char *arg, lm_err *err)
 
 static char *pick_template(const char *const *refs, int n);
 
+// Whether models a and b (as a configuration writes them) put their tokens at the same ids:
+// one directory, or tokenizer.json's vocabularies (each stripped to its vocab_size) that agree,
+// or neither with a tokenizer.json and their tokenizer.model files alike or both absent.
+static lm_status same_ids(const char *a, const char *b, bool *same, lm_err *err)
+{
+    char *da = NULL, *db = NULL;
+    lm_vocab *va = NULL, *vb = NULL;
+    lm_input_kind ka, kb;
+    *same = false;
+    lm_status s = lm_input_detect(a, &ka, &da, err);
+    if (s == LM_OK)
+        s = lm_input_detect(b, &kb, &db, err);
+    if (s == LM_OK && same_dir(da, db))
+        *same = true;
+    else if (s == LM_OK && (s = lm_vocab_load_dir(&va, da, true, NULL, err)) == LM_OK &&
+             (s = lm_vocab_load_dir(&vb, db, true, NULL, err)) == LM_OK) {
+        if (va && vb)
+            *same = lm_vocab_first_difference(va, vb, va->n_ids > vb->n_ids ? va->n_ids : vb->n_ids) < 0;
+        else if (!va && !vb)
+            *same = same_spm(da, db) || (!has_spm(da) && !has_spm(db));
+    }
+    lm_vocab_free(va);
+    lm_vocab_free(vb);
+    free(da);
+    free(db);
+    return s;
+}
+
 // A configuration of merge_method: passthrough runs as llmerge passthrough on its slices (one
 // source each, with an optional scalar scale), OUT getting the configuration and its chat
 // template too. Returns the exit status; *handled false when argv's configuration is not one
@@ -1160,6 +1202,17 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': with passthrough, the tokenizer is the "
                        "first slice's model's ('%s'); another model's, whose vocabulary would move the embeddings' "
                        "rows, is not supported yet", cfg->path, cfg->tokenizer_line, ts, first->model);
+    // ... and lm_head comes from the last slice's model, whose rows mergekit moves to that
+    // tokenizer's ids: they must be there already
+    const lm_cfg_model *last = first && n > 0 && cfg->slices[n - 1].n_sources > 0 ? &cfg->slices[n - 1].sources[0]
+                                                                                 : NULL;
+    bool same = true;
+    if (s == LM_OK && ts && last && !same_model(last->model, first->model) && !strchr(first->model, '+') &&
+        !strchr(last->model, '+') && (s = same_ids(first->model, last->model, &same, &err)) == LM_OK && !same)
+        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': the last slice's model gives the output layer "
+                       "(lm_head), and its tokens are not at the ids of the first slice's model's tokenizer "
+                       "(tokenizer_source); moving its rows there is not supported yet with passthrough",
+                       AT(cfg, last->line, last->col), last->model);
     // chat_template: as for a merge, auto over base_model and the slices' models
     const char *tmpl = NULL;
     char *picked = NULL;

@@ -811,9 +811,10 @@ static lm_status optional_string(reader *r, const node *k, const node *v, char *
 }
 
 // mergekit's `tokenizer:` block. Its `source` is tokenizer_source's (and, absent, mergekit's
-// default, union); `tokens` (an embedding chosen per token) and `pad_to_multiple_of` (rows added
-// to the vocabulary) are not supported. With `source: base` or a model and neither of those it
-// is the same merge as tokenizer_source.
+// default, union; null is refused, as mergekit's validation refuses it); `tokens` (an embedding
+// chosen per token) and `pad_to_multiple_of` (rows added to the vocabulary) are not supported
+// (null or empty, they are absent). With `source: base` or a model and neither of those it is the
+// same merge as tokenizer_source.
 static lm_status read_tokenizer(reader *r, const node *k, const node *v, lm_mergecfg *c)
 {
     static const char *const known[] = {"source", "tokens", "pad_to_multiple_of", NULL};
@@ -823,15 +824,19 @@ static lm_status read_tokenizer(reader *r, const node *k, const node *v, lm_merg
     const node *source = NULL;
     for (int i = 0; s == LM_OK && i < v->n; i += 2) {
         const node *k2 = v->kids[i], *v2 = v->kids[i + 1];
-        if (strcmp(k2->text, "source") == 0)
-            source = is_null(v2) ? NULL : v2;
-        else if (strcmp(k2->text, "tokens") == 0 || strcmp(k2->text, "pad_to_multiple_of") == 0)
-            s = is_null(v2) ? LM_OK
-                            : fail_at(r, LM_ERR_UNSUPPORTED, k2->line, k2->col, "tokenizer.%s (%s) is not supported",
-                                      k2->text, k2->text[0] == 't' ? "embeddings chosen per token"
-                                                                   : "the vocabulary padded with rows");
-        else
+        bool none = is_null(v2) || ((v2->kind == NODE_MAP || v2->kind == NODE_SEQ) && v2->n == 0);
+        if (strcmp(k2->text, "source") == 0) {
+            source = v2;
+            if (is_null(v2))
+                s = fail_at(r, LM_ERR_FORMAT, v2->line, v2->col, "tokenizer.source: null is not a source (give base "
+                            "or a model; without the key mergekit builds a union)");
+        } else if (strcmp(k2->text, "tokens") == 0 || strcmp(k2->text, "pad_to_multiple_of") == 0) {
+            if (!none)
+                s = fail_at(r, LM_ERR_UNSUPPORTED, k2->line, k2->col, "tokenizer.%s (%s) is not supported", k2->text,
+                            k2->text[0] == 't' ? "embeddings chosen per token" : "the vocabulary padded with rows");
+        } else {
             s = unknown_key(r, k2, "tokenizer", known);
+        }
     }
     if (s != LM_OK)
         return s;

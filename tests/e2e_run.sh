@@ -409,6 +409,8 @@ merge_method: ties
 base_model: $B
 slices:
   - sources:
+      - model: $B
+        layer_range: [0, 2]
       - model: $F1
         layer_range: [0, 2]
         parameters:
@@ -425,6 +427,11 @@ slices:
 EOF
 runcfg ties_slice
 same "ties in one slice is ties of models:" "$work/ties_slice.run" "$work/ties.run"
+# a base_model that is not a source: mergekit's ties would stop, wanting its tensors
+sed "\\|^ *- model: $B\$|,+1d" "$work/ties_slice.yml" >"$work/e_slice_base.yml"
+expect 2 "$work/e_slice_base.yml:2:13: base_model '$B' is not among the slice's sources" \
+  run "$work/e_slice_base.yml" -o "$work/e_slice_base.run"
+check '[ ! -e "$work/e_slice_base.run" ]' "a refused slice left $work/e_slice_base.run"
 
 # nuslerp: with base_model two fine-tunes' task vectors, without it two models
 cfg nuslerp <<EOF
@@ -1160,6 +1167,32 @@ sed "1a tokenizer_source: base" "$work/stack.yml" >"$work/e_stack_tknobase.yml"
 refused e_stack_tknobase 2 "tokenizer_source: base needs base_model"
 sed "1a tokenizer_source: $F2" "$work/stack.yml" >"$work/e_stack_tkother.yml"
 refused e_stack_tkother 2 "tokenizer_source '$F2': with passthrough, the tokenizer is the first slice's model's"
+# ... and the last slice's model gives lm_head: its tokens must be at the same ids (tk_same's
+# are, in other bytes; tk_other has two swapped)
+cfg stack_tksame <<EOF
+merge_method: passthrough
+base_model: $work/tk_base
+tokenizer_source: base
+slices:
+  - sources: [{model: $work/tk_base, layer_range: [0, 2]}]
+  - sources: [{model: $work/tk_same, layer_range: [1, 2]}]
+EOF
+runcfg stack_tksame
+sed "s|$work/tk_same|$work/tk_other|" "$work/stack_tksame.yml" >"$work/e_stack_tkswap.yml"
+refused e_stack_tkswap 6:23 "model '$work/tk_other': the last slice's model gives the output layer (lm_head), and its \
+tokens are not at the ids of the first slice's model's tokenizer"
+# a merge whose output vocabulary has no tokenizer.json cannot place a model's that has one
+cfg e_tk_unmatched <<EOF
+merge_method: task_arithmetic
+base_model: $B
+tokenizer_source: base
+parameters:
+  weight: 0.5
+models:
+  - model: $work/tk_other
+EOF
+refused e_tk_unmatched 7 "model '$work/tk_other' has a tokenizer.json, and the output's vocabulary (tokenizer_source: \
+base) has none"
 cfg e_sparsegpt <<EOF
 merge_method: sparsegpt
 base_model: $B

@@ -140,9 +140,10 @@ static void test_every_key(void)
               !c->tokenizer_source && !c->chat_template && !c->has_seed && c->seed_line == 0);
     }
     lm_mergecfg_free(c);
-    // mergekit's tokenizer block with a source is tokenizer_source; null parts count as absent
-    c = parse("merge_method: linear\nmodels:\n- model: a\ntokenizer:\n  tokens: ~\n  source: m/b\n", &err);
-    CHECK(c && c->tokenizer_source && strcmp(c->tokenizer_source, "m/b") == 0 && c->tokenizer_line == 6);
+    // mergekit's tokenizer block with a source is tokenizer_source; null or empty parts count as absent
+    c = parse("merge_method: linear\nmodels:\n- model: a\ntokenizer:\n  tokens: {}\n  pad_to_multiple_of: ~\n"
+              "  source: m/b\n", &err);
+    CHECK(c && c->tokenizer_source && strcmp(c->tokenizer_source, "m/b") == 0 && c->tokenizer_line == 7);
     lm_mergecfg_free(c);
     c = parse("merge_method: linear\nmodels:\n- model: a\ntokenizer: ~\ntokenizer_source: base\n", &err);
     CHECK(c && c->tokenizer_source && strcmp(c->tokenizer_source, "base") == 0 && c->tokenizer_line == 5);
@@ -332,6 +333,7 @@ static const bad_case bad_cases[] = {
      "cfg.yml:5:11: tokenizer.source: 'union' (a vocabulary merged from every model's) is not supported"},
     {HEAD "tokenizer:\n  pad_to_multiple_of: ~\n", LM_ERR_UNSUPPORTED,
      "cfg.yml:4:1: tokenizer: without 'source', mergekit builds a 'union'"},
+    {HEAD "tokenizer:\n  source: ~\n", LM_ERR_FORMAT, "cfg.yml:5:11: tokenizer.source: null is not a source"},
     {HEAD "tokenizer:\n  source: base\n  pad_to_multiple_of: 64\n", LM_ERR_UNSUPPORTED,
      "cfg.yml:6:3: tokenizer.pad_to_multiple_of (the vocabulary padded with rows) is not supported"},
     {HEAD "tokenizer:\n  source: base\n  tokens:\n    <x>: {source: a}\n", LM_ERR_UNSUPPORTED,
