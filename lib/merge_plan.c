@@ -214,11 +214,13 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     // The fused passes write the buffers only at the first slab's sample (hist_dense), and
     // the whole slab only when the sample's window misses the threshold; --topk global's
     // selection runs the separate operations, and sce, nearswap and ramplus_tl's weights make
-    // every τ in the buffers in passes of their own (lm_eng_merge_tensor).
+    // every τ in the buffers in passes of their own (lm_eng_merge_tensor), as does a Gram pass
+    // per column (lm_eng_merge_coef).
     need->touched_elems = cnt;
     need->var_elems = e.m->sce && e.tp.select_topk < 1 ? cnt : 0;
     bool fuse = lm_eng_fused(&e, dev, bt, parts, k);
-    if (fuse && !o->topk_global && !e.m->sce && !e.m->nearswap && !e.m->ramplus) {
+    bool per_col = e.m->gram && o->per_col && e.m->cols_ok && bt->ndim == 2;
+    if (fuse && !o->topk_global && !e.m->sce && !e.m->nearswap && !e.m->ramplus && !per_col) {
         int64_t n_runs, run, stride;
         lm_eng_sample_runs(cnt, &n_runs, &run, &stride);
         need->touched_elems = e.m->rank != LM_RANK_NONE ? n_runs * run : 0;

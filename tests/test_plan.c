@@ -549,9 +549,9 @@ static void test_units(void)
 }
 
 // On the CPU the fused passes fill the float32 buffers only at the selection's sample (task
-// arithmetic: none, it has no selection); sce, nearswap and ramplus_tl make every τ in them, and
-// sce fills a slab of variances besides where its mask applies. The plan's figures per tensor
-// say so.
+// arithmetic and nuslerp: none, they have no selection); sce, nearswap and ramplus_tl, and
+// nuslerp's Gram pass per column, make every τ in them, and sce fills a slab of variances besides
+// where its mask applies. The plan's figures per tensor say so.
 static void test_touched(lm_dev *cpu)
 {
     lm_err err = {0};
@@ -565,16 +565,18 @@ static void test_touched(lm_dev *cpu)
     for (int64_t i = 0; base && i < base->n_tensors; i++)
         if (idx < 0 || base->tensors[i]->numel > base->tensors[idx]->numel)
             idx = i;
-    struct { lm_merge_method m; double topk; bool all, var; } cases[] = {
-        {LM_MERGE_TASK_ARITHMETIC, 1, false, false},
-        {LM_MERGE_SCE, 1, true, false},              {LM_MERGE_SCE, 0.5, true, true},
-        {LM_MERGE_NEARSWAP, 1, true, false},         {LM_MERGE_RAMPLUS, 1, true, false},
+    struct { lm_merge_method m; double topk; bool per_col, all, var; } cases[] = {
+        {LM_MERGE_TASK_ARITHMETIC, 1, false, false, false},
+        {LM_MERGE_SCE, 1, false, true, false},      {LM_MERGE_SCE, 0.5, false, true, true},
+        {LM_MERGE_NEARSWAP, 1, false, true, false}, {LM_MERGE_RAMPLUS, 1, false, true, false},
+        {LM_MERGE_NUSLERP, 1, false, false, false}, {LM_MERGE_NUSLERP, 1, true, true, false},
     };
     double w[1] = {1}, d[1] = {0.3}, eps[1] = {0};
     for (size_t c = 0; ft && idx >= 0 && c < sizeof cases / sizeof cases[0]; c++) {
         lm_merge_opts o = {.method = cases[c].m, .n_ft = 1, .weights = w, .densities = d, .epsilons = eps,
                            .lambda = 1, .out_dtype = LM_DTYPE_BF16, .sign = LM_SIGN_SUM, .t = 0.5,
-                           .select_topk = cases[c].topk, .ram_r = 0.1, .ram_alpha = 0.2, .threads = 1};
+                           .select_topk = cases[c].topk, .ram_r = 0.1, .ram_alpha = 0.2, .threads = 1,
+                           .per_col = cases[c].per_col};
         lm_merge_need need;
         CHECK_OK(lm_merge_plan_tensor(&o, base, &ft, idx, cpu, &need), &err);
         const char *name = lm_merge_method_name(o.method);
