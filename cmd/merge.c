@@ -1313,6 +1313,7 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
     }
     snprintf(r->prefix, sizeof r->prefix, "%s", prefix);
     r->planning = true;
+    r->args.planning = true;
     lm_progress_init(&r->progress, r->prefix, false);
     r->progress.quiet = true;  // a plan says what it finds on stdout; errors still go to stderr
     lm_err err = {0};

@@ -158,6 +158,7 @@ struct merge_args {
     void *preset;
     void (*preset_free)(void *preset);
     lm_status (*prepare_inputs)(merge_args *a, lm_progress *p, lm_err *err);
+    bool planning;  // prepared for llmerge plan, which writes nothing (prepare_inputs makes no model)
     // llmerge run: the configuration's text, written into OUT as mergekit_config.yml and shown
     // in the model card (NULL for the merge commands)
     const char *config_text;

@@ -360,7 +360,9 @@ static lm_status make_pending(merge_args *a, lm_progress *pr, lm_err *err)
         return lm_err_set(err, LM_ERR_USAGE, "%s: --to-lora exact concatenates the inputs' factors: this is a LoRA "
                           "of another model than the base, so a full model once merged onto it, which has none "
                           "(give a rank)", p->where[1 + p->pending_ft[0]]);
-    for (int i = 0; i < p->n_pending; i++) {
+    // llmerge plan writes nothing: each such input is planned as PATH itself, whose tensors the
+    // model made from it has (names and shapes, in PATH's dtype)
+    for (int i = 0; !a->planning && i < p->n_pending; i++) {
         char *dir = NULL;
         bool made = false;
         lm_status s = lm_cmd_lora_model(p->pending_path[i], p->pending_lora[i], a->cache_dir, a->threads, &dir, &made,

@@ -1251,6 +1251,10 @@ cli pluslora_composite task-arithmetic "$F1" "$LP"
 cli pluslora_cli ties "$B" "$work/pluslora_composite" --density 1
 same "PATH+LORA vs the adapter merged into PATH first" "$work/pluslora.run" "$work/pluslora_cli"
 expect 0 "from the cache" run "$work/pluslora.yml" -o "$work/pluslora.again" --cache-dir "$work/loras"
+# llmerge plan writes nothing, not even such a model in the cache: it plans PATH in its place
+expect 0 "output: " plan "$work/pluslora.yml" -o "$work/pluslora.plan" --cache-dir "$work/loras.plan"
+check '[ ! -e "$work/loras.plan" ] && [ ! -e "$work/pluslora.plan" ]' \
+  "llmerge plan made PATH+LORA's model: $(ls -R "$work/loras.plan" 2>/dev/null | head -3)"
 same "PATH+LORA from the cache" "$work/pluslora.run" "$work/pluslora.again"
 cfg e_plus_base <<EOF
 merge_method: ties
