@@ -909,7 +909,8 @@ lm_status lm_cmd_run_config(merge_args *a, const char *path, lm_err *err)
         if ((s = check_params(cfg, &cfg->models[i].params, mp, m->name, true, where, err)) != LM_OK)
             return s;
     }
-    if ((s = check_repeats(cfg, p->sliced ? "the slice's sources" : "models", err)) != LM_OK || (s = config_models(p, m, a, err)) != LM_OK)
+    if ((s = check_repeats(cfg, p->sliced ? "the slice's sources" : "models", err)) != LM_OK ||
+        (s = config_models(p, m, a, err)) != LM_OK)
         return s;
     // as many models as the method takes, said of the configuration (the merge's own check
     // speaks of the command line's BASE and FTs)
@@ -1442,11 +1443,11 @@ lm_status lm_cmd_set_template(const char *dir, const char *tmpl, lm_err *err)
                          : !cJSON_AddStringToObject(j, "chat_template", tmpl)) {
                 cJSON_Delete(t);  // (not in j: the replacement failed)
                 s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-            }
-            else if (!(out = cJSON_Print(j)))
+            } else if (!(out = cJSON_Print(j))) {
                 s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
-            else
+            } else {
                 s = lm_write_file(cfg, out, strlen(out), err);
+            }
             free(out);
             cJSON_Delete(j);
         }
