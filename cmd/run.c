@@ -685,7 +685,7 @@ static bool same_spm(const char *a, const char *b)
 static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
 {
     const lm_mergecfg *cfg = p->cfg;
-    const char *src = cfg->tokenizer_source;
+    const char *src = cfg->tokenizer_source, *key = cfg->tokenizer_key;
     bool from_base = strcmp(src, "base") == 0, rebuild = false;
     lm_input_kind kind;
     char *base_dir = NULL, *src_dir = NULL;
@@ -697,7 +697,7 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
         return LM_OK;
     }
     if ((s = lm_vocab_load_dir(&base, base_dir, true, &base_rows, err)) != LM_OK)
-        lm_err_prefix(err, "%s:%d: tokenizer_source: the base's tokenizer", cfg->path, cfg->tokenizer_line);
+        lm_err_prefix(err, "%s:%d: %s: the base's tokenizer", cfg->path, cfg->tokenizer_line, key);
     if (s == LM_OK && !from_base) {
         // a PATH+LORA model of the configuration: PATH's tokenizer
         const char *dir = src, *plus = strchr(src, '+');
@@ -707,25 +707,25 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
         if (!dir)
             s = lm_err_set(err, LM_ERR_NOMEM, "out of memory");
         else if ((s = lm_input_detect(dir, &kind, &src_dir, err)) == LM_OK && kind != LM_INPUT_MODEL)
-            s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: tokenizer_source '%s' is not a model directory", cfg->path,
-                           cfg->tokenizer_line, src);
+            s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: %s '%s' is not a model directory", cfg->path,
+                           cfg->tokenizer_line, key, src);
         if (s == LM_OK && (s = lm_vocab_load_dir(&out, src_dir, false, NULL, err)) != LM_OK)
-            lm_err_prefix(err, "%s:%d: tokenizer_source '%s'", cfg->path, cfg->tokenizer_line, src);
+            lm_err_prefix(err, "%s:%d: %s '%s'", cfg->path, cfg->tokenizer_line, key, src);
         if (s == LM_OK && !out && !base) {
             // no tokenizer.json on either side: the base's own directory, or SentencePiece's
             // tokenizer.model, the same bytes
             bool spm_src = has_spm(src_dir), spm_base = has_spm(base_dir);
             if (!same_dir(src_dir, base_dir) && !same_spm(src_dir, base_dir))
-                s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': neither it nor the base has a "
+                s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: %s '%s': neither it nor the base has a "
                                "tokenizer.json, and %s: the vocabularies cannot be compared (llmerge reads "
-                               "tokenizer.json's)", cfg->path, cfg->tokenizer_line, src,
+                               "tokenizer.json's)", cfg->path, cfg->tokenizer_line, key, src,
                                spm_src && spm_base ? "their tokenizer.model files are not the same"
                                : spm_src           ? "the base has no tokenizer.model"
                                : spm_base          ? "it has no tokenizer.model"
                                                    : "neither has a tokenizer.model");
         } else if (s == LM_OK && (!out || !base)) {
-            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': %s has no tokenizer.json and %s "
-                           "has one: the vocabularies cannot be compared", cfg->path, cfg->tokenizer_line, src,
+            s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: %s '%s': %s has no tokenizer.json and %s "
+                           "has one: the vocabularies cannot be compared", cfg->path, cfg->tokenizer_line, key, src,
                            !out ? "it" : "the base", !out ? "the base" : "it");
         } else if (s == LM_OK) {
             int64_t n = out->n_ids > base_rows ? out->n_ids : base_rows;
@@ -758,8 +758,8 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
                 lm_err_prefix(err, "%s:%d: model '%s'", cfg->path, line, m);
             else if (v && !want)
                 s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: model '%s' has a tokenizer.json, and the output's "
-                               "vocabulary (tokenizer_source: %s) has none: its rows cannot be matched to the "
-                               "output's ids", cfg->path, line, m, src);
+                               "vocabulary (%s: %s) has none: its rows cannot be matched to the "
+                               "output's ids", cfg->path, line, m, key, src);
             else if (v && !rebuild)
                 rebuild = lm_vocab_first_difference(v, want, v->n_ids > want->n_ids ? v->n_ids : want->n_ids) >= 0;
         }
@@ -768,11 +768,11 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
         free(dir);
     }
     if (s == LM_OK && rebuild && want->n_tokens == 0)
-        s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: tokenizer_source '%s': its vocabulary has no tokens: no embedding "
-                       "rows to rebuild the models' to", cfg->path, cfg->tokenizer_line, src);
+        s = lm_err_set(err, LM_ERR_USAGE, "%s:%d: %s '%s': its vocabulary has no tokens: no embedding "
+                       "rows to rebuild the models' to", cfg->path, cfg->tokenizer_line, key, src);
     if (s == LM_OK && rebuild) {
         char what[LM_ERR_MSG_MAX / 4];
-        snprintf(what, sizeof what, "tokenizer_source: %s", src);
+        snprintf(what, sizeof what, "%s: %s", key, src);
         p->vocab = want;
         a->vocab = want;
         a->vocab_prefer_base = cfg->base_model != NULL;
@@ -1199,12 +1199,12 @@ static int run_passthrough(int argc, char **argv, bool *handled)
     // or by its name, keeps every row where it is; another's would move the embeddings' rows
     const char *ts = cfg->tokenizer_source;
     if (s == LM_OK && first && ts && strcmp(ts, "base") == 0 && !cfg->base_model)
-        s = lm_err_set(&err, LM_ERR_USAGE, "%s:%d: tokenizer_source: base needs base_model", cfg->path,
-                       cfg->tokenizer_line);
+        s = lm_err_set(&err, LM_ERR_USAGE, "%s:%d: %s: base needs base_model", cfg->path, cfg->tokenizer_line,
+                       cfg->tokenizer_key);
     else if (s == LM_OK && first && ts && strcmp(ts, "base") != 0 && !same_model(ts, first->model))
-        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: tokenizer_source '%s': with passthrough, the tokenizer is the "
-                       "first slice's model's ('%s'); another model's, whose vocabulary would move the embeddings' "
-                       "rows, is not supported yet", cfg->path, cfg->tokenizer_line, ts, first->model);
+        s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d: %s '%s': with passthrough, the tokenizer is the first "
+                       "slice's model's ('%s'); another model's, whose vocabulary would move the embeddings' rows, is "
+                       "not supported yet", cfg->path, cfg->tokenizer_line, cfg->tokenizer_key, ts, first->model);
     // ... and lm_head comes from the last slice's model, whose rows mergekit moves to that
     // tokenizer's ids: they must be there already
     const lm_cfg_model *last = first && n > 0 && cfg->slices[n - 1].n_sources > 0 ? &cfg->slices[n - 1].sources[0]
@@ -1214,8 +1214,8 @@ static int run_passthrough(int argc, char **argv, bool *handled)
         !strchr(last->model, '+') && (s = same_ids(first->model, last->model, &same, &err)) == LM_OK && !same)
         s = lm_err_set(&err, LM_ERR_UNSUPPORTED, "%s:%d:%d: model '%s': the last slice's model gives the output layer "
                        "(lm_head), and its tokens are not at the ids of the first slice's model's tokenizer "
-                       "(tokenizer_source); moving its rows there is not supported yet with passthrough",
-                       AT(cfg, last->line, last->col), last->model);
+                       "(%s); moving its rows there is not supported yet with passthrough",
+                       AT(cfg, last->line, last->col), last->model, cfg->tokenizer_key);
     // chat_template: as for a merge, auto over base_model and the slices' models
     const char *tmpl = NULL;
     char *picked = NULL;

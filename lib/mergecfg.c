@@ -846,6 +846,7 @@ static lm_status read_tokenizer(reader *r, const node *k, const node *v, lm_merg
     if ((s = want_string(r, source, "tokenizer.source", &c->tokenizer_source)) != LM_OK)
         return s;
     c->tokenizer_line = source->line;
+    c->tokenizer_key = "tokenizer.source";
     if (strcmp(c->tokenizer_source, "union") == 0)
         return fail_at(r, LM_ERR_UNSUPPORTED, source->line, source->col, "tokenizer.source: 'union' (a vocabulary "
                        "merged from every model's) is not supported: give 'base' or a model");
@@ -899,6 +900,7 @@ static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
                             "given: give one", tokenizer->line);
             if (s == LM_OK)
                 s = optional_string(r, k, v, &c->tokenizer_source, &c->tokenizer_line, NULL);
+            c->tokenizer_key = "tokenizer_source";
             if (s == LM_OK && c->tokenizer_source && strcmp(c->tokenizer_source, "union") == 0)
                 s = fail_at(r, LM_ERR_UNSUPPORTED, v->line, v->col, "tokenizer_source: 'union' (a vocabulary merged "
                             "from every model's) is not supported: give 'base' or a model");

@@ -78,6 +78,7 @@ typedef struct lm_mergecfg {
     char *dtype;               // as written, NULL if absent
     char *out_dtype;
     char *tokenizer_source;    // NULL if absent
+    const char *tokenizer_key; // how the file gave it, for messages: "tokenizer_source" or "tokenizer.source"
     char *chat_template;
     bool has_seed;
     uint64_t random_seed;

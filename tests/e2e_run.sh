@@ -1193,6 +1193,9 @@ models:
 EOF
 refused e_tk_unmatched 7 "model '$work/tk_other' has a tokenizer.json, and the output's vocabulary (tokenizer_source: \
 base) has none"
+# (messages name the key as the file gives it)
+sed "s|^tokenizer_source: base|tokenizer: {source: base}|" "$work/e_tk_unmatched.yml" >"$work/e_tk_unmatched2.yml"
+refused e_tk_unmatched2 7 "the output's vocabulary (tokenizer.source: base) has none"
 cfg e_sparsegpt <<EOF
 merge_method: sparsegpt
 base_model: $B
