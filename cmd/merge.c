@@ -421,13 +421,6 @@ static lm_status settings_summary(merge_run *r, bool models, lm_err *err)
 
 // Everything before the work: inputs opened and checked, options resolved, the device opened.
 // Returns the status; err says what is wrong.
-// Where input i (0 the base, 1 + j FT j) was written in llmerge run's configuration, for a
-// message's prefix, or NULL (the merge commands).
-static const char *input_where(const merge_args *a, int i)
-{
-    return a->input_where ? a->input_where[i] : NULL;
-}
-
 static lm_status prepare(merge_run *r, lm_err *err)
 {
     merge_args *a = &r->args;
@@ -480,13 +473,13 @@ static lm_status prepare(merge_run *r, lm_err *err)
     lm_input_kind kind;
     char *resolved = NULL;
     if ((s = lm_input_detect(a->base, &kind, &resolved, err)) != LM_OK)
-        return input_where(a, 0) ? lm_err_prefix(err, "%s", input_where(a, 0)) : lm_err_prefix(err, "BASE");
+        return lm_err_prefix(err, "%s", lm_merge_input_where(a, 0));
     if (kind != LM_INPUT_MODEL) {
         s = lm_err_set(err, LM_ERR_USAGE, "BASE %s is not a model directory (it is %s %s); "
                        "BASE must hold config.json and model.safetensors or shards", a->base,
                        kind == LM_INPUT_ADAPTER ? "an" : "a", lm_input_kind_name(kind));
         free(resolved);
-        return input_where(a, 0) ? lm_err_prefix(err, "%s", input_where(a, 0)) : s;
+        return a->input_where ? lm_err_prefix(err, "%s", a->input_where[0]) : s;  // (the message says BASE)
     }
     s = lm_model_open(&r->base, resolved, err);
     free(resolved);
@@ -516,7 +509,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return s;
     for (int i = 0; i < a->n_ft; i++) {
         if (!a->vocab && (s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
-            return lm_err_prefix(err, "%s", input_where(a, 1 + i) ? input_where(a, 1 + i) : a->input_name[1 + i]);
+            return lm_err_prefix(err, "%s", lm_merge_input_where(a, 1 + i));
         const char *what = a->input_name[1 + i];
         if ((s = lm_cmd_guard_model(&r->guard, what, r->fts[i]->model, err)) != LM_OK ||
             (s = lm_cmd_guard_adapter(&r->guard, what, r->fts[i]->adapter, err)) != LM_OK)

@@ -436,6 +436,11 @@ static lm_status parse_settings(merge_args *a, set_id id, const char *shown, con
     return s;
 }
 
+const char *lm_merge_input_where(const merge_args *a, int i)
+{
+    return a->input_where && a->input_where[i] ? a->input_where[i] : a->input_name[i];
+}
+
 void lm_merge_args_free_sets(merge_args *a)
 {
     for (int id = 0; id < SET_COUNT; id++) {

@@ -235,6 +235,11 @@ void lm_cmd_extract_usage(FILE *out, const void *arg);
 // Frees the settings of sets[] (not the struct).
 void lm_merge_args_free_sets(merge_args *a);
 
+// Input i (0 the base, 1 + j FT j) for the prefix of a message about it: where llmerge run's
+// configuration wrote it, else its name ("BASE", "FT 2"). Once the merge's prepare has named
+// the inputs (input_name).
+const char *lm_merge_input_where(const merge_args *a, int i);
+
 // Sets the defaults of the options in a (zeroed by the caller): lambda 1, the method's
 // normalize, shard size, device auto, t, max_iter, tol.
 void lm_merge_args_defaults(merge_args *a);

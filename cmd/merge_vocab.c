@@ -71,10 +71,10 @@ static lm_status check_adapter(const lm_ft *ft, const char *const *names, int n,
     return LM_OK;
 }
 
-// Prefixes err with where FT i was written (llmerge run), or its name.
+// Prefixes err with FT i as lm_merge_input_where names it.
 static void ft_prefix(const merge_args *a, int i, lm_err *err)
 {
-    lm_err_prefix(err, "%s", a->input_where && a->input_where[1 + i] ? a->input_where[1 + i] : a->input_name[1 + i]);
+    lm_err_prefix(err, "%s", lm_merge_input_where(a, 1 + i));
 }
 
 lm_status lm_cmd_vocab_open(const merge_args *a, lm_model *base, lm_ft **fts, bool data, lm_progress *p,

@@ -11,7 +11,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
 #include <cJSON.h>
 
@@ -643,19 +642,9 @@ static const struct {
 static bool has_spm(const char *d)
 {
     char *path = lm_path_join(d, "tokenizer.model");
-    bool has = path && access(path, F_OK) == 0;
+    bool has = path && lm_is_file(path);
     free(path);
     return has;
-}
-
-// Whether directories a and b are one directory.
-static bool same_dir(const char *a, const char *b)
-{
-    char *ra = realpath(a, NULL), *rb = realpath(b, NULL);
-    bool same = ra && rb && strcmp(ra, rb) == 0;
-    free(ra);
-    free(rb);
-    return same;
 }
 
 // Whether two model directories' tokenizer.model files (SentencePiece's, read by llmerge no
@@ -715,7 +704,7 @@ static lm_status config_vocab(run_preset *p, merge_args *a, lm_err *err)
             // no tokenizer.json on either side: the base's own directory, or SentencePiece's
             // tokenizer.model, the same bytes
             bool spm_src = has_spm(src_dir), spm_base = has_spm(base_dir);
-            if (!same_dir(src_dir, base_dir) && !same_spm(src_dir, base_dir))
+            if (!same_model(src_dir, base_dir) && !same_spm(src_dir, base_dir))
                 s = lm_err_set(err, LM_ERR_UNSUPPORTED, "%s:%d: %s '%s': neither it nor the base has a "
                                "tokenizer.json, and %s: the vocabularies cannot be compared (llmerge reads "
                                "tokenizer.json's)", cfg->path, cfg->tokenizer_line, key, src,
@@ -1130,7 +1119,7 @@ static lm_status same_ids(const char *a, const char *b, bool *same, lm_err *err)
     lm_status s = lm_input_detect(a, &ka, &da, err);
     if (s == LM_OK)
         s = lm_input_detect(b, &kb, &db, err);
-    if (s == LM_OK && same_dir(da, db))
+    if (s == LM_OK && same_model(da, db))
         *same = true;
     else if (s == LM_OK && (s = lm_vocab_load_dir(&va, da, true, NULL, err)) == LM_OK &&
              (s = lm_vocab_load_dir(&vb, db, true, NULL, err)) == LM_OK) {

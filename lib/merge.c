@@ -51,6 +51,15 @@ bool lm_merge_default_normalize(lm_merge_method m)
     return lm_method_of(m)->normalize;
 }
 
+// How messages name FT i: o->ft_names', else "input i+1" (written into buf, cap bytes).
+static const char *ft_label(const lm_merge_opts *o, int i, char *buf, size_t cap)
+{
+    if (o->ft_names)
+        return o->ft_names[i];
+    snprintf(buf, cap, "input %d", i + 1);
+    return buf;
+}
+
 lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
 {
     if (o->n_ft < 1)
@@ -109,12 +118,11 @@ lm_status lm_merge_check_opts(const lm_merge_opts *o, lm_err *err)
     for (int i = 0; m->della && i < o->n_ft; i++) {
         double d = o->densities ? o->densities[i] : 1, eps = o->epsilons ? o->epsilons[i] : lm_method_epsilon(m);
         char ft[32];
-        snprintf(ft, sizeof ft, "input %d", i + 1);
         if (d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
             return lm_err_set(err, LM_ERR_USAGE,
                               "epsilon: %s has density %g and epsilon %g: density - epsilon and density + "
                               "epsilon must lie in (0, 1)",
-                              o->ft_names ? o->ft_names[i] : ft, d, eps);
+                              ft_label(o, i, ft, sizeof ft), d, eps);
     }
     if (m->outliers && o->topk_global)
         return lm_err_set(err, LM_ERR_USAGE, "--topk global: %s trims each tensor on its own", m->name);
@@ -758,27 +766,25 @@ static lm_status params_of(const lm_merge_opts *o, const lm_method *m, const cha
     if (s != LM_OK)
         return s;
     for (int i = 0; i < o->n_ft; i++) {
-        char ft[32];
-        snprintf(ft, sizeof ft, "input %d", i + 1);
-        const char *who = o->ft_names ? o->ft_names[i] : ft;
+        char ft[32];  // (the FT's name, made only for a message)
         if (!isfinite(tp->weights[i]))
-            return lm_err_set(err, LM_ERR_USAGE, "weight of %s is %g in tensor '%s', not a finite number", who,
-                              tp->weights[i], name);
+            return lm_err_set(err, LM_ERR_USAGE, "weight of %s is %g in tensor '%s', not a finite number",
+                              ft_label(o, i, ft, sizeof ft), tp->weights[i], name);
         if (m->density && !(tp->densities[i] > 0 && tp->densities[i] <= 1))
-            return lm_err_set(err, LM_ERR_USAGE, "density of %s is %g in tensor '%s', not in (0, 1]", who,
-                              tp->densities[i], name);
+            return lm_err_set(err, LM_ERR_USAGE, "density of %s is %g in tensor '%s', not in (0, 1]",
+                              ft_label(o, i, ft, sizeof ft), tp->densities[i], name);
         double d = tp->densities[i], eps = tp->epsilons[i];
         if (m->della && d < 1 && !(eps >= 0 && d - eps > 0 && d + eps < 1))
             return lm_err_set(err, LM_ERR_USAGE,
                               "epsilon of %s is %g in tensor '%s' with density %g: density - epsilon and "
                               "density + epsilon must lie in (0, 1)",
-                              who, eps, name, d);
+                              ft_label(o, i, ft, sizeof ft), eps, name, d);
         if (m->threshold && !(eps >= 0 && isfinite(eps)))
             return lm_err_set(err, LM_ERR_USAGE, "epsilon of %s is %g in tensor '%s', not a finite number of 0 "
-                              "or more", who, eps, name);
+                              "or more", ft_label(o, i, ft, sizeof ft), eps, name);
         if (m->outliers && !(tp->gammas[i] >= 0 && tp->gammas[i] <= 1))
-            return lm_err_set(err, LM_ERR_USAGE, "gamma of %s is %g in tensor '%s', not in [0, 1]", who,
-                              tp->gammas[i], name);
+            return lm_err_set(err, LM_ERR_USAGE, "gamma of %s is %g in tensor '%s', not in [0, 1]",
+                              ft_label(o, i, ft, sizeof ft), tp->gammas[i], name);
     }
     if (!isfinite(tp->base_weight) || !isfinite(tp->lambda) || !isfinite(tp->t) || !isfinite(tp->select_topk))
         return lm_err_set(err, LM_ERR_USAGE, "a weight, lambda or t of tensor '%s' is not a finite number", name);

@@ -893,15 +893,19 @@ static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
             s = optional_string(r, k, v, &c->dtype, &c->dtype_line, NULL);
         } else if (strcmp(key, "out_dtype") == 0) {
             s = optional_string(r, k, v, &c->out_dtype, &c->out_dtype_line, NULL);
-        } else if (strcmp(key, "tokenizer_source") == 0) {
-            tok_source = is_null(v) ? NULL : k;
-            if (tok_source && tokenizer)
-                s = fail_at(r, LM_ERR_FORMAT, k->line, k->col, "tokenizer_source and tokenizer (line %d) are both "
-                            "given: give one", tokenizer->line);
-            if (s == LM_OK)
-                s = optional_string(r, k, v, &c->tokenizer_source, &c->tokenizer_line, NULL);
-            c->tokenizer_key = "tokenizer_source";
-            if (s == LM_OK && c->tokenizer_source && strcmp(c->tokenizer_source, "union") == 0)
+        } else if (strcmp(key, "tokenizer_source") == 0 || strcmp(key, "tokenizer") == 0) {
+            // two spellings of one setting: mergekit refuses both together, the second met here
+            bool block = strcmp(key, "tokenizer") == 0;
+            const node *other = block ? tok_source : tokenizer;
+            *(block ? &tokenizer : &tok_source) = is_null(v) ? NULL : k;
+            if (!is_null(v) && other)
+                s = fail_at(r, LM_ERR_FORMAT, k->line, k->col, "%s and %s (line %d) are both given: give one", key,
+                            other->text, other->line);
+            else if (block)
+                s = read_tokenizer(r, k, v, c);
+            else if ((s = optional_string(r, k, v, &c->tokenizer_source, &c->tokenizer_line, NULL)) == LM_OK)
+                c->tokenizer_key = "tokenizer_source";
+            if (s == LM_OK && !block && c->tokenizer_source && strcmp(c->tokenizer_source, "union") == 0)
                 s = fail_at(r, LM_ERR_UNSUPPORTED, v->line, v->col, "tokenizer_source: 'union' (a vocabulary merged "
                             "from every model's) is not supported: give 'base' or a model");
         } else if (strcmp(key, "chat_template") == 0) {
@@ -912,13 +916,6 @@ static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
                 c->has_seed = true;
                 s = want_uint(r, v, key, UINT64_MAX, &c->random_seed);
             }
-        } else if (strcmp(key, "tokenizer") == 0) {
-            tokenizer = is_null(v) ? NULL : k;
-            if (tokenizer && tok_source)
-                s = fail_at(r, LM_ERR_FORMAT, k->line, k->col, "tokenizer and tokenizer_source (line %d) are both "
-                            "given: give one", tok_source->line);
-            if (s == LM_OK)
-                s = read_tokenizer(r, k, v, c);
         } else if (strcmp(key, "modules") == 0) {
             s = fail_at(r, LM_ERR_UNSUPPORTED, k->line, k->col, "key 'modules' (mergekit's merges of several modules) "
                         "is not supported");
