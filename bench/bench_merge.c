@@ -16,10 +16,11 @@
 // merge's line also gives the bytes copied between host and device per second of merging (from
 // llmerge.json), which the floor bounds (a LoRA merge's copied bytes over its floor); and with
 // --fallback-mem SIZE a TIES merge of each kind runs once more with --gpu-mem SIZE, small
-// enough that tensors fall back to the CPU, giving its time and how many fell back.
+// enough that tensors fall back to the CPU, giving its time and how many fell back. With
+// --generate it makes the inputs and stops, for bench_methods alone.
 //
 //   bench_merge [--work DIR] [--llmerge PATH] [--only full|lora] [--keep] [--device DEV]
-//               [--fallback-mem SIZE]
+//               [--fallback-mem SIZE] [--generate]
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -578,6 +579,7 @@ typedef struct bm_opts {
     const char *llmerge;
     bool full, lora;  // which kinds of fine-tuned inputs to merge
     bool keep;
+    bool generate;             // make the inputs, then stop
     const char *device;        // --device for the merges (default cpu)
     const char *fallback_mem;  // --gpu-mem of the extra TIES run, or NULL
 } bm_opts;
@@ -946,14 +948,15 @@ static void usage(FILE *out)
 {
     fprintf(out,
             "usage: bench_merge [--work DIR] [--llmerge PATH] [--only full|lora] [--keep]\n"
-            "                   [--device DEV] [--fallback-mem SIZE]\n"
+            "                   [--device DEV] [--fallback-mem SIZE] [--generate]\n"
             "  --work DIR      where inputs are generated (and reused) and merges write\n"
             "                  (default /tmp/llmerge-bench-merge)\n"
             "  --llmerge PATH  the binary to run (default: llmerge beside bench_merge)\n"
             "  --only KIND     only the merges of full fine-tunes, or only of LoRA adapters\n"
             "  --keep          keep the merge outputs (by default each is removed after its run)\n"
             "  --device DEV    where the merges run (default cpu): with cuda[:N] the transfer table too\n"
-            "  --fallback-mem SIZE  also run ties of each kind with --gpu-mem SIZE (fallbacks)\n");
+            "  --fallback-mem SIZE  also run ties of each kind with --gpu-mem SIZE (fallbacks)\n"
+            "  --generate      only make the inputs (of --only's kind), for bench_methods\n");
 }
 
 int main(int argc, char **argv)
@@ -976,6 +979,8 @@ int main(int argc, char **argv)
             }
         } else if (strcmp(a, "--keep") == 0) {
             o.keep = true;
+        } else if (strcmp(a, "--generate") == 0) {
+            o.generate = true;
         } else if (strcmp(a, "--device") == 0 && has) {
             o.device = argv[++i];
         } else if (strcmp(a, "--fallback-mem") == 0 && has) {
@@ -1038,6 +1043,11 @@ int main(int argc, char **argv)
     // ---- inputs, floors, merges ----------------------------------------------------------
     if (make_inputs(&p, o.work, have_base, have_full, have_lora) != 0)
         goto done;
+    if (o.generate) {
+        printf("inputs in %s\n", o.work);
+        rc = 0;
+        goto done;
+    }
     // the reference bandwidth of a CUDA device, measured before the merges
     double h2d_bw = 0, d2h_bw = 0;
     bool cuda = strncmp(o.device, "cuda", 4) == 0;

@@ -447,7 +447,7 @@ int main(int argc, char **argv)
         free(stamp);
         if (!there) {
             fprintf(stderr, BENCH_PROG ": no complete inputs in %s (%s missing): run bench_merge "
-                    "first, which generates them\n", o.work, stamps[i]);
+                    "first (bench_merge --generate only generates them)\n", o.work, stamps[i]);
             goto done;
         }
     }

@@ -1020,6 +1020,7 @@ static void engine_free(engine *e)
     free(e->res_cpu);
     free(e->global);
     free(e->sel_block);
+    free(e->sample);
     free(e->counted);
     free(e->in);
     free(e->tp.weights);

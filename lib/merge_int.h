@@ -113,6 +113,8 @@ typedef struct engine {
     // --topk global: per FT thresholds and the ties budget left
     lm_topk *global;      // (n_ft) or NULL
     uint64_t *sel_block;  // lm_eng_select_tensor's histograms, reused from tensor to tensor
+    float *sample;        // (sample_cap) an accelerator's sample of τ, brought home for its window
+    int64_t sample_cap;
     // fused LoRA parts' candidates from the selection pass (lm_dense_part's keep_bits and
     // keep_vals), per FT, for tensors of up to keep_caps elements
     uint16_t **keep_bits;

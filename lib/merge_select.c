@@ -29,9 +29,27 @@ static lm_status guess_window(engine *e, wset *ws, const float *x, int64_t n_run
     uint64_t *h = w->guess;
     memset(h, 0, LM_HIST_BINS * sizeof *h);
     lm_status s = LM_OK;
-    for (int64_t r = 0; s == LM_OK && r < n_runs; r++)
-        s = lm_dev_hist_abs(ws->dev, h, x + r * stride, run, 0, 0, e->err);
     int64_t ns = n_runs * run;
+    if (lm_dev_host_memory(ws->dev)) {
+        for (int64_t r = 0; s == LM_OK && r < n_runs; r++)
+            s = lm_dev_hist_abs(ws->dev, h, x + r * stride, run, 0, 0, e->err);
+    } else {
+        // An accelerator's histogram comes home whole, 65,536 counts, each time it is made: one
+        // per run was 32 waits and 16 MiB of copies per part and tensor, more than the rest of
+        // its selection. The runs come home instead (at most SAMPLE_ELEMS values) and are counted
+        // once on the CPU: the same counts.
+        if (ns > e->sample_cap) {
+            free(e->sample);
+            e->sample_cap = 0;
+            if (!(e->sample = malloc((size_t)ns * sizeof *e->sample)))
+                return lm_err_set(e->err, LM_ERR_NOMEM, "out of memory");
+            e->sample_cap = ns;
+        }
+        for (int64_t r = 0; s == LM_OK && r < n_runs; r++)
+            s = lm_dev_download(ws->dev, e->sample + r * run, x + r * stride, (size_t)run * sizeof *x, e->err);
+        if (s == LM_OK)
+            s = lm_dev_hist_abs(e->cpu, h, e->sample, ns, 0, 0, e->err);
+    }
     lm_topk g;
     lm_topk_init(&g, (int64_t)((double)t->k * (double)ns / (double)numel + 0.5), ns);
     lm_topk_level0(&g, h);
