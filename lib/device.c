@@ -4,11 +4,106 @@
 #include "device_impl.h"
 
 #include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "sparsify.h"
 #include "util.h"
+
+// ==== the profile (LLMERGE_PROFILE) ===========================================================
+// With LLMERGE_PROFILE set to anything but "" or "0", every operation below is waited for (the
+// backend's sync) and counted: its calls and seconds, per device and operation, printed on
+// standard error when the process exits. Waiting puts each operation's device work in its own
+// seconds, and the rest of the run's time is the host's; it also takes away the overlap of the
+// two, so the sums say where an unprofiled run spends its time, not how long it takes.
+
+#define PROF_ROWS 128  // (device, operation) pairs counted; more are counted in the last row
+
+typedef struct prof_row {
+    char dev[32];
+    const char *op;  // a string literal: compared by address
+    uint64_t calls;
+    double s;
+} prof_row;
+
+static pthread_once_t prof_once = PTHREAD_ONCE_INIT;
+static bool prof_on;
+static double prof_start;
+static pthread_mutex_t prof_mu = PTHREAD_MUTEX_INITIALIZER;
+static prof_row prof_rows[PROF_ROWS];
+static int prof_n;
+
+static int prof_by_seconds(const void *a, const void *b)
+{
+    double x = ((const prof_row *)a)->s, y = ((const prof_row *)b)->s;
+    return (x < y) - (x > y);
+}
+
+static void prof_print(void)
+{
+    pthread_mutex_lock(&prof_mu);
+    qsort(prof_rows, (size_t)prof_n, sizeof *prof_rows, prof_by_seconds);
+    double total = 0;
+    int w = 12;  // the device column's width
+    for (int i = 0; i < prof_n; i++) {
+        total += prof_rows[i].s;
+        w = (int)strlen(prof_rows[i].dev) > w ? (int)strlen(prof_rows[i].dev) : w;
+    }
+    fprintf(stderr, "llmerge: profile (LLMERGE_PROFILE): %.3f s since the first device operation, %.3f s of them "
+            "in the operations, each waited for:\n", lm_now() - prof_start, total);
+    fprintf(stderr, "  %-*s %-16s %10s %10s\n", w, "device", "operation", "calls", "seconds");
+    for (int i = 0; i < prof_n; i++)
+        fprintf(stderr, "  %-*s %-16s %10" PRIu64 " %10.3f\n", w, prof_rows[i].dev, prof_rows[i].op,
+                prof_rows[i].calls, prof_rows[i].s);
+    pthread_mutex_unlock(&prof_mu);
+}
+
+static void prof_init(void)
+{
+    const char *v = getenv("LLMERGE_PROFILE");
+    prof_on = v && *v && strcmp(v, "0") != 0;
+    prof_start = lm_now();
+    if (prof_on && atexit(prof_print) != 0)
+        prof_on = false;
+}
+
+// The start of an operation's time (0 where nothing is profiled).
+static double prof_begin(void)
+{
+    pthread_once(&prof_once, prof_init);
+    return prof_on ? lm_now() : 0;
+}
+
+// Counts operation op of d from t0, once the device has done it (the wait's failure becomes
+// the operation's); returns s.
+static lm_status prof_end(lm_dev *d, const char *op, double t0, lm_status s, lm_err *err)
+{
+    if (!prof_on)
+        return s;
+    lm_err none = {0};  // where the operation has no error to fill (buf_free)
+    if (s == LM_OK && d->iface->sync)
+        s = d->iface->sync(d, err ? err : &none);
+    double dt = lm_now() - t0;
+    const char *dev = d->iface->name(d);
+    pthread_mutex_lock(&prof_mu);
+    int i = 0;
+    while (i < prof_n && (prof_rows[i].op != op || strcmp(prof_rows[i].dev, dev) != 0))
+        i++;
+    if (i == prof_n && prof_n < PROF_ROWS) {
+        snprintf(prof_rows[i].dev, sizeof prof_rows[i].dev, "%s", dev);
+        prof_rows[i].op = op;
+        prof_n++;
+    } else if (i == prof_n) {
+        i = PROF_ROWS - 1;
+        prof_rows[i].op = "(others)";
+    }
+    prof_rows[i].calls++;
+    prof_rows[i].s += dt;
+    pthread_mutex_unlock(&prof_mu);
+    return s;
+}
 
 void lm_dev_destroy(lm_dev *d)
 {
@@ -97,23 +192,33 @@ lm_status lm_dev_alloc(lm_dev *d, size_t size, void **ptr, lm_err *err)
     *ptr = NULL;
     if (size == 0)
         size = 1;  // a distinct non-NULL pointer for empty tensors
-    return d->iface->alloc(d, size, ptr, err);
+    double t0 = prof_begin();
+    return prof_end(d, "alloc", t0, d->iface->alloc(d, size, ptr, err), err);
 }
 
 void lm_dev_buf_free(lm_dev *d, void *ptr)
 {
-    if (ptr)
-        d->iface->buf_free(d, ptr);
+    if (!ptr)
+        return;
+    double t0 = prof_begin();
+    d->iface->buf_free(d, ptr);
+    prof_end(d, "buf_free", t0, LM_OK, NULL);
 }
 
 lm_status lm_dev_upload(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
 {
-    return n ? d->iface->upload(d, dst, src, n, err) : LM_OK;
+    if (n == 0)
+        return LM_OK;
+    double t0 = prof_begin();
+    return prof_end(d, "upload", t0, d->iface->upload(d, dst, src, n, err), err);
 }
 
 lm_status lm_dev_download(lm_dev *d, void *dst, const void *src, size_t n, lm_err *err)
 {
-    return n ? d->iface->download(d, dst, src, n, err) : LM_OK;
+    if (n == 0)
+        return LM_OK;
+    double t0 = prof_begin();
+    return prof_end(d, "download", t0, d->iface->download(d, dst, src, n, err), err);
 }
 
 lm_status lm_dev_sync(lm_dev *d, lm_err *err)
@@ -128,19 +233,22 @@ lm_status lm_dev_check(lm_dev *d, lm_err *err)
 
 lm_status lm_dev_to_f32(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_err *err)
 {
-    return d->iface->to_f32(d, dst, src, dt, n, err);
+    double t0 = prof_begin();
+    return prof_end(d, "to_f32", t0, d->iface->to_f32(d, dst, src, dt, n, err), err);
 }
 
 lm_status lm_dev_from_f32(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_err *err)
 {
-    return d->iface->from_f32(d, dst, dt, src, n, err);
+    double t0 = prof_begin();
+    return prof_end(d, "from_f32", t0, d->iface->from_f32(d, dst, dt, src, n, err), err);
 }
 
 lm_status lm_dev_gemm(lm_dev *d, bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha,
                       const float *a, int64_t lda, const float *b, int64_t ldb, float beta,
                       float *c, int64_t ldc, lm_err *err)
 {
-    return d->iface->gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err);
+    double t0 = prof_begin();
+    return prof_end(d, "gemm", t0, d->iface->gemm(d, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, err), err);
 }
 
 lm_status lm_dev_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float *a, int64_t lda, float beta,
@@ -152,19 +260,23 @@ lm_status lm_dev_syrk(lm_dev *d, int64_t n, int64_t k, float alpha, const float 
     if (n < 0 || k < 0 || ldc < n || (k > 0 && lda < n))
         return lm_err_set(err, LM_ERR_USAGE, "syrk of n %lld, k %lld with lda %lld, ldc %lld", (long long)n,
                           (long long)k, (long long)lda, (long long)ldc);
-    return d->iface->syrk(d, n, k, alpha, a, lda, beta, mirror, c, ldc, err);
+    double t0 = prof_begin();
+    return prof_end(d, "syrk", t0, d->iface->syrk(d, n, k, alpha, a, lda, beta, mirror, c, ldc, err), err);
 }
 
 lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, int64_t n, lm_err *err)
 {
-    return d->iface->axpby(d, y, a, x, b, n, err);
+    double t0 = prof_begin();
+    return prof_end(d, "axpby", t0, d->iface->axpby(d, y, a, x, b, n, err), err);
 }
 
 lm_status lm_dev_delta(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
                        lm_err *err)
 {
-    if (d->iface->delta)
-        return d->iface->delta(d, tau, src, dt, base, n, err);
+    if (d->iface->delta) {
+        double t0 = prof_begin();
+        return prof_end(d, "delta", t0, d->iface->delta(d, tau, src, dt, base, n, err), err);
+    }
     lm_status s = d->iface->to_f32(d, tau, src, dt, n, err);
     return s != LM_OK ? s : d->iface->axpby(d, tau, 1.0f, base, -1.0f, n, err);
 }
@@ -172,13 +284,15 @@ lm_status lm_dev_delta(lm_dev *d, float *tau, const void *src, lm_dtype dt, cons
 lm_status lm_dev_dora_rows(lm_dev *d, float *tau, const float *base, const float *magnitude,
                            int64_t rows, int64_t cols, lm_err *err)
 {
-    return d->iface->dora_rows(d, tau, base, magnitude, rows, cols, err);
+    double t0 = prof_begin();
+    return prof_end(d, "dora_rows", t0, d->iface->dora_rows(d, tau, base, magnitude, rows, cols, err), err);
 }
 
 lm_status lm_dev_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, int level,
                           uint32_t hi_bin, lm_err *err)
 {
-    return d->iface->hist_abs(d, hist, x, n, level, hi_bin, err);
+    double t0 = prof_begin();
+    return prof_end(d, "hist_abs", t0, d->iface->hist_abs(d, hist, x, n, level, hi_bin, err), err);
 }
 
 lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
@@ -186,8 +300,10 @@ lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_wi
 {
     if (n_win < 0 || n_win > LM_HIST_WINDOW)
         return lm_err_set(err, LM_ERR_USAGE, "hist_window: %d bins in the window, at most %d", n_win, LM_HIST_WINDOW);
-    if (d->iface->hist_window)
-        return d->iface->hist_window(d, above, win, n_win, lo_bin, x, n, err);
+    if (d->iface->hist_window) {
+        double t0 = prof_begin();
+        return prof_end(d, "hist_window", t0, d->iface->hist_window(d, above, win, n_win, lo_bin, x, n, err), err);
+    }
     uint64_t *h = calloc(65536, sizeof *h);
     if (!h)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory for a histogram");
@@ -203,13 +319,15 @@ lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_wi
 lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                             int64_t *ties_used, lm_err *err)
 {
-    return d->iface->topk_apply(d, x, n, thr_bits, ties_allowed, ties_used, err);
+    double t0 = prof_begin();
+    return prof_end(d, "topk_apply", t0, d->iface->topk_apply(d, x, n, thr_bits, ties_allowed, ties_used, err), err);
 }
 
 lm_status lm_dev_topk_drop(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
                            int64_t *ties_used, lm_err *err)
 {
-    return d->iface->topk_drop(d, x, n, thr_bits, ties_allowed, ties_used, err);
+    double t0 = prof_begin();
+    return prof_end(d, "topk_drop", t0, d->iface->topk_drop(d, x, n, thr_bits, ties_allowed, ties_used, err), err);
 }
 
 lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n, uint32_t thr_bits,
@@ -217,7 +335,9 @@ lm_status lm_dev_topk_apply_by(lm_dev *d, float *x, const float *key, int64_t n,
 {
     if (!d->iface->topk_apply_by)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no topk_apply_by (selection by importance)", lm_dev_name(d));
-    return d->iface->topk_apply_by(d, x, key, n, thr_bits, ties_allowed, ties_used, err);
+    double t0 = prof_begin();
+    return prof_end(d, "topk_apply_by", t0,
+                    d->iface->topk_apply_by(d, x, key, n, thr_bits, ties_allowed, ties_used, err), err);
 }
 
 lm_status lm_dev_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *err)
@@ -226,7 +346,10 @@ lm_status lm_dev_potrf(lm_dev *d, double *a, int64_t n, double *diag, lm_err *er
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no Cholesky factorisation", lm_dev_name(d));
     if (n < 0 || n > INT32_MAX)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: a Cholesky factorisation of order %" PRId64, lm_dev_name(d), n);
-    return n == 0 ? LM_OK : d->iface->potrf(d, a, n, diag, err);
+    if (n == 0)
+        return LM_OK;
+    double t0 = prof_begin();
+    return prof_end(d, "potrf", t0, d->iface->potrf(d, a, n, diag, err), err);
 }
 
 lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const double *ucc2, int64_t rows, int64_t cols,
@@ -234,7 +357,8 @@ lm_status lm_dev_importance(lm_dev *d, float *key, const float *tau, const doubl
 {
     if (!d->iface->importance)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no importance operation", lm_dev_name(d));
-    return d->iface->importance(d, key, tau, ucc2, rows, cols, err);
+    double t0 = prof_begin();
+    return prof_end(d, "importance", t0, d->iface->importance(d, key, tau, ucc2, rows, cols, err), err);
 }
 
 // The default mask operations for a device without them: x comes to the host in pieces of
@@ -293,74 +417,90 @@ static lm_status mask_by_pieces(lm_dev *d, float *x, uint8_t *get_bits, const ui
 
 lm_status lm_dev_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
 {
-    if (d->iface->mask_get)
-        return d->iface->mask_get(d, bits, first, x, n, err);
+    if (d->iface->mask_get) {
+        double t0 = prof_begin();
+        return prof_end(d, "mask_get", t0, d->iface->mask_get(d, bits, first, x, n, err), err);
+    }
     return mask_by_pieces(d, (float *)x, bits, NULL, first, n, err);
 }
 
 lm_status lm_dev_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err)
 {
-    if (d->iface->mask_apply)
-        return d->iface->mask_apply(d, x, bits, first, n, err);
+    if (d->iface->mask_apply) {
+        double t0 = prof_begin();
+        return prof_end(d, "mask_apply", t0, d->iface->mask_apply(d, x, bits, first, n, err), err);
+    }
     return mask_by_pieces(d, x, NULL, bits, first, n, err);
 }
 
 lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
                              uint64_t keep_below, lm_err *err)
 {
-    return d->iface->random_drop(d, x, n, key, first, keep_below, err);
+    double t0 = prof_begin();
+    return prof_end(d, "random_drop", t0, d->iface->random_drop(d, x, n, key, first, keep_below, err), err);
 }
 
 lm_status lm_dev_l1(lm_dev *d, const float *x, int64_t n, double *out, lm_err *err)
 {
-    return d->iface->l1(d, x, n, out, err);
+    double t0 = prof_begin();
+    return prof_end(d, "l1", t0, d->iface->l1(d, x, n, out, err), err);
 }
 
 lm_status lm_dev_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
                          lm_err *err)
 {
-    return d->iface->row_dot(d, x, y, rows, cols, out, err);
+    double t0 = prof_begin();
+    return prof_end(d, "row_dot", t0, d->iface->row_dot(d, x, y, rows, cols, out, err), err);
 }
 
 lm_status lm_dev_col_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *acc,
                          lm_err *err)
 {
-    return d->iface->col_dot(d, x, y, rows, cols, acc, err);
+    double t0 = prof_begin();
+    return prof_end(d, "col_dot", t0, d->iface->col_dot(d, x, y, rows, cols, acc, err), err);
 }
 
 lm_status lm_dev_col_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                            int64_t cols, lm_err *err)
 {
-    return d->iface->col_axpby(d, y, a, x, b, rows, cols, err);
+    double t0 = prof_begin();
+    return prof_end(d, "col_axpby", t0, d->iface->col_axpby(d, y, a, x, b, rows, cols, err), err);
 }
 
 lm_status lm_dev_tau_var(lm_dev *d, float *key, const float *const *taus, int k, int n_models, int64_t n,
                          lm_err *err)
 {
-    return d->iface->tau_var(d, key, taus, k, n_models, n, err);
+    double t0 = prof_begin();
+    return prof_end(d, "tau_var", t0, d->iface->tau_var(d, key, taus, k, n_models, n, err), err);
 }
 
 lm_status lm_dev_row_axpby(lm_dev *d, float *y, const float *a, const float *x, const float *b, int64_t rows,
                            int64_t cols, lm_err *err)
 {
-    return d->iface->row_axpby(d, y, a, x, b, rows, cols, err);
+    double t0 = prof_begin();
+    return prof_end(d, "row_axpby", t0, d->iface->row_axpby(d, y, a, x, b, rows, cols, err), err);
 }
 
 lm_status lm_dev_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first, double p_lo,
                             double p_hi, bool inv, lm_err *err)
 {
-    return d->iface->della_drop(d, x, rows, cols, key, first, p_lo, p_hi, inv, err);
+    double t0 = prof_begin();
+    return prof_end(d, "della_drop", t0, d->iface->della_drop(d, x, rows, cols, key, first, p_lo, p_hi, inv, err), err);
 }
 
 lm_status lm_dev_nearswap(lm_dev *d, float *x, int64_t n, float t, lm_err *err)
 {
-    return d->iface->nearswap(d, x, n, t, err);
+    double t0 = prof_begin();
+    return prof_end(d, "nearswap", t0, d->iface->nearswap(d, x, n, t, err), err);
 }
 
 lm_status lm_dev_combine(lm_dev *d, float *out, const float *base, const float *const *w_tau,
                          const float *weights, int k, int64_t n, lm_combine_how how, lm_err *err)
 {
-    return d->iface->combine(d, out, base, w_tau, weights, k, n, how.sign, how.normalize, how.lambda, err);
+    double t0 = prof_begin();
+    return prof_end(d, "combine", t0,
+                    d->iface->combine(d, out, base, w_tau, weights, k, n, how.sign, how.normalize, how.lambda, err),
+                    err);
 }
 
 // ==== fused dense operations ==================================================================
@@ -370,7 +510,8 @@ lm_status lm_dev_dense_gram(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
 {
     if (!lm_dev_supports(d, LM_OP_DENSE) || !d->iface->dense_gram)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense Gram pass", lm_dev_name(d));
-    return d->iface->dense_gram(d, base, base_dt, parts, k, rows, cols, out, err);
+    double t0 = prof_begin();
+    return prof_end(d, "dense_gram", t0, d->iface->dense_gram(d, base, base_dt, parts, k, rows, cols, out, err), err);
 }
 
 lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_dense_part *parts, int k, int64_t n,
@@ -382,7 +523,8 @@ lm_status lm_dev_dense_hist(lm_dev *d, const void *base, lm_dtype base_dt, lm_de
         if (parts[i].win && (parts[i].n_win < 1 || parts[i].n_win > LM_HIST_WINDOW))
             return lm_err_set(err, LM_ERR_USAGE, "dense_hist: %d bins in the window, 1 to %d", parts[i].n_win,
                               LM_HIST_WINDOW);
-    return d->iface->dense_hist(d, base, base_dt, parts, k, n, err);
+    double t0 = prof_begin();
+    return prof_end(d, "dense_hist", t0, d->iface->dense_hist(d, base, base_dt, parts, k, n, err), err);
 }
 
 lm_status lm_dev_dense_merge(lm_dev *d, void *out, lm_dtype out_dt, const void *base, lm_dtype base_dt,
@@ -400,7 +542,9 @@ lm_status lm_dev_dense_merge_side(lm_dev *d, void *out, lm_dtype out_dt, const v
             side->fn(side->ctx);
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: no fused dense operations", lm_dev_name(d));
     }
-    return d->iface->dense_merge(d, out, out_dt, base, base_dt, parts, k, n, how, side, err);
+    double t0 = prof_begin();
+    return prof_end(d, "dense_merge", t0,
+                    d->iface->dense_merge(d, out, out_dt, base, base_dt, parts, k, n, how, side, err), err);
 }
 
 // ==== counting conversions ====================================================================
@@ -421,7 +565,8 @@ lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt
 {
     if (!lm_dev_supports(d, LM_OP_COUNTS))
         return no_counts(d, err);
-    return d->iface->delta_count(d, tau, src, dt, base, n, nf, err);
+    double t0 = prof_begin();
+    return prof_end(d, "delta_count", t0, d->iface->delta_count(d, tau, src, dt, base, n, nf, err), err);
 }
 
 lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
@@ -444,14 +589,16 @@ lm_status lm_dev_gather_rows(lm_dev *d, float *out, const float *table, int64_t 
 {
     if (!d->iface->gather_rows)
         return lacks(d, "gather_rows", err);
-    return d->iface->gather_rows(d, out, table, table_rows, cols, ids, n, err);
+    double t0 = prof_begin();
+    return prof_end(d, "gather_rows", t0, d->iface->gather_rows(d, out, table, table_rows, cols, ids, n, err), err);
 }
 
 lm_status lm_dev_add_rows(lm_dev *d, float *y, const float *b, int64_t rows, int64_t cols, lm_err *err)
 {
     if (!d->iface->add_rows)
         return lacks(d, "add_rows", err);
-    return d->iface->add_rows(d, y, b, rows, cols, err);
+    double t0 = prof_begin();
+    return prof_end(d, "add_rows", t0, d->iface->add_rows(d, y, b, rows, cols, err), err);
 }
 
 lm_status lm_dev_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, int64_t rows, int64_t cols,
@@ -459,7 +606,8 @@ lm_status lm_dev_rmsnorm(lm_dev *d, float *out, const float *x, const float *w, 
 {
     if (!d->iface->rmsnorm)
         return lacks(d, "rmsnorm", err);
-    return d->iface->rmsnorm(d, out, x, w, rows, cols, eps, err);
+    double t0 = prof_begin();
+    return prof_end(d, "rmsnorm", t0, d->iface->rmsnorm(d, out, x, w, rows, cols, eps, err), err);
 }
 
 lm_status lm_dev_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t head_dim, const int32_t *pos,
@@ -467,7 +615,8 @@ lm_status lm_dev_rope(lm_dev *d, float *x, int64_t rows, int64_t heads, int64_t 
 {
     if (!d->iface->rope)
         return lacks(d, "rope", err);
-    return d->iface->rope(d, x, rows, heads, head_dim, pos, inv_freq, err);
+    double t0 = prof_begin();
+    return prof_end(d, "rope", t0, d->iface->rope(d, x, rows, heads, head_dim, pos, inv_freq, err), err);
 }
 
 lm_status lm_dev_attention(lm_dev *d, float *out, const float *q, const float *k, const float *v,
@@ -476,14 +625,17 @@ lm_status lm_dev_attention(lm_dev *d, float *out, const float *q, const float *k
 {
     if (!d->iface->attention)
         return lacks(d, "attention", err);
-    return d->iface->attention(d, out, q, k, v, start, rows, heads, kv_heads, head_dim, scale, err);
+    double t0 = prof_begin();
+    return prof_end(d, "attention", t0,
+                    d->iface->attention(d, out, q, k, v, start, rows, heads, kv_heads, head_dim, scale, err), err);
 }
 
 lm_status lm_dev_silu_mul(lm_dev *d, float *gate, const float *up, int64_t n, lm_err *err)
 {
     if (!d->iface->silu_mul)
         return lacks(d, "silu_mul", err);
-    return d->iface->silu_mul(d, gate, up, n, err);
+    double t0 = prof_begin();
+    return prof_end(d, "silu_mul", t0, d->iface->silu_mul(d, gate, up, n, err), err);
 }
 
 lm_status lm_dev_nll_rows(lm_dev *d, float *nll, const float *logits, const int32_t *targets, int64_t rows,
@@ -491,5 +643,6 @@ lm_status lm_dev_nll_rows(lm_dev *d, float *nll, const float *logits, const int3
 {
     if (!d->iface->nll_rows)
         return lacks(d, "nll_rows", err);
-    return d->iface->nll_rows(d, nll, logits, targets, rows, cols, err);
+    double t0 = prof_begin();
+    return prof_end(d, "nll_rows", t0, d->iface->nll_rows(d, nll, logits, targets, rows, cols, err), err);
 }

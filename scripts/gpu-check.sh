@@ -11,7 +11,8 @@
 # against cudaMemcpy measured in the same run, target >= 70% for LoRA inputs) and bench_capture
 # --device cuda (capture tokens/s against cuBLAS's SGEMM peak on the device, target >= 40%),
 # bench_methods --device cuda (slerp, breadcrumbs, della and the --to-lora merges against their
-# reference methods in the same run, with the targets of the CPU's table). Where python3 has
+# reference methods in the same run, with the targets of the CPU's table) and the profiles
+# (LLMERGE_PROFILE) of ties, task arithmetic and della of the three adapters. Where python3 has
 # PyTorch it runs merges while another process holds all of the GPU but 1.2 GB (each must
 # finish), and where it has transformers and peft, scripts/peft-check.py. The build's log lists
 # the kernels ptxas reports spilling registers or using local memory. Exit status 0 only when
@@ -252,6 +253,17 @@ if [ $bench -eq 1 ]; then
   step "benchmark: the mergekit methods and --to-lora on cuda (bench_methods --device cuda)"
   ./build-gpu/bench_methods --device cuda --rounds 1 \
     --methods slerp,breadcrumbs,della,extract-r16,extract-r64,ties-to-lora-r64 || failed+=("bench_methods")
+  # where the time of the merges that miss their targets on the GPU goes: each device operation
+  # waited for, counted and timed (LLMERGE_PROFILE, docs/devices.md), the host's time the rest
+  step "profiles on cuda: ties, task-arithmetic and della of the three adapters (LLMERGE_PROFILE=1)"
+  w=/tmp/llmerge-bench-merge
+  for m in ties task-arithmetic della; do
+    echo "llmerge $m base + 3 adapters:"
+    LLMERGE_PROFILE=1 ./build-gpu/llmerge $m $w/base $w/lora1 $w/lora2 $w/lora3 -o /tmp/gpu-check-prof --device cuda \
+      --force -q >/tmp/gpu-check-prof.log 2>&1 || failed+=("profile of $m")
+    head -30 /tmp/gpu-check-prof.log
+  done
+  rm -rf /tmp/gpu-check-prof /tmp/gpu-check-prof.log
 
   # Another process holds all of the GPU but 1.2 GB (a PyTorch tensor of the rest): merges of the
   # 1B-shape inputs must finish, each unit that finds no room falling back to the CPU, none dying

@@ -111,6 +111,22 @@ if [ "$to_t" -gt 0 ] 2>/dev/null && [ "$to_b" = "$to_t" ]; then ok; else
   bad "with ${ample[*]}: breadcrumbs copied $to_b bytes to the device, ties $to_t"; fi
 rm -rf "$work/copies-ties" "$work/copies-breadcrumbs"
 
+# LLMERGE_PROFILE: the device's operations counted and timed, printed at exit (with the CPU's
+# that its sample for the window guess goes to); the merge is the same bits
+"$llmerge" ties "$B" "$lp" "$ff" -o "$work/prof" "${ample[@]}" -q >"$work/out" 2>&1 &&
+  LLMERGE_PROFILE=1 "$llmerge" ties "$B" "$lp" "$ff" -o "$work/prof-on" "${ample[@]}" -q >"$work/prof.err" 2>&1 ||
+  bad "ties with ${ample[*]} and LLMERGE_PROFILE failed: $(head -c 400 "$work/out" "$work/prof.err")"
+if cmp -s "$work/prof/model.safetensors" "$work/prof-on/model.safetensors"; then ok; else
+  bad "ties with ${ample[*]}: LLMERGE_PROFILE changed the merge"; fi
+# a row per operation: device, name, calls and seconds; the selection's histograms and the
+# merge's combine among them, each called at least once
+if grep -q "^llmerge: profile (LLMERGE_PROFILE): .* s since the first device operation" "$work/prof.err" &&
+  awk '$2 == "hist_window" && $3 >= 1 { h = 1 } $2 == "combine" && $3 >= 1 { c = 1 } END { exit !(h && c) }' \
+    "$work/prof.err"; then ok; else bad "LLMERGE_PROFILE's table: $(head -c 800 "$work/prof.err")"; fi
+if [ ! -s "$work/out" ] && ! grep -q "profile" "$work/out"; then ok; else
+  bad "without LLMERGE_PROFILE, a -q run printed: $(head -c 400 "$work/out")"; fi
+rm -rf "$work/prof" "$work/prof-on"
+
 # NaN and Inf in the base, a full FT and a LoRA factor
 od=$fx/odd
 same_as_cpu nonfinite-ties ties "$od/base_inf" "$od/ft_nonfinite" "$od/lora_nan" "$lr" --densities 0.3,0.5,0.4
