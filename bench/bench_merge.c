@@ -1003,7 +1003,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_merge: out of memory\n");
         goto done;
     }
-    if (access(llmerge, X_OK) != 0) {
+    if (!o.generate && access(llmerge, X_OK) != 0) {
         fprintf(stderr, "bench_merge: no llmerge binary at %s (give --llmerge PATH)\n", llmerge);
         goto done;
     }
@@ -1021,9 +1021,9 @@ int main(int argc, char **argv)
     bool have_full = !o.full || (have_base && stamp_ok(p.stamp_full, GEN_VERSION));
     bool have_lora = !o.lora || stamp_ok(p.stamp_lora, GEN_VERSION);
     int n_runs = 3 * (o.full + o.lora);
+    uint64_t outputs = o.generate ? 0 : o.keep ? (uint64_t)n_runs * mbytes : mbytes;
     uint64_t need = (have_base ? 0 : mbytes) + (have_full ? 0 : N_FT * mbytes) +
-                    (have_lora ? 0 : N_FT * lora_bytes()) +
-                    (o.keep ? (uint64_t)n_runs * mbytes : mbytes) + (1ull << 30);
+                    (have_lora ? 0 : N_FT * lora_bytes()) + outputs + (1ull << 30);
     uint64_t free_disk = disk_free(o.work);
     printf("machine: %ld cores, %.1f GB RAM (%.1f GB available)\n", sysconf(_SC_NPROCESSORS_ONLN),
            gb(proc_kb("/proc/meminfo", "MemTotal:")), gb(proc_kb("/proc/meminfo", "MemAvailable:")));
@@ -1032,8 +1032,9 @@ int main(int argc, char **argv)
              have_full ? "" : ", 3 full fine-tunes", have_lora ? "" : ", 3 adapters");
     printf("work dir %s: %.1f GB free; this run needs %.1f GB (inputs to generate: %s; "
            "output %.2f GB%s; 1 GB margin)\n", o.work, gb(free_disk), gb(need),
-           gen[0] ? gen + 2 : "none", gb(mbytes), o.keep ? " per merge (--keep)" : "");
-    printf("llmerge: %s\n", llmerge);
+           gen[0] ? gen + 2 : "none", gb(o.generate ? 0 : mbytes), o.keep ? " per merge (--keep)" : "");
+    if (!o.generate)
+        printf("llmerge: %s\n", llmerge);
     if (free_disk < need) {
         fprintf(stderr, "bench_merge: not enough disk in %s: %.1f GB free, %.1f GB needed\n",
                 o.work, gb(free_disk), gb(need));

@@ -17,9 +17,12 @@
 // backend's sync) and counted: its calls and seconds, per device and operation, printed on
 // standard error when the process exits. Waiting puts each operation's device work in its own
 // seconds, and the rest of the run's time is the host's; it also takes away the overlap of the
-// two, so the sums say where an unprofiled run spends its time, not how long it takes.
+// two, so the sums say where an unprofiled run spends its time, not how long it takes. An
+// operation that calls others (a backend's own uploads, a default made of other operations)
+// counts as one: the inner ones are neither waited for nor counted. Releases are timed but not
+// waited for: a failed release is the next operation's to report, as without the profile.
 
-#define PROF_ROWS 128  // (device, operation) pairs counted; more are counted in the last row
+#define PROF_ROWS 128  // (device, operation) rows: the last one counts whatever finds no row
 
 typedef struct prof_row {
     char dev[32];
@@ -33,7 +36,8 @@ static bool prof_on;
 static double prof_start;
 static pthread_mutex_t prof_mu = PTHREAD_MUTEX_INITIALIZER;
 static prof_row prof_rows[PROF_ROWS];
-static int prof_n;
+static int prof_n;                    // rows in use, the last one (others) included once used
+static _Thread_local int prof_depth;  // operations of this thread under way
 
 static int prof_by_seconds(const void *a, const void *b)
 {
@@ -69,38 +73,49 @@ static void prof_init(void)
         prof_on = false;
 }
 
-// The start of an operation's time (0 where nothing is profiled).
+// The start of an operation's time: 0 where nothing is profiled, -1 inside another operation
+// (not counted). Every call is followed by prof_end's.
 static double prof_begin(void)
 {
     pthread_once(&prof_once, prof_init);
-    return prof_on ? lm_now() : 0;
+    if (!prof_on)
+        return 0;
+    return prof_depth++ > 0 ? -1 : lm_now();
 }
 
-// Counts operation op of d from t0, once the device has done it (the wait's failure becomes
-// the operation's); returns s.
+// The row of (dev, op), made where there is none; the caller holds prof_mu.
+static prof_row *prof_row_of(const char *dev, const char *op)
+{
+    int i = 0;
+    while (i < prof_n && (prof_rows[i].op != op || strcmp(prof_rows[i].dev, dev) != 0))
+        i++;
+    if (i < prof_n)
+        return &prof_rows[i];
+    if (prof_n == PROF_ROWS)  // full: the last row, (others), takes it
+        return &prof_rows[PROF_ROWS - 1];
+    prof_row *r = &prof_rows[prof_n++];
+    snprintf(r->dev, sizeof r->dev, "%s", prof_n == PROF_ROWS ? "*" : dev);
+    r->op = prof_n == PROF_ROWS ? "(others)" : op;
+    return r;
+}
+
+// Counts operation op of d from t0, once the device has done it (the wait's failure becomes the
+// operation's; err NULL: not waited for); returns s.
 static lm_status prof_end(lm_dev *d, const char *op, double t0, lm_status s, lm_err *err)
 {
     if (!prof_on)
         return s;
-    lm_err none = {0};  // where the operation has no error to fill (buf_free)
-    if (s == LM_OK && d->iface->sync)
-        s = d->iface->sync(d, err ? err : &none);
+    prof_depth--;
+    if (t0 < 0)
+        return s;
+    if (s == LM_OK && err && d->iface->sync)
+        s = d->iface->sync(d, err);
     double dt = lm_now() - t0;
     const char *dev = d->iface->name(d);
     pthread_mutex_lock(&prof_mu);
-    int i = 0;
-    while (i < prof_n && (prof_rows[i].op != op || strcmp(prof_rows[i].dev, dev) != 0))
-        i++;
-    if (i == prof_n && prof_n < PROF_ROWS) {
-        snprintf(prof_rows[i].dev, sizeof prof_rows[i].dev, "%s", dev);
-        prof_rows[i].op = op;
-        prof_n++;
-    } else if (i == prof_n) {
-        i = PROF_ROWS - 1;
-        prof_rows[i].op = "(others)";
-    }
-    prof_rows[i].calls++;
-    prof_rows[i].s += dt;
+    prof_row *r = prof_row_of(dev, op);
+    r->calls++;
+    r->s += dt;
     pthread_mutex_unlock(&prof_mu);
     return s;
 }
@@ -273,12 +288,13 @@ lm_status lm_dev_axpby(lm_dev *d, float *y, float a, const float *x, float b, in
 lm_status lm_dev_delta(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
                        lm_err *err)
 {
-    if (d->iface->delta) {
-        double t0 = prof_begin();
-        return prof_end(d, "delta", t0, d->iface->delta(d, tau, src, dt, base, n, err), err);
-    }
-    lm_status s = d->iface->to_f32(d, tau, src, dt, n, err);
-    return s != LM_OK ? s : d->iface->axpby(d, tau, 1.0f, base, -1.0f, n, err);
+    double t0 = prof_begin();
+    lm_status s;
+    if (d->iface->delta)
+        s = d->iface->delta(d, tau, src, dt, base, n, err);
+    else if ((s = d->iface->to_f32(d, tau, src, dt, n, err)) == LM_OK)
+        s = d->iface->axpby(d, tau, 1.0f, base, -1.0f, n, err);
+    return prof_end(d, "delta", t0, s, err);
 }
 
 lm_status lm_dev_dora_rows(lm_dev *d, float *tau, const float *base, const float *magnitude,
@@ -295,15 +311,10 @@ lm_status lm_dev_hist_abs(lm_dev *d, uint64_t *hist, const float *x, int64_t n, 
     return prof_end(d, "hist_abs", t0, d->iface->hist_abs(d, hist, x, n, level, hi_bin, err), err);
 }
 
-lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
-                             int64_t n, lm_err *err)
+// lm_dev_hist_window for a device without it: the level-0 histogram, then a level-1 one per bin.
+static lm_status hist_window_by_levels(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin,
+                                       const float *x, int64_t n, lm_err *err)
 {
-    if (n_win < 0 || n_win > LM_HIST_WINDOW)
-        return lm_err_set(err, LM_ERR_USAGE, "hist_window: %d bins in the window, at most %d", n_win, LM_HIST_WINDOW);
-    if (d->iface->hist_window) {
-        double t0 = prof_begin();
-        return prof_end(d, "hist_window", t0, d->iface->hist_window(d, above, win, n_win, lo_bin, x, n, err), err);
-    }
     uint64_t *h = calloc(65536, sizeof *h);
     if (!h)
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory for a histogram");
@@ -314,6 +325,17 @@ lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_wi
     for (int w = 0; s == LM_OK && w < n_win; w++)
         s = d->iface->hist_abs(d, win + (size_t)w * 65536, x, n, 1, lo_bin + (uint32_t)w, err);
     return s;
+}
+
+lm_status lm_dev_hist_window(lm_dev *d, uint64_t *above, uint64_t *win, int n_win, uint32_t lo_bin, const float *x,
+                             int64_t n, lm_err *err)
+{
+    if (n_win < 0 || n_win > LM_HIST_WINDOW)
+        return lm_err_set(err, LM_ERR_USAGE, "hist_window: %d bins in the window, at most %d", n_win, LM_HIST_WINDOW);
+    double t0 = prof_begin();
+    lm_status s = d->iface->hist_window ? d->iface->hist_window(d, above, win, n_win, lo_bin, x, n, err)
+                                        : hist_window_by_levels(d, above, win, n_win, lo_bin, x, n, err);
+    return prof_end(d, "hist_window", t0, s, err);
 }
 
 lm_status lm_dev_topk_apply(lm_dev *d, float *x, int64_t n, uint32_t thr_bits, int64_t ties_allowed,
@@ -417,20 +439,18 @@ static lm_status mask_by_pieces(lm_dev *d, float *x, uint8_t *get_bits, const ui
 
 lm_status lm_dev_mask_get(lm_dev *d, uint8_t *bits, int64_t first, const float *x, int64_t n, lm_err *err)
 {
-    if (d->iface->mask_get) {
-        double t0 = prof_begin();
-        return prof_end(d, "mask_get", t0, d->iface->mask_get(d, bits, first, x, n, err), err);
-    }
-    return mask_by_pieces(d, (float *)x, bits, NULL, first, n, err);
+    double t0 = prof_begin();
+    lm_status s = d->iface->mask_get ? d->iface->mask_get(d, bits, first, x, n, err)
+                                     : mask_by_pieces(d, (float *)x, bits, NULL, first, n, err);
+    return prof_end(d, "mask_get", t0, s, err);
 }
 
 lm_status lm_dev_mask_apply(lm_dev *d, float *x, const uint8_t *bits, int64_t first, int64_t n, lm_err *err)
 {
-    if (d->iface->mask_apply) {
-        double t0 = prof_begin();
-        return prof_end(d, "mask_apply", t0, d->iface->mask_apply(d, x, bits, first, n, err), err);
-    }
-    return mask_by_pieces(d, x, NULL, bits, first, n, err);
+    double t0 = prof_begin();
+    lm_status s = d->iface->mask_apply ? d->iface->mask_apply(d, x, bits, first, n, err)
+                                       : mask_by_pieces(d, x, NULL, bits, first, n, err);
+    return prof_end(d, "mask_apply", t0, s, err);
 }
 
 lm_status lm_dev_random_drop(lm_dev *d, float *x, int64_t n, uint64_t key, int64_t first,
@@ -557,7 +577,10 @@ static lm_status no_counts(lm_dev *d, lm_err *err)
 lm_status lm_dev_to_f32_count(lm_dev *d, float *dst, const void *src, lm_dtype dt, int64_t n, lm_nonfinite *nf,
                               lm_err *err)
 {
-    return lm_dev_supports(d, LM_OP_COUNTS) ? d->iface->to_f32_count(d, dst, src, dt, n, nf, err) : no_counts(d, err);
+    if (!lm_dev_supports(d, LM_OP_COUNTS))
+        return no_counts(d, err);
+    double t0 = prof_begin();
+    return prof_end(d, "to_f32_count", t0, d->iface->to_f32_count(d, dst, src, dt, n, nf, err), err);
 }
 
 lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt, const float *base, int64_t n,
@@ -572,7 +595,10 @@ lm_status lm_dev_delta_count(lm_dev *d, float *tau, const void *src, lm_dtype dt
 lm_status lm_dev_from_f32_count(lm_dev *d, void *dst, lm_dtype dt, const float *src, int64_t n, lm_nonfinite *nf,
                                 lm_err *err)
 {
-    return lm_dev_supports(d, LM_OP_COUNTS) ? d->iface->from_f32_count(d, dst, dt, src, n, nf, err) : no_counts(d, err);
+    if (!lm_dev_supports(d, LM_OP_COUNTS))
+        return no_counts(d, err);
+    double t0 = prof_begin();
+    return prof_end(d, "from_f32_count", t0, d->iface->from_f32_count(d, dst, dt, src, n, nf, err), err);
 }
 
 // ==== forward-pass operations =================================================================

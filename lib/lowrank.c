@@ -218,13 +218,6 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, doub
 // admits κ₁(R) up to about 4,500 at 74 columns, the order of CholeskyQR2's proven sufficient
 // bound (Yamamoto et al., 2015: 8·κ₂·√(n·l·u + l(l+1)·u) <= 1, about 4,000 for a 128,256 x 74
 // matrix) and far below where its Cholesky factor in double fails (κ₂ near 1e8).
-// Rows per block of the Gram matrices and the solves. Small enough for every core of a large
-// host to take a block of the matrices of a 1B model (an MLP's 8,192 rows are 16 blocks): with
-// 4,096, the host's work of an extraction at rank 64 on a 16-core machine beside a GPU ran on
-// two threads at most, 3.9 s of its 5.1 s of factoring. Blocks of 512 x 74 doubles sit in a
-// core's L2; one thread is no slower with them (27 ms against 28 to 33 ms for an 8,192 x 2,048
-// matrix at rank 64).
-#define CHOL_ROWS 512
 #define CHOL_COND 1e6
 // One pass is enough where the same bound on κ₂ (three times l over LAPACK's reciprocal estimate)
 // is at most CHOL_ONE: one Cholesky QR loses orthogonality of about κ₂²·u (u = 1.1e-16 in double),
@@ -232,6 +225,15 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, doub
 // a change with a flat spectrum (a full fine-tune's random change) takes one pass; a steep one
 // after the power iteration, two.
 #define CHOL_ONE 1e4
+// Rows per block of the Gram matrices and the solves, at least (and at least twice the columns,
+// so that the blocks' l x l Gram matrices stay within half of the matrix's size at any rank).
+// Small enough for every core of a large host to take a block of a 1B model's matrices (an
+// MLP's 8,192 rows are 16 blocks at rank 64): with 4,096, an MLP matrix was two tasks and an
+// attention matrix one, and the host's work of an extraction at rank 64 on a 16-core machine
+// beside a GPU took 3.9 s of its 5.1 s of factoring. Blocks of 512 x 74 doubles sit in a core's
+// L2; one thread is no slower with them (27 ms against 28 to 33 ms for an 8,192 x 2,048 matrix
+// at rank 64).
+#define CHOL_ROWS 512
 
 typedef struct chol_job {
     const float *x;  // [n, l] row-major: the matrix
@@ -239,20 +241,27 @@ typedef struct chol_job {
     double *g;       // [nb, l, l]: each block's Gram matrix (upper triangle, row-major)
     const double *r; // [l, l] row-major: the triangle the solves divide by
     float *out;      // where the last solve writes the basis as float32 (NULL: not yet)
-    int64_t n, nb;
+    int64_t n, rows, nb;  // the matrix's rows, a block's (the last one's the rest), the blocks
     int l;
 } chol_job;
 
+// The job over x [n, l] (h its scratch): its blocks by the shape alone.
+static chol_job chol_job_for(const float *x, double *h, int64_t n, int l)
+{
+    int64_t rows = CHOL_ROWS > 2 * (int64_t)l ? CHOL_ROWS : 2 * (int64_t)l;
+    return (chol_job){.x = x, .h = h, .n = n, .rows = rows, .nb = n / rows < 1 ? 1 : n / rows, .l = l};
+}
+
 static int64_t chol_len(const chol_job *j, int64_t b)
 {
-    return b == j->nb - 1 ? j->n - b * CHOL_ROWS : CHOL_ROWS;
+    return b == j->nb - 1 ? j->n - b * j->rows : j->rows;  // the last block takes the rest
 }
 
 // Block b's Gram matrix (x converted first on the first pass).
 static void chol_gram_task(void *ctx, int64_t b)
 {
     chol_job *j = ctx;
-    int64_t r0 = b * CHOL_ROWS, nr = chol_len(j, b);
+    int64_t r0 = b * j->rows, nr = chol_len(j, b);
     double *h = j->h + r0 * j->l;
     if (j->x)
         for (int64_t i = 0; i < nr * j->l; i++)
@@ -265,7 +274,7 @@ static void chol_gram_task(void *ctx, int64_t b)
 static void chol_solve_task(void *ctx, int64_t b)
 {
     chol_job *j = ctx;
-    int64_t r0 = b * CHOL_ROWS, nr = chol_len(j, b);
+    int64_t r0 = b * j->rows, nr = chol_len(j, b);
     double *h = j->h + r0 * j->l;
     cblas_dtrsm(CblasRowMajor, CblasRight, CblasUpper, CblasNoTrans, CblasNonUnit, (int)nr, j->l, 1.0, j->r, j->l,
                 h, j->l);
@@ -323,7 +332,7 @@ static bool chol_pass(lm_pool *pool, chol_job *j, double *r, bool check, float *
 static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, double *r, bool *done, int *passes,
                          lm_err *err)
 {
-    chol_job j = {.x = f, .h = h, .n = n, .nb = (n + CHOL_ROWS - 1) / CHOL_ROWS, .l = l};
+    chol_job j = chol_job_for(f, h, n, l);
     double *r1 = malloc((size_t)l * l * sizeof *r1), *r2 = malloc((size_t)l * l * sizeof *r2);
     if (!r1 || !r2 || !(j.g = malloc((size_t)(j.nb * l * l) * sizeof *j.g))) {
         free(r1);
@@ -357,7 +366,7 @@ static lm_status cholqr2(lm_pool *pool, float *f, int64_t n, int l, double *h, d
 // CholeskyQR's first pass makes it (h: n × l doubles of scratch).
 static lm_status host_gram(lm_pool *pool, const float *x, int64_t n, int l, double *h, double *g, lm_err *err)
 {
-    chol_job j = {.x = x, .h = h, .n = n, .nb = (n + CHOL_ROWS - 1) / CHOL_ROWS, .l = l};
+    chol_job j = chol_job_for(x, h, n, l);
     if (!(j.g = malloc((size_t)(j.nb * l * l) * sizeof *j.g)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     gram_sum(pool, &j, g);

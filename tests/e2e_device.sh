@@ -113,18 +113,23 @@ rm -rf "$work/copies-ties" "$work/copies-breadcrumbs"
 
 # LLMERGE_PROFILE: the device's operations counted and timed, printed at exit (with the CPU's
 # that its sample for the window guess goes to); the merge is the same bits
-"$llmerge" ties "$B" "$lp" "$ff" -o "$work/prof" "${ample[@]}" -q >"$work/out" 2>&1 &&
+env -u LLMERGE_PROFILE "$llmerge" ties "$B" "$lp" "$ff" -o "$work/prof" "${ample[@]}" -q >"$work/out" 2>&1 &&
   LLMERGE_PROFILE=1 "$llmerge" ties "$B" "$lp" "$ff" -o "$work/prof-on" "${ample[@]}" -q >"$work/prof.err" 2>&1 ||
   bad "ties with ${ample[*]} and LLMERGE_PROFILE failed: $(head -c 400 "$work/out" "$work/prof.err")"
 if cmp -s "$work/prof/model.safetensors" "$work/prof-on/model.safetensors"; then ok; else
   bad "ties with ${ample[*]}: LLMERGE_PROFILE changed the merge"; fi
 # a row per operation: device, name, calls and seconds; the selection's histograms and the
-# merge's combine among them, each called at least once
+# merge's combine on the device among them (its name begins with what --device gives: cuda is
+# cuda:0), and the window guesses' samples counted on the cpu
+dev=${ample[*]}
+dev=${dev#--device }
+dev=${dev%% *}
 if grep -q "^llmerge: profile (LLMERGE_PROFILE): .* s since the first device operation" "$work/prof.err" &&
-  awk '$2 == "hist_window" && $3 >= 1 { h = 1 } $2 == "combine" && $3 >= 1 { c = 1 } END { exit !(h && c) }' \
-    "$work/prof.err"; then ok; else bad "LLMERGE_PROFILE's table: $(head -c 800 "$work/prof.err")"; fi
-if [ ! -s "$work/out" ] && ! grep -q "profile" "$work/out"; then ok; else
-  bad "without LLMERGE_PROFILE, a -q run printed: $(head -c 400 "$work/out")"; fi
+  awk -v dev="$dev" 'index($1, dev) == 1 && $2 == "hist_window" && $3 >= 1 { h = 1 }
+    index($1, dev) == 1 && $2 == "combine" && $3 >= 1 { c = 1 } $1 == "cpu" && $2 == "hist_abs" && $3 >= 1 { g = 1 }
+    END { exit !(h && c && g) }' "$work/prof.err"; then ok; else
+  bad "LLMERGE_PROFILE's table with ${ample[*]}: $(head -c 800 "$work/prof.err")"; fi
+if [ ! -s "$work/out" ]; then ok; else bad "without LLMERGE_PROFILE, a -q run printed: $(head -c 400 "$work/out")"; fi
 rm -rf "$work/prof" "$work/prof-on"
 
 # NaN and Inf in the base, a full FT and a LoRA factor
