@@ -209,7 +209,7 @@ typedef struct ws_size {
     size_t stage_bytes;   // the input staging buffer (no host memory), else 0
     size_t out_bytes;     // the output staging buffer (no host memory), else 0
     size_t extra_bytes;   // what a method's passes take beside the buffers, on the device: sce's
-                          // slab of variances; della's ranks (device scratch, no host memory)
+                          // slab of variances; della's sorted rows (device scratch, no host memory)
 } ws_size;
 
 // What lm_eng_select_tensor's store of a fused LoRA part's kept candidates takes for a tensor of

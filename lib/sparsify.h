@@ -61,6 +61,24 @@ LM_HD static inline double lm_della_p(int64_t r, int64_t cols, double p_lo, doub
     return cols > 1 ? p_lo + (p_hi - p_lo) * ((double)r / (double)(cols - 1)) : p_lo;
 }
 
+// An accelerator ranks a row's entries by sorting them in chunks of at most LM_DELLA_CHUNK (the
+// row's power of two where it is shorter), each chunk padded to its length: the bytes of the
+// sorted keys (8 bytes each) of `rows` rows of `cols`, its scratch.
+#define LM_DELLA_CHUNK 4096
+LM_HD static inline int64_t lm_della_chunk(int64_t cols)
+{
+    int64_t len = 1;
+    while (len < cols && len < LM_DELLA_CHUNK)
+        len *= 2;
+    return len;
+}
+
+LM_HD static inline int64_t lm_della_sort_bytes(int64_t rows, int64_t cols)
+{
+    int64_t len = lm_della_chunk(cols);
+    return rows * ((cols + len - 1) / len) * len * 8;
+}
+
 // DELLA's decision for entry x at index j of its tensor with keep probability p: zero, or x
 // (times 1/p in double with inv).
 LM_HD static inline float lm_della_keep(float x, uint64_t key, int64_t j, double p, bool inv)

@@ -390,7 +390,7 @@ lm_status lm_cuda_scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
     return scratch_reserve(d, bytes, err);
 }
 
-// Gives a scratch that one operation grew past SCRATCH_MIN (della's ranks of a whole slab) to
+// Gives a scratch that one operation grew past SCRATCH_MIN (della's sorted rows of a whole slab) to
 // the cache, once that operation is queued: there it counts as free (a live scratch of a slab's
 // size would shrink every later unit's room for the rest of the run), and the next operation of
 // that size takes it back without a cudaMalloc. The scratch every device keeps, which the

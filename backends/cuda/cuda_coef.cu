@@ -14,6 +14,7 @@ extern "C" {
 
 #include "cuda_int.h"
 #include "kernels.h"
+#include "sparsify.h"  // lm_della_sort_bytes
 
 // Per-row sums on the device, copied home.
 lm_status lm_cuda_op_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
@@ -31,8 +32,9 @@ lm_status lm_cuda_op_row_dot(lm_dev *d, const float *x, const float *y, int64_t 
     return LM_OK;
 }
 
-// The ranks go through device scratch (4 bytes an element of the slab: an allocation that may
-// fail with LM_ERR_DEVICE_OOM, and the unit then falls back), given back to the cache after.
+// The rows' sorted keys go through device scratch (lm_della_sort_bytes: 8 bytes an element of
+// the slab, and the padding of a row's last chunk; an allocation that may fail with
+// LM_ERR_DEVICE_OOM, and the unit then falls back), given back to the cache after.
 lm_status lm_cuda_op_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first,
                                 double p_lo, double p_hi, bool inv, lm_err *err)
 {
@@ -43,9 +45,9 @@ lm_status lm_cuda_op_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols,
     if (cols > INT32_MAX)
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: della_drop of rows of %lld entries", lm_dev_name(d),
                           (long long)cols);
-    if ((s = lm_cuda_scratch_reserve(d, (size_t)(rows * cols) * sizeof(int32_t), err)) != LM_OK)
+    if ((s = lm_cuda_scratch_reserve(d, (size_t)lm_della_sort_bytes(rows, cols), err)) != LM_OK)
         return s;
-    s = lm_cuda_della_drop(x, (int32_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
+    s = lm_cuda_della_drop(x, (uint64_t *)c->scratch, rows, cols, key, first, p_lo, p_hi, inv, c->stream, err);
     lm_cuda_scratch_trim(d);
     return s;
 }

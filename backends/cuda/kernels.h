@@ -157,9 +157,9 @@ lm_status lm_cuda_l1_blocks(double *d_partial, const float *d_x, int64_t n, void
 lm_status lm_cuda_row_dot(double *d_out, const float *d_x, const float *d_y, int64_t rows, int64_t cols, void *stream,
                           lm_err *err);
 
-// lm_dev_della_drop, d_rank device scratch of rows × cols int32 (the ranks, overwritten).
-lm_status lm_cuda_della_drop(float *d_x, int32_t *d_rank, int64_t rows, int64_t cols, uint64_t key, int64_t first,
-                             double p_lo, double p_hi, bool inv, void *stream, lm_err *err);
+// lm_dev_della_drop, d_sorted device scratch of lm_della_sort_bytes(rows, cols) (overwritten).
+lm_status lm_cuda_della_drop(float *d_x, uint64_t *d_sorted, int64_t rows, int64_t cols, uint64_t key,
+                             int64_t first, double p_lo, double p_hi, bool inv, void *stream, lm_err *err);
 
 // lm_dev_tau_var for k <= LM_CUDA_COMBINE_MAX task vectors (d_tau a HOST array of device pointers).
 lm_status lm_cuda_tau_var(float *d_key, const float *const *d_tau, int k, int n_models, int64_t n, void *stream,

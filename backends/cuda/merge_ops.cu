@@ -974,57 +974,86 @@ fail:
     return status;
 }
 
-// DELLA's ranks: rank[r, j] = the entries of row r below x[r, j] in magnitude bits, or equal
-// with a lower index (the CPU's sort order). One block per row; each thread counts for its
-// entries against the whole row, read in tiles through shared memory.
-#define RANK_TILE 1024
-__global__ void k_row_rank(int32_t *rank, const float *x, int64_t rows, int64_t cols)
+// DELLA's ranks (the CPU's order: by magnitude bits, equal ones by index) from each row sorted
+// in chunks of len = lm_della_chunk(cols) keys (magnitude bits << 32 | column, all distinct):
+// block t sorts chunk t % chunks of row t / chunks in shared memory (a bitonic sort, padded with
+// UINT64_MAX) into sorted[t·len ...]. An entry's rank is then its place in its chunk plus, for
+// each other chunk of its row, how many of that chunk's keys are below it (a binary search):
+// O(cols·log cols) a row, where counting every entry against the whole row was O(cols²), 1.4e11
+// comparisons for one 2,048 x 8,192 down projection of a 1B model.
+__global__ void k_della_sort(uint64_t *sorted, const float *x, int64_t rows, int64_t cols, int64_t len)
 {
-    __shared__ uint32_t tile[RANK_TILE];
-    for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
-        const float *row = x + r * cols;
-        for (int64_t base = 0; base < cols; base += blockDim.x) {  // uniform across the block
-            int64_t j = base + threadIdx.x;
-            uint32_t bj = j < cols ? lm_abs_bits(row[j]) : 0;
-            int32_t cnt = 0;
-            for (int64_t t0 = 0; t0 < cols; t0 += RANK_TILE) {
-                __syncthreads();
-                for (int64_t k = threadIdx.x; k < RANK_TILE && t0 + k < cols; k += blockDim.x)
-                    tile[k] = lm_abs_bits(row[t0 + k]);
-                __syncthreads();
-                int64_t n = cols - t0 < RANK_TILE ? cols - t0 : RANK_TILE;
-                for (int64_t k = 0; k < n; k++) {
-                    uint32_t b = tile[k];
-                    cnt += b < bj || (b == bj && t0 + k < j);
+    __shared__ uint64_t s[LM_DELLA_CHUNK];
+    int64_t chunks = (cols + len - 1) / len;
+    for (int64_t t = blockIdx.x; t < rows * chunks; t += gridDim.x) {  // uniform across the block
+        int64_t r = t / chunks, c0 = (t % chunks) * len;
+        for (int64_t i = threadIdx.x; i < len; i += blockDim.x)
+            s[i] = c0 + i < cols ? (uint64_t)lm_abs_bits(x[r * cols + c0 + i]) << 32 | (uint64_t)(c0 + i) : ~0ull;
+        __syncthreads();
+        for (int64_t k = 2; k <= len; k *= 2)
+            for (int64_t h = k / 2; h > 0; h /= 2) {
+                for (int64_t i = threadIdx.x; i < len; i += blockDim.x) {
+                    int64_t o = i ^ h;
+                    if (o > i) {
+                        uint64_t a = s[i], b = s[o];
+                        if ((a > b) == ((i & k) == 0)) {  // ascending where bit k of i is clear
+                            s[i] = b;
+                            s[o] = a;
+                        }
+                    }
                 }
+                __syncthreads();
             }
-            if (j < cols)
-                rank[r * cols + j] = cnt;
-        }
+        for (int64_t i = threadIdx.x; i < len; i += blockDim.x)
+            sorted[t * len + i] = s[i];
         __syncthreads();
     }
 }
 
-__global__ void k_della_apply(float *x, const int32_t *rank, int64_t rows, int64_t cols, uint64_t key, int64_t first,
-                              double p_lo, double p_hi, bool inv)
+// Each sorted key's entry: its rank, then DELLA's decision.
+__global__ void k_della_apply(float *x, const uint64_t *sorted, int64_t rows, int64_t cols, int64_t len,
+                              uint64_t key, int64_t first, double p_lo, double p_hi, bool inv)
 {
-    int64_t n = rows * cols;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        x[i] = lm_della_keep(x[i], key, first + i, lm_della_p(rank[i], cols, p_lo, p_hi), inv);
+    int64_t chunks = (cols + len - 1) / len, n = rows * chunks * len;
+    for (int64_t q = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; q < n; q += (int64_t)gridDim.x * blockDim.x) {
+        uint64_t e = sorted[q];
+        if (e == ~0ull)
+            continue;  // padding
+        int64_t r = q / (chunks * len), c = q / len % chunks, rank = q % len;
+        const uint64_t *row = sorted + r * chunks * len;
+        for (int64_t c2 = 0; c2 < chunks; c2++) {
+            if (c2 == c)
+                continue;
+            const uint64_t *b = row + c2 * len;
+            int64_t lo = 0, left = len;  // the keys of chunk c2 below e: b[0, lo)
+            while (left > 0) {
+                int64_t half = left / 2;
+                if (b[lo + half] < e) {
+                    lo += half + 1;
+                    left -= half + 1;
+                } else {
+                    left = half;
+                }
+            }
+            rank += lo;
+        }
+        int64_t i = r * cols + (int64_t)(uint32_t)e;
+        x[i] = lm_della_keep(x[i], key, first + i, lm_della_p(rank, cols, p_lo, p_hi), inv);
+    }
 }
 
-extern "C" lm_status lm_cuda_della_drop(float *d_x, int32_t *d_rank, int64_t rows, int64_t cols, uint64_t key,
+extern "C" lm_status lm_cuda_della_drop(float *d_x, uint64_t *d_sorted, int64_t rows, int64_t cols, uint64_t key,
                                         int64_t first, double p_lo, double p_hi, bool inv, void *stream, lm_err *err)
 {
     lm_status status = LM_OK;
     if (rows <= 0 || cols <= 0)
         return LM_OK;
-    unsigned blocks = (unsigned)(rows > 65535 ? 65535 : rows);
-    k_row_rank<<<blocks, 256, 0, (cudaStream_t)stream>>>(d_rank, d_x, rows, cols);
-    CUDA_LAUNCHED("k_row_rank");
-    k_della_apply<<<lm_cuda_grid(rows * cols, THREADS), THREADS, 0, (cudaStream_t)stream>>>(d_x, d_rank, rows, cols,
-                                                                                            key, first, p_lo, p_hi,
-                                                                                            inv);
+    int64_t len = lm_della_chunk(cols), units = rows * ((cols + len - 1) / len);
+    unsigned blocks = (unsigned)(units > 65535 ? 65535 : units);
+    k_della_sort<<<blocks, 256, 0, (cudaStream_t)stream>>>(d_sorted, d_x, rows, cols, len);
+    CUDA_LAUNCHED("k_della_sort");
+    k_della_apply<<<lm_cuda_grid(units * len, THREADS), THREADS, 0, (cudaStream_t)stream>>>(
+        d_x, d_sorted, rows, cols, len, key, first, p_lo, p_hi, inv);
     CUDA_LAUNCHED("k_della_apply");
 fail:
     return status;
@@ -1098,7 +1127,7 @@ LM_CUDA_PRELOAD(k_row_axpby);
 LM_CUDA_PRELOAD(k_col_dot);
 LM_CUDA_PRELOAD(k_col_axpby);
 LM_CUDA_PRELOAD(k_tau_var);
-LM_CUDA_PRELOAD(k_row_rank);
+LM_CUDA_PRELOAD(k_della_sort);
 LM_CUDA_PRELOAD(k_della_apply);
 LM_CUDA_PRELOAD(k_dora_rows);
 LM_CUDA_PRELOAD(k_hist_abs);
