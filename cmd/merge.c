@@ -96,7 +96,6 @@ typedef struct merge_run {
     lm_guard guard;            // the inputs, which no output may be, hold or lie inside
     dropped_tensor *dropped;   // (n_dropped) full FTs' tensors the base does not have, left out
     int64_t n_dropped;
-    bool planning;             // prepared for llmerge plan, which reads no tensor data
     lm_cmd_lora *lora;         // --to-lora: the adapter being made, or NULL
 } merge_run;
 
@@ -505,7 +504,7 @@ static lm_status prepare(merge_run *r, lm_err *err)
         return s;
     // (llmerge run's models of other vocabularies: their embeddings rebuilt first, llmerge plan's
     // only as large as they will be)
-    if (a->vocab && (s = lm_cmd_vocab_open(a, r->base, r->fts, !r->planning, &r->progress, err)) != LM_OK)
+    if (a->vocab && (s = lm_cmd_vocab_open(a, r->base, r->fts, !a->planning, &r->progress, err)) != LM_OK)
         return s;
     for (int i = 0; i < a->n_ft; i++) {
         if (!a->vocab && (s = lm_ft_open(&r->fts[i], a->fts[i], r->base, err)) != LM_OK)
@@ -1305,7 +1304,6 @@ int lm_cmd_merge_prepare(int argc, char **argv, const char *prefix, lm_cmd_prepa
         return 2;
     }
     snprintf(r->prefix, sizeof r->prefix, "%s", prefix);
-    r->planning = true;
     r->args.planning = true;
     lm_progress_init(&r->progress, r->prefix, false);
     r->progress.quiet = true;  // a plan says what it finds on stdout; errors still go to stderr

@@ -1105,7 +1105,7 @@ static lm_status pt_operand(void *ctx, const char *arg, lm_err *err)
     return LM_OK;
 }
 
-static char *pick_template(const char *const *refs, int n);
+static char *auto_template(const lm_mergecfg *cfg);
 
 // Whether models a and b (as a configuration writes them) put their tokens at the same ids:
 // one directory, or tokenizer.json's vocabularies (each stripped to its vocab_size) that agree,
@@ -1208,18 +1208,8 @@ static int run_passthrough(int argc, char **argv, bool *handled)
     // chat_template: as for a merge, auto over base_model and the slices' models
     const char *tmpl = NULL;
     char *picked = NULL;
-    if (s == LM_OK && (s = config_template(cfg, &tmpl, &err)) == LM_OK && tmpl && strcmp(tmpl, "auto") == 0) {
-        const char **refs = calloc((size_t)n + 1, sizeof *refs);
-        if (!refs) {
-            s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
-        } else {
-            refs[0] = cfg->base_model;
-            for (int i = 0; i < n; i++)
-                refs[1 + i] = cfg->slices[i].n_sources > 0 ? cfg->slices[i].sources[0].model : NULL;
-            tmpl = picked = pick_template(refs, n + 1);  // none among them: nothing set, as mergekit
-            free(refs);
-        }
-    }
+    if (s == LM_OK && (s = config_template(cfg, &tmpl, &err)) == LM_OK && tmpl && strcmp(tmpl, "auto") == 0)
+        tmpl = picked = auto_template(cfg);  // none among them: nothing set, as mergekit
     if (s == LM_OK && (a.to_lora || a.to_lora_exact))
         s = lm_err_set(&err, LM_ERR_USAGE, "--to-lora: a passthrough stacks layers into a new model, which has no "
                        "base to be an adapter of");
@@ -1395,17 +1385,20 @@ static char *pick_template(const char *const *refs, int n)
     return res;
 }
 
-// pick_template over the configuration's base_model, then its models in order.
-static char *auto_template(const merge_args *a)
+// pick_template over the configuration's base_model, then its models in order (a passthrough's:
+// each slice's first source).
+static char *auto_template(const lm_mergecfg *cfg)
 {
-    const lm_mergecfg *cfg = ((const run_preset *)a->preset)->cfg;
-    const char **refs = calloc((size_t)cfg->n_models + 1, sizeof *refs);
+    int n = cfg->n_models > 0 ? cfg->n_models : cfg->n_slices;
+    const char **refs = calloc((size_t)n + 1, sizeof *refs);
     if (!refs)
         return NULL;
     refs[0] = cfg->base_model;
-    for (int i = 0; i < cfg->n_models; i++)
-        refs[1 + i] = cfg->models[i].model;
-    char *t = pick_template(refs, cfg->n_models + 1);
+    for (int i = 0; i < n; i++)
+        refs[1 + i] = cfg->n_models > 0               ? cfg->models[i].model
+                      : cfg->slices[i].n_sources > 0 ? cfg->slices[i].sources[0].model
+                                                      : NULL;
+    char *t = pick_template(refs, n + 1);
     free(refs);
     return t;
 }
@@ -1468,7 +1461,8 @@ lm_status lm_cmd_run_outputs(const merge_args *a, const char *out_dir, lm_err *e
         }
     }
     if (s == LM_OK && a->chat_template) {
-        char *tmpl = strcmp(a->chat_template, "auto") == 0 ? auto_template(a) : lm_strdup(a->chat_template);
+        char *tmpl = strcmp(a->chat_template, "auto") == 0 ? auto_template(((const run_preset *)a->preset)->cfg)
+                                                           : lm_strdup(a->chat_template);
         if (tmpl)  // auto with no template among the models: nothing to set, as mergekit
             s = lm_cmd_set_template(out_dir, tmpl, err);
         free(tmpl);

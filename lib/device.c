@@ -108,10 +108,10 @@ static lm_status prof_end(lm_dev *d, const char *op, double t0, lm_status s, lm_
     prof_depth--;
     if (t0 < 0)
         return s;
-    if (s == LM_OK && err && d->iface->sync)
-        s = d->iface->sync(d, err);
+    if (s == LM_OK && err)
+        s = lm_dev_sync(d, err);
     double dt = lm_now() - t0;
-    const char *dev = d->iface->name(d);
+    const char *dev = lm_dev_name(d);
     pthread_mutex_lock(&prof_mu);
     prof_row *r = prof_row_of(dev, op);
     r->calls++;

@@ -100,7 +100,29 @@ static void free_bufs(lm_dev *dev, lr_bufs *b)
 // where the matrix has full rank), at a fraction of the time: one QR of an embedding's 128,256 x
 // 74 matrix walks it from memory once per column. The blocks depend on the shape alone, so the
 // basis is the same bits on any thread count.
-#define QR_ROWS 512  // rows of a block at least (and at least twice the columns)
+#define QR_ROWS 512  // rows of a block at least (and at least twice the columns): see blocks()
+
+// The blocks of rows of an n x l matrix, by its shape alone (so the same bits on any thread
+// count), for the QR by blocks and Cholesky QR's Gram matrices and solves: QR_ROWS rows at least
+// and twice the columns (a block's l x l triangle or Gram matrix then stays within half of the
+// block), the last block taking the rest; *nb of them. 512 rows: every core of a large host takes
+// a block of a 1B model's matrices (an MLP's 8,192 rows are 16 blocks at rank 64). With 4,096
+// for the Gram matrices and solves, an MLP matrix was two tasks and an attention matrix one, and
+// the host's work of an extraction at rank 64 on a 16-core machine beside a GPU took 3.9 s of its
+// 5.1 s of factoring. Blocks of 512 x 74 doubles sit in a core's L2; one thread is no slower
+// with them (27 ms against 28 to 33 ms for an 8,192 x 2,048 matrix at rank 64).
+static int64_t blocks(int64_t n, int l, int64_t *nb)
+{
+    int64_t rows = QR_ROWS > 2 * (int64_t)l ? QR_ROWS : 2 * (int64_t)l;
+    *nb = n / rows < 1 ? 1 : n / rows;
+    return rows;
+}
+
+// Block b's rows of n in blocks of `rows`, nb of them.
+static int64_t block_len(int64_t n, int64_t rows, int64_t nb, int64_t b)
+{
+    return b == nb - 1 ? n - b * rows : rows;  // the last block takes the rest
+}
 
 typedef struct qr_job {
     float *x;        // [n, l] row-major: the matrix, then its basis
@@ -119,7 +141,7 @@ static int64_t qr_start(const qr_job *j, int64_t b)
 
 static int64_t qr_len(const qr_job *j, int64_t b)
 {
-    return b == j->nb - 1 ? j->n - b * j->rows : j->rows;  // the last block takes the rest
+    return block_len(j->n, j->rows, j->nb, b);
 }
 
 // Block b: its QR, its triangle into the stack, its Q in place.
@@ -174,8 +196,8 @@ static void copy_triangle(const double *s, int64_t ld, int l, double *r)
 // (row-major) into r where r is not NULL; h: n × l doubles.
 static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, double *r, lm_err *err)
 {
-    int64_t rows = QR_ROWS > 2 * (int64_t)l ? QR_ROWS : 2 * (int64_t)l;
-    qr_job j = {.x = f, .h = h, .n = n, .rows = rows, .nb = n / rows < 1 ? 1 : n / rows, .l = l};
+    qr_job j = {.x = f, .h = h, .n = n, .l = l};
+    j.rows = blocks(n, l, &j.nb);
     if (!(j.s = malloc((size_t)(j.nb * l * l) * sizeof *j.s)))
         return lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     lm_pool_run(pool, j.nb, qr_block_task, &j);
@@ -225,15 +247,6 @@ static lm_status tsqr(lm_pool *pool, float *f, int64_t n, int l, double *h, doub
 // a change with a flat spectrum (a full fine-tune's random change) takes one pass; a steep one
 // after the power iteration, two.
 #define CHOL_ONE 1e4
-// Rows per block of the Gram matrices and the solves, at least (and at least twice the columns,
-// so that the blocks' l x l Gram matrices stay within half of the matrix's size at any rank).
-// Small enough for every core of a large host to take a block of a 1B model's matrices (an
-// MLP's 8,192 rows are 16 blocks at rank 64): with 4,096, an MLP matrix was two tasks and an
-// attention matrix one, and the host's work of an extraction at rank 64 on a 16-core machine
-// beside a GPU took 3.9 s of its 5.1 s of factoring. Blocks of 512 x 74 doubles sit in a core's
-// L2; one thread is no slower with them (27 ms against 28 to 33 ms for an 8,192 x 2,048 matrix
-// at rank 64).
-#define CHOL_ROWS 512
 
 typedef struct chol_job {
     const float *x;  // [n, l] row-major: the matrix
@@ -241,20 +254,21 @@ typedef struct chol_job {
     double *g;       // [nb, l, l]: each block's Gram matrix (upper triangle, row-major)
     const double *r; // [l, l] row-major: the triangle the solves divide by
     float *out;      // where the last solve writes the basis as float32 (NULL: not yet)
-    int64_t n, rows, nb;  // the matrix's rows, a block's (the last one's the rest), the blocks
+    int64_t n, rows, nb;  // the matrix's rows, a block's, the blocks (blocks())
     int l;
 } chol_job;
 
-// The job over x [n, l] (h its scratch): its blocks by the shape alone.
+// The job over x [n, l] (h its scratch).
 static chol_job chol_job_for(const float *x, double *h, int64_t n, int l)
 {
-    int64_t rows = CHOL_ROWS > 2 * (int64_t)l ? CHOL_ROWS : 2 * (int64_t)l;
-    return (chol_job){.x = x, .h = h, .n = n, .rows = rows, .nb = n / rows < 1 ? 1 : n / rows, .l = l};
+    chol_job j = {.x = x, .h = h, .n = n, .l = l};
+    j.rows = blocks(n, l, &j.nb);
+    return j;
 }
 
 static int64_t chol_len(const chol_job *j, int64_t b)
 {
-    return b == j->nb - 1 ? j->n - b * j->rows : j->rows;  // the last block takes the rest
+    return block_len(j->n, j->rows, j->nb, b);
 }
 
 // Block b's Gram matrix (x converted first on the first pass).
@@ -413,7 +427,7 @@ static lm_status orthonormalise(lm_dev *dev, lm_pool *pool, float *x, int64_t n,
 }
 
 // ---- products on the host ---------------------------------------------------------------------
-#define PRODUCT_ROWS 512  // rows per task (as CHOL_ROWS, for as many cores)
+#define PRODUCT_ROWS 512  // rows per task (as QR_ROWS, for as many cores)
 
 typedef struct product_job {
     const float *q;    // [n, l] row-major

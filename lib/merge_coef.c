@@ -228,7 +228,7 @@ lm_status lm_eng_merge_coef(engine *e, wset *ws, int64_t idx, const lm_st_desc *
     }
     // per row (per column): a Gram matrix for each row (column) of a matrix; a vector is one
     bool per_row = e->o->per_row && e->m->rows_ok && bt->ndim == 2;
-    bool per_col = e->o->per_col && e->m->cols_ok && bt->ndim == 2;
+    bool per_col = lm_eng_per_col(e, bt);
     int64_t rows = tensor_rows(bt), cols = bt->numel / rows, groups = per_col ? cols : rows;
     size_t st = (size_t)(n + 1) * (size_t)(n + 1);
     double *g = e->m->gram ? calloc(st, sizeof *g) : NULL;

@@ -300,6 +300,8 @@ void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, 
 uint64_t lm_eng_mapped_bytes(const lm_st_tensor *bt, const part *parts, int k);
 bool lm_eng_keeps_mapped(uint64_t mapped);
 size_t lm_eng_sel_cells(int k);
+// Whether the coefficient pass takes a Gram matrix per column of tensor bt (--per-column).
+bool lm_eng_per_col(const engine *e, const lm_st_tensor *bt);
 int lm_eng_window_bins(const part *p, bool fuse);
 void lm_eng_keep_size(int64_t numel, keep_size *z);
 uint64_t lm_eng_keep_touched(int64_t numel, double density);

@@ -57,17 +57,16 @@ int64_t lm_eng_slab_cnt(const engine *e, const lm_dev *dev, const lm_st_tensor *
 void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, const part *parts, int k, ws_size *z)
 {
     int64_t cnt = lm_eng_slab_cnt(e, dev, bt, parts, k);
+    int64_t cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
     *z = (ws_size){.cap = cnt, .n_tau = k};
     for (int i = 0; i < k; i++)
         z->n_key += parts[i].ucc2 != NULL;
     if (e->m->sce && e->tp.select_topk < 1)  // the slab of variances (ws_alloc's var_buf) for a mask
         z->extra_bytes += (size_t)cnt * sizeof(float);
-    if (e->m->della && !lm_dev_host_memory(dev)) {  // della_drop's sorted rows in device scratch
-        int64_t cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
+    if (e->m->della && !lm_dev_host_memory(dev))  // della_drop's sorted rows in device scratch
         z->extra_bytes += (size_t)lm_della_sort_bytes(cols > 0 ? cnt / cols : 0, cols);
-    }
     if (!lm_dev_host_memory(dev)) {
-        z->ucc2_cols = bt->numel / (tensor_rows(bt) > 0 ? tensor_rows(bt) : 1);
+        z->ucc2_cols = cols;
         z->stage_bytes = lm_eng_stage_need(bt, parts, k, cnt);
         z->out_bytes = (size_t)cnt * sizeof(float);
     }
@@ -87,6 +86,11 @@ uint64_t lm_eng_mapped_bytes(const lm_st_tensor *bt, const part *parts, int k)
 bool lm_eng_keeps_mapped(uint64_t mapped)
 {
     return mapped <= KEEP_MAPPED_BYTES;
+}
+
+bool lm_eng_per_col(const engine *e, const lm_st_tensor *bt)
+{
+    return e->o->per_col && e->m->cols_ok && bt->ndim == 2;
 }
 
 // The cells (uint64_t) of lm_eng_select_tensor's histogram block for k parts: each part's window
@@ -221,7 +225,7 @@ lm_status lm_merge_plan_tensor(const lm_merge_opts *o, const lm_model *base, lm_
     need->touched_elems = cnt;
     need->var_elems = e.m->sce && e.tp.select_topk < 1 ? cnt : 0;
     bool fuse = lm_eng_fused(&e, dev, bt, parts, k);
-    bool per_col = e.m->gram && o->per_col && e.m->cols_ok && bt->ndim == 2;
+    bool per_col = e.m->gram && lm_eng_per_col(&e, bt);
     if (fuse && !o->topk_global && !e.m->sce && !e.m->nearswap && !e.m->ramplus && !per_col) {
         int64_t n_runs, run, stride;
         lm_eng_sample_runs(cnt, &n_runs, &run, &stride);

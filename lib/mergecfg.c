@@ -903,8 +903,9 @@ static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
                             other->text, other->line);
             else if (block)
                 s = read_tokenizer(r, k, v, c);
-            else if ((s = optional_string(r, k, v, &c->tokenizer_source, &c->tokenizer_line, NULL)) == LM_OK)
-                c->tokenizer_key = "tokenizer_source";
+            else if (!is_null(v) && (s = optional_string(r, k, v, &c->tokenizer_source, &c->tokenizer_line, NULL)) ==
+                                        LM_OK)
+                c->tokenizer_key = "tokenizer_source";  // (a null one leaves the block's key as it was)
             if (s == LM_OK && !block && c->tokenizer_source && strcmp(c->tokenizer_source, "union") == 0)
                 s = fail_at(r, LM_ERR_UNSUPPORTED, v->line, v->col, "tokenizer_source: 'union' (a vocabulary merged "
                             "from every model's) is not supported: give 'base' or a model");

@@ -148,6 +148,11 @@ static void test_every_key(void)
     c = parse("merge_method: linear\nmodels:\n- model: a\ntokenizer: ~\ntokenizer_source: base\n", &err);
     CHECK(c && c->tokenizer_source && strcmp(c->tokenizer_source, "base") == 0 && c->tokenizer_line == 5);
     lm_mergecfg_free(c);
+    // a null tokenizer_source after the block leaves the block's source, and the key messages name
+    c = parse("merge_method: linear\nmodels:\n- model: a\ntokenizer:\n  source: m/b\ntokenizer_source: ~\n", &err);
+    CHECK(c && c->tokenizer_source && strcmp(c->tokenizer_source, "m/b") == 0 && c->tokenizer_line == 5 &&
+          strcmp(c->tokenizer_key, "tokenizer.source") == 0);
+    lm_mergecfg_free(c);
     // JSON is YAML too
     c = parse("{\"merge_method\": \"ties\", \"models\": [{\"model\": \"a\", \"parameters\": {\"density\": 0.5}}], "
               "\"random_seed\": 7}", &err);
