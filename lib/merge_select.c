@@ -1,8 +1,8 @@
 // The merge engine's selection (see merge_int.h for the engine's files): each part's exact
 // top-k threshold over a whole tensor from one pass that counts the values beyond a window of
 // histogram bins guessed from a sample and the window's fine histogram (two full
-// radix-histogram passes when the guess misses), the fused LoRA parts' kept candidates, and
-// --topk global's thresholds over whole models, one unit per tensor.
+// radix-histogram passes when the guess misses, or on an accelerator), the fused LoRA parts'
+// kept candidates, and --topk global's thresholds over whole models, one unit per tensor.
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -216,9 +216,6 @@ static lm_status hist_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *
     return LM_OK;
 }
 
-// Exact top-k of each part over the whole tensor: one pass counting the values beyond a window
-// of bins guessed from a sample, and the window's level-1 histograms; for the
-// parts whose threshold fell outside their window (rare), the two full histogram passes.
 // Makes room in FT ft's candidate store for a tensor of numel elements. False when memory runs
 // out: the part then makes its product again in the merge pass, as without a store.
 static bool keep_store(engine *e, int ft, int64_t numel)
@@ -285,6 +282,9 @@ void lm_eng_band(double density, double gamma, int64_t n, int64_t *k_lo, int64_t
 // Finds each part's exact top-k threshold over the whole tensor into its topk: k = keep[i] for
 // part i, or floor(d_i · numel) where keep is NULL. have_tau: every part's τ of the whole tensor
 // (one slab) is in its buffer already, from an earlier selection that was not fused.
+// One pass counts the values beyond a window of bins guessed from a sample and the window's
+// level-1 histograms; the parts whose threshold fell outside their window (rare) take the two
+// full histogram passes, and so does every part on an accelerator that holds the tensor whole.
 lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part *parts, int k, bool one_slab,
                                const int64_t *keep_k, bool have_tau)
 {
@@ -311,7 +311,7 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
     // A dense task vector's values are alike from row to row, and a fused pass samples a LoRA
     // product over the whole tensor: a narrow window then suffices (see guess_window).
     bool fuse = lm_eng_fused(e, ws->dev, bt, parts, k);
-    bool aligned = lm_eng_keeps_fit(e, ws->dev, bt, parts, k, one_slab);
+    bool aligned = lm_eng_keeps_fit(e, ws->dev, bt, parts, k, one_slab), selects = false;
     for (int i = 0; i < k; i++) {
         // (breadcrumbs counts each part twice in one pass: one store per FT would not do)
         parts[i].keeps = fuse && aligned && !e->m->outliers && parts[i].src == SRC_LORA && !parts[i].mask &&
@@ -323,13 +323,26 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
         uint64_t *region = block + (size_t)i * (1 + LM_HIST_WINDOW) * LM_HIST_BINS;
         wins[i] = (window){region, region + (size_t)LM_HIST_WINDOW * LM_HIST_BINS, 0,
                            lm_eng_window_bins(&parts[i], fuse)};
-        memset(wins[i].win, 0, (size_t)wins[i].n * LM_HIST_BINS * sizeof(uint64_t));
         sel[i] = &parts[i].topk;
+        selects = selects || !parts[i].topk.none;
     }
-    lm_status s = hist_tensor(e, ws, bt, parts, k, hists, sel, 2, one_slab && have_tau, wins);
+    // On an accelerator that holds the whole tensor's τ, a pass over it is cheap and what costs is
+    // each wait and each histogram fetched home: the window's sample, then a pass for every few
+    // of its bins, each group of 65,536 counts fetched and added up here, against one fetch for
+    // each of the two full passes. The window is for the CPU, and for slabs whose τ would be made
+    // again. (With no part selecting, the pass still makes τ, which the caller may count on.)
+    bool windowed = lm_dev_host_memory(ws->dev) || !one_slab || !selects;
+    for (int i = 0; windowed && i < k; i++)
+        memset(wins[i].win, 0, (size_t)wins[i].n * LM_HIST_BINS * sizeof(uint64_t));
+    lm_status s = windowed ? hist_tensor(e, ws, bt, parts, k, hists, sel, 2, one_slab && have_tau, wins) : LM_OK;
     bool again = false;
     for (int i = 0; s == LM_OK && i < k; i++) {
         missed[i] = parts[i].topk;
+        if (!windowed) {  // every part that selects goes to the two passes
+            parts[i].keeps = false;
+            again = again || !missed[i].none;
+            continue;
+        }
         e->res->windows += !parts[i].topk.none;
         missed[i].none = lm_topk_window(&parts[i].topk, above[i], wins[i].win, wins[i].n, wins[i].lo);
         // the candidates hold every value the merge keeps when the threshold is in the window
@@ -343,9 +356,10 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
             memset(hists[i], 0, LM_HIST_BINS * sizeof(uint64_t));
             sel[i] = &missed[i];
         }
-        // τ is in the buffers after a pass over a single slab, unless that pass was fused
-        s = hist_tensor(e, ws, bt, parts, k, hists, sel, level,
-                        one_slab && (level > 0 || !lm_eng_fused(e, ws->dev, bt, parts, k)), NULL);
+        // τ is in the buffers after a pass over a single slab, unless that pass was fused (or
+        // there was none: then the caller's)
+        bool made = windowed ? !lm_eng_fused(e, ws->dev, bt, parts, k) : have_tau;
+        s = hist_tensor(e, ws, bt, parts, k, hists, sel, level, one_slab && (level > 0 || made), NULL);
         for (int i = 0; s == LM_OK && i < k; i++) {
             if (missed[i].none)
                 continue;
