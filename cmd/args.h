@@ -202,9 +202,10 @@ void lm_cmd_model_run_free(lm_model_run *r);
 lm_status lm_cmd_model_run_begin(lm_model_run *r, const lm_run_args *a, const char *what, const char *phase,
                                  lm_err *err);
 
-// Sets the chat template of the model directory dir: into chat_template.jinja where dir has one
-// (transformers reads it first), else into tokenizer_config.json's "chat_template", else a new
-// chat_template.jinja (cmd/run.c).
-lm_status lm_cmd_set_template(const char *dir, const char *tmpl, lm_err *err);
+// What llmerge run's output gets from its configuration (cmd/run.c), into the model directory
+// dir: the chat template tmpl unless NULL (into chat_template.jinja where dir has one, which
+// transformers reads first, else into tokenizer_config.json's "chat_template", else a new
+// chat_template.jinja), then config_text unless NULL as mergekit_config.yml.
+lm_status lm_cmd_config_files(const char *dir, const char *config_text, const char *tmpl, lm_err *err);
 
 #endif

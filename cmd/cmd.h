@@ -31,7 +31,7 @@ int lm_cmd_eval(int argc, char **argv);
 int lm_cmd_passthrough(int argc, char **argv);
 // llmerge passthrough with argv built from a configuration (cmd/run.c): OUT also gets
 // config_text as mergekit_config.yml and, where chat_template is not NULL, that chat template
-// (lm_cmd_set_template); messages start with prefix.
+// (lm_cmd_config_files); messages start with prefix.
 int lm_cmd_passthrough_config(int argc, char **argv, const char *config_text, const char *chat_template,
                               const char *prefix);
 // llmerge tokenize MODEL FILE [-o OUT.jsonl] (cmd/tokenize.c).

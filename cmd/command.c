@@ -1,7 +1,9 @@
 // The entry skeleton of the subcommands that do a run (command.h).
 #include "command.h"
 
+#include <signal.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "card.h"
 #include "signals.h"
@@ -120,6 +122,50 @@ int lm_command_run_model(const lm_model_command *mc, void *run, lm_model_run *m,
         .cleanup = model_cleanup, .ctx = &x,
     };
     return lm_command_run(&c, argc, argv);
+}
+
+int lm_cmd_output_begin(lm_outdir *od, const char *out, bool force, lm_progress *p)
+{
+    lm_err err = {0};
+    lm_signals_install();
+    lm_status s = lm_outdir_begin(od, out, force, &err);
+    if (s != LM_OK) {
+        int code = lm_status_exit_code(s);
+        lm_progress_error(p, code, "%s", err.msg);
+        return code;
+    }
+    for (const char *line = od->note; line && *line;) {
+        size_t n = strcspn(line, "\n");
+        lm_progress_note(p, "note: %.*s", (int)n, line);
+        line += n + (line[n] == '\n');
+    }
+    return 0;
+}
+
+int lm_cmd_output_failed(lm_status s, const lm_err *err, lm_outdir *od, lm_st_writer **w, lm_progress *p,
+                         const char *out)
+{
+    lm_st_writer_free(*w);
+    *w = NULL;
+    if (s != LM_ERR_INTERRUPTED) {
+        lm_outdir_abort(od);
+        lm_progress_error(p, 1, "%s", err->msg[0] ? err->msg : lm_status_name(s));
+        return 1;
+    }
+    int sig = lm_interrupted() ? lm_interrupted() : SIGINT;
+    const char *name = lm_signal_name(sig);
+    int code = lm_signal_exit_code(sig);
+    char *tmp = od->tmp ? lm_strdup(od->tmp) : NULL;
+    lm_outdir_abort(od);
+    cJSON *f = cJSON_CreateObject();
+    cJSON_AddStringToObject(f, "signal", name);
+    if (tmp)
+        cJSON_AddStringToObject(f, "removed", tmp);
+    cJSON_AddNumberToObject(f, "exit_status", code);
+    lm_progress_event(p, "interrupted", f);
+    lm_progress_error(p, code, "interrupted by %s: removed the partial output %s", name, tmp ? tmp : out);
+    free(tmp);
+    return code;
 }
 
 lm_status lm_cmd_finish_output(lm_manifest *m, const lm_manifest_timings *tm, lm_outdir *od, lm_st_writer **w,

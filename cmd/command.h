@@ -95,6 +95,18 @@ typedef struct lm_model_command {
 int lm_command_run_model(const lm_model_command *mc, void *run, lm_model_run *m, lm_run_args *a, int argc,
                          char **argv);
 
+// The start of a run that writes into OUT (the merges, passthrough): a signal from here on
+// stops the work instead of the process, the temporary directory beside OUT is made, and what
+// runs that died left there is noted. Returns 0, or the exit status after saying the error.
+int lm_cmd_output_begin(lm_outdir *od, const char *out, bool force, lm_progress *p);
+
+// The end of such a run that failed with s (err's message): the writer freed (*w NULL), the
+// temporary directory removed, and the error said; after a signal (LM_ERR_INTERRUPTED), that
+// said on stderr and in the log ({"event": "interrupted", "signal", "removed",
+// "exit_status"}, then the error event). Returns the exit status: 1, or 128 + the signal.
+int lm_cmd_output_failed(lm_status s, const lm_err *err, lm_outdir *od, lm_st_writer **w, lm_progress *p,
+                         const char *out);
+
 // The end of a run that writes a model into OUT (the merges, passthrough): llmerge.json with
 // its timings written into the temporary directory, the writer freed (*w NULL; *n_shards its
 // shards), a last check for a signal (LM_ERR_INTERRUPTED), then OUT renamed into place and the

@@ -1017,28 +1017,6 @@ static void note_empty_trims(merge_run *r)
                      res->empty_trim_tensor, (long long)res->empty_trims, res->empty_trims == 1 ? "" : "s", mk);
 }
 
-// The run was stopped by SIGINT or SIGTERM: removes the temporary directory, says so on stderr
-// and in the log ({"event": "interrupted", "signal", "removed", "exit_status"}, then the error
-// event), and returns 128 + the signal.
-static int interrupted(merge_run *r)
-{
-    int sig = lm_interrupted() ? lm_interrupted() : SIGINT;
-    const char *name = lm_signal_name(sig);
-    int code = lm_signal_exit_code(sig);
-    char *tmp = r->od.tmp ? lm_strdup(r->od.tmp) : NULL;
-    lm_outdir_abort(&r->od);
-    cJSON *f = cJSON_CreateObject();
-    cJSON_AddStringToObject(f, "signal", name);
-    if (tmp)
-        cJSON_AddStringToObject(f, "removed", tmp);
-    cJSON_AddNumberToObject(f, "exit_status", code);
-    lm_progress_event(&r->progress, "interrupted", f);
-    lm_progress_error(&r->progress, code, "interrupted by %s: removed the partial output %s", name,
-                      tmp ? tmp : r->args.out);
-    free(tmp);
-    return code;
-}
-
 // Does the merge into a temporary directory and renames it to OUT. Returns the exit status.
 static int work(merge_run *r, double t_loaded)
 {
@@ -1047,19 +1025,10 @@ static int work(merge_run *r, double t_loaded)
     lm_err err = {0};
     // From here until OUT is in place, a signal stops the work instead of the process, so the
     // temporary directory is removed.
-    lm_signals_install();
-    lm_status s = lm_outdir_begin(&r->od, a->out, a->force, &err);
-    if (s != LM_OK) {
-        int code = lm_status_exit_code(s);
-        lm_progress_error(p, code, "%s", err.msg);
+    int code = lm_cmd_output_begin(&r->od, a->out, a->force, p);
+    if (code)
         return code;
-    }
-    // what runs that died left beside OUT, and what was done with it
-    for (const char *line = r->od.note; line && *line;) {
-        size_t n = strcspn(line, "\n");
-        lm_progress_note(p, "note: %.*s", (int)n, line);
-        line += n + (line[n] == '\n');
-    }
+    lm_status s = LM_OK;
     lm_progress_event(p, "start", start_event(r));
     describe_run(r);
 
@@ -1186,13 +1155,7 @@ card:
 
 fail:
     free(path);
-    lm_st_writer_free(r->writer);
-    r->writer = NULL;
-    if (s == LM_ERR_INTERRUPTED)
-        return interrupted(r);
-    lm_outdir_abort(&r->od);
-    lm_progress_error(p, 1, "%s", err.msg[0] ? err.msg : lm_status_name(s));
-    return 1;
+    return lm_cmd_output_failed(s, &err, &r->od, &r->writer, p, a->out);
 }
 
 // ---- the entry (command.h) ------------------------------------------------------------------

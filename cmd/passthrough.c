@@ -562,26 +562,6 @@ static cJSON *start_event(const pt_run *r)
     return f;
 }
 
-// The run was stopped by a signal: the temporary directory removed, said on stderr and in the
-// log; returns 128 + the signal.
-static int interrupted(pt_run *r)
-{
-    int sig = lm_interrupted() ? lm_interrupted() : SIGINT;
-    const char *name = lm_signal_name(sig);
-    int code = lm_signal_exit_code(sig);
-    char *tmp = r->od.tmp ? lm_strdup(r->od.tmp) : NULL;
-    lm_outdir_abort(&r->od);
-    cJSON *f = cJSON_CreateObject();
-    cJSON_AddStringToObject(f, "signal", name);
-    if (tmp)
-        cJSON_AddStringToObject(f, "removed", tmp);
-    cJSON_AddNumberToObject(f, "exit_status", code);
-    lm_progress_event(&r->progress, "interrupted", f);
-    lm_progress_error(&r->progress, code, "interrupted by %s: removed the partial output %s", name, tmp ? tmp : r->out);
-    free(tmp);
-    return code;
-}
-
 // Writes the stack into a temporary directory and renames it to OUT. Returns the exit status.
 static int work(void *ctx)
 {
@@ -589,18 +569,10 @@ static int work(void *ctx)
     lm_progress *p = &r->progress;
     lm_err err = {0};
     double t_loaded = lm_now();
-    lm_signals_install();
-    lm_status s = lm_outdir_begin(&r->od, r->out, r->force, &err);
-    if (s != LM_OK) {
-        int code = lm_status_exit_code(s);
-        lm_progress_error(p, code, "%s", err.msg);
+    int code = lm_cmd_output_begin(&r->od, r->out, r->force, p);
+    if (code)
         return code;
-    }
-    for (const char *line = r->od.note; line && *line;) {
-        size_t n = strcspn(line, "\n");
-        lm_progress_note(p, "note: %.*s", (int)n, line);
-        line += n + (line[n] == '\n');
-    }
+    lm_status s = LM_OK;
     lm_progress_event(p, "start", start_event(r));
     lm_progress_note(p, "stacking %" PRId64 " layers from %d slice%s of %d model%s into %s (%s)",
                      lm_pt_n_layers(r->plan), r->n_slices, r->n_slices == 1 ? "" : "s", lm_pt_n_models(r->plan),
@@ -631,20 +603,9 @@ static int work(void *ctx)
     free(path);
     path = NULL;
     if ((s = lm_manifest_copy_side_files(lm_pt_model(r->plan, 0)->dir, r->od.tmp, &n_side, &err)) != LM_OK ||
-        (r->chat_template && (s = lm_cmd_set_template(r->od.tmp, r->chat_template, &err)) != LM_OK))
+        (s = lm_cmd_config_files(r->od.tmp, r->config_text, r->chat_template, &err)) != LM_OK ||
+        (!r->no_card && (s = write_card(r, &err)) != LM_OK))
         goto fail;
-    if (!r->no_card && (s = write_card(r, &err)) != LM_OK)
-        goto fail;
-    if (r->config_text) {
-        if (!(path = lm_path_join(r->od.tmp, "mergekit_config.yml"))) {
-            s = lm_err_set(&err, LM_ERR_NOMEM, "out of memory");
-            goto fail;
-        }
-        if ((s = lm_write_file(path, r->config_text, strlen(r->config_text), &err)) != LM_OK)
-            goto fail;
-        free(path);
-        path = NULL;
-    }
     t_written = lm_now();
     if ((s = build_manifest(r, &hash_s, &err)) != LM_OK)
         goto fail;
@@ -671,13 +632,7 @@ static int work(void *ctx)
 
 fail:
     free(path);
-    lm_st_writer_free(r->writer);
-    r->writer = NULL;
-    if (s == LM_ERR_INTERRUPTED)
-        return interrupted(r);
-    lm_outdir_abort(&r->od);
-    lm_progress_error(p, 1, "%s", err.msg[0] ? err.msg : lm_status_name(s));
-    return 1;
+    return lm_cmd_output_failed(s, &err, &r->od, &r->writer, p, r->out);
 }
 
 static void cleanup(void *ctx)

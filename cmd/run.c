@@ -1403,7 +1403,7 @@ static char *auto_template(const lm_mergecfg *cfg)
     return t;
 }
 
-lm_status lm_cmd_set_template(const char *dir, const char *tmpl, lm_err *err)
+static lm_status set_template(const char *dir, const char *tmpl, lm_err *err)
 {
     char *jinja = lm_path_join(dir, "chat_template.jinja"), *cfg = lm_path_join(dir, "tokenizer_config.json");
     lm_status s = LM_OK;
@@ -1460,17 +1460,25 @@ lm_status lm_cmd_run_outputs(const merge_args *a, const char *out_dir, lm_err *e
             free(dst);
         }
     }
-    if (s == LM_OK && a->chat_template) {
-        char *tmpl = strcmp(a->chat_template, "auto") == 0 ? auto_template(((const run_preset *)a->preset)->cfg)
-                                                           : lm_strdup(a->chat_template);
-        if (tmpl)  // auto with no template among the models: nothing to set, as mergekit
-            s = lm_cmd_set_template(out_dir, tmpl, err);
-        free(tmpl);
-    }
-    char *path = lm_path_join(out_dir, "mergekit_config.yml");
-    if (s == LM_OK)
-        s = path ? lm_write_file(path, a->config_text, strlen(a->config_text), err)
-                 : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
+    if (s != LM_OK)
+        return s;
+    // auto with no template among the models: nothing to set, as mergekit
+    char *tmpl = !a->chat_template                      ? NULL
+                 : strcmp(a->chat_template, "auto") == 0 ? auto_template(((const run_preset *)a->preset)->cfg)
+                                                         : lm_strdup(a->chat_template);
+    s = lm_cmd_config_files(out_dir, a->config_text, tmpl, err);
+    free(tmpl);
+    return s;
+}
+
+lm_status lm_cmd_config_files(const char *dir, const char *config_text, const char *tmpl, lm_err *err)
+{
+    lm_status s = tmpl ? set_template(dir, tmpl, err) : LM_OK;
+    if (s != LM_OK || !config_text)
+        return s;
+    char *path = lm_path_join(dir, "mergekit_config.yml");
+    s = path ? lm_write_file(path, config_text, strlen(config_text), err)
+             : lm_err_set(err, LM_ERR_NOMEM, "out of memory");
     free(path);
     return s;
 }

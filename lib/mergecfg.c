@@ -810,6 +810,15 @@ static lm_status optional_string(reader *r, const node *k, const node *v, char *
     return want_string(r, v, k->text, out);
 }
 
+// A tokenizer source (key's value v, read into source): 'union' is refused.
+static lm_status not_union(reader *r, const node *v, const char *key, const char *source)
+{
+    if (!source || strcmp(source, "union") != 0)
+        return LM_OK;
+    return fail_at(r, LM_ERR_UNSUPPORTED, v->line, v->col, "%s: 'union' (a vocabulary merged from every model's) is "
+                   "not supported: give 'base' or a model", key);
+}
+
 // mergekit's `tokenizer:` block. Its `source` is tokenizer_source's (and, absent, mergekit's
 // default, union; null is refused, as mergekit's validation refuses it); `tokens` (an embedding
 // chosen per token) and `pad_to_multiple_of` (rows added to the vocabulary) are not supported
@@ -847,10 +856,7 @@ static lm_status read_tokenizer(reader *r, const node *k, const node *v, lm_merg
         return s;
     c->tokenizer_line = source->line;
     c->tokenizer_key = "tokenizer.source";
-    if (strcmp(c->tokenizer_source, "union") == 0)
-        return fail_at(r, LM_ERR_UNSUPPORTED, source->line, source->col, "tokenizer.source: 'union' (a vocabulary "
-                       "merged from every model's) is not supported: give 'base' or a model");
-    return LM_OK;
+    return not_union(r, source, c->tokenizer_key, c->tokenizer_source);
 }
 
 static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
@@ -906,9 +912,8 @@ static lm_status read_top(reader *r, const node *root, lm_mergecfg *c)
             else if (!is_null(v) && (s = optional_string(r, k, v, &c->tokenizer_source, &c->tokenizer_line, NULL)) ==
                                         LM_OK)
                 c->tokenizer_key = "tokenizer_source";  // (a null one leaves the block's key as it was)
-            if (s == LM_OK && !block && c->tokenizer_source && strcmp(c->tokenizer_source, "union") == 0)
-                s = fail_at(r, LM_ERR_UNSUPPORTED, v->line, v->col, "tokenizer_source: 'union' (a vocabulary merged "
-                            "from every model's) is not supported: give 'base' or a model");
+            if (s == LM_OK && !block && !is_null(v))
+                s = not_union(r, v, key, c->tokenizer_source);
         } else if (strcmp(key, "chat_template") == 0) {
             s = optional_string(r, k, v, &c->chat_template, &c->chat_template_line, NULL);
         } else if (strcmp(key, "random_seed") == 0) {
