@@ -328,8 +328,8 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
     }
     // On an accelerator that holds the whole tensor's τ, a pass over it is cheap and what costs is
     // each wait and each histogram fetched home: the window's sample, then a pass for every few
-    // of its bins, each group of 65,536 counts fetched and added up here, against one fetch for
-    // each of the two full passes. The window is for the CPU, and for slabs whose τ would be made
+    // of its bins, each group's counts (65,536 a bin) fetched and added up here, against one
+    // fetch of 65,536 counts for each of the two full passes. The window is for the CPU, and for slabs whose τ would be made
     // again. (With no part selecting, the pass still makes τ, which the caller may count on.)
     bool windowed = lm_dev_host_memory(ws->dev) || !one_slab || !selects;
     for (int i = 0; windowed && i < k; i++)
