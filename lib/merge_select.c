@@ -329,8 +329,9 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
     // On an accelerator that holds the whole tensor's τ, a pass over it is cheap and what costs is
     // each wait and each histogram fetched home: the window's sample, then a pass for every few
     // of its bins, each group's counts (65,536 a bin) fetched and added up here, against one
-    // fetch of 65,536 counts for each of the two full passes. The window is for the CPU, and for slabs whose τ would be made
-    // again. (With no part selecting, the pass still makes τ, which the caller may count on.)
+    // fetch of 65,536 counts for each of the two full passes. The window is for the CPU, and for
+    // slabs whose τ would be made again. (With no part selecting, the pass still makes τ, which
+    // the caller may count on.)
     bool windowed = lm_dev_host_memory(ws->dev) || !one_slab || !selects;
     for (int i = 0; windowed && i < k; i++)
         memset(wins[i].win, 0, (size_t)wins[i].n * LM_HIST_BINS * sizeof(uint64_t));
@@ -338,8 +339,7 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
     bool again = false;
     for (int i = 0; s == LM_OK && i < k; i++) {
         missed[i] = parts[i].topk;
-        if (!windowed) {  // every part that selects goes to the two passes
-            parts[i].keeps = false;
+        if (!windowed) {  // each part that selects takes the two passes (none keeps: not fused)
             again = again || !missed[i].none;
             continue;
         }
