@@ -63,8 +63,10 @@ void lm_eng_ws_size(const engine *e, const lm_dev *dev, const lm_st_tensor *bt, 
         z->n_key += parts[i].ucc2 != NULL;
     if (e->m->sce && e->tp.select_topk < 1)  // the slab of variances (ws_alloc's var_buf) for a mask
         z->extra_bytes += (size_t)cnt * sizeof(float);
-    if (e->m->della && !lm_dev_host_memory(dev))  // della_drop's sorted rows in device scratch
-        z->extra_bytes += (size_t)lm_della_sort_bytes(cols > 0 ? cnt / cols : 0, cols);
+    if (e->m->della && !lm_dev_host_memory(dev)) {  // della_drop's sorted rows in device scratch, a group at once
+        int64_t rows = cols > 0 ? cnt / cols : 0;
+        z->extra_bytes += (size_t)lm_della_sort_bytes(lm_della_sort_rows(rows, cols), cols);
+    }
     if (!lm_dev_host_memory(dev)) {
         z->ucc2_cols = cols;
         z->stage_bytes = lm_eng_stage_need(bt, parts, k, cnt);

@@ -79,6 +79,18 @@ LM_HD static inline int64_t lm_della_sort_bytes(int64_t rows, int64_t cols)
     return rows * ((cols + len - 1) / len) * len * 8;
 }
 
+// The rows an accelerator sorts at once: as many as LM_DELLA_SORT_MAX bytes of keys hold (at
+// least one), so that della's scratch is bounded whatever the slab (an embedding's whole slab
+// would take 2 GB), and still enough chunks at a time to fill a large GPU.
+#define LM_DELLA_SORT_MAX ((int64_t)32 << 20)
+LM_HD static inline int64_t lm_della_sort_rows(int64_t rows, int64_t cols)
+{
+    int64_t row = lm_della_sort_bytes(1, cols), group = row > 0 ? LM_DELLA_SORT_MAX / row : rows;
+    if (group < 1)
+        group = 1;
+    return group < rows ? group : rows;
+}
+
 // DELLA's decision for entry x at index j of its tensor with keep probability p: zero, or x
 // (times 1/p in double with inv).
 LM_HD static inline float lm_della_keep(float x, uint64_t key, int64_t j, double p, bool inv)

@@ -16,6 +16,7 @@
 #include "check.h"
 #include "cuda_emu.h"
 #include "device_registry.h"
+#include "sparsify.h"
 
 // --gpu-mem of the tests: below any device's size (the emulation's 256 MiB), and on a GPU above
 // what the libraries take when the device opens. On an H200 with CUDA 13, cublasCreate took
@@ -224,6 +225,86 @@ done:
     free(back);
 }
 
+// Fills d until less than `leave` bytes are free, in buffers of at most 512 KiB (counted to 512
+// bytes) after one large one; returns how many of fills[max] it took.
+static int fill_device(lm_dev *d, size_t leave, void **fills, int max)
+{
+    lm_err err = {0};
+    size_t fr = 0, tot = 0, page = (size_t)2 << 20, chunk = (size_t)512 << 10;
+    int k = 0;
+    lm_dev_mem_info(d, &fr, &tot);
+    if (fr > leave + page && k < max)  // whole 2 MiB pages, leaving at least `leave`
+        CHECK_OK(lm_dev_alloc(d, (fr - leave) / page * page, &fills[k++], &err), &err);
+    for (lm_dev_mem_info(d, &fr, &tot); fr >= leave && k < max; lm_dev_mem_info(d, &fr, &tot)) {
+        size_t want = fr - leave + 512 < chunk ? fr - leave + 512 : chunk;
+        if (lm_dev_alloc(d, want, &fills[k], &err) != LM_OK)
+            break;
+        k++;
+    }
+    return k;
+}
+
+// della's ranks where the device has less room than a slab's sorted keys (8 bytes an entry): the
+// rows go in smaller groups, with the CPU's bits; where not even one row's keys find room, the
+// call is LM_ERR_DEVICE_OOM (its unit falls back) and the device stays usable.
+static void test_della_room(lm_dev *d)
+{
+    enum { ROWS = 64, COLS = 8192, N = ROWS * COLS, FILLS = 64 };  // the keys of all rows: 4 MiB
+    lm_err err = {0};
+    lm_dev *cpu = NULL;
+    lm_dev_opts o = {.threads = 2};
+    float *x = malloc(N * sizeof *x), *want = malloc(N * sizeof *want), *got = malloc(N * sizeof *got);
+    void *dx = NULL, *fills[FILLS] = {0};
+    int k = 0;
+    CHECK(x && want && got);
+    CHECK_OK(lm_dev_open(&cpu, "cpu", &o, NULL, 0, &err), &err);
+    if (!x || !want || !got || !cpu)
+        goto done;
+    for (int i = 0; i < N; i++)  // magnitudes repeat within rows: ties broken by index
+        x[i] = (float)((int)((uint32_t)i * 2654435761u % 2001u) - 1000) / 64.0f;
+    memcpy(want, x, N * sizeof *x);
+    uint64_t key = lm_rng_key(5, 1, 0x1234);
+    CHECK_OK(lm_dev_della_drop(cpu, want, ROWS, COLS, key, 77, 0.3, 0.7, true, &err), &err);
+    CHECK_OK(lm_dev_alloc(d, N * sizeof *x, &dx, &err), &err);
+    if (!dx)
+        goto done;
+    CHECK_OK(lm_dev_upload(d, dx, x, N * sizeof *x, &err), &err);
+    // free: under 2 MiB, so with the 1 MiB scratch under 3 MiB, where all rows' keys take 4 MiB
+    k = fill_device(d, (size_t)2 << 20, fills, FILLS);
+    size_t fr = 0, tot = 0;
+    lm_dev_mem_info(d, &fr, &tot);
+    CHECK_MSG(fr < ((size_t)2 << 20) && fr >= ((size_t)1 << 20), "%zu bytes free after filling, not 1 to 2 MiB", fr);
+    CHECK_MSG((size_t)lm_della_sort_bytes(ROWS, COLS) > fr + ((size_t)1 << 20), "the slab's keys would fit");
+    CHECK_OK(lm_dev_della_drop(d, dx, ROWS, COLS, key, 77, 0.3, 0.7, true, &err), &err);
+    CHECK_OK(lm_dev_download(d, got, dx, N * sizeof *x, &err), &err);
+    CHECK_MSG(memcmp(got, want, N * sizeof *x) == 0, "della_drop in groups of rows: not the cpu's bits");
+    size_t fr2 = 0;
+    lm_dev_mem_info(d, &fr2, &tot);
+    CHECK_MSG(fr2 >= fr, "della_drop left %zu bytes free, %zu before: its keys' scratch kept", fr2, fr);
+    // the same slab as 2 rows of 262,144: one row's keys take 2 MiB, more than the room left
+    k += fill_device(d, (size_t)512 << 10, fills + k, FILLS - k);
+    CHECK_FAILS(lm_dev_della_drop(d, dx, N / 262144, 262144, key, 77, 0.3, 0.7, true, &err), LM_ERR_DEVICE_OOM,
+                "out of memory", &err);
+    CHECK_OK(lm_dev_check(d, &err), &err);
+    for (int i = 0; i < k; i++)
+        lm_dev_buf_free(d, fills[i]);
+    k = 0;
+    // and with room, the whole slab at once
+    CHECK_OK(lm_dev_upload(d, dx, x, N * sizeof *x, &err), &err);
+    CHECK_OK(lm_dev_della_drop(d, dx, ROWS, COLS, key, 77, 0.3, 0.7, true, &err), &err);
+    CHECK_OK(lm_dev_download(d, got, dx, N * sizeof *x, &err), &err);
+    CHECK_MSG(memcmp(got, want, N * sizeof *x) == 0, "della_drop of the whole slab: not the cpu's bits");
+done:
+    for (int i = 0; i < k; i++)
+        lm_dev_buf_free(d, fills[i]);
+    lm_dev_buf_free(d, dx);
+    if (cpu)
+        lm_dev_destroy(cpu);
+    free(x);
+    free(want);
+    free(got);
+}
+
 // Copies of several staging buffers' worth, whole and in parts: uploaded and downloaded bytes
 // come back as they went, chunk boundaries and the staging buffers' turns included (the host
 // threads fill and empty them in slices).
@@ -331,6 +412,7 @@ int main(void)
         test_potrf(d);
         test_cache(d);
         test_copies(d);
+        test_della_room(d);
         // the faults are cuda-emu's switches (LLMERGE_EMU_FAIL): a GPU cannot be made to fail
         bool emulated = strncmp(lm_dev_name(d), "cuda-emu", 8) == 0;
         lm_dev_destroy(d);
