@@ -245,11 +245,12 @@ static int fill_device(lm_dev *d, size_t leave, void **fills, int max)
 }
 
 // della's ranks where the device has less room than a slab's sorted keys (8 bytes an entry): the
-// rows go in smaller groups, with the CPU's bits; where not even one row's keys find room, the
-// call is LM_ERR_DEVICE_OOM (its unit falls back) and the device stays usable.
+// rows go in smaller groups (on cuda-emu, counted: two, the last one shorter), with the CPU's
+// bits; where not even one row's keys find room, the call is LM_ERR_DEVICE_OOM (its unit falls
+// back) and the device stays usable.
 static void test_della_room(lm_dev *d)
 {
-    enum { ROWS = 64, COLS = 8192, N = ROWS * COLS, FILLS = 64 };  // the keys of all rows: 4 MiB
+    enum { ROWS = 63, COLS = 8192, N = ROWS * COLS, FILLS = 64 };  // the keys of all rows: 3.94 MiB
     lm_err err = {0};
     lm_dev *cpu = NULL;
     lm_dev_opts o = {.threads = 2};
@@ -275,15 +276,20 @@ static void test_della_room(lm_dev *d)
     lm_dev_mem_info(d, &fr, &tot);
     CHECK_MSG(fr < ((size_t)2 << 20) && fr >= ((size_t)1 << 20), "%zu bytes free after filling, not 1 to 2 MiB", fr);
     CHECK_MSG((size_t)lm_della_sort_bytes(ROWS, COLS) > fr + ((size_t)1 << 20), "the slab's keys would fit");
+    lm_cuda_emu_stats st0 = emu_stats(d);
     CHECK_OK(lm_dev_della_drop(d, dx, ROWS, COLS, key, 77, 0.3, 0.7, true, &err), &err);
+    lm_cuda_emu_stats st1 = emu_stats(d);
+    CHECK_MSG(!st1.launches || st1.launches - st0.launches == 4, "della_drop of 63 rows launched %llu kernels, not"
+              " a sort and a ranking for each of two groups (32 rows, 31)",
+              (unsigned long long)(st1.launches - st0.launches));
     CHECK_OK(lm_dev_download(d, got, dx, N * sizeof *x, &err), &err);
     CHECK_MSG(memcmp(got, want, N * sizeof *x) == 0, "della_drop in groups of rows: not the cpu's bits");
     size_t fr2 = 0;
     lm_dev_mem_info(d, &fr2, &tot);
     CHECK_MSG(fr2 >= fr, "della_drop left %zu bytes free, %zu before: its keys' scratch kept", fr2, fr);
-    // the same slab as 2 rows of 262,144: one row's keys take 2 MiB, more than the room left
+    // the slab's first 262,144 entries as one row: its keys take 2 MiB, more than the room left
     k += fill_device(d, (size_t)512 << 10, fills + k, FILLS - k);
-    CHECK_FAILS(lm_dev_della_drop(d, dx, N / 262144, 262144, key, 77, 0.3, 0.7, true, &err), LM_ERR_DEVICE_OOM,
+    CHECK_FAILS(lm_dev_della_drop(d, dx, 1, 262144, key, 77, 0.3, 0.7, true, &err), LM_ERR_DEVICE_OOM,
                 "out of memory", &err);
     CHECK_OK(lm_dev_check(d, &err), &err);
     for (int i = 0; i < k; i++)

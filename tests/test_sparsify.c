@@ -157,16 +157,17 @@ static void test_rng(void)
 }
 
 // An accelerator's della chunks and sort groups: a row's chunk is its power of two up to 4,096; a
-// group takes the rows whose keys fill 32 MiB, at least one, at most the slab's.
+// group takes the rows whose keys fill 128 MiB, at least one, at most the slab's.
 static void test_della_sizes(void)
 {
     CHECK(lm_della_chunk(1) == 1 && lm_della_chunk(3) == 4 && lm_della_chunk(2048) == 2048 &&
           lm_della_chunk(8192) == 4096 && lm_della_chunk(5000) == 4096);
     CHECK(lm_della_sort_bytes(3, 5000) == 3 * 2 * 4096 * 8 && lm_della_sort_bytes(2, 3) == 2 * 4 * 8);
-    CHECK_MSG(lm_della_sort_rows(8192, 2048) == 2048, "%lld rows of 2,048 a group",
-              (long long)lm_della_sort_rows(8192, 2048));
-    CHECK(lm_della_sort_rows(2048, 8192) == 512 && lm_della_sort_rows(100, 8192) == 100);
-    CHECK(lm_della_sort_rows(7, (int64_t)1 << 23) == 1 && lm_della_sort_rows(1, 3) == 1);
+    CHECK_MSG(lm_della_sort_rows(128256, 2048) == 8192, "%lld rows of 2,048 a group",
+              (long long)lm_della_sort_rows(128256, 2048));
+    CHECK(lm_della_sort_rows(8192, 8192) == 2048 && lm_della_sort_rows(100, 8192) == 100);
+    CHECK(lm_della_sort_rows(7, (int64_t)1 << 23) == 2 && lm_della_sort_rows(7, (int64_t)1 << 25) == 1 &&
+          lm_della_sort_rows(1, 3) == 1);
 }
 
 int main(void)

@@ -70,7 +70,6 @@ extern "C" {
 #define BLAS_WS_MIN ((size_t)16 << 10)  // the least cuBLAS workspace with which no GEMM fails for want
                                         // of one; the recommended one is 4 MiB (32 MiB from Hopper on)
 #define PRELOAD_MAX 128                 // kernels LM_CUDA_PRELOAD can list
-#define SCRATCH_MIN ((size_t)1 << 20)   // device scratch for reductions: enough for any slab
 #define TIE_COUNTS_OFF 256              // topk_apply's scratch: the tie end at 0, counts here
 #define HIST_WIN_OFF 256                // hist_window's scratch: the count above at 0, the bins here
 #define HIST_WIN_GROUP 3                // window bins hist_window counts per pass: they fill SCRATCH_MIN
@@ -390,7 +389,7 @@ lm_status lm_cuda_scratch_reserve(lm_dev *d, size_t bytes, lm_err *err)
     return scratch_reserve(d, bytes, err);
 }
 
-// Gives a scratch that one operation grew past SCRATCH_MIN (della's sorted rows of a whole slab) to
+// Gives a scratch that one operation grew past SCRATCH_MIN (della's sorted keys of a group of rows) to
 // the cache, once that operation is queued: there it counts as free (a live scratch of a slab's
 // size would shrink every later unit's room for the rest of the run), and the next operation of
 // that size takes it back without a cudaMalloc. The scratch every device keeps, which the

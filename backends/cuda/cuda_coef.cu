@@ -14,7 +14,7 @@ extern "C" {
 
 #include "cuda_int.h"
 #include "kernels.h"
-#include "sparsify.h"  // lm_della_sort_bytes
+#include "sparsify.h"  // lm_della_sort_bytes, lm_della_sort_rows
 
 // Per-row sums on the device, copied home.
 lm_status lm_cuda_op_row_dot(lm_dev *d, const float *x, const float *y, int64_t rows, int64_t cols, double *out,
@@ -35,8 +35,9 @@ lm_status lm_cuda_op_row_dot(lm_dev *d, const float *x, const float *y, int64_t 
 // The rows' sorted keys go through device scratch (lm_della_sort_bytes: 8 bytes an element, and
 // the padding of a row's last chunk), given back to the cache after. The rows go in groups of
 // lm_della_sort_rows; where the room left is less than a group's keys, in groups half as large,
-// down to one row: only a row whose keys find no room is LM_ERR_DEVICE_OOM, and the unit falls
-// back. The groups are the slab's rows in order with their indices, so the bits are the same.
+// down to one row or to the scratch every device keeps (SCRATCH_MIN, which a smaller group
+// would ask for again): where that finds no room, LM_ERR_DEVICE_OOM, and the unit falls back.
+// The groups are the slab's rows in order with their indices, so the bits are the same.
 lm_status lm_cuda_op_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols, uint64_t key, int64_t first,
                                 double p_lo, double p_hi, bool inv, lm_err *err)
 {
@@ -48,9 +49,14 @@ lm_status lm_cuda_op_della_drop(lm_dev *d, float *x, int64_t rows, int64_t cols,
         return lm_err_set(err, LM_ERR_UNSUPPORTED, "%s: della_drop of rows of %lld entries", lm_dev_name(d),
                           (long long)cols);
     int64_t group = lm_della_sort_rows(rows, cols);
-    while ((s = lm_cuda_scratch_reserve(d, (size_t)lm_della_sort_bytes(group, cols), err)) == LM_ERR_DEVICE_OOM &&
-           group > 1)
+    for (;;) {
+        size_t keys = (size_t)lm_della_sort_bytes(group, cols);
+        s = lm_cuda_scratch_reserve(d, keys, err);
+        if (s != LM_ERR_DEVICE_OOM || group == 1 || keys <= SCRATCH_MIN)
+            break;
         group = (group + 1) / 2;
+        lm_err_clear(err);  // the larger group's refusal is no failure where a smaller one fits
+    }
     for (int64_t r0 = 0; s == LM_OK && r0 < rows; r0 += group) {
         int64_t n = rows - r0 < group ? rows - r0 : group;
         s = lm_cuda_della_drop(x + r0 * cols, (uint64_t *)c->scratch, n, cols, key, first + r0 * cols, p_lo, p_hi,

@@ -74,7 +74,10 @@ static inline cuda_ctx *ctx_of(lm_dev *d)
 // device current for the calling thread.
 lm_status lm_cuda_begin(lm_dev *d, lm_err *err);
 
-// Makes the device scratch (ctx_of(d)->scratch) at least `bytes` long; its contents are not kept.
+// Makes the device scratch (ctx_of(d)->scratch) at least `bytes` long, and never shorter than
+// SCRATCH_MIN, the scratch every device keeps (enough for any slab's reductions); its contents
+// are not kept.
+#define SCRATCH_MIN ((size_t)1 << 20)
 lm_status lm_cuda_scratch_reserve(lm_dev *d, size_t bytes, lm_err *err);
 void lm_cuda_scratch_trim(lm_dev *d);
 
