@@ -81,7 +81,8 @@ LM_HD static inline int64_t lm_della_sort_bytes(int64_t rows, int64_t cols)
 
 // The rows an accelerator sorts at once: as many as LM_DELLA_SORT_MAX bytes of keys hold (at
 // least one), so that della's scratch is bounded whatever the slab (an embedding's whole slab
-// would take 2 GB), and still 4,096 chunks at a time, several waves of a large GPU's blocks.
+// would take 2 GB), and still at least 4,096 chunks at a time where the slab has them: several
+// waves of a large GPU's blocks.
 #define LM_DELLA_SORT_MAX ((int64_t)128 << 20)
 LM_HD static inline int64_t lm_della_sort_rows(int64_t rows, int64_t cols)
 {

@@ -270,7 +270,7 @@ static void test_della_room(lm_dev *d)
     if (!dx)
         goto done;
     CHECK_OK(lm_dev_upload(d, dx, x, N * sizeof *x, &err), &err);
-    // free: under 2 MiB, so with the 1 MiB scratch under 3 MiB, where all rows' keys take 4 MiB
+    // free: under 2 MiB, so with the 1 MiB scratch under 3 MiB, where all rows' keys take 3.94 MiB
     k = fill_device(d, (size_t)2 << 20, fills, FILLS);
     size_t fr = 0, tot = 0;
     lm_dev_mem_info(d, &fr, &tot);
