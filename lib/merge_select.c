@@ -358,7 +358,7 @@ lm_status lm_eng_select_tensor(engine *e, wset *ws, const lm_st_tensor *bt, part
         }
         // τ is in the buffers after a pass over a single slab, unless that pass was fused (or
         // there was none: then the caller's)
-        bool made = windowed ? !lm_eng_fused(e, ws->dev, bt, parts, k) : have_tau;
+        bool made = windowed ? !fuse : have_tau;
         s = hist_tensor(e, ws, bt, parts, k, hists, sel, level, one_slab && (level > 0 || made), NULL);
         for (int i = 0; s == LM_OK && i < k; i++) {
             if (missed[i].none)
